@@ -1,0 +1,164 @@
+"""The draft side: a small model proposes ``K`` tokens for every active row of a left-padded batch.
+
+The draft keeps its own KV cache (:class:`~tetris_hf.kv.SlotCache`). Tokens the draft has not yet read (the target's
+correction or bonus token, and a last accepted draft it never fed back) wait in a small left-padded ``pending`` block
+that starts the next proposal.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.logits_process import LogitsProcessorList
+
+from ..kv import SlotCache
+from ..logits import process_logits
+
+
+def _left_pack(tokens: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move each row's real tokens (mask 1) to the right end, in order, and drop all-padding columns.
+
+    Args:
+        tokens, mask: ``(B, P)``.
+
+    Returns:
+        ``(B, P')`` tokens and mask, ``P'`` the most real tokens in any row.
+    """
+    sorted_mask, order = torch.sort(mask, dim=1, stable=True)
+    width = int(mask.sum(dim=1).max()) if mask.numel() else 0
+    keep = slice(mask.shape[1] - width, mask.shape[1])
+    return tokens.gather(1, order)[:, keep], sorted_mask[:, keep]
+
+
+class BatchedDraftCandidateGenerator(CandidateGenerator):
+    """Proposes draft tokens for a batch whose rows advance independently.
+
+    Args:
+        assistant_model: the draft model (same vocabulary as the target).
+        logits_processor: the target's processors; the draft's distribution is processed the same way before it
+            proposes, so ``q`` is the draft's estimate of the processed ``p``.
+        do_sample: sample drafts from ``q`` (True) or take its argmax (False).
+        generator: optional ``torch.Generator`` for sampling.
+        max_holes: see :class:`~tetris_hf.kv.SlotCache`.
+    """
+
+    def __init__(
+        self,
+        assistant_model: torch.nn.Module,
+        logits_processor: LogitsProcessorList,
+        do_sample: bool,
+        generator: torch.Generator | None = None,
+        max_holes: int = 32,
+    ):
+        self.assistant_model = assistant_model
+        self.logits_processor = logits_processor
+        self.do_sample = do_sample
+        self.generator = generator
+        self.max_holes = max_holes
+        self.slots: SlotCache | None = None
+        self.pending_tokens: torch.Tensor | None = None  # (B, P) left-padded
+        self.pending_mask: torch.Tensor | None = None  # (B, P)
+        self._last_draft: torch.Tensor | None = None  # (B,) the K-th draft of the last proposal (never fed)
+        self._last_num_drafted = 0
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        """Read a left-padded prompt batch: all but its last column go into the cache, the last waits as pending.
+
+        Args:
+            input_ids, attention_mask: ``(B, T)``, left-padded; every row's last column is a real token.
+        """
+        self.slots = SlotCache(input_ids.shape[0], input_ids.device, self.max_holes)
+        if input_ids.shape[1] > 1:
+            mask = attention_mask[:, :-1]
+            positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+            self.slots.forward(self.assistant_model, input_ids[:, :-1], mask, positions, logits_to_keep=1)
+        self.pending_tokens = input_ids[:, -1:]
+        self.pending_mask = torch.ones_like(self.pending_tokens)
+
+    def propose(
+        self, sequences: torch.Tensor, lengths: torch.Tensor, num_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Draft ``num_tokens`` tokens after each row, writing them into ``sequences`` past ``lengths``.
+
+        Args:
+            sequences: ``(B, T)`` the rows' tokens so far (left-padded prompt + emitted), valid up to ``lengths``;
+                the drafts are written into ``sequences[i, lengths[i]:lengths[i] + num_tokens]`` (scratch space that
+                accepted tokens later overwrite). Needs ``T >= lengths.max() + num_tokens``.
+            lengths: ``(B,)``.
+            num_tokens: ``K >= 0``.
+
+        Returns:
+            draft_tokens: ``(B, K)``.
+            token_log_probs: ``(B, K)`` ``log q`` of each drafted token under the processed draft distribution.
+            draft_probs: ``(B, K, V)`` the processed draft distributions (only when sampling, else ``None``).
+        """
+        batch_size = sequences.shape[0]
+        rows = torch.arange(batch_size, device=sequences.device)
+        tokens, mask = self.pending_tokens, self.pending_mask
+        draft_tokens, token_log_probs, draft_probs = [], [], []
+        for step in range(num_tokens):
+            live = self.slots.live_lengths()
+            positions = live[:, None] + (mask.cumsum(dim=1) - 1).clamp(min=0)
+            logits = self.slots.forward(self.assistant_model, tokens, mask, positions, logits_to_keep=1)
+            scores = process_logits(self.logits_processor, sequences, lengths + step, logits[:, -1:])[:, 0]
+            log_probs = scores.log_softmax(dim=-1)
+            if self.do_sample:
+                probs = log_probs.exp()
+                next_tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+                draft_probs.append(probs)
+            else:
+                next_tokens = scores.argmax(dim=-1)
+            sequences[rows, lengths + step] = next_tokens
+            draft_tokens.append(next_tokens)
+            token_log_probs.append(log_probs.gather(1, next_tokens[:, None]).squeeze(1))
+            tokens, mask = next_tokens[:, None], torch.ones_like(next_tokens[:, None])
+        self._last_num_drafted = num_tokens
+        if num_tokens == 0:
+            empty = torch.empty(batch_size, 0, device=sequences.device)
+            return empty.long(), empty, None
+        self._last_draft = draft_tokens[-1]
+        return (
+            torch.stack(draft_tokens, dim=1),
+            torch.stack(token_log_probs, dim=1),
+            torch.stack(draft_probs, dim=1) if self.do_sample else None,
+        )
+
+    def accept(self, num_accepted: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        """Roll the draft cache back to what the target accepted, and queue the tokens the draft has not read.
+
+        Args:
+            num_accepted: ``(B,)`` drafts of the last proposal the target accepted.
+            next_tokens: ``(B,)`` the target's token after them.
+        """
+        drafted = self._last_num_drafted
+        ones = torch.ones_like(next_tokens[:, None])
+        if drafted == 0:  # nothing was read: the old pending tokens still wait, the new token joins them
+            tokens = torch.cat([self.pending_tokens, next_tokens[:, None]], dim=1)
+            mask = torch.cat([self.pending_mask, ones], dim=1)
+        else:
+            # The cache now holds the pending block, then drafts 1..K-1; keep the accepted ones among those.
+            first_draft_slot = self.slots.length - (drafted - 1)
+            self.slots.drop_slots(first_draft_slot, num_accepted.clamp(max=drafted - 1))
+            all_accepted = (num_accepted == drafted).long()[:, None]  # draft K accepted but never read
+            tokens = torch.cat([self._last_draft[:, None], next_tokens[:, None]], dim=1)
+            mask = torch.cat([all_accepted, ones], dim=1)
+        self.pending_tokens, self.pending_mask = _left_pack(tokens, mask)
+        self.slots.compact()
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (finished rows leave the batch)."""
+        self.slots.select_rows(rows)
+        self.pending_tokens, self.pending_mask = _left_pack(self.pending_tokens[rows], self.pending_mask[rows])
+
+    # transformers' CandidateGenerator interface, for callers that drive one uniform step at a time.
+    def get_candidates(self, input_ids: torch.LongTensor, num_tokens: int = 4) -> tuple[torch.LongTensor, torch.Tensor]:
+        """``input_ids`` ``(B, T)`` (all rows at the same length, the generator prefilled on them) ->
+        ``candidate_ids`` ``(B, T + K)`` and ``candidate_log_probs`` ``(B, K)``."""
+        lengths = torch.full((input_ids.shape[0],), input_ids.shape[1], device=input_ids.device)
+        scratch = torch.cat([input_ids, input_ids.new_zeros(input_ids.shape[0], num_tokens)], dim=1)
+        _, log_probs, _ = self.propose(scratch, lengths, num_tokens)
+        return scratch, log_probs
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches) -> None:
+        """``num_matches`` ``(B,)``; the token the target added is the last of ``input_ids`` ``(B, T)``."""
+        self.accept(torch.as_tensor(num_matches, device=input_ids.device), input_ids[:, -1])

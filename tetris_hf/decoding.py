@@ -1,0 +1,258 @@
+"""The batched speculative loop: draft -> select -> verify -> accept -> roll back, until every row stops.
+
+Rows advance independently. Each step, every active row drafts ``K`` tokens; a strategy picks how many of them each
+row verifies (TETRIS: the top-``C`` cells of the batch); the target reads every row's block in one forward; each row
+keeps its accepted prefix plus one target token; both KV caches drop what was rejected. Finished rows leave the batch,
+so they cost nothing afterwards.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers.cache_utils import StaticCache
+from transformers.generation.logits_process import LogitsProcessorList
+from transformers.generation.stopping_criteria import StoppingCriteriaList
+
+from .candidate_generators import BatchedDraftCandidateGenerator
+from .kv import SlotCache
+from .logits import process_logits, verify_greedy, verify_sampling
+from .outputs import TetrisGenerateOutput, TetrisStats
+from .strategies import TetrisOptions, make_strategy
+
+
+def output_vocab_size(model: torch.nn.Module) -> int:
+    """Rows of the model's output head (what its logits' last dimension will be)."""
+    head = model.get_output_embeddings()
+    return int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
+
+
+def check_pair(model: torch.nn.Module, assistant_model: torch.nn.Module | None) -> None:
+    """Refuse a missing draft or one whose vocabulary differs from the target's."""
+    if assistant_model is None:
+        raise ValueError(
+            "custom_generate='tetris' needs a draft model: pass `assistant_model=` (a small causal LM with the "
+            "target's tokenizer)"
+        )
+    if not hasattr(assistant_model, "get_output_embeddings"):
+        raise TypeError(f"`assistant_model` must be a transformers causal LM, got {type(assistant_model).__name__}")
+    target_vocab, draft_vocab = output_vocab_size(model), output_vocab_size(assistant_model)
+    if target_vocab != draft_vocab:
+        raise ValueError(
+            f"draft and target vocabularies differ (target {target_vocab} tokens, draft {draft_vocab}): tetris_hf "
+            "needs a draft that shares the target's tokenizer"
+        )
+    if getattr(model.config, "is_encoder_decoder", False) or getattr(assistant_model.config, "is_encoder_decoder", False):
+        raise ValueError("tetris_hf supports decoder-only models only")
+
+
+def check_prompt_mask(attention_mask: torch.Tensor) -> None:
+    """Every row must be left-padded (zeros only before its first real token) and hold at least one real token."""
+    if attention_mask.shape[1] == 0:
+        raise ValueError("the prompt is empty: every row needs at least one token")
+    empty = (attention_mask.sum(dim=1) == 0).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(f"row(s) {empty} of attention_mask are all padding: every row needs at least one token")
+    not_left_padded = (attention_mask[:, 1:] < attention_mask[:, :-1]).any(dim=1).nonzero().flatten().tolist()
+    if not_left_padded:
+        raise ValueError(
+            f"attention_mask row(s) {not_left_padded} have padding after a real token (right padding?): "
+            "tetris_hf needs a left-padded batch, e.g. tokenizer.padding_side = 'left'"
+        )
+
+
+def check_generation_config(generation_config, model_kwargs: dict) -> None:
+    """Refuse what this loop does not do, before anything runs."""
+    if generation_config.num_beams != 1:
+        raise ValueError(f"tetris_hf does not do beam search (num_beams={generation_config.num_beams}); use num_beams=1")
+    for flag in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
+        if getattr(generation_config, flag, False):
+            raise ValueError(f"`{flag}=True` is not supported by tetris_hf; `return_dict_in_generate=True` gives "
+                             "`.sequences` and `.tetris_stats`")
+    if generation_config.use_cache is False:
+        raise ValueError("tetris_hf needs the KV cache: do not pass use_cache=False")
+    cache = model_kwargs.get("past_key_values")
+    implementation = generation_config.cache_implementation
+    if isinstance(cache, StaticCache) or implementation not in (None, "dynamic"):
+        raise ValueError(
+            f"unsupported cache (cache_implementation={implementation!r}, past_key_values={type(cache).__name__}): "
+            "tetris_hf rolls rows back independently and needs the default dynamic cache"
+        )
+    if cache is not None and cache.get_seq_length() > 0:
+        raise ValueError("tetris_hf starts from the prompt: passing a pre-filled `past_key_values` is not supported")
+
+
+def _rows_that_stop(
+    stopping_criteria: StoppingCriteriaList, sequences: torch.Tensor, lengths: torch.Tensor, new_counts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply ``generate()``'s stopping criteria after each newly emitted token, row by row.
+
+    Args:
+        sequences: ``(B, T)``; row ``i``'s new tokens are ``sequences[i, lengths[i]:lengths[i] + new_counts[i]]``.
+        lengths, new_counts: ``(B,)``.
+
+    Returns:
+        ``kept`` ``(B,)`` new tokens kept (up to and including the one that stopped the row) and ``stopped`` ``(B,)``.
+    """
+    kept, stopped = new_counts.clone(), torch.zeros_like(new_counts, dtype=torch.bool)
+    for row, (length, count) in enumerate(zip(lengths.tolist(), new_counts.tolist())):
+        for offset in range(1, count + 1):
+            if bool(stopping_criteria(sequences[row : row + 1, : length + offset], None).any()):
+                kept[row], stopped[row] = offset, True
+                break
+    return kept, stopped
+
+
+@torch.no_grad()
+def tetris_decoding(
+    model: torch.nn.Module,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config,
+    *,
+    assistant_model: torch.nn.Module,
+    options: TetrisOptions,
+    streamer=None,
+    **model_kwargs,
+) -> torch.LongTensor | TetrisGenerateOutput:
+    """Batched speculative decoding, called by ``generate()`` after its usual preparation.
+
+    Args:
+        model: the target causal LM.
+        input_ids: ``(B, T)`` left-padded prompts (expanded for ``num_return_sequences``).
+        logits_processor, stopping_criteria, generation_config: as ``generate()`` prepared them.
+        assistant_model: the draft causal LM (same vocabulary).
+        options: :class:`~tetris_hf.strategies.TetrisOptions`.
+        streamer: optional ``BaseStreamer`` (batch size 1 only).
+        model_kwargs: ``attention_mask`` ``(B, T)`` or ``None`` (no padding); the cache ``generate()`` prepared is
+            not used (both models get their own :class:`~tetris_hf.kv.SlotCache`).
+
+    Returns:
+        ``(B, T + new)`` sequences, finished rows right-padded with the pad token, or a
+        :class:`~tetris_hf.outputs.TetrisGenerateOutput` when ``return_dict_in_generate=True``.
+    """
+    check_pair(model, assistant_model)
+    check_generation_config(generation_config, model_kwargs)
+    attention_mask = model_kwargs.get("attention_mask")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    check_prompt_mask(attention_mask)
+    batch_size, prompt_length = input_ids.shape
+    if streamer is not None and batch_size > 1:
+        raise ValueError(f"a streamer needs batch size 1, got {batch_size} rows")
+    device = input_ids.device
+    max_length = generation_config.max_length
+    pad_token = generation_config._pad_token_tensor
+    pad_value = int(pad_token) if pad_token is not None else 0
+
+    strategy = make_strategy(options)
+    stats = TetrisStats()
+    drafter = BatchedDraftCandidateGenerator(
+        assistant_model, logits_processor, generation_config.do_sample, max_holes=options.tetris_max_holes
+    )
+    target_slots = SlotCache(batch_size, device, options.tetris_max_holes)
+
+    # Prefill both caches with all but the last prompt column; the last token opens the first verified block.
+    if prompt_length > 1:
+        mask = attention_mask[:, :-1]
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        target_slots.forward(model, input_ids[:, :-1], mask, positions, logits_to_keep=1)
+    drafter.prefill(input_ids, attention_mask)
+
+    sequences = torch.cat([input_ids, input_ids.new_full((batch_size, max_length - prompt_length + 1), pad_value)], 1)
+    lengths = torch.full((batch_size,), prompt_length, dtype=torch.long, device=device)
+    rows = torch.arange(batch_size, device=device)  # original index of each active row
+    finished: dict[int, torch.Tensor] = {}
+
+    while rows.numel() > 0:
+        num_rows = rows.numel()
+        row_range = torch.arange(num_rows, device=device)
+        max_verify = (max_length - lengths - 1).clamp(min=0)  # one target token is always added
+        budget = strategy.budget(num_rows)
+        num_drafted = min(strategy.num_draft_tokens(num_rows), int(max_verify.max())) if budget > 0 else 0
+        needed = int(lengths.max()) + num_drafted + 1
+        if needed > sequences.shape[1]:
+            sequences = torch.cat([sequences, sequences.new_full((num_rows, needed - sequences.shape[1]), pad_value)], 1)
+
+        # 1. draft
+        started = time.perf_counter()
+        draft_tokens, token_log_probs, draft_probs = drafter.propose(sequences, lengths, num_drafted)
+        drafted_at = time.perf_counter()
+
+        # 2. select
+        if num_drafted > 0:
+            verify_lengths = strategy.select(token_log_probs, max_verify.clamp(max=num_drafted), budget)
+        else:
+            verify_lengths = torch.zeros(num_rows, dtype=torch.long, device=device)
+        block_length = int(verify_lengths.max())
+
+        # 3. verify: [last emitted token, drafts 1..l_i] per row, padded to one length with masked drafts
+        last_tokens = sequences[row_range, lengths - 1]
+        block = torch.cat([last_tokens[:, None], draft_tokens[:, :block_length]], dim=1)
+        offsets = torch.arange(block_length + 1, device=device)
+        block_mask = (offsets[None, :] <= verify_lengths[:, None]).long()
+        positions = target_slots.live_lengths()[:, None] + offsets[None, :]
+        logits = target_slots.forward(model, block, block_mask, positions)
+        target_scores = process_logits(logits_processor, sequences, lengths, logits)
+
+        # 4. accept
+        if generation_config.do_sample:
+            verified_probs = draft_probs[:, :block_length] if draft_probs is not None else None
+            if verified_probs is None:
+                verified_probs = target_scores.new_zeros(num_rows, 0, target_scores.shape[-1])
+            num_accepted, next_tokens = verify_sampling(
+                draft_tokens[:, :block_length], verify_lengths, target_scores, verified_probs
+            )
+        else:
+            num_accepted, next_tokens = verify_greedy(draft_tokens[:, :block_length], verify_lengths, target_scores)
+        strategy.observe(token_log_probs, verify_lengths, num_accepted)
+
+        # 5. roll back: keep [last token, accepted drafts] in the target cache, accepted drafts in the draft cache
+        target_slots.drop_slots(target_slots.length - (block_length + 1), num_accepted + 1)
+        target_slots.compact()
+        drafter.accept(num_accepted, next_tokens)
+        verified_at = time.perf_counter()
+
+        # 6. emit: accepted drafts are already in place (drafted into the scratch space), add the target's token
+        sequences[row_range, lengths + num_accepted] = next_tokens
+        kept, stopped = _rows_that_stop(stopping_criteria, sequences, lengths, num_accepted + 1)
+        if streamer is not None:
+            streamer.put(sequences[0, lengths[0] : lengths[0] + kept[0]].cpu())
+        lengths = lengths + kept
+        stopped |= lengths >= max_length
+
+        stats.steps += 1
+        stats.drafted_tokens += num_drafted * num_rows
+        stats.verified_tokens += int(verify_lengths.sum())
+        stats.accepted_tokens += int(num_accepted.sum())
+        stats.emitted_tokens += int(kept.sum())
+        stats.draft_seconds += drafted_at - started
+        stats.verify_seconds += verified_at - drafted_at
+        stats.num_drafted_per_step.append(num_drafted)
+        stats.budget_per_step.append(budget)
+        verified_row, accepted_row = [-1] * batch_size, [-1] * batch_size
+        for row, verified, accepted in zip(rows.tolist(), verify_lengths.tolist(), num_accepted.tolist()):
+            verified_row[row], accepted_row[row] = verified, accepted
+        stats.verified_per_step.append(verified_row)
+        stats.accepted_per_step.append(accepted_row)
+
+        # 7. finished rows leave the batch
+        if bool(stopped.any()):
+            for index in stopped.nonzero().flatten().tolist():
+                finished[int(rows[index])] = sequences[index, : lengths[index]].clone()
+            keep = (~stopped).nonzero().flatten()
+            rows, sequences, lengths = rows[keep], sequences[keep], lengths[keep]
+            target_slots.select_rows(keep)
+            drafter.select_rows(keep)
+
+    if streamer is not None:
+        streamer.end()
+    total_length = max(sequence.shape[0] for sequence in finished.values())
+    output = input_ids.new_full((batch_size, total_length), pad_value)
+    for row, sequence in finished.items():
+        output[row, : sequence.shape[0]] = sequence
+    if generation_config.return_dict_in_generate:
+        return TetrisGenerateOutput(sequences=output, tetris_stats=stats)
+    return output

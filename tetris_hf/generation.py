@@ -1,0 +1,69 @@
+"""The ``custom_generate`` entry point: ``model.generate(..., assistant_model=draft, custom_generate="tetris")``.
+
+``generate(model, ...)`` takes exactly what ``GenerationMixin.generate`` takes. It peels off the draft model and the
+TETRIS options, then calls ``model.generate`` with the batched loop as a callable ``custom_generate``, so that
+transformers' own preparation (generation config, logits processors, stopping criteria, padding checks, max length)
+runs unchanged and the loop receives what plain decoding would.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from transformers import GenerationConfig
+from transformers.generation.utils import GenerationMixin
+
+from .decoding import check_pair, tetris_decoding
+from .strategies import TetrisOptions
+
+STRATEGY_NAME = "tetris"
+OPTION_NAMES = ("num_assistant_tokens", "tetris_extra_tokens", "tetris_budget", "tetris_strategy", "tetris_max_holes")
+
+
+def _pop_options(kwargs: dict) -> TetrisOptions:
+    """Take tetris_hf's keyword arguments out of ``kwargs`` (``num_assistant_tokens`` also from a generation config)."""
+    values = {name: kwargs.pop(name) for name in OPTION_NAMES if name in kwargs}
+    config = kwargs.get("generation_config")
+    default_window = GenerationConfig().num_assistant_tokens
+    if "num_assistant_tokens" not in values and config is not None and config.num_assistant_tokens != default_window:
+        values["num_assistant_tokens"] = config.num_assistant_tokens
+    return TetrisOptions(**values)
+
+
+def generate(model, *args, **kwargs):
+    """Batched speculative decoding with TETRIS selection; the function ``custom_generate="tetris"`` runs.
+
+    Args:
+        model: the target causal LM.
+        *args, **kwargs: as for ``model.generate``; must include ``assistant_model`` (the draft). tetris_hf's own
+            options: ``num_assistant_tokens`` (k, default 4), ``tetris_extra_tokens`` (e, default 2),
+            ``tetris_budget`` (C, default k x active rows), ``tetris_strategy`` (``"tetris"`` or ``"fixed"``).
+
+    Returns:
+        What ``generate()`` returns: ``(B, T)`` sequences, or with ``return_dict_in_generate=True`` a
+        :class:`~tetris_hf.outputs.TetrisGenerateOutput` with ``.sequences`` and ``.tetris_stats``.
+    """
+    assistant_model = kwargs.pop("assistant_model", None)
+    streamer = kwargs.pop("streamer", None)
+    kwargs.pop("custom_generate", None)
+    options = _pop_options(kwargs)
+    check_pair(model, assistant_model)
+    decoding = functools.partial(tetris_decoding, assistant_model=assistant_model, options=options, streamer=streamer)
+    return GenerationMixin.generate(model, *args, custom_generate=decoding, streamer=streamer, **kwargs)
+
+
+_original_load_custom_generate = GenerationMixin.load_custom_generate
+
+
+def _load_custom_generate(self, pretrained_model_name_or_path=None, trust_remote_code=None, **kwargs):
+    """``custom_generate="tetris"`` resolves to :func:`generate` unless ``./tetris`` holds a custom_generate folder."""
+    local_folder = os.path.join(str(pretrained_model_name_or_path), "custom_generate", "generate.py")
+    if pretrained_model_name_or_path == STRATEGY_NAME and not os.path.isfile(local_folder):
+        return generate
+    return _original_load_custom_generate(self, pretrained_model_name_or_path, trust_remote_code, **kwargs)
+
+
+def register() -> None:
+    """Make ``custom_generate="tetris"`` work on every transformers model (done by ``import tetris_hf``)."""
+    GenerationMixin.load_custom_generate = _load_custom_generate
