@@ -9,6 +9,7 @@ so they cost nothing afterwards.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import StaticCache
@@ -17,7 +18,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from .candidate_generators import BatchedDraftCandidateGenerator
 from .kv import SlotCache
-from .logits import process_logits, verify_greedy, verify_sampling
+from .logits import PositionwiseLogitsProcessor, verify_greedy, verify_sampling
 from .outputs import TetrisGenerateOutput, TetrisStats
 from .strategies import TetrisOptions, make_strategy
 
@@ -104,6 +105,191 @@ def _rows_that_stop(
     return kept, stopped
 
 
+@dataclass
+class StepRecord:
+    """What one step did, per active row (shapes ``(B_active,)``; ``rows`` are original batch indices)."""
+
+    rows: torch.Tensor
+    num_drafted: int
+    budget: int
+    token_log_probs: torch.Tensor  # (B_active, K) log q of each drafted token
+    verify_lengths: torch.Tensor
+    num_accepted: torch.Tensor
+    emitted: torch.Tensor
+
+
+class BatchedSpeculativeLoop:
+    """State of one batched speculative ``generate()`` call; :meth:`step` runs draft -> select -> verify -> accept.
+
+    Args:
+        model: the target causal LM.
+        assistant_model: the draft causal LM (same vocabulary).
+        input_ids: ``(B, T)`` left-padded prompts.
+        attention_mask: ``(B, T)`` 0 on left padding.
+        logits_processor, stopping_criteria, generation_config: as ``generate()`` prepared them.
+        options: :class:`~tetris_hf.strategies.TetrisOptions`.
+        streamer: optional ``BaseStreamer`` (batch size 1 only).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        assistant_model: torch.nn.Module,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor,
+        logits_processor: LogitsProcessorList,
+        stopping_criteria: StoppingCriteriaList,
+        generation_config,
+        options: TetrisOptions,
+        streamer=None,
+    ):
+        batch_size, prompt_length = input_ids.shape
+        if streamer is not None and batch_size > 1:
+            raise ValueError(f"a streamer needs batch size 1, got {batch_size} rows")
+        self.model = model
+        self.logits_processor = PositionwiseLogitsProcessor(logits_processor)
+        self.stopping_criteria = stopping_criteria
+        self.do_sample = bool(generation_config.do_sample)
+        self.max_length = int(generation_config.max_length)
+        self.streamer = streamer
+        self.strategy = make_strategy(options)
+        self.stats = TetrisStats()
+        self.batch_size = batch_size
+        self.input_ids = input_ids
+        device = input_ids.device
+        pad_token = generation_config._pad_token_tensor
+        self.pad_value = int(pad_token) if pad_token is not None else 0
+
+        self.drafter = BatchedDraftCandidateGenerator(
+            assistant_model, self.logits_processor, self.do_sample, max_holes=options.tetris_max_holes
+        )
+        self.target_slots = SlotCache(batch_size, device, options.tetris_max_holes)
+        # Prefill both caches with all but the last prompt column; the last token opens the first verified block.
+        if prompt_length > 1:
+            mask = attention_mask[:, :-1]
+            positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+            self.target_slots.forward(model, input_ids[:, :-1], mask, positions, logits_to_keep=1)
+        self.drafter.prefill(input_ids, attention_mask)
+
+        spare = self.max_length - prompt_length + 1
+        self.sequences = torch.cat([input_ids, input_ids.new_full((batch_size, spare), self.pad_value)], dim=1)
+        self.lengths = torch.full((batch_size,), prompt_length, dtype=torch.long, device=device)
+        self.rows = torch.arange(batch_size, device=device)  # original index of each active row
+        self.finished: dict[int, torch.Tensor] = {}
+
+    @property
+    def done(self) -> bool:
+        return self.rows.numel() == 0
+
+    def _reserve(self, columns: int) -> None:
+        """Grow the sequence buffer to at least ``columns`` (drafts are written past each row's end)."""
+        if columns > self.sequences.shape[1]:
+            extra = self.sequences.new_full((self.sequences.shape[0], columns - self.sequences.shape[1]), self.pad_value)
+            self.sequences = torch.cat([self.sequences, extra], dim=1)
+
+    def step(self) -> StepRecord:
+        """One speculative step for every active row; finished rows leave the batch."""
+        sequences, lengths = self.sequences, self.lengths
+        num_rows = self.rows.numel()
+        device = sequences.device
+        row_range = torch.arange(num_rows, device=device)
+        max_verify = (self.max_length - lengths - 1).clamp(min=0)  # one target token is always added
+        budget = self.strategy.budget(num_rows)
+        num_drafted = min(self.strategy.num_draft_tokens(num_rows), int(max_verify.max())) if budget > 0 else 0
+        self._reserve(int(lengths.max()) + num_drafted + 1)
+        sequences = self.sequences
+
+        # 1. draft
+        started = time.perf_counter()
+        draft_tokens, token_log_probs, draft_probs = self.drafter.propose(sequences, lengths, num_drafted, self.rows)
+        drafted_at = time.perf_counter()
+
+        # 2. select
+        if num_drafted > 0:
+            verify_lengths = self.strategy.select(token_log_probs, max_verify.clamp(max=num_drafted), budget)
+        else:
+            verify_lengths = torch.zeros(num_rows, dtype=torch.long, device=device)
+        block_length = int(verify_lengths.max())
+        verified_drafts = draft_tokens[:, :block_length]
+
+        # 3. verify: [last emitted token, drafts 1..l_i] per row, padded to one length with masked drafts
+        block = torch.cat([sequences[row_range, lengths - 1][:, None], verified_drafts], dim=1)
+        offsets = torch.arange(block_length + 1, device=device)
+        block_mask = (offsets[None, :] <= verify_lengths[:, None]).long()
+        positions = self.target_slots.live_lengths()[:, None] + offsets[None, :]
+        logits = self.target_slots.forward(self.model, block, block_mask, positions)
+        target_scores = self.logits_processor(sequences, lengths, logits, self.rows)
+
+        # 4. accept
+        if self.do_sample:
+            if draft_probs is None:
+                draft_probs = target_scores.new_zeros(num_rows, 0, target_scores.shape[-1])
+            num_accepted, next_tokens = verify_sampling(
+                verified_drafts, verify_lengths, target_scores, draft_probs[:, :block_length]
+            )
+        else:
+            num_accepted, next_tokens = verify_greedy(verified_drafts, verify_lengths, target_scores)
+        self.strategy.observe(token_log_probs, verify_lengths, num_accepted)
+
+        # 5. roll back: the target keeps [last token, accepted drafts]; the draft keeps its accepted drafts
+        self.target_slots.drop_slots(self.target_slots.length - (block_length + 1), num_accepted + 1)
+        self.target_slots.compact()
+        self.drafter.accept(num_accepted, next_tokens)
+        verified_at = time.perf_counter()
+
+        # 6. emit: accepted drafts already sit in place (drafted into the scratch space); add the target's token
+        sequences[row_range, lengths + num_accepted] = next_tokens
+        kept, stopped = _rows_that_stop(self.stopping_criteria, sequences, lengths, num_accepted + 1)
+        if self.streamer is not None:
+            self.streamer.put(sequences[0, lengths[0] : lengths[0] + kept[0]].cpu())
+        self.lengths = lengths + kept
+        stopped |= self.lengths >= self.max_length
+
+        record = StepRecord(self.rows, num_drafted, budget, token_log_probs, verify_lengths, num_accepted, kept)
+        self._count(record, drafted_at - started, verified_at - drafted_at)
+        if bool(stopped.any()):
+            self._retire(stopped)
+        return record
+
+    def _count(self, record: StepRecord, draft_seconds: float, verify_seconds: float) -> None:
+        stats = self.stats
+        stats.steps += 1
+        stats.drafted_tokens += record.num_drafted * record.rows.numel()
+        stats.verified_tokens += int(record.verify_lengths.sum())
+        stats.accepted_tokens += int(record.num_accepted.sum())
+        stats.emitted_tokens += int(record.emitted.sum())
+        stats.draft_seconds += draft_seconds
+        stats.verify_seconds += verify_seconds
+        stats.num_drafted_per_step.append(record.num_drafted)
+        stats.budget_per_step.append(record.budget)
+        verified, accepted = [-1] * self.batch_size, [-1] * self.batch_size
+        for row, num_verified, num_accepted in zip(
+            record.rows.tolist(), record.verify_lengths.tolist(), record.num_accepted.tolist()
+        ):
+            verified[row], accepted[row] = num_verified, num_accepted
+        stats.verified_per_step.append(verified)
+        stats.accepted_per_step.append(accepted)
+
+    def _retire(self, stopped: torch.Tensor) -> None:
+        """Move stopped rows out of the batch (their text into ``finished``, their cache rows dropped)."""
+        for index in stopped.nonzero().flatten().tolist():
+            self.finished[int(self.rows[index])] = self.sequences[index, : self.lengths[index]].clone()
+        keep = (~stopped).nonzero().flatten()
+        self.rows, self.sequences, self.lengths = self.rows[keep], self.sequences[keep], self.lengths[keep]
+        self.target_slots.select_rows(keep)
+        self.drafter.select_rows(keep)
+
+    def output(self) -> torch.LongTensor:
+        """``(B, T + new)`` sequences, rows that stopped early right-padded with the pad token (as ``generate()``)."""
+        if not self.done:
+            raise RuntimeError("generation has not finished")
+        total_length = max(sequence.shape[0] for sequence in self.finished.values())
+        output = self.input_ids.new_full((self.batch_size, total_length), self.pad_value)
+        for row, sequence in self.finished.items():
+            output[row, : sequence.shape[0]] = sequence
+        return output
+
+
 @torch.no_grad()
 def tetris_decoding(
     model: torch.nn.Module,
@@ -139,120 +325,14 @@ def tetris_decoding(
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     check_prompt_mask(attention_mask)
-    batch_size, prompt_length = input_ids.shape
-    if streamer is not None and batch_size > 1:
-        raise ValueError(f"a streamer needs batch size 1, got {batch_size} rows")
-    device = input_ids.device
-    max_length = generation_config.max_length
-    pad_token = generation_config._pad_token_tensor
-    pad_value = int(pad_token) if pad_token is not None else 0
-
-    strategy = make_strategy(options)
-    stats = TetrisStats()
-    drafter = BatchedDraftCandidateGenerator(
-        assistant_model, logits_processor, generation_config.do_sample, max_holes=options.tetris_max_holes
+    loop = BatchedSpeculativeLoop(
+        model, assistant_model, input_ids, attention_mask, logits_processor, stopping_criteria,
+        generation_config, options, streamer,
     )
-    target_slots = SlotCache(batch_size, device, options.tetris_max_holes)
-
-    # Prefill both caches with all but the last prompt column; the last token opens the first verified block.
-    if prompt_length > 1:
-        mask = attention_mask[:, :-1]
-        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        target_slots.forward(model, input_ids[:, :-1], mask, positions, logits_to_keep=1)
-    drafter.prefill(input_ids, attention_mask)
-
-    sequences = torch.cat([input_ids, input_ids.new_full((batch_size, max_length - prompt_length + 1), pad_value)], 1)
-    lengths = torch.full((batch_size,), prompt_length, dtype=torch.long, device=device)
-    rows = torch.arange(batch_size, device=device)  # original index of each active row
-    finished: dict[int, torch.Tensor] = {}
-
-    while rows.numel() > 0:
-        num_rows = rows.numel()
-        row_range = torch.arange(num_rows, device=device)
-        max_verify = (max_length - lengths - 1).clamp(min=0)  # one target token is always added
-        budget = strategy.budget(num_rows)
-        num_drafted = min(strategy.num_draft_tokens(num_rows), int(max_verify.max())) if budget > 0 else 0
-        needed = int(lengths.max()) + num_drafted + 1
-        if needed > sequences.shape[1]:
-            sequences = torch.cat([sequences, sequences.new_full((num_rows, needed - sequences.shape[1]), pad_value)], 1)
-
-        # 1. draft
-        started = time.perf_counter()
-        draft_tokens, token_log_probs, draft_probs = drafter.propose(sequences, lengths, num_drafted)
-        drafted_at = time.perf_counter()
-
-        # 2. select
-        if num_drafted > 0:
-            verify_lengths = strategy.select(token_log_probs, max_verify.clamp(max=num_drafted), budget)
-        else:
-            verify_lengths = torch.zeros(num_rows, dtype=torch.long, device=device)
-        block_length = int(verify_lengths.max())
-
-        # 3. verify: [last emitted token, drafts 1..l_i] per row, padded to one length with masked drafts
-        last_tokens = sequences[row_range, lengths - 1]
-        block = torch.cat([last_tokens[:, None], draft_tokens[:, :block_length]], dim=1)
-        offsets = torch.arange(block_length + 1, device=device)
-        block_mask = (offsets[None, :] <= verify_lengths[:, None]).long()
-        positions = target_slots.live_lengths()[:, None] + offsets[None, :]
-        logits = target_slots.forward(model, block, block_mask, positions)
-        target_scores = process_logits(logits_processor, sequences, lengths, logits)
-
-        # 4. accept
-        if generation_config.do_sample:
-            verified_probs = draft_probs[:, :block_length] if draft_probs is not None else None
-            if verified_probs is None:
-                verified_probs = target_scores.new_zeros(num_rows, 0, target_scores.shape[-1])
-            num_accepted, next_tokens = verify_sampling(
-                draft_tokens[:, :block_length], verify_lengths, target_scores, verified_probs
-            )
-        else:
-            num_accepted, next_tokens = verify_greedy(draft_tokens[:, :block_length], verify_lengths, target_scores)
-        strategy.observe(token_log_probs, verify_lengths, num_accepted)
-
-        # 5. roll back: keep [last token, accepted drafts] in the target cache, accepted drafts in the draft cache
-        target_slots.drop_slots(target_slots.length - (block_length + 1), num_accepted + 1)
-        target_slots.compact()
-        drafter.accept(num_accepted, next_tokens)
-        verified_at = time.perf_counter()
-
-        # 6. emit: accepted drafts are already in place (drafted into the scratch space), add the target's token
-        sequences[row_range, lengths + num_accepted] = next_tokens
-        kept, stopped = _rows_that_stop(stopping_criteria, sequences, lengths, num_accepted + 1)
-        if streamer is not None:
-            streamer.put(sequences[0, lengths[0] : lengths[0] + kept[0]].cpu())
-        lengths = lengths + kept
-        stopped |= lengths >= max_length
-
-        stats.steps += 1
-        stats.drafted_tokens += num_drafted * num_rows
-        stats.verified_tokens += int(verify_lengths.sum())
-        stats.accepted_tokens += int(num_accepted.sum())
-        stats.emitted_tokens += int(kept.sum())
-        stats.draft_seconds += drafted_at - started
-        stats.verify_seconds += verified_at - drafted_at
-        stats.num_drafted_per_step.append(num_drafted)
-        stats.budget_per_step.append(budget)
-        verified_row, accepted_row = [-1] * batch_size, [-1] * batch_size
-        for row, verified, accepted in zip(rows.tolist(), verify_lengths.tolist(), num_accepted.tolist()):
-            verified_row[row], accepted_row[row] = verified, accepted
-        stats.verified_per_step.append(verified_row)
-        stats.accepted_per_step.append(accepted_row)
-
-        # 7. finished rows leave the batch
-        if bool(stopped.any()):
-            for index in stopped.nonzero().flatten().tolist():
-                finished[int(rows[index])] = sequences[index, : lengths[index]].clone()
-            keep = (~stopped).nonzero().flatten()
-            rows, sequences, lengths = rows[keep], sequences[keep], lengths[keep]
-            target_slots.select_rows(keep)
-            drafter.select_rows(keep)
-
+    while not loop.done:
+        loop.step()
     if streamer is not None:
         streamer.end()
-    total_length = max(sequence.shape[0] for sequence in finished.values())
-    output = input_ids.new_full((batch_size, total_length), pad_value)
-    for row, sequence in finished.items():
-        output[row, : sequence.shape[0]] = sequence
     if generation_config.return_dict_in_generate:
-        return TetrisGenerateOutput(sequences=output, tetris_stats=stats)
-    return output
+        return TetrisGenerateOutput(sequences=loop.output(), tetris_stats=loop.stats)
+    return loop.output()

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
-from transformers.generation.logits_process import LogitsProcessorList
 
 from ..kv import SlotCache
-from ..logits import process_logits
+from ..logits import PositionwiseLogitsProcessor
 
 
 def _left_pack(tokens: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,8 +34,8 @@ class BatchedDraftCandidateGenerator(CandidateGenerator):
 
     Args:
         assistant_model: the draft model (same vocabulary as the target).
-        logits_processor: the target's processors; the draft's distribution is processed the same way before it
-            proposes, so ``q`` is the draft's estimate of the processed ``p``.
+        logits_processor: the target's processors (positionwise); the draft's distribution is processed the same way
+            before it proposes, so ``q`` is the draft's estimate of the processed ``p``.
         do_sample: sample drafts from ``q`` (True) or take its argmax (False).
         generator: optional ``torch.Generator`` for sampling.
         max_holes: see :class:`~tetris_hf.kv.SlotCache`.
@@ -45,7 +44,7 @@ class BatchedDraftCandidateGenerator(CandidateGenerator):
     def __init__(
         self,
         assistant_model: torch.nn.Module,
-        logits_processor: LogitsProcessorList,
+        logits_processor: PositionwiseLogitsProcessor,
         do_sample: bool,
         generator: torch.Generator | None = None,
         max_holes: int = 32,
@@ -76,7 +75,7 @@ class BatchedDraftCandidateGenerator(CandidateGenerator):
         self.pending_mask = torch.ones_like(self.pending_tokens)
 
     def propose(
-        self, sequences: torch.Tensor, lengths: torch.Tensor, num_tokens: int
+        self, sequences: torch.Tensor, lengths: torch.Tensor, num_tokens: int, rows: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Draft ``num_tokens`` tokens after each row, writing them into ``sequences`` past ``lengths``.
 
@@ -86,6 +85,7 @@ class BatchedDraftCandidateGenerator(CandidateGenerator):
                 accepted tokens later overwrite). Needs ``T >= lengths.max() + num_tokens``.
             lengths: ``(B,)``.
             num_tokens: ``K >= 0``.
+            rows: ``(B,)`` each row's index in the original batch (for per-row processor state); default ``arange``.
 
         Returns:
             draft_tokens: ``(B, K)``.
@@ -93,14 +93,15 @@ class BatchedDraftCandidateGenerator(CandidateGenerator):
             draft_probs: ``(B, K, V)`` the processed draft distributions (only when sampling, else ``None``).
         """
         batch_size = sequences.shape[0]
-        rows = torch.arange(batch_size, device=sequences.device)
+        row_range = torch.arange(batch_size, device=sequences.device)
+        rows = row_range if rows is None else rows
         tokens, mask = self.pending_tokens, self.pending_mask
         draft_tokens, token_log_probs, draft_probs = [], [], []
         for step in range(num_tokens):
             live = self.slots.live_lengths()
             positions = live[:, None] + (mask.cumsum(dim=1) - 1).clamp(min=0)
             logits = self.slots.forward(self.assistant_model, tokens, mask, positions, logits_to_keep=1)
-            scores = process_logits(self.logits_processor, sequences, lengths + step, logits[:, -1:])[:, 0]
+            scores = self.logits_processor(sequences, lengths + step, logits[:, -1:], rows)[:, 0]
             log_probs = scores.log_softmax(dim=-1)
             if self.do_sample:
                 probs = log_probs.exp()
@@ -108,7 +109,7 @@ class BatchedDraftCandidateGenerator(CandidateGenerator):
                 draft_probs.append(probs)
             else:
                 next_tokens = scores.argmax(dim=-1)
-            sequences[rows, lengths + step] = next_tokens
+            sequences[row_range, lengths + step] = next_tokens
             draft_tokens.append(next_tokens)
             token_log_probs.append(log_probs.gather(1, next_tokens[:, None]).squeeze(1))
             tokens, mask = next_tokens[:, None], torch.ones_like(next_tokens[:, None])

@@ -1,6 +1,6 @@
 """Target and draft distributions: logits processing at many positions, and lossless verification."""
 
-from .processing import is_prefix_free, process_logits
+from .processing import PositionwiseLogitsProcessor, is_prefix_free
 from .verification import residual_distribution, verify_greedy, verify_sampling
 
-__all__ = ["is_prefix_free", "process_logits", "residual_distribution", "verify_greedy", "verify_sampling"]
+__all__ = ["PositionwiseLogitsProcessor", "is_prefix_free", "residual_distribution", "verify_greedy", "verify_sampling"]
