@@ -28,20 +28,22 @@ from tetris_hf.cli import UsageError
 # Data: ShareGPT chats -> one token stream -> fixed-length windows
 
 
-def tokenize_chats(chats: Iterable, tokenizer, *, max_tokens: int) -> torch.Tensor:
-    """Render whole chats with the chat template and concatenate their tokens, up to ``max_tokens``: LongTensor [N]."""
-    pieces: list[list[int]] = []
-    total = 0
-    for chat in chats:
-        messages = list(chat.messages) if hasattr(chat, "messages") else list(chat)
-        text = tokenizer.apply_chat_template(messages, tokenize=False)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        pieces.append(ids)
-        total += len(ids)
-        if total >= max_tokens:
-            break
-    stream = torch.tensor([t for ids in pieces for t in ids], dtype=torch.long)
-    return stream[:max_tokens]
+def tokenize_chats(chats: list, tokenizer, *, max_tokens: int, chunk: int = 64) -> tuple[torch.Tensor, int]:
+    """Render whole chats with the chat template and concatenate their tokens until ``max_tokens``.
+
+    Returns the stream (LongTensor [<= max_tokens]) and how many chats from the front of ``chats`` it used.
+    """
+    ids: list[int] = []
+    used = 0
+    while used < len(chats) and len(ids) < max_tokens:
+        group = chats[used : used + chunk]
+        texts = [tokenizer.apply_chat_template(list(getattr(c, "messages", c)), tokenize=False) for c in group]
+        for encoded in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+            ids.extend(encoded)
+            used += 1
+            if len(ids) >= max_tokens:
+                break
+    return torch.tensor(ids[:max_tokens], dtype=torch.long), used
 
 
 def windows(stream: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -224,11 +226,11 @@ def main(args) -> int:
     except (ValueError, FileNotFoundError) as error:
         raise UsageError(str(error)) from None
     random.Random(args.seed).shuffle(chats)
-    held_out = windows(tokenize_chats(chats[:2000], tokenizer, max_tokens=args.eval_tokens), args.seq_len)
+    held_stream, used = tokenize_chats(chats, tokenizer, max_tokens=args.eval_tokens)
+    held_out = windows(held_stream, args.seq_len)
     if held_out.shape[0] == 0:
         raise UsageError(f"--eval-tokens {args.eval_tokens} is less than one --seq-len window ({args.seq_len})")
-    eval_chats = _chats_covering(chats, tokenizer, args.eval_tokens)
-    train = windows(tokenize_chats(chats[eval_chats:], tokenizer, max_tokens=args.tokens), args.seq_len)
+    train = windows(tokenize_chats(chats[used:], tokenizer, max_tokens=args.tokens)[0], args.seq_len)
     batches_per_epoch = train.shape[0] // args.batch_size
     if batches_per_epoch == 0:
         raise UsageError(f"the training data holds {train.shape[0]} windows, fewer than one --batch-size {args.batch_size}")
@@ -292,17 +294,6 @@ def main(args) -> int:
         f"after {seen:,} tokens"
     )
     return 0
-
-
-def _chats_covering(chats: list, tokenizer, tokens: int) -> int:
-    """How many chats from the front of ``chats`` the held-out set used (so training starts after them)."""
-    total = 0
-    for count, chat in enumerate(chats, start=1):
-        text = tokenizer.apply_chat_template(list(chat.messages), tokenize=False)
-        total += len(tokenizer(text, add_special_tokens=False)["input_ids"])
-        if total >= tokens:
-            return count
-    return len(chats)
 
 
 def _metrics_line(step: int, seen: int, metrics: dict[str, float], extra: str) -> str:

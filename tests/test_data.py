@@ -1,0 +1,238 @@
+"""Prompt sets: truncated ShareGPT recovery, the shipped MT-bench / HumanEval sets, user JSONL files."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from tetris_hf.data import (
+    SHAREGPT_FILE,
+    Prompt,
+    load_humaneval,
+    load_jsonl,
+    load_mtbench,
+    load_prompts,
+    load_sharegpt,
+    package_file,
+    render_prompts,
+    scan_json_array,
+)
+
+
+def sharegpt_records() -> list[dict]:
+    return [
+        {"id": "a", "conversations": [{"from": "human", "value": "Héllo ✓ there"}, {"from": "gpt", "value": "Hi!"}]},
+        {"id": "b", "conversations": [{"from": "gpt", "value": "I speak first"}]},
+        {"id": "c", "conversations": [{"from": "human", "value": "Ünïcode prompt"}, {"from": "gpt", "value": "ok"}]},
+        {"id": "d", "conversations": [{"from": "human", "value": "   "}]},
+        {"id": "e", "conversations": [{"from": "human", "value": "fifth"}, {"from": "gpt", "value": "é" * 50}]},
+        {"id": "f", "conversations": [{"from": "human", "value": "sixth"}]},
+    ]
+
+
+def write_sharegpt(path, records) -> list[int]:
+    """Write records as an indented JSON array (as the real file is); return each record's starting byte offset."""
+    parts, starts, offset = [], [], 0
+    head = "[\n  "
+    parts.append(head)
+    offset += len(head.encode())
+    for i, record in enumerate(records):
+        starts.append(offset)
+        text = json.dumps(record, indent=2, ensure_ascii=False) + ("" if i == len(records) - 1 else ",\n  ")
+        parts.append(text)
+        offset += len(text.encode())
+    parts.append("\n]")
+    path.write_bytes("".join(parts).encode())
+    return starts
+
+
+def test_truncated_copy_recovers_complete_records_and_reports_break_point(tmp_path, caplog):
+    full = tmp_path / "full.json"
+    starts = write_sharegpt(full, sharegpt_records())
+    cut = starts[4] + 40  # inside record "e", after multi-byte characters earlier in the file
+    truncated = tmp_path / "truncated.json"
+    truncated.write_bytes(full.read_bytes()[:cut])
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(truncated.read_text())
+
+    with caplog.at_level(logging.WARNING, logger="tetris_hf.data"):
+        prompts = load_sharegpt(truncated)
+
+    assert prompts.recovered == 4  # a, b, c, d decoded completely
+    assert prompts.broke_off_at == starts[4]
+    assert prompts.size == cut
+    # only complete conversations whose first turn is a (non-empty) human turn
+    assert [p.id for p in prompts] == ["sharegpt/a", "sharegpt/c"]
+    assert prompts[0].messages == ({"role": "user", "content": "Héllo ✓ there"},)
+    assert "recovered 4 complete records" in prompts.note and f"{starts[4]:,}" in prompts.note
+    assert prompts.note in caplog.text
+
+
+def test_complete_file_reports_no_break(tmp_path):
+    full = tmp_path / "full.json"
+    write_sharegpt(full, sharegpt_records())
+    prompts = load_sharegpt(full)
+    assert prompts.recovered == 6 and prompts.broke_off_at is None
+    assert [p.id for p in prompts] == ["sharegpt/a", "sharegpt/c", "sharegpt/e", "sharegpt/f"]
+    assert len(load_sharegpt(full, limit=3)) == 3
+
+
+@pytest.mark.parametrize("content", ["", "[", "[\n  ", '[\n  {"id": "a", "conversa'])
+def test_file_cut_before_first_record_is_a_clear_error(tmp_path, content):
+    path = tmp_path / "cut.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match="no complete record|not a JSON array"):
+        load_sharegpt(path)
+
+
+def test_not_an_array_is_a_clear_error(tmp_path):
+    path = tmp_path / "object.json"
+    path.write_text('{"id": "a"}')
+    with pytest.raises(ValueError, match="not a JSON array"):
+        load_sharegpt(path)
+
+
+def test_truncated_head_of_shipped_file_matches_independent_decode(tmp_path):
+    """A 300 kB head of the real ShareGPT file: what the loader recovers is exactly what json.loads reads up to the
+    reported break point."""
+    shipped = package_file(*SHAREGPT_FILE)
+    with shipped.open("rb") as f:
+        head = f.read(300_000)
+    copy = tmp_path / "head.json"
+    copy.write_bytes(head)
+    scan = scan_json_array(copy, keep=lambda record: record)
+    assert scan.size == 300_000 and scan.broke_off_at < 300_000
+    prefix = head[: scan.broke_off_at].decode().rstrip().rstrip(",") + "]"
+    assert json.loads(prefix) == scan.kept
+    assert scan.decoded == len(scan.kept) > 10
+
+
+def test_shipped_sharegpt_recovers_known_counts():
+    prompts = load_sharegpt()
+    assert prompts.size == 125_509_632
+    assert prompts.recovered == 17_671
+    assert prompts.broke_off_at == 125_506_645
+    assert len(prompts) == 11_139  # first turn human (or "user") and not empty
+    assert all(p.is_chat and p.messages[0]["content"].strip() for p in prompts)
+
+
+def test_mtbench_has_80_first_turn_questions_with_categories():
+    prompts = load_mtbench()
+    assert len(prompts) == 80
+    assert all(p.is_chat and len(p.messages) == 1 and p.messages[0]["role"] == "user" for p in prompts)
+    categories = [p.category for p in prompts]
+    assert sorted(set(categories)) == [
+        "coding", "extraction", "humanities", "math", "reasoning", "roleplay", "stem", "writing"
+    ]
+    assert all(categories.count(c) == 10 for c in set(categories))
+    assert prompts[0].id == "mtbench/81" and prompts[0].messages[0]["content"].startswith("Compose an engaging")
+
+
+def test_humaneval_has_164_raw_code_prompts():
+    prompts = load_humaneval()
+    assert len(prompts) == 164
+    assert [p.id for p in prompts] == [f"HumanEval/{i}" for i in range(164)]
+    assert not any(p.is_chat for p in prompts)
+    assert all("def " in p.text for p in prompts)
+
+
+def test_user_jsonl_prompt_messages_and_raw(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    lines = [
+        {"prompt": "Say hi", "category": "greeting"},
+        {},  # replaced below by a blank line
+        {"messages": [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Why?"}], "id": "q2"},
+        {"prompt": "def f(x):", "raw": True},
+    ]
+    text = "\n".join("" if not obj else json.dumps(obj) for obj in lines) + "\n"
+    path.write_text(text)
+    prompts = load_prompts(str(path))
+    assert len(prompts) == 3
+    assert prompts[0].messages == ({"role": "user", "content": "Say hi"},) and prompts[0].category == "greeting"
+    assert prompts[1].id == "q2" and len(prompts[1].messages) == 2
+    assert prompts[2].text == "def f(x):" and not prompts[2].is_chat
+    assert len(load_jsonl(path, limit=1)) == 1
+
+
+@pytest.mark.parametrize("content", ["", "\n\n  \n"])
+def test_empty_jsonl_names_the_file(tmp_path, content):
+    path = tmp_path / "empty.jsonl"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=r"empty\.jsonl holds no prompts"):
+        load_jsonl(path)
+
+
+def test_jsonl_bad_line_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "ok"}\n{"prompt": "unterminated\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl, line 2: not valid JSON"):
+        load_jsonl(path)
+
+
+@pytest.mark.parametrize(
+    "line", ['{"text": "wrong field"}', '{"prompt": ""}', '{"messages": []}', '{"messages": [{"role": "user"}]}', "[1]"]
+)
+def test_jsonl_missing_field_names_file_and_line(tmp_path, line):
+    path = tmp_path / "fields.jsonl"
+    path.write_text('{"prompt": "ok"}\n' + line + "\n")
+    with pytest.raises(ValueError, match=r"fields\.jsonl, line 2"):
+        load_jsonl(path)
+
+
+def test_missing_jsonl_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_prompts(str(tmp_path / "nope.jsonl"))
+
+
+def test_unknown_prompt_set_lists_the_choices():
+    with pytest.raises(ValueError, match="sharegpt, mtbench, humaneval"):
+        load_prompts("arena")
+
+
+def test_bad_limit():
+    with pytest.raises(ValueError, match="limit"):
+        load_mtbench(limit=0)
+
+
+class TemplateTokenizer:
+    """Just enough of a tokenizer for render_prompts: a chat template."""
+
+    chat_template = "<chat>"
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        assert tokenize is False and add_generation_prompt is True
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+
+class PlainTokenizer:
+    chat_template = None
+
+
+def test_render_chats_through_template_and_raw_as_is():
+    prompts = [
+        Prompt(id="1", messages=({"role": "user", "content": "hi"},)),
+        Prompt(id="2", text="def f():"),
+        "plain string",
+    ]
+    assert render_prompts(prompts, TemplateTokenizer()) == ["<user>hi<assistant>", "def f():", "plain string"]
+    assert render_prompts(prompts, PlainTokenizer()) == ["hi", "def f():", "plain string"]
+
+
+def test_render_mtbench_with_smollm2_chat_template():
+    from tetris_hf.models import load_target
+
+    _, tokenizer = load_target()  # ~20 s the first time (GGUF conversion), then cached
+    prompts = load_mtbench(limit=2)
+    rendered = render_prompts(prompts, tokenizer)
+    assert rendered[0].startswith("<|im_start|>system\n") and rendered[0].endswith("<|im_start|>assistant\n")
+    assert prompts[0].messages[0]["content"] in rendered[0]
+
+
+def test_to_dataset_keeps_every_record():
+    prompts = load_humaneval(limit=3)
+    dataset = prompts.to_dataset()
+    assert len(dataset) == 3 and dataset[0]["kind"] == "raw" and dataset[0]["text"] == prompts[0].text
+    chats = load_mtbench(limit=2).to_dataset()
+    assert chats[1]["messages"] == [{"role": "user", "content": load_mtbench(limit=2)[1].messages[0]["content"]}]
