@@ -54,3 +54,10 @@ def random_prompts(batch_size: int, vocab_size: int, seed: int, min_length: int 
     generator = torch.Generator().manual_seed(seed)
     lengths = torch.randint(min_length, max_length + 1, (batch_size,), generator=generator).tolist()
     return [torch.randint(3, vocab_size, (length,), generator=generator).tolist() for length in lengths]
+
+
+def sharpen(model: LlamaForCausalLM, factor: float) -> LlamaForCausalLM:
+    """Scale the output head so the (near-uniform) random distributions become peaked, in place."""
+    with torch.no_grad():
+        model.lm_head.weight.mul_(factor)
+    return model

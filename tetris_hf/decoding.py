@@ -157,7 +157,9 @@ class BatchedSpeculativeLoop:
         self.batch_size = batch_size
         self.input_ids = input_ids
         device = input_ids.device
-        pad_token = generation_config._pad_token_tensor
+        pad_token = getattr(generation_config, "_pad_token_tensor", None)
+        if pad_token is None:
+            pad_token = generation_config.pad_token_id
         self.pad_value = int(pad_token) if pad_token is not None else 0
 
         self.drafter = BatchedDraftCandidateGenerator(

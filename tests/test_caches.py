@@ -1,0 +1,82 @@
+"""After any step, both caches give the logits a fresh, unpadded, uncached forward gives; and they stay bounded."""
+
+import copy
+
+import pytest
+import torch
+from transformers import GenerationConfig
+from transformers.generation.logits_process import LogitsProcessorList
+from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
+
+from tetris_hf.decoding import BatchedSpeculativeLoop
+from tetris_hf.strategies import TetrisOptions
+from tiny_models import PAD, left_pad, noisy_copy, random_prompts, tiny_llama
+
+
+def make_loop(target, draft, prompts, max_new_tokens, **options):
+    input_ids, mask = left_pad(prompts)
+    max_length = input_ids.shape[1] + max_new_tokens
+    config = GenerationConfig(do_sample=False, max_length=max_length, pad_token_id=PAD)
+    stopping = StoppingCriteriaList([MaxLengthCriteria(max_length)])
+    loop = BatchedSpeculativeLoop(target, draft, input_ids, mask, LogitsProcessorList(), stopping, config,
+                                  TetrisOptions(**options))
+    return loop, mask.shape[1] - mask.sum(dim=1)  # left padding per original row
+
+
+def next_logits_from_cache(slots, model, tokens, mask):
+    """Feed the tokens the cache has not read yet into a copy of it; logits at each row's last position."""
+    slots = copy.deepcopy(slots)
+    positions = slots.live_lengths()[:, None] + (mask.cumsum(dim=1) - 1).clamp(min=0)
+    return slots.forward(model, tokens, mask, positions)[:, -1]
+
+
+def next_logits_fresh(model, tokens):
+    return model(torch.tensor([tokens])).logits[0, -1]
+
+
+@pytest.mark.parametrize("strategy,extra", [("tetris", 2), ("fixed", 0), ("tetris", 0)])
+def test_caches_match_fresh_forward_after_every_step(strategy, extra):
+    target = tiny_llama(97, num_layers=2, seed=31)
+    draft = noisy_copy(target, 0.5, seed=32)
+    prompts = random_prompts(5, 97, seed=33, max_length=12)
+    loop, padding = make_loop(target, draft, prompts, 40, tetris_strategy=strategy, tetris_extra_tokens=extra,
+                              num_assistant_tokens=3, tetris_max_holes=4)
+    steps_checked = 0
+    with torch.no_grad():
+        while not loop.done:
+            loop.step()
+            if loop.done:
+                break
+            rows = loop.rows.tolist()
+            last = loop.sequences[torch.arange(len(rows)), loop.lengths - 1][:, None]
+            target_next = next_logits_from_cache(loop.target_slots, target, last, torch.ones_like(last))
+            drafter = loop.drafter
+            draft_next = next_logits_from_cache(drafter.slots, draft, drafter.pending_tokens, drafter.pending_mask)
+            for index, row in enumerate(rows):
+                text = loop.sequences[index, int(padding[row]) : int(loop.lengths[index])].tolist()
+                torch.testing.assert_close(target_next[index], next_logits_fresh(target, text), atol=1e-4, rtol=0)
+                torch.testing.assert_close(draft_next[index], next_logits_fresh(draft, text), atol=1e-4, rtol=0)
+            steps_checked += 1
+    assert steps_checked >= 5
+    assert loop.stats.accepted_tokens > 0
+
+
+def test_cache_length_stays_bounded_over_500_steps():
+    target = tiny_llama(64, num_layers=1, seed=41, hidden_size=16)
+    draft = tiny_llama(64, num_layers=1, seed=42, hidden_size=16)  # mostly rejected: many holes
+    prompts = random_prompts(4, 64, seed=43, max_length=10)
+    max_holes = 8
+    loop, _ = make_loop(target, draft, prompts, 700, num_assistant_tokens=3, tetris_extra_tokens=2,
+                        tetris_max_holes=max_holes)
+    steps, worst_waste = 0, 0
+    with torch.no_grad():
+        while not loop.done and steps < 500:
+            loop.step()
+            steps += 1
+            for slots in (loop.target_slots, loop.drafter.slots):
+                waste = slots.length - int(slots.live_lengths().max())
+                worst_waste = max(worst_waste, waste)
+                assert waste <= max_holes, f"step {steps}: {waste} wasted slots"
+    assert steps == 500
+    assert loop.stats.verified_tokens > loop.stats.accepted_tokens  # holes were made, and removed
+    assert worst_waste > 0
