@@ -8,6 +8,7 @@ runs unchanged and the loop receives what plain decoding would.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -20,7 +21,7 @@ from .decoding import check_pair, check_prompt_mask, tetris_decoding
 from .strategies import TetrisOptions
 
 STRATEGY_NAME = "tetris"
-OPTION_NAMES = ("num_assistant_tokens", "tetris_extra_tokens", "tetris_budget", "tetris_strategy", "tetris_max_holes")
+OPTION_NAMES = tuple(option.name for option in dataclasses.fields(TetrisOptions))
 
 
 def _pop_options(kwargs: dict) -> TetrisOptions:
