@@ -134,11 +134,11 @@ def _stirling2(d_max: int, s_max: int) -> list[list[int]]:
 
 
 def _series_mul(a: Tensor, b: Tensor) -> Tensor:
-    """Product of power series in ``t`` truncated at the last degree: ``(..., D + 1)`` coefficients each."""
+    """Product of power series in ``t`` truncated at the last degree; coefficients on dim 0: ``(D + 1, ...)``."""
     out = torch.zeros_like(a)
-    width = a.shape[-1]
+    width = a.shape[0]
     for u in range(width):
-        out[..., u:] += a[..., u : u + 1] * b[..., : width - u]
+        out[u:] += a[u] * b[: width - u]
     return out
 
 
@@ -172,13 +172,11 @@ def _wor_miss_probability(q_sorted: Tensor, n: int, n_heavy: int | None = None) 
         raise ValueError(f"n_heavy must be at least n - 1 = {top}, got {heavy}")
 
     h, h_pos = q_sorted.topk(heavy, dim=-1)  # (B, K) descending, positions in prefix order
-    outside_top = q_sorted.scatter(-1, h_pos[:, :top], 0.0).sum(-1)  # r: mass outside the n-1 largest q
-    scale = outside_top.unsqueeze(-1)  # every mass below is divided by r
-    h_top = h[:, :top] / scale  # (B, n-1)
-    h_scaled = h / scale  # (B, K)
+    scale = q_sorted.scatter(-1, h_pos[:, :top], 0.0).sum(-1, keepdim=True)  # r: mass outside the n-1 largest q
+    h = h / scale  # every mass below is in units of r
+    light = q_sorted.scatter(-1, h_pos, 0.0) / scale  # (B, V): light tokens only
 
-    light = q_sorted.scatter(-1, h_pos, 0.0) / scale  # (B, V) light tokens only, scaled
-    largest_light = float(light.max()) if light.numel() else 0.0
+    largest_light = float(light.max())
     if largest_light > 0:
         ratio = top * largest_light
         if ratio >= 0.9:
@@ -187,53 +185,50 @@ def _wor_miss_probability(q_sorted: Tensor, n: int, n_heavy: int | None = None) 
     else:
         degree = 0
     width = degree + 1
-    exponents = torch.arange(1, width + 1, dtype=q_sorted.dtype)  # d + 1
-
     terms = sum(math.comb(heavy, i) * 2**i for i in range(n))
     if terms * width * batch > 5e8:
-        raise ValueError(f"without replacement, n={n} on V={vocab} needs {terms:.3g} subset terms; n <= 4 is the fast range")
+        raise ValueError(f"without replacement, n={n} on V={vocab} needs {terms:.3g} subset terms (n <= 4 is fast)")
 
-    # Heavy part: Gamma_i[k, d] = sum_{S subset heavy, |S| = i, S in H_k} sum_{T subset S} (-1)^{i-|T|} rest(T)^-(d+1),
+    # Heavy part, (D + 1, B, V + 1) for each subset size i:
+    #   Gamma_i[d, k] = sum_{S subset heavy, |S| = i, S in H_k} sum_{T subset S} (-1)^{i-|T|} rest(T)^-(d+1),
     # with rest(T) = (1 - q(T)) / r = 1 + (top tokens not in T) - (members of T beyond the top): no cancellation.
     gammas = []
     for size in range(n):
         subsets = list(combinations(range(heavy), size))
         members = torch.tensor(subsets, dtype=torch.long).reshape(len(subsets), size)  # (N, size)
-        gamma = q_sorted.new_zeros(batch, members.shape[0], width)
+        gamma = q_sorted.new_zeros(width, batch, len(subsets))
         for mask in range(1 << size):
             chosen = members[:, [bit for bit in range(size) if mask >> bit & 1]]  # (N, |T|)
             in_top = (chosen.unsqueeze(-1) == torch.arange(top)).any(1)  # (N, n-1)
-            rest = 1.0 + (h_top.unsqueeze(1) * ~in_top).sum(-1)  # (B, N)
-            beyond = h_scaled[:, chosen] * (chosen >= top)  # (B, N, |T|)
-            rest = rest - beyond.sum(-1)
+            rest = 1.0 + (h[:, :top].unsqueeze(1) * ~in_top).sum(-1) - (h[:, chosen] * (chosen >= top)).sum(-1)
             sign = -1.0 if (size - bin(mask).count("1")) % 2 else 1.0
-            gamma += sign * rest.unsqueeze(-1) ** -exponents
+            gamma += sign * (1.0 / rest).expand(width, -1, -1).cumprod(0)  # rest^-(d+1), d = 0..D
         if size == 0:
-            gammas.append(gamma.expand(batch, vocab + 1, width))
+            gammas.append(gamma.expand(width, batch, vocab + 1))
             continue
-        enters = h_pos[:, members].amax(-1)  # (B, N) prefix index at which S is complete (H_k holds 0..k-1)
-        binned = q_sorted.new_zeros(batch, vocab, width)
-        binned.scatter_add_(1, enters.unsqueeze(-1).expand(-1, -1, width), gamma)
-        gammas.append(torch.cat([binned.new_zeros(batch, 1, width), binned.cumsum(1)], dim=1))
+        enters = h_pos[:, members].amax(-1).expand(width, -1, -1)  # S lies in H_k from k = max position + 1 on
+        binned = q_sorted.new_zeros(width, batch, vocab).scatter_add_(2, enters, gamma)
+        gammas.append(torch.cat([binned.new_zeros(width, batch, 1), binned.cumsum(2)], dim=2))
 
-    # Light part: W_j[k, d] = d! [t^d] e_j(exp(q_x t) - 1 : x light in H_k), from running power sums (Newton).
+    # Light part: W_j[d, k] = d! [t^d] e_j(exp(q_x t) - 1 : x light in H_k), from running power sums (Newton).
+    powers = light.expand(width, -1, -1).cumprod(0)  # q^(d+1)
+    power_sums = torch.cat([torch.zeros_like(powers[:1]), powers[:-1]])  # pi_d = sum q^d, d = 0..D (pi_0 unused)
+    power_sums = torch.cat([power_sums.new_zeros(width, batch, 1), power_sums.cumsum(2)], dim=2)  # (D+1, B, V+1)
     stirling = _stirling2(degree, top)
-    power_sums = light.new_zeros(batch, vocab + 1, width)  # pi_d over the light prefix
-    for d in range(1, width):
-        power_sums[..., d] = _with_zero_first((light**d).cumsum(-1))
-    factorial = torch.tensor([math.factorial(d) for d in range(width)], dtype=q_sorted.dtype)
-    power_series = [None] + [  # P_s[d] = s! S(d, s) / d! * pi_d: the power sums of (exp(q t) - 1)
-        power_sums * torch.tensor([math.factorial(s) * stirling[d][s] for d in range(width)], dtype=q_sorted.dtype) / factorial
-        for s in range(1, n)
-    ]
+    factorial = [math.factorial(d) for d in range(width)]
     elementary = [torch.zeros_like(power_sums)]
-    elementary[0][..., 0] = 1.0
+    elementary[0][0] = 1.0
+    power_series = [None]  # P_s[d] = s! S(d, s) / d! * pi_d: power sums of (exp(q t) - 1)
+    for s in range(1, n):
+        coefficients = [math.factorial(s) * stirling[d][s] / factorial[d] for d in range(width)]
+        power_series.append(power_sums * torch.tensor(coefficients, dtype=q_sorted.dtype).view(width, 1, 1))
     for j in range(1, n):
         total = sum((-1) ** (s - 1) * _series_mul(elementary[j - s], power_series[s]) for s in range(1, j + 1))
         elementary.append(total / j)
-    weights = [e * factorial for e in elementary]
+    factorials = torch.tensor(factorial, dtype=q_sorted.dtype).view(width, 1, 1)
+    weights = [e * factorials for e in elementary]
 
-    miss = sum((weights[j] * gammas[i]).sum(-1) for i in range(n) for j in range(n - i))
+    miss = sum((weights[j] * gammas[i]).sum(0) for i in range(n) for j in range(n - i))
     outside = _mass_outside_prefixes(q_sorted) / scale
     return (outside * miss).clamp(0.0, 1.0)
 
@@ -343,40 +338,67 @@ def _rrs_wor_two(p: Tensor, q: Tensor) -> Tensor:
     return 1.0 - rejected + (reject * second).sum(-1)
 
 
-def _rrs_wor_tree(p: Tensor, q: Tensor, n: int, generator: torch.Generator | None, paths: int | None) -> Tensor:
-    """RRS without replacement over the tree of rejected drafts: ``(B, V) -> (B,)``.
+def _without(proposal: Tensor, token: Tensor) -> Tensor:
+    """``(N, V)`` draft laws with ``token`` ``(N,)`` removed and renormalised (the next draft without replacement)."""
+    proposal = proposal.scatter(-1, token.unsqueeze(-1), 0.0)
+    return proposal / proposal.sum(-1, keepdim=True)
 
-    ``paths=None``: every branch is expanded (exact; ``B * V**(n-1)`` nodes). Otherwise ``paths`` walks per row,
-    each drawing the next rejected draft from its conditional law ``max(q_i - p_i, 0) / (1 - a_i)`` and adding
-    ``P(reach step i) * a_i`` with ``a_i = sum min(p_i, q_i)`` (an unbiased, Rao-Blackwellised estimate).
+
+def _sample_rows(weights: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One index per row of ``(N, V)`` non-negative weights (positive sums), by inverse CDF: ``(N,)``."""
+    cdf = weights.cumsum(-1)
+    u = torch.rand(weights.shape[0], 1, dtype=weights.dtype, generator=generator) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True)[:, 0].clamp(max=weights.shape[-1] - 1)
+
+
+def _rrs_wor_walk(
+    target: Tensor, proposal: Tensor, reach: Tensor, rows: Tensor, steps: int, out: Tensor,
+    generator: torch.Generator | None = None, *, sample: bool = False,
+) -> None:
+    """Walk ``steps`` RRS steps without replacement from states ``(N, V)`` (current p_i and q_i), each reached with
+    probability ``reach`` ``(N,)``, adding ``reach * sum min(p_i, q_i)`` at every step into ``out[rows]``.
+
+    ``sample=False`` branches into every rejected draft (exact). ``sample=True`` follows one rejected draft per state,
+    drawn from its conditional law ``max(q_i - p_i, 0) / (1 - a_i)`` (the Rao-Blackwellised Monte Carlo walk).
     """
-    rows = torch.arange(p.shape[0])
-    if paths is not None:
-        rows = rows.repeat_interleave(paths)
-    target, proposal = p[rows], q[rows]
-    reach = torch.ones(rows.shape[0], dtype=p.dtype)
-    accepted = torch.zeros(p.shape[0], dtype=p.dtype)
-    for step in range(n):
+    for step in range(steps):
         hit = torch.minimum(target, proposal).sum(-1)
-        accepted.index_add_(0, rows, reach * hit)
-        if step == n - 1:
-            break
+        out.index_add_(0, rows, reach * hit)
+        if step == steps - 1:
+            return
         reject = (proposal - target).clamp(min=0.0)  # (N, V): probability of drawing x and rejecting it
-        if paths is None:
+        if sample:
+            node = ((reject.sum(-1) > 0) & (reach > 0)).nonzero()[:, 0]
+            token = _sample_rows(reject[node], generator)
+            reach = reach[node] * (1.0 - hit[node])
+        else:
             node, token = (reject * reach.unsqueeze(-1) > 0).nonzero(as_tuple=True)
             reach = reach[node] * reject[node, token]
-        else:
-            node = torch.arange(rows.shape[0])
-            alive = reject.sum(-1) > 0
-            token = torch.multinomial(torch.where(alive.unsqueeze(-1), reject, proposal), 1, generator=generator)[:, 0]
-            reach = reach * (1.0 - hit)
         target = _residual(target[node], proposal[node])[0]
-        proposal = proposal[node].scatter(-1, token.unsqueeze(-1), 0.0)
-        proposal = proposal / proposal.sum(-1, keepdim=True)
+        proposal = _without(proposal[node], token)
         rows = rows[node]
-    if paths is not None:
-        accepted = accepted / paths
-    return accepted
+
+
+def _rrs_wor_monte_carlo(p: Tensor, q: Tensor, n: int, paths: int, generator: torch.Generator | None) -> Tensor:
+    """Unbiased estimate of RRS-without-replacement acceptance, ``(B, V) -> (B,)``: the first step is exact and
+    shared; ``paths`` walks per position continue from a first rejected draft drawn from its conditional law."""
+    estimates = []
+    for target, proposal in zip(p, q):
+        hit = torch.minimum(target, proposal).sum()
+        reject = (proposal - target).clamp(min=0.0)
+        if reject.sum() <= 0:
+            estimates.append(hit)
+            continue
+        first = torch.multinomial(reject, paths, replacement=True, generator=generator)
+        second = _residual(target, proposal)[0]
+        later = torch.zeros(1, dtype=p.dtype)
+        for chunk in first.split(32):  # (32, V) float64 states stay in cache
+            size = chunk.shape[0]
+            states = second.expand(size, -1), _without(proposal.expand(size, -1), chunk)
+            ones, zeros = torch.ones(size, dtype=p.dtype), torch.zeros(size, dtype=torch.long)
+            _rrs_wor_walk(*states, ones, zeros, n - 1, later, generator, sample=True)
+        estimates.append(hit + (1.0 - hit) * later[0] / paths)
+    return torch.stack(estimates)
 
 
 def rrs_acceptance_method(vocab_size: int, n: int, *, replacement: bool = True) -> str:
@@ -403,8 +425,9 @@ def rrs_acceptance(
       * n <= 2: exact for any V (closed form, sort + prefix sums);
       * n >= 3 and ``V**n <= 2e6``: exact, by enumerating every sequence of rejected drafts;
       * otherwise: unbiased Monte Carlo over ``num_samples`` sequences of rejected drafts per position, each adding
-        the exact probability of accepting at every step it reaches (Rao-Blackwellised; standard error ~1e-2 or less
-        at 256 samples). :func:`rrs_acceptance_method` says which one ``method="auto"`` picks.
+        the exact probability of accepting at every step it reaches (Rao-Blackwellised; standard error at most
+        ``(1 - a_1) / (2 sqrt(num_samples))``, a_1 the first draft's acceptance). :func:`rrs_acceptance_method` says
+        which one ``method="auto"`` picks.
 
     Args:
         p, q: ``(..., V)``.
@@ -431,9 +454,11 @@ def rrs_acceptance(
             method = rrs_acceptance_method(vocab, n, replacement=False)
         if method == "exact" and vocab**n > 50 * _ENUMERATION_BUDGET:
             raise ValueError(f"method='exact' without replacement would enumerate V**n = {vocab**n:.3g} cases")
-        rows = max(1, _ROWS_ELEMENTS // (vocab * (num_samples if method == "monte_carlo" else 1)))
-        paths = num_samples if method == "monte_carlo" else None
-        result = torch.cat([_rrs_wor_tree(pp, qq, n, generator, paths) for pp, qq in zip(p.split(rows), q.split(rows))])
+        if method == "monte_carlo":
+            result = _rrs_wor_monte_carlo(p, q, n, num_samples, generator)
+        else:
+            result = torch.zeros(p.shape[0], dtype=p.dtype)
+            _rrs_wor_walk(p, q, torch.ones_like(result), torch.arange(p.shape[0]), n, result)
     return result.clamp(0.0, 1.0).reshape(batch_shape)
 
 
