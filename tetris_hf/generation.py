@@ -63,7 +63,10 @@ def generate(model, *args, **kwargs):
     kwargs.pop("custom_generate", None)
     options = _pop_options(kwargs)
     check_pair(model, assistant_model)
-    _check_inputs(args[0] if args else kwargs.get("inputs", kwargs.get("input_ids")), kwargs.get("attention_mask"), streamer)
+    prompt = args[0] if args else kwargs.get("inputs")
+    if prompt is None:  # generate(input_ids=...) reaches a custom_generate folder as inputs=None, input_ids=...
+        prompt = kwargs.get("input_ids")
+    _check_inputs(prompt, kwargs.get("attention_mask"), streamer)
     decoding = functools.partial(tetris_decoding, assistant_model=assistant_model, options=options, streamer=streamer)
     return GenerationMixin.generate(model, *args, custom_generate=decoding, streamer=streamer, **kwargs)
 
