@@ -1,0 +1,549 @@
+"""``tetris-hf bench``: TETRIS against the baselines users have, side by side in one process, on real prompts.
+
+For one prompt set, batch size and ``max_new_tokens`` it runs, on the same prompts:
+
+- ``generate``: plain batched ``generate()`` (no speculation) — the reference every greedy output must equal;
+- ``hf-assisted``: transformers' own assisted generation, one request at a time (its only option), on a subset;
+- ``fixed``: standard batched speculative decoding, every row verifying its first ``k`` drafts, for each ``k``;
+- ``tetris``: TETRIS with each ``e`` at the fixed runs' budget ``C = k x B`` (or ``--budget``);
+- any other ``tetris_strategy`` name (e.g. ``adaptive``, ``dsd``) once per ``k``.
+
+Per run it reports output tokens/s, per-request latency (all requests arrive at time 0 and batches run one after
+the other, so a request's latency is when its batch returned), acceptance rate, VSR, target forwards per generated
+token, tokens emitted per row-step, and peak memory; it prints a table, writes ``results.json`` and ``bench.png``, and
+fails (exit 1) when a greedy speculative output differs from plain ``generate()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from .cli import UsageError
+
+BASELINES = ("generate", "hf-assisted")
+
+
+@dataclasses.dataclass
+class BenchConfig:
+    """What to run. ``strategies`` names runs: ``generate``, ``hf-assisted``, or a ``tetris_strategy`` value."""
+
+    batch_size: int = 16
+    max_new_tokens: int = 64
+    strategies: tuple[str, ...] = ("generate", "hf-assisted", "fixed", "tetris")
+    num_assistant_tokens: tuple[int, ...] = (4,)
+    extra_tokens: tuple[int, ...] = (1, 2, 3)
+    budget: int | None = None
+    hf_assisted_prompts: int = 4
+    do_sample: bool = False
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class RunResult:
+    """One strategy's measurements. ``outputs[i]`` are request ``i``'s generated tokens (``None``: not run)."""
+
+    name: str
+    strategy: str
+    options: dict
+    requests: int
+    tokens: int
+    seconds: float
+    latencies: list[float]
+    target_forwards: int
+    row_steps: int
+    drafted: int
+    verified: int
+    accepted: int
+    peak_memory_mb: float
+    outputs: list
+
+    def summary(self) -> dict:
+        latencies = sorted(self.latencies)
+        return {
+            "name": self.name,
+            "strategy": self.strategy,
+            "options": self.options,
+            "requests": self.requests,
+            "output_tokens": self.tokens,
+            "seconds": self.seconds,
+            "tokens_per_second": self.tokens / self.seconds if self.seconds else 0.0,
+            "latency_mean_s": statistics.fmean(latencies) if latencies else 0.0,
+            "latency_p50_s": _percentile(latencies, 50),
+            "latency_p99_s": _percentile(latencies, 99),
+            "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
+            "vsr": self.accepted / self.verified if self.verified else None,
+            "drafted_tokens": self.drafted,
+            "verified_tokens": self.verified,
+            "accepted_tokens": self.accepted,
+            "target_forwards_per_token": self.target_forwards / self.tokens if self.tokens else 0.0,
+            "tokens_per_row_step": self.tokens / self.row_steps if self.row_steps else 0.0,
+            "peak_memory_mb": self.peak_memory_mb,
+        }
+
+
+def _percentile(sorted_values: list[float], percent: float) -> float:
+    if not sorted_values:
+        return 0.0
+    rank = (len(sorted_values) - 1) * percent / 100
+    low, high = math.floor(rank), math.ceil(rank)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (rank - low)
+
+
+class ForwardCounter:
+    """Counts a model's forward calls (a batched forward counts once)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.count = 0
+        self._handle = model.register_forward_hook(self._hook)
+
+    def _hook(self, *_):
+        self.count += 1
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+class PeakMemory:
+    """Peak memory during a run: CUDA's allocator peak on GPU, else the process RSS sampled every 20 ms (MB)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peak = 0.0
+        self._stop = threading.Event()
+        self._thread = None
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            import psutil
+
+            process = psutil.Process()
+
+            def sample():
+                while not self._stop.is_set():
+                    self.peak = max(self.peak, process.memory_info().rss / 2**20)
+                    self._stop.wait(0.02)
+
+            self._thread = threading.Thread(target=sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *_):
+        if self.device.type == "cuda":
+            self.peak = torch.cuda.max_memory_allocated(self.device) / 2**20
+        else:
+            self._stop.set()
+            self._thread.join()
+
+
+def generated_tokens(sequences: torch.Tensor, prompt_width: int, eos_token_ids: set[int]) -> list[list[int]]:
+    """Each row's new tokens, up to and including its first EOS (what follows is padding)."""
+    rows = []
+    for row in sequences[:, prompt_width:].tolist():
+        for index, token in enumerate(row):
+            if token in eos_token_ids:
+                row = row[: index + 1]
+                break
+        rows.append(row)
+    return rows
+
+
+def encode(tokenizer, texts: list[str], device) -> dict:
+    """Left-padded batch; rendered chats already carry their special tokens."""
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    return {key: value.to(device) for key, value in batch.items() if key in ("input_ids", "attention_mask")}
+
+
+def _eos_ids(target) -> set[int]:
+    eos = target.generation_config.eos_token_id
+    return set(eos if isinstance(eos, (list, tuple)) else [eos]) if eos is not None else set()
+
+
+def run_strategy(
+    name: str,
+    strategy: str,
+    options: dict,
+    target,
+    draft,
+    tokenizer,
+    texts: list[str],
+    config: BenchConfig,
+    progress=None,
+) -> RunResult:
+    """Run one strategy over ``texts`` in batches of ``config.batch_size`` (``hf-assisted``: one at a time)."""
+    device = target.device
+    batch_size = 1 if strategy == "hf-assisted" else config.batch_size
+    eos_ids = _eos_ids(target)
+    common = dict(max_new_tokens=config.max_new_tokens, do_sample=config.do_sample, pad_token_id=tokenizer.pad_token_id)
+    outputs, latencies = [], []
+    drafted = verified = accepted = row_steps = 0
+    counter = ForwardCounter(target)
+    torch.manual_seed(config.seed)
+    try:
+        with PeakMemory(device) as memory:
+            started = time.perf_counter()
+            for first in range(0, len(texts), batch_size):
+                batch = encode(tokenizer, texts[first : first + batch_size], device)
+                if strategy == "generate":
+                    sequences = target.generate(**batch, **common)
+                elif strategy == "hf-assisted":
+                    sequences = target.generate(**batch, assistant_model=draft, **common)
+                else:
+                    result = target.generate(
+                        **batch, assistant_model=draft, custom_generate="tetris", tetris_strategy=strategy,
+                        return_dict_in_generate=True, **options, **common,
+                    )
+                    sequences, stats = result.sequences, result.tetris_stats
+                    drafted += stats.drafted_tokens
+                    verified += stats.verified_tokens
+                    accepted += stats.accepted_tokens
+                    row_steps += sum(sum(v >= 0 for v in step) for step in stats.verified_per_step)
+                rows = generated_tokens(sequences, batch["input_ids"].shape[1], eos_ids)
+                if strategy == "generate":
+                    row_steps += sum(map(len, rows))  # one token per row per step, by construction
+                outputs.extend(rows)
+                latencies.extend([time.perf_counter() - started] * len(rows))
+                if progress is not None:
+                    progress.update(len(rows))
+            seconds = time.perf_counter() - started
+        if strategy == "hf-assisted":
+            row_steps = counter.count  # one row, one target forward per step
+    finally:
+        counter.close()
+    return RunResult(
+        name=name,
+        strategy=strategy,
+        options=options,
+        requests=len(texts),
+        tokens=sum(map(len, outputs)),
+        seconds=seconds,
+        latencies=latencies,
+        target_forwards=counter.count,
+        row_steps=row_steps,
+        drafted=drafted,
+        verified=verified,
+        accepted=accepted,
+        peak_memory_mb=memory.peak,
+        outputs=outputs,
+    )
+
+
+def plan_runs(config: BenchConfig, num_rows: int) -> list[tuple[str, str, dict]]:
+    """``(name, strategy, generate options)`` for every run, baselines first."""
+    runs = [(strategy, strategy, {}) for strategy in BASELINES if strategy in config.strategies]
+    for k in config.num_assistant_tokens:
+        budget = config.budget if config.budget is not None else k * num_rows
+        for strategy in config.strategies:
+            if strategy in BASELINES:
+                continue
+            if strategy == "fixed":
+                runs.append((f"fixed k={k}", "fixed", {"num_assistant_tokens": k}))
+            elif strategy == "tetris":
+                for e in config.extra_tokens:
+                    options = {"num_assistant_tokens": k, "tetris_extra_tokens": e}
+                    if config.budget is not None:
+                        options["tetris_budget"] = config.budget
+                    runs.append((f"tetris k={k} e={e} C={budget}", "tetris", options))
+            else:
+                runs.append((f"{strategy} k={k}", strategy, {"num_assistant_tokens": k}))
+    return runs
+
+
+def check_greedy_outputs(results: list[RunResult]) -> list[str]:
+    """Greedy outputs of every run must equal plain ``generate()``'s; returns one line per run that differs."""
+    reference = next((r for r in results if r.strategy == "generate"), None)
+    if reference is None:
+        return []
+    from .metrics import load_output_agreement
+
+    metric = load_output_agreement()
+    problems = []
+    for result in results:
+        pairs = [(o, ref) for o, ref in zip(result.outputs, reference.outputs) if o is not None]
+        agreement = metric.compute(predictions=[p for p, _ in pairs], references=[r for _, r in pairs])
+        result.options = {**result.options}
+        result.agreement = agreement
+        if agreement["exact_match"] < 1.0:
+            problems.append(
+                f"{result.name}: {agreement['exact_match']:.0%} of outputs equal plain generate "
+                f"(token agreement {agreement['token_agreement']:.3f})"
+            )
+    return problems
+
+
+def format_table(summaries: list[dict], reference_name: str | None) -> str:
+    reference = next((s for s in summaries if s["name"] == reference_name), None)
+    header = (f"{'strategy':<26} {'tok/s':>7} {'x plain':>7} {'lat mean':>8} {'p50':>6} {'p99':>6} "
+              f"{'accept':>6} {'VSR':>5} {'fwd/tok':>7} {'tok/step':>8} {'peak MB':>8}")
+    lines = [header, "-" * len(header)]
+    for s in summaries:
+        ratio = s["tokens_per_second"] / reference["tokens_per_second"] if reference else float("nan")
+        fmt = lambda value: f"{value:.2f}" if value is not None else "-"  # noqa: E731
+        lines.append(
+            f"{s['name']:<26} {s['tokens_per_second']:>7.1f} {ratio:>7.2f} {s['latency_mean_s']:>8.1f} "
+            f"{s['latency_p50_s']:>6.1f} {s['latency_p99_s']:>6.1f} {fmt(s['acceptance_rate']):>6} "
+            f"{fmt(s['vsr']):>5} {s['target_forwards_per_token']:>7.3f} {s['tokens_per_row_step']:>8.2f} "
+            f"{s['peak_memory_mb']:>8.0f}"
+        )
+    return "\n".join(lines)
+
+
+def plot(summaries: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [s["name"] for s in summaries]
+    colours = ["#9e9e9e" if s["strategy"] in BASELINES else "#1f77b4" if s["strategy"] == "fixed"
+               else "#d62728" if s["strategy"] == "tetris" else "#2ca02c" for s in summaries]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 0.45 * len(names) + 2), sharey=True)
+    positions = range(len(names))
+    left.barh(positions, [s["tokens_per_second"] for s in summaries], color=colours)
+    left.set_xlabel("output tokens / s (higher is better)")
+    left.set_yticks(list(positions), names)
+    left.invert_yaxis()
+    right.barh(positions, [s["vsr"] or 0.0 for s in summaries], color=colours)
+    right.set_xlabel("VSR: accepted / verified draft tokens")
+    right.set_xlim(0, 1)
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def _split_for_processes(texts: list[str]):
+    """Under ``accelerate launch``: this process's share of the prompts, and the accelerate state (or None)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return texts, None, range(len(texts))
+    from accelerate import PartialState
+
+    state = PartialState()
+    indices = list(range(len(texts)))
+    with state.split_between_processes(indices) as mine:
+        mine = list(mine)
+    return [texts[i] for i in mine], state, mine
+
+
+def _gather(result: RunResult, state, indices) -> RunResult:
+    """Combine one run's per-process results: tokens add up, wall time is the slowest process's."""
+    from accelerate.utils import gather_object
+
+    parts = gather_object([(dataclasses.asdict(result), list(indices))])
+    merged = dataclasses.asdict(result)
+    outputs = {}
+    for part, part_indices in parts:
+        outputs.update(zip(part_indices, part["outputs"]))
+    for key in ("requests", "tokens", "target_forwards", "row_steps", "drafted", "verified", "accepted"):
+        merged[key] = sum(part[key] for part, _ in parts)
+    merged["seconds"] = max(part["seconds"] for part, _ in parts)
+    merged["peak_memory_mb"] = max(part["peak_memory_mb"] for part, _ in parts)
+    merged["latencies"] = [latency for part, _ in parts for latency in part["latencies"]]
+    merged["outputs"] = [outputs[i] for i in sorted(outputs)]
+    return RunResult(**merged)
+
+
+def run_bench(target, draft, tokenizer, texts: list[str], config: BenchConfig, *, show_progress: bool = True) -> dict:
+    """Every planned run on ``texts``; returns ``{"config", "runs": [summary...], "mismatches": [...]}``."""
+    from tqdm.auto import tqdm
+
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    texts, state, indices = _split_for_processes(texts)
+    is_main = state is None or state.is_main_process
+    runs = plan_runs(config, min(config.batch_size, len(texts)))
+    assisted_texts = texts[: config.hf_assisted_prompts]
+    # Warm-up: the first forwards of a process are slow (allocator, kernels); keep them out of every timing.
+    warm = encode(tokenizer, texts[:2], target.device)
+    target.generate(**warm, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    target.generate(**warm, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                    assistant_model=draft, custom_generate="tetris")
+    total = sum(len(assisted_texts) if strategy == "hf-assisted" else len(texts) for _, strategy, _ in runs)
+    results = []
+    with tqdm(total=total, desc="bench", unit="req", disable=not (show_progress and is_main), file=sys.stderr) as bar:
+        for name, strategy, options in runs:
+            bar.set_postfix_str(name)
+            run_texts = assisted_texts if strategy == "hf-assisted" else texts
+            result = run_strategy(name, strategy, options, target, draft, tokenizer, run_texts, config, bar)
+            if strategy == "hf-assisted":
+                result.outputs += [None] * (len(texts) - len(run_texts))
+            if state is not None:
+                result = _gather(result, state, indices)
+            results.append(result)
+    mismatches = check_greedy_outputs(results) if not config.do_sample else []
+    summaries = []
+    for result in results:
+        summary = result.summary()
+        summary["agreement_with_generate"] = getattr(result, "agreement", None)
+        summaries.append(summary)
+    return {"config": dataclasses.asdict(config), "runs": summaries, "mismatches": mismatches,
+            "is_main_process": is_main}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Command line
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected non-negative integers, got {text!r}")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompts", default="sharegpt", help="sharegpt | mtbench | humaneval | FILE.jsonl")
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--max-prompt-tokens", type=int, default=256,
+                        help="skip prompts longer than this many tokens (ShareGPT has some very long ones)")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--strategies", default="generate,hf-assisted,fixed,tetris",
+                        help="comma list: generate, hf-assisted, fixed, tetris, or any other tetris_strategy")
+    parser.add_argument("--num-assistant-tokens", type=_int_list, default=(4,), help="k (comma list)")
+    parser.add_argument("--extra-tokens", type=_int_list, default=(1, 2, 3), help="TETRIS e (comma list)")
+    parser.add_argument("--budget", type=int, default=None, help="C per step (default k x batch size)")
+    parser.add_argument("--hf-assisted-prompts", type=int, default=4,
+                        help="requests for transformers' one-at-a-time assisted generation (it is slow)")
+    parser.add_argument("--target", default=None, help="Hub id, local directory or .gguf (default: SmolLM2-135M)")
+    parser.add_argument("--draft", default=None,
+                        help="Hub id, local directory, tetris-hf draft directory or early-exit:N (default: shipped)")
+    parser.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto")
+    parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy (no equality check)")
+    parser.add_argument("--load-in-4bit", action="store_true", help="bitsandbytes nf4 target")
+    parser.add_argument("--load-in-8bit", action="store_true", help="bitsandbytes 8-bit target")
+    parser.add_argument("--output", default="bench-out", help="directory for results.json and bench.png")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def config_from_args(args) -> BenchConfig:
+    for flag in ("num_prompts", "batch_size", "max_new_tokens"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if args.budget is not None and args.budget < 0:
+        raise UsageError(f"--budget must be >= 0, got {args.budget}")
+    strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
+    from .strategies import STRATEGIES
+
+    unknown = [s for s in strategies if s not in BASELINES and s not in STRATEGIES]
+    if unknown or not strategies:
+        raise UsageError(f"unknown strategy {unknown}: choose from {', '.join(BASELINES + tuple(STRATEGIES))}")
+    if 0 in args.num_assistant_tokens:
+        raise UsageError("--num-assistant-tokens must be at least 1")
+    return BenchConfig(
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        strategies=strategies,
+        num_assistant_tokens=args.num_assistant_tokens,
+        extra_tokens=args.extra_tokens,
+        budget=args.budget,
+        hf_assisted_prompts=args.hf_assisted_prompts,
+        do_sample=args.do_sample,
+        seed=args.seed,
+    )
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"unknown --device {name!r}: use cpu, cuda, cuda:N or auto") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda asked for, but this machine has no CUDA device: use --device cpu")
+    return device
+
+
+def load_prompt_texts(name: str, limit: int, tokenizer, max_prompt_tokens: int) -> tuple[list[str], str]:
+    """The first ``limit`` non-empty prompts of the set of at most ``max_prompt_tokens`` tokens, rendered."""
+    from .data import load_prompts, render_prompts
+
+    try:
+        prompt_set = load_prompts(name)
+    except (ValueError, FileNotFoundError) as error:
+        raise UsageError(str(error)) from None
+    texts, skipped = [], 0
+    for prompt in prompt_set:
+        if len(texts) == limit:
+            break
+        text = render_prompts([prompt], tokenizer)[0]
+        if not text.strip():
+            continue
+        if len(tokenizer(text, add_special_tokens=False)["input_ids"]) > max_prompt_tokens:
+            skipped += 1
+            continue
+        texts.append(text)
+    if not texts:
+        raise UsageError(f"prompt set {name!r} holds no non-empty prompt of at most {max_prompt_tokens} tokens")
+    note = prompt_set.note + (f"; skipped {skipped} prompts longer than {max_prompt_tokens} tokens" if skipped else "")
+    return texts, note
+
+
+def main(args) -> int:
+    config = config_from_args(args)
+    device = _device(args.device)
+    torch.manual_seed(args.seed)
+    from .models import ModelNotFoundError, load_default_pair
+
+    load_kwargs = {}
+    if args.load_in_4bit or args.load_in_8bit:
+        try:
+            from .quantization import quantization_config
+        except ImportError:
+            raise UsageError("this build has no bitsandbytes support (tetris_hf.quantization is missing)") from None
+        try:
+            load_kwargs["quantization_config"] = quantization_config(args.load_in_4bit, args.load_in_8bit)
+        except (ValueError, ImportError, RuntimeError) as error:
+            raise UsageError(str(error)) from None
+    try:
+        target, draft, tokenizer, info = load_default_pair(args.target, args.draft, device=device, **load_kwargs)
+    except ModelNotFoundError as error:
+        raise UsageError(str(error)) from None
+    except ValueError as error:  # e.g. a draft with another vocabulary
+        raise UsageError(str(error)) from None
+    texts, note = load_prompt_texts(args.prompts, args.num_prompts, tokenizer, args.max_prompt_tokens)
+    report = run_bench(target, draft, tokenizer, texts, config, show_progress=not args.no_progress)
+    if not report["is_main_process"]:
+        return 0
+    report.update(pair=dataclasses.asdict(info), prompts={"set": args.prompts, "count": len(texts), "note": note},
+                  device=str(device), torch=torch.__version__, threads=torch.get_num_threads(),
+                  argv=sys.argv)
+    output = Path(args.output)
+    output.mkdir(parents=True, exist_ok=True)
+    (output / "results.json").write_text(json.dumps(report, indent=2))
+    title = (f"{args.prompts} x{len(texts)}, batch {config.batch_size}, {config.max_new_tokens} new tokens, "
+             f"{device} — draft: {info.draft_kind}")
+    plot(report["runs"], output / "bench.png", title)
+    print(f"target: {info.target}\ndraft:  {info.draft}\nprompts: {note}")
+    print(format_table(report["runs"], "generate" if "generate" in config.strategies else None))
+    print(f"wrote {output / 'results.json'} and {output / 'bench.png'}")
+    if report["mismatches"]:
+        print("error: greedy speculative outputs differ from plain generate():", file=sys.stderr)
+        for line in report["mismatches"]:
+            print(f"  {line}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    from .cli import main as cli_main
+
+    sys.exit(cli_main(["bench", *sys.argv[1:]]))
