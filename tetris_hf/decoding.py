@@ -152,7 +152,7 @@ class BatchedSpeculativeLoop:
         self.do_sample = bool(generation_config.do_sample)
         self.max_length = int(generation_config.max_length)
         self.streamer = streamer
-        self.strategy = make_strategy(options)
+        self.strategy = make_strategy(options, model, assistant_model)
         self.stats = TetrisStats()
         self.batch_size = batch_size
         self.input_ids = input_ids

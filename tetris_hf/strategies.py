@@ -3,17 +3,27 @@
 A strategy answers three questions for the loop: ``num_draft_tokens(num_rows)`` (K this step), ``budget(num_rows)``
 (draft tokens the target may verify across the batch) and ``select(token_log_probs, max_lengths, budget)`` (a verified
 length per row). ``observe`` lets a strategy learn from what was accepted.
+
+Four strategies: ``fixed`` (every row verifies its first ``k``), ``tetris`` (the top ``C = k x B`` cells),
+``adaptive`` (``C`` and ``K`` chosen each step to maximise expected tokens per second from a measured cost model and
+calibrated acceptance, then TETRIS selection) and ``dsd`` (one ``k`` for the whole batch maximising the same goodput
+under a geometric acceptance model: the TETRIS paper's dynamic baseline).
 """
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping, NamedTuple
 
 import torch
 
+from .cost_model import AcceptanceCalibrator, CostProfile, StepCostModel, cost_model_for, load_profile
 from .selection import cumulative_log_probs, select_fixed, select_tetris
 
-STRATEGIES = ("tetris", "fixed")
+STRATEGIES = ("tetris", "fixed", "adaptive", "dsd")
 
 
 def _check_count(name: str, value, minimum: int) -> None:
@@ -32,8 +42,14 @@ class TetrisOptions:
         tetris_extra_tokens: ``e``, extra proposals per row: TETRIS drafts ``K = k + e`` (``>= 0``).
         tetris_budget: ``C``, draft tokens verified per step across the batch (``>= 0``); ``None`` = ``k`` x active
             rows.
-        tetris_strategy: ``"tetris"`` (select the top-``C`` cells) or ``"fixed"`` (every row verifies its first ``k``).
+        tetris_strategy: ``"tetris"`` (select the top-``C`` cells), ``"fixed"`` (every row verifies its first ``k``),
+            ``"adaptive"`` (``C`` and ``K <= k + e`` chosen per step from a cost model; ``tetris_budget`` caps ``C``)
+            or ``"dsd"`` (one ``k <= k + e`` for the batch, chosen per step).
         tetris_max_holes: cache slots a row may waste to rejected drafts before the cache is repacked.
+        tetris_cost_profile: for ``adaptive`` and ``dsd``: ``None`` (measure this pair at first use, cached in memory
+            and under ``$TETRIS_HF_CACHE``), a saved profile (JSON path or dict, see
+            :class:`~tetris_hf.cost_model.CostProfile`), a curve file (``"curve.json"`` or
+            ``"curve.json:TARGET:DRAFT"``) or a :class:`~tetris_hf.cost_model.CostProfile`.
     """
 
     num_assistant_tokens: int = 4
@@ -41,6 +57,7 @@ class TetrisOptions:
     tetris_budget: int | None = None
     tetris_strategy: str = "tetris"
     tetris_max_holes: int = 32
+    tetris_cost_profile: str | os.PathLike | Mapping | CostProfile | None = None
 
     def __post_init__(self):
         _check_count("num_assistant_tokens", self.num_assistant_tokens, 1)
@@ -50,6 +67,15 @@ class TetrisOptions:
         _check_count("tetris_max_holes", self.tetris_max_holes, 0)
         if self.tetris_strategy not in STRATEGIES:
             raise ValueError(f"`tetris_strategy` must be one of {STRATEGIES}, got {self.tetris_strategy!r}")
+        profile = self.tetris_cost_profile
+        if profile is not None:
+            if not isinstance(profile, (str, os.PathLike, Mapping, CostProfile)):
+                raise TypeError(f"`tetris_cost_profile` must be a JSON path, a dict or a CostProfile, got "
+                                f"{type(profile).__name__}")
+            if isinstance(profile, (str, os.PathLike)):
+                path = os.fspath(profile)
+                if not Path(path).is_file() and not Path(path.split(":")[0]).is_file():
+                    raise ValueError(f"`tetris_cost_profile` file {path!r} does not exist")
 
 
 class FixedWindow:
@@ -89,5 +115,357 @@ class TetrisSelection(FixedWindow):
         return select_tetris(cumulative_log_probs(token_log_probs), max_lengths, budget)
 
 
-def make_strategy(options: TetrisOptions) -> FixedWindow:
-    return TetrisSelection(options) if options.tetris_strategy == "tetris" else FixedWindow(options)
+# ---------------------------------------------------------------------------------------------------------------
+# Goodput optimisation: pure functions of tensors and a cost model
+
+
+class BudgetChoice(NamedTuple):
+    """What :func:`best_budget` picked for each batch: ``budget`` ``(N,)`` cells to verify, ``tokens`` ``(N,)``
+    expected emitted tokens, ``seconds`` ``(N,)`` predicted step time."""
+
+    budget: torch.Tensor
+    tokens: torch.Tensor
+    seconds: torch.Tensor
+
+
+def best_budget(survival: torch.Tensor, max_lengths: torch.Tensor, fixed_seconds: float,
+                verify_seconds: torch.Tensor, max_budget: int | None = None) -> BudgetChoice:
+    """The TETRIS budget ``C`` that maximises expected emitted tokens per second, for one or more batches.
+
+    Cells are taken in TETRIS greedy order (highest survival first, ties to the lower row then the earlier position,
+    as :func:`~tetris_hf.selection.select_tetris`). Verifying the first ``c`` cells of that order emits in
+    expectation ``B + sum of their survivals`` tokens (each row its accepted prefix plus one target token) and costs
+    ``fixed_seconds + verify_seconds[l]``, ``l`` the deepest position among them (every row's block is padded to it).
+
+    Args:
+        survival: ``(B, K)`` or ``(N, B, K)``: probability that cells ``1..j`` of a row are all accepted
+            (non-increasing along rows).
+        max_lengths: ``(B,)`` or ``(N, B)``: cells of a row that may be verified.
+        fixed_seconds: seconds of the step whatever ``C`` is (drafting, overhead).
+        verify_seconds: ``(K + 1,)``: entry ``l`` is a verification forward whose longest row checks ``l`` drafts.
+        max_budget: cap on ``C`` (``None``: every candidate cell).
+
+    Returns:
+        :class:`BudgetChoice` with ``(N,)`` tensors (``N = 1`` for a single batch); ties go to the smaller ``C``.
+    """
+    if survival.dim() == 2:
+        survival, max_lengths = survival[None], max_lengths[None]
+    num_batches, num_rows, num_cells = survival.shape
+    positions = torch.arange(num_cells, device=survival.device)
+    candidate = positions[None, None, :] < max_lengths[..., None]
+    ranked = torch.where(candidate, survival.double(), torch.full_like(survival, -1.0, dtype=torch.float64))
+    values, order = torch.sort(ranked.flatten(1), dim=1, descending=True, stable=True)
+    values = values.clamp(min=0)  # non-candidates sort last and add nothing
+    zeros = values.new_zeros(num_batches, 1)
+    tokens = num_rows + torch.cat([zeros, values.cumsum(dim=1)], dim=1)
+    depth = torch.cat([zeros.long(), ((order % num_cells) + 1).cummax(dim=1).values], dim=1)
+    seconds = fixed_seconds + verify_seconds.to(survival.device, torch.float64)[depth]
+    rate = tokens / seconds
+    allowed = torch.arange(rate.shape[1], device=rate.device)[None, :] <= candidate.flatten(1).sum(dim=1, keepdim=True)
+    if max_budget is not None:
+        allowed &= torch.arange(rate.shape[1], device=rate.device)[None, :] <= max_budget
+    rate = torch.where(allowed, rate, torch.full_like(rate, -1.0))
+    budget = rate.argmax(dim=1)  # first maximum: the smallest budget among ties
+    index = budget[:, None]
+    return BudgetChoice(budget, tokens.gather(1, index)[:, 0], seconds.gather(1, index)[:, 0])
+
+
+class StepPlan(NamedTuple):
+    """A step's plan: draft ``num_draft_tokens`` per row (0 = plain decoding), verify about ``budget`` cells,
+    expecting ``tokens`` emitted in ``seconds``."""
+
+    num_draft_tokens: int
+    budget: int
+    tokens: float
+    seconds: float
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds
+
+
+def plan_step(acceptance: torch.Tensor, num_rows: int, max_draft: int, cost: StepCostModel,
+              max_budget: int | None = None) -> StepPlan:
+    """Choose ``K`` (0 = no drafting) and ``C`` for a batch of ``num_rows`` before drafting.
+
+    Args:
+        acceptance: ``(P, max_draft)`` conditional acceptance probabilities of recently drafted rows (``P >= 0``),
+            standing in for the rows about to be drafted. They are cut into batches of ``num_rows`` rows (rows
+            repeated when ``P < num_rows``); each batch gets its best ``C`` (:func:`best_budget`) and each ``K`` is
+            scored by total expected tokens over total seconds.
+        num_rows: ``B``.
+        max_draft: largest ``K`` considered.
+        cost: the step cost model.
+        max_budget: cap on ``C``.
+
+    Returns:
+        The best :class:`StepPlan`; plain decoding unless drafting is expected to be faster.
+    """
+    plain_seconds = cost.verify_seconds(num_rows, 1) + cost.step_overhead
+    best = StepPlan(0, 0, float(num_rows), plain_seconds)
+    pool_rows = acceptance.shape[0]
+    if pool_rows == 0 or max_draft == 0 or max_budget == 0:
+        return best
+    num_batches = max(1, pool_rows // num_rows)
+    index = torch.arange(num_batches * num_rows) % pool_rows
+    batches = acceptance[index].view(num_batches, num_rows, -1).double()
+    verify = cost.verify_seconds_by_length(num_rows, max_draft)
+    draft_seconds = cost.draft_seconds(num_rows)
+    for num_draft in range(1, max_draft + 1):
+        survival = batches[..., :num_draft].cumprod(dim=-1)
+        lengths = torch.full((num_batches, num_rows), num_draft, dtype=torch.long)
+        choice = best_budget(survival, lengths, num_draft * draft_seconds + cost.step_overhead,
+                             verify[: num_draft + 1], max_budget)
+        plan = StepPlan(num_draft, max(1, round(float(choice.budget.double().mean()))),
+                        float(choice.tokens.mean()), float(choice.seconds.mean()))
+        if plan.rate > best.rate:
+            best = plan
+    return best
+
+
+def expected_tokens_geometric(acceptance: float, num_draft: int) -> float:
+    """Expected tokens a row emits verifying ``k`` drafts, each accepted with probability ``a`` independently
+    (prefix semantics): ``(1 - a^(k+1)) / (1 - a)``."""
+    if acceptance >= 1.0:
+        return float(num_draft + 1)
+    return (1.0 - acceptance ** (num_draft + 1)) / (1.0 - acceptance)
+
+
+def dsd_window(acceptance: float, num_rows: int, max_draft: int, cost: StepCostModel) -> int:
+    """DSD: the one ``k`` in ``0..max_draft`` for the whole batch maximising
+    ``B (1 - a^(k+1)) / (1 - a)`` over the step's seconds (``k = 0``: plain decoding)."""
+    best_k, best_rate = 0, num_rows / (cost.verify_seconds(num_rows, 1) + cost.step_overhead)
+    for k in range(1, max_draft + 1):
+        rate = num_rows * expected_tokens_geometric(acceptance, k) / cost.step_seconds(num_rows, k, k)
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    return best_k
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Strategies that choose per step
+
+
+class _CostAware:
+    """Shared by ``adaptive`` and ``dsd``: the cost model (resolved at the first step, when the batch size is known),
+    online corrections of it from the loop's own timings, and probing after long runs of plain decoding.
+
+    Timing: ``budget()`` opens a step, ``select()`` marks the end of drafting, ``observe()`` the end of verification;
+    from these the draft and target times are compared with the profile's (exponential moving averages of the ratio)
+    and the rest of the step becomes the per-step overhead. With ``clock=None`` (replay) nothing is corrected.
+
+    Probing: a strategy that decodes plainly learns nothing about acceptance, so after ``probe_interval`` plain steps
+    it drafts one token per row and verifies them all; the interval doubles after every probe that does not change
+    its mind (up to ``max_probe_interval``) and resets once drafting pays. The first step is a probe.
+    """
+
+    probe_interval_start = 8
+    max_probe_interval = 128
+    smoothing = 0.3
+
+    def __init__(self, options: TetrisOptions, cost: StepCostModel | Callable[[int, int], StepCostModel],
+                 clock: Callable[[], float] | None = None):
+        self.max_draft = options.num_assistant_tokens + options.tetris_extra_tokens
+        self._cost_source = cost
+        self.cost: StepCostModel | None = cost if isinstance(cost, StepCostModel) else None
+        self.clock = clock
+        self.plain_streak = 0
+        self.probe_interval = self.probe_interval_start
+        self.probing = False
+        self._started_at = self._drafted_at = self._verified_at = None
+
+    def _open_step(self, num_rows: int) -> StepCostModel:
+        if self.cost is None:
+            self.cost = self._cost_source(num_rows, self.max_draft + 1)
+        return self.cost
+
+    def _plan_done(self) -> None:
+        if self.clock is None:
+            return
+        now = self.clock()
+        if self._verified_at is not None:
+            self.cost.step_overhead = self._smooth(self.cost.step_overhead, max(now - self._verified_at, 0.0))
+        self._started_at, self._drafted_at, self._verified_at = now, None, None
+
+    def _mark_drafted(self) -> None:
+        if self.clock is not None:
+            self._drafted_at = self.clock()
+
+    def _mark_verified(self, num_rows: int, num_drafted: int, max_verified: int) -> None:
+        if self.clock is None or self._started_at is None or num_rows == 0:
+            return
+        now, cost = self.clock(), self.cost
+        verify_from = self._started_at
+        if num_drafted > 0 and self._drafted_at is not None:
+            predicted = num_drafted * cost.draft_seconds(num_rows) / cost.draft_scale
+            cost.draft_scale = self._smooth(cost.draft_scale, _ratio(self._drafted_at - self._started_at, predicted))
+            verify_from = self._drafted_at
+        predicted = cost.verify_seconds(num_rows, max_verified + 1) / cost.target_scale
+        cost.target_scale = self._smooth(cost.target_scale, _ratio(now - verify_from, predicted))
+        self._verified_at = now
+
+    def _smooth(self, old: float, sample: float) -> float:
+        return (1 - self.smoothing) * old + self.smoothing * sample
+
+    def _after_plan(self, drafts: bool, can_learn: bool) -> bool:
+        """Update the probe schedule; returns whether this step is a probe."""
+        if not can_learn:
+            return True
+        if drafts:
+            self.plain_streak, self.probe_interval = 0, self.probe_interval_start
+            return False
+        self.plain_streak += 1
+        if self.plain_streak < self.probe_interval:
+            return False
+        self.plain_streak, self.probe_interval = 0, min(2 * self.probe_interval, self.max_probe_interval)
+        return True
+
+
+def _longest(verify_lengths: torch.Tensor) -> int:
+    return int(verify_lengths.max()) if verify_lengths.numel() else 0
+
+
+def _ratio(measured: float, predicted: float) -> float:
+    return min(max(measured / predicted, 0.25), 4.0) if predicted > 0 else 1.0
+
+
+class AdaptiveBudget(_CostAware):
+    """``adaptive``: each step, ``K`` and ``C`` that maximise expected emitted tokens per second, then TETRIS.
+
+    Acceptance of a cell is its draft probability mapped through an online :class:`AcceptanceCalibrator`; a row's
+    survival is the running product along it. Before drafting, :func:`plan_step` picks ``K`` (0: plain decoding)
+    from the calibrated rows of recent steps; after drafting, :func:`best_budget` picks ``C`` from this step's cells
+    and :func:`~tetris_hf.selection.select_tetris` takes the top ``C`` by survival.
+
+    Args:
+        options: ``K <= num_assistant_tokens + tetris_extra_tokens``; ``tetris_budget`` caps ``C``.
+        cost: a :class:`StepCostModel`, or ``(num_rows, max_tokens) -> StepCostModel`` called at the first step.
+        clock: ``time.perf_counter`` to correct the cost model from measured steps; ``None`` not to.
+        calibrator: a shared :class:`AcceptanceCalibrator` (default: a fresh one).
+        pool_rows: recently drafted rows kept to plan with.
+    """
+
+    def __init__(self, options: TetrisOptions, cost, clock=None, calibrator: AcceptanceCalibrator | None = None,
+                 pool_rows: int = 256):
+        super().__init__(options, cost, clock)
+        self.max_budget = options.tetris_budget
+        self.calibrator = calibrator or AcceptanceCalibrator()
+        self.pool_rows = pool_rows
+        # log q of recently drafted rows, newest first, (P, max_draft); a row drafted shorter than max_draft repeats
+        # its last cell (so its acceptance beyond what was drafted is taken to stay as it was)
+        self.pool = torch.zeros(0, self.max_draft, dtype=torch.float64)
+        self.plan: StepPlan | None = None
+
+    def remember(self, token_log_probs: torch.Tensor) -> None:
+        """Add drafted rows ``(B, K)`` to the planning pool."""
+        if token_log_probs.shape[1] == 0:
+            return
+        rows = token_log_probs.detach().double().cpu()[:, : self.max_draft]
+        pad = self.max_draft - rows.shape[1]
+        if pad > 0:
+            rows = torch.cat([rows, rows[:, -1:].expand(-1, pad)], dim=1)
+        self.pool = torch.cat([rows.flip(0), self.pool])[: self.pool_rows]
+
+    def pool_acceptance(self) -> torch.Tensor:
+        """``(P, max_draft)`` calibrated conditional acceptance of the pooled rows, newest first."""
+        return self.calibrator.predict(self.pool.exp())
+
+    def budget(self, num_rows: int) -> int:
+        cost = self._open_step(num_rows)
+        plan = plan_step(self.pool_acceptance(), num_rows, self.max_draft, cost, self.max_budget)
+        self.probing = self._after_plan(plan.num_draft_tokens > 0, can_learn=self.pool.shape[0] > 0)
+        if self.probing and self.max_draft > 0 and self.max_budget != 0:
+            plan = StepPlan(1, num_rows, plan.tokens, plan.seconds)
+        else:
+            self.probing = False
+        self.plan = plan
+        self._plan_done()
+        return plan.budget
+
+    def num_draft_tokens(self, num_rows: int) -> int:
+        return self.plan.num_draft_tokens if self.plan is not None else 0
+
+    def select(self, token_log_probs: torch.Tensor, max_lengths: torch.Tensor, budget: int) -> torch.Tensor:
+        self._mark_drafted()
+        num_rows, num_drafted = token_log_probs.shape
+        self.remember(token_log_probs)
+        if self.probing:
+            lengths = max_lengths.clamp(max=num_drafted)
+            return lengths if self.max_budget is None else select_fixed_budget(lengths, self.max_budget)
+        survival = self.calibrator.predict(token_log_probs.exp()).cumprod(dim=1)
+        cost = self.cost
+        choice = best_budget(survival, max_lengths.cpu(), num_drafted * cost.draft_seconds(num_rows) + cost.step_overhead,
+                             cost.verify_seconds_by_length(num_rows, num_drafted), self.max_budget)
+        scores = survival.log().to(token_log_probs.device)
+        return select_tetris(scores, max_lengths, int(choice.budget[0]))
+
+    def observe(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor):
+        self._mark_verified(verify_lengths.numel(), token_log_probs.shape[1], _longest(verify_lengths))
+        self.calibrator.update(token_log_probs.cpu(), verify_lengths.cpu(), num_accepted.cpu())
+
+
+def select_fixed_budget(lengths: torch.Tensor, budget: int) -> torch.Tensor:
+    """Trim ``lengths`` ``(B,)`` so they sum to at most ``budget``, longest rows first."""
+    lengths = lengths.clone()
+    while int(lengths.sum()) > budget:
+        lengths[int(lengths.argmax())] -= 1
+    return lengths
+
+
+class DynamicWindow(_CostAware):
+    """``dsd``: one ``k`` for every row, the one maximising ``B (1 - a^(k+1)) / (1 - a)`` per predicted second.
+
+    ``a`` is the per-token acceptance rate: the first verified step sets it, then ``a <- 0.85 a + 0.15 observed``
+    with ``observed = accepted / (accepted + rejections)`` (the geometric model's maximum-likelihood rate: each row
+    contributes its accepted drafts and one rejection unless it accepted all it verified).
+    """
+
+    def __init__(self, options: TetrisOptions, cost, clock=None):
+        super().__init__(options, cost, clock)
+        self.acceptance: float | None = None
+        self.window = 0
+
+    def budget(self, num_rows: int) -> int:
+        cost = self._open_step(num_rows)
+        window = dsd_window(self.acceptance, num_rows, self.max_draft, cost) if self.acceptance is not None else 0
+        self.probing = self._after_plan(window > 0, can_learn=self.acceptance is not None) and self.max_draft > 0
+        self.window = 1 if self.probing else window
+        self._plan_done()
+        return self.window * num_rows
+
+    def num_draft_tokens(self, num_rows: int) -> int:
+        return self.window
+
+    def select(self, token_log_probs: torch.Tensor, max_lengths: torch.Tensor, budget: int) -> torch.Tensor:
+        self._mark_drafted()
+        return select_fixed(max_lengths, token_log_probs.shape[1])
+
+    def observe(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor):
+        self._mark_verified(verify_lengths.numel(), token_log_probs.shape[1], _longest(verify_lengths))
+        accepted = int(num_accepted.sum())
+        rejections = int((num_accepted < verify_lengths).sum())
+        if accepted + rejections == 0:
+            return
+        observed = accepted / (accepted + rejections)
+        self.acceptance = observed if self.acceptance is None else 0.85 * self.acceptance + 0.15 * observed
+
+
+def make_strategy(options: TetrisOptions, model: torch.nn.Module | None = None,
+                  assistant_model: torch.nn.Module | None = None) -> FixedWindow | AdaptiveBudget | DynamicWindow:
+    """The strategy ``options`` name. ``adaptive`` and ``dsd`` need ``options.tetris_cost_profile`` or the two models
+    (profiled at the first step, see :func:`~tetris_hf.cost_model.cost_model_for`)."""
+    if options.tetris_strategy == "tetris":
+        return TetrisSelection(options)
+    if options.tetris_strategy == "fixed":
+        return FixedWindow(options)
+    source = options.tetris_cost_profile
+    if source is not None:
+        cost = StepCostModel(load_profile(source))
+    elif model is None or assistant_model is None:
+        raise ValueError(f"tetris_strategy={options.tetris_strategy!r} needs `tetris_cost_profile=` or the target and "
+                         "draft models to profile")
+    else:
+        def cost(num_rows: int, max_tokens: int) -> StepCostModel:
+            return cost_model_for(model, assistant_model, num_rows=num_rows, max_tokens=max_tokens)
+    kind = AdaptiveBudget if options.tetris_strategy == "adaptive" else DynamicWindow
+    return kind(options, cost, clock=time.perf_counter)
