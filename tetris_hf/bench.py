@@ -472,14 +472,21 @@ def _device(name: str) -> torch.device:
     return device
 
 
-def load_prompt_texts(name: str, limit: int, tokenizer, max_prompt_tokens: int) -> tuple[list[str], str]:
-    """The first ``limit`` non-empty prompts of the set of at most ``max_prompt_tokens`` tokens, rendered."""
-    from .data import load_prompts, render_prompts
+def load_prompt_set(name: str):
+    """The prompt set, or a one-line :class:`UsageError` (checked before any model loads)."""
+    from .data import load_prompts
 
     try:
-        prompt_set = load_prompts(name)
+        return load_prompts(name)
     except (ValueError, FileNotFoundError) as error:
         raise UsageError(str(error)) from None
+
+
+def prompt_texts(prompt_set, limit: int, tokenizer, max_prompt_tokens: int) -> tuple[list[str], str]:
+    """The first ``limit`` non-empty prompts of the set of at most ``max_prompt_tokens`` tokens, rendered."""
+    from .data import render_prompts
+
+    name = prompt_set.name
     texts, skipped = [], 0
     for prompt in prompt_set:
         if len(texts) == limit:
@@ -500,6 +507,7 @@ def load_prompt_texts(name: str, limit: int, tokenizer, max_prompt_tokens: int) 
 def main(args) -> int:
     config = config_from_args(args)
     device = _device(args.device)
+    prompt_set = load_prompt_set(args.prompts)
     torch.manual_seed(args.seed)
     from .models import ModelNotFoundError, load_default_pair
 
@@ -519,7 +527,7 @@ def main(args) -> int:
         raise UsageError(str(error)) from None
     except ValueError as error:  # e.g. a draft with another vocabulary
         raise UsageError(str(error)) from None
-    texts, note = load_prompt_texts(args.prompts, args.num_prompts, tokenizer, args.max_prompt_tokens)
+    texts, note = prompt_texts(prompt_set, args.num_prompts, tokenizer, args.max_prompt_tokens)
     report = run_bench(target, draft, tokenizer, texts, config, show_progress=not args.no_progress)
     if not report["is_main_process"]:
         return 0

@@ -1,0 +1,114 @@
+"""`tetris-hf bench` end to end on tiny models: every metric in its JSON, a greedy mismatch fails it, bad input exits 2."""
+
+import json
+
+import pytest
+import torch
+
+import tetris_hf.bench as bench
+import tetris_hf.logits.verification as verification
+from tetris_hf.cli import main as cli_main
+from tiny_models import noisy_copy, tiny_llama
+from tiny_tokenizer import SENTENCES, tiny_tokenizer
+
+METRICS = {
+    "tokens_per_second", "latency_mean_s", "latency_p50_s", "latency_p99_s", "acceptance_rate", "vsr",
+    "target_forwards_per_token", "tokens_per_row_step", "peak_memory_mb", "output_tokens", "agreement_with_generate",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    tokenizer = tiny_tokenizer()
+    target = tiny_llama(len(tokenizer), num_layers=2, seed=61)
+    return target, noisy_copy(target, 0.3, seed=62), tokenizer
+
+
+def test_bench_reports_every_metric_for_every_strategy(tiny_pair):
+    target, draft, tokenizer = tiny_pair
+    config = bench.BenchConfig(batch_size=3, max_new_tokens=8, num_assistant_tokens=(2, 3), extra_tokens=(1, 2),
+                               hf_assisted_prompts=2)
+    report = bench.run_bench(target, draft, tokenizer, SENTENCES[:5], config, show_progress=False)
+    names = [run["name"] for run in report["runs"]]
+    assert names == ["generate", "hf-assisted", "fixed k=2", "tetris k=2 e=1 C=6", "tetris k=2 e=2 C=6",
+                     "fixed k=3", "tetris k=3 e=1 C=9", "tetris k=3 e=2 C=9"]
+    assert report["mismatches"] == []
+    for run in report["runs"]:
+        assert METRICS <= set(run), run["name"]
+        assert run["output_tokens"] > 0 and run["tokens_per_second"] > 0
+        assert run["agreement_with_generate"]["exact_match"] == 1.0
+        if run["strategy"] in ("fixed", "tetris"):
+            assert 0 <= run["vsr"] <= 1 and run["accepted_tokens"] <= run["verified_tokens"]
+    assert report["runs"][1]["requests"] == 2  # hf-assisted on its subset
+    json.dumps(report)  # serialisable
+
+
+def test_greedy_mismatch_is_reported(tiny_pair, monkeypatch):
+    target, draft, tokenizer = tiny_pair
+    real = verification.verify_greedy
+
+    def off_by_one(*args):
+        num_accepted, next_tokens = real(*args)
+        return num_accepted, (next_tokens + 1) % len(tokenizer)
+
+    monkeypatch.setattr("tetris_hf.decoding.verify_greedy", off_by_one)
+    config = bench.BenchConfig(batch_size=2, max_new_tokens=5, strategies=("generate", "tetris"), extra_tokens=(1,))
+    report = bench.run_bench(target, draft, tokenizer, SENTENCES[:2], config, show_progress=False)
+    assert len(report["mismatches"]) == 1 and report["mismatches"][0].startswith("tetris k=4 e=1")
+
+
+@pytest.fixture(scope="module")
+def saved_target(tmp_path_factory, tiny_pair):
+    target, _, tokenizer = tiny_pair
+    directory = tmp_path_factory.mktemp("tiny-target")
+    target.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture()
+def prompt_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": sentence}) + "\n" for sentence in SENTENCES[:4]))
+    return path
+
+
+def test_command_writes_json_and_plot(saved_target, prompt_file, tmp_path, capsys):
+    output = tmp_path / "out"
+    code = cli_main(["bench", "--target", str(saved_target), "--draft", "early-exit:1", "--prompts", str(prompt_file),
+                     "--num-prompts", "4", "--batch-size", "2", "--max-new-tokens", "6", "--extra-tokens", "1,2",
+                     "--hf-assisted-prompts", "1", "--device", "cpu", "--output", str(output), "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+    report = json.loads((output / "results.json").read_text())
+    assert [run["name"] for run in report["runs"]][:3] == ["generate", "hf-assisted", "fixed k=4"]
+    assert (output / "bench.png").stat().st_size > 10_000
+    assert "tok/s" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("arguments,message", [
+    (["--prompts", "nosuchset"], "unknown prompt set"),
+    (["--batch-size", "0"], "--batch-size must be at least 1"),
+    (["--strategies", "generate,warp"], "unknown strategy"),
+    (["--target", "/nonexistent/model.gguf"], "does not exist"),
+    (["--draft", "DRAFT_WITH_OTHER_VOCAB"], "vocabulary"),
+    (["--prompts", "EMPTY_FILE"], "holds no prompts"),
+])
+def test_bad_input_is_one_line_and_exit_code_2(arguments, message, saved_target, tmp_path, capsys):
+    if "DRAFT_WITH_OTHER_VOCAB" in arguments:
+        other = tmp_path / "other"
+        tiny_llama(200, seed=3).save_pretrained(other)
+        arguments = ["--draft", str(other)]
+    if "EMPTY_FILE" in arguments:
+        empty = tmp_path / "empty.jsonl"
+        empty.write_text("")
+        arguments = ["--prompts", str(empty)]
+    base = ["bench", "--target", str(saved_target), "--draft", "early-exit:1", "--device", "cpu", "--no-progress",
+            "--output", str(tmp_path / "out")]
+    if "--target" in arguments:
+        base = ["bench", "--device", "cpu", "--no-progress"]
+    code = cli_main(base + arguments)
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    last_line = err.splitlines()[-1]  # earlier lines can only be transformers' weight-loading progress bars
+    assert last_line.startswith("tetris-hf bench: error:") and message in last_line, err
+    assert "Traceback" not in err and sum("error" in line for line in err.splitlines()) == 1, err
