@@ -138,3 +138,21 @@ def test_sequences_equal_plain_batched_generate():
                            custom_generate="tetris", do_sample=False, max_new_tokens=NEW_TOKENS,
                            eos_token_id=eos, pad_token_id=PAD)
     assert torch.equal(plain, ours)
+
+
+def test_step_callback_sees_every_step_and_the_growing_outputs():
+    target = tiny_llama(50, seed=12)
+    prompts = random_prompts(3, 50, seed=12)
+    input_ids, mask = left_pad(prompts)
+    seen = []
+
+    def callback(record, loop):
+        seen.append((record.verify_lengths.tolist(), [len(row) for row in loop.partial_outputs()]))
+
+    out = target.generate(input_ids, attention_mask=mask, assistant_model=noisy_copy(target, 0.3),
+                          custom_generate="tetris", do_sample=False, max_new_tokens=10, pad_token_id=PAD,
+                          eos_token_id=None, return_dict_in_generate=True, tetris_step_callback=callback)
+    assert len(seen) == out.tetris_stats.steps
+    lengths = [step[1] for step in seen]
+    assert all(a <= b for before, after in zip(lengths, lengths[1:]) for a, b in zip(before, after))
+    assert lengths[-1] == [input_ids.shape[1] + 10] * 3

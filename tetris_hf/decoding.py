@@ -251,7 +251,16 @@ class BatchedSpeculativeLoop:
         self._count(record, drafted_at - started, verified_at - drafted_at)
         if bool(stopped.any()):
             self._retire(stopped)
+        if self.step_callback is not None:
+            self.step_callback(record, self)
         return record
+
+    def partial_outputs(self) -> list[list[int]]:
+        """Every original row's tokens so far (prompt with its left padding, then what it generated)."""
+        outputs = {row: sequence.tolist() for row, sequence in self.finished.items()}
+        for index, row in enumerate(self.rows.tolist()):
+            outputs[row] = self.sequences[index, : self.lengths[index]].tolist()
+        return [outputs[row] for row in range(self.batch_size)]
 
     def _count(self, record: StepRecord, draft_seconds: float, verify_seconds: float) -> None:
         stats = self.stats

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, NamedTuple
@@ -46,6 +47,9 @@ class TetrisOptions:
             ``"adaptive"`` (``C`` and ``K <= k + e`` chosen per step from a cost model; ``tetris_budget`` caps ``C``)
             or ``"dsd"`` (one ``k <= k + e`` for the batch, chosen per step).
         tetris_max_holes: cache slots a row may waste to rejected drafts before the cache is repacked.
+        tetris_step_callback: called as ``fn(record, loop)`` after every step with the
+            :class:`~tetris_hf.decoding.StepRecord` and the :class:`~tetris_hf.decoding.BatchedSpeculativeLoop`
+            (``loop.partial_outputs()`` gives every row's tokens so far): live views, progress, demos.
         tetris_cost_profile: for ``adaptive`` and ``dsd``: ``None`` (measure this pair at first use, cached in memory
             and under ``$TETRIS_HF_CACHE``), a saved profile (JSON path or dict, see
             :class:`~tetris_hf.cost_model.CostProfile`), a curve file (``"curve.json"`` or
@@ -57,6 +61,7 @@ class TetrisOptions:
     tetris_budget: int | None = None
     tetris_strategy: str = "tetris"
     tetris_max_holes: int = 32
+    tetris_step_callback: Callable | None = None
     tetris_cost_profile: str | os.PathLike | Mapping | CostProfile | None = None
 
     def __post_init__(self):
@@ -65,6 +70,8 @@ class TetrisOptions:
         if self.tetris_budget is not None:
             _check_count("tetris_budget", self.tetris_budget, 0)
         _check_count("tetris_max_holes", self.tetris_max_holes, 0)
+        if self.tetris_step_callback is not None and not callable(self.tetris_step_callback):
+            raise TypeError(f"`tetris_step_callback` must be callable, got {type(self.tetris_step_callback).__name__}")
         if self.tetris_strategy not in STRATEGIES:
             raise ValueError(f"`tetris_strategy` must be one of {STRATEGIES}, got {self.tetris_strategy!r}")
         profile = self.tetris_cost_profile
