@@ -153,6 +153,7 @@ class BatchedSpeculativeLoop:
         self.max_length = int(generation_config.max_length)
         self.streamer = streamer
         self.strategy = make_strategy(options, model, assistant_model)
+        self.step_callback = options.tetris_step_callback
         self.stats = TetrisStats()
         self.batch_size = batch_size
         self.input_ids = input_ids
