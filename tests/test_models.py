@@ -243,7 +243,7 @@ def test_distill_command_trains_and_saves_a_loadable_draft(tmp_path, capsys):
     "flags, message",
     [
         (["--layers", "0"], "--layers must be a positive"),
-        (["--tokens", "10"], "less than one batch"),
+        (["--tokens", "7"], "less than one batch"),
         (["--device", "cuda:0"] if not torch.cuda.is_available() else ["--device", "nonsense"], "device"),
         (["--target", "/no/such/model/dir"], "cannot load target"),
     ],
@@ -272,9 +272,9 @@ def test_default_pair_loads_offline():
     assert same_storage(draft.lm_head.weight, target.lm_head.weight)
     assert info.draft_kind in ("trained", "early-exit") and "SmolLM2-135M-Instruct" in info.target
     assert str(info).startswith("target: ")
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], tokenize=False,
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}], tokenize=False,
                                          add_generation_prompt=True)
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
     with torch.no_grad():
-        out = target.generate(ids, max_new_tokens=4, do_sample=False)
-    assert "4" in tokenizer.decode(out[0, ids.shape[1]:])
+        out = target.generate(ids, max_new_tokens=8, do_sample=False)
+    assert "Paris" in tokenizer.decode(out[0, ids.shape[1]:])
