@@ -319,12 +319,12 @@ def _timed_forwards(model, rows: int, tokens_list: Sequence[int], context: int, 
                 if attempt:
                     times.append((time.perf_counter() - start) * 1000.0)
                 cache.crop(-tokens)  # back to the context-token cache
-            results[tokens] = statistics.median(times)
+            results[tokens] = round(statistics.median(times), 4)
     return results
 
 
 def measure_profile(model: torch.nn.Module, assistant_model: torch.nn.Module, *, rows: Sequence[int],
-                    tokens: Sequence[int], context: int = 32, repeats: int = 2,
+                    tokens: Sequence[int], context: int = 32, repeats: int = 3,
                     skip: CostProfile | None = None) -> CostProfile:
     """Time the target over ``rows`` x ``tokens`` and the draft over ``rows`` x 1 on real KV caches.
 

@@ -261,8 +261,8 @@ class _CostAware:
     from these the draft and target times are compared with the profile's (exponential moving averages of the ratio)
     and the rest of the step becomes the per-step overhead. With ``clock=None`` (replay) nothing is corrected.
 
-    Probing: a strategy that decodes plainly learns nothing about acceptance, so after ``probe_interval`` plain steps
-    it drafts one token per row and verifies them all; the interval doubles after every probe that does not change
+    Probing: a strategy that decodes plainly learns nothing about acceptance, so while it decodes plainly every
+    ``probe_interval``-th step drafts one token per row and verifies them all; the interval doubles after every probe that does not change
     its mind (up to ``max_probe_interval``) and resets once drafting pays. The first step is a probe.
     """
 
@@ -459,15 +459,16 @@ class DynamicWindow(_CostAware):
 
 def make_strategy(options: TetrisOptions, model: torch.nn.Module | None = None,
                   assistant_model: torch.nn.Module | None = None) -> FixedWindow | AdaptiveBudget | DynamicWindow:
-    """The strategy ``options`` name. ``adaptive`` and ``dsd`` need ``options.tetris_cost_profile`` or the two models
-    (profiled at the first step, see :func:`~tetris_hf.cost_model.cost_model_for`)."""
+    """The strategy ``options`` name. ``adaptive`` and ``dsd`` need ``options.tetris_cost_profile`` (used as given) or
+    the two models (profiled at the first step, see :func:`~tetris_hf.cost_model.cost_model_for`, then corrected
+    online from the loop's own step times)."""
     if options.tetris_strategy == "tetris":
         return TetrisSelection(options)
     if options.tetris_strategy == "fixed":
         return FixedWindow(options)
-    source = options.tetris_cost_profile
+    source, clock = options.tetris_cost_profile, time.perf_counter
     if source is not None:
-        cost = StepCostModel(load_profile(source))
+        cost, clock = StepCostModel(load_profile(source)), None  # a given profile is taken as it is
     elif model is None or assistant_model is None:
         raise ValueError(f"tetris_strategy={options.tetris_strategy!r} needs `tetris_cost_profile=` or the target and "
                          "draft models to profile")
@@ -475,4 +476,4 @@ def make_strategy(options: TetrisOptions, model: torch.nn.Module | None = None,
         def cost(num_rows: int, max_tokens: int) -> StepCostModel:
             return cost_model_for(model, assistant_model, num_rows=num_rows, max_tokens=max_tokens)
     kind = AdaptiveBudget if options.tetris_strategy == "adaptive" else DynamicWindow
-    return kind(options, cost, clock=time.perf_counter)
+    return kind(options, cost, clock=clock)

@@ -1,0 +1,185 @@
+"""The goodput optimiser behind ``adaptive`` and ``dsd``, their learning rules, and their greedy exactness."""
+
+import itertools
+
+import pytest
+import torch
+
+import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
+from tetris_hf import cost_model
+from tetris_hf.cost_model import CostProfile, StepCostModel
+from tetris_hf.strategies import (
+    AdaptiveBudget,
+    DynamicWindow,
+    TetrisOptions,
+    best_budget,
+    dsd_window,
+    expected_tokens_geometric,
+    make_strategy,
+    plan_step,
+)
+from test_greedy_exactness import NEW_TOKENS, assert_rows_equal, pick_eos, target_alone
+from tiny_models import PAD, left_pad, noisy_copy, random_prompts, tiny_llama
+
+ROWS, TOKENS = (1, 4, 16, 64), (1, 2, 4, 8)
+
+
+def profile(target_ms, draft_ms: float) -> CostProfile:
+    return CostProfile({(r, t): target_ms(r, t) for r in ROWS for t in TOKENS}, {r: draft_ms for r in ROWS})
+
+
+FREE_VERIFY = profile(lambda r, t: 10.0, 1e-3)  # verifying more tokens costs nothing, drafting almost nothing
+COSTLY_VERIFY = profile(lambda r, t: 10.0 * r * t, 2.0)  # every verified token costs a full token's forward
+
+
+def test_optimiser_picks_no_drafting_when_verification_is_expensive_and_acceptance_low():
+    cost = StepCostModel(COSTLY_VERIFY)
+    survival = torch.full((8, 6), 0.1).cumprod(dim=1)
+    choice = best_budget(survival, torch.full((8,), 6), 6 * cost.draft_seconds(8), cost.verify_seconds_by_length(8, 6))
+    assert int(choice.budget) == 0
+    plan = plan_step(torch.full((32, 6), 0.1), 8, 6, cost)
+    assert (plan.num_draft_tokens, plan.budget) == (0, 0)
+
+
+def test_optimiser_picks_the_largest_budget_when_verification_is_free_and_acceptance_high():
+    cost = StepCostModel(FREE_VERIFY)
+    survival = torch.full((8, 6), 0.9).cumprod(dim=1)
+    choice = best_budget(survival, torch.full((8,), 6), 6 * cost.draft_seconds(8), cost.verify_seconds_by_length(8, 6))
+    assert int(choice.budget) == 8 * 6
+    plan = plan_step(torch.full((32, 6), 0.9), 8, 6, cost)
+    assert (plan.num_draft_tokens, plan.budget) == (6, 48)
+    assert plan_step(torch.full((32, 6), 0.9), 8, 6, cost, max_budget=20).budget == 20
+
+
+def test_best_budget_equals_brute_force_over_every_budget():
+    generator = torch.Generator().manual_seed(3)
+    for trial in range(30):
+        rows, cells = int(torch.randint(1, 5, (1,), generator=generator)), int(torch.randint(1, 5, (1,), generator=generator))
+        survival = torch.rand(rows, cells, generator=generator).cumprod(dim=1)
+        max_lengths = torch.randint(0, cells + 1, (rows,), generator=generator)
+        verify = torch.rand(cells + 1, generator=generator).double().cumsum(0) * (trial % 3)
+        fixed = 0.5
+        choice = best_budget(survival, max_lengths, fixed, verify)
+        best_rate, best_c = -1.0, None
+        candidates = [(i, j) for i in range(rows) for j in range(cells) if j < max_lengths[i]]
+        for c in range(len(candidates) + 1):  # TETRIS order: survival descending, then row, then position
+            chosen = sorted(candidates, key=lambda ij: (-float(survival[ij]), ij))[:c]
+            tokens = rows + sum(float(survival[ij]) for ij in chosen)
+            depth = max((j + 1 for _, j in chosen), default=0)
+            rate = tokens / (fixed + float(verify[depth]))
+            if rate > best_rate + 1e-12:
+                best_rate, best_c = rate, c
+        assert int(choice.budget) == best_c
+        assert float(choice.tokens / choice.seconds) == pytest.approx(best_rate)
+
+
+def test_dsd_window_follows_cost_and_acceptance():
+    assert dsd_window(0.1, 8, 6, StepCostModel(COSTLY_VERIFY)) == 0
+    assert dsd_window(0.95, 8, 6, StepCostModel(FREE_VERIFY)) == 6
+    assert expected_tokens_geometric(0.5, 2) == pytest.approx(1.75)
+    assert expected_tokens_geometric(1.0, 3) == 4
+
+
+def test_dsd_acceptance_is_an_exponential_average_of_the_geometric_rate():
+    strategy = DynamicWindow(TetrisOptions(tetris_strategy="dsd"), StepCostModel(FREE_VERIFY))
+    assert strategy.budget(4) == 4 and strategy.num_draft_tokens(4) == 1  # no estimate yet: probe with k = 1
+    lengths = torch.tensor([1, 1, 1, 1])
+    strategy.observe(torch.zeros(4, 1), lengths, torch.tensor([1, 1, 1, 0]))  # 3 accepted, 1 rejection
+    assert strategy.acceptance == pytest.approx(0.75)
+    strategy.observe(torch.zeros(4, 2), torch.full((4,), 2), torch.tensor([2, 2, 0, 1]))  # 5 accepted, 2 rejections
+    assert strategy.acceptance == pytest.approx(0.85 * 0.75 + 0.15 * 5 / 7)
+    assert strategy.budget(4) == 4 * strategy.num_draft_tokens(4) == 4 * 6  # free verification: the longest k
+
+
+def test_adaptive_probes_while_plain_decoding_pays_and_backs_off():
+    strategy = AdaptiveBudget(TetrisOptions(tetris_strategy="adaptive"), StepCostModel(COSTLY_VERIFY))
+    drafted = []
+    for step in range(60):
+        budget = strategy.budget(4)
+        num_drafted = strategy.num_draft_tokens(4) if budget else 0
+        drafted.append(num_drafted)
+        log_probs = torch.full((4, num_drafted), -3.0)  # q = 0.05: hopeless
+        lengths = strategy.select(log_probs, torch.full((4,), num_drafted), budget) if num_drafted else torch.zeros(4, dtype=torch.long)
+        strategy.observe(log_probs, lengths, torch.zeros(4, dtype=torch.long))
+    probes = [step for step, k in enumerate(drafted) if k]
+    assert probes == [0, 8, 24, 56]  # a probe first, then every 8th, 16th, 32nd step
+
+
+def test_adaptive_selects_top_cells_by_calibrated_survival_not_raw_draft_probability():
+    options = TetrisOptions(tetris_strategy="adaptive", num_assistant_tokens=2, tetris_extra_tokens=1, tetris_budget=2)
+    strategy = AdaptiveBudget(options, StepCostModel(profile(lambda r, t: 10.0 + 0.01 * t, 0.1)))
+    # an over-confident draft: its surest cells (q > 0.9) are almost always rejected, its unsure ones accepted
+    strategy.calibrator.update_cells(torch.full((400,), 0.97), torch.rand(400) < 0.05)
+    strategy.calibrator.update_cells(torch.full((400,), 0.03), torch.rand(400) < 0.95)
+    strategy.budget(3)
+    strategy.probing = False
+    log_probs = torch.tensor([[0.99, 0.99, 0.99], [0.9, 0.05, 0.9], [0.02, 0.9, 0.9]]).log()
+    lengths = strategy.select(log_probs, torch.full((3,), 3), 2)
+    assert lengths.tolist() == [0, 1, 1]  # the cap allows 2 cells; raw q would have chosen row 0's
+
+
+def test_make_strategy_needs_a_profile_or_the_models(tmp_path):
+    with pytest.raises(ValueError, match="tetris_cost_profile"):
+        make_strategy(TetrisOptions(tetris_strategy="adaptive"))
+    path = FREE_VERIFY.save(tmp_path / "p.json")
+    assert isinstance(make_strategy(TetrisOptions(tetris_strategy="dsd", tetris_cost_profile=str(path))), DynamicWindow)
+    with pytest.raises(ValueError, match="does not exist"):
+        TetrisOptions(tetris_strategy="adaptive", tetris_cost_profile=str(tmp_path / "missing.json"))
+    with pytest.raises(TypeError, match="tetris_cost_profile"):
+        TetrisOptions(tetris_strategy="adaptive", tetris_cost_profile=3)
+
+
+CASES = [(64, 6, 0, "noisy"), (100, 1, 1, "same"), (100, 4, 3, "same"), (257, 5, 2, "independent")]
+
+
+@pytest.mark.parametrize("vocab,batch,seed,draft_kind", CASES)
+def test_greedy_rows_equal_target_alone(vocab, batch, seed, draft_kind, tmp_path, monkeypatch):
+    monkeypatch.setenv("TETRIS_HF_CACHE", str(tmp_path))
+    target = tiny_llama(vocab, num_layers=2, seed=seed)
+    draft = {
+        "noisy": lambda: noisy_copy(target, 0.3, seed),
+        "independent": lambda: tiny_llama(vocab, num_layers=1, seed=seed + 100),
+        "same": lambda: target,
+    }[draft_kind]()
+    prompts = random_prompts(batch, vocab, seed)
+    eos = pick_eos(target, prompts)
+    references = target_alone(target, prompts, eos)
+    input_ids, mask = left_pad(prompts)
+    runs = {}
+    for strategy, (cost, source) in itertools.product(
+        ("adaptive", "dsd"), [("measured", None), ("free", FREE_VERIFY.to_dict()), ("costly", COSTLY_VERIFY)]
+    ):
+        runs[strategy, cost] = dict(tetris_strategy=strategy, tetris_cost_profile=source)
+    runs["adaptive", "capped"] = dict(tetris_strategy="adaptive", tetris_cost_profile=FREE_VERIFY, tetris_budget=2,
+                                      num_assistant_tokens=2, tetris_extra_tokens=3)
+    verified = {}
+    for name, options in runs.items():
+        out = target.generate(input_ids, attention_mask=mask, assistant_model=draft, custom_generate="tetris",
+                              do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=PAD,
+                              return_dict_in_generate=True, **options)
+        assert_rows_equal(out.sequences, mask, references)
+        stats = out.tetris_stats
+        assert stats.emitted_tokens == sum(len(reference) for reference in references), options
+        if options.get("tetris_budget") is not None:
+            assert max(map(sum, ([max(v, 0) for v in step] for step in stats.verified_per_step))) <= 2
+        verified[name] = stats
+    if draft_kind == "same":  # every draft is right: with free verification both strategies draft long windows
+        for name in ("adaptive", "dsd"):
+            stats = verified[name, "free"]
+            assert max(stats.num_drafted_per_step) == 6 and stats.accepted_tokens >= 0.9 * stats.verified_tokens > 0
+    for name in ("adaptive", "dsd"):  # expensive verification: only probes draft
+        stats = verified[name, "costly"]
+        assert sum(1 for k in stats.num_drafted_per_step if k) <= 3
+    cost_model.clear_memory_cache()
+
+
+def test_adaptive_sampling_runs_and_keeps_lengths():
+    target = tiny_llama(50, seed=4)
+    prompts = random_prompts(4, 50, seed=4)
+    input_ids, mask = left_pad(prompts)
+    torch.manual_seed(0)
+    out = target.generate(input_ids, attention_mask=mask, assistant_model=noisy_copy(target, 0.2),
+                          custom_generate="tetris", do_sample=True, max_new_tokens=10, pad_token_id=PAD,
+                          tetris_strategy="adaptive", tetris_cost_profile=FREE_VERIFY, return_dict_in_generate=True)
+    assert out.sequences.shape == (4, input_ids.shape[1] + 10)
+    assert out.tetris_stats.verified_tokens > 0
