@@ -123,3 +123,41 @@ def test_transformers_names_bitsandbytes_when_it_is_missing(saved_pair, monkeypa
         monkeypatch.setattr(module, "is_bitsandbytes_available", lambda: False)
         with pytest.raises(ImportError, match="pip install -U bitsandbytes"):
             LlamaForCausalLM.from_pretrained(folder, quantization_config=config)
+
+
+def _gpu_check():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_gpu_check_without_cuda_exits_with_message(capsys):
+    assert _gpu_check().main([]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_gpu_check_smoke_run_on_cpu(tmp_path, capsys):
+    """The GPU script's own logic, on a tiny random pair on the CPU (bf16 and nf4, one batch size)."""
+    report = tmp_path / "report.json"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        status = _gpu_check().main([
+            "--device", "cpu", "--shape", "tiny", "--precisions", "bf16", "nf4", "--batch-sizes", "2",
+            "--new-tokens", "6", "--check-batch", "3", "--check-tokens", "6", "--workdir", str(tmp_path),
+            "--json", str(report),
+        ])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "| bf16 | 2 |" in out and "| nf4 | 2 |" in out and "exactness: OK" in out
+    assert "offloaded to disk" in out
+    import json
+
+    results = json.loads(report.read_text())
+    assert [r["label"] for r in results["exactness"]][:2] == ["bf16", "nf4"]
+    assert all(r["tetris"]["real_differences"] == 0 for r in results["exactness"])
