@@ -21,7 +21,7 @@ from pathlib import Path
 
 from . import __version__
 from .outputs import TetrisStats
-from .strategies import STRATEGIES, TetrisOptions
+from .strategies import TetrisOptions
 
 DISTRIBUTION = "tetris-hf"
 
@@ -67,7 +67,8 @@ def _docstring_args(cls) -> dict[str, str]:
 
 
 def _markdown(text: str) -> str:
-    """RST literals (double backticks) as Markdown code spans."""
+    """Sphinx roles (``:class:`~a.b.C``` -> ```C```) and RST literals (double backticks) as Markdown code spans."""
+    text = re.sub(r":\w+:`~?(?:[\w.]+\.)?(\w+)`", r"`\1`", text)
     return re.sub(r"``([^`]+)``", r"`\1`", text)
 
 
@@ -102,7 +103,6 @@ def model_card(version: str) -> str:
         f"(a `TetrisStats`: {stats_fields()}). {_markdown(stats_doc)}", width=116, initial_indent="  ",
         subsequent_indent="  ", break_on_hyphens=False,
     )
-    strategies = " or ".join(f'`"{name}"`' for name in STRATEGIES)
     return f"""---
 library_name: transformers
 tags:
@@ -161,8 +161,8 @@ LM with the target's vocabulary) and:
 
 {options_table()}
 
-`tetris_strategy`: {strategies}. Refused with a `ValueError` naming the problem: no `assistant_model`, a draft
-with another vocabulary, right-padded rows, beam search, static caches, `output_scores`/`output_logits`, greedy with
+Refused with a `ValueError` naming the problem: no `assistant_model`, a draft with another vocabulary, an unknown
+`tetris_strategy`, right-padded rows, beam search, static caches, `output_scores`/`output_logits`, greedy with
 `num_return_sequences > 1`, a streamer with more than one row.
 
 ## Outputs
