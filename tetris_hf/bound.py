@@ -86,13 +86,13 @@ def position_logits(
             pad_token_id=target.generation_config.pad_token_id,
         )
         generated = sequence.shape[1] - ids.shape[1]
-        chosen = torch.tensor([ids.shape[1] - 1 + i for i in _pick(generated, positions_per_prompt)], dtype=torch.long)
-        if len(chosen):
-            full_mask = torch.ones_like(sequence)
-            rows["target"].append(target(sequence, attention_mask=full_mask).logits[0, chosen.to(device)].float().cpu())
-            rows["draft"].append(draft(sequence, attention_mask=full_mask).logits[0, chosen.to(device)].float().cpu())
-            rows["next_tokens"].append(sequence[0, chosen.to(device) + 1].cpu())
-            rows["prompt"].append(torch.full((len(chosen),), index, dtype=torch.long))
+        picked = [ids.shape[1] - 1 + i for i in _pick(generated, positions_per_prompt)]  # predicts token i
+        if picked:
+            chosen, full_mask = torch.tensor(picked, device=device), torch.ones_like(sequence)
+            rows["target"].append(target(sequence, attention_mask=full_mask).logits[0, chosen].float().cpu())
+            rows["draft"].append(draft(sequence, attention_mask=full_mask).logits[0, chosen].float().cpu())
+            rows["next_tokens"].append(sequence[0, chosen + 1].cpu())
+            rows["prompt"].append(torch.full((len(picked),), index, dtype=torch.long))
         if progress is not None:
             progress.update(1)
     if not rows["target"]:
@@ -216,7 +216,8 @@ def format_table(report: dict) -> str:
              f"mean [95% interval]; * = Monte Carlo estimate"]
     for temperature in report["config"]["temperatures"]:
         rows = {row["n"]: row for row in report["rows"] if row["temperature"] == temperature}
-        header = f"{'temperature ' + str(temperature):<46}" + "".join(f"{'n=' + str(n):<{width}}" for n in ns)
+        columns = "".join(f"{'n=' + str(n):<{width}}" for n in ns)
+        header = f"{'temperature ' + str(temperature):<46}{columns}".rstrip()
         lines += ["", header, "-" * len(header)]
         for name, label in METHODS.items():
             cells = []
