@@ -89,12 +89,9 @@ class SlotCache:
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (a ``(B',)`` index tensor), in that order."""
         self.slot_mask = self.slot_mask[rows]
-        if self.length > 0:
-            self.cache.batch_select_indices(rows.to(self._cache_device()))
-
-    def _cache_device(self) -> torch.device:
-        layer = self.cache.layers[0] if self.cache.layers else None
-        return layer.keys.device if layer is not None and layer.is_initialized else self.slot_mask.device
+        for layer in self.cache.layers:  # layers may sit on different devices (a model split by accelerate)
+            if layer.is_initialized and layer.keys.numel() > 0:
+                layer.batch_select_indices(rows.to(layer.keys.device))
 
     def live_lengths(self) -> torch.Tensor:
         """``(B,)`` real tokens per row."""
