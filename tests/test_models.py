@@ -130,7 +130,7 @@ def test_default_draft_falls_back_to_early_exit_and_says_so(target, tmp_path, mo
 
 
 def test_missing_model_is_a_clear_error(target, tmp_path):
-    with pytest.raises(models.ModelNotFoundError, match="cannot load draft"):
+    with pytest.raises(models.ModelNotFoundError, match="draft .* does not exist"):
         load_draft(target, str(tmp_path / "no-such-model"))
     with pytest.raises(models.ModelNotFoundError, match="does not exist"):
         models.load_target(str(tmp_path / "missing.gguf"))
@@ -245,7 +245,7 @@ def test_distill_command_trains_and_saves_a_loadable_draft(tmp_path, capsys):
         (["--layers", "0"], "--layers must be a positive"),
         (["--tokens", "7"], "less than one batch"),
         (["--device", "cuda:0"] if not torch.cuda.is_available() else ["--device", "nonsense"], "device"),
-        (["--target", "/no/such/model/dir"], "cannot load target"),
+        (["--target", "/no/such/model/dir"], "target .* does not exist"),
     ],
 )
 def test_distill_user_errors(tmp_path, flags, message):

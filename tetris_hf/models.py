@@ -91,6 +91,18 @@ def default_target_path() -> Path:
     return path
 
 
+def _looks_local(name: str) -> bool:
+    """Whether ``name`` is meant as a local path rather than a Hub id ("owner/model")."""
+    return name.startswith(("/", "./", "../", "~", ".\\")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
+
+
+def _require_local(name: str, what: str) -> None:
+    """Fail at once for a local path that does not exist (instead of asking the Hub for it, which can take a minute
+    offline)."""
+    if not os.path.exists(os.path.expanduser(name)) and _looks_local(name):
+        raise ModelNotFoundError(f"{what} {name!r} does not exist (give a model directory, a .gguf file or a Hub id)")
+
+
 def _drop_quantization_marker(model) -> None:
     """Forget that ``model`` came from a GGUF file. Its weights are already de-quantised to plain tensors, but
     ``save_pretrained`` refuses any model that still carries a non-serialisable quantizer."""
@@ -158,6 +170,7 @@ def load_target(name_or_path: str | os.PathLike | None = None, *, device=None, d
         description = source
     else:
         name = str(name_or_path)
+        _require_local(name, "target")
         try:
             tokenizer = AutoTokenizer.from_pretrained(name)
             model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
@@ -363,6 +376,7 @@ def load_draft(target, name_or_path: str | os.PathLike | None = None):
         return early_exit_draft(target, layers)
     if is_draft_dir(name):
         return load_tetris_draft(target, name)
+    _require_local(name, "draft")
     param = next(target.parameters())
     try:
         draft = AutoModelForCausalLM.from_pretrained(name, dtype=param.dtype)
