@@ -373,13 +373,16 @@ class AdaptiveBudget(_CostAware):
             rows = torch.cat([rows, rows[:, -1:].expand(-1, pad)], dim=1)
         self.pool = torch.cat([rows.flip(0), self.pool])[: self.pool_rows]
 
-    def pool_acceptance(self) -> torch.Tensor:
-        """``(P, max_draft)`` calibrated conditional acceptance of the pooled rows, newest first."""
-        return self.calibrator.predict(self.pool.exp())
+    def pool_acceptance(self, num_rows: int | None = None) -> torch.Tensor:
+        """``(P, max_draft)`` calibrated conditional acceptance of the pooled rows, newest first: the newest
+        ``max(32, 4 x num_rows)`` of them when ``num_rows`` is given (recent enough to follow the batch's current
+        requests, enough to average over)."""
+        pool = self.pool if num_rows is None else self.pool[: max(32, 4 * num_rows)]
+        return self.calibrator.predict(pool.exp())
 
     def budget(self, num_rows: int) -> int:
         cost = self._open_step(num_rows)
-        plan = plan_step(self.pool_acceptance(), num_rows, self.max_draft, cost, self.max_budget)
+        plan = plan_step(self.pool_acceptance(num_rows), num_rows, self.max_draft, cost, self.max_budget)
         self.probing = self._after_plan(plan.num_draft_tokens > 0, can_learn=self.pool.shape[0] > 0)
         if self.probing and self.max_draft > 0 and self.max_budget != 0:
             plan = StepPlan(1, num_rows, plan.tokens, plan.seconds)
@@ -399,7 +402,7 @@ class AdaptiveBudget(_CostAware):
         if self.probing:
             lengths = max_lengths.clamp(max=num_drafted)
             return lengths if self.max_budget is None else select_fixed_budget(lengths, self.max_budget)
-        survival = self.calibrator.predict(token_log_probs.exp()).cumprod(dim=1)
+        survival = self.calibrator.predict(token_log_probs.detach().double().cpu().exp()).cumprod(dim=1)
         cost = self.cost
         choice = best_budget(survival, max_lengths.cpu(), num_drafted * cost.draft_seconds(num_rows) + cost.step_overhead,
                              cost.verify_seconds_by_length(num_rows, num_drafted), self.max_budget)
