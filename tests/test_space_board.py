@@ -1,0 +1,100 @@
+"""The Space's board (examples/space/tetris_board.py): cell kinds per step, and the SVG drawn from them."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "space"))
+
+import tetris_hf  # noqa: E402,F401
+from tetris_board import (  # noqa: E402
+    ACCEPTED, FINISHED, LABEL_WIDTH, NOT_SELECTED, PITCH, REJECTED, BoardTrace, board_cells, render_board,
+    short_probability, step_summary,
+)
+from tiny_models import left_pad, noisy_copy, random_prompts, sharpen, tiny_llama  # noqa: E402
+
+
+def stats_like(num_drafted, budget, verified, accepted):
+    return SimpleNamespace(num_drafted_per_step=num_drafted, budget_per_step=budget, verified_per_step=verified,
+                           accepted_per_step=accepted)
+
+
+def test_cells_are_accepted_then_rejected_then_not_selected():
+    stats = stats_like([5], [8], [[3, 0, -1, 5]], [[1, 0, -1, 5]])
+    assert board_cells(stats, 0) == [
+        [ACCEPTED, REJECTED, REJECTED, NOT_SELECTED, NOT_SELECTED],
+        [NOT_SELECTED] * 5,
+        [FINISHED] * 5,
+        [ACCEPTED] * 5,
+    ]
+    assert step_summary(stats, 0) == {"active_rows": 3, "num_drafted": 5, "budget": 8, "verified": 8, "accepted": 6}
+
+
+def test_cells_of_a_real_tetris_run_respect_the_budget_and_match_the_counts():
+    target = sharpen(tiny_llama(seed=0), 6.0)
+    draft = noisy_copy(target, 0.15)
+    input_ids, mask = left_pad(random_prompts(5, 64, seed=3))
+    out = target.generate(input_ids, attention_mask=mask, assistant_model=draft, custom_generate="tetris",
+                          num_assistant_tokens=3, tetris_extra_tokens=2, max_new_tokens=20, do_sample=False,
+                          return_dict_in_generate=True)
+    stats = out.tetris_stats
+    assert stats.steps > 1
+    verified = accepted = 0
+    for step in range(stats.steps):
+        cells = board_cells(stats, step)
+        selected = sum(kind in (ACCEPTED, REJECTED) for row in cells for kind in row)
+        assert selected <= stats.budget_per_step[step]
+        assert all(len(row) == stats.num_drafted_per_step[step] for row in cells)
+        verified += selected
+        accepted += sum(kind == ACCEPTED for row in cells for kind in row)
+    assert (verified, accepted) == (stats.verified_tokens, stats.accepted_tokens)
+
+
+def test_board_draws_every_cell_its_colour_and_the_budget_line():
+    stats = stats_like([5, 5], [8, 6], [[3, 0, 5, 0], [2, -1, 4, 0]], [[1, 0, 5, 0], [2, -1, 1, 0]])
+    survival = [[[0.9, 0.5, 0.2, 0.1, 0.05], [0.3] * 5, [1.0] * 5, [0.2] * 5], None]
+    trace = BoardTrace.from_stats("TETRIS", 2, stats, survival)
+    page = render_board(trace, 1)
+    kinds = re.findall(r'class="board-cell ([a-z-]+)"', page)
+    assert len(kinds) == 4 * 5
+    assert kinds.count(ACCEPTED) == 6 and kinds.count(REJECTED) == 2 and kinds.count(NOT_SELECTED) == 12
+    assert "C = 8" in page and 'data-step="1"' in page and 'data-steps="2"' in page
+    # 8 cells over 4 active rows: the line sits after position 2
+    x = float(re.search(r'class="budget-line" x1="([0-9.]+)"', page).group(1))
+    assert x == pytest.approx(LABEL_WIDTH + 2 * PITCH - (PITCH - 30) / 2)
+    assert ">.90<" in page and "cumulative draft probability 0.90" in page
+
+    second = render_board(trace, 2)
+    assert re.findall(r'class="board-cell ([a-z-]+)"', second).count(FINISHED) == 5
+    assert "C = 6" in second and "3 active rows" in second
+
+
+def test_board_clamps_the_step_and_has_a_placeholder_before_any_step():
+    trace = BoardTrace.from_stats("fixed-k", 2, stats_like([2], [4], [[2, 2]], [[1, 2]]))
+    assert 'data-step="1"' in render_board(trace, 0) and 'data-step="1"' in render_board(trace, 99)
+    assert "board-cell" not in render_board(None, 1)
+    assert "board-cell" not in render_board(BoardTrace("TETRIS", 4), 1)
+
+
+def test_trace_is_a_snapshot_of_the_live_stats():
+    lists = stats_like([2], [4], [[2, 2]], [[1, 2]])
+    trace = BoardTrace.from_stats("TETRIS", 2, lists)
+    lists.verified_per_step[0][0] = 0
+    lists.verified_per_step.append([1, 1])
+    assert trace.verified_per_step == [[2, 2]] and trace.steps == 1
+
+
+@pytest.mark.parametrize("value, text", [(1.0, "1.0"), (0.999, "1.0"), (0.82, ".82"), (0.05, ".05"), (0.004, "<.01")])
+def test_probabilities_fit_a_cell(value, text):
+    assert short_probability(value) == text
+
+
+def test_step_counts_ignore_finished_rows():
+    stats = stats_like([3], [6], [[3, -1, 1]], [[2, -1, 0]])
+    assert step_summary(stats, 0)["active_rows"] == 2
+    assert board_cells(stats, 0)[1] == [FINISHED] * 3

