@@ -54,7 +54,7 @@ def test_optimiser_picks_the_largest_budget_when_verification_is_free_and_accept
 def test_best_budget_equals_brute_force_over_every_budget():
     generator = torch.Generator().manual_seed(3)
     for trial in range(30):
-        rows, cells = int(torch.randint(1, 5, (1,), generator=generator)), int(torch.randint(1, 5, (1,), generator=generator))
+        rows, cells = (int(n) for n in torch.randint(1, 5, (2,), generator=generator))
         survival = torch.rand(rows, cells, generator=generator).cumprod(dim=1)
         max_lengths = torch.randint(0, cells + 1, (rows,), generator=generator)
         verify = torch.rand(cells + 1, generator=generator).double().cumsum(0) * (trial % 3)
@@ -91,18 +91,27 @@ def test_dsd_acceptance_is_an_exponential_average_of_the_geometric_rate():
     assert strategy.budget(4) == 4 * strategy.num_draft_tokens(4) == 4 * 6  # free verification: the longest k
 
 
-def test_adaptive_probes_while_plain_decoding_pays_and_backs_off():
-    strategy = AdaptiveBudget(TetrisOptions(tetris_strategy="adaptive"), StepCostModel(COSTLY_VERIFY))
+def probe_steps(cost_profile: CostProfile, num_rows: int = 4, steps: int = 60) -> list[int]:
+    """Steps at which ``adaptive`` drafts when every draft is hopeless (q = 0.05, always rejected)."""
+    strategy = AdaptiveBudget(TetrisOptions(tetris_strategy="adaptive"), StepCostModel(cost_profile))
     drafted = []
-    for step in range(60):
-        budget = strategy.budget(4)
-        num_drafted = strategy.num_draft_tokens(4) if budget else 0
-        drafted.append(num_drafted)
-        log_probs = torch.full((4, num_drafted), -3.0)  # q = 0.05: hopeless
-        lengths = strategy.select(log_probs, torch.full((4,), num_drafted), budget) if num_drafted else torch.zeros(4, dtype=torch.long)
-        strategy.observe(log_probs, lengths, torch.zeros(4, dtype=torch.long))
-    probes = [step for step, k in enumerate(drafted) if k]
-    assert probes == [0, 8, 24, 56]  # a probe first, then every 8th, 16th, 32nd step
+    for step in range(steps):
+        budget = strategy.budget(num_rows)
+        num_drafted = strategy.num_draft_tokens(num_rows) if budget else 0
+        log_probs = torch.full((num_rows, num_drafted), -3.0)
+        lengths = torch.zeros(num_rows, dtype=torch.long)
+        if num_drafted:
+            drafted.append(step)
+            lengths = strategy.select(log_probs, torch.full((num_rows,), num_drafted), budget)
+        strategy.observe(log_probs, lengths, torch.zeros(num_rows, dtype=torch.long))
+    return drafted
+
+
+def test_adaptive_probes_while_plain_decoding_pays_and_backs_off():
+    cheap_probe = profile(lambda r, t: 10.0 + 0.5 * r * t, 0.1)  # a probe costs 18% of a plain step at 4 rows
+    assert probe_steps(cheap_probe) == [0, 8, 24, 56]  # a probe first, then every 8th, 16th, 32nd step
+    # a probe costing 105% of a plain step waits 21 steps (5% overhead), then 42
+    assert probe_steps(COSTLY_VERIFY) == [0, 21]
 
 
 def test_adaptive_selects_top_cells_by_calibrated_survival_not_raw_draft_probability():

@@ -86,7 +86,8 @@ class CostProfile:
         if data.get("format") != PROFILE_FORMAT:
             raise ValueError(f"not a {PROFILE_FORMAT} (format={data.get('format')!r})")
         if data.get("version") != PROFILE_VERSION:
-            raise ValueError(f"{PROFILE_FORMAT} version {data.get('version')!r} is not supported (need {PROFILE_VERSION})")
+            raise ValueError(f"{PROFILE_FORMAT} version {data.get('version')!r} is not supported "
+                             f"(need {PROFILE_VERSION})")
         try:
             target = {(int(c["rows"]), int(c["tokens"])): float(c["ms"]) for c in data["target"]}
             draft = {int(c["rows"]): float(c["ms"]) for c in data["draft"]}

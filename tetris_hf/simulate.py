@@ -475,7 +475,7 @@ def run_replay(args) -> int:
           f"acceptance by position: {', '.join(f'{r:.2f}' for r in rates)}")
     report = {"traces": {"files": list(args.traces), "headers": traces.headers, "requests": len(traces.requests),
                          "row_steps": traces.num_steps, "acceptance_by_position": rates},
-              "assumptions": __doc__.split("Assumptions of the replay (what the projection is, and is not):")[1].strip(),
+              "assumptions": __doc__.split("(what the projection is, and is not):")[1].strip(),
               "curves": []}
     for source, cost in curves:
         name = _curve_name(source, cost)

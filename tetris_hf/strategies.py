@@ -12,6 +12,7 @@ under a geometric acceptance model: the TETRIS paper's dynamic baseline).
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
@@ -262,12 +263,15 @@ class _CostAware:
     and the rest of the step becomes the per-step overhead. With ``clock=None`` (replay) nothing is corrected.
 
     Probing: a strategy that decodes plainly learns nothing about acceptance, so while it decodes plainly every
-    ``probe_interval``-th step drafts one token per row and verifies them all; the interval doubles after every probe that does not change
-    its mind (up to ``max_probe_interval``) and resets once drafting pays. The first step is a probe.
+    ``probe_interval``-th step drafts one token per row and verifies them all. The interval starts at 8 steps, or
+    more where a probe is dear (enough that probes add at most ``probe_overhead`` of the time: at 256 rows on the
+    8B H200 curve a probe costs 1.5 plain steps), doubles after every probe that does not change the decision (up to
+    ``max_probe_interval``) and resets once drafting pays. The first step is a probe.
     """
 
     probe_interval_start = 8
     max_probe_interval = 128
+    probe_overhead = 0.05
     smoothing = 0.3
 
     def __init__(self, options: TetrisOptions, cost: StepCostModel | Callable[[int, int], StepCostModel],
@@ -314,7 +318,7 @@ class _CostAware:
     def _smooth(self, old: float, sample: float) -> float:
         return (1 - self.smoothing) * old + self.smoothing * sample
 
-    def _after_plan(self, drafts: bool, can_learn: bool) -> bool:
+    def _after_plan(self, drafts: bool, can_learn: bool, num_rows: int) -> bool:
         """Update the probe schedule; returns whether this step is a probe."""
         if not can_learn:
             return True
@@ -322,10 +326,18 @@ class _CostAware:
             self.plain_streak, self.probe_interval = 0, self.probe_interval_start
             return False
         self.plain_streak += 1
-        if self.plain_streak < self.probe_interval:
+        interval = max(self.probe_interval, self._probe_gap(num_rows))
+        if self.plain_streak < interval:
             return False
-        self.plain_streak, self.probe_interval = 0, min(2 * self.probe_interval, self.max_probe_interval)
+        self.plain_streak, self.probe_interval = 0, min(2 * interval, max(self.max_probe_interval, interval))
         return True
+
+    def _probe_gap(self, num_rows: int) -> int:
+        """Plain steps between probes for probes to cost at most ``probe_overhead`` of the time."""
+        cost = self.cost
+        plain = cost.verify_seconds(num_rows, 1) + cost.step_overhead
+        extra = cost.draft_seconds(num_rows) + cost.verify_seconds(num_rows, 2) - cost.verify_seconds(num_rows, 1)
+        return math.ceil(extra / plain / self.probe_overhead) if plain > 0 else 1
 
 
 def _longest(verify_lengths: torch.Tensor) -> int:
@@ -383,7 +395,8 @@ class AdaptiveBudget(_CostAware):
     def budget(self, num_rows: int) -> int:
         cost = self._open_step(num_rows)
         plan = plan_step(self.pool_acceptance(num_rows), num_rows, self.max_draft, cost, self.max_budget)
-        self.probing = self._after_plan(plan.num_draft_tokens > 0, can_learn=self.pool.shape[0] > 0)
+        self.probing = self._after_plan(plan.num_draft_tokens > 0, can_learn=self.pool.shape[0] > 0,
+                                        num_rows=num_rows)
         if self.probing and self.max_draft > 0 and self.max_budget != 0:
             plan = StepPlan(1, num_rows, plan.tokens, plan.seconds)
         else:
@@ -404,7 +417,8 @@ class AdaptiveBudget(_CostAware):
             return lengths if self.max_budget is None else select_fixed_budget(lengths, self.max_budget)
         survival = self.calibrator.predict(token_log_probs.detach().double().cpu().exp()).cumprod(dim=1)
         cost = self.cost
-        choice = best_budget(survival, max_lengths.cpu(), num_drafted * cost.draft_seconds(num_rows) + cost.step_overhead,
+        fixed_seconds = num_drafted * cost.draft_seconds(num_rows) + cost.step_overhead  # drafting is already paid
+        choice = best_budget(survival, max_lengths.cpu(), fixed_seconds,
                              cost.verify_seconds_by_length(num_rows, num_drafted), self.max_budget)
         scores = survival.log().to(token_log_probs.device)
         return select_tetris(scores, max_lengths, int(choice.budget[0]))
@@ -438,7 +452,7 @@ class DynamicWindow(_CostAware):
     def budget(self, num_rows: int) -> int:
         cost = self._open_step(num_rows)
         window = dsd_window(self.acceptance, num_rows, self.max_draft, cost) if self.acceptance is not None else 0
-        self.probing = self._after_plan(window > 0, can_learn=self.acceptance is not None) and self.max_draft > 0
+        self.probing = self._after_plan(window > 0, self.acceptance is not None, num_rows) and self.max_draft > 0
         self.window = 1 if self.probing else window
         self._plan_done()
         return self.window * num_rows
