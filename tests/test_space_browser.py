@@ -240,14 +240,17 @@ def test_empty_prompt_line_is_refused_with_a_message(app_url, browser):
 
 
 @pytest.mark.skipif(REAL, reason="cancelling is checked on tiny models")
-def test_stop_cancels_the_run_and_says_so(app_url, browser):
+def test_outputs_stream_and_stop_cancels_the_run_with_a_message(app_url, browser):
     from selenium.webdriver.common.by import By
 
     _open(browser, app_url)
     _set_prompts(browser, PROMPTS)
     _set_number(browser, "max-new-tokens", 256)
     browser.find_element(By.CSS_SELECTOR, "#run").click()
-    _wait(browser, lambda d: "Running" in _text(d, "#status"), 30, "the run to start")
+    # outputs stream: plain generate()'s rows show partial text with a cursor while it runs
+    _wait(browser, lambda d: "▌" in _text(d, "#outputs-generate") and len(_text(d, "#outputs-generate")) > 8,
+          30, "plain generate()'s outputs to stream")
+    assert "running" in _text(browser, "#metrics-generate")
     browser.find_element(By.CSS_SELECTOR, "#stop").click()
     _wait(browser, lambda d: "cancelled" in _text(d, "#status"), 60, "the cancel message")
     assert "Run cancelled" in _text(browser, "#status")

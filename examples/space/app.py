@@ -16,7 +16,6 @@ import html
 import os
 import sys
 import threading
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -209,7 +208,7 @@ def build_app(target=None, draft=None, tokenizer=None, *, description: str = "",
             default_prompts = FALLBACK_PROMPTS
 
     def on_run(prompts_text, budget, k, extra, temperature, max_new_tokens, board_name, request: gr.Request):
-        blank = {metrics[s]: render_metrics(LiveRun(s)) for s in STRATEGIES}
+        blank = {greedy: "", **{metrics[s]: render_metrics(LiveRun(s)) for s in STRATEGIES}}
         if load_error is not None:
             yield {status: f"⚠ **The models could not be loaded**, so nothing can run: {load_error}", **blank}
             return
