@@ -112,3 +112,26 @@ def test_bad_input_is_one_line_and_exit_code_2(arguments, message, saved_target,
     last_line = err.splitlines()[-1]  # earlier lines can only be transformers' weight-loading progress bars
     assert last_line.startswith("tetris-hf bench: error:") and message in last_line, err
     assert "Traceback" not in err and sum("error" in line for line in err.splitlines()) == 1, err
+
+
+def test_data_parallel_under_accelerate_launch(saved_target, prompt_file, tmp_path):
+    """Two CPU processes split the prompts; the main process writes the gathered results."""
+    import os
+    import subprocess
+    import sys
+
+    output = tmp_path / "dp"
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "-m", "tetris_hf.bench", "--target", str(saved_target), "--draft", "early-exit:1",
+               "--prompts", str(prompt_file), "--num-prompts", "4", "--batch-size", "2", "--max-new-tokens", "5",
+               "--strategies", "generate,fixed,tetris", "--extra-tokens", "1", "--device", "cpu",
+               "--output", str(output), "--no-progress"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads((output / "results.json").read_text())
+    assert report["num_processes"] == 2
+    assert report["mismatches"] == []
+    assert [run["requests"] for run in report["runs"]] == [4, 4, 4]
+    assert report["runs"][0]["output_tokens"] == report["runs"][2]["output_tokens"] > 0

@@ -324,20 +324,26 @@ def plot(summaries: list[dict], path: Path, title: str) -> None:
     plt.close(figure)
 
 
-def _split_for_processes(texts: list[str]):
-    """Under ``accelerate launch``: this process's share of the prompts, and the accelerate state (or None)."""
+def distributed_state(device: torch.device):
+    """Under ``accelerate launch`` with several processes: accelerate's ``PartialState`` (gloo on CPU), else None."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return texts, None, range(len(texts))
+        return None
     from accelerate import PartialState
 
-    state = PartialState()
+    return PartialState(cpu=device.type == "cpu")
+
+
+def _split_for_processes(texts: list[str], state) -> tuple[list[str], list[int]]:
+    """This process's share of the prompts, and their indices in the full list."""
     indices = list(range(len(texts)))
+    if state is None:
+        return texts, indices
     with state.split_between_processes(indices) as mine:
         mine = list(mine)
-    return [texts[i] for i in mine], state, mine
+    return [texts[i] for i in mine], mine
 
 
-def _gather(result: RunResult, state, indices) -> RunResult:
+def _gather(result: RunResult, indices: list[int]) -> RunResult:
     """Combine one run's per-process results: tokens add up, wall time is the slowest process's."""
     from accelerate.utils import gather_object
 
@@ -355,14 +361,20 @@ def _gather(result: RunResult, state, indices) -> RunResult:
     return RunResult(**merged)
 
 
-def run_bench(target, draft, tokenizer, texts: list[str], config: BenchConfig, *, show_progress: bool = True) -> dict:
-    """Every planned run on ``texts``; returns ``{"config", "runs": [summary...], "mismatches": [...]}``."""
+def run_bench(
+    target, draft, tokenizer, texts: list[str], config: BenchConfig, *, show_progress: bool = True, state=None
+) -> dict:
+    """Every planned run on ``texts``; returns ``{"config", "runs": [summary...], "mismatches": [...]}``.
+
+    With an accelerate ``state`` (several processes), each process runs its share of the prompts and the results are
+    gathered: tokens add up, wall time is the slowest process's.
+    """
     from tqdm.auto import tqdm
 
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    texts, state, indices = _split_for_processes(texts)
+    texts, indices = _split_for_processes(texts, state)
     is_main = state is None or state.is_main_process
     runs = plan_runs(config, min(config.batch_size, len(texts)))
     assisted_texts = texts[: config.hf_assisted_prompts]
@@ -381,7 +393,7 @@ def run_bench(target, draft, tokenizer, texts: list[str], config: BenchConfig, *
             if strategy == "hf-assisted":
                 result.outputs += [None] * (len(texts) - len(run_texts))
             if state is not None:
-                result = _gather(result, state, indices)
+                result = _gather(result, indices)
             results.append(result)
     mismatches = check_greedy_outputs(results) if not config.do_sample else []
     summaries = []
@@ -390,7 +402,7 @@ def run_bench(target, draft, tokenizer, texts: list[str], config: BenchConfig, *
         summary["agreement_with_generate"] = getattr(result, "agreement", None)
         summaries.append(summary)
     return {"config": dataclasses.asdict(config), "runs": summaries, "mismatches": mismatches,
-            "is_main_process": is_main}
+            "is_main_process": is_main, "num_processes": 1 if state is None else state.num_processes}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -508,6 +520,9 @@ def main(args) -> int:
     config = config_from_args(args)
     device = _device(args.device)
     prompt_set = load_prompt_set(args.prompts)
+    state = distributed_state(device)
+    if state is not None and device.type == "cuda":
+        device = state.device  # one GPU per process
     torch.manual_seed(args.seed)
     from .models import ModelNotFoundError, load_default_pair
 
@@ -528,7 +543,7 @@ def main(args) -> int:
     except ValueError as error:  # e.g. a draft with another vocabulary
         raise UsageError(str(error)) from None
     texts, note = prompt_texts(prompt_set, args.num_prompts, tokenizer, args.max_prompt_tokens)
-    report = run_bench(target, draft, tokenizer, texts, config, show_progress=not args.no_progress)
+    report = run_bench(target, draft, tokenizer, texts, config, show_progress=not args.no_progress, state=state)
     if not report["is_main_process"]:
         return 0
     report.update(pair=dataclasses.asdict(info), prompts={"set": args.prompts, "count": len(texts), "note": note},
