@@ -3,6 +3,14 @@
 # Safe to re-run. Usage: source scripts/setup.sh   (or bash scripts/setup.sh; then . .venv/bin/activate)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# Debian's Chromium + driver drive the Space demo's browser test (skipped, with the reason, where they are absent).
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver fonts-dejavu-core >/dev/null
+  else
+    echo "note: chromium/chromedriver not installed (needs root + apt); the browser test will be skipped" >&2
+  fi
+fi
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
