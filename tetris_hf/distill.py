@@ -13,10 +13,8 @@ sum min(p, q), the acceptance rate of one drafted token under speculative sampli
 from __future__ import annotations
 
 import argparse
-import math
 import random
 import time
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -218,7 +216,7 @@ def main(args) -> int:
     except (ModelNotFoundError, OSError) as error:
         raise UsageError(str(error)) from None
     if getattr(tokenizer, "chat_template", None) is None:
-        raise UsageError(f"the target's tokenizer has no chat template; distillation renders chats with it")
+        raise UsageError("the target's tokenizer has no chat template; distillation renders chats with it")
     total_layers = target.config.num_hidden_layers
     if args.layers > total_layers:
         raise UsageError(f"--layers {args.layers} exceeds the target's {total_layers} layers")
