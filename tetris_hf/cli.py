@@ -50,4 +50,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as `python -m tetris_hf.cli`: call the imported module's main, so that sub-commands raising
+    # tetris_hf.cli.UsageError meet the same class here (this file is a second module named __main__).
+    from tetris_hf.cli import main as package_main
+
+    sys.exit(package_main())
