@@ -166,11 +166,13 @@ def render_greedy_check(runs: dict[str, LiveRun], settings: Settings) -> str:
             f"differ for request(s) {which} of {total}.</div>")
 
 
-def run_status(runs: dict[str, LiveRun], num_requests: int) -> str:
-    """One line: what is running, or how the whole run ended."""
+def run_status(runs: dict[str, LiveRun], num_requests: int, stopping: bool = False) -> str:
+    """One line: what is running (or being stopped), or how the whole run ended."""
     for strategy in STRATEGIES:
         live = runs[strategy]
         if live.state == "running":
+            if stopping:
+                return "⏹ Stopping…"
             position = STRATEGIES.index(strategy) + 1
             return f"Running **{TITLES[strategy]}** ({position}/3) on {num_requests} requests…"
     cancelled = [s for s in STRATEGIES if runs[s].state == "cancelled"]
@@ -228,7 +230,7 @@ def build_app(target=None, draft=None, tokenizer=None, *, description: str = "",
         try:
             while worker.is_alive():
                 worker.join(timeout=REFRESH_SECONDS)
-                yield live_view(runs, settings, len(prompts))
+                yield live_view(runs, settings, len(prompts), stopping=stop.is_set())
         finally:
             stop.set()  # the page went away or the run ended: the worker stops at its next token
             stops.pop(session, None)
@@ -241,8 +243,8 @@ def build_app(target=None, draft=None, tokenizer=None, *, description: str = "",
             step: gr.Slider(minimum=1, maximum=max(shown.steps if shown else 1, 2), value=1, step=1),
         }
 
-    def live_view(runs: dict[str, LiveRun], settings: Settings, num_requests: int) -> dict:
-        view = {status: run_status(runs, num_requests), greedy: render_greedy_check(runs, settings)}
+    def live_view(runs: dict[str, LiveRun], settings: Settings, num_requests: int, stopping: bool = False) -> dict:
+        view = {status: run_status(runs, num_requests, stopping), greedy: render_greedy_check(runs, settings)}
         for strategy in STRATEGIES:
             view[metrics[strategy]] = render_metrics(runs[strategy])
             view[outputs[strategy]] = render_outputs(runs[strategy], tokenizer, num_requests)
@@ -257,7 +259,9 @@ def build_app(target=None, draft=None, tokenizer=None, *, description: str = "",
         if event is None:
             return "Nothing to stop: no run is in progress."
         event.set()
-        return "⏹ Stopping…"
+        # The run's own updates say "Stopping…" and then how it ended; writing the status here too could land
+        # after the run's last update and hide the outcome.
+        return gr.update()
 
     def on_board(boards: dict, board_name: str, step_value):
         trace: BoardTrace | None = (boards or {}).get(board_name)

@@ -214,7 +214,9 @@ def run_all(target, draft, tokenizer, prompts: list[str], settings: Settings, ru
     warm_up(target, draft, batch)
     for strategy in STRATEGIES:
         live = runs[strategy]
-        if stop.is_set():
+        if stop.is_set():  # stopped between two runs: this one is cancelled before it starts
+            live.started = live.ended = time.perf_counter()
+            live.state = "cancelled"
             break
         try:
             with torch.inference_mode():
