@@ -192,3 +192,22 @@ def test_adaptive_sampling_runs_and_keeps_lengths():
                           tetris_strategy="adaptive", tetris_cost_profile=FREE_VERIFY, return_dict_in_generate=True)
     assert out.sequences.shape == (4, input_ids.shape[1] + 10)
     assert out.tetris_stats.verified_tokens > 0
+
+
+def test_what_adaptive_and_dsd_learn_carries_over_to_the_next_call_on_the_same_pair():
+    target = tiny_llama(64, seed=12)
+    draft = noisy_copy(target, 0.3, 12)
+    input_ids, mask = left_pad(random_prompts(3, 64, seed=12))
+    for strategy in ("adaptive", "dsd"):
+        first_steps = []
+        for _ in range(2):
+            out = target.generate(input_ids, attention_mask=mask, assistant_model=draft, custom_generate="tetris",
+                                  do_sample=False, max_new_tokens=6, pad_token_id=PAD, return_dict_in_generate=True,
+                                  tetris_strategy=strategy, tetris_cost_profile=COSTLY_VERIFY)
+            first_steps.append(out.tetris_stats.num_drafted_per_step[0])
+        assert first_steps == [1, 0]  # a cold start probes; the second call already knows the draft does not pay
+    fresh = tiny_llama(64, seed=12)  # another target object: nothing learnt yet
+    out = fresh.generate(input_ids, attention_mask=mask, assistant_model=draft, custom_generate="tetris",
+                         do_sample=False, max_new_tokens=6, pad_token_id=PAD, return_dict_in_generate=True,
+                         tetris_strategy="adaptive", tetris_cost_profile=COSTLY_VERIFY)
+    assert out.tetris_stats.num_drafted_per_step[0] == 1

@@ -15,10 +15,11 @@ from __future__ import annotations
 import math
 import os
 import time
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, NamedTuple
+from typing import Mapping, NamedTuple
 
 import torch
 
@@ -348,6 +349,28 @@ def _ratio(measured: float, predicted: float) -> float:
     return min(max(measured / predicted, 0.25), 4.0) if predicted > 0 else 1.0
 
 
+@dataclass
+class PairMemory:
+    """What ``adaptive`` and ``dsd`` learnt about one target/draft pair, kept between ``generate()`` calls.
+
+    ``calibrator``: acceptance by draft probability; ``pool``: ``(P, W)`` log q of recently drafted rows, newest
+    first; ``dsd_acceptance``: DSD's running acceptance rate.
+    """
+
+    calibrator: AcceptanceCalibrator = field(default_factory=AcceptanceCalibrator)
+    pool: torch.Tensor | None = None
+    dsd_acceptance: float | None = None
+
+
+_PAIR_MEMORY: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakKeyDictionary]" = weakref.WeakKeyDictionary()
+
+
+def pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module) -> PairMemory:
+    """The :class:`PairMemory` of these two model objects (in memory, forgotten with the models)."""
+    by_target = _PAIR_MEMORY.setdefault(assistant_model, weakref.WeakKeyDictionary())
+    return by_target.setdefault(model, PairMemory())
+
+
 class AdaptiveBudget(_CostAware):
     """``adaptive``: each step, ``K`` and ``C`` that maximise expected emitted tokens per second, then TETRIS.
 
@@ -360,30 +383,38 @@ class AdaptiveBudget(_CostAware):
         options: ``K <= num_assistant_tokens + tetris_extra_tokens``; ``tetris_budget`` caps ``C``.
         cost: a :class:`StepCostModel`, or ``(num_rows, max_tokens) -> StepCostModel`` called at the first step.
         clock: ``time.perf_counter`` to correct the cost model from measured steps; ``None`` not to.
-        calibrator: a shared :class:`AcceptanceCalibrator` (default: a fresh one).
+        memory: a :class:`PairMemory` to start from and learn into (default: a fresh one).
         pool_rows: recently drafted rows kept to plan with.
     """
 
-    def __init__(self, options: TetrisOptions, cost, clock=None, calibrator: AcceptanceCalibrator | None = None,
+    def __init__(self, options: TetrisOptions, cost, clock=None, memory: PairMemory | None = None,
                  pool_rows: int = 256):
         super().__init__(options, cost, clock)
         self.max_budget = options.tetris_budget
-        self.calibrator = calibrator or AcceptanceCalibrator()
+        self.memory = memory if memory is not None else PairMemory()
+        self.calibrator = self.memory.calibrator
         self.pool_rows = pool_rows
         # log q of recently drafted rows, newest first, (P, max_draft); a row drafted shorter than max_draft repeats
         # its last cell (so its acceptance beyond what was drafted is taken to stay as it was)
         self.pool = torch.zeros(0, self.max_draft, dtype=torch.float64)
+        if self.memory.pool is not None:
+            self._add_rows(self.memory.pool)
         self.plan: StepPlan | None = None
 
     def remember(self, token_log_probs: torch.Tensor) -> None:
         """Add drafted rows ``(B, K)`` to the planning pool."""
-        if token_log_probs.shape[1] == 0:
+        self._add_rows(token_log_probs.detach().double().cpu().flip(0))
+        self.memory.pool = self.pool
+
+    def _add_rows(self, rows: torch.Tensor) -> None:
+        """Put ``rows`` ``(n, K)`` (newest first) in front of the pool, cut or padded to ``max_draft`` cells."""
+        if rows.shape[1] == 0:
             return
-        rows = token_log_probs.detach().double().cpu()[:, : self.max_draft]
+        rows = rows[:, : self.max_draft]
         pad = self.max_draft - rows.shape[1]
         if pad > 0:
             rows = torch.cat([rows, rows[:, -1:].expand(-1, pad)], dim=1)
-        self.pool = torch.cat([rows.flip(0), self.pool])[: self.pool_rows]
+        self.pool = torch.cat([rows, self.pool])[: self.pool_rows]
 
     def pool_acceptance(self, num_rows: int | None = None) -> torch.Tensor:
         """``(P, max_draft)`` calibrated conditional acceptance of the pooled rows, newest first: the newest
@@ -444,9 +475,10 @@ class DynamicWindow(_CostAware):
     contributes its accepted drafts and one rejection unless it accepted all it verified).
     """
 
-    def __init__(self, options: TetrisOptions, cost, clock=None):
+    def __init__(self, options: TetrisOptions, cost, clock=None, memory: PairMemory | None = None):
         super().__init__(options, cost, clock)
-        self.acceptance: float | None = None
+        self.memory = memory if memory is not None else PairMemory()
+        self.acceptance: float | None = self.memory.dsd_acceptance
         self.window = 0
 
     def budget(self, num_rows: int) -> int:
@@ -472,13 +504,15 @@ class DynamicWindow(_CostAware):
             return
         observed = accepted / (accepted + rejections)
         self.acceptance = observed if self.acceptance is None else 0.85 * self.acceptance + 0.15 * observed
+        self.memory.dsd_acceptance = self.acceptance
 
 
 def make_strategy(options: TetrisOptions, model: torch.nn.Module | None = None,
                   assistant_model: torch.nn.Module | None = None) -> FixedWindow | AdaptiveBudget | DynamicWindow:
     """The strategy ``options`` name. ``adaptive`` and ``dsd`` need ``options.tetris_cost_profile`` (used as given) or
     the two models (profiled at the first step, see :func:`~tetris_hf.cost_model.cost_model_for`, then corrected
-    online from the loop's own step times)."""
+    online from the loop's own step times). With the models, what they learn about acceptance carries over to the
+    next call on the same pair (:func:`pair_memory`)."""
     if options.tetris_strategy == "tetris":
         return TetrisSelection(options)
     if options.tetris_strategy == "fixed":
@@ -493,4 +527,5 @@ def make_strategy(options: TetrisOptions, model: torch.nn.Module | None = None,
         def cost(num_rows: int, max_tokens: int) -> StepCostModel:
             return cost_model_for(model, assistant_model, num_rows=num_rows, max_tokens=max_tokens)
     kind = AdaptiveBudget if options.tetris_strategy == "adaptive" else DynamicWindow
-    return kind(options, cost, clock=clock)
+    memory = pair_memory(model, assistant_model) if model is not None and assistant_model is not None else None
+    return kind(options, cost, clock=clock, memory=memory)
