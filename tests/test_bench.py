@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 
 import tetris_hf.bench as bench
 import tetris_hf.logits.verification as verification

@@ -81,9 +81,9 @@ def test_command_writes_json_and_plot_and_prints_the_table(pair, tmp_path, monke
     target, draft = pair
     info = PairInfo(target="tiny target", draft="tiny draft", draft_kind="model", seconds=0.0)
     monkeypatch.setattr(models, "load_default_pair", lambda *args, **kwargs: (target, draft, tiny_tokenizer(), info))
-    monkeypatch.setattr(bound, "load_prompt_texts",
-                        lambda name, limit, tokenizer: (["hello how are you", "the quick brown fox"][:limit], "two"))
-    status = cli_main(["bound", "--num-prompts", "2", "--positions-per-prompt", "3", "--max-new-tokens", "5", "--ns",
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hello how are you", "raw": true}\n{"prompt": "the quick brown fox", "raw": true}\n')
+    status = cli_main(["bound", "--prompts", str(prompts), "--num-prompts", "2", "--positions-per-prompt", "3", "--max-new-tokens", "5", "--ns",
                        "2", "--temperatures", "1.0", "--device", "cpu", "--output", str(tmp_path), "--no-progress"])
     assert status == 0
     written = json.loads((tmp_path / "bound.json").read_text())

@@ -1,6 +1,5 @@
 """Sampled TETRIS output follows the target's own distribution exactly (chi-square against the exact law)."""
 
-import itertools
 
 import pytest
 import torch

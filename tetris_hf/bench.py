@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from .cli import UsageError
+from .cli import UsageError, load_prompt_set, number_list, prompt_texts, resolve_device
 
 BASELINES = ("generate", "hf-assisted")
 
@@ -409,16 +409,6 @@ def run_bench(
 # Command line
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"expected non-negative integers, got {text!r}")
-    return values
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", default="sharegpt", help="sharegpt | mtbench | humaneval | FILE.jsonl")
     parser.add_argument("--num-prompts", type=int, default=16)
@@ -428,8 +418,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--strategies", default="generate,hf-assisted,fixed,tetris",
                         help="comma list: generate, hf-assisted, fixed, tetris, or any other tetris_strategy")
-    parser.add_argument("--num-assistant-tokens", type=_int_list, default=(4,), help="k (comma list)")
-    parser.add_argument("--extra-tokens", type=_int_list, default=(1, 2, 3), help="TETRIS e (comma list)")
+    parser.add_argument("--num-assistant-tokens", type=number_list(int, 1), default=(4,), help="k (comma list)")
+    parser.add_argument("--extra-tokens", type=number_list(int, 0), default=(1, 2, 3), help="TETRIS e (comma list)")
     parser.add_argument("--budget", type=int, default=None, help="C per step (default k x batch size)")
     parser.add_argument("--hf-assisted-prompts", type=int, default=4,
                         help="requests for transformers' one-at-a-time assisted generation (it is slow)")
@@ -457,8 +447,6 @@ def config_from_args(args) -> BenchConfig:
     unknown = [s for s in strategies if s not in BASELINES and s not in STRATEGIES]
     if unknown or not strategies:
         raise UsageError(f"unknown strategy {unknown}: choose from {', '.join(BASELINES + tuple(STRATEGIES))}")
-    if 0 in args.num_assistant_tokens:
-        raise UsageError("--num-assistant-tokens must be at least 1")
     return BenchConfig(
         batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens,
@@ -472,53 +460,9 @@ def config_from_args(args) -> BenchConfig:
     )
 
 
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise UsageError(f"unknown --device {name!r}: use cpu, cuda, cuda:N or auto") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda asked for, but this machine has no CUDA device: use --device cpu")
-    return device
-
-
-def load_prompt_set(name: str):
-    """The prompt set, or a one-line :class:`UsageError` (checked before any model loads)."""
-    from .data import load_prompts
-
-    try:
-        return load_prompts(name)
-    except (ValueError, FileNotFoundError) as error:
-        raise UsageError(str(error)) from None
-
-
-def prompt_texts(prompt_set, limit: int, tokenizer, max_prompt_tokens: int) -> tuple[list[str], str]:
-    """The first ``limit`` non-empty prompts of the set of at most ``max_prompt_tokens`` tokens, rendered."""
-    from .data import render_prompts
-
-    name = prompt_set.name
-    texts, skipped = [], 0
-    for prompt in prompt_set:
-        if len(texts) == limit:
-            break
-        text = render_prompts([prompt], tokenizer)[0]
-        if not text.strip():
-            continue
-        if len(tokenizer(text, add_special_tokens=False)["input_ids"]) > max_prompt_tokens:
-            skipped += 1
-            continue
-        texts.append(text)
-    if not texts:
-        raise UsageError(f"prompt set {name!r} holds no non-empty prompt of at most {max_prompt_tokens} tokens")
-    note = prompt_set.note + (f"; skipped {skipped} prompts longer than {max_prompt_tokens} tokens" if skipped else "")
-    return texts, note
-
-
 def main(args) -> int:
     config = config_from_args(args)
-    device = _device(args.device)
+    device = resolve_device(args.device)
     prompt_set = load_prompt_set(args.prompts)
     state = distributed_state(device)
     if state is not None and device.type == "cuda":

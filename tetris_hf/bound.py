@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from . import multidraft
-from .cli import UsageError
+from .cli import UsageError, load_prompt_set, number_list, prompt_texts, resolve_device
 
 METHODS = {  # name -> label, in table and plot order
     "single": "single draft (reference)",
@@ -265,54 +265,13 @@ def plot(report: dict, path: Path, title: str) -> None:
     plt.close(figure)
 
 
-def _number_list(kind: type):
-    """argparse type: a comma-separated list of ``kind`` (int or float)."""
-
-    def parse(text: str) -> tuple:
-        try:
-            values = tuple(kind(part) for part in text.split(",") if part.strip())
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__}s, got {text!r}") from None
-        if not values:
-            raise argparse.ArgumentTypeError(f"expected at least one {kind.__name__}, got {text!r}")
-        return values
-
-    return parse
-
-
-def load_prompt_texts(name: str, limit: int, tokenizer) -> tuple[list[str], str]:
-    """The first ``limit`` non-empty prompts of a set, rendered for ``tokenizer``; and the set's note."""
-    from .data import load_prompts, render_prompts
-
-    try:
-        prompt_set = load_prompts(name, limit=limit)
-    except (ValueError, FileNotFoundError) as error:
-        raise UsageError(str(error)) from None
-    texts = [text for text in render_prompts(prompt_set, tokenizer) if text.strip()]
-    if not texts:
-        raise UsageError(f"prompt set {name!r} holds no non-empty prompts")
-    return texts, prompt_set.note
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise UsageError(f"unknown --device {name!r}: use cpu, cuda, cuda:N or auto") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda asked for, but this machine has no CUDA device: use --device cpu")
-    return device
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", default="sharegpt", help="sharegpt | mtbench | humaneval | FILE.jsonl")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--positions-per-prompt", type=int, default=16, help="positions spread along each generation")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="length of the target's greedy generation")
-    parser.add_argument("--ns", type=_number_list(int), default=(2, 3, 4), help="numbers of drafts (comma list)")
-    parser.add_argument("--temperatures", type=_number_list(float), default=(0.5, 0.7, 1.0), help="comma list")
+    parser.add_argument("--ns", type=number_list(int), default=(2, 3, 4), help="numbers of drafts (comma list)")
+    parser.add_argument("--temperatures", type=number_list(float), default=(0.5, 0.7, 1.0), help="comma list")
     parser.add_argument("--mc-samples", type=int, default=256,
                         help="Monte Carlo walks per position where RRS without replacement is not enumerable")
     parser.add_argument("--target", default=None, help="Hub id, local directory or .gguf (default: SmolLM2-135M)")
@@ -331,14 +290,15 @@ def main(args) -> int:
         raise UsageError(f"--ns must be numbers of drafts >= 1, got {','.join(map(str, args.ns))}")
     if min(args.temperatures) <= 0:
         raise UsageError(f"--temperatures must be positive, got {','.join(map(str, args.temperatures))}")
-    device = _device(args.device)
+    device = resolve_device(args.device)
+    prompt_set = load_prompt_set(args.prompts)
     from .models import ModelNotFoundError, load_default_pair
 
     try:
         target, draft, tokenizer, info = load_default_pair(args.target, args.draft, device=device)
     except (ModelNotFoundError, ValueError) as error:
         raise UsageError(str(error)) from None
-    texts, note = load_prompt_texts(args.prompts, args.num_prompts, tokenizer)
+    texts, note = prompt_texts(prompt_set, args.num_prompts, tokenizer)
     try:
         report = bound_table(
             target, draft, tokenizer, texts,

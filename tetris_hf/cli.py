@@ -23,6 +23,75 @@ class UsageError(Exception):
     """A mistake in what the user asked for: printed as one line, exit status 2."""
 
 
+# Helpers the sub-commands share -------------------------------------------------------------------------------
+
+
+def number_list(kind: type = int, minimum: float | None = None):
+    """argparse type: a comma-separated list of ``kind`` values, each ``>= minimum`` when given."""
+
+    def parse(text: str) -> tuple:
+        try:
+            values = tuple(kind(part) for part in text.split(",") if part.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__}s, got {text!r}") from None
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected at least one {kind.__name__}, got {text!r}")
+        if minimum is not None and min(values) < minimum:
+            raise argparse.ArgumentTypeError(f"expected values >= {minimum}, got {text!r}")
+        return values
+
+    return parse
+
+
+def resolve_device(name: str | None):
+    """``--device``: ``auto``/``None`` (CUDA when present, else CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
+    import torch
+
+    if name in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"unknown --device {name!r}: use cpu, cuda, cuda:N or auto") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {name} asked for, but this machine has no CUDA device: use --device cpu")
+    return device
+
+
+def load_prompt_set(name: str):
+    """``--prompts``: a prompt set by name or path (see :func:`tetris_hf.data.load_prompts`), checked before any
+    model loads."""
+    from .data import load_prompts
+
+    try:
+        return load_prompts(name)
+    except (ValueError, FileNotFoundError) as error:
+        raise UsageError(str(error)) from None
+
+
+def prompt_texts(prompt_set, limit: int, tokenizer, max_prompt_tokens: int | None = None) -> tuple[list[str], str]:
+    """The first ``limit`` non-empty prompts of the set (of at most ``max_prompt_tokens`` tokens), rendered for
+    ``tokenizer`` (chats through its chat template); and a one-line note on where they came from."""
+    from .data import render_prompts
+
+    texts, skipped = [], 0
+    for prompt in prompt_set:
+        if len(texts) == limit:
+            break
+        text = render_prompts([prompt], tokenizer)[0]
+        if not text.strip():
+            continue
+        if max_prompt_tokens is not None and len(tokenizer(text, add_special_tokens=False)["input_ids"]) > max_prompt_tokens:
+            skipped += 1
+            continue
+        texts.append(text)
+    if not texts:
+        longest = f" of at most {max_prompt_tokens} tokens" if max_prompt_tokens is not None else ""
+        raise UsageError(f"prompt set {prompt_set.name!r} holds no non-empty prompt{longest}")
+    note = prompt_set.note + (f"; skipped {skipped} prompts longer than {max_prompt_tokens} tokens" if skipped else "")
+    return texts, note
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tetris-hf", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", required=True)

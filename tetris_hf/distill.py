@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tetris_hf.cli import UsageError
+from tetris_hf.cli import UsageError, resolve_device
 
 # ---------------------------------------------------------------------------------------------------------------
 # Data: ShareGPT chats -> one token stream -> fixed-length windows
@@ -193,14 +193,7 @@ def _check_args(args) -> torch.device:
         raise UsageError(f"--max-seconds must be positive, got {args.max_seconds}")
     if not args.lr > 0:
         raise UsageError(f"--lr must be positive, got {args.lr}")
-    name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise UsageError(f"unknown --device {name!r}: use cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda given but no CUDA device is available: use --device cpu")
-    return device
+    return resolve_device(args.device)
 
 
 def main(args) -> int:
