@@ -255,6 +255,31 @@ def dsd_window(acceptance: float, num_rows: int, max_draft: int, cost: StepCostM
 # Strategies that choose per step
 
 
+@dataclass
+class PairMemory:
+    """What ``adaptive`` and ``dsd`` learnt about one target/draft pair, kept between ``generate()`` calls.
+
+    ``calibrator``: acceptance by draft probability; ``pool``: ``(P, W)`` log q of recently drafted rows, newest
+    first; ``dsd_acceptance``: DSD's running acceptance rate; ``plain_streak`` and ``probe_interval``: the probe
+    schedule (so that a pair known not to pay is probed ever more rarely, call after call).
+    """
+
+    calibrator: AcceptanceCalibrator = field(default_factory=AcceptanceCalibrator)
+    pool: torch.Tensor | None = None
+    dsd_acceptance: float | None = None
+    plain_streak: int = 0
+    probe_interval: int = 8
+
+
+_PAIR_MEMORY: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakKeyDictionary]" = weakref.WeakKeyDictionary()
+
+
+def pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module) -> PairMemory:
+    """The :class:`PairMemory` of these two model objects (in memory, forgotten with the models)."""
+    by_target = _PAIR_MEMORY.setdefault(assistant_model, weakref.WeakKeyDictionary())
+    return by_target.setdefault(model, PairMemory())
+
+
 class _CostAware:
     """Shared by ``adaptive`` and ``dsd``: the cost model (resolved at the first step, when the batch size is known),
     online corrections of it from the loop's own timings, and probing after long runs of plain decoding.
@@ -267,7 +292,8 @@ class _CostAware:
     ``probe_interval``-th step drafts one token per row and verifies them all. The interval starts at 8 steps, or
     more where a probe is dear (enough that probes add at most ``probe_overhead`` of the time: at 256 rows on the
     8B H200 curve a probe costs 1.5 plain steps), doubles after every probe that does not change the decision (up to
-    ``max_probe_interval``) and resets once drafting pays. The first step is a probe.
+    ``max_probe_interval``) and resets once drafting pays; the schedule lives in the pair's :class:`PairMemory`, so it
+    carries over between calls. A pair with nothing learnt yet starts with a probe.
     """
 
     probe_interval_start = 8
@@ -276,13 +302,12 @@ class _CostAware:
     smoothing = 0.3
 
     def __init__(self, options: TetrisOptions, cost: StepCostModel | Callable[[int, int], StepCostModel],
-                 clock: Callable[[], float] | None = None):
+                 clock: Callable[[], float] | None = None, memory: PairMemory | None = None):
         self.max_draft = options.num_assistant_tokens + options.tetris_extra_tokens
         self._cost_source = cost
         self.cost: StepCostModel | None = cost if isinstance(cost, StepCostModel) else None
         self.clock = clock
-        self.plain_streak = 0
-        self.probe_interval = self.probe_interval_start
+        self.memory = memory if memory is not None else PairMemory(probe_interval=self.probe_interval_start)
         self.probing = False
         self._started_at = self._drafted_at = self._verified_at = None
 
@@ -321,16 +346,18 @@ class _CostAware:
 
     def _after_plan(self, drafts: bool, can_learn: bool, num_rows: int) -> bool:
         """Update the probe schedule; returns whether this step is a probe."""
+        schedule = self.memory
         if not can_learn:
             return True
         if drafts:
-            self.plain_streak, self.probe_interval = 0, self.probe_interval_start
+            schedule.plain_streak, schedule.probe_interval = 0, self.probe_interval_start
             return False
-        self.plain_streak += 1
-        interval = max(self.probe_interval, self._probe_gap(num_rows))
-        if self.plain_streak < interval:
+        schedule.plain_streak += 1
+        interval = max(schedule.probe_interval, self._probe_gap(num_rows))
+        if schedule.plain_streak < interval:
             return False
-        self.plain_streak, self.probe_interval = 0, min(2 * interval, max(self.max_probe_interval, interval))
+        schedule.plain_streak = 0
+        schedule.probe_interval = min(2 * interval, max(self.max_probe_interval, interval))
         return True
 
     def _probe_gap(self, num_rows: int) -> int:
@@ -347,28 +374,6 @@ def _longest(verify_lengths: torch.Tensor) -> int:
 
 def _ratio(measured: float, predicted: float) -> float:
     return min(max(measured / predicted, 0.25), 4.0) if predicted > 0 else 1.0
-
-
-@dataclass
-class PairMemory:
-    """What ``adaptive`` and ``dsd`` learnt about one target/draft pair, kept between ``generate()`` calls.
-
-    ``calibrator``: acceptance by draft probability; ``pool``: ``(P, W)`` log q of recently drafted rows, newest
-    first; ``dsd_acceptance``: DSD's running acceptance rate.
-    """
-
-    calibrator: AcceptanceCalibrator = field(default_factory=AcceptanceCalibrator)
-    pool: torch.Tensor | None = None
-    dsd_acceptance: float | None = None
-
-
-_PAIR_MEMORY: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakKeyDictionary]" = weakref.WeakKeyDictionary()
-
-
-def pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module) -> PairMemory:
-    """The :class:`PairMemory` of these two model objects (in memory, forgotten with the models)."""
-    by_target = _PAIR_MEMORY.setdefault(assistant_model, weakref.WeakKeyDictionary())
-    return by_target.setdefault(model, PairMemory())
 
 
 class AdaptiveBudget(_CostAware):
@@ -389,9 +394,8 @@ class AdaptiveBudget(_CostAware):
 
     def __init__(self, options: TetrisOptions, cost, clock=None, memory: PairMemory | None = None,
                  pool_rows: int = 256):
-        super().__init__(options, cost, clock)
+        super().__init__(options, cost, clock, memory)
         self.max_budget = options.tetris_budget
-        self.memory = memory if memory is not None else PairMemory()
         self.calibrator = self.memory.calibrator
         self.pool_rows = pool_rows
         # log q of recently drafted rows, newest first, (P, max_draft); a row drafted shorter than max_draft repeats
@@ -476,8 +480,7 @@ class DynamicWindow(_CostAware):
     """
 
     def __init__(self, options: TetrisOptions, cost, clock=None, memory: PairMemory | None = None):
-        super().__init__(options, cost, clock)
-        self.memory = memory if memory is not None else PairMemory()
+        super().__init__(options, cost, clock, memory)
         self.acceptance: float | None = self.memory.dsd_acceptance
         self.window = 0
 
