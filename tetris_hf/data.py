@@ -240,13 +240,8 @@ def _sharegpt_note(scan: ArrayScan, kept: int, path: Path) -> str:
     )
 
 
-def load_sharegpt(path: str | os.PathLike | None = None, *, limit: int | None = None) -> PromptSet:
-    """First human turns of ShareGPT conversations, as one-message chats (the shipped V3 file by default).
-
-    The file may be truncated (the shipped one is): every complete record is recovered; ``recovered``,
-    ``broke_off_at`` and ``size`` on the result say how many and where the file broke off, and a one-line warning
-    is logged. A file cut before its first record ends raises ValueError.
-    """
+def _load_sharegpt(path, limit: int | None, name: str, whole_chats: bool) -> PromptSet:
+    """ShareGPT conversations that start with a human turn: the first turn only, or the whole chat."""
     _check_limit(limit)
 
     def keep(record):
@@ -254,14 +249,14 @@ def load_sharegpt(path: str | os.PathLike | None = None, *, limit: int | None = 
         if chat is None:
             return None
         record_id, messages = chat
-        return Prompt(id=f"sharegpt/{record_id}", messages=(messages[0],))
+        return Prompt(id=f"sharegpt/{record_id}", messages=tuple(messages) if whole_chats else (messages[0],))
 
     scan, path = _sharegpt_scan(path, keep)
     note = _sharegpt_note(scan, len(scan.kept), path)
     if scan.broke_off_at is not None:
         logger.warning(note)
     return PromptSet(
-        name="sharegpt",
+        name=name,
         prompts=scan.kept[:limit] if limit else scan.kept,
         source=str(path),
         recovered=scan.decoded,
@@ -269,27 +264,21 @@ def load_sharegpt(path: str | os.PathLike | None = None, *, limit: int | None = 
         size=scan.size,
         note=note,
     )
+
+
+def load_sharegpt(path: str | os.PathLike | None = None, *, limit: int | None = None) -> PromptSet:
+    """First human turns of ShareGPT conversations, as one-message chats (the shipped V3 file by default).
+
+    The file may be truncated (the shipped one is): every complete record is recovered; ``recovered``,
+    ``broke_off_at`` and ``size`` on the result say how many and where the file broke off, and a one-line warning
+    is logged. A file cut before its first record ends raises ValueError.
+    """
+    return _load_sharegpt(path, limit, "sharegpt", whole_chats=False)
 
 
 def load_sharegpt_chats(path: str | os.PathLike | None = None, *, limit: int | None = None) -> PromptSet:
     """Whole ShareGPT conversations (all turns) that start with a human turn, for distillation."""
-    _check_limit(limit)
-
-    def keep(record):
-        chat = _sharegpt_chat(record)
-        return None if chat is None else Prompt(id=f"sharegpt/{chat[0]}", messages=tuple(chat[1]))
-
-    scan, path = _sharegpt_scan(path, keep)
-    note = _sharegpt_note(scan, len(scan.kept), path)
-    return PromptSet(
-        name="sharegpt-chats",
-        prompts=scan.kept[:limit] if limit else scan.kept,
-        source=str(path),
-        recovered=scan.decoded,
-        broke_off_at=scan.broke_off_at,
-        size=scan.size,
-        note=note,
-    )
+    return _load_sharegpt(path, limit, "sharegpt-chats", whole_chats=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
