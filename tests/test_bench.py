@@ -134,3 +134,20 @@ def test_data_parallel_under_accelerate_launch(saved_target, prompt_file, tmp_pa
     assert report["mismatches"] == []
     assert [run["requests"] for run in report["runs"]] == [4, 4, 4]
     assert report["runs"][0]["output_tokens"] == report["runs"][2]["output_tokens"] > 0
+
+
+@pytest.mark.parametrize("flag", ["--load-in-4bit", "--load-in-8bit"])
+def test_bench_with_a_quantized_target(flag, prompt_file, tmp_path, capsys):
+    pytest.importorskip("bitsandbytes")
+    tokenizer = tiny_tokenizer()
+    target_dir = tmp_path / "target"
+    tiny_llama(len(tokenizer), num_layers=2, seed=63, hidden_size=64).save_pretrained(target_dir)
+    tokenizer.save_pretrained(target_dir)
+    output = tmp_path / "q"
+    code = cli_main(["bench", "--target", str(target_dir), "--draft", "early-exit:1", "--prompts", str(prompt_file),
+                     "--num-prompts", "3", "--batch-size", "3", "--max-new-tokens", "5", "--strategies",
+                     "generate,tetris", "--extra-tokens", "1", "--device", "cpu", "--output", str(output),
+                     "--no-progress", flag])
+    assert code == 0, capsys.readouterr().err
+    report = json.loads((output / "results.json").read_text())
+    assert "bitsandbytes" in report["pair"]["target"] and report["mismatches"] == []

