@@ -398,8 +398,7 @@ class AdaptiveBudget(_CostAware):
         self.max_budget = options.tetris_budget
         self.calibrator = self.memory.calibrator
         self.pool_rows = pool_rows
-        # log q of recently drafted rows, newest first, (P, max_draft); a row drafted shorter than max_draft repeats
-        # its last cell (so its acceptance beyond what was drafted is taken to stay as it was)
+        # log q of recently drafted rows, newest first, (P, max_draft); NaN past what a row drafted
         self.pool = torch.zeros(0, self.max_draft, dtype=torch.float64)
         if self.memory.pool is not None:
             self._add_rows(self.memory.pool)
@@ -411,21 +410,30 @@ class AdaptiveBudget(_CostAware):
         self.memory.pool = self.pool
 
     def _add_rows(self, rows: torch.Tensor) -> None:
-        """Put ``rows`` ``(n, K)`` (newest first) in front of the pool, cut or padded to ``max_draft`` cells."""
+        """Put ``rows`` ``(n, K)`` (newest first) in front of the pool, cut or NaN-padded to ``max_draft`` cells."""
         if rows.shape[1] == 0:
             return
         rows = rows[:, : self.max_draft]
         pad = self.max_draft - rows.shape[1]
         if pad > 0:
-            rows = torch.cat([rows, rows[:, -1:].expand(-1, pad)], dim=1)
+            rows = torch.cat([rows, rows.new_full((rows.shape[0], pad), float("nan"))], dim=1)
         self.pool = torch.cat([rows, self.pool])[: self.pool_rows]
 
     def pool_acceptance(self, num_rows: int | None = None) -> torch.Tensor:
         """``(P, max_draft)`` calibrated conditional acceptance of the pooled rows, newest first: the newest
         ``max(32, 4 x num_rows)`` of them when ``num_rows`` is given (recent enough to follow the batch's current
-        requests, enough to average over)."""
+        requests, enough to average over). Cells a row did not draft get the mean of the rows that drafted that
+        position (else of every pooled cell): a row sure of its first token is not assumed as sure of its sixth."""
         pool = self.pool if num_rows is None else self.pool[: max(32, 4 * num_rows)]
-        return self.calibrator.predict(pool.exp())
+        drafted = ~torch.isnan(pool)
+        acceptance = torch.zeros_like(pool)
+        acceptance[drafted] = self.calibrator.predict(pool[drafted].exp())
+        if bool(drafted.all()) or pool.shape[0] == 0:
+            return acceptance
+        counts = drafted.sum(dim=0)
+        overall = acceptance[drafted].mean()
+        column_mean = torch.where(counts > 0, acceptance.sum(dim=0) / counts.clamp(min=1), overall)
+        return torch.where(drafted, acceptance, column_mean[None, :])
 
     def budget(self, num_rows: int) -> int:
         cost = self._open_step(num_rows)
