@@ -403,11 +403,14 @@ class AdaptiveBudget(_CostAware):
         if self.memory.pool is not None:
             self._add_rows(self.memory.pool)
         self.plan: StepPlan | None = None
+        self._planned: tuple[int, StepPlan] | None = None  # (rows, plan) while nothing new was drafted
+        self._plan_age = 0
 
     def remember(self, token_log_probs: torch.Tensor) -> None:
         """Add drafted rows ``(B, K)`` to the planning pool."""
         self._add_rows(token_log_probs.detach().double().cpu().flip(0))
         self.memory.pool = self.pool
+        self._planned = None
 
     def _add_rows(self, rows: torch.Tensor) -> None:
         """Put ``rows`` ``(n, K)`` (newest first) in front of the pool, cut or NaN-padded to ``max_draft`` cells."""
@@ -435,9 +438,18 @@ class AdaptiveBudget(_CostAware):
         column_mean = torch.where(counts > 0, acceptance.sum(dim=0) / counts.clamp(min=1), overall)
         return torch.where(drafted, acceptance, column_mean[None, :])
 
+    replan_every = 16
+
     def budget(self, num_rows: int) -> int:
         cost = self._open_step(num_rows)
-        plan = plan_step(self.pool_acceptance(num_rows), num_rows, self.max_draft, cost, self.max_budget)
+        # While decoding plainly nothing new is learnt: the last plan stands until the batch shrinks, a step drafts,
+        # or ``replan_every`` steps have passed (the online cost corrections drift); planning is ~1 ms of Python.
+        if self._planned is None or self._planned[0] != num_rows or self._plan_age >= self.replan_every:
+            self._planned = (num_rows, plan_step(self.pool_acceptance(num_rows), num_rows, self.max_draft, cost,
+                                                 self.max_budget))
+            self._plan_age = 0
+        self._plan_age += 1
+        plan = self._planned[1]
         self.probing = self._after_plan(plan.num_draft_tokens > 0, can_learn=self.pool.shape[0] > 0,
                                         num_rows=num_rows)
         if self.probing and self.max_draft > 0 and self.max_budget != 0:
