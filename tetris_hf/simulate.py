@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from .cli import UsageError
+from .cli import UsageError, load_prompt_set, number_list, prompt_texts, resolve_device
 from .cost_model import StepCostModel, load_profile
 from .strategies import AdaptiveBudget, DynamicWindow, FixedWindow, TetrisOptions, TetrisSelection
 
@@ -344,16 +344,6 @@ def plot(curves: list[dict], path: Path) -> bool:
 # Command line
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True)
     record = sub.add_parser("record", help="run real prompts with every cell verified and write JSONL traces")
@@ -374,8 +364,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     replay_parser.add_argument("--curve", action="append", default=None,
                                help="cost curve: a saved profile JSON or a curve file, FILE[:TARGET:DRAFT] to pick "
                                     "its models (repeatable; default: the shared H200 8B, H200 smol and CPU curves)")
-    replay_parser.add_argument("--batch-sizes", type=_int_list, default=DEFAULT_BATCH_SIZES)
-    replay_parser.add_argument("--fixed-k", type=_int_list, default=(1, 2, 3, 4, 6), help="k of fixed and TETRIS runs")
+    replay_parser.add_argument("--batch-sizes", type=number_list(int, 1), default=DEFAULT_BATCH_SIZES)
+    replay_parser.add_argument("--fixed-k", type=number_list(int, 1), default=(1, 2, 3, 4, 6), help="k of fixed and TETRIS runs")
     replay_parser.add_argument("--extra", type=int, default=2, help="TETRIS e")
     replay_parser.add_argument("--row-steps", type=int, default=2048, help="simulated row-steps per batch size")
     replay_parser.add_argument("--min-steps", type=int, default=64, help="at least this many steps per batch size")
@@ -403,17 +393,10 @@ def _curve_name(source: str, cost: StepCostModel) -> str:
 def run_record(args) -> int:
     if args.draft_tokens < 1 or args.batch_size < 1 or args.num_prompts < 1 or args.max_new_tokens < 1:
         raise UsageError("--draft-tokens, --batch-size, --num-prompts and --max-new-tokens must be >= 1")
-    from .data import load_prompts, render_prompts
     from .models import ModelNotFoundError, load_default_pair
 
-    try:
-        prompt_set = load_prompts(args.prompts)
-    except (ValueError, FileNotFoundError) as error:
-        raise UsageError(str(error)) from None
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        raise UsageError(f"unknown --device {args.device!r}") from None
+    prompt_set = load_prompt_set(args.prompts)
+    device = resolve_device(args.device)
     try:
         target, draft, tokenizer, info = load_default_pair(args.target, args.draft, device=device)
     except (ModelNotFoundError, ValueError) as error:
@@ -421,15 +404,7 @@ def run_record(args) -> int:
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    texts = []
-    for prompt in prompt_set:
-        if len(texts) == args.num_prompts:
-            break
-        text = render_prompts([prompt], tokenizer)[0]
-        if text.strip() and len(tokenizer(text, add_special_tokens=False)["input_ids"]) <= args.max_prompt_tokens:
-            texts.append(text)
-    if not texts:
-        raise UsageError(f"prompt set {args.prompts!r} has no prompt of at most {args.max_prompt_tokens} tokens")
+    texts, _ = prompt_texts(prompt_set, args.num_prompts, tokenizer, args.max_prompt_tokens)
     print(info)
     torch.manual_seed(args.seed)
     rows = []
