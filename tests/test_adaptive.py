@@ -19,7 +19,7 @@ from tetris_hf.strategies import (
     plan_step,
 )
 from test_greedy_exactness import NEW_TOKENS, assert_rows_equal, pick_eos, target_alone
-from tiny_models import PAD, left_pad, noisy_copy, random_prompts, tiny_llama
+from tiny_models import target_and_draft, PAD, left_pad, noisy_copy, random_prompts, tiny_llama
 
 ROWS, TOKENS = (1, 4, 16, 64), (1, 2, 4, 8)
 
@@ -144,12 +144,7 @@ CASES = [(64, 6, 0, "noisy"), (100, 1, 1, "same"), (100, 4, 3, "same"), (257, 5,
 @pytest.mark.parametrize("vocab,batch,seed,draft_kind", CASES)
 def test_greedy_rows_equal_target_alone(vocab, batch, seed, draft_kind, tmp_path, monkeypatch):
     monkeypatch.setenv("TETRIS_HF_CACHE", str(tmp_path))
-    target = tiny_llama(vocab, num_layers=2, seed=seed)
-    draft = {
-        "noisy": lambda: noisy_copy(target, 0.3, seed),
-        "independent": lambda: tiny_llama(vocab, num_layers=1, seed=seed + 100),
-        "same": lambda: target,
-    }[draft_kind]()
+    target, draft = target_and_draft(vocab, seed, draft_kind, noise=0.3)
     prompts = random_prompts(batch, vocab, seed)
     eos = pick_eos(target, prompts)
     references = target_alone(target, prompts, eos)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
-from tiny_models import EOS, PAD, left_pad, noisy_copy, random_prompts, tiny_llama
+from tiny_models import target_and_draft, EOS, PAD, left_pad, noisy_copy, random_prompts, tiny_llama
 
 NEW_TOKENS = 18
 
@@ -53,12 +53,7 @@ CASES = [  # (vocab, batch, seed, draft)
 
 @pytest.mark.parametrize("vocab,batch,seed,draft_kind", CASES)
 def test_greedy_rows_equal_target_alone(vocab, batch, seed, draft_kind):
-    target = tiny_llama(vocab, num_layers=2, seed=seed)
-    draft = {
-        "noisy": lambda: noisy_copy(target, 0.4, seed),
-        "independent": lambda: tiny_llama(vocab, num_layers=1, seed=seed + 100),
-        "same": lambda: target,
-    }[draft_kind]()
+    target, draft = target_and_draft(vocab, seed, draft_kind, noise=0.4)
     prompts = random_prompts(batch, vocab, seed)
     eos = pick_eos(target, prompts)
     references = target_alone(target, prompts, eos)

@@ -61,3 +61,16 @@ def sharpen(model: LlamaForCausalLM, factor: float) -> LlamaForCausalLM:
     with torch.no_grad():
         model.lm_head.weight.mul_(factor)
     return model
+
+
+def target_and_draft(vocab_size: int, seed: int, draft_kind: str, noise: float = 0.4):
+    """A 2-layer target and a draft for it: ``"noisy"`` (the target plus noise: agrees often), ``"independent"``
+    (another random model: agrees by chance) or ``"same"`` (the target itself: always agrees)."""
+    target = tiny_llama(vocab_size, num_layers=2, seed=seed)
+    if draft_kind == "noisy":
+        return target, noisy_copy(target, noise, seed)
+    if draft_kind == "independent":
+        return target, tiny_llama(vocab_size, num_layers=1, seed=seed + 100)
+    if draft_kind == "same":
+        return target, target
+    raise ValueError(f"unknown draft kind {draft_kind!r}")

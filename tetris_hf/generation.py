@@ -52,7 +52,9 @@ def generate(model, *args, **kwargs):
         model: the target causal LM.
         *args, **kwargs: as for ``model.generate``; must include ``assistant_model`` (the draft). tetris_hf's own
             options: ``num_assistant_tokens`` (k, default 4), ``tetris_extra_tokens`` (e, default 2),
-            ``tetris_budget`` (C, default k x active rows), ``tetris_strategy`` (``"tetris"`` or ``"fixed"``).
+            ``tetris_budget`` (C, default k x active rows), ``tetris_strategy`` (``"tetris"``, ``"fixed"``,
+            ``"adaptive"`` or ``"dsd"``), ``tetris_cost_profile``, ``tetris_step_callback``, ``tetris_max_holes``
+            (see :class:`~tetris_hf.strategies.TetrisOptions`).
 
     Returns:
         What ``generate()`` returns: ``(B, T)`` sequences, or with ``return_dict_in_generate=True`` a
