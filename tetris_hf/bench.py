@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from .cli import UsageError, load_prompt_set, number_list, prompt_texts, resolve_device
+from .cli import UsageError, load_pair, load_prompt_set, number_list, prompt_texts, resolve_device
 
 BASELINES = ("generate", "hf-assisted")
 
@@ -468,24 +468,15 @@ def main(args) -> int:
     if state is not None and device.type == "cuda":
         device = state.device  # one GPU per process
     torch.manual_seed(args.seed)
-    from .models import ModelNotFoundError, load_default_pair
-
-    load_kwargs = {}
+    quantization = None
     if args.load_in_4bit or args.load_in_8bit:
+        from .quantization import quantization_config
+
         try:
-            from .quantization import quantization_config
-        except ImportError:
-            raise UsageError("this build has no bitsandbytes support (tetris_hf.quantization is missing)") from None
-        try:
-            load_kwargs["quantization_config"] = quantization_config(args.load_in_4bit, args.load_in_8bit)
+            quantization = quantization_config(args.load_in_4bit, args.load_in_8bit, device=device)
         except (ValueError, ImportError, RuntimeError) as error:
             raise UsageError(str(error)) from None
-    try:
-        target, draft, tokenizer, info = load_default_pair(args.target, args.draft, device=device, **load_kwargs)
-    except ModelNotFoundError as error:
-        raise UsageError(str(error)) from None
-    except ValueError as error:  # e.g. a draft with another vocabulary
-        raise UsageError(str(error)) from None
+    target, draft, tokenizer, info = load_pair(args.target, args.draft, device, quantization)
     texts, note = prompt_texts(prompt_set, args.num_prompts, tokenizer, args.max_prompt_tokens)
     report = run_bench(target, draft, tokenizer, texts, config, show_progress=not args.no_progress, state=state)
     if not report["is_main_process"]:

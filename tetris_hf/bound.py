@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from . import multidraft
-from .cli import UsageError, load_prompt_set, number_list, prompt_texts, resolve_device
+from .cli import UsageError, load_pair, load_prompt_set, number_list, prompt_texts, resolve_device
 
 METHODS = {  # name -> label, in table and plot order
     "single": "single draft (reference)",
@@ -292,12 +292,7 @@ def main(args) -> int:
         raise UsageError(f"--temperatures must be positive, got {','.join(map(str, args.temperatures))}")
     device = resolve_device(args.device)
     prompt_set = load_prompt_set(args.prompts)
-    from .models import ModelNotFoundError, load_default_pair
-
-    try:
-        target, draft, tokenizer, info = load_default_pair(args.target, args.draft, device=device)
-    except (ModelNotFoundError, ValueError) as error:
-        raise UsageError(str(error)) from None
+    target, draft, tokenizer, info = load_pair(args.target, args.draft, device)
     texts, note = prompt_texts(prompt_set, args.num_prompts, tokenizer)
     try:
         report = bound_table(

@@ -58,6 +58,17 @@ def resolve_device(name: str | None):
     return device
 
 
+def load_pair(target: str | None, draft: str | None, device, quantization_config=None):
+    """``--target``/``--draft``: :func:`tetris_hf.models.load_default_pair`, with a missing model or a draft of
+    another vocabulary as a one-line :class:`UsageError`."""
+    from .models import ModelNotFoundError, load_default_pair
+
+    try:
+        return load_default_pair(target, draft, device=device, quantization_config=quantization_config)
+    except (ModelNotFoundError, ValueError) as error:
+        raise UsageError(str(error)) from None
+
+
 def load_prompt_set(name: str):
     """``--prompts``: a prompt set by name or path (see :func:`tetris_hf.data.load_prompts`), checked before any
     model loads."""

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from .cli import UsageError, load_prompt_set, number_list, prompt_texts, resolve_device
+from .cli import UsageError, load_pair, load_prompt_set, number_list, prompt_texts, resolve_device
 from .cost_model import StepCostModel, load_profile
 from .strategies import AdaptiveBudget, DynamicWindow, FixedWindow, TetrisOptions, TetrisSelection
 
@@ -393,14 +393,9 @@ def _curve_name(source: str, cost: StepCostModel) -> str:
 def run_record(args) -> int:
     if args.draft_tokens < 1 or args.batch_size < 1 or args.num_prompts < 1 or args.max_new_tokens < 1:
         raise UsageError("--draft-tokens, --batch-size, --num-prompts and --max-new-tokens must be >= 1")
-    from .models import ModelNotFoundError, load_default_pair
-
     prompt_set = load_prompt_set(args.prompts)
     device = resolve_device(args.device)
-    try:
-        target, draft, tokenizer, info = load_default_pair(args.target, args.draft, device=device)
-    except (ModelNotFoundError, ValueError) as error:
-        raise UsageError(str(error)) from None
+    target, draft, tokenizer, info = load_pair(args.target, args.draft, device)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
