@@ -25,9 +25,7 @@ def make_loop(target, draft, prompts, max_new_tokens, **options):
 
 def next_logits_from_cache(slots, model, tokens, mask):
     """Feed the tokens the cache has not read yet into a copy of it; logits at each row's last position."""
-    slots = copy.deepcopy(slots)
-    positions = slots.live_lengths()[:, None] + (mask.cumsum(dim=1) - 1).clamp(min=0)
-    return slots.forward(model, tokens, mask, positions)[:, -1]
+    return copy.deepcopy(slots).forward(model, tokens, mask)[:, -1]
 
 
 def next_logits_fresh(model, tokens):

@@ -168,10 +168,7 @@ class BatchedSpeculativeLoop:
         )
         self.target_slots = SlotCache(batch_size, device, options.tetris_max_holes)
         # Prefill both caches with all but the last prompt column; the last token opens the first verified block.
-        if prompt_length > 1:
-            mask = attention_mask[:, :-1]
-            positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-            self.target_slots.forward(model, input_ids[:, :-1], mask, positions, logits_to_keep=1)
+        self.target_slots.prefill(model, input_ids, attention_mask)
         self.drafter.prefill(input_ids, attention_mask)
 
         spare = self.max_length - prompt_length + 1
@@ -219,8 +216,7 @@ class BatchedSpeculativeLoop:
         block = torch.cat([sequences[row_range, lengths - 1][:, None], verified_drafts], dim=1)
         offsets = torch.arange(block_length + 1, device=device)
         block_mask = (offsets[None, :] <= verify_lengths[:, None]).long()
-        positions = self.target_slots.live_lengths()[:, None] + offsets[None, :]
-        logits = self.target_slots.forward(self.model, block, block_mask, positions)
+        logits = self.target_slots.forward(self.model, block, block_mask)
         target_scores = self.logits_processor(sequences, lengths, logits, self.rows)
 
         # 4. accept

@@ -38,21 +38,23 @@ class SlotCache:
         model: torch.nn.Module,
         input_ids: torch.Tensor,
         input_mask: torch.Tensor,
-        position_ids: torch.Tensor,
         logits_to_keep: int = 0,
     ) -> torch.Tensor:
         """Run ``model`` on a block appended to every row, and cache it.
+
+        Each real token's position is the number of real tokens before it in its row (cached ones included); filler
+        gets its row's last real position, which nothing ever sees (it is masked out as a key, its output unused).
 
         Args:
             model: a causal LM whose forward takes ``attention_mask``, ``position_ids``, ``past_key_values``.
             input_ids: ``(B, L)`` the block (filler where ``input_mask`` is 0).
             input_mask: ``(B, L)`` 1 for real tokens, 0 for filler.
-            position_ids: ``(B, L)`` each token's true position in its row.
             logits_to_keep: keep logits for the last this-many positions only (0 = all).
 
         Returns:
             ``(B, L or logits_to_keep, V)`` logits.
         """
+        position_ids = self.live_lengths()[:, None] + (input_mask.cumsum(dim=1) - 1).clamp(min=0)
         attention_mask = torch.cat([self.slot_mask, input_mask.to(self.slot_mask.dtype)], dim=1)
         kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
         outputs = model(
@@ -66,6 +68,11 @@ class SlotCache:
         self.slot_mask = attention_mask
         self._check_layers()
         return outputs.logits
+
+    def prefill(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        """Cache a left-padded prompt batch ``(B, T)`` but its last column (that token opens the first block)."""
+        if input_ids.shape[1] > 1:
+            self.forward(model, input_ids[:, :-1], attention_mask[:, :-1], logits_to_keep=1)
 
     def _check_layers(self) -> None:
         for layer in self.cache.layers:

@@ -67,10 +67,7 @@ class BatchedDraftCandidateGenerator(CandidateGenerator):
             input_ids, attention_mask: ``(B, T)``, left-padded; every row's last column is a real token.
         """
         self.slots = SlotCache(input_ids.shape[0], input_ids.device, self.max_holes)
-        if input_ids.shape[1] > 1:
-            mask = attention_mask[:, :-1]
-            positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-            self.slots.forward(self.assistant_model, input_ids[:, :-1], mask, positions, logits_to_keep=1)
+        self.slots.prefill(self.assistant_model, input_ids, attention_mask)
         self.pending_tokens = input_ids[:, -1:]
         self.pending_mask = torch.ones_like(self.pending_tokens)
 
@@ -98,9 +95,7 @@ class BatchedDraftCandidateGenerator(CandidateGenerator):
         tokens, mask = self.pending_tokens, self.pending_mask
         draft_tokens, token_log_probs, draft_probs = [], [], []
         for step in range(num_tokens):
-            live = self.slots.live_lengths()
-            positions = live[:, None] + (mask.cumsum(dim=1) - 1).clamp(min=0)
-            logits = self.slots.forward(self.assistant_model, tokens, mask, positions, logits_to_keep=1)
+            logits = self.slots.forward(self.assistant_model, tokens, mask, logits_to_keep=1)
             scores = self.logits_processor(sequences, lengths + step, logits[:, -1:], rows)[:, 0]
             log_probs = scores.log_softmax(dim=-1)
             if self.do_sample:
