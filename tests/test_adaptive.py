@@ -18,7 +18,7 @@ from tetris_hf.strategies import (
     make_strategy,
     plan_step,
 )
-from test_greedy_exactness import NEW_TOKENS, assert_rows_equal, pick_eos, target_alone
+from test_greedy_exactness import generate_checked, pick_eos, target_alone
 from tiny_models import target_and_draft, PAD, left_pad, noisy_copy, random_prompts, tiny_llama
 
 ROWS, TOKENS = (1, 4, 16, 64), (1, 2, 4, 8)
@@ -158,12 +158,7 @@ def test_greedy_rows_equal_target_alone(vocab, batch, seed, draft_kind, tmp_path
                                       num_assistant_tokens=2, tetris_extra_tokens=3)
     verified = {}
     for name, options in runs.items():
-        out = target.generate(input_ids, attention_mask=mask, assistant_model=draft, custom_generate="tetris",
-                              do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=PAD,
-                              return_dict_in_generate=True, **options)
-        assert_rows_equal(out.sequences, mask, references)
-        stats = out.tetris_stats
-        assert stats.emitted_tokens == sum(len(reference) for reference in references), options
+        stats = generate_checked(target, draft, input_ids, mask, references, eos, **options)
         if options.get("tetris_budget") is not None:
             assert max(map(sum, ([max(v, 0) for v in step] for step in stats.verified_per_step))) <= 2
         verified[name] = stats

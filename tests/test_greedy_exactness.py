@@ -40,6 +40,17 @@ def assert_rows_equal(sequences, mask, references):
     assert torch.equal(sequences[:, :width][mask.bool()], sequences[:, :width][mask.bool()])
 
 
+def generate_checked(target, draft, input_ids, mask, references, eos, **options):
+    """TETRIS greedy output for ``options``, asserted equal to the references row by row; returns its stats."""
+    out = target.generate(input_ids, attention_mask=mask, assistant_model=draft, custom_generate="tetris",
+                          do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=PAD,
+                          return_dict_in_generate=True, **options)
+    assert_rows_equal(out.sequences, mask, references)
+    stats = out.tetris_stats
+    assert stats.emitted_tokens == sum(len(reference) for reference in references), options
+    return stats
+
+
 CASES = [  # (vocab, batch, seed, draft)
     (32, 1, 0, "noisy"),
     (32, 8, 1, "noisy"),
@@ -67,12 +78,7 @@ def test_greedy_rows_equal_target_alone(vocab, batch, seed, draft_kind):
     runs.append(dict(num_assistant_tokens=k))  # default budget k x active rows
     accepted = 0
     for options in runs:
-        out = target.generate(input_ids, attention_mask=mask, assistant_model=draft, custom_generate="tetris",
-                              do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=PAD,
-                              return_dict_in_generate=True, **options)
-        assert_rows_equal(out.sequences, mask, references)
-        stats = out.tetris_stats
-        assert stats.emitted_tokens == sum(len(reference) for reference in references), options
+        stats = generate_checked(target, draft, input_ids, mask, references, eos, **options)
         if options.get("tetris_budget") == 0:
             assert stats.verified_tokens == 0 and stats.drafted_tokens == 0
         accepted += stats.accepted_tokens
