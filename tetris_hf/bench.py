@@ -67,6 +67,7 @@ class RunResult:
     accepted: int
     peak_memory_mb: float
     outputs: list
+    agreement: dict | None = None  # output_agreement with plain generate() (greedy runs)
 
     def summary(self) -> dict:
         latencies = sorted(self.latencies)
@@ -89,6 +90,7 @@ class RunResult:
             "target_forwards_per_token": self.target_forwards / self.tokens if self.tokens else 0.0,
             "tokens_per_row_step": self.tokens / self.row_steps if self.row_steps else 0.0,
             "peak_memory_mb": self.peak_memory_mb,
+            "agreement_with_generate": self.agreement,
         }
 
 
@@ -273,7 +275,6 @@ def check_greedy_outputs(results: list[RunResult]) -> list[str]:
     for result in results:
         pairs = [(o, ref) for o, ref in zip(result.outputs, reference.outputs) if o is not None]
         agreement = metric.compute(predictions=[p for p, _ in pairs], references=[r for _, r in pairs])
-        result.options = {**result.options}
         result.agreement = agreement
         if agreement["exact_match"] < 1.0:
             problems.append(
@@ -396,12 +397,7 @@ def run_bench(
                 result = _gather(result, indices)
             results.append(result)
     mismatches = check_greedy_outputs(results) if not config.do_sample else []
-    summaries = []
-    for result in results:
-        summary = result.summary()
-        summary["agreement_with_generate"] = getattr(result, "agreement", None)
-        summaries.append(summary)
-    return {"config": dataclasses.asdict(config), "runs": summaries, "mismatches": mismatches,
+    return {"config": dataclasses.asdict(config), "runs": [result.summary() for result in results], "mismatches": mismatches,
             "is_main_process": is_main, "num_processes": 1 if state is None else state.num_processes}
 
 

@@ -189,9 +189,9 @@ class BatchedSpeculativeLoop:
 
     def step(self) -> StepRecord:
         """One speculative step for every active row; finished rows leave the batch."""
-        sequences, lengths = self.sequences, self.lengths
+        lengths = self.lengths
         num_rows = self.rows.numel()
-        device = sequences.device
+        device = lengths.device
         row_range = torch.arange(num_rows, device=device)
         max_verify = (self.max_length - lengths - 1).clamp(min=0)  # one target token is always added
         budget = self.strategy.budget(num_rows)
