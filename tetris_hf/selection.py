@@ -46,9 +46,8 @@ def select_tetris(scores: torch.Tensor, max_lengths: torch.Tensor, budget: int) 
     take = min(budget, int(candidate.sum()))
     if take == 0:
         return torch.zeros(batch_size, dtype=torch.long, device=scores.device)
-    # Candidates first (their score), non-candidates never: sort non-candidates below every real score.
-    ranked = torch.where(candidate, scores.float(), torch.full_like(scores, float("-inf"), dtype=torch.float))
-    ranked = torch.where(candidate & torch.isneginf(ranked), torch.finfo(torch.float).min, ranked)
+    # A candidate ranks by its score (a -inf score still above every non-candidate); non-candidates last.
+    ranked = scores.float().clamp(min=torch.finfo(torch.float).min).masked_fill(~candidate, float("-inf"))
     order = torch.sort(ranked.flatten(), descending=True, stable=True).indices[:take]
     chosen = torch.zeros(batch_size * num_cells, dtype=torch.long, device=scores.device)
     chosen[order] = 1
