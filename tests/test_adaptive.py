@@ -17,6 +17,7 @@ from tetris_hf.strategies import (
     expected_tokens_geometric,
     make_strategy,
     plan_step,
+    StepSeconds,
 )
 from test_greedy_exactness import generate_checked, pick_eos, target_alone
 from tiny_models import target_and_draft, PAD, left_pad, noisy_copy, random_prompts, tiny_llama
@@ -89,6 +90,19 @@ def test_dsd_acceptance_is_an_exponential_average_of_the_geometric_rate():
     strategy.observe(torch.zeros(4, 2), torch.full((4,), 2), torch.tensor([2, 2, 0, 1]))  # 5 accepted, 2 rejections
     assert strategy.acceptance == pytest.approx(0.85 * 0.75 + 0.15 * 5 / 7)
     assert strategy.budget(4) == 4 * strategy.num_draft_tokens(4) == 4 * 6  # free verification: the longest k
+
+
+@pytest.mark.parametrize("learn_costs", [True, False])
+def test_cost_model_follows_the_loops_measured_step_times(learn_costs):
+    cost = StepCostModel(profile(lambda r, t: 10.0 + r * t, 0.5))
+    draft_two, verify_three = 2 * cost.draft_seconds(4), cost.verify_seconds(4, 3)  # 2 drafts, longest verifies 2
+    strategy = DynamicWindow(TetrisOptions(tetris_strategy="dsd"), cost, learn_costs=learn_costs)
+    for _ in range(40):  # this machine drafts 2x and verifies 3x slower than profiled, and spends 4 ms elsewhere
+        strategy.observe(torch.zeros(4, 2), torch.full((4,), 2), torch.ones(4, dtype=torch.long),
+                         StepSeconds(draft=2 * draft_two, verify=3 * verify_three, other=0.004))
+    scales = (cost.draft_scale, cost.target_scale, cost.step_overhead)
+    expected = (pytest.approx(2.0), pytest.approx(3.0), pytest.approx(0.004)) if learn_costs else (1.0, 1.0, 0.0)
+    assert scales == expected
 
 
 def probe_steps(cost_profile: CostProfile, num_rows: int = 4, steps: int = 60) -> list[int]:
@@ -194,10 +208,10 @@ def test_what_adaptive_and_dsd_learn_carries_over_to_the_next_call_on_the_same_p
             out = target.generate(input_ids, attention_mask=mask, assistant_model=draft, custom_generate="tetris",
                                   do_sample=False, max_new_tokens=6, pad_token_id=PAD, return_dict_in_generate=True,
                                   tetris_strategy=strategy, tetris_cost_profile=COSTLY_VERIFY)
-            first_steps.append(out.tetris_stats.num_drafted_per_step[0])
+            first_steps.append(out.tetris_stats.num_drafted_per_step[1])  # step 0 reads the prompt
         assert first_steps == [1, 0]  # a cold start probes; the second call already knows the draft does not pay
     fresh = tiny_llama(64, seed=12)  # another target object: nothing learnt yet
     out = fresh.generate(input_ids, attention_mask=mask, assistant_model=draft, custom_generate="tetris",
                          do_sample=False, max_new_tokens=6, pad_token_id=PAD, return_dict_in_generate=True,
                          tetris_strategy="adaptive", tetris_cost_profile=COSTLY_VERIFY)
-    assert out.tetris_stats.num_drafted_per_step[0] == 1
+    assert out.tetris_stats.num_drafted_per_step[1] == 1

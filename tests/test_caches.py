@@ -9,7 +9,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
 
 from tetris_hf.decoding import BatchedSpeculativeLoop
-from tetris_hf.strategies import TetrisOptions
+from tetris_hf.strategies import FixedWindow, TetrisOptions
 from tiny_models import PAD, left_pad, noisy_copy, random_prompts, tiny_llama
 
 
@@ -78,3 +78,58 @@ def test_cache_length_stays_bounded_over_500_steps():
     assert steps == 500
     assert loop.stats.verified_tokens > loop.stats.accepted_tokens  # holes were made, and removed
     assert worst_waste > 0
+
+
+class DraftsEveryThirdStep(FixedWindow):
+    """Decodes plainly two steps out of three, so the draft keeps falling behind and catching up."""
+
+    def __init__(self, options):
+        super().__init__(options)
+        self.calls = 0
+
+    def budget(self, num_rows: int) -> int:
+        self.calls += 1
+        return self.k * num_rows if self.calls % 3 == 0 else 0
+
+
+def test_draft_cache_catches_up_after_plain_steps():
+    target = tiny_llama(97, num_layers=2, seed=51)
+    draft = noisy_copy(target, 0.3, seed=52)
+    prompts = random_prompts(4, 97, seed=53, max_length=12)
+    loop, padding = make_loop(target, draft, prompts, 30, num_assistant_tokens=2, tetris_max_holes=4)
+    loop.strategy = DraftsEveryThirdStep(TetrisOptions(num_assistant_tokens=2))
+    pending_widths = []
+    with torch.no_grad():
+        while not loop.done:
+            loop.step()
+            if loop.done:
+                break
+            drafter = loop.drafter
+            pending_widths.append(drafter.pending_tokens.shape[1])
+            draft_next = next_logits_from_cache(drafter.slots, draft, drafter.pending_tokens, drafter.pending_mask)
+            for index, row in enumerate(loop.rows.tolist()):
+                text = loop.sequences[index, int(padding[row]) : int(loop.lengths[index])].tolist()
+                torch.testing.assert_close(draft_next[index], next_logits_fresh(draft, text), atol=1e-4, rtol=0)
+    assert max(pending_widths) > 12  # the prompt and two plain steps waited, unread, before the first draft
+    assert loop.stats.accepted_tokens > 0
+
+
+def test_steps_that_draft_nothing_cost_what_plain_generate_costs():
+    """``tetris_budget=0``: the draft never runs, and the target runs once per new token, as in ``generate()``."""
+    target = tiny_llama(97, num_layers=2, seed=61)
+    draft = noisy_copy(target, 0.3, seed=62)
+    input_ids, mask = left_pad(random_prompts(3, 97, seed=63, max_length=9))
+    calls = {"target": 0, "draft": 0}
+    hooks = [model.register_forward_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
+             for name, model in (("target", target), ("draft", draft))]
+    try:
+        plain = target.generate(input_ids, attention_mask=mask, max_new_tokens=7, do_sample=False, pad_token_id=PAD)
+        plain_calls = calls["target"]
+        calls["target"] = 0
+        out = target.generate(input_ids, attention_mask=mask, max_new_tokens=7, do_sample=False, pad_token_id=PAD,
+                              assistant_model=draft, custom_generate="tetris", tetris_budget=0)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert torch.equal(out, plain)
+    assert plain_calls == 7 and calls == {"target": 7, "draft": 0}

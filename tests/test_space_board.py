@@ -98,3 +98,12 @@ def test_step_counts_ignore_finished_rows():
     stats = stats_like([3], [6], [[3, -1, 1]], [[2, -1, 0]])
     assert step_summary(stats, 0)["active_rows"] == 2
     assert board_cells(stats, 0)[1] == [FINISHED] * 3
+
+
+def test_trace_leaves_out_steps_that_drafted_nothing():
+    """The prompt step and adaptive's plain steps have no cells: the board shows the drafting steps only."""
+    stats = stats_like([0, 2, 0, 3], [0, 4, 0, 6], [[0, 0], [2, 2], [0, 0], [3, 3]], [[0, 0], [1, 2], [0, 0], [3, 0]])
+    survival = [[[], []], [[0.9, 0.5], [0.8, 0.4]], [[], []], [[0.9] * 3, [0.5] * 3]]
+    trace = BoardTrace.from_stats("adaptive", 2, stats, survival)
+    assert trace.num_drafted_per_step == [2, 3] and trace.budget_per_step == [4, 6]
+    assert trace.accepted_per_step == [[1, 2], [3, 0]] and trace.survival_per_step[1] == [[0.9] * 3, [0.5] * 3]

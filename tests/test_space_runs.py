@@ -42,10 +42,12 @@ def test_greedy_runs_finish_with_identical_outputs_and_a_board_per_step(pair):
     for strategy in (FIXED, TETRIS):
         stats = runs[strategy].stats
         board = runs[strategy].board(3)
-        assert board.steps == stats.steps == len(runs[strategy].survival)
+        assert stats.steps == len(runs[strategy].survival)
+        assert stats.num_drafted_per_step[0] == 0  # the first step reads the prompt; the board shows drafting steps
+        assert board.steps == sum(k > 0 for k in stats.num_drafted_per_step) >= stats.steps - 3
         assert board.budget_per_step[0] == 3 * 4
         assert board.num_drafted_per_step[0] == (3 if strategy == FIXED else 5)
-        first = runs[strategy].survival[0]
+        first = board.survival_per_step[0]
         assert all(len(row) == board.num_drafted_per_step[0] for row in first)
         assert all(a >= b for row in first for a, b in zip(row, row[1:]))  # survival never rises along a row
     assert runs[PLAIN].stats is None and runs[PLAIN].board(3) is None
@@ -58,7 +60,7 @@ def test_tetris_budget_option_reaches_the_loop(pair):
     run_speculative(target, draft, tokenizer, encode_prompts(tokenizer, PROMPTS, "cpu"), settings, TETRIS,
                     runs[TETRIS], threading.Event())
     stats = runs[TETRIS].stats
-    assert set(stats.budget_per_step) == {5}
+    assert stats.budget_per_step[0] == 0 and set(stats.budget_per_step[1:]) == {5}  # step 0 reads the prompt
     assert all(sum(v for v in step if v > 0) <= 5 for step in stats.verified_per_step)
 
 

@@ -20,7 +20,8 @@ from .candidate_generators import BatchedDraftCandidateGenerator
 from .kv import SlotCache
 from .logits import PositionwiseLogitsProcessor, verify_greedy, verify_sampling
 from .outputs import TetrisGenerateOutput, TetrisStats
-from .strategies import TetrisOptions, make_strategy
+from .stopping import rows_that_stop
+from .strategies import StepSeconds, TetrisOptions, make_strategy
 
 
 def output_vocab_size(model: torch.nn.Module) -> int:
@@ -84,30 +85,13 @@ def check_generation_config(generation_config, model_kwargs: dict) -> None:
         raise ValueError("tetris_hf starts from the prompt: passing a pre-filled `past_key_values` is not supported")
 
 
-def _rows_that_stop(
-    stopping_criteria: StoppingCriteriaList, sequences: torch.Tensor, lengths: torch.Tensor, new_counts: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Apply ``generate()``'s stopping criteria after each newly emitted token, row by row.
-
-    Args:
-        sequences: ``(B, T)``; row ``i``'s new tokens are ``sequences[i, lengths[i]:lengths[i] + new_counts[i]]``.
-        lengths, new_counts: ``(B,)``.
-
-    Returns:
-        ``kept`` ``(B,)`` new tokens kept (up to and including the one that stopped the row) and ``stopped`` ``(B,)``.
-    """
-    kept, stopped = new_counts.clone(), torch.zeros_like(new_counts, dtype=torch.bool)
-    for row, (length, count) in enumerate(zip(lengths.tolist(), new_counts.tolist())):
-        for offset in range(1, count + 1):
-            if bool(stopping_criteria(sequences[row : row + 1, : length + offset], None).any()):
-                kept[row], stopped[row] = offset, True
-                break
-    return kept, stopped
-
-
 @dataclass
 class StepRecord:
-    """What one step did, per active row (shapes ``(B_active,)``; ``rows`` are original batch indices)."""
+    """What one step did, per active row (shapes ``(B_active,)``; ``rows`` are original batch indices).
+
+    ``seconds``: the step's measured draft, target and other time. The draft reading tokens it skipped while the loop
+    decoded plainly is in none of them: it is a one-off catch-up, not a cost of drafting.
+    """
 
     rows: torch.Tensor
     num_drafted: int
@@ -116,6 +100,7 @@ class StepRecord:
     verify_lengths: torch.Tensor
     num_accepted: torch.Tensor
     emitted: torch.Tensor
+    seconds: StepSeconds = StepSeconds(0.0, 0.0, 0.0)
 
 
 class BatchedSpeculativeLoop:
@@ -167,9 +152,9 @@ class BatchedSpeculativeLoop:
             assistant_model, self.logits_processor, self.do_sample, max_holes=options.tetris_max_holes
         )
         self.target_slots = SlotCache(batch_size, device, options.tetris_max_holes)
-        # Prefill both caches with all but the last prompt column; the last token opens the first verified block.
-        self.target_slots.prefill(model, input_ids, attention_mask)
-        self.drafter.prefill(input_ids, attention_mask)
+        self.prompt_mask = attention_mask
+        self.prompt_read = False  # the first step reads the prompt and emits the first token, as generate() does
+        self.drafter.prefill(input_ids, attention_mask)  # lazy: the draft reads the prompt when it first drafts
 
         spare = self.max_length - prompt_length + 1
         self.sequences = torch.cat([input_ids, input_ids.new_full((batch_size, spare), self.pad_value)], dim=1)
@@ -188,19 +173,29 @@ class BatchedSpeculativeLoop:
             self.sequences = torch.cat([self.sequences, extra], dim=1)
 
     def step(self) -> StepRecord:
-        """One speculative step for every active row; finished rows leave the batch."""
+        """One speculative step for every active row; finished rows leave the batch.
+
+        The first step reads the prompt into the target's cache and emits the token after it (no drafts), as
+        ``generate()``'s own first forward does; every later step drafts, selects, verifies, accepts and rolls back.
+        """
+        if not self.prompt_read:
+            return self._read_prompt()
+        step_started = time.perf_counter()
         lengths = self.lengths
         num_rows = self.rows.numel()
         device = lengths.device
-        row_range = torch.arange(num_rows, device=device)
         max_verify = (self.max_length - lengths - 1).clamp(min=0)  # one target token is always added
         budget = self.strategy.budget(num_rows)
         num_drafted = min(self.strategy.num_draft_tokens(num_rows), int(max_verify.max())) if budget > 0 else 0
         self._reserve(int(lengths.max()) + num_drafted + 1)
         sequences = self.sequences
+        if num_drafted > 0:
+            caught_up_at = time.perf_counter()
+            self.drafter.catch_up()  # what it skipped during plain steps: a one-off, kept out of the timings
+            step_started += time.perf_counter() - caught_up_at
 
         # 1. draft
-        started = time.perf_counter()
+        draft_started = time.perf_counter()
         draft_tokens, token_log_probs, draft_probs = self.drafter.propose(sequences, lengths, num_drafted, self.rows)
         drafted_at = time.perf_counter()
 
@@ -213,6 +208,7 @@ class BatchedSpeculativeLoop:
         verified_drafts = draft_tokens[:, :block_length]
 
         # 3. verify: [last emitted token, drafts 1..l_i] per row, padded to one length with masked drafts
+        row_range = torch.arange(num_rows, device=device)
         block = torch.cat([sequences[row_range, lengths - 1][:, None], verified_drafts], dim=1)
         offsets = torch.arange(block_length + 1, device=device)
         block_mask = (offsets[None, :] <= verify_lengths[:, None]).long()
@@ -220,15 +216,7 @@ class BatchedSpeculativeLoop:
         target_scores = self.logits_processor(sequences, lengths, logits, self.rows)
 
         # 4. accept
-        if self.do_sample:
-            if draft_probs is None:
-                draft_probs = target_scores.new_zeros(num_rows, 0, target_scores.shape[-1])
-            num_accepted, next_tokens = verify_sampling(
-                verified_drafts, verify_lengths, target_scores, draft_probs[:, :block_length]
-            )
-        else:
-            num_accepted, next_tokens = verify_greedy(verified_drafts, verify_lengths, target_scores)
-        self.strategy.observe(token_log_probs, verify_lengths, num_accepted)
+        num_accepted, next_tokens = self._accept(verified_drafts, verify_lengths, target_scores, draft_probs)
 
         # 5. roll back: the target keeps [last token, accepted drafts]; the draft keeps its accepted drafts
         self.target_slots.drop_slots(self.target_slots.length - (block_length + 1), num_accepted + 1)
@@ -236,16 +224,65 @@ class BatchedSpeculativeLoop:
         self.drafter.accept(num_accepted, next_tokens)
         verified_at = time.perf_counter()
 
-        # 6. emit: accepted drafts already sit in place (drafted into the scratch space); add the target's token
-        sequences[row_range, lengths + num_accepted] = next_tokens
-        kept, stopped = _rows_that_stop(self.stopping_criteria, sequences, lengths, num_accepted + 1)
-        if self.streamer is not None:
-            self.streamer.put(sequences[0, lengths[0] : lengths[0] + kept[0]].cpu())
-        self.lengths = lengths + kept
-        stopped |= self.lengths >= self.max_length
+        # 6. emit
+        emitted, stopped = self._emit(num_accepted, next_tokens, block_length + 1)
+        draft_seconds, verify_seconds = drafted_at - draft_started, verified_at - drafted_at
+        seconds = StepSeconds(draft_seconds, verify_seconds,
+                              time.perf_counter() - step_started - draft_seconds - verify_seconds)
+        record = StepRecord(self.rows, num_drafted, budget, token_log_probs, verify_lengths, num_accepted, emitted,
+                            seconds)
+        self.strategy.observe(token_log_probs, verify_lengths, num_accepted, seconds)
+        return self._finish(record, stopped)
 
-        record = StepRecord(self.rows, num_drafted, budget, token_log_probs, verify_lengths, num_accepted, kept)
-        self._count(record, drafted_at - started, verified_at - drafted_at)
+    def _read_prompt(self) -> StepRecord:
+        """The first step: the target reads every prompt (its cache had nothing) and adds one token per row."""
+        started = time.perf_counter()
+        num_rows = self.rows.numel()
+        logits = self.target_slots.forward(self.model, self.input_ids, self.prompt_mask, logits_to_keep=1)
+        target_scores = self.logits_processor(self.sequences, self.lengths, logits, self.rows)
+        no_drafts = self.input_ids.new_zeros(num_rows, 0)
+        verify_lengths = torch.zeros(num_rows, dtype=torch.long, device=self.lengths.device)
+        num_accepted, next_tokens = self._accept(no_drafts, verify_lengths, target_scores, None)
+        self.drafter.accept(num_accepted, next_tokens)
+        self.prompt_read = True
+        emitted, stopped = self._emit(num_accepted, next_tokens, 1)
+        record = StepRecord(self.rows, 0, 0, target_scores.new_zeros(num_rows, 0), verify_lengths, num_accepted, emitted,
+                            StepSeconds(0.0, time.perf_counter() - started, 0.0))
+        return self._finish(record, stopped)
+
+    def _accept(self, drafts: torch.Tensor, verify_lengths: torch.Tensor, target_scores: torch.Tensor,
+                draft_probs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Verification (greedy or rejection sampling): ``(num_accepted, next_tokens)``, both ``(B_active,)``."""
+        if not self.do_sample:
+            return verify_greedy(drafts, verify_lengths, target_scores)
+        if draft_probs is None:
+            draft_probs = target_scores.new_zeros(drafts.shape[0], 0, target_scores.shape[-1])
+        return verify_sampling(drafts, verify_lengths, target_scores, draft_probs[:, : drafts.shape[1]])
+
+    def _emit(self, num_accepted: torch.Tensor, next_tokens: torch.Tensor,
+              max_new: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write each row's target token after its accepted drafts (those already sit in place: they were drafted
+        into the scratch space past the row's end), apply the stopping criteria, advance ``lengths``.
+
+        Args:
+            num_accepted, next_tokens: ``(B_active,)``.
+            max_new: a bound on the tokens any row emits (known without a device sync).
+
+        Returns:
+            ``emitted`` ``(B_active,)`` tokens kept per row and ``stopped`` ``(B_active,)`` rows now finished.
+        """
+        lengths = self.lengths
+        row_range = torch.arange(lengths.shape[0], device=lengths.device)
+        self.sequences[row_range, lengths + num_accepted] = next_tokens
+        kept, stopped = rows_that_stop(self.stopping_criteria, self.sequences, lengths, num_accepted + 1, max_new)
+        if self.streamer is not None:
+            self.streamer.put(self.sequences[0, lengths[0] : lengths[0] + kept[0]].cpu())
+        self.lengths = lengths + kept
+        return kept, stopped | (self.lengths >= self.max_length)
+
+    def _finish(self, record: StepRecord, stopped: torch.Tensor) -> StepRecord:
+        """Count the step, retire the rows that ``stopped`` ``(B_active,)``, call the user's step callback."""
+        self._count(record)
         if bool(stopped.any()):
             self._retire(stopped)
         if self.step_callback is not None:
@@ -259,15 +296,15 @@ class BatchedSpeculativeLoop:
             outputs[row] = self.sequences[index, : self.lengths[index]].tolist()
         return [outputs[row] for row in range(self.batch_size)]
 
-    def _count(self, record: StepRecord, draft_seconds: float, verify_seconds: float) -> None:
+    def _count(self, record: StepRecord) -> None:
         stats = self.stats
         stats.steps += 1
         stats.drafted_tokens += record.num_drafted * record.rows.numel()
         stats.verified_tokens += int(record.verify_lengths.sum())
         stats.accepted_tokens += int(record.num_accepted.sum())
         stats.emitted_tokens += int(record.emitted.sum())
-        stats.draft_seconds += draft_seconds
-        stats.verify_seconds += verify_seconds
+        stats.draft_seconds += record.seconds.draft
+        stats.verify_seconds += record.seconds.verify
         stats.num_drafted_per_step.append(record.num_drafted)
         stats.budget_per_step.append(record.budget)
         verified, accepted = [-1] * self.batch_size, [-1] * self.batch_size

@@ -283,7 +283,7 @@ def simulate_curve(traces: TraceSet, cost: StepCostModel, batch_sizes, fixed_ks,
         steps = steps_for(batch_size, row_steps, min_steps)
         runs = {}
         for name, make in replay_strategies(fixed_ks, extra, traces.num_draft_tokens, cost).items():
-            # the cost model is shared and never corrected (no clock), so each strategy sees the same curve
+            # the cost model is shared and never corrected (learn_costs is off), so each strategy sees the same curve
             runs[name] = replay(make(), traces, cost, batch_size, steps, seed).to_dict()
         best = lambda prefix: max((n for n in runs if n.startswith(prefix)),  # noqa: E731
                                   key=lambda n: runs[n]["tokens_per_second"], default=None)

@@ -2,7 +2,8 @@
 
 A strategy answers three questions for the loop: ``num_draft_tokens(num_rows)`` (K this step), ``budget(num_rows)``
 (draft tokens the target may verify across the batch) and ``select(token_log_probs, max_lengths, budget)`` (a verified
-length per row). ``observe`` lets a strategy learn from what was accepted.
+length per row). ``observe`` lets a strategy learn from what was accepted and from the step's measured
+:class:`StepSeconds`.
 
 Four strategies: ``fixed`` (every row verifies its first ``k``), ``tetris`` (the top ``C = k x B`` cells),
 ``adaptive`` (``C`` and ``K`` chosen each step to maximise expected tokens per second from a measured cost model and
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,6 +34,15 @@ def _check_count(name: str, value, minimum: int) -> None:
         raise TypeError(f"`{name}` must be an integer, got {value!r} ({type(value).__name__})")
     if value < minimum:
         raise ValueError(f"`{name}` must be >= {minimum}, got {value}")
+
+
+class StepSeconds(NamedTuple):
+    """Wall time of one loop step, as the loop measured it: the ``K`` draft forwards, the target side (selection,
+    verification forward, acceptance, roll back), and the rest (planning, emitting, stopping)."""
+
+    draft: float
+    verify: float
+    other: float
 
 
 @dataclass(frozen=True)
@@ -102,7 +111,8 @@ class FixedWindow:
     def select(self, token_log_probs: torch.Tensor, max_lengths: torch.Tensor, budget: int) -> torch.Tensor:
         return select_fixed(max_lengths, self.k)
 
-    def observe(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor):
+    def observe(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
+                seconds: StepSeconds | None = None):
         pass
 
 
@@ -282,11 +292,12 @@ def pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module) -> Pai
 
 class _CostAware:
     """Shared by ``adaptive`` and ``dsd``: the cost model (resolved at the first step, when the batch size is known),
-    online corrections of it from the loop's own timings, and probing after long runs of plain decoding.
+    online corrections of it from the loop's measured :class:`StepSeconds`, and probing after long runs of plain
+    decoding.
 
-    Timing: ``budget()`` opens a step, ``select()`` marks the end of drafting, ``observe()`` the end of verification;
-    from these the draft and target times are compared with the profile's (exponential moving averages of the ratio)
-    and the rest of the step becomes the per-step overhead. With ``clock=None`` (replay) nothing is corrected.
+    Corrections (``learn_costs=True``): each observed step's draft and target seconds are compared with the cost
+    model's predictions and the ratios smoothed into ``draft_scale`` and ``target_scale`` (exponential moving
+    averages); its other seconds are smoothed into ``step_overhead``. A given profile or a replay does not learn.
 
     Probing: a strategy that decodes plainly learns nothing about acceptance, so while it decodes plainly every
     ``probe_interval``-th step drafts one token per row and verifies them all. The interval starts at 8 steps, or
@@ -302,44 +313,30 @@ class _CostAware:
     smoothing = 0.3
 
     def __init__(self, options: TetrisOptions, cost: StepCostModel | Callable[[int, int], StepCostModel],
-                 clock: Callable[[], float] | None = None, memory: PairMemory | None = None):
+                 learn_costs: bool = False, memory: PairMemory | None = None):
         self.max_draft = options.num_assistant_tokens + options.tetris_extra_tokens
         self._cost_source = cost
         self.cost: StepCostModel | None = cost if isinstance(cost, StepCostModel) else None
-        self.clock = clock
+        self.learn_costs = learn_costs
         self.memory = memory if memory is not None else PairMemory(probe_interval=self.probe_interval_start)
         self.probing = False
-        self._started_at = self._drafted_at = self._verified_at = None
 
     def _open_step(self, num_rows: int) -> StepCostModel:
         if self.cost is None:
             self.cost = self._cost_source(num_rows, self.max_draft + 1)
         return self.cost
 
-    def _plan_done(self) -> None:
-        if self.clock is None:
+    def _correct_costs(self, num_rows: int, num_drafted: int, max_verified: int, seconds: StepSeconds | None) -> None:
+        """Move the cost model towards one measured step (``max_verified``: the longest row's verified drafts)."""
+        if not self.learn_costs or seconds is None or self.cost is None or num_rows == 0:
             return
-        now = self.clock()
-        if self._verified_at is not None:
-            self.cost.step_overhead = self._smooth(self.cost.step_overhead, max(now - self._verified_at, 0.0))
-        self._started_at, self._drafted_at, self._verified_at = now, None, None
-
-    def _mark_drafted(self) -> None:
-        if self.clock is not None:
-            self._drafted_at = self.clock()
-
-    def _mark_verified(self, num_rows: int, num_drafted: int, max_verified: int) -> None:
-        if self.clock is None or self._started_at is None or num_rows == 0:
-            return
-        now, cost = self.clock(), self.cost
-        verify_from = self._started_at
-        if num_drafted > 0 and self._drafted_at is not None:
+        cost = self.cost
+        if num_drafted > 0:
             predicted = num_drafted * cost.draft_seconds(num_rows) / cost.draft_scale
-            cost.draft_scale = self._smooth(cost.draft_scale, _ratio(self._drafted_at - self._started_at, predicted))
-            verify_from = self._drafted_at
+            cost.draft_scale = self._smooth(cost.draft_scale, _ratio(seconds.draft, predicted))
         predicted = cost.verify_seconds(num_rows, max_verified + 1) / cost.target_scale
-        cost.target_scale = self._smooth(cost.target_scale, _ratio(now - verify_from, predicted))
-        self._verified_at = now
+        cost.target_scale = self._smooth(cost.target_scale, _ratio(seconds.verify, predicted))
+        cost.step_overhead = self._smooth(cost.step_overhead, max(seconds.other, 0.0))
 
     def _smooth(self, old: float, sample: float) -> float:
         return (1 - self.smoothing) * old + self.smoothing * sample
@@ -387,14 +384,14 @@ class AdaptiveBudget(_CostAware):
     Args:
         options: ``K <= num_assistant_tokens + tetris_extra_tokens``; ``tetris_budget`` caps ``C``.
         cost: a :class:`StepCostModel`, or ``(num_rows, max_tokens) -> StepCostModel`` called at the first step.
-        clock: ``time.perf_counter`` to correct the cost model from measured steps; ``None`` not to.
+        learn_costs: correct the cost model from the loop's measured steps (see :class:`_CostAware`).
         memory: a :class:`PairMemory` to start from and learn into (default: a fresh one).
         pool_rows: recently drafted rows kept to plan with.
     """
 
-    def __init__(self, options: TetrisOptions, cost, clock=None, memory: PairMemory | None = None,
+    def __init__(self, options: TetrisOptions, cost, learn_costs: bool = False, memory: PairMemory | None = None,
                  pool_rows: int = 256):
-        super().__init__(options, cost, clock, memory)
+        super().__init__(options, cost, learn_costs, memory)
         self.max_budget = options.tetris_budget
         self.calibrator = self.memory.calibrator
         self.pool_rows = pool_rows
@@ -457,14 +454,12 @@ class AdaptiveBudget(_CostAware):
         else:
             self.probing = False
         self.plan = plan
-        self._plan_done()
         return plan.budget
 
     def num_draft_tokens(self, num_rows: int) -> int:
         return self.plan.num_draft_tokens if self.plan is not None else 0
 
     def select(self, token_log_probs: torch.Tensor, max_lengths: torch.Tensor, budget: int) -> torch.Tensor:
-        self._mark_drafted()
         num_rows, num_drafted = token_log_probs.shape
         self.remember(token_log_probs)
         if self.probing:
@@ -478,8 +473,9 @@ class AdaptiveBudget(_CostAware):
         scores = survival.log().to(token_log_probs.device)
         return select_tetris(scores, max_lengths, int(choice.budget[0]))
 
-    def observe(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor):
-        self._mark_verified(verify_lengths.numel(), token_log_probs.shape[1], _longest(verify_lengths))
+    def observe(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
+                seconds: StepSeconds | None = None):
+        self._correct_costs(verify_lengths.numel(), token_log_probs.shape[1], _longest(verify_lengths), seconds)
         self.calibrator.update(token_log_probs.cpu(), verify_lengths.cpu(), num_accepted.cpu())
 
 
@@ -499,8 +495,8 @@ class DynamicWindow(_CostAware):
     contributes its accepted drafts and one rejection unless it accepted all it verified).
     """
 
-    def __init__(self, options: TetrisOptions, cost, clock=None, memory: PairMemory | None = None):
-        super().__init__(options, cost, clock, memory)
+    def __init__(self, options: TetrisOptions, cost, learn_costs: bool = False, memory: PairMemory | None = None):
+        super().__init__(options, cost, learn_costs, memory)
         self.acceptance: float | None = self.memory.dsd_acceptance
         self.window = 0
 
@@ -509,18 +505,17 @@ class DynamicWindow(_CostAware):
         window = dsd_window(self.acceptance, num_rows, self.max_draft, cost) if self.acceptance is not None else 0
         self.probing = self._after_plan(window > 0, self.acceptance is not None, num_rows) and self.max_draft > 0
         self.window = 1 if self.probing else window
-        self._plan_done()
         return self.window * num_rows
 
     def num_draft_tokens(self, num_rows: int) -> int:
         return self.window
 
     def select(self, token_log_probs: torch.Tensor, max_lengths: torch.Tensor, budget: int) -> torch.Tensor:
-        self._mark_drafted()
         return select_fixed(max_lengths, token_log_probs.shape[1])
 
-    def observe(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor):
-        self._mark_verified(verify_lengths.numel(), token_log_probs.shape[1], _longest(verify_lengths))
+    def observe(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
+                seconds: StepSeconds | None = None):
+        self._correct_costs(verify_lengths.numel(), token_log_probs.shape[1], _longest(verify_lengths), seconds)
         accepted = int(num_accepted.sum())
         rejections = int((num_accepted < verify_lengths).sum())
         if accepted + rejections == 0:
@@ -540,9 +535,9 @@ def make_strategy(options: TetrisOptions, model: torch.nn.Module | None = None,
         return TetrisSelection(options)
     if options.tetris_strategy == "fixed":
         return FixedWindow(options)
-    source, clock = options.tetris_cost_profile, time.perf_counter
+    source, learn_costs = options.tetris_cost_profile, True
     if source is not None:
-        cost, clock = StepCostModel(load_profile(source)), None  # a given profile is taken as it is
+        cost, learn_costs = StepCostModel(load_profile(source)), False  # a given profile is taken as it is
     elif model is None or assistant_model is None:
         raise ValueError(f"tetris_strategy={options.tetris_strategy!r} needs `tetris_cost_profile=` or the target and "
                          "draft models to profile")
@@ -551,4 +546,4 @@ def make_strategy(options: TetrisOptions, model: torch.nn.Module | None = None,
             return cost_model_for(model, assistant_model, num_rows=num_rows, max_tokens=max_tokens)
     kind = AdaptiveBudget if options.tetris_strategy == "adaptive" else DynamicWindow
     memory = pair_memory(model, assistant_model) if model is not None and assistant_model is not None else None
-    return kind(options, cost, clock=clock, memory=memory)
+    return kind(options, cost, learn_costs=learn_costs, memory=memory)

@@ -50,16 +50,18 @@ class BoardTrace:
 
     @classmethod
     def from_stats(cls, strategy: str, num_assistant_tokens: int, stats, survival=None) -> "BoardTrace":
-        """A snapshot (copied lists) of a ``TetrisStats``-like object, with optional per-step survival scores."""
-        steps = len(stats.verified_per_step)
+        """A snapshot (copied lists) of the drafting steps of a ``TetrisStats``-like object, with optional per-step
+        survival scores. Steps that drafted nothing (the first, which reads the prompt, and ``adaptive``'s plain
+        steps) have no cells and are left out."""
+        steps = [s for s in range(len(stats.verified_per_step)) if stats.num_drafted_per_step[s] > 0]
         return cls(
             strategy=strategy,
             num_assistant_tokens=num_assistant_tokens,
-            num_drafted_per_step=list(stats.num_drafted_per_step[:steps]),
-            budget_per_step=list(stats.budget_per_step[:steps]),
-            verified_per_step=[list(row) for row in stats.verified_per_step[:steps]],
-            accepted_per_step=[list(row) for row in stats.accepted_per_step[:steps]],
-            survival_per_step=list(survival[:steps]) if survival is not None else [],
+            num_drafted_per_step=[stats.num_drafted_per_step[s] for s in steps],
+            budget_per_step=[stats.budget_per_step[s] for s in steps],
+            verified_per_step=[list(stats.verified_per_step[s]) for s in steps],
+            accepted_per_step=[list(stats.accepted_per_step[s]) for s in steps],
+            survival_per_step=[survival[s] for s in steps if s < len(survival)] if survival is not None else [],
         )
 
     @property

@@ -1,8 +1,9 @@
 """The draft side: a small model proposes ``K`` tokens for every active row of a left-padded batch.
 
-The draft keeps its own KV cache (:class:`~tetris_hf.kv.SlotCache`). Tokens the draft has not yet read (the target's
-correction or bonus token, and a last accepted draft it never fed back) wait in a small left-padded ``pending`` block
-that starts the next proposal.
+The draft keeps its own KV cache (:class:`~tetris_hf.kv.SlotCache`). Tokens the draft has not yet read wait in a
+left-padded ``pending`` block that starts the next proposal: after a drafting step, the target's correction or bonus
+token (and a last accepted draft never fed back); while the loop decodes plainly, everything emitted since the draft
+last ran. The draft is lazy: it reads the prompt only when it first drafts, so a call that never drafts never runs it.
 """
 
 from __future__ import annotations
@@ -61,15 +62,26 @@ class BatchedDraftCandidateGenerator(CandidateGenerator):
         self._last_num_drafted = 0
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
-        """Read a left-padded prompt batch: all but its last column go into the cache, the last waits as pending.
+        """Start on a left-padded prompt batch: an empty cache, the whole prompt pending (read at the first proposal
+        or :meth:`catch_up`).
 
         Args:
             input_ids, attention_mask: ``(B, T)``, left-padded; every row's last column is a real token.
         """
         self.slots = SlotCache(input_ids.shape[0], input_ids.device, self.max_holes)
-        self.slots.prefill(self.assistant_model, input_ids, attention_mask)
-        self.pending_tokens = input_ids[:, -1:]
-        self.pending_mask = torch.ones_like(self.pending_tokens)
+        self.pending_tokens, self.pending_mask = input_ids, attention_mask.long()
+
+    def catch_up(self) -> None:
+        """Read the pending tokens into the cache but the last column (which opens the next proposal): one forward.
+
+        Optional (the next proposal reads whatever is pending); it splits off what the draft skipped while the loop
+        decoded plainly, so that proposal times measure drafting alone. Does nothing when at most a drafting step's
+        leftovers (two columns) are pending.
+        """
+        if self.pending_tokens.shape[1] <= 2:
+            return
+        self.slots.prefill(self.assistant_model, self.pending_tokens, self.pending_mask)
+        self.pending_tokens, self.pending_mask = self.pending_tokens[:, -1:], self.pending_mask[:, -1:]
 
     def propose(
         self, sequences: torch.Tensor, lengths: torch.Tensor, num_tokens: int, rows: torch.Tensor | None = None
@@ -128,16 +140,16 @@ class BatchedDraftCandidateGenerator(CandidateGenerator):
         """
         drafted = self._last_num_drafted
         ones = torch.ones_like(next_tokens[:, None])
-        if drafted == 0:  # nothing was read: the old pending tokens still wait, the new token joins them
-            tokens = torch.cat([self.pending_tokens, next_tokens[:, None]], dim=1)
-            mask = torch.cat([self.pending_mask, ones], dim=1)
-        else:
-            # The cache now holds the pending block, then drafts 1..K-1; keep the accepted ones among those.
-            first_draft_slot = self.slots.length - (drafted - 1)
-            self.slots.drop_slots(first_draft_slot, num_accepted.clamp(max=drafted - 1))
-            all_accepted = (num_accepted == drafted).long()[:, None]  # draft K accepted but never read
-            tokens = torch.cat([self._last_draft[:, None], next_tokens[:, None]], dim=1)
-            mask = torch.cat([all_accepted, ones], dim=1)
+        if drafted == 0:  # nothing was read: the old pending tokens still wait (left-packed), the new token joins
+            self.pending_tokens = torch.cat([self.pending_tokens, next_tokens[:, None]], dim=1)
+            self.pending_mask = torch.cat([self.pending_mask, ones], dim=1)
+            return
+        # The cache now holds the pending block, then drafts 1..K-1; keep the accepted ones among those.
+        first_draft_slot = self.slots.length - (drafted - 1)
+        self.slots.drop_slots(first_draft_slot, num_accepted.clamp(max=drafted - 1))
+        all_accepted = (num_accepted == drafted).long()[:, None]  # draft K accepted but never read
+        tokens = torch.cat([self._last_draft[:, None], next_tokens[:, None]], dim=1)
+        mask = torch.cat([all_accepted, ones], dim=1)
         self.pending_tokens, self.pending_mask = _left_pack(tokens, mask)
         self.slots.compact()
 
