@@ -1,6 +1,7 @@
 """The goodput optimiser behind ``adaptive`` and ``dsd``, their learning rules, and their greedy exactness."""
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -105,14 +106,14 @@ def test_cost_model_follows_the_loops_measured_step_times(learn_costs):
     assert scales == expected
 
 
-def probe_steps(cost_profile: CostProfile, num_rows: int = 4, steps: int = 60) -> list[int]:
-    """Steps at which ``adaptive`` drafts when every draft is hopeless (q = 0.05, always rejected)."""
+def probe_steps(cost_profile: CostProfile, q: float, num_rows: int = 4, steps: int = 300) -> list[int]:
+    """Steps at which ``adaptive`` drafts when every draft has probability ``q`` and is rejected."""
     strategy = AdaptiveBudget(TetrisOptions(tetris_strategy="adaptive"), StepCostModel(cost_profile))
     drafted = []
     for step in range(steps):
         budget = strategy.budget(num_rows)
         num_drafted = strategy.num_draft_tokens(num_rows) if budget else 0
-        log_probs = torch.full((num_rows, num_drafted), -3.0)
+        log_probs = torch.full((num_rows, num_drafted), math.log(q))
         lengths = torch.zeros(num_rows, dtype=torch.long)
         if num_drafted:
             drafted.append(step)
@@ -121,11 +122,18 @@ def probe_steps(cost_profile: CostProfile, num_rows: int = 4, steps: int = 60) -
     return drafted
 
 
-def test_adaptive_probes_while_plain_decoding_pays_and_backs_off():
+def test_adaptive_probes_while_a_probe_could_change_the_plan_then_backs_off():
     cheap_probe = profile(lambda r, t: 10.0 + 0.5 * r * t, 0.1)  # a probe costs 18% of a plain step at 4 rows
-    assert probe_steps(cheap_probe) == [0, 8, 24, 56]  # a probe first, then every 8th, 16th, 32nd step
-    # a probe costing 105% of a plain step waits 21 steps (5% overhead), then 42
-    assert probe_steps(COSTLY_VERIFY) == [0, 21]
+    # q = 0.25: drafting pays above 0.175 acceptance, which the calibrator's upper bound (prior 0.25) allows until
+    # four probes have all been rejected: probes first, then every 8th, 16th, 32nd step; then every 128th
+    assert probe_steps(cheap_probe, 0.25) == [0, 8, 24, 56, 184]
+    # q = 0.05: one rejected probe puts even the upper bound below break-even: every 128th step only
+    assert probe_steps(cheap_probe, 0.05) == [0, 128, 256]
+    # a probe costing 50% of a plain step waits 11 steps (probes cost at most 5%), then 22, then 128
+    dear_probe = profile(lambda r, t: 10.0 * r * (1 + 0.5 * (t - 1)), 0.1)
+    assert probe_steps(dear_probe, 0.85) == [0, 11, 33, 161, 289]
+    # verifying a second token costs a whole plain step: no acceptance could pay, so probes stay 128 steps apart
+    assert probe_steps(COSTLY_VERIFY, 0.85) == [0, 128, 256]
 
 
 def test_adaptive_selects_top_cells_by_calibrated_survival_not_raw_draft_probability():

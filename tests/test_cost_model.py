@@ -167,3 +167,16 @@ def test_calibrator_forgets_with_memory():
         calibrator.update_cells(q, torch.zeros(100, dtype=torch.bool))
     assert calibrator.means()[0] < 0.05
     assert math.isclose(float(AcceptanceCalibrator(4).predict(torch.tensor(0.0))), 0.125)
+
+
+def test_upper_confidence_bounds_narrow_to_the_mean_as_cells_are_seen():
+    calibrator = AcceptanceCalibrator(4, memory=None)
+    probs = torch.linspace(0, 1, 9)
+    assert (calibrator.upper_bounds(2.0) > calibrator.means()).all()
+    assert (calibrator.predict(probs, optimism=2.0) >= calibrator.predict(probs)).all()
+    unseen_gap = float(calibrator.upper_bounds(2.0)[0] - calibrator.means()[0])
+    accepted = torch.rand(1000, generator=torch.Generator().manual_seed(0)) < 0.3
+    calibrator.update_cells(torch.full((1000,), 0.1), accepted)
+    seen_gap = float(calibrator.upper_bounds(2.0)[0] - calibrator.means()[0])
+    assert seen_gap < 0.04 < 0.2 < unseen_gap  # 2 standard deviations: ~0.3 from the prior alone, ~0.03 after 1000
+    assert float(calibrator.upper_bounds(50.0).max()) == 1.0

@@ -445,7 +445,9 @@ class AcceptanceCalibrator:
     ``q`` is cut into ``num_bins`` equal bins on [0, 1]. Each bin holds a Beta posterior whose prior mean is the bin's
     centre (a calibrated draft) with weight ``prior_strength`` pseudo-observations. Observed counts fade with
     ``memory`` (a count seen ``memory`` cells ago weighs ``1/e``), so the estimate follows a drifting stream.
-    :meth:`predict` interpolates the posterior means linearly between bin centres.
+    :meth:`predict` interpolates the posterior means linearly between bin centres; with ``optimism=z`` it interpolates
+    ``mean + z x standard deviation`` of each posterior instead (an upper confidence bound: what acceptance could
+    still be, given how little has been seen).
 
     Args:
         num_bins: bins of ``q``.
@@ -473,9 +475,17 @@ class AcceptanceCalibrator:
             self.prior_accepted + self.prior_rejected + self.accepted + self.rejected
         )
 
-    def predict(self, probs: torch.Tensor) -> torch.Tensor:
-        """Acceptance probability of cells with draft probabilities ``probs`` (any shape; float64 result)."""
-        means = self.means()
+    def upper_bounds(self, optimism: float) -> torch.Tensor:
+        """``(num_bins,)`` posterior mean plus ``optimism`` standard deviations per bin, at most 1."""
+        alpha, beta = self.prior_accepted + self.accepted, self.prior_rejected + self.rejected
+        total = alpha + beta
+        spread = (alpha * beta / (total * total * (total + 1))).sqrt()
+        return (alpha / total + optimism * spread).clamp(max=1.0)
+
+    def predict(self, probs: torch.Tensor, optimism: float = 0.0) -> torch.Tensor:
+        """Acceptance probability of cells with draft probabilities ``probs`` (any shape; float64 result); with
+        ``optimism > 0``, its upper confidence bound (see :meth:`upper_bounds`)."""
+        means = self.upper_bounds(optimism) if optimism else self.means()
         position = (probs.double().clamp(0, 1) * self.num_bins - 0.5).clamp(0, self.num_bins - 1)
         low = position.floor().long()
         high = (low + 1).clamp(max=self.num_bins - 1)

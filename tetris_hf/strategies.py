@@ -304,7 +304,9 @@ class _CostAware:
     more where a probe is dear (enough that probes add at most ``probe_overhead`` of the time: at 256 rows on the
     8B H200 curve a probe costs 1.5 plain steps), doubles after every probe that does not change the decision (up to
     ``max_probe_interval``) and resets once drafting pays; the schedule lives in the pair's :class:`PairMemory`, so it
-    carries over between calls. A pair with nothing learnt yet starts with a probe.
+    carries over between calls. A pair with nothing learnt yet starts with a probe. A strategy that knows drafting
+    would not pay even if acceptance were as high as what it has seen still allows (``could_pay=False``) probes only
+    every ``max_probe_interval`` steps, to notice requests that have become easier.
     """
 
     probe_interval_start = 8
@@ -341,7 +343,7 @@ class _CostAware:
     def _smooth(self, old: float, sample: float) -> float:
         return (1 - self.smoothing) * old + self.smoothing * sample
 
-    def _after_plan(self, drafts: bool, can_learn: bool, num_rows: int) -> bool:
+    def _after_plan(self, drafts: bool, can_learn: bool, num_rows: int, could_pay: bool = True) -> bool:
         """Update the probe schedule; returns whether this step is a probe."""
         schedule = self.memory
         if not can_learn:
@@ -351,10 +353,13 @@ class _CostAware:
             return False
         schedule.plain_streak += 1
         interval = max(schedule.probe_interval, self._probe_gap(num_rows))
+        if not could_pay:
+            interval = max(interval, self.max_probe_interval)
         if schedule.plain_streak < interval:
             return False
         schedule.plain_streak = 0
-        schedule.probe_interval = min(2 * interval, max(self.max_probe_interval, interval))
+        if could_pay:
+            schedule.probe_interval = min(2 * interval, max(self.max_probe_interval, interval))
         return True
 
     def _probe_gap(self, num_rows: int) -> int:
@@ -381,6 +386,9 @@ class AdaptiveBudget(_CostAware):
     from the calibrated rows of recent steps; after drafting, :func:`best_budget` picks ``C`` from this step's cells
     and :func:`~tetris_hf.selection.select_tetris` takes the top ``C`` by survival.
 
+    While the plan is plain decoding, a second, optimistic plan (every cell's acceptance at its calibrator's upper
+    confidence bound, ``optimism`` standard deviations above the mean) says whether a probe could change it.
+
     Args:
         options: ``K <= num_assistant_tokens + tetris_extra_tokens``; ``tetris_budget`` caps ``C``.
         cost: a :class:`StepCostModel`, or ``(num_rows, max_tokens) -> StepCostModel`` called at the first step.
@@ -400,7 +408,7 @@ class AdaptiveBudget(_CostAware):
         if self.memory.pool is not None:
             self._add_rows(self.memory.pool)
         self.plan: StepPlan | None = None
-        self._planned: tuple[int, StepPlan] | None = None  # (rows, plan) while nothing new was drafted
+        self._planned: tuple[int, StepPlan, bool] | None = None  # (rows, plan, could_pay) while nothing was drafted
         self._plan_age = 0
 
     def remember(self, token_log_probs: torch.Tensor) -> None:
@@ -419,15 +427,16 @@ class AdaptiveBudget(_CostAware):
             rows = torch.cat([rows, rows.new_full((rows.shape[0], pad), float("nan"))], dim=1)
         self.pool = torch.cat([rows, self.pool])[: self.pool_rows]
 
-    def pool_acceptance(self, num_rows: int | None = None) -> torch.Tensor:
+    def pool_acceptance(self, num_rows: int | None = None, optimism: float = 0.0) -> torch.Tensor:
         """``(P, max_draft)`` calibrated conditional acceptance of the pooled rows, newest first: the newest
         ``max(32, 4 x num_rows)`` of them when ``num_rows`` is given (recent enough to follow the batch's current
         requests, enough to average over). Cells a row did not draft get the mean of the rows that drafted that
-        position (else of every pooled cell): a row sure of its first token is not assumed as sure of its sixth."""
+        position (else of every pooled cell): a row sure of its first token is not assumed as sure of its sixth.
+        ``optimism``: see :meth:`AcceptanceCalibrator.predict`."""
         pool = self.pool if num_rows is None else self.pool[: max(32, 4 * num_rows)]
         drafted = ~torch.isnan(pool)
         acceptance = torch.zeros_like(pool)
-        acceptance[drafted] = self.calibrator.predict(pool[drafted].exp())
+        acceptance[drafted] = self.calibrator.predict(pool[drafted].exp(), optimism)
         if bool(drafted.all()) or pool.shape[0] == 0:
             return acceptance
         counts = drafted.sum(dim=0)
@@ -436,19 +445,23 @@ class AdaptiveBudget(_CostAware):
         return torch.where(drafted, acceptance, column_mean[None, :])
 
     replan_every = 16
+    optimism = 2.0
 
     def budget(self, num_rows: int) -> int:
         cost = self._open_step(num_rows)
         # While decoding plainly nothing new is learnt: the last plan stands until the batch shrinks, a step drafts,
         # or ``replan_every`` steps have passed (the online cost corrections drift); planning is ~1 ms of Python.
         if self._planned is None or self._planned[0] != num_rows or self._plan_age >= self.replan_every:
-            self._planned = (num_rows, plan_step(self.pool_acceptance(num_rows), num_rows, self.max_draft, cost,
-                                                 self.max_budget))
+            plan = plan_step(self.pool_acceptance(num_rows), num_rows, self.max_draft, cost, self.max_budget)
+            could_pay = plan.num_draft_tokens > 0 or plan_step(
+                self.pool_acceptance(num_rows, self.optimism), num_rows, self.max_draft, cost, self.max_budget
+            ).num_draft_tokens > 0
+            self._planned = (num_rows, plan, could_pay)
             self._plan_age = 0
         self._plan_age += 1
-        plan = self._planned[1]
+        _, plan, could_pay = self._planned
         self.probing = self._after_plan(plan.num_draft_tokens > 0, can_learn=self.pool.shape[0] > 0,
-                                        num_rows=num_rows)
+                                        num_rows=num_rows, could_pay=could_pay)
         if self.probing and self.max_draft > 0 and self.max_budget != 0:
             plan = StepPlan(1, num_rows, plan.tokens, plan.seconds)
         else:
