@@ -56,6 +56,19 @@ def test_greedy_mismatch_is_reported(tiny_pair, monkeypatch):
     assert len(report["mismatches"]) == 1 and report["mismatches"][0].startswith("tetris k=4 e=1")
 
 
+def test_repeats_are_interleaved_and_the_median_run_is_reported(tiny_pair):
+    target, draft, tokenizer = tiny_pair
+    config = bench.BenchConfig(batch_size=2, max_new_tokens=4, strategies=("generate", "adaptive"),
+                               num_assistant_tokens=(2,), extra_tokens=(1,), repeats=3)
+    report = bench.run_bench(target, draft, tokenizer, SENTENCES[:2], config, show_progress=False)
+    assert report["mismatches"] == []
+    for run in report["runs"]:
+        speeds = run["tokens_per_second_repeats"]
+        assert len(speeds) == 3 and sorted(speeds)[1] == pytest.approx(run["tokens_per_second"])
+    runs = [bench.RunResult("r", "fixed", {}, 1, 10, seconds, [], 0, 0, 0, 0, 0, 0.0, []) for seconds in (3, 1, 2, 4)]
+    assert bench.median_run(runs).seconds == 2 and bench.median_run(runs).repeat_seconds == [3, 1, 2, 4]
+
+
 @pytest.fixture(scope="module")
 def saved_target(tmp_path_factory, tiny_pair):
     target, _, tokenizer = tiny_pair
@@ -87,6 +100,7 @@ def test_command_writes_json_and_plot(saved_target, prompt_file, tmp_path, capsy
 @pytest.mark.parametrize("arguments,message", [
     (["--prompts", "nosuchset"], "unknown prompt set"),
     (["--batch-size", "0"], "--batch-size must be at least 1"),
+    (["--repeats", "0"], "--repeats must be at least 1"),
     (["--strategies", "generate,warp"], "unknown strategy"),
     (["--target", "/nonexistent/model.gguf"], "does not exist"),
     (["--draft", "DRAFT_WITH_OTHER_VOCAB"], "vocabulary"),

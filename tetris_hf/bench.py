@@ -47,6 +47,7 @@ class BenchConfig:
     hf_assisted_prompts: int = 4
     do_sample: bool = False
     seed: int = 0
+    repeats: int = 1
 
 
 @dataclasses.dataclass
@@ -68,6 +69,7 @@ class RunResult:
     peak_memory_mb: float
     outputs: list
     agreement: dict | None = None  # output_agreement with plain generate() (greedy runs)
+    repeat_seconds: list[float] = dataclasses.field(default_factory=list)  # every repeat's time (this is the median)
 
     def summary(self) -> dict:
         latencies = sorted(self.latencies)
@@ -79,6 +81,7 @@ class RunResult:
             "output_tokens": self.tokens,
             "seconds": self.seconds,
             "tokens_per_second": self.tokens / self.seconds if self.seconds else 0.0,
+            "tokens_per_second_repeats": [self.tokens / seconds for seconds in self.repeat_seconds if seconds],
             "latency_mean_s": statistics.fmean(latencies) if latencies else 0.0,
             "latency_p50_s": _percentile(latencies, 50),
             "latency_p99_s": _percentile(latencies, 99),
@@ -263,6 +266,13 @@ def plan_runs(config: BenchConfig, num_rows: int) -> list[tuple[str, str, dict]]
     return runs
 
 
+def median_run(results: list[RunResult]) -> RunResult:
+    """The repeat with the median time (the lower middle one for an even count), with every repeat's seconds."""
+    ordered = sorted(results, key=lambda result: result.seconds)
+    median = ordered[(len(ordered) - 1) // 2]
+    return dataclasses.replace(median, repeat_seconds=[result.seconds for result in results])
+
+
 def check_greedy_outputs(results: list[RunResult]) -> list[str]:
     """Greedy outputs of every run must equal plain ``generate()``'s; returns one line per run that differs."""
     reference = next((r for r in results if r.strategy == "generate"), None)
@@ -286,8 +296,10 @@ def check_greedy_outputs(results: list[RunResult]) -> list[str]:
 
 def format_table(summaries: list[dict], reference_name: str | None) -> str:
     reference = next((s for s in summaries if s["name"] == reference_name), None)
+    spread = any(len(s.get("tokens_per_second_repeats", [])) > 1 for s in summaries)
     header = (f"{'strategy':<26} {'tok/s':>7} {'x plain':>7} {'lat mean':>8} {'p50':>6} {'p99':>6} "
-              f"{'accept':>6} {'VSR':>5} {'fwd/tok':>7} {'tok/step':>8} {'peak MB':>8}")
+              f"{'accept':>6} {'VSR':>5} {'fwd/tok':>7} {'tok/step':>8} {'peak MB':>8}"
+              + (f" {'tok/s min-max':>14}" if spread else ""))
     lines = [header, "-" * len(header)]
     for s in summaries:
         ratio = s["tokens_per_second"] / reference["tokens_per_second"] if reference else float("nan")
@@ -296,9 +308,13 @@ def format_table(summaries: list[dict], reference_name: str | None) -> str:
             f"{s['name']:<26} {s['tokens_per_second']:>7.1f} {ratio:>7.2f} {s['latency_mean_s']:>8.1f} "
             f"{s['latency_p50_s']:>6.1f} {s['latency_p99_s']:>6.1f} {fmt(s['acceptance_rate']):>6} "
             f"{fmt(s['vsr']):>5} {s['target_forwards_per_token']:>7.3f} {s['tokens_per_row_step']:>8.2f} "
-            f"{s['peak_memory_mb']:>8.0f}"
+            f"{s['peak_memory_mb']:>8.0f}" + (f" {_range(s['tokens_per_second_repeats']):>14}" if spread else "")
         )
     return "\n".join(lines)
+
+
+def _range(values: list[float]) -> str:
+    return f"{min(values):.1f}-{max(values):.1f}" if values else "-"
 
 
 def plot(summaries: list[dict], path: Path, title: str) -> None:
@@ -384,18 +400,21 @@ def run_bench(
     target.generate(**warm, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     target.generate(**warm, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id,
                     assistant_model=draft, custom_generate="tetris")
-    total = sum(len(assisted_texts) if strategy == "hf-assisted" else len(texts) for _, strategy, _ in runs)
-    results = []
+    total = config.repeats * sum(len(assisted_texts) if strategy == "hf-assisted" else len(texts)
+                                 for _, strategy, _ in runs)
+    repeats: dict[str, list[RunResult]] = {name: [] for name, _, _ in runs}
     with tqdm(total=total, desc="bench", unit="req", disable=not (show_progress and is_main), file=sys.stderr) as bar:
-        for name, strategy, options in runs:
-            bar.set_postfix_str(name)
-            run_texts = assisted_texts if strategy == "hf-assisted" else texts
-            result = run_strategy(name, strategy, options, target, draft, tokenizer, run_texts, config, bar)
-            if strategy == "hf-assisted":
-                result.outputs += [None] * (len(texts) - len(run_texts))
-            if state is not None:
-                result = _gather(result, indices)
-            results.append(result)
+        for _ in range(config.repeats):  # interleaved, so that a slow spell of the machine hits every strategy
+            for name, strategy, options in runs:
+                bar.set_postfix_str(name)
+                run_texts = assisted_texts if strategy == "hf-assisted" else texts
+                result = run_strategy(name, strategy, options, target, draft, tokenizer, run_texts, config, bar)
+                if strategy == "hf-assisted":
+                    result.outputs += [None] * (len(texts) - len(run_texts))
+                if state is not None:
+                    result = _gather(result, indices)
+                repeats[name].append(result)
+    results = [median_run(repeats[name]) for name, _, _ in runs]
     mismatches = check_greedy_outputs(results) if not config.do_sample else []
     return {"config": dataclasses.asdict(config), "runs": [result.summary() for result in results], "mismatches": mismatches,
             "is_main_process": is_main, "num_processes": 1 if state is None else state.num_processes}
@@ -428,11 +447,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-in-8bit", action="store_true", help="bitsandbytes 8-bit target")
     parser.add_argument("--output", default="bench-out", help="directory for results.json and bench.png")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run every strategy this many times, interleaved, and report the median run")
     parser.add_argument("--no-progress", action="store_true")
 
 
 def config_from_args(args) -> BenchConfig:
-    for flag in ("num_prompts", "batch_size", "max_new_tokens"):
+    for flag in ("num_prompts", "batch_size", "max_new_tokens", "repeats"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     if args.budget is not None and args.budget < 0:
@@ -453,6 +474,7 @@ def config_from_args(args) -> BenchConfig:
         hf_assisted_prompts=args.hf_assisted_prompts,
         do_sample=args.do_sample,
         seed=args.seed,
+        repeats=args.repeats,
     )
 
 
