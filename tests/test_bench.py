@@ -30,7 +30,7 @@ def test_bench_reports_every_metric_for_every_strategy(tiny_pair):
     report = bench.run_bench(target, draft, tokenizer, SENTENCES[:5], config, show_progress=False)
     names = [run["name"] for run in report["runs"]]
     assert names == ["generate", "hf-assisted", "fixed k=2", "tetris k=2 e=1 C=6", "tetris k=2 e=2 C=6",
-                     "fixed k=3", "tetris k=3 e=1 C=9", "tetris k=3 e=2 C=9"]
+                     "adaptive k=2 e=2", "fixed k=3", "tetris k=3 e=1 C=9", "tetris k=3 e=2 C=9", "adaptive k=3 e=2"]
     assert report["mismatches"] == []
     for run in report["runs"]:
         assert METRICS <= set(run), run["name"]
@@ -61,7 +61,8 @@ def test_repeats_are_interleaved_and_the_median_run_is_reported(tiny_pair):
     config = bench.BenchConfig(batch_size=2, max_new_tokens=4, strategies=("generate", "adaptive"),
                                num_assistant_tokens=(2,), extra_tokens=(1,), repeats=3)
     report = bench.run_bench(target, draft, tokenizer, SENTENCES[:2], config, show_progress=False)
-    assert report["mismatches"] == []
+    assert report["mismatches"] == [] and report["cost_profile_seconds"] >= 0  # profiled before the timed runs
+    assert [run["name"] for run in report["runs"]] == ["generate", "adaptive k=2 e=1"]
     for run in report["runs"]:
         speeds = run["tokens_per_second_repeats"]
         assert len(speeds) == 3 and sorted(speeds)[1] == pytest.approx(run["tokens_per_second"])

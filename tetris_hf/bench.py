@@ -40,7 +40,7 @@ class BenchConfig:
 
     batch_size: int = 16
     max_new_tokens: int = 64
-    strategies: tuple[str, ...] = ("generate", "hf-assisted", "fixed", "tetris")
+    strategies: tuple[str, ...] = ("generate", "hf-assisted", "fixed", "tetris", "adaptive")
     num_assistant_tokens: tuple[int, ...] = (4,)
     extra_tokens: tuple[int, ...] = (1, 2, 3)
     budget: int | None = None
@@ -261,9 +261,27 @@ def plan_runs(config: BenchConfig, num_rows: int) -> list[tuple[str, str, dict]]
                     if config.budget is not None:
                         options["tetris_budget"] = config.budget
                     runs.append((f"tetris k={k} e={e} C={budget}", "tetris", options))
-            else:
-                runs.append((f"{strategy} k={k}", strategy, {"num_assistant_tokens": k}))
+            else:  # adaptive, dsd: K <= k + the largest e; a given budget caps C
+                extra = max(config.extra_tokens)
+                options = {"num_assistant_tokens": k, "tetris_extra_tokens": extra}
+                if config.budget is not None:
+                    options["tetris_budget"] = config.budget
+                runs.append((f"{strategy} k={k} e={extra}", strategy, options))
     return runs
+
+
+def profile_cost_model(target, draft, runs: list[tuple[str, str, dict]], num_rows: int) -> float | None:
+    """Measure (or load) the cost profile ``adaptive`` and ``dsd`` use, before any timing; its seconds, or ``None``
+    when no run needs one. It is measured once per pair, device, dtype and thread count and then cached."""
+    windows = [options["num_assistant_tokens"] + options.get("tetris_extra_tokens", 0)
+               for _, strategy, options in runs if strategy in ("adaptive", "dsd")]
+    if not windows:
+        return None
+    from .cost_model import cost_model_for
+
+    started = time.perf_counter()
+    cost_model_for(target, draft, num_rows=num_rows, max_tokens=max(windows) + 1)
+    return time.perf_counter() - started
 
 
 def median_run(results: list[RunResult]) -> RunResult:
@@ -400,6 +418,7 @@ def run_bench(
     target.generate(**warm, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     target.generate(**warm, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id,
                     assistant_model=draft, custom_generate="tetris")
+    profile_seconds = profile_cost_model(target, draft, runs, min(config.batch_size, len(texts)))
     total = config.repeats * sum(len(assisted_texts) if strategy == "hf-assisted" else len(texts)
                                  for _, strategy, _ in runs)
     repeats: dict[str, list[RunResult]] = {name: [] for name, _, _ in runs}
@@ -416,7 +435,8 @@ def run_bench(
                 repeats[name].append(result)
     results = [median_run(repeats[name]) for name, _, _ in runs]
     mismatches = check_greedy_outputs(results) if not config.do_sample else []
-    return {"config": dataclasses.asdict(config), "runs": [result.summary() for result in results], "mismatches": mismatches,
+    return {"config": dataclasses.asdict(config), "runs": [result.summary() for result in results],
+            "mismatches": mismatches, "cost_profile_seconds": profile_seconds,
             "is_main_process": is_main, "num_processes": 1 if state is None else state.num_processes}
 
 
@@ -431,7 +451,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip prompts longer than this many tokens (ShareGPT has some very long ones)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--strategies", default="generate,hf-assisted,fixed,tetris",
+    parser.add_argument("--strategies", default="generate,hf-assisted,fixed,tetris,adaptive",
                         help="comma list: generate, hf-assisted, fixed, tetris, or any other tetris_strategy")
     parser.add_argument("--num-assistant-tokens", type=number_list(int, 1), default=(4,), help="k (comma list)")
     parser.add_argument("--extra-tokens", type=number_list(int, 0), default=(1, 2, 3), help="TETRIS e (comma list)")
@@ -510,6 +530,9 @@ def main(args) -> int:
     plot(report["runs"], output / "bench.png", title)
     print(f"target: {info.target}\ndraft:  {info.draft}\nprompts: {note}")
     print(format_table(report["runs"], "generate" if "generate" in config.strategies else None))
+    if report["cost_profile_seconds"] is not None:
+        print(f"cost profile for adaptive/dsd: {report['cost_profile_seconds']:.1f} s before the timed runs (measured "
+              "once per pair, device, dtype and thread count, then read from the cache)")
     print(f"wrote {output / 'results.json'} and {output / 'bench.png'}")
     if report["mismatches"]:
         print("error: greedy speculative outputs differ from plain generate():", file=sys.stderr)

@@ -70,7 +70,8 @@ class SlotCache:
         return outputs.logits
 
     def prefill(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
-        """Cache a left-padded prompt batch ``(B, T)`` but its last column (that token opens the first block)."""
+        """Cache a left-padded block ``(B, T)`` (a prompt, or tokens a draft skipped) but its last column, which
+        opens the next block."""
         if input_ids.shape[1] > 1:
             self.forward(model, input_ids[:, :-1], attention_mask[:, :-1], logits_to_keep=1)
 

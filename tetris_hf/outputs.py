@@ -11,7 +11,8 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 class TetrisStats:
     """Counts of one batched speculative ``generate()`` call.
 
-    Totals: ``steps`` (target verification forwards), ``drafted_tokens`` (draft proposals over all rows),
+    Totals: ``steps`` (target forwards: the first reads the prompt and emits one token per row, as ``generate()``'s
+    first forward does; each later one verifies a step's drafts), ``drafted_tokens`` (draft proposals over all rows),
     ``verified_tokens`` (drafts the target checked), ``accepted_tokens`` (verified drafts accepted before the first
     rejection), ``emitted_tokens`` (tokens added to the outputs, after stopping criteria). ``draft_seconds`` and
     ``verify_seconds``: wall time of the draft and of the target side of the loop.
