@@ -246,7 +246,8 @@ class BatchedSpeculativeLoop:
         self.drafter.accept(num_accepted, next_tokens)
         self.prompt_read = True
         emitted, stopped = self._emit(num_accepted, next_tokens, 1)
-        record = StepRecord(self.rows, 0, 0, target_scores.new_zeros(num_rows, 0), verify_lengths, num_accepted, emitted,
+        no_log_probs = target_scores.new_zeros(num_rows, 0)
+        record = StepRecord(self.rows, 0, 0, no_log_probs, verify_lengths, num_accepted, emitted,
                             StepSeconds(0.0, time.perf_counter() - started, 0.0))
         return self._finish(record, stopped)
 

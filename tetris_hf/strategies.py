@@ -304,9 +304,9 @@ class _CostAware:
     more where a probe is dear (enough that probes add at most ``probe_overhead`` of the time: at 256 rows on the
     8B H200 curve a probe costs 1.5 plain steps), doubles after every probe that does not change the decision (up to
     ``max_probe_interval``) and resets once drafting pays; the schedule lives in the pair's :class:`PairMemory`, so it
-    carries over between calls. A pair with nothing learnt yet starts with a probe. A strategy that knows drafting
-    would not pay even if acceptance were as high as what it has seen still allows (``could_pay=False``) probes only
-    every ``max_probe_interval`` steps, to notice requests that have become easier.
+    carries over between calls. A pair with nothing learnt yet starts with a probe. Once drafting would not pay even
+    at an optimistic acceptance (``could_pay=False``, see :class:`AdaptiveBudget`), a probe could not change the plan:
+    probes then come only every ``max_probe_interval`` steps, to notice requests that have become easier.
     """
 
     probe_interval_start = 8
