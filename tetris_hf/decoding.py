@@ -137,7 +137,7 @@ class BatchedSpeculativeLoop:
         self.do_sample = bool(generation_config.do_sample)
         self.max_length = int(generation_config.max_length)
         self.streamer = streamer
-        self.strategy = make_strategy(options, model, assistant_model)
+        self.strategy = make_strategy(options, model, assistant_model, sampling=self.do_sample)
         self.step_callback = options.tetris_step_callback
         self.stats = TetrisStats()
         self.batch_size = batch_size

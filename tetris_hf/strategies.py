@@ -389,17 +389,23 @@ class AdaptiveBudget(_CostAware):
     While the plan is plain decoding, a second, optimistic plan (every cell's acceptance at its calibrator's upper
     confidence bound, ``optimism`` standard deviations above the mean) says whether a probe could change it.
 
+    When sampling, ``C`` is the plan's, fixed before drafting: a ``C`` chosen from this step's draws would verify
+    more of a row's drafts when its later draws looked likely, and bias the output. Greedy output is exact whatever
+    is verified, so there ``C`` is re-chosen from the drafted cells.
+
     Args:
         options: ``K <= num_assistant_tokens + tetris_extra_tokens``; ``tetris_budget`` caps ``C``.
         cost: a :class:`StepCostModel`, or ``(num_rows, max_tokens) -> StepCostModel`` called at the first step.
         learn_costs: correct the cost model from the loop's measured steps (see :class:`_CostAware`).
         memory: a :class:`PairMemory` to start from and learn into (default: a fresh one).
         pool_rows: recently drafted rows kept to plan with.
+        sampling: the loop samples (``C`` is then fixed before drafting).
     """
 
     def __init__(self, options: TetrisOptions, cost, learn_costs: bool = False, memory: PairMemory | None = None,
-                 pool_rows: int = 256):
+                 pool_rows: int = 256, sampling: bool = False):
         super().__init__(options, cost, learn_costs, memory)
+        self.sampling = sampling
         self.max_budget = options.tetris_budget
         self.calibrator = self.memory.calibrator
         self.pool_rows = pool_rows
@@ -479,11 +485,13 @@ class AdaptiveBudget(_CostAware):
             lengths = max_lengths.clamp(max=num_drafted)
             return lengths if self.max_budget is None else select_fixed_budget(lengths, self.max_budget)
         survival = self.calibrator.predict(token_log_probs.detach().double().cpu().exp()).cumprod(dim=1)
+        scores = survival.log().to(token_log_probs.device)
+        if self.sampling:
+            return select_tetris(scores, max_lengths, budget)
         cost = self.cost
         fixed_seconds = num_drafted * cost.draft_seconds(num_rows) + cost.step_overhead  # drafting is already paid
         choice = best_budget(survival, max_lengths.cpu(), fixed_seconds,
                              cost.verify_seconds_by_length(num_rows, num_drafted), self.max_budget)
-        scores = survival.log().to(token_log_probs.device)
         return select_tetris(scores, max_lengths, int(choice.budget[0]))
 
     def observe(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
@@ -539,11 +547,12 @@ class DynamicWindow(_CostAware):
 
 
 def make_strategy(options: TetrisOptions, model: torch.nn.Module | None = None,
-                  assistant_model: torch.nn.Module | None = None) -> FixedWindow | AdaptiveBudget | DynamicWindow:
+                  assistant_model: torch.nn.Module | None = None,
+                  sampling: bool = False) -> FixedWindow | AdaptiveBudget | DynamicWindow:
     """The strategy ``options`` name. ``adaptive`` and ``dsd`` need ``options.tetris_cost_profile`` (used as given) or
     the two models (profiled at the first step, see :func:`~tetris_hf.cost_model.cost_model_for`, then corrected
     online from the loop's own step times). With the models, what they learn about acceptance carries over to the
-    next call on the same pair (:func:`pair_memory`)."""
+    next call on the same pair (:func:`pair_memory`). ``sampling``: the loop samples (see :class:`AdaptiveBudget`)."""
     if options.tetris_strategy == "tetris":
         return TetrisSelection(options)
     if options.tetris_strategy == "fixed":
@@ -557,6 +566,7 @@ def make_strategy(options: TetrisOptions, model: torch.nn.Module | None = None,
     else:
         def cost(num_rows: int, max_tokens: int) -> StepCostModel:
             return cost_model_for(model, assistant_model, num_rows=num_rows, max_tokens=max_tokens)
-    kind = AdaptiveBudget if options.tetris_strategy == "adaptive" else DynamicWindow
     memory = pair_memory(model, assistant_model) if model is not None and assistant_model is not None else None
-    return kind(options, cost, learn_costs=learn_costs, memory=memory)
+    if options.tetris_strategy == "adaptive":
+        return AdaptiveBudget(options, cost, learn_costs=learn_costs, memory=memory, sampling=sampling)
+    return DynamicWindow(options, cost, learn_costs=learn_costs, memory=memory)

@@ -98,7 +98,11 @@ class BatchedDraftCandidateGenerator(CandidateGenerator):
 
         Returns:
             draft_tokens: ``(B, K)``.
-            token_log_probs: ``(B, K)`` ``log q`` of each drafted token under the processed draft distribution.
+            token_log_probs: ``(B, K)`` the draft's confidence at each position, ``log max_x q(x)`` under the
+                processed draft distribution: the drafted token's ``log q`` when greedy (it is the argmax), and when
+                sampling a number that does not depend on which token was drawn. Selection ranks cells by it, and a
+                ranking by the drawn token's own probability would verify likely draws more often than unlikely
+                ones, which biases the output (see ``tests/test_sampling_distribution.py``).
             draft_probs: ``(B, K, V)`` the processed draft distributions (only when sampling, else ``None``).
         """
         batch_size = sequences.shape[0]
@@ -118,7 +122,7 @@ class BatchedDraftCandidateGenerator(CandidateGenerator):
                 next_tokens = scores.argmax(dim=-1)
             sequences[row_range, lengths + step] = next_tokens
             draft_tokens.append(next_tokens)
-            token_log_probs.append(log_probs.gather(1, next_tokens[:, None]).squeeze(1))
+            token_log_probs.append(log_probs.max(dim=-1).values)
             tokens, mask = next_tokens[:, None], torch.ones_like(next_tokens[:, None])
         self._last_num_drafted = num_tokens
         if num_tokens == 0:
