@@ -223,3 +223,8 @@ def test_what_adaptive_and_dsd_learn_carries_over_to_the_next_call_on_the_same_p
                          do_sample=False, max_new_tokens=6, pad_token_id=PAD, return_dict_in_generate=True,
                          tetris_strategy="adaptive", tetris_cost_profile=COSTLY_VERIFY)
     assert out.tetris_stats.num_drafted_per_step[1] == 1
+    # sampling accepts drafts by another rule: what greedy calls learnt does not carry over to it
+    out = target.generate(input_ids, attention_mask=mask, assistant_model=draft, custom_generate="tetris",
+                          do_sample=True, max_new_tokens=6, pad_token_id=PAD, return_dict_in_generate=True,
+                          tetris_strategy="adaptive", tetris_cost_profile=COSTLY_VERIFY)
+    assert out.tetris_stats.num_drafted_per_step[1] == 1

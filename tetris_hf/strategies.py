@@ -281,13 +281,16 @@ class PairMemory:
     probe_interval: int = 8
 
 
+# draft -> target -> {sampling: PairMemory}
 _PAIR_MEMORY: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakKeyDictionary]" = weakref.WeakKeyDictionary()
 
 
-def pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module) -> PairMemory:
-    """The :class:`PairMemory` of these two model objects (in memory, forgotten with the models)."""
+def pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module, sampling: bool = False) -> PairMemory:
+    """The :class:`PairMemory` of these two model objects (in memory, forgotten with the models), one for greedy
+    calls and one for sampled calls: a draft is accepted by exact match in one and with probability
+    ``min(1, p/q)`` in the other, so what is learnt about one says little about the other."""
     by_target = _PAIR_MEMORY.setdefault(assistant_model, weakref.WeakKeyDictionary())
-    return by_target.setdefault(model, PairMemory())
+    return by_target.setdefault(model, {}).setdefault(sampling, PairMemory())
 
 
 class _CostAware:
@@ -566,7 +569,8 @@ def make_strategy(options: TetrisOptions, model: torch.nn.Module | None = None,
     else:
         def cost(num_rows: int, max_tokens: int) -> StepCostModel:
             return cost_model_for(model, assistant_model, num_rows=num_rows, max_tokens=max_tokens)
-    memory = pair_memory(model, assistant_model) if model is not None and assistant_model is not None else None
+    known_pair = model is not None and assistant_model is not None
+    memory = pair_memory(model, assistant_model, sampling) if known_pair else None
     if options.tetris_strategy == "adaptive":
         return AdaptiveBudget(options, cost, learn_costs=learn_costs, memory=memory, sampling=sampling)
     return DynamicWindow(options, cost, learn_costs=learn_costs, memory=memory)
