@@ -45,6 +45,30 @@ class ForwardTimer:
         self.calls += 1
 
 
+def measure(target, draft, batch: dict, max_new_tokens: int, pad_token_id: int, repeats: int) -> dict[str, dict]:
+    """Both runs, interleaved ``repeats`` times after a warm-up; per run the medians of ``wall``, ``forwards``
+    (seconds inside the target's forwards), ``prompt`` (its first forward) and ``outside``, and ``calls``."""
+    common = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id)
+    runs = {"plain generate()": {},
+            "tetris_budget=0": dict(assistant_model=draft, custom_generate="tetris", tetris_budget=0)}
+    timer = ForwardTimer(target)
+    target.generate(**batch, **common)  # warm-up
+    measured: dict[str, list[tuple[float, float, float, int]]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, extra in runs.items():
+            timer.reset()
+            started = time.perf_counter()
+            target.generate(**batch, **common, **extra)
+            measured[name].append((time.perf_counter() - started, timer.seconds, timer.first_seconds, timer.calls))
+    summary = {}
+    for name, rows in measured.items():
+        median = lambda values: statistics.median(values)  # noqa: E731
+        summary[name] = {"wall": median(r[0] for r in rows), "forwards": median(r[1] for r in rows),
+                         "prompt": median(r[2] for r in rows), "outside": median(r[0] - r[1] for r in rows),
+                         "calls": rows[0][3]}
+    return summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-size", type=int, default=16)
@@ -58,24 +82,12 @@ def main() -> None:
     tokenizer.padding_side = "left"
     texts, _ = prompt_texts(load_prompt_set("sharegpt"), args.batch_size, tokenizer, 128)
     batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    common = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    runs = {"plain generate()": {},
-            "tetris_budget=0": dict(assistant_model=draft, custom_generate="tetris", tetris_budget=0)}
-    timer = ForwardTimer(target)
-    target.generate(**batch, **common)  # warm-up
-    measured: dict[str, list[tuple[float, float, float, int]]] = {name: [] for name in runs}
-    for _ in range(args.repeats):
-        for name, extra in runs.items():
-            timer.reset()
-            started = time.perf_counter()
-            target.generate(**batch, **common, **extra)
-            measured[name].append((time.perf_counter() - started, timer.seconds, timer.first_seconds, timer.calls))
+    summary = measure(target, draft, batch, args.max_new_tokens, tokenizer.pad_token_id, args.repeats)
     print(f"batch {args.batch_size}, {args.max_new_tokens} new tokens, median of {args.repeats} interleaved repeats")
     print(f"{'run':<18} {'wall s':>8} {'forwards s':>11} {'prompt s':>9} {'forwards':>9} {'outside s':>10}")
-    for name, rows in measured.items():
-        median = lambda index: statistics.median(row[index] for row in rows)  # noqa: E731
-        outside = statistics.median(row[0] - row[1] for row in rows)
-        print(f"{name:<18} {median(0):>8.3f} {median(1):>11.3f} {median(2):>9.3f} {rows[0][3]:>9} {outside:>10.3f}")
+    for name, row in summary.items():
+        print(f"{name:<18} {row['wall']:>8.3f} {row['forwards']:>11.3f} {row['prompt']:>9.3f} {row['calls']:>9} "
+              f"{row['outside']:>10.3f}")
 
 
 if __name__ == "__main__":
