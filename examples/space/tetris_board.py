@@ -37,7 +37,8 @@ class BoardTrace:
     """Per-step record of a speculative run, shaped like :class:`tetris_hf.TetrisStats`'s per-step lists.
 
     ``survival_per_step[s][row]`` is the row's cumulative draft probability at each drafted position
-    (``prod_{t<=j} q_t``, the score TETRIS ranks cells by), or ``None`` for a finished row.
+    (``prod_{t<=j} max q_t``, the score TETRIS ranks cells by: when greedy, the drafted tokens' own probabilities;
+    when sampling, the draft's confidence at each position, whichever token it drew), or ``None`` for a finished row.
     """
 
     strategy: str
