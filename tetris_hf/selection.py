@@ -13,7 +13,10 @@ def cumulative_log_probs(draft_token_log_probs: torch.Tensor) -> torch.Tensor:
     """TETRIS cell scores: the log of the draft probability that tokens ``1..j`` of a row are all what it drafted.
 
     Args:
-        draft_token_log_probs: ``(B, K)``, ``log q_{i,j}`` of the token row ``i`` drafted at position ``j``.
+        draft_token_log_probs: ``(B, K)``, row ``i``'s draft log-probability at position ``j``: the drafted token's
+            ``log q`` when greedy; when sampling, the draft's confidence ``log max q`` (see
+            :meth:`~tetris_hf.candidate_generators.BatchedDraftCandidateGenerator.propose`: a score must not depend on
+            which token was drawn at that cell, or sampling stops being lossless).
 
     Returns:
         ``(B, K)`` scores, non-increasing along each row.
