@@ -27,8 +27,9 @@ What it does, for each target precision (bf16, nf4 with bf16 compute, int8; the 
    the script counts those as the noise floor); a larger gap is a bug and makes the script exit with status 1.
 2. Placement (bf16 only): the same check with half of the target's layers offloaded to CPU by accelerate
    (``device_map`` + ``max_memory``), and split across two GPUs when there are two.
-3. Timing: generated tokens per second for no-SD (plain ``generate``), fixed-k batched SD (``tetris_strategy="fixed"``)
-   and TETRIS, at each batch size, after one warm-up; and their ratios. Printed as a Markdown table (ready for the
+3. Timing: generated tokens per second for no-SD (plain ``generate``), fixed-k batched SD (``tetris_strategy="fixed"``),
+   TETRIS and ``adaptive`` (its cost profile is measured in the warm-up), at each batch size, after one warm-up; and
+   their ratios. Printed as a Markdown table (ready for the
    README) and, with ``--json``, written as JSON.
 """
 
@@ -196,7 +197,8 @@ def eos_set(model) -> set[int]:
 
 # -------------------------------------------------------------------------------------------------------- exactness
 def run(target, draft, input_ids, mask, new_tokens, mode, k, extra):
-    """One greedy generate call; ``mode``: ``"plain"``, ``"fixed"`` or ``"tetris"``."""
+    """One greedy generate call; ``mode``: ``"plain"`` or a ``tetris_strategy`` (``"fixed"``, ``"tetris"``,
+    ``"adaptive"``)."""
     kwargs = dict(attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
     if mode == "plain":
         return target.generate(input_ids, **kwargs), None
@@ -268,12 +270,15 @@ def _one_row_at_a_time(target, plain, input_ids, mask, args) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------- timing
+TIMED_MODES = ("plain", "fixed", "tetris", "adaptive")
+
+
 def time_cell(target, draft, prompts, batch_size, args) -> dict:
     input_ids, mask = prompts.batch(batch_size)
     eos = eos_set(target)
     cell = {"batch": batch_size}
-    for mode in ("plain", "fixed", "tetris"):
-        run(target, draft, input_ids, mask, 8, mode, args.k, args.extra)  # warm-up
+    for mode in TIMED_MODES:
+        run(target, draft, input_ids, mask, 8, mode, args.k, args.extra)  # warm-up (adaptive: its cost profile)
         synchronize(args.device)
         started = time.perf_counter()
         sequences, stats = run(target, draft, input_ids, mask, args.new_tokens, mode, args.k, args.extra)
@@ -288,14 +293,15 @@ def time_cell(target, draft, prompts, batch_size, args) -> dict:
 
 
 def print_table(timings: dict) -> None:
-    print("\n| target | batch | no-SD tok/s | fixed tok/s | TETRIS tok/s | fixed / no-SD | TETRIS / no-SD "
-          "| TETRIS / fixed | TETRIS VSR |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n| target | batch | no-SD tok/s | fixed tok/s | TETRIS tok/s | adaptive tok/s | fixed / no-SD "
+          "| TETRIS / no-SD | adaptive / no-SD | TETRIS / fixed | TETRIS VSR |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for precision, cells in timings.items():
         for cell in cells:
-            plain, fixed, tetris = (cell[mode]["tokens_per_s"] for mode in ("plain", "fixed", "tetris"))
-            print(f"| {precision} | {cell['batch']} | {plain:.0f} | {fixed:.0f} | {tetris:.0f} | {fixed / plain:.2f} "
-                  f"| {tetris / plain:.2f} | {tetris / fixed:.2f} | {cell['tetris']['verification_success_rate']:.2f} |")
+            plain, fixed, tetris, adaptive = (cell[mode]["tokens_per_s"] for mode in TIMED_MODES)
+            print(f"| {precision} | {cell['batch']} | {plain:.0f} | {fixed:.0f} | {tetris:.0f} | {adaptive:.0f} "
+                  f"| {fixed / plain:.2f} | {tetris / plain:.2f} | {adaptive / plain:.2f} | {tetris / fixed:.2f} "
+                  f"| {cell['tetris']['verification_success_rate']:.2f} |")
 
 
 # ------------------------------------------------------------------------------------------------------------- main
@@ -377,7 +383,7 @@ def main(argv=None) -> int:
             cell = time_cell(target, draft, prompts, batch_size, args)
             results["timing"][precision].append(cell)
             print(f"  batch {batch_size}: " + ", ".join(
-                f"{mode} {cell[mode]['tokens_per_s']:.0f} tok/s" for mode in ("plain", "fixed", "tetris")), flush=True)
+                f"{mode} {cell[mode]['tokens_per_s']:.0f} tok/s" for mode in TIMED_MODES), flush=True)
         target = None
         free_memory()
     if not args.no_placement:
