@@ -17,6 +17,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from .candidate_generators import BatchedDraftCandidateGenerator
+from .families import check_supported
 from .kv import SlotCache
 from .logits import PositionwiseLogitsProcessor, verify_greedy, verify_sampling
 from .outputs import TetrisGenerateOutput, TetrisStats
@@ -31,7 +32,8 @@ def output_vocab_size(model: torch.nn.Module) -> int:
 
 
 def check_pair(model: torch.nn.Module, assistant_model: torch.nn.Module | None) -> None:
-    """Refuse a missing draft or one whose vocabulary differs from the target's."""
+    """Refuse a missing draft, one whose vocabulary differs from the target's, and models the loop cannot serve
+    (:func:`~tetris_hf.families.check_supported`)."""
     if assistant_model is None:
         raise ValueError(
             "custom_generate='tetris' needs a draft model: pass `assistant_model=` (a small causal LM with the "
@@ -45,8 +47,8 @@ def check_pair(model: torch.nn.Module, assistant_model: torch.nn.Module | None) 
             f"draft and target vocabularies differ (target {target_vocab} tokens, draft {draft_vocab}): tetris_hf "
             "needs a draft that shares the target's tokenizer"
         )
-    if getattr(model.config, "is_encoder_decoder", False) or getattr(assistant_model.config, "is_encoder_decoder", False):
-        raise ValueError("tetris_hf supports decoder-only models only")
+    check_supported(model, "target")
+    check_supported(assistant_model, "draft")
 
 
 def check_prompt_mask(attention_mask: torch.Tensor) -> None:
