@@ -1,18 +1,26 @@
-"""The Hub folder is what ``python -m tetris_hf.hub_export`` writes, loads by path, and names missing requirements."""
+"""The Hub folder is what ``python -m tetris_hf.hub_export`` writes: the strategy's library modules as flat files
+with relative imports, found by reading the package's imports; it loads by path and names missing requirements.
 
+(That the folder runs with the package not importable at all is tests/test_custom_generate_folder.py's business.)
+"""
+
+import ast
 import dataclasses
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import tetris_hf
-from tetris_hf.hub_export import export, installed_version, main
+from tetris_hf import hub_export
+from tetris_hf.hub_export import ExportError, export, installed_version, library_closure, main
 from tiny_models import PAD, left_pad, noisy_copy, random_prompts, tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
-HUB_FOLDER = REPO / "hub"
-EXPORTED = ("README.md", "custom_generate/generate.py", "custom_generate/requirements.txt")
+COMMITTED_COPIES = (REPO / "hub", REPO / "examples" / "space" / "strategy")
+EXPORT_COMMAND = "python -m tetris_hf.hub_export hub/ examples/space/strategy/"
 
 
 def _files(folder: Path) -> dict[str, str]:
@@ -23,21 +31,80 @@ def _files(folder: Path) -> dict[str, str]:
     }
 
 
-def test_committed_hub_folder_equals_fresh_export(tmp_path):
+@pytest.mark.parametrize("committed", COMMITTED_COPIES, ids=lambda path: path.relative_to(REPO).as_posix())
+def test_committed_hub_folder_equals_fresh_export(tmp_path, committed):
     export(tmp_path)
-    fresh, committed = _files(tmp_path), _files(HUB_FOLDER)
-    assert sorted(fresh) == sorted(EXPORTED)
-    assert committed == fresh, "hub/ is stale: run `python -m tetris_hf.hub_export hub/` and commit the result"
+    fresh, on_disk = _files(tmp_path), _files(committed)
+    assert sorted(on_disk) == sorted(fresh), f"{committed} is stale: run `{EXPORT_COMMAND}` and commit the result"
+    for name in fresh:
+        assert on_disk[name] == fresh[name], f"{committed}/{name} is stale: run `{EXPORT_COMMAND}` and commit it"
 
 
-def test_export_command_writes_the_folder(tmp_path, capsys):
-    main([str(tmp_path / "repo")])  # what `python -m tetris_hf.hub_export DIR` runs
-    assert sorted(_files(tmp_path / "repo")) == sorted(EXPORTED)
-    assert len(capsys.readouterr().out.splitlines()) == len(EXPORTED)
+def test_export_holds_the_library_closure_and_no_tool(tmp_path):
+    written = export(tmp_path)
+    code = sorted(path.name for path in written if path.suffix == ".py")
+    expected = {"generate", "generation", "decoding", "kv", "strategies", "selection", "cost_model", "stopping",
+                "outputs", "candidate_generators", "candidate_generators_batched_draft", "logits",
+                "logits_processing", "logits_verification"}
+    assert expected <= {Path(name).stem for name in code}
+    tools = {name.removeprefix("tetris_hf.") for name in hub_export.TOOLS}
+    assert not tools & {Path(name).stem for name in code}
+    assert sorted(_files(tmp_path)) == sorted(str(path.relative_to(tmp_path)) for path in written)
 
 
-def test_model_card_lists_every_option_tag_and_pinned_version(tmp_path):
+def test_exported_modules_import_each_other_relatively_and_only_torch_and_transformers(tmp_path):
     export(tmp_path)
+    code = tmp_path / "custom_generate"
+    outside = set()
+    for path in code.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                assert node.level == 1 and node.module, f"{path.name}:{node.lineno}: only `from .flat import`"
+                assert (code / f"{node.module}.py").is_file(), f"{path.name} imports .{node.module}, not exported"
+            elif isinstance(node, ast.ImportFrom):
+                outside.add(node.module.split(".")[0])
+            elif isinstance(node, ast.Import):
+                outside.update(alias.name.split(".")[0] for alias in node.names)
+    assert "tetris_hf" not in outside
+    assert {name for name in outside if name not in sys.stdlib_module_names} == {"torch", "transformers"}
+    requirements = (code / "requirements.txt").read_text().split()
+    assert requirements == [f"torch>={installed_version('torch')}", f"transformers>={installed_version('transformers')}"]
+
+
+def test_a_module_added_to_the_library_is_exported_without_changing_the_exporter(tmp_path, monkeypatch):
+    package = tmp_path / "package"
+    shutil.copytree(REPO / "tetris_hf", package, ignore=shutil.ignore_patterns("__pycache__", "assets"))
+    (package / "extras").mkdir()
+    (package / "extras" / "__init__.py").write_text('"""Extras."""\n')
+    (package / "extras" / "helper.py").write_text('"""A helper."""\n\nfrom ..kv import SlotCache\n\nHELPER = 1\n')
+    selection = package / "selection.py"
+    selection.write_text(selection.read_text() + "\n\ndef _uses_helper():\n    from .extras.helper import HELPER\n"
+                                                  "\n    return HELPER\n")
+    monkeypatch.setattr(hub_export, "PACKAGE_DIR", package)
+    export(tmp_path / "repo")
+    code = tmp_path / "repo" / "custom_generate"
+    assert "    from .extras_helper import HELPER\n" in (code / "selection.py").read_text()
+    assert "from .kv import SlotCache\n" in (code / "extras_helper.py").read_text()
+    assert not (code / "extras.py").exists()  # the package's __init__ is not imported, so not exported
+    assert "`custom_generate/extras_helper.py` | `tetris_hf/extras/helper.py` | A helper. |" in (
+        tmp_path / "repo" / "README.md").read_text()
+
+
+def test_a_library_module_that_imports_a_tool_is_refused_with_the_chain(monkeypatch):
+    monkeypatch.setattr(hub_export, "TOOLS", hub_export.TOOLS | {"tetris_hf.selection"})
+    with pytest.raises(ExportError, match=r"tool module tetris_hf\.selection \(tetris_hf\.selection <- "
+                                          r"tetris_hf\.strategies <- .*tetris_hf\.generation\)"):
+        library_closure()
+
+
+def test_export_command_writes_the_folders(tmp_path, capsys):
+    main([str(tmp_path / "a"), str(tmp_path / "b")])  # what `python -m tetris_hf.hub_export A B` runs
+    assert _files(tmp_path / "a") == _files(tmp_path / "b")
+    assert len(capsys.readouterr().out.splitlines()) == 2 * len(_files(tmp_path / "a"))
+
+
+def test_model_card_lists_every_option_field_file_and_requirement(tmp_path):
+    written = export(tmp_path)
     card = (tmp_path / "README.md").read_text()
     front_matter = card.split("---")[1]
     assert "- custom_generate" in front_matter
@@ -46,8 +113,13 @@ def test_model_card_lists_every_option_tag_and_pinned_version(tmp_path):
     for field in dataclasses.fields(tetris_hf.TetrisStats):
         assert f"`{field.name}`" in card
     assert ".sequences" in card and ".tetris_stats" in card
-    requirements = (tmp_path / "custom_generate" / "requirements.txt").read_text().split()
-    assert requirements == [f"tetris-hf=={installed_version()}"]
+    assert "## What `trust_remote_code=True` runs" in card
+    for path in written:
+        if path.suffix == ".py" and path.name != "generate.py":
+            assert f"| `custom_generate/{path.name}` |" in card
+    for line in (tmp_path / "custom_generate" / "requirements.txt").read_text().split():
+        assert f"`{line}`" in card
+    assert "pip install tetris-hf" not in card
 
 
 def test_exported_folder_by_path_equals_package_call(tmp_path):

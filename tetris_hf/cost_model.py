@@ -383,10 +383,18 @@ def profile_key(model: torch.nn.Module, assistant_model: torch.nn.Module) -> str
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:20]
 
 
+def cache_dir() -> Path:
+    """tetris_hf's cache folder: ``$TETRIS_HF_CACHE`` or ``~/.cache/tetris_hf`` (cost profiles, converted models).
+
+    Defined here, in the library, so that the exported Hub strategy does not depend on the model tools
+    (:func:`tetris_hf.models.cache_dir` gives the same folder).
+    """
+    root = os.environ.get("TETRIS_HF_CACHE")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "tetris_hf"
+
+
 def profile_cache_dir() -> Path:
     """``$TETRIS_HF_CACHE/cost-profiles`` (default ``~/.cache/tetris_hf/cost-profiles``)."""
-    from .models import cache_dir
-
     return cache_dir() / "cost-profiles"
 
 

@@ -1,0 +1,180 @@
+# Exported from tetris_hf/candidate_generators/batched_draft.py by `python -m tetris_hf.hub_export`: edit the package, not this copy.
+"""The draft side: a small model proposes ``K`` tokens for every active row of a left-padded batch.
+
+The draft keeps its own KV cache (:class:`~tetris_hf.kv.SlotCache`). Tokens the draft has not yet read wait in a
+left-padded ``pending`` block that starts the next proposal: after a drafting step, the target's correction or bonus
+token (and a last accepted draft never fed back); while the loop decodes plainly, everything emitted since the draft
+last ran. The draft is lazy: it reads the prompt only when it first drafts, so a call that never drafts never runs it.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.generation.candidate_generator import CandidateGenerator
+
+from .kv import SlotCache
+from .logits import PositionwiseLogitsProcessor, sample_tokens
+
+
+def _left_pack(tokens: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move each row's real tokens (mask 1) to the right end, in order (the width stays: no device read).
+
+    E.g. tokens ``[[a, b], [c, d]]`` with mask ``[[1, 1], [1, 0]]`` become ``[[a, b], [d, c]]`` with mask
+    ``[[1, 1], [0, 1]]``.
+
+    Args:
+        tokens, mask: ``(B, P)``.
+
+    Returns:
+        ``(B, P)`` tokens and mask.
+    """
+    sorted_mask, order = torch.sort(mask, dim=1, stable=True)
+    return tokens.gather(1, order), sorted_mask
+
+
+class BatchedDraftCandidateGenerator(CandidateGenerator):
+    """Proposes draft tokens for a batch whose rows advance independently.
+
+    Args:
+        assistant_model: the draft model (same vocabulary as the target).
+        logits_processor: the target's processors (positionwise); the draft's distribution is processed the same way
+            before it proposes, so ``q`` is the draft's estimate of the processed ``p``.
+        do_sample: sample drafts from ``q`` (True) or take its argmax (False).
+        generator: optional ``torch.Generator`` for sampling.
+        max_holes, capacity: see :class:`~tetris_hf.kv.SlotCache`.
+    """
+
+    def __init__(
+        self,
+        assistant_model: torch.nn.Module,
+        logits_processor: PositionwiseLogitsProcessor,
+        do_sample: bool,
+        generator: torch.Generator | None = None,
+        max_holes: int = 32,
+        capacity: int = 256,
+    ):
+        self.assistant_model = assistant_model
+        self.logits_processor = logits_processor
+        self.do_sample = do_sample
+        self.generator = generator
+        self.max_holes = max_holes
+        self.capacity = capacity
+        self.slots: SlotCache | None = None
+        self.pending_tokens: torch.Tensor | None = None  # (B, P) left-padded
+        self.pending_mask: torch.Tensor | None = None  # (B, P)
+        self._last_draft: torch.Tensor | None = None  # (B,) the K-th draft of the last proposal (never fed)
+        self._last_num_drafted = 0
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        """Start on a left-padded prompt batch: an empty cache, the whole prompt pending (read at the first proposal
+        or :meth:`catch_up`).
+
+        Args:
+            input_ids, attention_mask: ``(B, T)``, left-padded; every row's last column is a real token.
+        """
+        self.slots = SlotCache(input_ids.shape[0], input_ids.device, self.max_holes, self.capacity)
+        self.pending_tokens, self.pending_mask = input_ids, attention_mask.long()
+
+    def catch_up(self) -> None:
+        """Read the pending tokens into the cache but the last column (which opens the next proposal): one forward.
+
+        Optional (the next proposal reads whatever is pending); it splits off what the draft skipped while the loop
+        decoded plainly, so that proposal times measure drafting alone. Does nothing when at most a drafting step's
+        leftovers (two columns) are pending.
+        """
+        if self.pending_tokens.shape[1] <= 2:
+            return
+        self.slots.prefill(self.assistant_model, self.pending_tokens, self.pending_mask)
+        self.pending_tokens, self.pending_mask = self.pending_tokens[:, -1:], self.pending_mask[:, -1:]
+
+    def propose(
+        self, sequences: torch.Tensor, lengths: torch.Tensor, num_tokens: int, rows: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Draft ``num_tokens`` tokens after each row, writing them into ``sequences`` past ``lengths``.
+
+        Args:
+            sequences: ``(B, T)`` the rows' tokens so far (left-padded prompt + emitted), valid up to ``lengths``;
+                the drafts are written into ``sequences[i, lengths[i]:lengths[i] + num_tokens]`` (scratch space that
+                accepted tokens later overwrite). Needs ``T >= lengths.max() + num_tokens``.
+            lengths: ``(B,)``.
+            num_tokens: ``K >= 0``.
+            rows: ``(B,)`` each row's index in the original batch (for per-row processor state); default ``arange``.
+
+        Returns:
+            draft_tokens: ``(B, K)``.
+            token_log_probs: ``(B, K)`` the draft's confidence at each position, ``log max_x q(x)`` under the
+                processed draft distribution: the drafted token's ``log q`` when greedy (it is the argmax), and when
+                sampling a number that does not depend on which token was drawn. Selection ranks cells by it, and a
+                ranking by the drawn token's own probability would verify likely draws more often than unlikely
+                ones, which biases the output (see ``tests/test_sampling_distribution.py``).
+            draft_probs: ``(B, K, V)`` the processed draft distributions (only when sampling, else ``None``).
+        """
+        batch_size = sequences.shape[0]
+        row_range = torch.arange(batch_size, device=sequences.device)
+        rows = row_range if rows is None else rows
+        tokens, mask = self.pending_tokens, self.pending_mask
+        draft_tokens, token_log_probs, draft_probs = [], [], []
+        for step in range(num_tokens):
+            logits = self.slots.forward(self.assistant_model, tokens, mask, logits_to_keep=1)
+            scores = self.logits_processor(sequences, lengths + step, logits[:, -1:], rows)[:, 0]
+            log_probs = scores.log_softmax(dim=-1)
+            if self.do_sample:
+                probs = log_probs.exp()
+                next_tokens = sample_tokens(probs, self.generator)
+                draft_probs.append(probs)
+            else:
+                next_tokens = scores.argmax(dim=-1)
+            sequences[row_range, lengths + step] = next_tokens
+            draft_tokens.append(next_tokens)
+            token_log_probs.append(log_probs.max(dim=-1).values)
+            tokens, mask = next_tokens[:, None], torch.ones_like(next_tokens[:, None])
+        self._last_num_drafted = num_tokens
+        if num_tokens == 0:
+            empty = torch.empty(batch_size, 0, device=sequences.device)
+            return empty.long(), empty, None
+        self._last_draft = draft_tokens[-1]
+        return (
+            torch.stack(draft_tokens, dim=1),
+            torch.stack(token_log_probs, dim=1),
+            torch.stack(draft_probs, dim=1) if self.do_sample else None,
+        )
+
+    def accept(self, num_accepted: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        """Roll the draft cache back to what the target accepted, and queue the tokens the draft has not read.
+
+        Args:
+            num_accepted: ``(B,)`` drafts of the last proposal the target accepted.
+            next_tokens: ``(B,)`` the target's token after them.
+        """
+        drafted = self._last_num_drafted
+        ones = torch.ones_like(next_tokens[:, None])
+        if drafted == 0:  # nothing was read: the old pending tokens still wait (left-packed), the new token joins
+            self.pending_tokens = torch.cat([self.pending_tokens, next_tokens[:, None]], dim=1)
+            self.pending_mask = torch.cat([self.pending_mask, ones], dim=1)
+            return
+        # The cache now holds the pending block, then drafts 1..K-1; keep the accepted ones among those.
+        first_draft_slot = self.slots.length - (drafted - 1)
+        self.slots.drop_slots(first_draft_slot, num_accepted.clamp(max=drafted - 1))
+        all_accepted = (num_accepted == drafted).long()[:, None]  # draft K accepted but never read
+        tokens = torch.cat([self._last_draft[:, None], next_tokens[:, None]], dim=1)
+        mask = torch.cat([all_accepted, ones], dim=1)
+        self.pending_tokens, self.pending_mask = _left_pack(tokens, mask)
+        self.slots.compact()
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (finished rows leave the batch)."""
+        self.slots.select_rows(rows)
+        self.pending_tokens, self.pending_mask = _left_pack(self.pending_tokens[rows], self.pending_mask[rows])
+
+    # transformers' CandidateGenerator interface, for callers that drive one uniform step at a time.
+    def get_candidates(self, input_ids: torch.LongTensor, num_tokens: int = 4) -> tuple[torch.LongTensor, torch.Tensor]:
+        """``input_ids`` ``(B, T)`` (all rows at the same length, the generator prefilled on them) ->
+        ``candidate_ids`` ``(B, T + K)`` and ``candidate_log_probs`` ``(B, K)``."""
+        lengths = torch.full((input_ids.shape[0],), input_ids.shape[1], device=input_ids.device)
+        scratch = torch.cat([input_ids, input_ids.new_zeros(input_ids.shape[0], num_tokens)], dim=1)
+        _, log_probs, _ = self.propose(scratch, lengths, num_tokens)
+        return scratch, log_probs
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches) -> None:
+        """``num_matches`` ``(B,)``; the token the target added is the last of ``input_ids`` ``(B, T)``."""
+        self.accept(torch.as_tensor(num_matches, device=input_ids.device), input_ids[:, -1])

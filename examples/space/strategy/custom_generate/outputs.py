@@ -1,0 +1,93 @@
+# Exported from tetris_hf/outputs.py by `python -m tetris_hf.hub_export`: edit the package, not this copy.
+"""What a TETRIS ``generate()`` call returns: the usual output plus ``tetris_stats``."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+
+@dataclass
+class TetrisStats:
+    """Counts of one batched speculative ``generate()`` call.
+
+    Totals: ``steps`` (target forwards: the first reads the prompt and emits one token per row, as ``generate()``'s
+    first forward does; each later one verifies a step's drafts), ``drafted_tokens`` (draft proposals over all rows),
+    ``verified_tokens`` (drafts the target checked), ``accepted_tokens`` (verified drafts accepted before the first
+    rejection), ``emitted_tokens`` (tokens added to the outputs, after stopping criteria). ``draft_seconds`` and
+    ``verify_seconds``: wall time of the draft and of the target side of the loop.
+
+    Per step ``s`` (lists of length ``steps``): ``num_drafted_per_step[s]`` (``K`` that step), ``budget_per_step[s]``,
+    and per original batch row ``r``: ``verified_per_step[s][r]`` and ``accepted_per_step[s][r]`` (``-1`` for rows
+    that had already finished).
+    """
+
+    steps: int = 0
+    drafted_tokens: int = 0
+    verified_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    num_drafted_per_step: list[int] = field(default_factory=list)
+    budget_per_step: list[int] = field(default_factory=list)
+    verified_per_step: list[list[int]] = field(default_factory=list)
+    accepted_per_step: list[list[int]] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted draft tokens."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def verification_success_rate(self) -> float:
+        """VSR: accepted / verified draft tokens."""
+        return self.accepted_tokens / self.verified_tokens if self.verified_tokens else 0.0
+
+    @classmethod
+    def from_steps(cls, records, batch_size: int) -> "TetrisStats":
+        """Totals and per-step lists from the loop's step records (their tensors read from the device in one go).
+
+        Args:
+            records: :class:`~tetris_hf.decoding.StepRecord` s, one per step; ``rows``, ``verify_lengths``,
+                ``num_accepted`` and ``emitted`` are ``(B_active,)`` tensors.
+            batch_size: rows of the ``generate()`` call.
+        """
+        stats = cls(steps=len(records))
+        if not records:
+            return stats
+        sizes = [record.rows.numel() for record in records]
+        columns = [torch.cat([getattr(record, name).long().cpu() for record in records])
+                   for name in ("rows", "verify_lengths", "num_accepted", "emitted")]
+        rows, verified, accepted, emitted = torch.stack(columns).tolist()
+        stats.drafted_tokens = sum(record.num_drafted * size for record, size in zip(records, sizes))
+        stats.verified_tokens, stats.accepted_tokens, stats.emitted_tokens = sum(verified), sum(accepted), sum(emitted)
+        stats.draft_seconds = sum(record.seconds.draft for record in records)
+        stats.verify_seconds = sum(record.seconds.verify for record in records)
+        stats.num_drafted_per_step = [record.num_drafted for record in records]
+        stats.budget_per_step = [record.budget for record in records]
+        start = 0
+        for size in sizes:
+            step_verified, step_accepted = [-1] * batch_size, [-1] * batch_size
+            for index in range(start, start + size):
+                step_verified[rows[index]], step_accepted[rows[index]] = verified[index], accepted[index]
+            stats.verified_per_step.append(step_verified)
+            stats.accepted_per_step.append(step_accepted)
+            start += size
+        return stats
+
+    def to_dict(self) -> dict:
+        return {
+            **asdict(self),
+            "acceptance_rate": self.acceptance_rate,
+            "verification_success_rate": self.verification_success_rate,
+        }
+
+
+@dataclass
+class TetrisGenerateOutput(GenerateDecoderOnlyOutput):
+    """``GenerateDecoderOnlyOutput`` (``sequences`` ``(B, T)``) with ``tetris_stats`` (:class:`TetrisStats`)."""
+
+    tetris_stats: TetrisStats | None = None

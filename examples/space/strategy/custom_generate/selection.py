@@ -1,0 +1,72 @@
+# Exported from tetris_hf/selection.py by `python -m tetris_hf.hub_export`: edit the package, not this copy.
+"""Which drafted tokens the target verifies this step.
+
+Every function here returns ``verify_lengths`` of shape ``(B,)``: row ``i`` verifies its first ``verify_lengths[i]``
+drafted tokens. A row may verify none (it then emits one plain target token this step).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def cumulative_log_probs(draft_token_log_probs: torch.Tensor) -> torch.Tensor:
+    """TETRIS cell scores: the log of the draft probability that tokens ``1..j`` of a row are all what it drafted.
+
+    Args:
+        draft_token_log_probs: ``(B, K)``, row ``i``'s draft log-probability at position ``j``: the drafted token's
+            ``log q`` when greedy; when sampling, the draft's confidence ``log max q`` (see
+            :meth:`~tetris_hf.candidate_generators.BatchedDraftCandidateGenerator.propose`: a score must not depend on
+            which token was drawn at that cell, or sampling stops being lossless).
+
+    Returns:
+        ``(B, K)`` scores, non-increasing along each row.
+    """
+    return draft_token_log_probs.cumsum(dim=-1)
+
+
+def select_tetris(scores: torch.Tensor, max_lengths: torch.Tensor, budget: int) -> torch.Tensor:
+    """Verify the ``budget`` highest-scoring cells over the whole batch (TETRIS, arXiv 2502.15197).
+
+    Because scores never increase along a row, the chosen cells of each row form a prefix, so the result is a
+    per-row length. Ties go to the lower row, then the earlier position (a stable sort over row-major cells), which
+    keeps every row's selection a prefix even when scores repeat.
+
+    Args:
+        scores: ``(B, K)`` cell scores, non-increasing along each row (see :func:`cumulative_log_probs`).
+        max_lengths: ``(B,)`` how many of a row's cells may be verified at most (cells at or past it are not
+            candidates: the row is finished, or close to its length limit).
+        budget: total cells to verify across the batch, ``>= 0``. A budget above the number of candidate cells
+            verifies them all.
+
+    Returns:
+        ``(B,)`` long tensor of verified lengths; ``verify_lengths.sum() == min(budget, candidate cells)``.
+    """
+    if budget < 0:
+        raise ValueError(f"budget must be >= 0, got {budget}")
+    batch_size, num_cells = scores.shape
+    positions = torch.arange(num_cells, device=scores.device)
+    candidate = positions[None, :] < max_lengths[:, None]
+    take = min(budget, batch_size * num_cells)  # how many cells are candidates is not read from the device
+    if take == 0:
+        return torch.zeros(batch_size, dtype=torch.long, device=scores.device)
+    # A candidate ranks by its score (a -inf score still above every non-candidate); non-candidates last, and a
+    # non-candidate among the top ``take`` (fewer candidates than the budget) is not chosen.
+    ranked = scores.float().clamp(min=torch.finfo(torch.float).min).masked_fill(~candidate, float("-inf"))
+    order = torch.sort(ranked.flatten(), descending=True, stable=True).indices[:take]
+    chosen = torch.zeros(batch_size * num_cells, dtype=torch.long, device=scores.device)
+    chosen[order] = candidate.flatten()[order].long()
+    return chosen.view(batch_size, num_cells).sum(dim=-1)
+
+
+def select_fixed(max_lengths: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Standard batched speculative decoding: every row verifies its first ``num_tokens`` drafts (fewer near its end).
+
+    Args:
+        max_lengths: ``(B,)`` how many cells each row may verify at most.
+        num_tokens: the fixed window ``k``.
+
+    Returns:
+        ``(B,)`` verified lengths, ``min(k, max_lengths)``.
+    """
+    return max_lengths.clamp(max=num_tokens)

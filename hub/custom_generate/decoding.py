@@ -1,0 +1,405 @@
+# Exported from tetris_hf/decoding.py by `python -m tetris_hf.hub_export`: edit the package, not this copy.
+"""The batched speculative loop: draft -> select -> verify -> accept -> roll back, until every row stops.
+
+Rows advance independently. Each step, every active row drafts ``K`` tokens; a strategy picks how many of them each
+row verifies (TETRIS: the top-``C`` cells of the batch); the target reads every row's block in one forward; each row
+keeps its accepted prefix plus one target token; both KV caches drop what was rejected. Finished rows leave the batch,
+so they cost nothing afterwards.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import StaticCache
+from transformers.generation.logits_process import LogitsProcessorList
+from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
+
+from .candidate_generators import BatchedDraftCandidateGenerator
+from .candidate_generators_reduced_vocab import reduced_vocab_draft
+from .families import check_supported
+from .kv import SlotCache
+from .logits import PositionwiseLogitsProcessor, verify_greedy, verify_sampling
+from .outputs import TetrisGenerateOutput, TetrisStats
+from .stopping import rows_that_stop
+from .strategies import StepSeconds, TetrisOptions, make_strategy
+
+
+def output_vocab_size(model: torch.nn.Module) -> int:
+    """Rows of the model's output head (what its logits' last dimension will be)."""
+    head = model.get_output_embeddings()
+    return int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
+
+
+def check_pair(model: torch.nn.Module, assistant_model: torch.nn.Module | None) -> None:
+    """Refuse a missing draft, one whose vocabulary differs from the target's, and models the loop cannot serve
+    (:func:`~tetris_hf.families.check_supported`)."""
+    if assistant_model is None:
+        raise ValueError(
+            "custom_generate='tetris' needs a draft model: pass `assistant_model=` (a small causal LM with the "
+            "target's tokenizer)"
+        )
+    if not hasattr(assistant_model, "get_output_embeddings"):
+        raise TypeError(f"`assistant_model` must be a transformers causal LM, got {type(assistant_model).__name__}")
+    target_vocab, draft_vocab = output_vocab_size(model), output_vocab_size(assistant_model)
+    if target_vocab != draft_vocab:
+        raise ValueError(
+            f"draft and target vocabularies differ (target {target_vocab} tokens, draft {draft_vocab}): tetris_hf "
+            "needs a draft that shares the target's tokenizer"
+        )
+    check_supported(model, "target")
+    check_supported(assistant_model, "draft")
+
+
+def check_prompt_mask(attention_mask: torch.Tensor) -> None:
+    """Every row must be left-padded (zeros only before its first real token) and hold at least one real token."""
+    if attention_mask.shape[1] == 0:
+        raise ValueError("the prompt is empty: every row needs at least one token")
+    empty = (attention_mask.sum(dim=1) == 0).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(f"row(s) {empty} of attention_mask are all padding: every row needs at least one token")
+    not_left_padded = (attention_mask[:, 1:] < attention_mask[:, :-1]).any(dim=1).nonzero().flatten().tolist()
+    if not_left_padded:
+        raise ValueError(
+            f"attention_mask row(s) {not_left_padded} have padding after a real token (right padding?): "
+            "tetris_hf needs a left-padded batch, e.g. tokenizer.padding_side = 'left'"
+        )
+
+
+def check_generation_config(generation_config, model_kwargs: dict) -> None:
+    """Refuse what this loop does not do, before anything runs."""
+    if generation_config.num_beams != 1:
+        raise ValueError(f"tetris_hf does not do beam search (num_beams={generation_config.num_beams}); use num_beams=1")
+    for flag in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
+        if getattr(generation_config, flag, False):
+            raise ValueError(f"`{flag}=True` is not supported by tetris_hf; `return_dict_in_generate=True` gives "
+                             "`.sequences` and `.tetris_stats`")
+    if generation_config.use_cache is False:
+        raise ValueError("tetris_hf needs the KV cache: do not pass use_cache=False")
+    cache = model_kwargs.get("past_key_values")
+    implementation = generation_config.cache_implementation
+    if isinstance(cache, StaticCache) or implementation not in (None, "dynamic"):
+        raise ValueError(
+            f"unsupported cache (cache_implementation={implementation!r}, past_key_values={type(cache).__name__}): "
+            "tetris_hf rolls rows back independently and needs the default dynamic cache"
+        )
+    if cache is not None and cache.get_seq_length() > 0:
+        raise ValueError("tetris_hf starts from the prompt: passing a pre-filled `past_key_values` is not supported")
+
+
+@dataclass
+class StepRecord:
+    """What one step did, per active row (shapes ``(B_active,)``; ``rows`` are original batch indices).
+
+    ``seconds``: the step's measured draft, target and other time. The draft reading tokens it skipped while the loop
+    decoded plainly is in none of them: it is a one-off catch-up, not a cost of drafting.
+    """
+
+    rows: torch.Tensor
+    num_drafted: int
+    budget: int
+    token_log_probs: torch.Tensor  # (B_active, K) log q of each drafted token
+    verify_lengths: torch.Tensor
+    num_accepted: torch.Tensor
+    emitted: torch.Tensor
+    seconds: StepSeconds = StepSeconds(0.0, 0.0, 0.0)
+
+
+def _has_only_length_limit(stopping_criteria: StoppingCriteriaList) -> bool:
+    """True when no criterion but the length limit can stop a row (then when rows stop is known on the host)."""
+    return all(type(criterion) is MaxLengthCriteria for criterion in stopping_criteria)
+
+
+class BatchedSpeculativeLoop:
+    """State of one batched speculative ``generate()`` call; :meth:`step` runs draft -> select -> verify -> accept.
+
+    The step reads the device once to size the target's block (the longest verified prefix, read together with the
+    caches' fill levels), and once more only when a row may have stopped (an EOS or another criterion than the length
+    limit, or a row near that limit). Everything else it needs on the host is an upper bound it keeps itself: every
+    active row grows by at least one and at most ``block + 1`` tokens a step. Counts stay on the device until
+    :attr:`stats` turns them into a :class:`~tetris_hf.outputs.TetrisStats`.
+
+    Args:
+        model: the target causal LM.
+        assistant_model: the draft causal LM (same vocabulary).
+        input_ids: ``(B, T)`` left-padded prompts.
+        attention_mask: ``(B, T)`` 0 on left padding.
+        logits_processor, stopping_criteria, generation_config: as ``generate()`` prepared them.
+        options: :class:`~tetris_hf.strategies.TetrisOptions`.
+        streamer: optional ``BaseStreamer`` (batch size 1 only).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        assistant_model: torch.nn.Module,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor,
+        logits_processor: LogitsProcessorList,
+        stopping_criteria: StoppingCriteriaList,
+        generation_config,
+        options: TetrisOptions,
+        streamer=None,
+    ):
+        batch_size, prompt_length = input_ids.shape
+        if streamer is not None and batch_size > 1:
+            raise ValueError(f"a streamer needs batch size 1, got {batch_size} rows")
+        self.model = model
+        self.logits_processor = PositionwiseLogitsProcessor(logits_processor)
+        self.stopping_criteria = stopping_criteria
+        self.stops_only_at_max_length = _has_only_length_limit(stopping_criteria)
+        self.do_sample = bool(generation_config.do_sample)
+        self.max_length = int(generation_config.max_length)
+        self.streamer = streamer
+        assistant_model = reduced_vocab_draft(assistant_model, options.tetris_draft_vocab)  # the strategy profiles it too
+        self.strategy = make_strategy(options, model, assistant_model, sampling=self.do_sample)
+        self.step_callback = options.tetris_step_callback
+        self.batch_size = batch_size
+        self.input_ids = input_ids
+        device = input_ids.device
+        pad_token = getattr(generation_config, "_pad_token_tensor", None)
+        if pad_token is None:
+            pad_token = generation_config.pad_token_id
+        self.pad_value = int(pad_token) if pad_token is not None else 0
+
+        # Drafts are written past each row's end (scratch that accepted tokens overwrite): room for the longest block.
+        self.max_draft = options.num_assistant_tokens + options.tetris_extra_tokens
+        capacity = self.max_length + self.max_draft + 1
+        cache_capacity = capacity + options.tetris_max_holes
+        self.drafter = BatchedDraftCandidateGenerator(
+            assistant_model, self.logits_processor, self.do_sample, max_holes=options.tetris_max_holes,
+            capacity=cache_capacity,
+        )
+        self.target_slots = SlotCache(batch_size, device, options.tetris_max_holes, capacity=cache_capacity)
+        self.prompt_mask = attention_mask
+        self.prompt_read = False  # the first step reads the prompt and emits the first token, as generate() does
+        self.drafter.prefill(input_ids, attention_mask)  # lazy: the draft reads the prompt when it first drafts
+
+        self.sequences = input_ids.new_full((batch_size, capacity), self.pad_value)
+        self.sequences[:, :prompt_length] = input_ids
+        self.lengths = torch.full((batch_size,), prompt_length, dtype=torch.long, device=device)
+        self.rows = torch.arange(batch_size, device=device)  # original index of each active row
+        self.num_rows = batch_size  # active rows, known on the host
+        self.shortest, self.longest = prompt_length, prompt_length  # host bounds on the active rows' lengths
+        self.outputs = self.sequences.clone()  # finished rows, by original index
+        self.output_lengths = self.lengths.clone()
+        self._records: list[StepRecord] = []
+        self._stats: TetrisStats | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.num_rows == 0
+
+    def step(self) -> StepRecord:
+        """One speculative step for every active row; finished rows leave the batch.
+
+        The first step reads the prompt into the target's cache and emits the token after it (no drafts), as
+        ``generate()``'s own first forward does; every later step drafts, selects, verifies, accepts and rolls back.
+        """
+        if not self.prompt_read:
+            return self._read_prompt()
+        step_started = time.perf_counter()
+        lengths, num_rows = self.lengths, self.num_rows
+        max_verify = (self.max_length - lengths - 1).clamp(min=0)  # one target token is always added
+        budget = self.strategy.budget(num_rows)
+        room = max(self.max_length - self.shortest - 1, 0)  # no row may verify more than this
+        num_drafted = min(self.strategy.num_draft_tokens(num_rows), room, self.max_draft) if budget > 0 else 0
+        if num_drafted > 0:
+            caught_up_at = time.perf_counter()
+            self.drafter.catch_up()  # what it skipped during plain steps: a one-off, kept out of the timings
+            step_started += time.perf_counter() - caught_up_at
+
+        # 1. draft
+        draft_started = time.perf_counter()
+        draft_tokens, token_log_probs, draft_probs = self.drafter.propose(self.sequences, lengths, num_drafted,
+                                                                          self.rows)
+        drafted_at = time.perf_counter()
+
+        # 2. select
+        if num_drafted > 0:
+            verify_lengths = self.strategy.select(token_log_probs, max_verify.clamp(max=num_drafted), budget)
+        else:
+            verify_lengths = torch.zeros(num_rows, dtype=torch.long, device=lengths.device)
+        # The step's one read: the block length sizes the target's input; the caches' fill levels come along.
+        block_length, target_longest, draft_longest = torch.stack([
+            verify_lengths.max(), self.target_slots.longest(), self.drafter.slots.longest()]).tolist()
+        self.target_slots.note_longest(target_longest)
+        self.drafter.slots.note_longest(draft_longest)
+        verified_drafts = draft_tokens[:, :block_length]
+
+        # 3. verify: [last emitted token, drafts 1..l_i] per row, padded to one length with masked drafts
+        row_range = torch.arange(num_rows, device=lengths.device)
+        block = torch.cat([self.sequences[row_range, lengths - 1][:, None], verified_drafts], dim=1)
+        offsets = torch.arange(block_length + 1, device=lengths.device)
+        block_mask = (offsets[None, :] <= verify_lengths[:, None]).long()
+        logits = self.target_slots.forward(self.model, block, block_mask)
+        target_scores = self.logits_processor(self.sequences, lengths, logits, self.rows)
+
+        # 4. accept
+        num_accepted, next_tokens = self._accept(verified_drafts, verify_lengths, target_scores, draft_probs)
+
+        # 5. roll back: the target keeps [last token, accepted drafts]; the draft keeps its accepted drafts
+        self.target_slots.drop_slots(self.target_slots.length - (block_length + 1), num_accepted + 1)
+        self.target_slots.compact()
+        self.drafter.accept(num_accepted, next_tokens)
+        verified_at = time.perf_counter()
+
+        # 6. emit
+        emitted, stopped = self._emit(num_accepted, next_tokens, block_length + 1)
+        draft_seconds, verify_seconds = drafted_at - draft_started, verified_at - drafted_at
+        seconds = StepSeconds(draft_seconds, verify_seconds,
+                              time.perf_counter() - step_started - draft_seconds - verify_seconds)
+        record = StepRecord(self.rows, num_drafted, budget, token_log_probs, verify_lengths, num_accepted, emitted,
+                            seconds)
+        self.strategy.observe(token_log_probs, verify_lengths, num_accepted, seconds)
+        return self._finish(record, stopped)
+
+    def _read_prompt(self) -> StepRecord:
+        """The first step: the target reads every prompt (its cache had nothing) and adds one token per row."""
+        started = time.perf_counter()
+        num_rows = self.num_rows
+        logits = self.target_slots.forward(self.model, self.input_ids, self.prompt_mask, logits_to_keep=1)
+        target_scores = self.logits_processor(self.sequences, self.lengths, logits, self.rows)
+        no_drafts = self.input_ids.new_zeros(num_rows, 0)
+        verify_lengths = torch.zeros(num_rows, dtype=torch.long, device=self.lengths.device)
+        num_accepted, next_tokens = self._accept(no_drafts, verify_lengths, target_scores, None)
+        self.drafter.accept(num_accepted, next_tokens)
+        self.prompt_read = True
+        emitted, stopped = self._emit(num_accepted, next_tokens, 1)
+        no_log_probs = target_scores.new_zeros(num_rows, 0)
+        record = StepRecord(self.rows, 0, 0, no_log_probs, verify_lengths, num_accepted, emitted,
+                            StepSeconds(0.0, time.perf_counter() - started, 0.0))
+        return self._finish(record, stopped)
+
+    def _accept(self, drafts: torch.Tensor, verify_lengths: torch.Tensor, target_scores: torch.Tensor,
+                draft_probs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Verification (greedy or rejection sampling): ``(num_accepted, next_tokens)``, both ``(B_active,)``."""
+        if not self.do_sample:
+            return verify_greedy(drafts, verify_lengths, target_scores)
+        if draft_probs is None:
+            draft_probs = target_scores.new_zeros(drafts.shape[0], 0, target_scores.shape[-1])
+        return verify_sampling(drafts, verify_lengths, target_scores, draft_probs[:, : drafts.shape[1]])
+
+    def _emit(self, num_accepted: torch.Tensor, next_tokens: torch.Tensor,
+              max_new: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write each row's target token after its accepted drafts (those already sit in place: they were drafted
+        into the scratch space past the row's end), apply the stopping criteria, advance ``lengths``.
+
+        Args:
+            num_accepted, next_tokens: ``(B_active,)``.
+            max_new: a bound on the tokens any row emits (known without a device sync).
+
+        Returns:
+            ``emitted`` ``(B_active,)`` tokens kept per row and ``stopped`` ``(B_active,)`` rows now finished.
+        """
+        lengths = self.lengths
+        row_range = torch.arange(lengths.shape[0], device=lengths.device)
+        self.sequences[row_range, lengths + num_accepted] = next_tokens
+        kept, stopped = rows_that_stop(self.stopping_criteria, self.sequences, lengths, num_accepted + 1, max_new)
+        if self.streamer is not None:
+            self.streamer.put(self.sequences[0, lengths[0] : lengths[0] + kept[0]].cpu())
+        self.lengths = lengths + kept
+        self.shortest = min(self.shortest + 1, self.max_length)
+        self.longest = min(self.longest + max_new, self.max_length)
+        return kept, stopped | (self.lengths >= self.max_length)
+
+    def _finish(self, record: StepRecord, stopped: torch.Tensor) -> StepRecord:
+        """Keep the step's record, retire the rows that ``stopped`` ``(B_active,)``, call the user's step callback."""
+        self._records.append(record)
+        self._stats = None
+        if self.shortest >= self.max_length:
+            num_stopped = self.num_rows  # every row is at the length limit
+        elif self.stops_only_at_max_length and self.longest < self.max_length:
+            num_stopped = 0  # no row can have stopped: no need to ask the device
+        else:
+            num_stopped = int(stopped.sum())
+        if num_stopped:
+            self._retire(stopped, num_stopped)
+        if self.step_callback is not None:
+            self.step_callback(record, self)
+        return record
+
+    def _retire(self, stopped: torch.Tensor, num_stopped: int) -> None:
+        """Move the ``num_stopped`` rows that ``stopped`` ``(B_active,)`` out of the batch (their tokens into
+        ``outputs``, their cache rows dropped), without reading which rows they are."""
+        # Stopped rows first, each group in its original order: [stopped..., kept...].
+        order = torch.argsort(stopped.long(), descending=True, stable=True)
+        gone, keep = order[:num_stopped], order[num_stopped:]
+        self.outputs.index_copy_(0, self.rows[gone], self.sequences[gone])
+        self.output_lengths.index_copy_(0, self.rows[gone], self.lengths[gone])
+        self.rows, self.sequences, self.lengths = self.rows[keep], self.sequences[keep], self.lengths[keep]
+        self.num_rows -= num_stopped
+        self.target_slots.select_rows(keep)
+        self.drafter.select_rows(keep)
+
+    def partial_outputs(self) -> list[list[int]]:
+        """Every original row's tokens so far (prompt with its left padding, then what it generated)."""
+        sequences, lengths = self.outputs.clone(), self.output_lengths.clone()
+        sequences[self.rows], lengths[self.rows] = self.sequences, self.lengths
+        return [row[:length] for row, length in zip(sequences.tolist(), lengths.tolist())]
+
+    @property
+    def stats(self) -> TetrisStats:
+        """The call's :class:`~tetris_hf.outputs.TetrisStats` so far (read from the device when asked for)."""
+        if self._stats is None:
+            self._stats = TetrisStats.from_steps(self._records, self.batch_size)
+        return self._stats
+
+    def output(self) -> torch.LongTensor:
+        """``(B, T + new)`` sequences, rows that stopped early right-padded with the pad token (as ``generate()``)."""
+        if not self.done:
+            raise RuntimeError("generation has not finished")
+        total_length = int(self.output_lengths.max())
+        columns = torch.arange(total_length, device=self.outputs.device)
+        written = columns[None, :] < self.output_lengths[:, None]
+        return torch.where(written, self.outputs[:, :total_length], self.pad_value)
+
+
+@torch.no_grad()
+def tetris_decoding(
+    model: torch.nn.Module,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config,
+    *,
+    assistant_model: torch.nn.Module,
+    options: TetrisOptions,
+    streamer=None,
+    **model_kwargs,
+) -> torch.LongTensor | TetrisGenerateOutput:
+    """Batched speculative decoding, called by ``generate()`` after its usual preparation.
+
+    Args:
+        model: the target causal LM.
+        input_ids: ``(B, T)`` left-padded prompts (expanded for ``num_return_sequences``).
+        logits_processor, stopping_criteria, generation_config: as ``generate()`` prepared them.
+        assistant_model: the draft causal LM (same vocabulary).
+        options: :class:`~tetris_hf.strategies.TetrisOptions`.
+        streamer: optional ``BaseStreamer`` (batch size 1 only).
+        model_kwargs: ``attention_mask`` ``(B, T)`` or ``None`` (no padding); the cache ``generate()`` prepared is
+            not used (both models get their own :class:`~tetris_hf.kv.SlotCache`).
+
+    Returns:
+        ``(B, T + new)`` sequences, finished rows right-padded with the pad token, or a
+        :class:`~tetris_hf.outputs.TetrisGenerateOutput` when ``return_dict_in_generate=True``.
+    """
+    check_pair(model, assistant_model)
+    check_generation_config(generation_config, model_kwargs)
+    attention_mask = model_kwargs.get("attention_mask")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    check_prompt_mask(attention_mask)
+    loop = BatchedSpeculativeLoop(
+        model, assistant_model, input_ids, attention_mask, logits_processor, stopping_criteria,
+        generation_config, options, streamer,
+    )
+    while not loop.done:
+        loop.step()
+    if streamer is not None:
+        streamer.end()
+    if generation_config.return_dict_in_generate:
+        return TetrisGenerateOutput(sequences=loop.output(), tetris_stats=loop.stats)
+    return loop.output()

@@ -1,0 +1,90 @@
+# Exported from tetris_hf/generation.py by `python -m tetris_hf.hub_export`: edit the package, not this copy.
+"""The ``custom_generate`` entry point: ``model.generate(..., assistant_model=draft, custom_generate="tetris")``.
+
+``generate(model, ...)`` takes exactly what ``GenerationMixin.generate`` takes. It peels off the draft model and the
+TETRIS options, then calls ``model.generate`` with the batched loop as a callable ``custom_generate``, so that
+transformers' own preparation (generation config, logits processors, stopping criteria, padding checks, max length)
+runs unchanged and the loop receives what plain decoding would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+from transformers import GenerationConfig
+from transformers.generation.utils import GenerationMixin
+
+import torch
+
+from .decoding import check_pair, check_prompt_mask, tetris_decoding
+from .strategies import TetrisOptions
+
+STRATEGY_NAME = "tetris"
+OPTION_NAMES = tuple(option.name for option in dataclasses.fields(TetrisOptions))
+
+
+def _pop_options(kwargs: dict) -> TetrisOptions:
+    """Take tetris_hf's keyword arguments out of ``kwargs`` (``num_assistant_tokens`` also from a generation config)."""
+    values = {name: kwargs.pop(name) for name in OPTION_NAMES if name in kwargs}
+    config = kwargs.get("generation_config")
+    default_window = GenerationConfig().num_assistant_tokens
+    if "num_assistant_tokens" not in values and config is not None and config.num_assistant_tokens != default_window:
+        values["num_assistant_tokens"] = config.num_assistant_tokens
+    return TetrisOptions(**values)
+
+
+def _check_inputs(input_ids, attention_mask, streamer) -> None:
+    """Shape and padding checks that must come before transformers' own preparation touches the prompt."""
+    if not isinstance(input_ids, torch.Tensor):
+        return  # inputs_embeds or other inputs: generate() validates them
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must have shape (batch_size, length), got {tuple(input_ids.shape)}")
+    check_prompt_mask(attention_mask if attention_mask is not None else torch.ones_like(input_ids))
+    if streamer is not None and input_ids.shape[0] > 1:
+        raise ValueError(f"a streamer needs batch size 1, got {input_ids.shape[0]} rows")
+
+
+def generate(model, *args, **kwargs):
+    """Batched speculative decoding with TETRIS selection; the function ``custom_generate="tetris"`` runs.
+
+    Args:
+        model: the target causal LM.
+        *args, **kwargs: as for ``model.generate``; must include ``assistant_model`` (the draft). tetris_hf's own
+            options: ``num_assistant_tokens`` (k, default 4), ``tetris_extra_tokens`` (e, default 2),
+            ``tetris_budget`` (C, default k x active rows), ``tetris_strategy`` (``"tetris"``, ``"fixed"``,
+            ``"adaptive"`` or ``"dsd"``), ``tetris_cost_profile``, ``tetris_step_callback``, ``tetris_max_holes``
+            (see :class:`~tetris_hf.strategies.TetrisOptions`).
+
+    Returns:
+        What ``generate()`` returns: ``(B, T)`` sequences, or with ``return_dict_in_generate=True`` a
+        :class:`~tetris_hf.outputs.TetrisGenerateOutput` with ``.sequences`` and ``.tetris_stats``.
+    """
+    assistant_model = kwargs.pop("assistant_model", None)
+    streamer = kwargs.pop("streamer", None)
+    kwargs.pop("custom_generate", None)
+    options = _pop_options(kwargs)
+    check_pair(model, assistant_model)
+    prompt = args[0] if args else kwargs.get("inputs")
+    if prompt is None:  # generate(input_ids=...) reaches a custom_generate folder as inputs=None, input_ids=...
+        prompt = kwargs.get("input_ids")
+    _check_inputs(prompt, kwargs.get("attention_mask"), streamer)
+    decoding = functools.partial(tetris_decoding, assistant_model=assistant_model, options=options, streamer=streamer)
+    return GenerationMixin.generate(model, *args, custom_generate=decoding, streamer=streamer, **kwargs)
+
+
+_original_load_custom_generate = GenerationMixin.load_custom_generate
+
+
+def _load_custom_generate(self, pretrained_model_name_or_path=None, trust_remote_code=None, **kwargs):
+    """``custom_generate="tetris"`` resolves to :func:`generate` unless ``./tetris`` holds a custom_generate folder."""
+    local_folder = os.path.join(str(pretrained_model_name_or_path), "custom_generate", "generate.py")
+    if pretrained_model_name_or_path == STRATEGY_NAME and not os.path.isfile(local_folder):
+        return generate
+    return _original_load_custom_generate(self, pretrained_model_name_or_path, trust_remote_code, **kwargs)
+
+
+def register() -> None:
+    """Make ``custom_generate="tetris"`` work on every transformers model (done by ``import tetris_hf``)."""
+    GenerationMixin.load_custom_generate = _load_custom_generate

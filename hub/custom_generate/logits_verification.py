@@ -1,0 +1,102 @@
+# Exported from tetris_hf/logits/verification.py by `python -m tetris_hf.hub_export`: edit the package, not this copy.
+"""Accept or reject drafted tokens against the target, per row, losslessly.
+
+Shapes: ``B`` rows, ``L`` = the longest verified block this step, ``V`` vocabulary. Row ``i`` verified
+``verify_lengths[i] <= L`` drafts; the target's scores have ``L + 1`` positions, position ``j`` predicting the token
+after draft ``j`` (position 0: after the row's last emitted token). Both functions return
+
+- ``num_accepted`` ``(B,)``: drafts accepted before the first rejection (``<= verify_lengths``);
+- ``next_tokens`` ``(B,)``: the token the target adds after them (its correction on a rejection, else a bonus token).
+
+A row's emitted tokens this step are ``drafts[i, :num_accepted[i]]`` followed by ``next_tokens[i]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _leading_true(flags: torch.Tensor) -> torch.Tensor:
+    """``(B, L)`` bool -> ``(B,)`` number of leading True values per row."""
+    return flags.long().cumprod(dim=-1).sum(dim=-1)
+
+
+def verify_greedy(
+    draft_tokens: torch.Tensor, verify_lengths: torch.Tensor, target_scores: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification: accept the longest prefix equal to the target's argmax, then add the target's own token.
+
+    Args:
+        draft_tokens: ``(B, L)`` drafted tokens (entries past ``verify_lengths`` are ignored).
+        verify_lengths: ``(B,)``.
+        target_scores: ``(B, L + 1, V)`` processed target scores.
+    """
+    target_tokens = target_scores.argmax(dim=-1)  # (B, L + 1)
+    block_length = draft_tokens.shape[1]
+    positions = torch.arange(block_length, device=draft_tokens.device)
+    matches = (draft_tokens == target_tokens[:, :block_length]) & (positions[None, :] < verify_lengths[:, None])
+    num_accepted = _leading_true(matches)
+    next_tokens = target_tokens.gather(1, num_accepted[:, None]).squeeze(1)
+    return num_accepted, next_tokens
+
+
+def sample_tokens(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of ``probs`` ``(..., V)``, drawn from it without a device sync (unlike
+    ``torch.multinomial``): the argmax of ``p / E`` with ``E ~ Exp(1)`` i.i.d. is distributed as ``p``."""
+    noise = torch.empty_like(probs).exponential_(1, generator=generator)
+    return (probs / noise.clamp(min=torch.finfo(probs.dtype).tiny)).argmax(dim=-1)
+
+
+def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """``norm(max(p - q, 0))`` over the last dimension, the distribution to sample after a rejection.
+
+    Where ``p - q`` has no positive mass (only possible through rounding, since a rejection needs ``q(x) > p(x)``
+    somewhere), falls back to ``p``.
+    """
+    residual = (target_probs - draft_probs).clamp(min=0)
+    mass = residual.sum(dim=-1, keepdim=True)
+    return torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(mass.dtype).tiny), target_probs)
+
+
+def verify_sampling(
+    draft_tokens: torch.Tensor,
+    verify_lengths: torch.Tensor,
+    target_scores: torch.Tensor,
+    draft_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023), row by row in one batched pass.
+
+    Accept draft ``j`` with probability ``min(1, p_j(x_j) / q_j(x_j))``; at the first rejection sample from
+    ``norm(max(p - q, 0))``; if every verified draft is accepted, sample a bonus token from the next ``p``. Each
+    emitted token is then distributed exactly as the target's (processed) distribution.
+
+    Args:
+        draft_tokens: ``(B, L)``.
+        verify_lengths: ``(B,)``.
+        target_scores: ``(B, L + 1, V)`` processed target scores (``-inf`` allowed).
+        draft_probs: ``(B, L, V)`` the distributions the drafts were sampled from.
+        generator: optional random generator.
+    """
+    target_probs = target_scores.softmax(dim=-1)
+    batch_size, block_length = draft_tokens.shape
+    rows = torch.arange(batch_size, device=draft_tokens.device)
+    if block_length > 0:
+        p_of_draft = target_probs[:, :block_length].gather(2, draft_tokens[..., None]).squeeze(2)
+        q_of_draft = draft_probs.gather(2, draft_tokens[..., None]).squeeze(2)
+        uniform = torch.rand(p_of_draft.shape, generator=generator, device=p_of_draft.device)
+        accepted = uniform * q_of_draft < p_of_draft  # u < p/q without dividing by q
+        positions = torch.arange(block_length, device=draft_tokens.device)
+        accepted &= positions[None, :] < verify_lengths[:, None]
+        num_accepted = _leading_true(accepted)
+    else:
+        num_accepted = torch.zeros(batch_size, dtype=torch.long, device=draft_tokens.device)
+    next_target = target_probs[rows, num_accepted]  # (B, V)
+    rejected = num_accepted < verify_lengths
+    if block_length > 0:
+        draft_at_rejection = draft_probs[rows, num_accepted.clamp(max=block_length - 1)]
+        next_target = torch.where(
+            rejected[:, None], residual_distribution(next_target, draft_at_rejection), next_target
+        )
+    next_tokens = sample_tokens(next_target, generator)
+    return num_accepted, next_tokens

@@ -1,0 +1,586 @@
+# Exported from tetris_hf/strategies.py by `python -m tetris_hf.hub_export`: edit the package, not this copy.
+"""How many tokens to draft and which of them to verify, each step.
+
+A strategy answers three questions for the loop: ``num_draft_tokens(num_rows)`` (K this step), ``budget(num_rows)``
+(draft tokens the target may verify across the batch) and ``select(token_log_probs, max_lengths, budget)`` (a verified
+length per row). ``observe`` lets a strategy learn from what was accepted and from the step's measured
+:class:`StepSeconds`.
+
+Four strategies: ``fixed`` (every row verifies its first ``k``), ``tetris`` (the top ``C = k x B`` cells),
+``adaptive`` (``C`` and ``K`` chosen each step to maximise expected tokens per second from a measured cost model and
+calibrated acceptance, then TETRIS selection) and ``dsd`` (one ``k`` for the whole batch maximising the same goodput
+under a geometric acceptance model: the TETRIS paper's dynamic baseline).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, NamedTuple
+
+import torch
+
+from .candidate_generators_reduced_vocab import check_draft_vocab_spec
+from .cost_model import AcceptanceCalibrator, CostProfile, StepCostModel, cost_model_for, load_profile
+from .selection import cumulative_log_probs, select_fixed, select_tetris
+
+STRATEGIES = ("tetris", "fixed", "adaptive", "dsd")
+
+
+def _check_count(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"`{name}` must be an integer, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"`{name}` must be >= {minimum}, got {value}")
+
+
+class StepSeconds(NamedTuple):
+    """Wall time of one loop step, as the loop measured it: the ``K`` draft forwards, the target side (selection,
+    verification forward, acceptance, roll back), and the rest (planning, emitting, stopping)."""
+
+    draft: float
+    verify: float
+    other: float
+
+
+@dataclass(frozen=True)
+class TetrisOptions:
+    """The ``generate()`` keyword arguments of tetris_hf, validated.
+
+    Args:
+        num_assistant_tokens: ``k``, the base draft window per row (``>= 1``).
+        tetris_extra_tokens: ``e``, extra proposals per row: TETRIS drafts ``K = k + e`` (``>= 0``).
+        tetris_budget: ``C``, draft tokens verified per step across the batch (``>= 0``); ``None`` = ``k`` x active
+            rows.
+        tetris_strategy: ``"tetris"`` (select the top-``C`` cells), ``"fixed"`` (every row verifies its first ``k``),
+            ``"adaptive"`` (``C`` and ``K <= k + e`` chosen per step from a cost model; ``tetris_budget`` caps ``C``)
+            or ``"dsd"`` (one ``k <= k + e`` for the batch, chosen per step).
+        tetris_max_holes: cache slots a row may waste to rejected drafts before the cache is repacked.
+        tetris_step_callback: called as ``fn(record, loop)`` after every step with the
+            :class:`~tetris_hf.decoding.StepRecord` and the :class:`~tetris_hf.decoding.BatchedSpeculativeLoop`
+            (``loop.partial_outputs()`` gives every row's tokens so far): live views, progress, demos.
+        tetris_cost_profile: for ``adaptive`` and ``dsd``: ``None`` (measure this pair at first use, cached in memory
+            and under ``$TETRIS_HF_CACHE``), a saved profile (JSON path or dict, see
+            :class:`~tetris_hf.cost_model.CostProfile`), a curve file (``"curve.json"`` or
+            ``"curve.json:TARGET:DRAFT"``) or a :class:`~tetris_hf.cost_model.CostProfile`.
+        tetris_draft_vocab: ``None`` (the draft scores the whole vocabulary), an int ``N`` (its head scores only the
+            ``N`` most frequent tokens of the frequency table the draft carries) or a 1-D tensor of token ids; every
+            other token gets no draft probability. Lossless (the target verifies as before). See
+            :mod:`tetris_hf.candidate_generators.reduced_vocab`.
+    """
+
+    num_assistant_tokens: int = 4
+    tetris_extra_tokens: int = 2
+    tetris_budget: int | None = None
+    tetris_strategy: str = "tetris"
+    tetris_max_holes: int = 32
+    tetris_step_callback: Callable | None = None
+    tetris_cost_profile: str | os.PathLike | Mapping | CostProfile | None = None
+    tetris_draft_vocab: int | torch.Tensor | None = None
+
+    def __post_init__(self):
+        check_draft_vocab_spec(self.tetris_draft_vocab)
+        _check_count("num_assistant_tokens", self.num_assistant_tokens, 1)
+        _check_count("tetris_extra_tokens", self.tetris_extra_tokens, 0)
+        if self.tetris_budget is not None:
+            _check_count("tetris_budget", self.tetris_budget, 0)
+        _check_count("tetris_max_holes", self.tetris_max_holes, 0)
+        if self.tetris_step_callback is not None and not callable(self.tetris_step_callback):
+            raise TypeError(f"`tetris_step_callback` must be callable, got {type(self.tetris_step_callback).__name__}")
+        if self.tetris_strategy not in STRATEGIES:
+            raise ValueError(f"`tetris_strategy` must be one of {STRATEGIES}, got {self.tetris_strategy!r}")
+        profile = self.tetris_cost_profile
+        if profile is not None:
+            if not isinstance(profile, (str, os.PathLike, Mapping, CostProfile)):
+                raise TypeError(f"`tetris_cost_profile` must be a JSON path, a dict or a CostProfile, got "
+                                f"{type(profile).__name__}")
+            if isinstance(profile, (str, os.PathLike)):
+                path = os.fspath(profile)
+                if not Path(path).is_file() and not Path(path.split(":")[0]).is_file():
+                    raise ValueError(f"`tetris_cost_profile` file {path!r} does not exist")
+
+
+class FixedWindow:
+    """Standard batched speculative decoding: every active row drafts and verifies ``k`` tokens."""
+
+    def __init__(self, options: TetrisOptions):
+        self.k = options.num_assistant_tokens
+
+    def num_draft_tokens(self, num_rows: int) -> int:
+        return self.k
+
+    def budget(self, num_rows: int) -> int:
+        return self.k * num_rows
+
+    def select(self, token_log_probs: torch.Tensor, max_lengths: torch.Tensor, budget: int) -> torch.Tensor:
+        return select_fixed(max_lengths, self.k)
+
+    def observe(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
+                seconds: StepSeconds | None = None):
+        pass
+
+
+class TetrisSelection(FixedWindow):
+    """TETRIS: every row drafts ``k + e``; the ``C`` cells with the highest cumulative draft probability are verified."""
+
+    def __init__(self, options: TetrisOptions):
+        super().__init__(options)
+        self.extra = options.tetris_extra_tokens
+        self.fixed_budget = options.tetris_budget
+
+    def num_draft_tokens(self, num_rows: int) -> int:
+        return self.k + self.extra
+
+    def budget(self, num_rows: int) -> int:
+        return self.k * num_rows if self.fixed_budget is None else self.fixed_budget
+
+    def select(self, token_log_probs: torch.Tensor, max_lengths: torch.Tensor, budget: int) -> torch.Tensor:
+        return select_tetris(cumulative_log_probs(token_log_probs), max_lengths, budget)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Goodput optimisation: pure functions of tensors and a cost model
+
+
+class BudgetChoice(NamedTuple):
+    """What :func:`best_budget` picked for each batch: ``budget`` ``(N,)`` cells to verify, ``tokens`` ``(N,)``
+    expected emitted tokens, ``seconds`` ``(N,)`` predicted step time."""
+
+    budget: torch.Tensor
+    tokens: torch.Tensor
+    seconds: torch.Tensor
+
+
+def best_budget(survival: torch.Tensor, max_lengths: torch.Tensor, fixed_seconds: float,
+                verify_seconds: torch.Tensor, max_budget: int | None = None) -> BudgetChoice:
+    """The TETRIS budget ``C`` that maximises expected emitted tokens per second, for one or more batches.
+
+    Cells are taken in TETRIS greedy order (highest survival first, ties to the lower row then the earlier position,
+    as :func:`~tetris_hf.selection.select_tetris`). Verifying the first ``c`` cells of that order emits in
+    expectation ``B + sum of their survivals`` tokens (each row its accepted prefix plus one target token) and costs
+    ``fixed_seconds + verify_seconds[l]``, ``l`` the deepest position among them (every row's block is padded to it).
+
+    Args:
+        survival: ``(B, K)`` or ``(N, B, K)``: probability that cells ``1..j`` of a row are all accepted
+            (non-increasing along rows).
+        max_lengths: ``(B,)`` or ``(N, B)``: cells of a row that may be verified.
+        fixed_seconds: seconds of the step whatever ``C`` is (drafting, overhead).
+        verify_seconds: ``(K + 1,)``: entry ``l`` is a verification forward whose longest row checks ``l`` drafts.
+        max_budget: cap on ``C`` (``None``: every candidate cell).
+
+    Returns:
+        :class:`BudgetChoice` with ``(N,)`` tensors (``N = 1`` for a single batch); ties go to the smaller ``C``.
+    """
+    if survival.dim() == 2:
+        survival, max_lengths = survival[None], max_lengths[None]
+    num_batches, num_rows, num_cells = survival.shape
+    positions = torch.arange(num_cells, device=survival.device)
+    candidate = positions[None, None, :] < max_lengths[..., None]
+    ranked = torch.where(candidate, survival.double(), torch.full_like(survival, -1.0, dtype=torch.float64))
+    values, order = torch.sort(ranked.flatten(1), dim=1, descending=True, stable=True)
+    values = values.clamp(min=0)  # non-candidates sort last and add nothing
+    zeros = values.new_zeros(num_batches, 1)
+    tokens = num_rows + torch.cat([zeros, values.cumsum(dim=1)], dim=1)
+    depth = torch.cat([zeros.long(), ((order % num_cells) + 1).cummax(dim=1).values], dim=1)
+    seconds = fixed_seconds + verify_seconds.to(survival.device, torch.float64)[depth]
+    rate = tokens / seconds
+    allowed = torch.arange(rate.shape[1], device=rate.device)[None, :] <= candidate.flatten(1).sum(dim=1, keepdim=True)
+    if max_budget is not None:
+        allowed &= torch.arange(rate.shape[1], device=rate.device)[None, :] <= max_budget
+    rate = torch.where(allowed, rate, torch.full_like(rate, -1.0))
+    budget = rate.argmax(dim=1)  # first maximum: the smallest budget among ties
+    index = budget[:, None]
+    return BudgetChoice(budget, tokens.gather(1, index)[:, 0], seconds.gather(1, index)[:, 0])
+
+
+class StepPlan(NamedTuple):
+    """A step's plan: draft ``num_draft_tokens`` per row (0 = plain decoding), verify about ``budget`` cells,
+    expecting ``tokens`` emitted in ``seconds``."""
+
+    num_draft_tokens: int
+    budget: int
+    tokens: float
+    seconds: float
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds
+
+
+def plan_step(acceptance: torch.Tensor, num_rows: int, max_draft: int, cost: StepCostModel,
+              max_budget: int | None = None) -> StepPlan:
+    """Choose ``K`` (0 = no drafting) and ``C`` for a batch of ``num_rows`` before drafting.
+
+    Args:
+        acceptance: ``(P, max_draft)`` conditional acceptance probabilities of recently drafted rows (``P >= 0``),
+            standing in for the rows about to be drafted. They are cut into batches of ``num_rows`` rows (rows
+            repeated when ``P < num_rows``); each batch gets its best ``C`` (:func:`best_budget`) and each ``K`` is
+            scored by total expected tokens over total seconds.
+        num_rows: ``B``.
+        max_draft: largest ``K`` considered.
+        cost: the step cost model.
+        max_budget: cap on ``C``.
+
+    Returns:
+        The best :class:`StepPlan`; plain decoding unless drafting is expected to be faster.
+    """
+    plain_seconds = cost.verify_seconds(num_rows, 1) + cost.step_overhead
+    best = StepPlan(0, 0, float(num_rows), plain_seconds)
+    pool_rows = acceptance.shape[0]
+    if pool_rows == 0 or max_draft == 0 or max_budget == 0:
+        return best
+    num_batches = max(1, pool_rows // num_rows)
+    index = torch.arange(num_batches * num_rows) % pool_rows
+    batches = acceptance[index].view(num_batches, num_rows, -1).double()
+    verify = cost.verify_seconds_by_length(num_rows, max_draft)
+    draft_seconds = cost.draft_seconds(num_rows)
+    for num_draft in range(1, max_draft + 1):
+        survival = batches[..., :num_draft].cumprod(dim=-1)
+        lengths = torch.full((num_batches, num_rows), num_draft, dtype=torch.long)
+        choice = best_budget(survival, lengths, num_draft * draft_seconds + cost.step_overhead,
+                             verify[: num_draft + 1], max_budget)
+        plan = StepPlan(num_draft, max(1, round(float(choice.budget.double().mean()))),
+                        float(choice.tokens.mean()), float(choice.seconds.mean()))
+        if plan.rate > best.rate:
+            best = plan
+    return best
+
+
+def expected_tokens_geometric(acceptance: float, num_draft: int) -> float:
+    """Expected tokens a row emits verifying ``k`` drafts, each accepted with probability ``a`` independently
+    (prefix semantics): ``(1 - a^(k+1)) / (1 - a)``."""
+    if acceptance >= 1.0:
+        return float(num_draft + 1)
+    return (1.0 - acceptance ** (num_draft + 1)) / (1.0 - acceptance)
+
+
+def dsd_window(acceptance: float, num_rows: int, max_draft: int, cost: StepCostModel) -> int:
+    """DSD: the one ``k`` in ``0..max_draft`` for the whole batch maximising
+    ``B (1 - a^(k+1)) / (1 - a)`` over the step's seconds (``k = 0``: plain decoding)."""
+    best_k, best_rate = 0, num_rows / (cost.verify_seconds(num_rows, 1) + cost.step_overhead)
+    for k in range(1, max_draft + 1):
+        rate = num_rows * expected_tokens_geometric(acceptance, k) / cost.step_seconds(num_rows, k, k)
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    return best_k
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Strategies that choose per step
+
+
+@dataclass
+class PairMemory:
+    """What ``adaptive`` and ``dsd`` learnt about one target/draft pair, kept between ``generate()`` calls.
+
+    ``calibrator``: acceptance by draft probability; ``pool``: ``(P, W)`` log q of recently drafted rows, newest
+    first; ``dsd_acceptance``: DSD's running acceptance rate; ``plain_streak`` and ``probe_interval``: the probe
+    schedule (so that a pair known not to pay is probed ever more rarely, call after call).
+    """
+
+    calibrator: AcceptanceCalibrator = field(default_factory=AcceptanceCalibrator)
+    pool: torch.Tensor | None = None
+    dsd_acceptance: float | None = None
+    plain_streak: int = 0
+    probe_interval: int = 8
+
+
+# draft -> target -> {sampling: PairMemory}
+_PAIR_MEMORY: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakKeyDictionary]" = weakref.WeakKeyDictionary()
+
+
+def pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module, sampling: bool = False) -> PairMemory:
+    """The :class:`PairMemory` of these two model objects (in memory, forgotten with the models), one for greedy
+    calls and one for sampled calls: a draft is accepted by exact match in one and with probability
+    ``min(1, p/q)`` in the other, so what is learnt about one says little about the other."""
+    by_target = _PAIR_MEMORY.setdefault(assistant_model, weakref.WeakKeyDictionary())
+    return by_target.setdefault(model, {}).setdefault(sampling, PairMemory())
+
+
+class _CostAware:
+    """Shared by ``adaptive`` and ``dsd``: the cost model (resolved at the first step, when the batch size is known),
+    online corrections of it from the loop's measured :class:`StepSeconds`, and probing after long runs of plain
+    decoding.
+
+    Corrections (``learn_costs=True``): each observed step's draft and target seconds are compared with the cost
+    model's predictions and the ratios smoothed into ``draft_scale`` and ``target_scale`` (exponential moving
+    averages); its other seconds are smoothed into ``step_overhead``. A given profile or a replay does not learn.
+
+    Probing: a strategy that decodes plainly learns nothing about acceptance, so while it decodes plainly every
+    ``probe_interval``-th step drafts one token per row and verifies them all. The interval starts at 8 steps, or
+    more where a probe is dear (enough that probes add at most ``probe_overhead`` of the time: at 256 rows on the
+    8B H200 curve a probe costs 1.5 plain steps), doubles after every probe that does not change the decision (up to
+    ``max_probe_interval``) and resets once drafting pays; the schedule lives in the pair's :class:`PairMemory`, so it
+    carries over between calls. A pair with nothing learnt yet starts with a probe. Once drafting would not pay even
+    at an optimistic acceptance (``could_pay=False``, see :class:`AdaptiveBudget`), a probe could not change the plan:
+    probes then come only every ``max_probe_interval`` steps, to notice requests that have become easier.
+    """
+
+    probe_interval_start = 8
+    max_probe_interval = 128
+    probe_overhead = 0.05
+    smoothing = 0.3
+
+    def __init__(self, options: TetrisOptions, cost: StepCostModel | Callable[[int, int], StepCostModel],
+                 learn_costs: bool = False, memory: PairMemory | None = None):
+        self.max_draft = options.num_assistant_tokens + options.tetris_extra_tokens
+        self._cost_source = cost
+        self.cost: StepCostModel | None = cost if isinstance(cost, StepCostModel) else None
+        self.learn_costs = learn_costs
+        self.memory = memory if memory is not None else PairMemory(probe_interval=self.probe_interval_start)
+        self.probing = False
+
+    def _open_step(self, num_rows: int) -> StepCostModel:
+        if self.cost is None:
+            self.cost = self._cost_source(num_rows, self.max_draft + 1)
+        return self.cost
+
+    def _correct_costs(self, num_rows: int, num_drafted: int, max_verified: int, seconds: StepSeconds | None) -> None:
+        """Move the cost model towards one measured step (``max_verified``: the longest row's verified drafts)."""
+        if not self.learn_costs or seconds is None or self.cost is None or num_rows == 0:
+            return
+        cost = self.cost
+        if num_drafted > 0:
+            predicted = num_drafted * cost.draft_seconds(num_rows) / cost.draft_scale
+            cost.draft_scale = self._smooth(cost.draft_scale, _ratio(seconds.draft, predicted))
+        predicted = cost.verify_seconds(num_rows, max_verified + 1) / cost.target_scale
+        cost.target_scale = self._smooth(cost.target_scale, _ratio(seconds.verify, predicted))
+        cost.step_overhead = self._smooth(cost.step_overhead, max(seconds.other, 0.0))
+
+    def _smooth(self, old: float, sample: float) -> float:
+        return (1 - self.smoothing) * old + self.smoothing * sample
+
+    def _after_plan(self, drafts: bool, can_learn: bool, num_rows: int, could_pay: bool = True) -> bool:
+        """Update the probe schedule; returns whether this step is a probe."""
+        schedule = self.memory
+        if not can_learn:
+            return True
+        if drafts:
+            schedule.plain_streak, schedule.probe_interval = 0, self.probe_interval_start
+            return False
+        schedule.plain_streak += 1
+        interval = max(schedule.probe_interval, self._probe_gap(num_rows))
+        if not could_pay:
+            interval = max(interval, self.max_probe_interval)
+        if schedule.plain_streak < interval:
+            return False
+        schedule.plain_streak = 0
+        if could_pay:
+            schedule.probe_interval = min(2 * interval, max(self.max_probe_interval, interval))
+        return True
+
+    def _probe_gap(self, num_rows: int) -> int:
+        """Plain steps between probes for probes to cost at most ``probe_overhead`` of the time."""
+        cost = self.cost
+        plain = cost.verify_seconds(num_rows, 1) + cost.step_overhead
+        extra = cost.draft_seconds(num_rows) + cost.verify_seconds(num_rows, 2) - cost.verify_seconds(num_rows, 1)
+        return math.ceil(extra / plain / self.probe_overhead) if plain > 0 else 1
+
+
+def _longest(verify_lengths: torch.Tensor) -> int:
+    return int(verify_lengths.max()) if verify_lengths.numel() else 0
+
+
+def _ratio(measured: float, predicted: float) -> float:
+    return min(max(measured / predicted, 0.25), 4.0) if predicted > 0 else 1.0
+
+
+class AdaptiveBudget(_CostAware):
+    """``adaptive``: each step, ``K`` and ``C`` that maximise expected emitted tokens per second, then TETRIS.
+
+    Acceptance of a cell is its draft probability mapped through an online :class:`AcceptanceCalibrator`; a row's
+    survival is the running product along it. Before drafting, :func:`plan_step` picks ``K`` (0: plain decoding)
+    from the calibrated rows of recent steps; after drafting, :func:`best_budget` picks ``C`` from this step's cells
+    and :func:`~tetris_hf.selection.select_tetris` takes the top ``C`` by survival.
+
+    While the plan is plain decoding, a second, optimistic plan (every cell's acceptance at its calibrator's upper
+    confidence bound, ``optimism`` standard deviations above the mean) says whether a probe could change it.
+
+    When sampling, ``C`` is the plan's, fixed before drafting: a ``C`` chosen from this step's draws would verify
+    more of a row's drafts when its later draws looked likely, and bias the output. Greedy output is exact whatever
+    is verified, so there ``C`` is re-chosen from the drafted cells.
+
+    Args:
+        options: ``K <= num_assistant_tokens + tetris_extra_tokens``; ``tetris_budget`` caps ``C``.
+        cost: a :class:`StepCostModel`, or ``(num_rows, max_tokens) -> StepCostModel`` called at the first step.
+        learn_costs: correct the cost model from the loop's measured steps (see :class:`_CostAware`).
+        memory: a :class:`PairMemory` to start from and learn into (default: a fresh one).
+        pool_rows: recently drafted rows kept to plan with.
+        sampling: the loop samples (``C`` is then fixed before drafting).
+    """
+
+    def __init__(self, options: TetrisOptions, cost, learn_costs: bool = False, memory: PairMemory | None = None,
+                 pool_rows: int = 256, sampling: bool = False):
+        super().__init__(options, cost, learn_costs, memory)
+        self.sampling = sampling
+        self.max_budget = options.tetris_budget
+        self.calibrator = self.memory.calibrator
+        self.pool_rows = pool_rows
+        # log q of recently drafted rows, newest first, (P, max_draft); NaN past what a row drafted
+        self.pool = torch.zeros(0, self.max_draft, dtype=torch.float64)
+        if self.memory.pool is not None:
+            self._add_rows(self.memory.pool)
+        self.plan: StepPlan | None = None
+        self._planned: tuple[int, StepPlan, bool] | None = None  # (rows, plan, could_pay) while nothing was drafted
+        self._plan_age = 0
+
+    def remember(self, token_log_probs: torch.Tensor) -> None:
+        """Add drafted rows ``(B, K)`` to the planning pool. After a probe (the plan was plain decoding) the plan is
+        made again at the next step; while the plan drafts, the pool only drifts and the plan ages as usual."""
+        self._add_rows(token_log_probs.detach().double().cpu().flip(0))
+        self.memory.pool = self.pool
+        if self._planned is not None and self._planned[1].num_draft_tokens == 0:
+            self._planned = None
+
+    def _add_rows(self, rows: torch.Tensor) -> None:
+        """Put ``rows`` ``(n, K)`` (newest first) in front of the pool, cut or NaN-padded to ``max_draft`` cells."""
+        if rows.shape[1] == 0:
+            return
+        rows = rows[:, : self.max_draft]
+        pad = self.max_draft - rows.shape[1]
+        if pad > 0:
+            rows = torch.cat([rows, rows.new_full((rows.shape[0], pad), float("nan"))], dim=1)
+        self.pool = torch.cat([rows, self.pool])[: self.pool_rows]
+
+    def pool_acceptance(self, num_rows: int | None = None, optimism: float = 0.0) -> torch.Tensor:
+        """``(P, max_draft)`` calibrated conditional acceptance of the pooled rows, newest first: the newest
+        ``max(32, 4 x num_rows)`` of them when ``num_rows`` is given (recent enough to follow the batch's current
+        requests, enough to average over). Cells a row did not draft get the mean of the rows that drafted that
+        position (else of every pooled cell): a row sure of its first token is not assumed as sure of its sixth.
+        ``optimism``: see :meth:`AcceptanceCalibrator.predict`."""
+        pool = self.pool if num_rows is None else self.pool[: max(32, 4 * num_rows)]
+        drafted = ~torch.isnan(pool)
+        acceptance = torch.zeros_like(pool)
+        acceptance[drafted] = self.calibrator.predict(pool[drafted].exp(), optimism)
+        if bool(drafted.all()) or pool.shape[0] == 0:
+            return acceptance
+        counts = drafted.sum(dim=0)
+        overall = acceptance[drafted].mean()
+        column_mean = torch.where(counts > 0, acceptance.sum(dim=0) / counts.clamp(min=1), overall)
+        return torch.where(drafted, acceptance, column_mean[None, :])
+
+    replan_every = 16
+    optimism = 2.0
+
+    def budget(self, num_rows: int) -> int:
+        cost = self._open_step(num_rows)
+        # The last plan stands until the batch shrinks, a probe has drafted, or ``replan_every`` steps have passed (the
+        # pool and the online cost corrections drift slowly); planning is ~0.5 ms of Python (x2 while plain).
+        if self._planned is None or self._planned[0] != num_rows or self._plan_age >= self.replan_every:
+            plan = plan_step(self.pool_acceptance(num_rows), num_rows, self.max_draft, cost, self.max_budget)
+            could_pay = plan.num_draft_tokens > 0 or plan_step(
+                self.pool_acceptance(num_rows, self.optimism), num_rows, self.max_draft, cost, self.max_budget
+            ).num_draft_tokens > 0
+            self._planned = (num_rows, plan, could_pay)
+            self._plan_age = 0
+        self._plan_age += 1
+        _, plan, could_pay = self._planned
+        self.probing = self._after_plan(plan.num_draft_tokens > 0, can_learn=self.pool.shape[0] > 0,
+                                        num_rows=num_rows, could_pay=could_pay)
+        if self.probing and self.max_draft > 0 and self.max_budget != 0:
+            plan = StepPlan(1, num_rows, plan.tokens, plan.seconds)
+        else:
+            self.probing = False
+        self.plan = plan
+        return plan.budget
+
+    def num_draft_tokens(self, num_rows: int) -> int:
+        return self.plan.num_draft_tokens if self.plan is not None else 0
+
+    def select(self, token_log_probs: torch.Tensor, max_lengths: torch.Tensor, budget: int) -> torch.Tensor:
+        num_rows, num_drafted = token_log_probs.shape
+        self.remember(token_log_probs)
+        if self.probing:
+            lengths = max_lengths.clamp(max=num_drafted)
+            return lengths if self.max_budget is None else select_fixed_budget(lengths, self.max_budget)
+        survival = self.calibrator.predict(token_log_probs.detach().double().cpu().exp()).cumprod(dim=1)
+        scores = survival.log().to(token_log_probs.device)
+        if self.sampling:
+            return select_tetris(scores, max_lengths, budget)
+        cost = self.cost
+        fixed_seconds = num_drafted * cost.draft_seconds(num_rows) + cost.step_overhead  # drafting is already paid
+        choice = best_budget(survival, max_lengths.cpu(), fixed_seconds,
+                             cost.verify_seconds_by_length(num_rows, num_drafted), self.max_budget)
+        return select_tetris(scores, max_lengths, int(choice.budget[0]))
+
+    def observe(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
+                seconds: StepSeconds | None = None):
+        self._correct_costs(verify_lengths.numel(), token_log_probs.shape[1], _longest(verify_lengths), seconds)
+        self.calibrator.update(token_log_probs.cpu(), verify_lengths.cpu(), num_accepted.cpu())
+
+
+def select_fixed_budget(lengths: torch.Tensor, budget: int) -> torch.Tensor:
+    """Trim ``lengths`` ``(B,)`` so they sum to at most ``budget``, longest rows first."""
+    lengths = lengths.clone()
+    while int(lengths.sum()) > budget:
+        lengths[int(lengths.argmax())] -= 1
+    return lengths
+
+
+class DynamicWindow(_CostAware):
+    """``dsd``: one ``k`` for every row, the one maximising ``B (1 - a^(k+1)) / (1 - a)`` per predicted second.
+
+    ``a`` is the per-token acceptance rate: the first verified step sets it, then ``a <- 0.85 a + 0.15 observed``
+    with ``observed = accepted / (accepted + rejections)`` (the geometric model's maximum-likelihood rate: each row
+    contributes its accepted drafts and one rejection unless it accepted all it verified).
+    """
+
+    def __init__(self, options: TetrisOptions, cost, learn_costs: bool = False, memory: PairMemory | None = None):
+        super().__init__(options, cost, learn_costs, memory)
+        self.acceptance: float | None = self.memory.dsd_acceptance
+        self.window = 0
+
+    def budget(self, num_rows: int) -> int:
+        cost = self._open_step(num_rows)
+        window = dsd_window(self.acceptance, num_rows, self.max_draft, cost) if self.acceptance is not None else 0
+        self.probing = self._after_plan(window > 0, self.acceptance is not None, num_rows) and self.max_draft > 0
+        self.window = 1 if self.probing else window
+        return self.window * num_rows
+
+    def num_draft_tokens(self, num_rows: int) -> int:
+        return self.window
+
+    def select(self, token_log_probs: torch.Tensor, max_lengths: torch.Tensor, budget: int) -> torch.Tensor:
+        return select_fixed(max_lengths, token_log_probs.shape[1])
+
+    def observe(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
+                seconds: StepSeconds | None = None):
+        self._correct_costs(verify_lengths.numel(), token_log_probs.shape[1], _longest(verify_lengths), seconds)
+        accepted = int(num_accepted.sum())
+        rejections = int((num_accepted < verify_lengths).sum())
+        if accepted + rejections == 0:
+            return
+        observed = accepted / (accepted + rejections)
+        self.acceptance = observed if self.acceptance is None else 0.85 * self.acceptance + 0.15 * observed
+        self.memory.dsd_acceptance = self.acceptance
+
+
+def make_strategy(options: TetrisOptions, model: torch.nn.Module | None = None,
+                  assistant_model: torch.nn.Module | None = None,
+                  sampling: bool = False) -> FixedWindow | AdaptiveBudget | DynamicWindow:
+    """The strategy ``options`` name. ``adaptive`` and ``dsd`` need ``options.tetris_cost_profile`` (used as given) or
+    the two models (profiled at the first step, see :func:`~tetris_hf.cost_model.cost_model_for`, then corrected
+    online from the loop's own step times). With the models, what they learn about acceptance carries over to the
+    next call on the same pair (:func:`pair_memory`). ``sampling``: the loop samples (see :class:`AdaptiveBudget`)."""
+    if options.tetris_strategy == "tetris":
+        return TetrisSelection(options)
+    if options.tetris_strategy == "fixed":
+        return FixedWindow(options)
+    source, learn_costs = options.tetris_cost_profile, True
+    if source is not None:
+        cost, learn_costs = StepCostModel(load_profile(source)), False  # a given profile is taken as it is
+    elif model is None or assistant_model is None:
+        raise ValueError(f"tetris_strategy={options.tetris_strategy!r} needs `tetris_cost_profile=` or the target and "
+                         "draft models to profile")
+    else:
+        def cost(num_rows: int, max_tokens: int) -> StepCostModel:
+            return cost_model_for(model, assistant_model, num_rows=num_rows, max_tokens=max_tokens)
+    known_pair = model is not None and assistant_model is not None
+    memory = pair_memory(model, assistant_model, sampling) if known_pair else None
+    if options.tetris_strategy == "adaptive":
+        return AdaptiveBudget(options, cost, learn_costs=learn_costs, memory=memory, sampling=sampling)
+    return DynamicWindow(options, cost, learn_costs=learn_costs, memory=memory)
