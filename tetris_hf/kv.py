@@ -1,37 +1,181 @@
 """A model's KV cache shared by a batch whose rows advance by different amounts each step.
 
-Every row writes the same number of slots per forward (blocks are padded to one length); a 0/1 mask per row and slot
-says which slots hold real tokens. Rejected drafts and block padding become holes (mask 0). Keys are cached after
-RoPE and every forward gets each row's true ``position_ids``, so holes and moved slots change nothing the model
-computes. :meth:`SlotCache.compact` repacks each row's real slots to the right end when holes pile up, which bounds
-the cache at the longest row's live tokens plus ``max_holes``.
+Every row writes the same number of slots per forward (blocks are padded to one length) at one shared write
+pointer, into buffers allocated once (``(B, H, capacity, D)`` per layer). Per row and slot the cache knows whether
+the slot holds a real token and that token's position in its row. Rejected drafts and block filler become holes.
+Keys are cached after RoPE and every forward gets each row's true ``position_ids``, so holes and moved slots change
+nothing the model computes, provided its attention mask is built from those positions:
+
+- models without a sliding window get the 2D ``(B, slots)`` mask of real slots; transformers adds causality by slot
+  index, which is the order of positions within a row (slots are written in order);
+- models with a sliding window (Mistral, Gemma 2/3, Qwen2 with ``use_sliding_window``, ...) get prepared 4D masks
+  built from real positions, one per layer type the model uses (``"full_attention"``, ``"sliding_attention"``):
+  transformers would measure the window in slots, which holes and left padding stretch.
+
+:meth:`SlotCache.compact` repacks each row's real slots when holes pile up (or the buffers fill), which bounds the
+cache at the longest row's live tokens plus ``max_holes``; on a model whose every layer has a window, slots that fell
+out of every window become holes first, so the cache stays bounded however long the generation.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+MASK_IMPLEMENTATIONS = ("sdpa", "eager")
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """Which attention a model's layers use, and how to hand it masks.
+
+    Args:
+        windows: ``{layer type: window}``, ``None`` for full attention.
+        keyed: the model's forward takes a dict of masks keyed by layer type (hybrid models: ``config.layer_types``).
+        implementation: ``config._attn_implementation``.
+    """
+
+    windows: dict
+    keyed: bool
+    implementation: str
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> "AttentionLayout":
+        config = model.config.get_text_config(decoder=True)
+        window = getattr(config, "sliding_window", None)
+        window = window if isinstance(window, int) and window > 0 else None
+        layer_types = getattr(config, "layer_types", None)
+        implementation = config._attn_implementation or "eager"
+        if isinstance(layer_types, (list, tuple)) and layer_types:
+            windows = {kind: (window if kind == SLIDING else None) for kind in dict.fromkeys(layer_types)}
+            layout = cls(windows, True, implementation)
+        else:
+            layout = cls({FULL if window is None else SLIDING: window}, False, implementation)
+        if layout.windowed:
+            unknown = [kind for kind in layout.windows if kind not in (FULL, SLIDING)]
+            if unknown:
+                raise ValueError(f"{config.model_type}: layer types {unknown} are not supported by tetris_hf (it can "
+                                 f"build masks for {FULL!r} and {SLIDING!r} layers)")
+            if SLIDING in layout.windows and layout.windows[SLIDING] is None:
+                raise ValueError(f"{config.model_type}: sliding-attention layers without a `sliding_window` size")
+            if implementation not in MASK_IMPLEMENTATIONS:
+                raise ValueError(
+                    f"{config.model_type} with attn_implementation={implementation!r}: tetris_hf builds sliding-window "
+                    f"masks from real positions, which needs one of {MASK_IMPLEMENTATIONS}; load the model with "
+                    "attn_implementation='sdpa'"
+                )
+        return layout
+
+    @property
+    def windowed(self) -> bool:
+        """Some layer attends through a sliding window (masks must come from real positions)."""
+        return any(window is not None for window in self.windows.values())
+
+    @property
+    def reach(self) -> int | None:
+        """How far back any layer sees (``None``: unbounded). Older slots are never read again."""
+        windows = list(self.windows.values())
+        return None if any(window is None for window in windows) else max(windows)
+
+
+def position_masks(layout: AttentionLayout, key_positions: torch.Tensor, key_valid: torch.Tensor,
+                   query_positions: torch.Tensor, dtype: torch.dtype):
+    """Prepared 4D masks in which query ``i`` sees key ``j`` iff slot ``j`` holds a real token, ``pos_j <= pos_i``
+    and, on sliding layers, ``pos_i - pos_j < window``.
+
+    Args:
+        key_positions, key_valid: ``(B, S)`` every slot's position, and whether it holds a real token.
+        query_positions: ``(B, L)``.
+        dtype: the model's dtype (eager attention adds the mask to its scores).
+
+    Returns:
+        ``(B, 1, L, S)``: boolean (True = attend) for sdpa, additive float for eager; a dict of them keyed by layer
+        type when ``layout.keyed``.
+    """
+    distance = query_positions[:, :, None] - key_positions[:, None, :]  # (B, L, S)
+    visible = key_valid[:, None, :] & (distance >= 0)
+    masks = {}
+    for kind, window in layout.windows.items():
+        allowed = visible if window is None else visible & (distance < window)
+        allowed = allowed[:, None]
+        if layout.implementation == "eager":
+            allowed = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+                ~allowed, torch.finfo(dtype).min)
+        masks[kind] = allowed
+    return masks if layout.keyed else next(iter(masks.values()))
+
+
+class SlotLayer(CacheLayerMixin):
+    """One layer's keys and values, ``(B, H, capacity, D)`` allocated at its first write, written at the cache's
+    shared pointer. Returns the written prefix ``[:, :, :pointer + L]`` (a view, no copy)."""
+
+    is_sliding = False
+
+    def __init__(self, owner: "SlotCache"):
+        super().__init__()
+        self.owner = owner
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads = key_states.shape[:2]
+        capacity = self.owner.capacity
+        self.keys = key_states.new_zeros(batch, heads, capacity, key_states.shape[-1])
+        self.values = value_states.new_zeros(batch, heads, capacity, value_states.shape[-1])
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start = self.owner.pointer
+        end = start + key_states.shape[-2]
+        self.keys[:, :, start:end] = key_states
+        self.values[:, :, start:end] = value_states
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.pointer + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.pointer
+
+    def get_max_length(self) -> int:
+        return self.owner.capacity
+
+    def rebuild(self, transform) -> None:
+        """Replace keys and values by ``transform(tensor)`` (row selection, repacking, growth)."""
+        if self.is_initialized:
+            self.keys, self.values = transform(self.keys), transform(self.values)
 
 
 class SlotCache:
-    """``DynamicCache`` + ``slot_mask`` ``(B, T)`` (1 = real token) for one model.
+    """Preallocated KV buffers + per-slot ``slot_mask`` (1 = real token) and ``slot_positions`` for one model.
 
     Args:
         batch_size: rows at the start.
-        device: where the mask lives (the model's input device).
+        device: where the masks live (the model's input device).
         max_holes: repack once the cache is longer than its longest row's real tokens by more than this.
+        capacity: slots to allocate per row (the buffers grow, by reallocation, if a forward would overflow them
+            even after repacking).
     """
 
-    def __init__(self, batch_size: int, device: torch.device, max_holes: int = 32):
-        self.cache = DynamicCache()
-        self.slot_mask = torch.zeros(batch_size, 0, dtype=torch.long, device=device)
+    def __init__(self, batch_size: int, device: torch.device, max_holes: int = 32, capacity: int = 256):
         self.max_holes = max_holes
+        self.capacity = max(int(capacity), 1)
+        self.pointer = 0  # slots written per row, holes included (host-side: no device read needed)
+        self.cache = Cache(layer_class_to_replicate=lambda: SlotLayer(self))
+        self.slot_mask = torch.zeros(batch_size, self.capacity, dtype=torch.long, device=device)
+        self.slot_positions = torch.zeros(batch_size, self.capacity, dtype=torch.long, device=device)
+        self.next_positions = torch.zeros(batch_size, dtype=torch.long, device=device)  # real tokens cached so far
+        self.layout: AttentionLayout | None = None
+        self.longest_bound = 0  # an upper bound on any row's real slots (tightened by note_longest)
 
     @property
     def length(self) -> int:
-        """Slots per row, holes included."""
-        return self.slot_mask.shape[1]
+        """Slots per row in use, holes included."""
+        return self.pointer
 
     def forward(
         self,
@@ -54,8 +198,20 @@ class SlotCache:
         Returns:
             ``(B, L or logits_to_keep, V)`` logits.
         """
-        position_ids = self.live_lengths()[:, None] + (input_mask.cumsum(dim=1) - 1).clamp(min=0)
-        attention_mask = torch.cat([self.slot_mask, input_mask.to(self.slot_mask.dtype)], dim=1)
+        if self.layout is None:
+            self.layout = AttentionLayout.of(model)
+        block = input_ids.shape[1]
+        self._make_room(block)
+        start, end = self.pointer, self.pointer + block
+        input_mask = input_mask.to(self.slot_mask.dtype)
+        position_ids = self.next_positions[:, None] + (input_mask.cumsum(dim=1) - 1).clamp(min=0)
+        self.slot_mask[:, start:end] = input_mask
+        self.slot_positions[:, start:end] = position_ids
+        if self.layout.windowed:
+            attention_mask = position_masks(self.layout, self.slot_positions[:, :end], self.slot_mask[:, :end].bool(),
+                                            position_ids, model.dtype)
+        else:  # causality by slot index is causality by position: the 2D mask of real slots is enough
+            attention_mask = self.slot_mask[:, :end]
         kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
         outputs = model(
             input_ids=input_ids,
@@ -65,8 +221,9 @@ class SlotCache:
             use_cache=True,
             **kwargs,
         )
-        self.slot_mask = attention_mask
-        self._check_layers()
+        self.pointer = end
+        self.next_positions = self.next_positions + input_mask.sum(dim=1)
+        self.longest_bound += block
         return outputs.logits
 
     def prefill(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
@@ -75,14 +232,6 @@ class SlotCache:
         if input_ids.shape[1] > 1:
             self.forward(model, input_ids[:, :-1], attention_mask[:, :-1], logits_to_keep=1)
 
-    def _check_layers(self) -> None:
-        for layer in self.cache.layers:
-            if type(layer) is not DynamicLayer:
-                raise TypeError(
-                    f"tetris_hf needs full-attention dynamic cache layers; this model uses {type(layer).__name__} "
-                    "(sliding-window, quantized or static caches are not supported)"
-                )
-
     def drop_slots(self, start: int, keep: torch.Tensor) -> None:
         """Turn slots ``start + keep[i]`` onwards of row ``i`` into holes (rejected drafts, block filler).
 
@@ -90,39 +239,79 @@ class SlotCache:
             start: first slot of the block this applies to.
             keep: ``(B,)`` how many slots of the block row ``i`` keeps.
         """
-        offsets = torch.arange(self.length - start, device=self.slot_mask.device)
-        block = self.slot_mask[:, start:]
-        self.slot_mask[:, start:] = block * (offsets[None, :] < keep[:, None]).to(block.dtype)
+        block = self.slot_mask[:, start : self.pointer]
+        offsets = torch.arange(block.shape[1], device=block.device)
+        kept = block * (offsets[None, :] < keep[:, None]).to(block.dtype)
+        self.next_positions = self.next_positions - (block - kept).sum(dim=1)
+        self.slot_mask[:, start : self.pointer] = kept
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (a ``(B',)`` index tensor), in that order."""
-        self.slot_mask = self.slot_mask[rows]
-        for layer in self.cache.layers:  # layers may sit on different devices (a model split by accelerate)
-            if layer.is_initialized and layer.keys.numel() > 0:
-                layer.batch_select_indices(rows.to(layer.keys.device))
+        self.slot_mask, self.slot_positions = self.slot_mask[rows], self.slot_positions[rows]
+        self.next_positions = self.next_positions[rows]
+        for layer in self._layers():  # layers may sit on different devices (a model split by accelerate)
+            layer.rebuild(lambda tensor: tensor[rows.to(tensor.device)])
 
     def live_lengths(self) -> torch.Tensor:
-        """``(B,)`` real tokens per row."""
-        return self.slot_mask.sum(dim=1)
+        """``(B,)`` real tokens cached per row (the next token's position)."""
+        return self.next_positions
+
+    def longest(self) -> torch.Tensor:
+        """A 0-d device tensor: the most real slots any row holds (the loop reads it with its other numbers and hands
+        it back through :meth:`note_longest`, so that repacking needs no read of its own)."""
+        return self.slot_mask[:, : self.pointer].sum(dim=1).max() if self.pointer else self.slot_mask.new_zeros(())
+
+    def note_longest(self, value: int) -> None:
+        """What :meth:`longest` was when last read: every row holds at most this many real slots now."""
+        self.longest_bound = min(self.longest_bound, int(value))
 
     def compact(self, force: bool = False) -> None:
-        """Repack each row's real slots to the right end, in order, and drop the columns no row needs.
+        """Repack each row's real slots to the right end of ``[0, width)``, in order, and move the pointer to
+        ``width`` (an upper bound on any row's real slots, known without a device read).
 
-        Runs only when the cache holds more than ``max_holes`` slots beyond its longest row (or ``force``).
+        Runs only when the cache holds more than ``max_holes`` slots beyond that bound (or ``force``). On models
+        whose every layer has a window, slots no future query can see become holes first.
+
+        E.g. rows ``[a b . c | . . d e]`` (``.`` a hole) with width 3 become ``[a b c | . d e]``.
         """
-        if self.length == 0:
+        if self.pointer == 0:
             return
-        longest = int(self.live_lengths().max())
-        if not force and self.length - longest <= self.max_holes:
+        reach = self.layout.reach if self.layout is not None else None
+        if reach is not None:  # older than every window of the next query (position >= next_positions)
+            expired = self.slot_positions[:, : self.pointer] <= (self.next_positions - reach)[:, None]
+            self.slot_mask[:, : self.pointer].masked_fill_(expired, 0)
+            self.longest_bound = min(self.longest_bound, reach)  # positions next - reach + 1 .. next - 1 remain
+        width = min(self.longest_bound, self.pointer)
+        if not force and self.pointer - width <= self.max_holes:
             return
         # A stable ascending sort puts holes (0) first and real slots (1) last, each group in its original order.
-        sorted_mask, order = torch.sort(self.slot_mask, dim=1, stable=True)
-        order = order[:, self.length - longest :]
-        self.slot_mask = sorted_mask[:, self.length - longest :].contiguous()
-        for layer in self.cache.layers:
-            if not layer.is_initialized or layer.keys.numel() == 0:
-                continue
+        sorted_mask, order = torch.sort(self.slot_mask[:, : self.pointer], dim=1, stable=True)
+        order = order[:, self.pointer - width :]
+        positions = self.slot_positions.gather(1, order)
+        self.slot_mask[:, :width] = sorted_mask[:, self.pointer - width :]
+        self.slot_positions[:, :width] = positions
+        self.slot_mask[:, width:] = 0
+        for layer in self._layers():
             batch, heads, _, head_dim = layer.keys.shape
-            index = order.to(layer.keys.device)[:, None, :, None].expand(batch, heads, longest, head_dim)
-            layer.keys = layer.keys.gather(2, index)
-            layer.values = layer.values.gather(2, index)
+            index = order.to(layer.keys.device)[:, None, :, None].expand(batch, heads, width, head_dim)
+            for tensor in (layer.keys, layer.values):
+                tensor[:, :, :width] = tensor.gather(2, index)
+        self.pointer = width
+
+    def _make_room(self, block: int) -> None:
+        """Repack, then grow the buffers, until ``block`` more slots fit."""
+        if self.pointer + block <= self.capacity:
+            return
+        self.compact(force=True)
+        if self.pointer + block <= self.capacity:
+            return
+        capacity = max(2 * self.capacity, self.pointer + block)
+        extra = capacity - self.capacity
+        self.slot_mask = torch.nn.functional.pad(self.slot_mask, (0, extra))
+        self.slot_positions = torch.nn.functional.pad(self.slot_positions, (0, extra))
+        for layer in self._layers():
+            layer.rebuild(lambda tensor: torch.nn.functional.pad(tensor, (0, 0, 0, extra)))
+        self.capacity = capacity
+
+    def _layers(self) -> list[SlotLayer]:
+        return [layer for layer in self.cache.layers if layer.is_initialized]

@@ -48,6 +48,7 @@ EARLY_EXIT_LAYERS = 4
 
 DRAFT_CONFIG_NAME = "draft_config.json"
 DRAFT_WEIGHTS_NAME = "draft.safetensors"
+DRAFT_VOCAB_NAME = "draft_vocab.safetensors"  # optional: token counts + the chosen subset (tetris_draft_vocab)
 DRAFT_FORMAT = "tetris-hf-draft"
 DRAFT_FORMAT_VERSION = 1
 _CACHE_FORMAT = "v1"  # bump when the cached layout changes
@@ -315,13 +316,56 @@ def save_draft(draft, target, directory: str | os.PathLike, *, metadata: dict | 
     return directory
 
 
+def save_draft_vocab(directory: str | os.PathLike, counts: torch.Tensor, size: int, source: str,
+                     **measured) -> Path:
+    """Store a token frequency table and the ``size`` most frequent tokens with a draft (``draft_vocab.safetensors``:
+    ``counts`` ``(V,)`` int64 and ``token_ids`` ``(size,)``), and record them in its ``draft_config.json`` under
+    ``"draft_vocab"`` (``size``, ``source``: what was counted, ``counted_tokens``). The rest of the config is kept.
+
+    ``tetris_draft_vocab=N`` then picks the ``N`` most frequent tokens of ``counts`` (any ``N``; ``size`` is the one the
+    draft was measured with). ``measured`` (e.g. held-out agreement per size) is stored in the entry as given.
+    """
+    from safetensors.torch import save_file
+
+    from .candidate_generators.reduced_vocab import most_frequent
+
+    directory = Path(directory)
+    config_path = directory / DRAFT_CONFIG_NAME
+    config = json.loads(config_path.read_text())
+    vocab = int(config["target"]["vocab_size"])
+    if counts.shape != (vocab,):
+        raise ValueError(f"token counts must have shape ({vocab},) for this draft, got {tuple(counts.shape)}")
+    if not 1 <= size <= vocab:
+        raise ValueError(f"the draft vocabulary size must be between 1 and {vocab}, got {size}")
+    counts = counts.to("cpu", torch.long).contiguous()
+    token_ids = most_frequent(counts, size)
+    save_file({"counts": counts, "token_ids": token_ids}, str(directory / DRAFT_VOCAB_NAME),
+              metadata={"format": DRAFT_FORMAT, "source": source})
+    config["draft_vocab"] = {"size": size, "source": source, "counted_tokens": int(counts.sum()),
+                             "file": DRAFT_VOCAB_NAME, **measured}
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
+    return directory / DRAFT_VOCAB_NAME
+
+
+def load_draft_vocab(directory: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor, str] | None:
+    """``(counts (V,), token_ids (size,), source)`` stored by :func:`save_draft_vocab`, or ``None``."""
+    from safetensors import safe_open
+
+    path = Path(directory) / DRAFT_VOCAB_NAME
+    if not path.is_file():
+        return None
+    with safe_open(str(path), framework="pt") as stored:
+        return stored.get_tensor("counts"), stored.get_tensor("token_ids"), stored.metadata().get("source", str(path))
+
+
 def is_draft_dir(path: str | os.PathLike) -> bool:
     """Whether ``path`` holds a draft in the tetris-hf draft format."""
     return (Path(path) / DRAFT_CONFIG_NAME).is_file()
 
 
 def load_tetris_draft(target, directory: str | os.PathLike):
-    """Load a draft written by :func:`save_draft`, attached to ``target``'s embedding and head."""
+    """Load a draft written by :func:`save_draft`, attached to ``target``'s embedding and head. When the directory
+    holds a token frequency table (:func:`save_draft_vocab`), the draft carries it, for ``tetris_draft_vocab=N``."""
     from safetensors.torch import load_file
 
     directory = Path(directory)
@@ -356,6 +400,11 @@ def load_tetris_draft(target, directory: str | os.PathLike):
     draft.tetris_description = (
         f"trained {config['num_layers']}-layer draft from {directory}" + (f" ({detail})" if detail else "")
     )
+    vocab = load_draft_vocab(directory)
+    if vocab is not None:
+        from .candidate_generators.reduced_vocab import attach_token_counts
+
+        attach_token_counts(draft, vocab[0], vocab[2])
     return draft
 
 

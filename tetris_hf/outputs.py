@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 
@@ -43,6 +44,38 @@ class TetrisStats:
     def verification_success_rate(self) -> float:
         """VSR: accepted / verified draft tokens."""
         return self.accepted_tokens / self.verified_tokens if self.verified_tokens else 0.0
+
+    @classmethod
+    def from_steps(cls, records, batch_size: int) -> "TetrisStats":
+        """Totals and per-step lists from the loop's step records (their tensors read from the device in one go).
+
+        Args:
+            records: :class:`~tetris_hf.decoding.StepRecord` s, one per step; ``rows``, ``verify_lengths``,
+                ``num_accepted`` and ``emitted`` are ``(B_active,)`` tensors.
+            batch_size: rows of the ``generate()`` call.
+        """
+        stats = cls(steps=len(records))
+        if not records:
+            return stats
+        sizes = [record.rows.numel() for record in records]
+        columns = [torch.cat([getattr(record, name).long().cpu() for record in records])
+                   for name in ("rows", "verify_lengths", "num_accepted", "emitted")]
+        rows, verified, accepted, emitted = torch.stack(columns).tolist()
+        stats.drafted_tokens = sum(record.num_drafted * size for record, size in zip(records, sizes))
+        stats.verified_tokens, stats.accepted_tokens, stats.emitted_tokens = sum(verified), sum(accepted), sum(emitted)
+        stats.draft_seconds = sum(record.seconds.draft for record in records)
+        stats.verify_seconds = sum(record.seconds.verify for record in records)
+        stats.num_drafted_per_step = [record.num_drafted for record in records]
+        stats.budget_per_step = [record.budget for record in records]
+        start = 0
+        for size in sizes:
+            step_verified, step_accepted = [-1] * batch_size, [-1] * batch_size
+            for index in range(start, start + size):
+                step_verified[rows[index]], step_accepted[rows[index]] = verified[index], accepted[index]
+            stats.verified_per_step.append(step_verified)
+            stats.accepted_per_step.append(step_accepted)
+            start += size
+        return stats
 
     def to_dict(self) -> dict:
         return {

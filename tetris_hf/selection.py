@@ -46,14 +46,15 @@ def select_tetris(scores: torch.Tensor, max_lengths: torch.Tensor, budget: int) 
     batch_size, num_cells = scores.shape
     positions = torch.arange(num_cells, device=scores.device)
     candidate = positions[None, :] < max_lengths[:, None]
-    take = min(budget, int(candidate.sum()))
+    take = min(budget, batch_size * num_cells)  # how many cells are candidates is not read from the device
     if take == 0:
         return torch.zeros(batch_size, dtype=torch.long, device=scores.device)
-    # A candidate ranks by its score (a -inf score still above every non-candidate); non-candidates last.
+    # A candidate ranks by its score (a -inf score still above every non-candidate); non-candidates last, and a
+    # non-candidate among the top ``take`` (fewer candidates than the budget) is not chosen.
     ranked = scores.float().clamp(min=torch.finfo(torch.float).min).masked_fill(~candidate, float("-inf"))
     order = torch.sort(ranked.flatten(), descending=True, stable=True).indices[:take]
     chosen = torch.zeros(batch_size * num_cells, dtype=torch.long, device=scores.device)
-    chosen[order] = 1
+    chosen[order] = candidate.flatten()[order].long()
     return chosen.view(batch_size, num_cells).sum(dim=-1)
 
 

@@ -23,6 +23,7 @@ from typing import Mapping, NamedTuple
 
 import torch
 
+from .candidate_generators.reduced_vocab import check_draft_vocab_spec
 from .cost_model import AcceptanceCalibrator, CostProfile, StepCostModel, cost_model_for, load_profile
 from .selection import cumulative_log_probs, select_fixed, select_tetris
 
@@ -65,6 +66,10 @@ class TetrisOptions:
             and under ``$TETRIS_HF_CACHE``), a saved profile (JSON path or dict, see
             :class:`~tetris_hf.cost_model.CostProfile`), a curve file (``"curve.json"`` or
             ``"curve.json:TARGET:DRAFT"``) or a :class:`~tetris_hf.cost_model.CostProfile`.
+        tetris_draft_vocab: ``None`` (the draft scores the whole vocabulary), an int ``N`` (its head scores only the
+            ``N`` most frequent tokens of the frequency table the draft carries) or a 1-D tensor of token ids; every
+            other token gets no draft probability. Lossless (the target verifies as before). See
+            :mod:`tetris_hf.candidate_generators.reduced_vocab`.
     """
 
     num_assistant_tokens: int = 4
@@ -74,8 +79,10 @@ class TetrisOptions:
     tetris_max_holes: int = 32
     tetris_step_callback: Callable | None = None
     tetris_cost_profile: str | os.PathLike | Mapping | CostProfile | None = None
+    tetris_draft_vocab: int | torch.Tensor | None = None
 
     def __post_init__(self):
+        check_draft_vocab_spec(self.tetris_draft_vocab)
         _check_count("num_assistant_tokens", self.num_assistant_tokens, 1)
         _check_count("tetris_extra_tokens", self.tetris_extra_tokens, 0)
         if self.tetris_budget is not None:

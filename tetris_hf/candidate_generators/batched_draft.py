@@ -12,22 +12,23 @@ import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..kv import SlotCache
-from ..logits import PositionwiseLogitsProcessor
+from ..logits import PositionwiseLogitsProcessor, sample_tokens
 
 
 def _left_pack(tokens: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Move each row's real tokens (mask 1) to the right end, in order, and drop all-padding columns.
+    """Move each row's real tokens (mask 1) to the right end, in order (the width stays: no device read).
+
+    E.g. tokens ``[[a, b], [c, d]]`` with mask ``[[1, 1], [1, 0]]`` become ``[[a, b], [d, c]]`` with mask
+    ``[[1, 1], [0, 1]]``.
 
     Args:
         tokens, mask: ``(B, P)``.
 
     Returns:
-        ``(B, P')`` tokens and mask, ``P'`` the most real tokens in any row.
+        ``(B, P)`` tokens and mask.
     """
     sorted_mask, order = torch.sort(mask, dim=1, stable=True)
-    width = int(mask.sum(dim=1).max()) if mask.numel() else 0
-    keep = slice(mask.shape[1] - width, mask.shape[1])
-    return tokens.gather(1, order)[:, keep], sorted_mask[:, keep]
+    return tokens.gather(1, order), sorted_mask
 
 
 class BatchedDraftCandidateGenerator(CandidateGenerator):
@@ -39,7 +40,7 @@ class BatchedDraftCandidateGenerator(CandidateGenerator):
             before it proposes, so ``q`` is the draft's estimate of the processed ``p``.
         do_sample: sample drafts from ``q`` (True) or take its argmax (False).
         generator: optional ``torch.Generator`` for sampling.
-        max_holes: see :class:`~tetris_hf.kv.SlotCache`.
+        max_holes, capacity: see :class:`~tetris_hf.kv.SlotCache`.
     """
 
     def __init__(
@@ -49,12 +50,14 @@ class BatchedDraftCandidateGenerator(CandidateGenerator):
         do_sample: bool,
         generator: torch.Generator | None = None,
         max_holes: int = 32,
+        capacity: int = 256,
     ):
         self.assistant_model = assistant_model
         self.logits_processor = logits_processor
         self.do_sample = do_sample
         self.generator = generator
         self.max_holes = max_holes
+        self.capacity = capacity
         self.slots: SlotCache | None = None
         self.pending_tokens: torch.Tensor | None = None  # (B, P) left-padded
         self.pending_mask: torch.Tensor | None = None  # (B, P)
@@ -68,7 +71,7 @@ class BatchedDraftCandidateGenerator(CandidateGenerator):
         Args:
             input_ids, attention_mask: ``(B, T)``, left-padded; every row's last column is a real token.
         """
-        self.slots = SlotCache(input_ids.shape[0], input_ids.device, self.max_holes)
+        self.slots = SlotCache(input_ids.shape[0], input_ids.device, self.max_holes, self.capacity)
         self.pending_tokens, self.pending_mask = input_ids, attention_mask.long()
 
     def catch_up(self) -> None:
@@ -116,7 +119,7 @@ class BatchedDraftCandidateGenerator(CandidateGenerator):
             log_probs = scores.log_softmax(dim=-1)
             if self.do_sample:
                 probs = log_probs.exp()
-                next_tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+                next_tokens = sample_tokens(probs, self.generator)
                 draft_probs.append(probs)
             else:
                 next_tokens = scores.argmax(dim=-1)

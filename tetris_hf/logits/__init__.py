@@ -1,6 +1,6 @@
 """Target and draft distributions: logits processing at many positions, and lossless verification."""
 
 from .processing import PositionwiseLogitsProcessor, is_prefix_free
-from .verification import residual_distribution, verify_greedy, verify_sampling
+from .verification import residual_distribution, sample_tokens, verify_greedy, verify_sampling
 
-__all__ = ["PositionwiseLogitsProcessor", "is_prefix_free", "residual_distribution", "verify_greedy", "verify_sampling"]
+__all__ = ["PositionwiseLogitsProcessor", "is_prefix_free", "residual_distribution", "sample_tokens", "verify_greedy", "verify_sampling"]

@@ -39,6 +39,13 @@ def verify_greedy(
     return num_accepted, next_tokens
 
 
+def sample_tokens(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of ``probs`` ``(..., V)``, drawn from it without a device sync (unlike
+    ``torch.multinomial``): the argmax of ``p / E`` with ``E ~ Exp(1)`` i.i.d. is distributed as ``p``."""
+    noise = torch.empty_like(probs).exponential_(1, generator=generator)
+    return (probs / noise.clamp(min=torch.finfo(probs.dtype).tiny)).argmax(dim=-1)
+
+
 def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
     """``norm(max(p - q, 0))`` over the last dimension, the distribution to sample after a rejection.
 
@@ -85,10 +92,10 @@ def verify_sampling(
         num_accepted = torch.zeros(batch_size, dtype=torch.long, device=draft_tokens.device)
     next_target = target_probs[rows, num_accepted]  # (B, V)
     rejected = num_accepted < verify_lengths
-    if block_length > 0 and bool(rejected.any()):
+    if block_length > 0:
         draft_at_rejection = draft_probs[rows, num_accepted.clamp(max=block_length - 1)]
         next_target = torch.where(
             rejected[:, None], residual_distribution(next_target, draft_at_rejection), next_target
         )
-    next_tokens = torch.multinomial(next_target, 1, generator=generator).squeeze(1)
+    next_tokens = sample_tokens(next_target, generator)
     return num_accepted, next_tokens
