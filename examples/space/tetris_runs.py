@@ -1,33 +1,42 @@
-"""The three runs the Space compares, one function each, written so a UI thread can watch them grow.
+"""The four runs the Space compares, one function each, written so a UI thread can watch them grow.
 
 - :func:`run_plain`: plain batched ``generate()``; a :class:`BatchStreamer` collects every row's tokens as they come.
-- :func:`run_speculative`: batched speculative decoding (``tetris_strategy="fixed"`` or ``"tetris"``);
-  ``tetris_step_callback`` copies every row's tokens and the step's board cells after each step.
-- :func:`run_all`: the three in turn on one worker thread (one at a time, so each gets the whole CPU/GPU and its
-  tokens/s is its own).
+- :func:`run_speculative`: batched speculative decoding (``tetris_strategy="fixed"``, ``"tetris"`` or
+  ``"adaptive"``) through the strategy's Hub folder (:data:`STRATEGY_SOURCE`: the copy in ``strategy/`` next to this
+  file, or the Hub id in ``$TETRIS_SPACE_STRATEGY``), loaded by transformers as ``custom_generate=...,
+  trust_remote_code=True``; ``tetris_step_callback`` copies every row's tokens and the step's board cells after
+  each step.
+- :func:`run_all`: the four in turn on one worker thread (one at a time, so each gets the whole CPU/GPU and its
+  tokens/s is its own); :func:`stream_runs` runs them and yields copies of their progress, which is what the page
+  calls (through ZeroGPU's decorator on a ZeroGPU Space, where it runs in another process).
 
-Every run writes into a :class:`LiveRun` that the UI thread reads; nothing here imports Gradio. A set ``stop`` event
-cancels the run in progress at its next token or step (:class:`RunCancelled`) and the runs after it never start.
+Every run writes into a :class:`LiveRun` that the UI thread reads; nothing here imports Gradio or tetris_hf. A set
+``stop`` event cancels the run in progress at its next token or step (:class:`RunCancelled`) and the runs after it
+never start.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
-from tetris_hf.bench import encode, generated_tokens
-from tetris_hf.data import Prompt, render_prompts
-
 from tetris_board import BoardTrace
 
-PLAIN, FIXED, TETRIS = "generate", "fixed", "tetris"
-STRATEGIES = (PLAIN, FIXED, TETRIS)
-TITLES = {PLAIN: "plain generate()", FIXED: "fixed-k speculative", TETRIS: "TETRIS"}
+PLAIN, FIXED, TETRIS, ADAPTIVE = "generate", "fixed", "tetris", "adaptive"
+STRATEGIES = (PLAIN, FIXED, TETRIS, ADAPTIVE)
+SPECULATIVE = (FIXED, TETRIS, ADAPTIVE)
+TITLES = {PLAIN: "plain generate()", FIXED: "fixed-k speculative", TETRIS: "TETRIS", ADAPTIVE: "adaptive"}
+# The strategy: this Space's copy of the Hub folder, or a Hub repository id given in the Space's variables.
+STRATEGY_SOURCE = os.environ.get("TETRIS_SPACE_STRATEGY") or str(Path(__file__).resolve().parent / "strategy")
 
 
 class RunCancelled(Exception):
@@ -56,9 +65,11 @@ class Settings:
         return {"do_sample": True, "temperature": float(self.temperature), "top_k": None, "top_p": None}
 
     def speculative_kwargs(self, strategy: str) -> dict:
-        """``generate()`` options of tetris_hf for ``strategy`` (``"fixed"`` or ``"tetris"``)."""
+        """The strategy's ``generate()`` options for ``strategy`` (``"fixed"``, ``"tetris"`` or ``"adaptive"``).
+
+        ``adaptive`` drafts up to ``k + e`` per row and picks ``C`` each step, with the budget as its cap."""
         options = {"tetris_strategy": strategy, "num_assistant_tokens": self.k}
-        if strategy == TETRIS:
+        if strategy in (TETRIS, ADAPTIVE):
             options["tetris_extra_tokens"] = self.extra
             if self.budget > 0:
                 options["tetris_budget"] = self.budget
@@ -66,12 +77,43 @@ class Settings:
 
 
 @dataclass
+class RunStats:
+    """A copy of the fields of the strategy's ``TetrisStats`` that the page shows (totals and the board's per-step
+    lists). Plain data, so it pickles without the strategy's module: on ZeroGPU the runs happen in another process."""
+
+    steps: int = 0
+    drafted_tokens: int = 0
+    verified_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0
+    num_drafted_per_step: list[int] = field(default_factory=list)
+    budget_per_step: list[int] = field(default_factory=list)
+    verified_per_step: list[list[int]] = field(default_factory=list)
+    accepted_per_step: list[list[int]] = field(default_factory=list)
+
+    @classmethod
+    def copy_of(cls, stats) -> "RunStats":
+        return cls(**{f.name: copy.deepcopy(getattr(stats, f.name)) for f in dataclasses.fields(cls)})
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted draft tokens."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def verification_success_rate(self) -> float:
+        """VSR: accepted / verified draft tokens."""
+        return self.accepted_tokens / self.verified_tokens if self.verified_tokens else 0.0
+
+
+@dataclass
 class LiveRun:
     """One strategy's run as the UI sees it; written by the worker thread, read by the UI thread.
 
     ``state``: ``waiting`` | ``running`` | ``done`` | ``cancelled`` | ``error``. ``rows[i]``: request ``i``'s
-    generated tokens so far. ``stats``: the loop's live ``TetrisStats`` (speculative runs). ``survival``: per step,
-    each row's cumulative draft probabilities (``None`` for finished rows).
+    generated tokens so far. ``stats``: a :class:`RunStats` copy of the loop's statistics (speculative runs).
+    ``survival``: per step, each row's cumulative draft probabilities (``None`` for finished rows). ``device``: what
+    the run ran on, in words.
     """
 
     strategy: str
@@ -79,9 +121,10 @@ class LiveRun:
     rows: list[list[int]] = field(default_factory=list)
     started: float | None = None
     ended: float | None = None
-    stats: object | None = None
+    stats: RunStats | None = None
     survival: list = field(default_factory=list)
     message: str = ""
+    device: str = ""
 
     @property
     def tokens(self) -> int:
@@ -96,6 +139,12 @@ class LiveRun:
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def snapshot(self) -> "LiveRun":
+        """A copy that later progress of the run does not change (times frozen at this moment if still running)."""
+        ended = self.ended if self.ended is not None or self.started is None else time.perf_counter()
+        return dataclasses.replace(self, rows=[list(row) for row in self.rows], ended=ended,
+                                   stats=copy.deepcopy(self.stats), survival=list(self.survival))
 
     def board(self, num_assistant_tokens: int) -> BoardTrace | None:
         """A snapshot of this run's board so far (``None`` for plain generate or before the first step)."""
@@ -141,11 +190,36 @@ def eos_token_ids(model) -> set[int]:
     return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
 
 
+def device_name(device: torch.device | str) -> str:
+    """The device in words: ``NVIDIA H200 (cuda:0)``, ``CPU (2 threads)``."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} ({device})"
+    if device.type == "cpu":
+        return f"CPU ({torch.get_num_threads()} threads)"
+    return str(device)
+
+
 def encode_prompts(tokenizer, prompts: list[str], device) -> dict:
-    """Each prompt as a one-turn chat through the tokenizer's chat template, left-padded into one batch."""
-    chats = [Prompt(id=str(i), messages=({"role": "user", "content": text},)) for i, text in enumerate(prompts)]
+    """Each prompt as a one-turn chat through the tokenizer's chat template (the prompt itself without one),
+    left-padded into one batch. The rendered chat already holds the template's special tokens."""
+    if getattr(tokenizer, "chat_template", None) is not None:
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                               add_generation_prompt=True) for text in prompts]
+    else:
+        texts = list(prompts)
     tokenizer.padding_side = "left"
-    return encode(tokenizer, render_prompts(chats, tokenizer), device)
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    return {key: batch[key].to(device) for key in ("input_ids", "attention_mask")}
+
+
+def generated_tokens(sequences: torch.Tensor, prompt_width: int, eos_token_ids: set[int]) -> list[list[int]]:
+    """Each row's new tokens, up to and including its first EOS (what follows is padding)."""
+    rows = []
+    for row in sequences[:, prompt_width:].tolist():
+        ends = [index for index, token in enumerate(row) if token in eos_token_ids]
+        rows.append(row[: ends[0] + 1] if ends else row)
+    return rows
 
 
 def _common_kwargs(tokenizer, settings: Settings) -> dict:
@@ -165,8 +239,10 @@ def run_plain(target, tokenizer, batch: dict, settings: Settings, live: LiveRun,
 
 
 def run_speculative(target, draft, tokenizer, batch: dict, settings: Settings, strategy: str, live: LiveRun,
-                    stop: threading.Event) -> None:
-    """Batched speculative decoding with ``tetris_strategy=strategy``, streamed into ``live`` step by step."""
+                    stop: threading.Event, strategy_source: str = STRATEGY_SOURCE) -> None:
+    """Batched speculative decoding with ``tetris_strategy=strategy``, streamed into ``live`` step by step.
+
+    ``strategy_source``: the Hub folder (local path or repository id) transformers loads the strategy from."""
     eos = eos_token_ids(target)
     width = batch["input_ids"].shape[1]
 
@@ -175,7 +251,7 @@ def run_speculative(target, draft, tokenizer, batch: dict, settings: Settings, s
         for row, scores in zip(record.rows.tolist(), record.token_log_probs.float().cumsum(dim=-1).exp().tolist()):
             survival[row] = [round(score, 4) for score in scores]
         live.survival.append(survival)
-        live.stats = loop.stats
+        live.stats = RunStats.copy_of(loop.stats)
         live.rows = [tokens[width:] for tokens in loop.partial_outputs()]
         if stop.is_set():
             raise RunCancelled
@@ -183,11 +259,12 @@ def run_speculative(target, draft, tokenizer, batch: dict, settings: Settings, s
     torch.manual_seed(settings.seed)
     live.state, live.started = "running", time.perf_counter()
     result = target.generate(
-        **batch, **_common_kwargs(tokenizer, settings), assistant_model=draft, custom_generate="tetris",
-        return_dict_in_generate=True, tetris_step_callback=on_step, **settings.speculative_kwargs(strategy),
+        **batch, **_common_kwargs(tokenizer, settings), assistant_model=draft, custom_generate=strategy_source,
+        trust_remote_code=True, return_dict_in_generate=True, tetris_step_callback=on_step,
+        **settings.speculative_kwargs(strategy),
     )
     live.ended = time.perf_counter()
-    live.stats = result.tetris_stats
+    live.stats = RunStats.copy_of(result.tetris_stats)
     live.rows = generated_tokens(result.sequences, width, eos)
 
 
@@ -204,8 +281,8 @@ def warm_up(target, draft, batch: dict) -> None:
 
 
 def run_all(target, draft, tokenizer, prompts: list[str], settings: Settings, runs: dict[str, LiveRun],
-            stop: threading.Event) -> None:
-    """Plain, fixed-k and TETRIS in turn on the same batch; each outcome lands in its ``LiveRun``'s state.
+            stop: threading.Event, strategy_source: str = STRATEGY_SOURCE) -> None:
+    """Plain, fixed-k, TETRIS and adaptive in turn on the same batch; each outcome lands in its ``LiveRun``'s state.
 
     A cancelled run keeps what it had produced; the runs after it stay ``waiting``. An error in one run is recorded
     in its ``message`` and the next run still starts.
@@ -214,6 +291,7 @@ def run_all(target, draft, tokenizer, prompts: list[str], settings: Settings, ru
     warm_up(target, draft, batch)
     for strategy in STRATEGIES:
         live = runs[strategy]
+        live.device = device_name(target.device)
         if stop.is_set():  # stopped between two runs: this one is cancelled before it starts
             live.started = live.ended = time.perf_counter()
             live.state = "cancelled"
@@ -223,7 +301,8 @@ def run_all(target, draft, tokenizer, prompts: list[str], settings: Settings, ru
                 if strategy == PLAIN:
                     run_plain(target, tokenizer, batch, settings, live, stop)
                 else:
-                    run_speculative(target, draft, tokenizer, batch, settings, strategy, live, stop)
+                    run_speculative(target, draft, tokenizer, batch, settings, strategy, live, stop,
+                                    strategy_source)
             live.state = "done"
         except RunCancelled:
             live.ended, live.state = time.perf_counter(), "cancelled"
@@ -232,12 +311,31 @@ def run_all(target, draft, tokenizer, prompts: list[str], settings: Settings, ru
             live.ended, live.state, live.message = time.perf_counter(), "error", f"{type(error).__name__}: {error}"
 
 
+def stream_runs(target, draft, tokenizer, prompts: list[str], settings: Settings, stop: threading.Event,
+                strategy_source: str = STRATEGY_SOURCE, every: float = 0.3) -> Iterator[dict[str, LiveRun]]:
+    """:func:`run_all` on a worker thread; yields snapshots of the four runs every ``every`` seconds and once at
+    the end. Closing the generator (the page went away, or ZeroGPU's caller stopped reading) stops the runs."""
+    runs = {strategy: LiveRun(strategy) for strategy in STRATEGIES}
+    worker = threading.Thread(target=run_all, args=(target, draft, tokenizer, prompts, settings, runs, stop,
+                                                    strategy_source), name="tetris-space-run", daemon=True)
+    worker.start()
+    try:
+        while True:
+            worker.join(timeout=every)
+            yield {strategy: live.snapshot() for strategy, live in runs.items()}
+            if not worker.is_alive():
+                break
+    finally:
+        stop.set()  # the worker stops at its next token or step
+        worker.join()
+
+
 def greedy_agreement(runs: dict[str, LiveRun]) -> list[int] | None:
-    """Requests (0-based) whose outputs differ between the three runs; ``None`` unless all three finished."""
+    """Requests (0-based) whose outputs differ between the runs; ``None`` unless all of them finished."""
     if any(runs[strategy].state != "done" for strategy in STRATEGIES):
         return None
     reference = runs[PLAIN].rows
     return [
         row for row in range(len(reference))
-        if any(runs[strategy].rows[row] != reference[row] for strategy in (FIXED, TETRIS))
+        if any(runs[strategy].rows[row] != reference[row] for strategy in SPECULATIVE)
     ]
