@@ -1,9 +1,10 @@
-"""The Space demo (examples/space/app.py) driven in headless Chromium: a 4-prompt batch, the three outputs, their
-metrics, the board and its step slider, the greedy check mark, the empty-prompt and cancel messages; a screenshot.
+"""The Space demo (examples/space/app.py) driven in headless Chromium: a 4-prompt batch, the four outputs, their
+metrics, the device, the board and its step slider, the greedy check mark, the empty-prompt and cancel messages; a
+screenshot.
 
 Runs on tiny random models and the tiny tokenizer (seconds). With ``TETRIS_SPACE_REAL=1`` it uses the offline
-default pair instead (about a minute on a CPU; ``TETRIS_SPACE_DRAFT=early-exit:24`` picks another draft): that is how
-``examples/space/screenshot.png`` is made::
+default pair of this checkout instead (``app.load_models(offline=True)``; about two minutes on a CPU;
+``TETRIS_SPACE_DRAFT=early-exit:24`` picks another draft): that is how ``examples/space/screenshot.png`` is made::
 
     TETRIS_SPACE_REAL=1 TETRIS_SPACE_SCREENSHOT=examples/space/screenshot.png TETRIS_SPACE_SCREENSHOT_STEP=16 \\
         python -m pytest -q tests/test_space_browser.py -k four_prompt
@@ -68,7 +69,7 @@ def _tiny_pair():
     tokenizer = tiny_tokenizer()
     target = sharpen(tiny_llama(vocab_size=64, num_layers=2, seed=0), 6.0)
     draft = noisy_copy(target, 0.15, seed=1)
-    return target, draft, tokenizer, "**Target / draft:** tiny random Llamas (browser test)"
+    return target, draft, tokenizer, "**Target / draft:** tiny random Llamas (browser test)  \n**Device:** CPU"
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,8 @@ def app_url():
     import app
 
     if REAL:
-        target, draft, tokenizer, description = app.load_models("cpu", os.environ.get("TETRIS_SPACE_DRAFT"))
+        target, draft, tokenizer, description = app.load_models("cpu", os.environ.get("TETRIS_SPACE_DRAFT"),
+                                                                offline=True)
         prompts = app.preset_prompts("MT-bench", 4).splitlines()
     else:
         target, draft, tokenizer, description = _tiny_pair()
@@ -182,11 +184,12 @@ def test_four_prompt_batch_shows_outputs_metrics_and_board(app_url, browser, tmp
     _set_number(browser, "max-new-tokens", 32 if REAL else 24)
     browser.find_element(By.CSS_SELECTOR, "#run").click()
     _wait(browser, lambda d: "✓" in _text(d, "#greedy-check") or "✗" in _text(d, "#greedy-check"),
-          RUN_TIMEOUT, "the greedy check after the three runs")
+          RUN_TIMEOUT, "the greedy check after the four runs")
 
     assert "✓" in _text(browser, "#greedy-check"), _text(browser, "#greedy-check")
-    assert "Done" in _text(browser, "#status")
-    for strategy in ("generate", "fixed", "tetris"):
+    assert "Done" in _text(browser, "#status") and " on CPU (" in _text(browser, "#status")
+    assert "Device:" in _text(browser, "#model-info")
+    for strategy in ("generate", "fixed", "tetris", "adaptive"):
         items = browser.find_elements(By.CSS_SELECTOR, f"#outputs-{strategy} ol.run-outputs li")
         assert len(items) == 4, f"{strategy}: {len(items)} outputs"
         assert all(item.text.strip() for item in items), f"{strategy}: an empty output"
@@ -195,8 +198,8 @@ def test_four_prompt_batch_shows_outputs_metrics_and_board(app_url, browser, tmp
         if strategy != "generate":
             assert "acceptance" in metrics and "VSR" in metrics, metrics
     texts = {s: [li.text for li in browser.find_elements(By.CSS_SELECTOR, f"#outputs-{s} li")]
-             for s in ("generate", "fixed", "tetris")}
-    assert texts["generate"] == texts["fixed"] == texts["tetris"]
+             for s in ("generate", "fixed", "tetris", "adaptive")}
+    assert texts["generate"] == texts["fixed"] == texts["tetris"] == texts["adaptive"]
 
     # the board: 4 request rows x K = k + e = 6 draft positions at step 1, the budget line and C
     cells = browser.find_elements(By.CSS_SELECTOR, "#board rect.board-cell")

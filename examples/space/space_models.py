@@ -118,7 +118,8 @@ def load_draft(target, name_or_path: str) -> tuple[torch.nn.Module, str]:
     folder = tetris_draft_folder(name_or_path)
     if folder is not None:
         draft = load_tetris_draft(target, folder)
-        return draft, f"{name_or_path} ({draft.config.num_hidden_layers} layers, shares the target's embedding and head)"
+        return draft, (f"{name_or_path} ({draft.config.num_hidden_layers}-layer tetris-hf draft sharing the "
+                       "target's embedding and head)")
     draft = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=next(target.parameters()).dtype)
     if draft.get_output_embeddings().weight.shape[0] != target.get_output_embeddings().weight.shape[0]:
         raise ValueError(f"the draft {name_or_path!r} has another vocabulary than the target")

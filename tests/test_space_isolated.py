@@ -1,0 +1,92 @@
+"""The Space folder stands alone: a copy of examples/space/ imports, builds its page and runs its four runs in a
+Python that cannot import tetris_hf (tests/isolated_python.py), with the strategy from its own strategy/ folder and
+the models loaded by its own space_models.py."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from isolated_python import run_isolated
+from tiny_models import noisy_copy, sharpen, tiny_llama
+from tiny_tokenizer import tiny_tokenizer
+
+SPACE = Path(__file__).resolve().parents[1] / "examples" / "space"
+
+SCRIPT = '''
+import sys
+import threading
+sys.path.insert(0, SPACE)
+import gradio as gr
+import app
+import space_models
+import tetris_runs
+from transformers import AutoModelForCausalLM
+
+target, draft, tokenizer, description = space_models.load_pair("target", "early-exit:1", "cpu")
+trained, trained_description = space_models.load_draft(target, "tetris-draft")
+model_draft, _ = space_models.load_draft(target, "model-draft")
+demo = app.build_app(target, draft, tokenizer, description=description + "  \\n**Device:** "
+                     + app.device_description("cpu"))
+runs = {strategy: tetris_runs.LiveRun(strategy) for strategy in tetris_runs.STRATEGIES}
+tetris_runs.run_all(target, trained, tokenizer, ["the quick brown fox", "hello how are you today ?"],
+                    tetris_runs.Settings(k=2, extra=1, max_new_tokens=6), runs, threading.Event())
+report({
+    "blocks": isinstance(demo, gr.Blocks),
+    "handlers": sorted(fn.fn.__name__ for fn in demo.fns.values()),
+    "description": description,
+    "trained": trained_description,
+    "shares_head": trained.lm_head is target.lm_head and draft.model.embed_tokens is target.model.embed_tokens,
+    "model_draft_layers": model_draft.config.num_hidden_layers,
+    "states": [runs[s].state for s in tetris_runs.STRATEGIES],
+    "messages": [runs[s].message for s in tetris_runs.STRATEGIES],
+    "differing": tetris_runs.greedy_agreement(runs),
+    "strategy_source": tetris_runs.STRATEGY_SOURCE,
+    "tetris_hf_loaded": sorted(name for name in sys.modules if name.split(".")[0] == "tetris_hf"),
+})
+'''
+
+
+def _save_tetris_draft(target, folder: Path) -> None:
+    """A 1-layer draft in the tetris-hf draft format (its own layers and norm; embedding and head are the target's)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    torch.manual_seed(5)
+    own = {f"model.layers.0.{name}": tensor + 0.01 * torch.randn_like(tensor)
+           for name, tensor in target.model.layers[0].state_dict().items()}
+    own["model.norm.weight"] = target.model.norm.weight.detach().clone()
+    save_file({name: tensor.contiguous() for name, tensor in own.items()}, str(folder / "draft.safetensors"))
+    config = {"format": "tetris-hf-draft", "version": 1, "num_layers": 1,
+              "target": {key: getattr(target.config, key) for key in
+                         ("model_type", "hidden_size", "vocab_size", "num_hidden_layers")},
+              "shared_with_target": ["lm_head.weight", "model.embed_tokens.weight"], "metadata": {}}
+    (folder / "draft_config.json").write_text(json.dumps(config))
+
+
+def test_space_copy_builds_its_page_and_runs_without_tetris_hf(tmp_path):
+    pytest.importorskip("gradio", reason="the Space's page needs gradio (examples/space/requirements.txt)")
+    space = tmp_path / "space-copy"
+    shutil.copytree(SPACE, space, ignore=shutil.ignore_patterns("__pycache__", "screenshot.png"))
+    target = sharpen(tiny_llama(vocab_size=64, seed=0), 6.0)
+    target.save_pretrained(tmp_path / "target")
+    tiny_tokenizer().save_pretrained(tmp_path / "target")
+    noisy_copy(target, 0.15).save_pretrained(tmp_path / "model-draft")
+    _save_tetris_draft(target, tmp_path / "tetris-draft")
+
+    result = run_isolated(f"SPACE = {str(space)!r}\n" + SCRIPT, tmp_path)
+
+    assert result["tetris_hf_loaded"] == []
+    assert result["blocks"] and {"on_run", "on_stop", "on_preset"} <= set(result["handlers"])
+    assert result["strategy_source"] == str(space / "strategy")
+    assert "**Target:** target" in result["description"] and "early exit after 1 of the target's 2" in \
+        result["description"]
+    assert result["trained"].startswith("tetris-draft (1-layer tetris-hf draft") and result["shares_head"]
+    assert result["model_draft_layers"] == 2
+    assert result["states"] == ["done"] * 4, result["messages"]
+    assert result["differing"] == []
