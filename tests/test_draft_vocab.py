@@ -254,3 +254,49 @@ def test_draft_directory_round_trip(tmp_path):
     assert "20 most frequent in test counts" in reduced_vocab_draft(loaded, 20).tetris_description
     with pytest.raises(ValueError, match="between 1 and 60"):
         save_draft_vocab(tmp_path, counts, 61, "too many")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The bench and the simulator take a draft vocabulary
+
+
+def test_bench_repeats_every_speculative_run_per_draft_vocabulary():
+    import tetris_hf.bench as bench
+    from tiny_tokenizer import SENTENCES, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    target = tiny_llama(len(tokenizer), num_layers=2, seed=61)
+    draft = noisy_copy(target, 0.3, seed=62)
+    attach_token_counts(draft, token_counts(tokenizer, SENTENCES, len(tokenizer)), "the test sentences")
+    config = bench.BenchConfig(batch_size=3, max_new_tokens=8, strategies=("generate", "fixed", "adaptive"),
+                               num_assistant_tokens=(2,), extra_tokens=(1,), draft_vocabs=(None, 12))
+    report = bench.run_bench(target, draft, tokenizer, SENTENCES[:5], config, show_progress=False)
+    assert [run["name"] for run in report["runs"]] == ["generate", "fixed k=2", "adaptive k=2 e=1",
+                                                       "fixed k=2 N=12", "adaptive k=2 e=1 N=12"]
+    assert report["mismatches"] == []
+    assert report["runs"][3]["options"]["tetris_draft_vocab"] == 12
+    assert [(c["vocab"], c["rows"]) for c in report["draft_cost"]] == [(None, 1), (None, 3), (12, 1), (12, 3)]
+    assert "N=12" in bench.format_draft_costs(report["draft_cost"])
+
+
+def test_bench_draft_vocab_flag():
+    import argparse
+
+    from tetris_hf.bench import draft_vocab_list
+
+    assert draft_vocab_list("full,8192,16384,8192") == (None, 8192, 16384)
+    for bad in ("0", "-5", "big", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            draft_vocab_list(bad)
+
+
+def test_simulate_records_traces_with_a_reduced_draft():
+    from tetris_hf.simulate import draft_as_ratio, record_traces
+
+    target, draft = target_and_draft(64, 11, "noisy", noise=0.3)
+    input_ids, mask = left_pad(random_prompts(3, 64, 11))
+    rows = record_traces(target, draft, input_ids, mask, num_draft_tokens=3, draft_vocab=_half_vocab(64, 11),
+                         max_new_tokens=10, do_sample=False, pad_token_id=PAD)
+    assert rows and all(len(row["log_probs"]) == 3 for row in rows if row["verified"] == 3)
+    profile = draft_as_ratio(CostProfile({(1, 1): 20.0, (1, 4): 30.0, (8, 1): 40.0}, {1: 9.0}), 0.1)
+    assert profile.draft == {1: pytest.approx(2.0), 8: pytest.approx(4.0)}

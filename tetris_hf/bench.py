@@ -48,6 +48,7 @@ class BenchConfig:
     do_sample: bool = False
     seed: int = 0
     repeats: int = 1
+    draft_vocabs: tuple[int | None, ...] = (None,)  # tetris_draft_vocab of the speculative runs (None: full)
 
 
 @dataclasses.dataclass
@@ -246,8 +247,19 @@ def run_strategy(
 
 
 def plan_runs(config: BenchConfig, num_rows: int) -> list[tuple[str, str, dict]]:
-    """``(name, strategy, generate options)`` for every run, baselines first."""
+    """``(name, strategy, generate options)`` for every run, baselines first; the speculative runs once per
+    ``config.draft_vocabs`` entry (named ``... N=8192`` when the draft's head is reduced)."""
     runs = [(strategy, strategy, {}) for strategy in BASELINES if strategy in config.strategies]
+    for vocab in config.draft_vocabs:
+        for name, strategy, options in _speculative_runs(config, num_rows):
+            if vocab is not None:
+                name, options = f"{name} N={vocab}", {**options, "tetris_draft_vocab": vocab}
+            runs.append((name, strategy, options))
+    return runs
+
+
+def _speculative_runs(config: BenchConfig, num_rows: int) -> list[tuple[str, str, dict]]:
+    runs = []
     for k in config.num_assistant_tokens:
         budget = config.budget if config.budget is not None else k * num_rows
         for strategy in config.strategies:
@@ -271,17 +283,41 @@ def plan_runs(config: BenchConfig, num_rows: int) -> list[tuple[str, str, dict]]
 
 
 def profile_cost_model(target, draft, runs: list[tuple[str, str, dict]], num_rows: int) -> float | None:
-    """Measure (or load) the cost profile ``adaptive`` and ``dsd`` use, before any timing; its seconds, or ``None``
-    when no run needs one. It is measured once per pair, device, dtype and thread count and then cached."""
-    windows = [options["num_assistant_tokens"] + options.get("tetris_extra_tokens", 0)
-               for _, strategy, options in runs if strategy in ("adaptive", "dsd")]
-    if not windows:
-        return None
+    """Measure (or load) the cost profiles ``adaptive`` and ``dsd`` use (one per draft vocabulary), before any timing;
+    their seconds, or ``None`` when no run needs one. Each is measured once per pair, device, dtype and thread count
+    and then cached."""
+    from .candidate_generators.reduced_vocab import reduced_vocab_draft
     from .cost_model import cost_model_for
 
+    windows: dict = {}
+    for _, strategy, options in runs:
+        if strategy in ("adaptive", "dsd"):
+            vocab = options.get("tetris_draft_vocab")
+            window = options["num_assistant_tokens"] + options.get("tetris_extra_tokens", 0)
+            windows[vocab] = max(window, windows.get(vocab, 0))
+    if not windows:
+        return None
     started = time.perf_counter()
-    cost_model_for(target, draft, num_rows=num_rows, max_tokens=max(windows) + 1)
+    for vocab, window in windows.items():
+        cost_model_for(target, reduced_vocab_draft(draft, vocab), num_rows=num_rows, max_tokens=window + 1)
     return time.perf_counter() - started
+
+
+def draft_cost_ratios(target, draft, vocabs, rows: list[int], repeats: int = 5) -> list[dict]:
+    """One draft step against one target step (both one token per row, on a 32-token cache; the fastest of
+    ``repeats``) for each draft vocabulary and row count, measured side by side here: ``[{vocab, rows, draft_ms,
+    target_ms, ratio}]``."""
+    from .candidate_generators.reduced_vocab import reduced_vocab_draft
+    from .cost_model import measure_profile
+
+    results = []
+    for vocab in vocabs:
+        profile = measure_profile(target, reduced_vocab_draft(draft, vocab), rows=rows, tokens=[1], repeats=repeats)
+        for r in rows:
+            draft_ms, target_ms = profile.draft[r], profile.target[(r, 1)]
+            results.append({"vocab": vocab, "rows": r, "draft_ms": draft_ms, "target_ms": target_ms,
+                            "ratio": draft_ms / target_ms})
+    return results
 
 
 def median_run(results: list[RunResult]) -> RunResult:
@@ -328,6 +364,16 @@ def format_table(summaries: list[dict], reference_name: str | None) -> str:
             f"{fmt(s['vsr']):>5} {s['target_forwards_per_token']:>7.3f} {s['tokens_per_row_step']:>8.2f} "
             f"{s['peak_memory_mb']:>8.0f}" + (f" {_range(s['tokens_per_second_repeats']):>14}" if spread else "")
         )
+    return "\n".join(lines)
+
+
+def format_draft_costs(costs: list[dict]) -> str:
+    """One line per draft vocabulary: its step time against a target step at each measured row count."""
+    lines = ["draft step / target step (one token per row, fastest of 5):"]
+    for vocab in dict.fromkeys(c["vocab"] for c in costs):
+        cells = [f"B={c['rows']}: {c['draft_ms']:.1f} / {c['target_ms']:.1f} ms = {c['ratio']:.3f}"
+                 for c in costs if c["vocab"] == vocab]
+        lines.append(f"  {'full vocabulary' if vocab is None else f'N={vocab}':<16} " + ", ".join(cells))
     return "\n".join(lines)
 
 
@@ -413,12 +459,19 @@ def run_bench(
     is_main = state is None or state.is_main_process
     runs = plan_runs(config, min(config.batch_size, len(texts)))
     assisted_texts = texts[: config.hf_assisted_prompts]
-    # Warm-up: the first forwards of a process are slow (allocator, kernels); keep them out of every timing.
+    # Warm-up: the first forwards of a process are slow (allocator, kernels); keep them out of every timing, and so
+    # are building and checking each reduced-vocabulary draft (cached on the draft).
+    from .candidate_generators.reduced_vocab import reduced_vocab_draft
+
+    for vocab in config.draft_vocabs:
+        reduced_vocab_draft(draft, vocab)
     warm = encode(tokenizer, texts[:2], target.device)
     target.generate(**warm, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     target.generate(**warm, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id,
                     assistant_model=draft, custom_generate="tetris")
     profile_seconds = profile_cost_model(target, draft, runs, min(config.batch_size, len(texts)))
+    cost_rows = sorted({1, min(config.batch_size, len(texts))})
+    draft_costs = draft_cost_ratios(target, draft, config.draft_vocabs, cost_rows) if is_main else []
     total = config.repeats * sum(len(assisted_texts) if strategy == "hf-assisted" else len(texts)
                                  for _, strategy, _ in runs)
     repeats: dict[str, list[RunResult]] = {name: [] for name, _, _ in runs}
@@ -436,7 +489,7 @@ def run_bench(
     results = [median_run(repeats[name]) for name, _, _ in runs]
     mismatches = check_greedy_outputs(results) if not config.do_sample else []
     return {"config": dataclasses.asdict(config), "runs": [result.summary() for result in results],
-            "mismatches": mismatches, "cost_profile_seconds": profile_seconds,
+            "mismatches": mismatches, "cost_profile_seconds": profile_seconds, "draft_cost": draft_costs,
             "is_main_process": is_main, "num_processes": 1 if state is None else state.num_processes}
 
 
@@ -469,7 +522,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1,
                         help="run every strategy this many times, interleaved, and report the median run")
+    parser.add_argument("--draft-vocab", type=draft_vocab_list, default=(None,),
+                        help="comma list of draft head sizes: 'full' or N (the draft's N most frequent tokens, "
+                             "tetris_draft_vocab=N); every speculative run is repeated for each (default: full)")
     parser.add_argument("--no-progress", action="store_true")
+
+
+def draft_vocab_list(text: str) -> tuple[int | None, ...]:
+    """argparse type of ``--draft-vocab``: ``full`` -> None, else positive ints."""
+    values = []
+    for part in (p.strip() for p in text.split(",")):
+        if part == "full":
+            values.append(None)
+        elif part.isdigit() and int(part) > 0:
+            values.append(int(part))
+        else:
+            raise argparse.ArgumentTypeError(f"expected 'full' or a positive number of tokens, got {part!r}")
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one draft vocabulary")
+    return tuple(dict.fromkeys(values))
+
+
+def ensure_token_counts(draft, tokenizer, vocabs) -> str | None:
+    """A reduced head needs the draft's token frequency table; a draft that ships none gets one counted over the
+    last 2,000 ShareGPT chats (the prompt sets read from the file's front). Returns where the table came from."""
+    from .candidate_generators.reduced_vocab import (
+        TOKEN_COUNTS_ATTRIBUTE, TOKEN_COUNTS_SOURCE_ATTRIBUTE, attach_token_counts, output_rows, token_counts,
+    )
+
+    if all(vocab is None for vocab in vocabs):
+        return None
+    if getattr(draft, TOKEN_COUNTS_ATTRIBUTE, None) is None:
+        from .data import load_sharegpt_chats
+
+        chats = list(load_sharegpt_chats())[-2000:]
+        texts = [tokenizer.apply_chat_template(list(chat.messages), tokenize=False) for chat in chats]
+        counts = token_counts(tokenizer, texts, output_rows(draft))
+        attach_token_counts(draft, counts, f"{int(counts.sum()):,} tokens of the last {len(chats)} ShareGPT chats "
+                                           "(counted by the bench: the draft ships no table)")
+    too_big = [v for v in vocabs if v is not None and v > output_rows(draft)]
+    if too_big:
+        raise UsageError(f"--draft-vocab {too_big[0]} is larger than the draft's {output_rows(draft)}-token vocabulary")
+    return getattr(draft, TOKEN_COUNTS_SOURCE_ATTRIBUTE)
 
 
 def config_from_args(args) -> BenchConfig:
@@ -495,6 +589,7 @@ def config_from_args(args) -> BenchConfig:
         do_sample=args.do_sample,
         seed=args.seed,
         repeats=args.repeats,
+        draft_vocabs=args.draft_vocab,
     )
 
 
@@ -516,10 +611,12 @@ def main(args) -> int:
             raise UsageError(str(error)) from None
     target, draft, tokenizer, info = load_pair(args.target, args.draft, device, quantization)
     texts, note = prompt_texts(prompt_set, args.num_prompts, tokenizer, args.max_prompt_tokens)
+    vocab_source = ensure_token_counts(draft, tokenizer, config.draft_vocabs)
     report = run_bench(target, draft, tokenizer, texts, config, show_progress=not args.no_progress, state=state)
     if not report["is_main_process"]:
         return 0
     report.update(pair=dataclasses.asdict(info), prompts={"set": args.prompts, "count": len(texts), "note": note},
+                  draft_vocab_source=vocab_source,
                   device=str(device), torch=torch.__version__, threads=torch.get_num_threads(),
                   argv=sys.argv)
     output = Path(args.output)
@@ -529,7 +626,10 @@ def main(args) -> int:
              f"{device} — draft: {info.draft_kind}")
     plot(report["runs"], output / "bench.png", title)
     print(f"target: {info.target}\ndraft:  {info.draft}\nprompts: {note}")
+    if vocab_source is not None:
+        print(f"reduced draft heads (N=...): the N most frequent tokens of {vocab_source}")
     print(format_table(report["runs"], "generate" if "generate" in config.strategies else None))
+    print(format_draft_costs(report["draft_cost"]))
     if report["cost_profile_seconds"] is not None:
         print(f"cost profile for adaptive/dsd: {report['cost_profile_seconds']:.1f} s before the timed runs (measured "
               "once per pair, device, dtype and thread count, then read from the cache)")

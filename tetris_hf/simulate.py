@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from .cli import UsageError, load_pair, load_prompt_set, number_list, prompt_texts, resolve_device
-from .cost_model import StepCostModel, load_profile
+from .cost_model import CostProfile, StepCostModel, load_profile
 from .strategies import AdaptiveBudget, DynamicWindow, FixedWindow, TetrisOptions, TetrisSelection
 
 TRACE_FORMAT = "tetris-hf-trace"
@@ -58,7 +58,7 @@ SHARED_CURVES = ("h200_curve_8b.json", "h200_curve_smol.json", "cpu_curve_smol.j
 
 def record_traces(model: torch.nn.Module, assistant_model: torch.nn.Module, input_ids: torch.LongTensor,
                   attention_mask: torch.Tensor | None = None, *, num_draft_tokens: int = 8, first_request: int = 0,
-                  **generate_kwargs) -> list[dict]:
+                  draft_vocab: int | torch.Tensor | None = None, **generate_kwargs) -> list[dict]:
     """Run the batched loop with every cell verified and return one trace row per step and active row.
 
     Args:
@@ -66,6 +66,7 @@ def record_traces(model: torch.nn.Module, assistant_model: torch.nn.Module, inpu
         input_ids, attention_mask: ``(B, T)`` left-padded prompts.
         num_draft_tokens: ``K``, cells drafted (and all verified) per row and step.
         first_request: request number of row 0 (to number rows across batches).
+        draft_vocab: ``tetris_draft_vocab`` (the draft's head restricted to a token subset), ``None`` for full.
         generate_kwargs: for ``generate()`` (``max_new_tokens``, ``do_sample``, ``eos_token_id``, ...).
 
     Returns:
@@ -77,7 +78,8 @@ def record_traces(model: torch.nn.Module, assistant_model: torch.nn.Module, inpu
     from .decoding import BatchedSpeculativeLoop, check_pair
 
     check_pair(model, assistant_model)
-    options = TetrisOptions(num_assistant_tokens=num_draft_tokens, tetris_strategy="fixed")
+    options = TetrisOptions(num_assistant_tokens=num_draft_tokens, tetris_strategy="fixed",
+                            tetris_draft_vocab=draft_vocab)
     records = []
 
     def decoding(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
@@ -358,6 +360,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     record.add_argument("--draft", default=None, help="draft directory, early-exit:N, or a model id")
     record.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     record.add_argument("--do-sample", action="store_true", help="record sampling acceptance (one draw per cell)")
+    record.add_argument("--draft-vocab", type=int, default=None,
+                        help="restrict the draft's head to its N most frequent tokens (tetris_draft_vocab=N)")
     record.add_argument("--seed", type=int, default=0)
     replay_parser = sub.add_parser("replay", help="project throughput from traces under cost curves")
     replay_parser.add_argument("--traces", action="append", required=True, help="trace file (repeatable)")
@@ -371,6 +375,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     replay_parser.add_argument("--min-steps", type=int, default=64, help="at least this many steps per batch size")
     replay_parser.add_argument("--output", default="simulate-out", help="directory for simulate.json and simulate.png")
     replay_parser.add_argument("--seed", type=int, default=0)
+    replay_parser.add_argument("--draft-cost-ratio", type=float, default=None,
+                               help="time a draft forward over B rows as this fraction of the curve's target forward "
+                                    "over B x 1 tokens (e.g. the draft's measured CPU ratio) instead of the curve's "
+                                    "draft entry")
 
 
 def default_curves() -> list[str]:
@@ -390,12 +398,25 @@ def _curve_name(source: str, cost: StepCostModel) -> str:
     return f"{Path(source.split(':')[0]).stem}: {target} / draft {draft}"
 
 
+def draft_as_ratio(profile: CostProfile, ratio: float) -> CostProfile:
+    """``profile`` with its draft forward over ``B`` rows timed as ``ratio`` x its target forward over ``B`` x 1."""
+    draft = {rows: ratio * ms for (rows, tokens), ms in profile.target.items() if tokens == 1}
+    if not draft:
+        raise UsageError("--draft-cost-ratio needs a curve with target forwards of one token per row")
+    return CostProfile(dict(profile.target), draft, {**profile.meta, "draft": f"{ratio:g} x target step"})
+
+
 def run_record(args) -> int:
     if args.draft_tokens < 1 or args.batch_size < 1 or args.num_prompts < 1 or args.max_new_tokens < 1:
         raise UsageError("--draft-tokens, --batch-size, --num-prompts and --max-new-tokens must be >= 1")
+    if args.draft_vocab is not None and args.draft_vocab < 1:
+        raise UsageError(f"--draft-vocab must be a positive number of tokens, got {args.draft_vocab}")
+    from .bench import ensure_token_counts
+
     prompt_set = load_prompt_set(args.prompts)
     device = resolve_device(args.device)
     target, draft, tokenizer, info = load_pair(args.target, args.draft, device)
+    vocab_source = ensure_token_counts(draft, tokenizer, [args.draft_vocab])
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -407,13 +428,14 @@ def run_record(args) -> int:
         batch = tokenizer(texts[start : start + args.batch_size], return_tensors="pt", padding=True,
                           add_special_tokens=False).to(device)
         rows += record_traces(target, draft, batch["input_ids"], batch["attention_mask"],
-                              num_draft_tokens=args.draft_tokens, first_request=start,
+                              num_draft_tokens=args.draft_tokens, first_request=start, draft_vocab=args.draft_vocab,
                               max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
                               pad_token_id=tokenizer.pad_token_id)
         print(f"recorded prompts {start + 1}-{start + batch['input_ids'].shape[0]} of {len(texts)}", flush=True)
     header = {"num_draft_tokens": args.draft_tokens, "target": info.target, "draft": info.draft,
               "prompts": args.prompts, "num_prompts": len(texts), "batch_size": args.batch_size,
-              "max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample, "device": str(device)}
+              "max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample, "device": str(device),
+              "draft_vocab": args.draft_vocab, "draft_vocab_source": vocab_source}
     path = write_traces(args.output, rows, header)
     traces = read_traces([path])
     rates = ", ".join(f"{rate:.2f}" for rate in traces.acceptance_by_position())
@@ -431,13 +453,17 @@ def run_replay(args) -> int:
     sources = args.curve or default_curves()
     if not sources:
         raise UsageError("no --curve given and no shared/data curves found beside this checkout")
+    if args.draft_cost_ratio is not None and not args.draft_cost_ratio > 0:
+        raise UsageError(f"--draft-cost-ratio must be positive, got {args.draft_cost_ratio}")
     curves = []
     for source in sources:
         try:
-            cost = StepCostModel(load_profile(source))
+            profile = load_profile(source)
         except (ValueError, TypeError, KeyError) as error:
             raise UsageError(f"bad --curve {source}: {error}") from None
-        curves.append((source, cost))
+        if args.draft_cost_ratio is not None:
+            profile = draft_as_ratio(profile, args.draft_cost_ratio)
+        curves.append((source, StepCostModel(profile)))
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     rates = traces.acceptance_by_position()
