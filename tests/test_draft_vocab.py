@@ -300,3 +300,41 @@ def test_simulate_records_traces_with_a_reduced_draft():
     assert rows and all(len(row["log_probs"]) == 3 for row in rows if row["verified"] == 3)
     profile = draft_as_ratio(CostProfile({(1, 1): 20.0, (1, 4): 30.0, (8, 1): 40.0}, {1: 9.0}), 0.1)
     assert profile.draft == {1: pytest.approx(2.0), 8: pytest.approx(4.0)}
+
+
+def test_distill_stores_the_token_table_and_vocab_only_adds_one(tmp_path, capsys):
+    import json
+
+    from tetris_hf import distill, models
+    from test_models import distill_args, tiny_model_dir, tiny_sharegpt
+
+    model_dir = tiny_model_dir(tmp_path / "model")
+    data = tiny_sharegpt(tmp_path / "chats.json")
+    common = ["--target", model_dir, "--data", data, "--layers", "1", "--tokens", "512", "--batch-size", "4",
+              "--seq-len", "16", "--eval-tokens", "128", "--eval-every", "8", "--device", "cpu"]
+    assert distill.main(distill_args(*common, "--draft-vocab", "12", "--eval-vocab", "20",
+                                     "--output", str(tmp_path / "draft"))) == 0
+    out = capsys.readouterr().out
+    assert "with the 12 most frequent tokens only" in out and "with the 20 most frequent tokens only" in out
+    entry = json.loads((tmp_path / "draft" / models.DRAFT_CONFIG_NAME).read_text())["draft_vocab"]
+    assert entry["size"] == 12 and entry["counted_tokens"] == 512 and "ShareGPT" in entry["source"]
+    assert set(entry["held_out_agreement"]) == {"12", "20"}
+    counts, token_ids, _ = models.load_draft_vocab(tmp_path / "draft")
+    assert token_ids.numel() == 12 and torch.equal(token_ids, most_frequent(counts, 12))
+
+    (tmp_path / "draft" / models.DRAFT_VOCAB_NAME).unlink()  # a draft without a table, then --vocab-only
+    assert distill.main(distill_args(*common, "--draft-vocab", "8", "--vocab-only", "--vocab-tokens", "300",
+                                     "--output", str(tmp_path / "draft"))) == 0
+    entry = json.loads((tmp_path / "draft" / models.DRAFT_CONFIG_NAME).read_text())["draft_vocab"]
+    assert entry["size"] == 8 and entry["counted_tokens"] == 300
+
+
+def test_distill_vocab_errors(tmp_path):
+    from tetris_hf import distill
+    from tetris_hf.cli import UsageError
+    from test_models import distill_args
+
+    with pytest.raises(UsageError, match="--vocab-only adds a --draft-vocab table"):
+        distill.main(distill_args("--vocab-only", "--output", str(tmp_path)))
+    with pytest.raises(UsageError, match="--draft-vocab must be a positive"):
+        distill.main(distill_args("--draft-vocab", "0", "--output", str(tmp_path)))
