@@ -38,10 +38,10 @@ DISTRIBUTION = "tetris-hf"
 PACKAGE = "tetris_hf"
 PACKAGE_DIR = Path(__file__).resolve().parent
 ENTRY = "tetris_hf.generation"
-# Modules of the package that are tools around the strategy, not part of it.
+# Modules of the package that are tools around the strategy (programs, model and data loading, measurement), never
+# exported: the strategy must not depend on them.
 TOOLS = frozenset(f"{PACKAGE}.{name}" for name in (
-    "bench", "bound", "cli", "data", "distill", "hub_export", "metrics", "models", "multidraft", "quantization",
-    "simulate",
+    "bench", "bound", "cli", "data", "distill", "hub_export", "metrics", "models", "quantization", "simulate",
 ))
 
 GENERATE_PY = '''"""TETRIS batched speculative decoding as a transformers ``custom_generate`` repository.
@@ -280,7 +280,7 @@ def stats_fields() -> str:
 def files_table(modules: list[LibraryModule]) -> str:
     """The Markdown table of the exported files, each with the first line of its docstring."""
     rows = ["| file | exported from | what it does |", "|---|---|---|"]
-    for module in modules:
+    for module in sorted(modules, key=lambda module: module.flat):
         summary = _markdown(module.summary).replace("|", "\\|")
         rows.append(f"| `custom_generate/{module.flat}.py` | `tetris_hf/{module.relative_path}` | {summary} |")
     return "\n".join(rows)
@@ -319,8 +319,8 @@ exported by `python -m tetris_hf.hub_export` as flat modules (nothing else to in
 
 transformers copies `custom_generate/generate.py` and the modules it imports relatively into its modules cache and
 imports them; `generate.py` only re-exports `generate` from `generation.py`. Importing them defines classes and
-functions and changes no global state (nothing of transformers is patched); they import only the Python standard
-library, `torch` and `transformers`. Loading the strategy reads no file and opens no connection. Running
+functions and patches nothing of transformers; they import only the Python standard library, `torch` and
+`transformers`. Running
 `tetris_strategy="adaptive"` or `"dsd"` without `tetris_cost_profile` times a few forwards of your models and caches
 the result as JSON under `$TETRIS_HF_CACHE/cost-profiles` (default `~/.cache/tetris_hf`).
 
