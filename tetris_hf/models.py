@@ -8,11 +8,14 @@ Draft: a small model that *shares* the target's embedding and LM head (same tens
 decoder layers and final norm. Two kinds:
 
 - a trained draft in the tetris-hf draft format (``draft_config.json`` + ``draft.safetensors``: only the draft's own
-  weights, fp16), as written by :func:`save_draft` / ``tetris-hf distill``;
+  weights, fp16; optionally ``draft_vocab.safetensors``: a token frequency table for ``tetris_draft_vocab=N``), as
+  written by :func:`save_draft` / :func:`save_draft_vocab` / ``tetris-hf distill``;
 - an early-exit draft: the target's first n layers + its final norm + its head, untrained (:func:`early_exit_draft`).
 
-:func:`load_draft` uses the trained draft shipped in ``tetris_hf/assets/`` when there is one, else falls back to an
-early exit after :data:`EARLY_EXIT_LAYERS` layers and says so.
+:func:`load_draft` uses the trained draft shipped in ``tetris_hf/assets/draft-smollm2-135m`` (2 layers distilled on one
+H200, see its ``PROVENANCE.md``) when there is one, else falls back to an early exit after :data:`EARLY_EXIT_LAYERS`
+layers and says so. ``tetris_hf/assets/draft-smollm2-135m-cpu`` is the earlier draft distilled on one CPU thread for
+82k tokens (the command is in its ``draft_config.json``); pass its path as the draft to compare.
 """
 
 from __future__ import annotations
