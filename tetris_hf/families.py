@@ -11,7 +11,7 @@ by masking cache slots, and it hands the model each token's real position. That 
   cache layer types ``"linear_attention"``, ``"conv"``, ``"hybrid"`` or ``"hybrid_sliding"``;
 - attention whose cache holds more than keys and values per slot, or whose mask is not "causal, optionally within a
   window of positions": chunked attention (Llama 4), indexer-based sparse attention (DeepSeek V3.2), compressed
-  attention (DeepSeek V4).
+  attention (DeepSeek V4), and GPT-Neo's local layers (their window is a fixed mask over cache slots).
 """
 
 from __future__ import annotations
@@ -56,6 +56,9 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     layer_types, _ = get_layer_types_and_kwargs(config)
     if any(_is_recurrent(layer_type) for layer_type in layer_types):
         return f"{recurrent} (layer types {sorted(set(layer_types))})"
+    if "local" in (getattr(config, "attention_layers", None) or []):
+        return ("its local attention layers (GPT-Neo) take their window from cache slots, inside the model, and the "
+                "holes tetris_hf leaves in the cache would move that window")
     unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
     if unsupported:
         return (f"it has {', '.join(unsupported)} layers; tetris_hf masks attention by position, causally or within a "
