@@ -4,13 +4,14 @@ Every row writes the same number of slots per forward (blocks are padded to one 
 pointer, into buffers allocated once (``(B, H, capacity, D)`` per layer). Per row and slot the cache knows whether
 the slot holds a real token and that token's position in its row. Rejected drafts and block filler become holes.
 Keys are cached after RoPE and every forward gets each row's true ``position_ids``, so holes and moved slots change
-nothing the model computes, provided its attention mask is built from those positions:
-
-- models without a sliding window get the 2D ``(B, slots)`` mask of real slots; transformers adds causality by slot
-  index, which is the order of positions within a row (slots are written in order);
-- models with a sliding window (Mistral, Gemma 2/3, Qwen2 with ``use_sliding_window``, ...) get prepared 4D masks
-  built from real positions, one per layer type the model uses (``"full_attention"``, ``"sliding_attention"``):
-  transformers would measure the window in slots, which holes and left padding stretch.
+nothing the model computes, provided its attention mask is built from those positions. The cache builds, for each
+forward, the prepared 4D mask in which a query sees a key iff the key's slot holds a real token, the key's position
+is not after the query's and, on sliding-window layers, is within the window; hybrid models (Gemma 2/3, Qwen2, ...)
+get one such mask per layer type (``"full_attention"``, ``"sliding_attention"``). transformers would measure windows
+in slots, which holes and left padding stretch, and a prepared mask also spares it a device read per forward.
+Models that derive ALiBi biases from the 2D mask (BLOOM, MPT, Falcon with ``alibi``) get the 2D ``(B, slots)`` mask
+of real slots instead (transformers adds causality by slot index, which is the order of positions within a row), as
+do attention implementations other than sdpa and eager (which then cannot serve a sliding window).
 
 :meth:`SlotCache.compact` repacks each row's real slots when holes pile up (or the buffers fill), which bounds the
 cache at the longest row's live tokens plus ``max_holes``; on a model whose every layer has a window, slots that fell
@@ -25,7 +26,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 FULL, SLIDING = "full_attention", "sliding_attention"
-MASK_IMPLEMENTATIONS = ("sdpa", "eager")
+MASK_IMPLEMENTATIONS = ("sdpa", "eager")  # attention implementations that take a prepared 4D mask
+ALIBI_FAMILIES = ("bloom", "mpt")  # their ALiBi biases come from the 2D mask's cumulative sum
 
 
 @dataclass(frozen=True)
@@ -36,11 +38,13 @@ class AttentionLayout:
         windows: ``{layer type: window}``, ``None`` for full attention.
         keyed: the model's forward takes a dict of masks keyed by layer type (hybrid models: ``config.layer_types``).
         implementation: ``config._attn_implementation``.
+        prepared: the cache hands the model prepared 4D masks (else the 2D mask of real slots).
     """
 
     windows: dict
     keyed: bool
     implementation: str
+    prepared: bool
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "AttentionLayout":
@@ -49,11 +53,13 @@ class AttentionLayout:
         window = window if isinstance(window, int) and window > 0 else None
         layer_types = getattr(config, "layer_types", None)
         implementation = config._attn_implementation or "eager"
+        alibi = config.model_type in ALIBI_FAMILIES or bool(getattr(config, "alibi", False))
+        prepared = implementation in MASK_IMPLEMENTATIONS and not alibi
         if isinstance(layer_types, (list, tuple)) and layer_types:
             windows = {kind: (window if kind == SLIDING else None) for kind in dict.fromkeys(layer_types)}
-            layout = cls(windows, True, implementation)
+            layout = cls(windows, True, implementation, prepared)
         else:
-            layout = cls({FULL if window is None else SLIDING: window}, False, implementation)
+            layout = cls({FULL if window is None else SLIDING: window}, False, implementation, prepared)
         if layout.windowed:
             unknown = [kind for kind in layout.windows if kind not in (FULL, SLIDING)]
             if unknown:
@@ -61,7 +67,7 @@ class AttentionLayout:
                                  f"build masks for {FULL!r} and {SLIDING!r} layers)")
             if SLIDING in layout.windows and layout.windows[SLIDING] is None:
                 raise ValueError(f"{config.model_type}: sliding-attention layers without a `sliding_window` size")
-            if implementation not in MASK_IMPLEMENTATIONS:
+            if not prepared:
                 raise ValueError(
                     f"{config.model_type} with attn_implementation={implementation!r}: tetris_hf builds sliding-window "
                     f"masks from real positions, which needs one of {MASK_IMPLEMENTATIONS}; load the model with "
@@ -207,7 +213,7 @@ class SlotCache:
         position_ids = self.next_positions[:, None] + (input_mask.cumsum(dim=1) - 1).clamp(min=0)
         self.slot_mask[:, start:end] = input_mask
         self.slot_positions[:, start:end] = position_ids
-        if self.layout.windowed:
+        if self.layout.prepared:
             attention_mask = position_masks(self.layout, self.slot_positions[:, :end], self.slot_mask[:, :end].bool(),
                                             position_ids, model.dtype)
         else:  # causality by slot index is causality by position: the 2D mask of real slots is enough
