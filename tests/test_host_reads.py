@@ -6,7 +6,8 @@ per step (its stopping check and transformers' mask check); the loop's are the b
 levels) and, when a row may have stopped, how many did.
 """
 
-import collections
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,45 +15,33 @@ import torch
 import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
 from tiny_models import left_pad, noisy_copy, random_prompts, tiny_llama
 
-READS = ("item", "__int__", "__bool__", "__float__", "__index__", "tolist", "cpu")
+_spec = importlib.util.spec_from_file_location(
+    "host_reads", Path(__file__).resolve().parents[1] / "examples" / "host_reads.py")
+host_reads = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(host_reads)  # the counter gpu_check.py uses too
 
 
-def reads_per_step(monkeypatch, **generate_kwargs) -> list[int]:
+def reads_per_step(**generate_kwargs) -> list[int]:
     """Host reads made during each step of a TETRIS call on tiny models (B = 8, 40 new tokens)."""
     target = tiny_llama(64, num_layers=2, seed=0)
     draft = noisy_copy(target, 0.3)
     input_ids, mask = left_pad(random_prompts(8, 64, seed=1))
-    count = collections.Counter()
-    for name in READS:
-        original = getattr(torch.Tensor, name)
-
-        def counted(self, *args, _original=original, **kwargs):
-            count["reads"] += 1
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    per_step = []
-
-    def step_done(record, loop):
-        per_step.append(count["reads"])
-        count["reads"] = 0
-
-    target.generate(input_ids, attention_mask=mask, assistant_model=draft, custom_generate="tetris",
-                    max_new_tokens=40, tetris_step_callback=step_done, **generate_kwargs)
-    monkeypatch.undo()
-    return per_step
+    with host_reads.HostReads() as reads:
+        target.generate(input_ids, attention_mask=mask, assistant_model=draft, custom_generate="tetris",
+                        max_new_tokens=40, tetris_step_callback=reads.step_done, **generate_kwargs)
+    return reads.per_step
 
 
 @pytest.mark.parametrize("strategy", ["tetris", "fixed"])
 @pytest.mark.parametrize("do_sample", [False, True])
-def test_steady_state_step_reads_the_device_at_most_twice(monkeypatch, strategy, do_sample):
-    per_step = reads_per_step(monkeypatch, tetris_strategy=strategy, do_sample=do_sample)
+def test_steady_state_step_reads_the_device_at_most_twice(strategy, do_sample):
+    per_step = reads_per_step(tetris_strategy=strategy, do_sample=do_sample)
     steady = per_step[2:-1]  # after the prompt step and the first drafting step, before the last
     assert len(steady) >= 5
     assert max(steady) <= 2, per_step
 
 
-def test_reads_are_counted(monkeypatch):
+def test_reads_are_counted():
     """The counter sees the reads a custom stopping criterion makes (token by token, on the host)."""
     from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
@@ -60,5 +49,5 @@ def test_reads_are_counted(monkeypatch):
         def __call__(self, input_ids, scores, **kwargs):
             return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
-    per_step = reads_per_step(monkeypatch, stopping_criteria=StoppingCriteriaList([NeverStops()]))
+    per_step = reads_per_step(stopping_criteria=StoppingCriteriaList([NeverStops()]))
     assert max(per_step[2:-1]) > 2
