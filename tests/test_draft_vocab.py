@@ -50,6 +50,15 @@ def test_subset_logits_equal_the_full_models_and_the_rest_is_minus_inf():
     torch.testing.assert_close(reduced[..., ids], full[..., ids])
 
 
+def test_the_head_copy_follows_in_place_changes_of_the_head():
+    model = tiny_llama(30, seed=5)
+    wrapper = ReducedVocabDraft(model, torch.tensor([2, 4, 8]))
+    prompt = torch.tensor([[3, 9, 12]])
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3)  # e.g. a training step
+        torch.testing.assert_close(wrapper(prompt).logits[..., [2, 4, 8]], model(prompt).logits[..., [2, 4, 8]])
+
+
 def _tiny(config_class, model_class, **extra):
     config = config_class(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                           num_attention_heads=2, num_key_value_heads=1, head_dim=8, **extra)
