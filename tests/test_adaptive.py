@@ -18,8 +18,8 @@ from tetris_hf.strategies import (
     expected_tokens_geometric,
     make_strategy,
     plan_step,
-    StepSeconds,
 )
+from tetris_hf.step_strategy import DraftPlan, StepSeconds, run_step
 from test_greedy_exactness import generate_checked, pick_eos, target_alone
 from tiny_models import target_and_draft, PAD, left_pad, noisy_copy, random_prompts, tiny_llama
 
@@ -84,13 +84,15 @@ def test_dsd_window_follows_cost_and_acceptance():
 
 def test_dsd_acceptance_is_an_exponential_average_of_the_geometric_rate():
     strategy = DynamicWindow(TetrisOptions(tetris_strategy="dsd"), StepCostModel(FREE_VERIFY))
-    assert strategy.budget(4) == 4 and strategy.num_draft_tokens(4) == 1  # no estimate yet: probe with k = 1
+    assert strategy.plan(4) == DraftPlan(1, 4, probe=True)  # no estimate yet: probe with k = 1
     lengths = torch.tensor([1, 1, 1, 1])
     strategy.observe(torch.zeros(4, 1), lengths, torch.tensor([1, 1, 1, 0]))  # 3 accepted, 1 rejection
+    strategy.plan(4)  # what was observed is learnt before the next plan
     assert strategy.acceptance == pytest.approx(0.75)
     strategy.observe(torch.zeros(4, 2), torch.full((4,), 2), torch.tensor([2, 2, 0, 1]))  # 5 accepted, 2 rejections
+    plan = strategy.plan(4)
     assert strategy.acceptance == pytest.approx(0.85 * 0.75 + 0.15 * 5 / 7)
-    assert strategy.budget(4) == 4 * strategy.num_draft_tokens(4) == 4 * 6  # free verification: the longest k
+    assert plan.budget == 4 * plan.num_draft_tokens == 4 * 6  # free verification: the longest k
 
 
 @pytest.mark.parametrize("learn_costs", [True, False])
@@ -101,6 +103,7 @@ def test_cost_model_follows_the_loops_measured_step_times(learn_costs):
     for _ in range(40):  # this machine drafts 2x and verifies 3x slower than profiled, and spends 4 ms elsewhere
         strategy.observe(torch.zeros(4, 2), torch.full((4,), 2), torch.ones(4, dtype=torch.long),
                          StepSeconds(draft=2 * draft_two, verify=3 * verify_three, other=0.004))
+    strategy.plan(4)  # learns what it observed
     scales = (cost.draft_scale, cost.target_scale, cost.step_overhead)
     expected = (pytest.approx(2.0), pytest.approx(3.0), pytest.approx(0.004)) if learn_costs else (1.0, 1.0, 0.0)
     assert scales == expected
@@ -111,14 +114,13 @@ def probe_steps(cost_profile: CostProfile, q: float, num_rows: int = 4, steps: i
     strategy = AdaptiveBudget(TetrisOptions(tetris_strategy="adaptive"), StepCostModel(cost_profile))
     drafted = []
     for step in range(steps):
-        budget = strategy.budget(num_rows)
-        num_drafted = strategy.num_draft_tokens(num_rows) if budget else 0
-        log_probs = torch.full((num_rows, num_drafted), math.log(q))
-        lengths = torch.zeros(num_rows, dtype=torch.long)
-        if num_drafted:
+        outcome = run_step(
+            strategy, num_rows, strategy.max_draft,
+            draft=lambda k: (torch.full((num_rows, k), math.log(q)), torch.full((num_rows,), k)),
+            verify=lambda lengths: (torch.zeros(num_rows, dtype=torch.long), None),
+        )
+        if outcome.num_drafted:
             drafted.append(step)
-            lengths = strategy.select(log_probs, torch.full((num_rows,), num_drafted), budget)
-        strategy.observe(log_probs, lengths, torch.zeros(num_rows, dtype=torch.long))
     return drafted
 
 
@@ -142,10 +144,9 @@ def test_adaptive_selects_top_cells_by_calibrated_survival_not_raw_draft_probabi
     # an over-confident draft: its surest cells (q > 0.9) are almost always rejected, its unsure ones accepted
     strategy.calibrator.update_cells(torch.full((400,), 0.97), torch.rand(400) < 0.05)
     strategy.calibrator.update_cells(torch.full((400,), 0.03), torch.rand(400) < 0.95)
-    strategy.budget(3)
-    strategy.probing = False
+    strategy.plan(3)
     log_probs = torch.tensor([[0.99, 0.99, 0.99], [0.9, 0.05, 0.9], [0.02, 0.9, 0.9]]).log()
-    lengths = strategy.select(log_probs, torch.full((3,), 3), 2)
+    lengths = strategy.select(log_probs, torch.full((3,), 3), DraftPlan(3, 2))
     assert lengths.tolist() == [0, 1, 1]  # the cap allows 2 cells; raw q would have chosen row 0's
 
 

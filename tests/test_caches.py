@@ -9,6 +9,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
 
 from tetris_hf.decoding import BatchedSpeculativeLoop
+from tetris_hf.step_strategy import DraftPlan
 from tetris_hf.strategies import FixedWindow, TetrisOptions
 from tiny_models import PAD, left_pad, noisy_copy, random_prompts, tiny_llama
 
@@ -91,9 +92,9 @@ class DraftsEveryThirdStep(FixedWindow):
         super().__init__(options)
         self.calls = 0
 
-    def budget(self, num_rows: int) -> int:
+    def plan(self, num_rows: int) -> DraftPlan:
         self.calls += 1
-        return self.k * num_rows if self.calls % 3 == 0 else 0
+        return super().plan(num_rows) if self.calls % 3 == 0 else DraftPlan(0, 0)
 
 
 def test_draft_cache_catches_up_after_plain_steps():

@@ -51,3 +51,31 @@ def test_reads_are_counted():
 
     per_step = reads_per_step(stopping_criteria=StoppingCriteriaList([NeverStops()]))
     assert max(per_step[2:-1]) > 2
+
+
+def test_cost_aware_strategies_read_the_device_once_per_step_besides_the_loop(monkeypatch):
+    """``adaptive`` and ``dsd`` move what they learn and select on to the host in one transfer per step
+    (``strategies._to_host``, counted here); their arithmetic on those host copies is not a device read."""
+    from tetris_hf import strategies
+    from tetris_hf.cost_model import CostProfile
+
+    to_host = strategies._to_host
+    rows, tokens = (1, 4, 16, 64), (1, 2, 4, 8)
+    free_verification = CostProfile({(r, t): 10.0 for r in rows for t in tokens}, {r: 1e-3 for r in rows})
+    for strategy in ("adaptive", "dsd"):
+        target = tiny_llama(64, num_layers=2, seed=0)
+        draft = noisy_copy(target, 0.3)
+        input_ids, mask = left_pad(random_prompts(8, 64, seed=1))
+        with host_reads.HostReads(host_files=("strategies.py", "cost_model.py")) as reads:
+
+            def transfer(tensors):
+                reads.count += 1
+                return to_host(tensors)
+
+            monkeypatch.setattr(strategies, "_to_host", transfer)
+            target.generate(input_ids, attention_mask=mask, assistant_model=draft, custom_generate="tetris",
+                            max_new_tokens=40, tetris_step_callback=reads.step_done, tetris_strategy=strategy,
+                            tetris_cost_profile=free_verification)
+        steady = reads.per_step[3:-1]  # after the prompt step, the first probe and the first plan on it
+        assert len(steady) >= 5
+        assert max(steady) <= 3, (strategy, reads.per_step)

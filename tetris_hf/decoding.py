@@ -17,12 +17,14 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
 
 from .candidate_generators import BatchedDraftCandidateGenerator
+from .candidate_generators.reduced_vocab import reduced_vocab_draft
 from .families import check_supported
 from .kv import SlotCache
 from .logits import PositionwiseLogitsProcessor, verify_greedy, verify_sampling
 from .outputs import TetrisGenerateOutput, TetrisStats
 from .stopping import rows_that_stop
-from .strategies import StepSeconds, TetrisOptions, make_strategy
+from .step_strategy import StepSeconds, run_step
+from .strategies import TetrisOptions, make_strategy
 
 
 def output_vocab_size(model: torch.nn.Module) -> int:
@@ -151,6 +153,7 @@ class BatchedSpeculativeLoop:
         self.do_sample = bool(generation_config.do_sample)
         self.max_length = int(generation_config.max_length)
         self.streamer = streamer
+        assistant_model = reduced_vocab_draft(assistant_model, options.tetris_draft_vocab)  # the strategy profiles it too
         self.strategy = make_strategy(options, model, assistant_model, sampling=self.do_sample)
         self.step_callback = options.tetris_step_callback
         self.batch_size = batch_size
@@ -193,65 +196,67 @@ class BatchedSpeculativeLoop:
         """One speculative step for every active row; finished rows leave the batch.
 
         The first step reads the prompt into the target's cache and emits the token after it (no drafts), as
-        ``generate()``'s own first forward does; every later step drafts, selects, verifies, accepts and rolls back.
+        ``generate()``'s own first forward does; every later step drafts, selects, verifies, accepts and rolls back
+        (the order is :func:`~tetris_hf.step_strategy.run_step`'s).
         """
         if not self.prompt_read:
             return self._read_prompt()
         step_started = time.perf_counter()
-        lengths, num_rows = self.lengths, self.num_rows
+        lengths, rows = self.lengths, self.rows
         max_verify = (self.max_length - lengths - 1).clamp(min=0)  # one target token is always added
-        budget = self.strategy.budget(num_rows)
+        done: dict = {}  # what the step's phases hand each other
+
+        def draft(num_drafted: int) -> tuple[torch.Tensor, torch.Tensor]:
+            nonlocal step_started
+            if num_drafted > 0:
+                caught_up_at = time.perf_counter()
+                self.drafter.catch_up()  # what it skipped during plain steps: a one-off, kept out of the timings
+                step_started += time.perf_counter() - caught_up_at
+            done["draft_started"] = time.perf_counter()
+            done["drafts"], done["log_probs"], done["draft_probs"] = self.drafter.propose(
+                self.sequences, lengths, num_drafted, rows)
+            done["drafted_at"] = time.perf_counter()
+            return done["log_probs"], max_verify
+
+        def verify(verify_lengths: torch.Tensor) -> tuple[torch.Tensor, StepSeconds]:
+            # The step's one read: the block length sizes the target's input; the caches' fill levels come along.
+            block_length, target_longest, draft_longest = torch.stack([
+                verify_lengths.max(), self.target_slots.longest(), self.drafter.slots.longest()]).tolist()
+            self.target_slots.note_longest(target_longest)
+            self.drafter.slots.note_longest(draft_longest)
+            verified_drafts = done["drafts"][:, :block_length]
+
+            # verify: [last emitted token, drafts 1..l_i] per row, padded to one length with masked drafts
+            row_range = torch.arange(self.num_rows, device=lengths.device)
+            block = torch.cat([self.sequences[row_range, lengths - 1][:, None], verified_drafts], dim=1)
+            offsets = torch.arange(block_length + 1, device=lengths.device)
+            block_mask = (offsets[None, :] <= verify_lengths[:, None]).long()
+            logits = self.target_slots.forward(self.model, block, block_mask)
+            target_scores = self.logits_processor(self.sequences, lengths, logits, rows)
+
+            # accept
+            num_accepted, next_tokens = self._accept(verified_drafts, verify_lengths, target_scores,
+                                                     done["draft_probs"])
+
+            # roll back: the target keeps [last token, accepted drafts]; the draft keeps its accepted drafts
+            self.target_slots.drop_slots(self.target_slots.length - (block_length + 1), num_accepted + 1)
+            self.target_slots.compact()
+            self.drafter.accept(num_accepted, next_tokens)
+            verified_at = time.perf_counter()
+
+            # emit
+            done["emitted"], done["stopped"] = self._emit(num_accepted, next_tokens, block_length + 1)
+            draft_seconds = done["drafted_at"] - done["draft_started"]
+            verify_seconds = verified_at - done["drafted_at"]
+            done["seconds"] = StepSeconds(draft_seconds, verify_seconds,
+                                          time.perf_counter() - step_started - draft_seconds - verify_seconds)
+            return num_accepted, done["seconds"]
+
         room = max(self.max_length - self.shortest - 1, 0)  # no row may verify more than this
-        num_drafted = min(self.strategy.num_draft_tokens(num_rows), room, self.max_draft) if budget > 0 else 0
-        if num_drafted > 0:
-            caught_up_at = time.perf_counter()
-            self.drafter.catch_up()  # what it skipped during plain steps: a one-off, kept out of the timings
-            step_started += time.perf_counter() - caught_up_at
-
-        # 1. draft
-        draft_started = time.perf_counter()
-        draft_tokens, token_log_probs, draft_probs = self.drafter.propose(self.sequences, lengths, num_drafted,
-                                                                          self.rows)
-        drafted_at = time.perf_counter()
-
-        # 2. select
-        if num_drafted > 0:
-            verify_lengths = self.strategy.select(token_log_probs, max_verify.clamp(max=num_drafted), budget)
-        else:
-            verify_lengths = torch.zeros(num_rows, dtype=torch.long, device=lengths.device)
-        # The step's one read: the block length sizes the target's input; the caches' fill levels come along.
-        block_length, target_longest, draft_longest = torch.stack([
-            verify_lengths.max(), self.target_slots.longest(), self.drafter.slots.longest()]).tolist()
-        self.target_slots.note_longest(target_longest)
-        self.drafter.slots.note_longest(draft_longest)
-        verified_drafts = draft_tokens[:, :block_length]
-
-        # 3. verify: [last emitted token, drafts 1..l_i] per row, padded to one length with masked drafts
-        row_range = torch.arange(num_rows, device=lengths.device)
-        block = torch.cat([self.sequences[row_range, lengths - 1][:, None], verified_drafts], dim=1)
-        offsets = torch.arange(block_length + 1, device=lengths.device)
-        block_mask = (offsets[None, :] <= verify_lengths[:, None]).long()
-        logits = self.target_slots.forward(self.model, block, block_mask)
-        target_scores = self.logits_processor(self.sequences, lengths, logits, self.rows)
-
-        # 4. accept
-        num_accepted, next_tokens = self._accept(verified_drafts, verify_lengths, target_scores, draft_probs)
-
-        # 5. roll back: the target keeps [last token, accepted drafts]; the draft keeps its accepted drafts
-        self.target_slots.drop_slots(self.target_slots.length - (block_length + 1), num_accepted + 1)
-        self.target_slots.compact()
-        self.drafter.accept(num_accepted, next_tokens)
-        verified_at = time.perf_counter()
-
-        # 6. emit
-        emitted, stopped = self._emit(num_accepted, next_tokens, block_length + 1)
-        draft_seconds, verify_seconds = drafted_at - draft_started, verified_at - drafted_at
-        seconds = StepSeconds(draft_seconds, verify_seconds,
-                              time.perf_counter() - step_started - draft_seconds - verify_seconds)
-        record = StepRecord(self.rows, num_drafted, budget, token_log_probs, verify_lengths, num_accepted, emitted,
-                            seconds)
-        self.strategy.observe(token_log_probs, verify_lengths, num_accepted, seconds)
-        return self._finish(record, stopped)
+        outcome = run_step(self.strategy, self.num_rows, min(room, self.max_draft), draft, verify)
+        record = StepRecord(rows, outcome.num_drafted, outcome.plan.budget, done["log_probs"],
+                            outcome.verify_lengths, outcome.num_accepted, done["emitted"], done["seconds"])
+        return self._finish(record, done["stopped"])
 
     def _read_prompt(self) -> StepRecord:
         """The first step: the target reads every prompt (its cache had nothing) and adds one token per row."""

@@ -8,7 +8,7 @@ prefix; with sampling, one draw of the rejection sampler).
 ``tetris-hf simulate replay`` projects the throughput of no speculation, fixed-``k``, DSD, TETRIS and ``adaptive`` for
 batch sizes 1-256 under a forward-time curve (a measured :class:`~tetris_hf.cost_model.CostProfile`, or a curve file
 such as ``shared/data/h200_curve_8b.json``), driving the real strategy objects of :mod:`tetris_hf.strategies` through
-the loop's seam (``budget``, ``num_draft_tokens``, ``select``, ``observe``) on rows resampled from the traces.
+the loop's seam (:func:`~tetris_hf.step_strategy.run_step`: plan, select, observe) on rows resampled from the traces.
 
 Assumptions of the replay (what the projection is, and is not):
 
@@ -44,6 +44,7 @@ import torch
 
 from .cli import UsageError, load_pair, load_prompt_set, number_list, prompt_texts, resolve_device
 from .cost_model import CostProfile, StepCostModel, load_profile
+from .step_strategy import run_step
 from .strategies import AdaptiveBudget, DynamicWindow, FixedWindow, TetrisOptions, TetrisSelection
 
 TRACE_FORMAT = "tetris-hf-trace"
@@ -73,27 +74,14 @@ def record_traces(model: torch.nn.Module, assistant_model: torch.nn.Module, inpu
         Dicts ``{"request", "step", "log_probs" (K floats), "accept" (1 accepted, 0 the first rejection, None never
         reached), "accepted", "verified", "emitted"}``.
     """
-    from transformers.generation.utils import GenerationMixin
+    from .generation import generate
 
-    from .decoding import BatchedSpeculativeLoop, check_pair
-
-    check_pair(model, assistant_model)
-    options = TetrisOptions(num_assistant_tokens=num_draft_tokens, tetris_strategy="fixed",
-                            tetris_draft_vocab=draft_vocab)
     records = []
-
-    def decoding(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
-        mask = model_kwargs.get("attention_mask")
-        loop = BatchedSpeculativeLoop(model, assistant_model, input_ids,
-                                      torch.ones_like(input_ids) if mask is None else mask,
-                                      logits_processor, stopping_criteria, generation_config, options)
-        while not loop.done:
-            records.append(loop.step())
-        return loop.output()
-
     with torch.no_grad():
-        GenerationMixin.generate(model, input_ids, attention_mask=attention_mask, custom_generate=decoding,
-                                 **generate_kwargs)
+        generate(model, input_ids, attention_mask=attention_mask, assistant_model=assistant_model,
+                 num_assistant_tokens=num_draft_tokens, tetris_extra_tokens=0, tetris_strategy="fixed",
+                 tetris_draft_vocab=draft_vocab, tetris_step_callback=lambda record, loop: records.append(record),
+                 **generate_kwargs)
     rows = []
     for step, record in enumerate(records):
         log_probs = record.token_log_probs.float().cpu().tolist()
@@ -239,21 +227,21 @@ def replay(strategy, traces: TraceSet, cost: StepCostModel, batch_size: int, ste
     sampler = RowSampler(traces, batch_size, seed)
     total = ReplayResult(batch_size, steps, 0, 0.0, 0, 0, 0)
     for _ in range(steps):
-        budget = strategy.budget(batch_size)
-        num_drafted = min(strategy.num_draft_tokens(batch_size), traces.num_draft_tokens) if budget > 0 else 0
         log_probs, recorded = sampler.next()
-        log_probs = log_probs[:, :num_drafted]
-        if num_drafted > 0:
-            verify = strategy.select(log_probs, torch.full((batch_size,), num_drafted), budget)
-        else:
-            verify = torch.zeros(batch_size, dtype=torch.long)
-        accepted = torch.minimum(verify, recorded)
-        strategy.observe(log_probs, verify, accepted)
-        total.tokens += batch_size + int(accepted.sum())
-        total.seconds += cost.step_seconds(batch_size, num_drafted, int(verify.max()))
-        total.drafted += num_drafted * batch_size
-        total.verified += int(verify.sum())
-        total.accepted += int(accepted.sum())
+
+        def draft(num_drafted: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return log_probs[:, :num_drafted], torch.full((batch_size,), num_drafted)
+
+        def verify(verify_lengths: torch.Tensor) -> tuple[torch.Tensor, None]:
+            return torch.minimum(verify_lengths, recorded), None
+
+        outcome = run_step(strategy, batch_size, traces.num_draft_tokens, draft, verify)
+        accepted = int(outcome.num_accepted.sum())
+        total.tokens += batch_size + accepted
+        total.seconds += cost.step_seconds(batch_size, outcome.num_drafted, int(outcome.verify_lengths.max()))
+        total.drafted += outcome.num_drafted * batch_size
+        total.verified += int(outcome.verify_lengths.sum())
+        total.accepted += accepted
     return total
 
 
