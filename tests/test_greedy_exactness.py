@@ -30,14 +30,14 @@ def pick_eos(target, prompts):
     return EOS
 
 
-def assert_rows_equal(sequences, mask, references):
+def assert_rows_equal(sequences, input_ids, mask, references):
     width = mask.shape[1]
     for row, reference in enumerate(references):
         generated = sequences[row, width:].tolist()
         assert generated[: len(reference)] == reference, f"row {row} differs from the target alone"
         assert all(token == PAD for token in generated[len(reference):]), f"row {row} is not padded after it stopped"
     assert sequences.shape[1] == width + max(len(reference) for reference in references)
-    assert torch.equal(sequences[:, :width][mask.bool()], sequences[:, :width][mask.bool()])
+    assert torch.equal(sequences[:, :width], input_ids), "the prompt part differs from the input"
 
 
 def generate_checked(target, draft, input_ids, mask, references, eos, **options):
@@ -45,7 +45,7 @@ def generate_checked(target, draft, input_ids, mask, references, eos, **options)
     out = target.generate(input_ids, attention_mask=mask, assistant_model=draft, custom_generate="tetris",
                           do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=PAD,
                           return_dict_in_generate=True, **options)
-    assert_rows_equal(out.sequences, mask, references)
+    assert_rows_equal(out.sequences, input_ids, mask, references)
     stats = out.tetris_stats
     assert stats.emitted_tokens == sum(len(reference) for reference in references), options
     return stats
@@ -96,7 +96,7 @@ def test_rows_that_reach_eos_stop_costing_verification():
     out = target.generate(input_ids, attention_mask=mask, assistant_model=noisy_copy(target, 0.3),
                           custom_generate="tetris", max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=PAD,
                           do_sample=False, return_dict_in_generate=True, tetris_strategy="fixed")
-    assert_rows_equal(out.sequences, mask, references)
+    assert_rows_equal(out.sequences, input_ids, mask, references)
     for row, reference in enumerate(references):
         steps_active = sum(1 for step in out.tetris_stats.verified_per_step if step[row] >= 0)
         assert steps_active <= len(reference)  # a row is never verified after it stopped
@@ -109,7 +109,7 @@ def test_unpadded_batch_without_attention_mask():
     input_ids = torch.tensor(prompts)
     out = target.generate(input_ids, assistant_model=noisy_copy(target, 0.3), custom_generate="tetris",
                           do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=PAD)
-    assert_rows_equal(out, torch.ones_like(input_ids), references)
+    assert_rows_equal(out, input_ids, torch.ones_like(input_ids), references)
 
 
 def test_repetition_penalty_and_min_new_tokens_apply_per_row():
@@ -125,7 +125,7 @@ def test_repetition_penalty_and_min_new_tokens_apply_per_row():
     input_ids, mask = left_pad(prompts)
     out = target.generate(input_ids, attention_mask=mask, assistant_model=noisy_copy(target, 0.3),
                           custom_generate="tetris", **kwargs)
-    assert_rows_equal(out, mask, references)
+    assert_rows_equal(out, input_ids, mask, references)
 
 
 def test_sequences_equal_plain_batched_generate():
