@@ -17,6 +17,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
 
 from .candidate_generators import BatchedDraftCandidateGenerator
+from .compiled import bucket, check_compilable, compiled_forward
 from .candidate_generators.reduced_vocab import reduced_vocab_draft
 from .families import check_supported
 from .kv import SlotCache
@@ -176,6 +177,12 @@ class BatchedSpeculativeLoop:
         self.prompt_mask = attention_mask
         self.prompt_read = False  # the first step reads the prompt and emits the first token, as generate() does
         self.drafter.prefill(input_ids, attention_mask)  # lazy: the draft reads the prompt when it first drafts
+        self.compile = options.tetris_compile
+        if self.compile:
+            check_compilable(model, "target")
+            check_compilable(assistant_model, "draft")
+            self.target_slots.step_forward = compiled_forward(model)
+            self.drafter.slots.step_forward = compiled_forward(assistant_model)
 
         self.sequences = input_ids.new_full((batch_size, capacity), self.pad_value)
         self.sequences[:, :prompt_length] = input_ids
@@ -227,11 +234,14 @@ class BatchedSpeculativeLoop:
             verified_drafts = done["drafts"][:, :block_length]
 
             # verify: [last emitted token, drafts 1..l_i] per row, padded to one length with masked drafts
+            # (compiled: padded with masked filler to a power of two, so that block shapes repeat)
+            width = bucket(block_length + 1) if self.compile else block_length + 1
             row_range = torch.arange(self.num_rows, device=lengths.device)
             block = torch.cat([self.sequences[row_range, lengths - 1][:, None], verified_drafts], dim=1)
-            offsets = torch.arange(block_length + 1, device=lengths.device)
+            block = torch.nn.functional.pad(block, (0, width - block.shape[1]), value=self.pad_value)
+            offsets = torch.arange(width, device=lengths.device)
             block_mask = (offsets[None, :] <= verify_lengths[:, None]).long()
-            logits = self.target_slots.forward(self.model, block, block_mask)
+            logits = self.target_slots.forward(self.model, block, block_mask, step=True)[:, : block_length + 1]
             target_scores = self.logits_processor(self.sequences, lengths, logits, rows)
 
             # accept
@@ -239,7 +249,7 @@ class BatchedSpeculativeLoop:
                                                      done["draft_probs"])
 
             # roll back: the target keeps [last token, accepted drafts]; the draft keeps its accepted drafts
-            self.target_slots.drop_slots(self.target_slots.length - (block_length + 1), num_accepted + 1)
+            self.target_slots.drop_slots(self.target_slots.length - width, num_accepted + 1)
             self.target_slots.compact()
             self.drafter.accept(num_accepted, next_tokens)
             verified_at = time.perf_counter()

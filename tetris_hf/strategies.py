@@ -62,6 +62,8 @@ class TetrisOptions:
             ``N`` most frequent tokens of the frequency table the draft carries) or a 1-D tensor of token ids; every
             other token gets no draft probability. Lossless (the target verifies as before). See
             :mod:`tetris_hf.candidate_generators.reduced_vocab`.
+        tetris_compile: run the target's verify forward and the draft's step through ``torch.compile`` (CUDA graphs
+            on CUDA), see :mod:`tetris_hf.compiled`.
     """
 
     num_assistant_tokens: int = 4
@@ -72,9 +74,12 @@ class TetrisOptions:
     tetris_step_callback: Callable | None = None
     tetris_cost_profile: str | os.PathLike | Mapping | CostProfile | None = None
     tetris_draft_vocab: int | torch.Tensor | None = None
+    tetris_compile: bool = False
 
     def __post_init__(self):
         check_draft_vocab_spec(self.tetris_draft_vocab)
+        if not isinstance(self.tetris_compile, bool):
+            raise TypeError(f"`tetris_compile` must be True or False, got {self.tetris_compile!r}")
         _check_count("num_assistant_tokens", self.num_assistant_tokens, 1)
         _check_count("tetris_extra_tokens", self.tetris_extra_tokens, 0)
         if self.tetris_budget is not None:

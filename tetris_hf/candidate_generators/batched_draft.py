@@ -114,7 +114,7 @@ class BatchedDraftCandidateGenerator(CandidateGenerator):
         tokens, mask = self.pending_tokens, self.pending_mask
         draft_tokens, token_log_probs, draft_probs = [], [], []
         for step in range(num_tokens):
-            logits = self.slots.forward(self.assistant_model, tokens, mask, logits_to_keep=1)
+            logits = self.slots.forward(self.assistant_model, tokens, mask, logits_to_keep=1, step=True)
             scores = self.logits_processor(sequences, lengths + step, logits[:, -1:], rows)[:, 0]
             log_probs = scores.log_softmax(dim=-1)
             if self.do_sample:

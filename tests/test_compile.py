@@ -1,0 +1,46 @@
+"""``tetris_compile=True``: the compiled step forwards give the same tokens, and what cannot compile is refused."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
+from tetris_hf.compiled import bucket, check_compilable
+from test_greedy_exactness import generate_checked, pick_eos, target_alone
+from tiny_models import left_pad, random_prompts, target_and_draft
+
+
+def test_blocks_are_padded_to_powers_of_two():
+    assert [bucket(length) for length in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, 16]
+
+
+def test_compiled_greedy_rows_equal_target_alone():
+    """One compilation (dynamic shapes) serves every step: rows retire, blocks change length, caches fill."""
+    target, draft = target_and_draft(64, seed=7, draft_kind="noisy", noise=0.3)
+    prompts = random_prompts(4, 64, seed=7)
+    eos = pick_eos(target, prompts)
+    references = target_alone(target, prompts, eos)
+    input_ids, mask = left_pad(prompts)
+    counters.clear()
+    for options in (dict(tetris_strategy="tetris", tetris_extra_tokens=2, tetris_budget=5),
+                    dict(tetris_strategy="fixed", num_assistant_tokens=2)):
+        stats = generate_checked(target, draft, input_ids, mask, references, eos, tetris_compile=True, **options)
+        assert stats.verified_tokens > 0
+    # the step forwards really ran compiled, and a handful of graphs (not one per step) served them all
+    assert 0 < counters["stats"]["unique_graphs"] <= 16, dict(counters["stats"])
+
+
+def test_compile_is_refused_for_quantized_and_offloaded_models():
+    target, _ = target_and_draft(32, seed=0, draft_kind="same")
+    target.hf_device_map = {"model.layers.0": "cpu", "model.layers.1": "disk"}
+    with pytest.raises(ValueError, match="offloaded"):
+        check_compilable(target, "target")
+    del target.hf_device_map
+    target.config.quantization_config = {"load_in_4bit": True}
+    with pytest.raises(ValueError, match="quantized"):
+        check_compilable(target, "target")
+
+
+def test_compile_option_must_be_a_bool():
+    with pytest.raises(TypeError, match="tetris_compile"):
+        tetris_hf.TetrisOptions(tetris_compile="yes")
