@@ -25,6 +25,7 @@ from .logits import PositionwiseLogitsProcessor, verify_greedy, verify_sampling
 from .outputs import TetrisGenerateOutput, TetrisStats
 from .stopping import rows_that_stop
 from .step_strategy import StepSeconds, run_step
+from .timing import StepClock
 from .strategies import TetrisOptions, make_strategy
 
 
@@ -94,8 +95,10 @@ def check_generation_config(generation_config, model_kwargs: dict) -> None:
 class StepRecord:
     """What one step did, per active row (shapes ``(B_active,)``; ``rows`` are original batch indices).
 
-    ``seconds``: the step's measured draft, target and other time. The draft reading tokens it skipped while the loop
-    decoded plainly is in none of them: it is a one-off catch-up, not a cost of drafting.
+    ``seconds``: the step's measured draft, target and other time (:class:`~tetris_hf.timing.StepClock`; on CUDA
+    the previous step's, read once this step has synchronised it, and zeros at the first drafting step). The draft
+    reading tokens it skipped while the loop decoded plainly is in none of them: it is a one-off catch-up, not a cost
+    of drafting.
     """
 
     rows: torch.Tensor
@@ -193,6 +196,7 @@ class BatchedSpeculativeLoop:
         self.outputs = self.sequences.clone()  # finished rows, by original index
         self.output_lengths = self.lengths.clone()
         self._records: list[StepRecord] = []
+        self.clock = StepClock(device)
         self._stats: TetrisStats | None = None
 
     @property
@@ -208,24 +212,24 @@ class BatchedSpeculativeLoop:
         """
         if not self.prompt_read:
             return self._read_prompt()
-        step_started = time.perf_counter()
+        clock = self.clock
+        clock.mark("start")
         lengths, rows = self.lengths, self.rows
         max_verify = (self.max_length - lengths - 1).clamp(min=0)  # one target token is always added
         done: dict = {}  # what the step's phases hand each other
 
         def draft(num_drafted: int) -> tuple[torch.Tensor, torch.Tensor]:
-            nonlocal step_started
             if num_drafted > 0:
-                caught_up_at = time.perf_counter()
+                clock.mark("catch_up_start")
                 self.drafter.catch_up()  # what it skipped during plain steps: a one-off, kept out of the timings
-                step_started += time.perf_counter() - caught_up_at
-            done["draft_started"] = time.perf_counter()
+                clock.mark("catch_up_end")
+            clock.mark("draft_start")
             done["drafts"], done["log_probs"], done["draft_probs"] = self.drafter.propose(
                 self.sequences, lengths, num_drafted, rows)
-            done["drafted_at"] = time.perf_counter()
+            clock.mark("draft_end")
             return done["log_probs"], max_verify
 
-        def verify(verify_lengths: torch.Tensor) -> tuple[torch.Tensor, StepSeconds]:
+        def verify(verify_lengths: torch.Tensor) -> tuple[torch.Tensor, StepSeconds | None]:
             # The step's one read: the block length sizes the target's input; the caches' fill levels come along.
             block_length, target_longest, draft_longest = torch.stack([
                 verify_lengths.max(), self.target_slots.longest(), self.drafter.slots.longest()]).tolist()
@@ -252,20 +256,19 @@ class BatchedSpeculativeLoop:
             self.target_slots.drop_slots(self.target_slots.length - width, num_accepted + 1)
             self.target_slots.compact()
             self.drafter.accept(num_accepted, next_tokens)
-            verified_at = time.perf_counter()
+            clock.mark("verify_end")
 
             # emit
             done["emitted"], done["stopped"] = self._emit(num_accepted, next_tokens, block_length + 1)
-            draft_seconds = done["drafted_at"] - done["draft_started"]
-            verify_seconds = verified_at - done["drafted_at"]
-            done["seconds"] = StepSeconds(draft_seconds, verify_seconds,
-                                          time.perf_counter() - step_started - draft_seconds - verify_seconds)
+            clock.mark("end")
+            done["seconds"] = clock.finish_step()  # on CUDA the previous step's, read without a stall
             return num_accepted, done["seconds"]
 
         room = max(self.max_length - self.shortest - 1, 0)  # no row may verify more than this
         outcome = run_step(self.strategy, self.num_rows, min(room, self.max_draft), draft, verify)
         record = StepRecord(rows, outcome.num_drafted, outcome.plan.budget, done["log_probs"],
-                            outcome.verify_lengths, outcome.num_accepted, done["emitted"], done["seconds"])
+                            outcome.verify_lengths, outcome.num_accepted, done["emitted"],
+                            done["seconds"] or StepSeconds(0.0, 0.0, 0.0))
         return self._finish(record, done["stopped"])
 
     def _read_prompt(self) -> StepRecord:
