@@ -300,14 +300,26 @@ def time_cell(pair: Pair, batch: int, variant: str, compiled: bool, args, record
     ``reference``: plain eager sequences for this pair and batch, to compare a compiled plain run with (the rounding
     noise floor). Returns the plain sequences."""
     input_ids, mask = pair.prompts.batch(batch)
-    width = input_ids.shape[1]
     cell = {"pair": pair.name, "variant": variant, "batch": batch, "modes": {}}
-    plain = None
+    sequences = {}  # mode -> output
+    try:
+        _time_modes(pair, input_ids, mask, cell, sequences, compiled, args, reference)
+    finally:  # a cell cut by its part's budget keeps the modes it finished
+        if sequences:
+            record(cell)
+    return sequences.get("plain")
+
+
+def _time_modes(pair: Pair, input_ids, mask, cell: dict, outputs: dict, compiled: bool, args, reference) -> None:
+    width = input_ids.shape[1]
+    batch, variant = cell["batch"], cell["variant"]
     for mode in MODES:
         result = cell["modes"][mode] = {}
         try:
             started = time.perf_counter()
-            generate(pair, input_ids, mask, min(8, args.new_tokens), mode, compiled, args)  # warm-up
+            # warm-up (adaptive: its cost profile; compiled: compiling, at the timed call's cache size)
+            generate(pair, input_ids, mask, args.new_tokens if compiled else min(8, args.new_tokens), mode, compiled,
+                     args)
             synchronize(args.device)
             result["warmup_s"] = round(time.perf_counter() - started, 3)
             started = time.perf_counter()
@@ -320,22 +332,20 @@ def time_cell(pair: Pair, batch: int, variant: str, compiled: bool, args, record
             result["error"] = f"{type(error).__name__}: {error}"
             print(f"    {pair.name} {variant} B={batch} {mode}: FAILED {result['error']}", flush=True)
             continue
+        outputs[mode] = sequences
         tokens = sum(new_token_counts(sequences, width, pair.eos))
         result.update(tokens=tokens, seconds=round(seconds, 4), tokens_per_s=round(tokens / seconds, 1))
         if stats is not None:
             result["acceptance_rate"] = round(stats.acceptance_rate, 3)
             result["verification_success_rate"] = round(stats.verification_success_rate, 3)
         if mode == "plain":
-            plain = sequences
             if reference is not None:
                 result["vs_eager_plain"] = compare_rows(pair.target, reference, sequences, input_ids, mask)
-        elif plain is not None:
-            result["vs_plain"] = compare_rows(pair.target, plain, sequences, input_ids, mask)
+        elif "plain" in outputs:
+            result["vs_plain"] = compare_rows(pair.target, outputs["plain"], sequences, input_ids, mask)
         print(f"    {pair.name} {variant} B={batch} {mode:<8} {result['tokens_per_s']:>8.1f} tok/s"
               + (f"  acceptance {result['acceptance_rate']:.2f}" if stats is not None else "")
               + _verdict(result), flush=True)
-    record(cell)
-    return plain
 
 
 def _verdict(result: dict) -> str:
@@ -592,7 +602,7 @@ def markdown(report: dict) -> str:
               "| acceptance fixed / TETRIS / adaptive | not identical |",
               "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for cell in report["timing"]:
-        modes = cell["modes"]
+        modes = {mode: cell["modes"].get(mode, {}) for mode in MODES}  # a cut cell lacks the later modes
         speed = {mode: modes[mode].get("tokens_per_s") for mode in MODES}
         plain = speed["plain"]
 
@@ -608,7 +618,8 @@ def markdown(report: dict) -> str:
                 real += check["real_differences"]
                 near += check["rows"] - check["identical"] - check["real_differences"]
         lines.append(f"| {cell['pair']} | {cell['variant']} | {cell['batch']} | "
-                     + " | ".join(f"{speed[m]:.1f}" if speed[m] else "failed" for m in MODES)
+                     + " | ".join(f"{speed[m]:.1f}" if speed[m] else "failed" if "error" in modes[m] else "-"
+                                  for m in MODES)
                      + f" | {ratio('fixed')} | {ratio('tetris')} | {ratio('adaptive')} | {acceptance} "
                      f"| {near} / {real} |")
     if report["host_reads"]:
