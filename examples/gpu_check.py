@@ -23,8 +23,8 @@ Pairs (greedy; prompts of different lengths, left-padded):
   everything else the target adds, like the 1B-shaped draft's own layers after its first 2, writes into the residual
   stream scaled by ``--residual-scale``. At scale 0 the target and both drafts compute the same logits; above it they
   agree sometimes, while every layer still costs its full time (width 1024, 32 layers, vocabulary 128256, on the
-  target's own greedy tokens: 0.3-0.45 at 0.02, the default for ``8b``; 0.05-0.15 at 0.05). ``--shape tiny`` builds the same at toy size (pairs
-  ``tiny+half`` and ``tiny+1l``).
+  target's own greedy tokens: 0.3-0.45 at 0.02, the default for ``8b``; 0.05-0.15 at 0.05). ``--shape tiny`` builds
+  the same at toy size (pairs ``tiny+half`` and ``tiny+1l``).
 
 Parts, in order; on CUDA each has a time budget (:data:`BUDGETS`, seconds; ``--time-limit`` caps the sum) after which
 it is cut (SIGALRM) and the script moves on, keeping the cells it finished (on a CPU only ``--time-limit`` applies):
