@@ -520,7 +520,7 @@ class Check:
 
     def quantized(self, name: str, precision: str) -> None:
         if torch.device(self.args.device).type != "cuda":
-            raise Skip("bitsandbytes targets are checked on CUDA here (CPU quantization is in tests/test_quantization.py)")
+            raise Skip("bitsandbytes targets are checked on CUDA here (on a CPU: tests/test_quantization.py)")
         from tetris_hf.quantization import QuantizationUnavailableError, quantization_config
 
         pair = self.pairs[name]
@@ -562,7 +562,8 @@ class Check:
             raise Skip(reason)
         pair = self.pairs[name]
         for batch in self.args.batch_sizes:
-            time_cell(pair, batch, "compiled", True, self.args, self.record_timing, reference=pair.references.get(batch))
+            reference = pair.references.get(batch)
+            time_cell(pair, batch, "compiled", True, self.args, self.record_timing, reference=reference)
 
     def run(self) -> None:
         args = self.args
