@@ -347,3 +347,9 @@ def test_distill_vocab_errors(tmp_path):
         distill.main(distill_args("--vocab-only", "--output", str(tmp_path)))
     with pytest.raises(UsageError, match="--draft-vocab must be a positive"):
         distill.main(distill_args("--draft-vocab", "0", "--output", str(tmp_path)))
+    from test_models import tiny_model_dir
+
+    model_dir = tiny_model_dir(tmp_path / "model")
+    with pytest.raises(UsageError, match="--draft-vocab 500 exceeds the target's"):
+        distill.main(distill_args("--target", model_dir, "--draft-vocab", "500", "--device", "cpu",
+                                  "--output", str(tmp_path / "out")))

@@ -251,6 +251,9 @@ def main(args) -> int:
     total_layers = target.config.num_hidden_layers
     if args.layers > total_layers:
         raise UsageError(f"--layers {args.layers} exceeds the target's {total_layers} layers")
+    if args.draft_vocab is not None and args.draft_vocab > target.config.vocab_size:
+        raise UsageError(f"--draft-vocab {args.draft_vocab} exceeds the target's {target.config.vocab_size}-token "
+                         "vocabulary")
     target.requires_grad_(False)
 
     try:
@@ -347,8 +350,6 @@ def save_vocab(args, directory: Path, draft, target, counts: torch.Tensor, held_
     from tetris_hf.candidate_generators.reduced_vocab import attach_token_counts, most_frequent
     from tetris_hf.models import save_draft_vocab
 
-    if args.draft_vocab > counts.shape[0]:
-        raise UsageError(f"--draft-vocab {args.draft_vocab} exceeds the target's {counts.shape[0]}-token vocabulary")
     source = (f"{int(counts.sum()):,} tokens of ShareGPT V3 chats rendered with the target's chat template "
               f"(shuffled with seed {args.seed}, after the {held_out.numel():,} held-out tokens)")
     attach_token_counts(draft, counts, source)
