@@ -138,3 +138,36 @@ def test_steps_that_draft_nothing_cost_what_plain_generate_costs():
             hook.remove()
     assert torch.equal(out, plain)
     assert plain_calls == 7 and calls == {"target": 7, "draft": 0}
+
+
+def test_windowed_model_cache_stays_bounded_over_500_steps_and_exact():
+    """Every layer of this Mistral attends through an 8-token window: slots older than every window are dropped, so
+    the cache never holds more than the window, the holes allowed and a block or two, however long the call."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(61)
+    config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+                           max_position_embeddings=4096, pad_token_id=PAD, eos_token_id=None, bos_token_id=None,
+                           tie_word_embeddings=False)
+    target = MistralForCausalLM(config).eval()
+    draft = noisy_copy(target, 0.6, seed=62)  # agrees now and then: accepted drafts and holes
+    prompts = random_prompts(3, 64, seed=63, min_length=4, max_length=12)
+    max_holes, block = 4, 2 + 1
+    loop, padding = make_loop(target, draft, prompts, 1500, num_assistant_tokens=1, tetris_extra_tokens=1,
+                              tetris_max_holes=max_holes)
+    bound = 8 + max_holes + 2 * block  # window + holes + the block being written and the one not yet repacked
+    steps = 0
+    with torch.no_grad():
+        while not loop.done and steps < 500:
+            loop.step()
+            steps += 1
+            for slots in (loop.target_slots, loop.drafter.slots):
+                assert slots.length <= bound, f"step {steps}: {slots.length} slots"
+                assert slots.capacity <= 12 + bound  # allocated for the window, not for 1500 tokens
+    assert steps == 500 and loop.stats.verified_tokens > loop.stats.accepted_tokens > 0
+    for row, tokens in enumerate(loop.partial_outputs()):  # exact: 60 windows past the start
+        tokens = tokens[int(padding[row]):]
+        reference = target.generate(torch.tensor([prompts[row]]), max_new_tokens=len(tokens) - len(prompts[row]),
+                                    do_sample=False, pad_token_id=PAD)[0].tolist()
+        assert tokens == reference, f"row {row}"

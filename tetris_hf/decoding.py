@@ -20,7 +20,7 @@ from .candidate_generators import BatchedDraftCandidateGenerator
 from .compiled import bucket, check_compilable, compiled_forward
 from .candidate_generators.reduced_vocab import reduced_vocab_draft
 from .families import check_supported
-from .kv import SlotCache
+from .kv import AttentionLayout, SlotCache, slots_needed
 from .logits import PositionwiseLogitsProcessor, verify_greedy, verify_sampling
 from .outputs import TetrisGenerateOutput, TetrisStats
 from .stopping import rows_that_stop
@@ -171,12 +171,17 @@ class BatchedSpeculativeLoop:
         # Drafts are written past each row's end (scratch that accepted tokens overwrite): room for the longest block.
         self.max_draft = options.num_assistant_tokens + options.tetris_extra_tokens
         capacity = self.max_length + self.max_draft + 1
-        cache_capacity = capacity + options.tetris_max_holes
+        block = bucket(self.max_draft + 1) if options.tetris_compile else self.max_draft + 1
+
+        def cache_capacity(layout_model: torch.nn.Module) -> int:  # (its layout also refuses what it cannot mask)
+            return slots_needed(AttentionLayout.of(layout_model), prompt_length, self.max_length, block,
+                                options.tetris_max_holes)
+
         self.drafter = BatchedDraftCandidateGenerator(
             assistant_model, self.logits_processor, self.do_sample, max_holes=options.tetris_max_holes,
-            capacity=cache_capacity,
+            capacity=cache_capacity(assistant_model),
         )
-        self.target_slots = SlotCache(batch_size, device, options.tetris_max_holes, capacity=cache_capacity)
+        self.target_slots = SlotCache(batch_size, device, options.tetris_max_holes, capacity=cache_capacity(model))
         self.prompt_mask = attention_mask
         self.prompt_read = False  # the first step reads the prompt and emits the first token, as generate() does
         self.drafter.prefill(input_ids, attention_mask)  # lazy: the draft reads the prompt when it first drafts

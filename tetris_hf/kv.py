@@ -87,6 +87,16 @@ class AttentionLayout:
         return None if any(window is None for window in windows) else max(windows)
 
 
+def slots_needed(layout: AttentionLayout, prompt_length: int, max_length: int, block: int, max_holes: int) -> int:
+    """Slots per row a cache needs for a whole call: every token up to ``max_length`` plus a block and the holes
+    allowed; on a model whose every layer has a window, the prompt or the window (what outlives it is dropped), plus
+    the same margins, however long the call."""
+    margin = 2 * block + max_holes  # the block being written, the one not yet repacked, and the holes allowed
+    if layout.reach is None:
+        return max_length + margin
+    return min(max_length, max(prompt_length, layout.reach)) + margin
+
+
 def position_masks(layout: AttentionLayout, key_positions: torch.Tensor, key_valid: torch.Tensor,
                    query_positions: torch.Tensor, dtype: torch.dtype):
     """Prepared 4D masks in which query ``i`` sees key ``j`` iff slot ``j`` holds a real token, ``pos_j <= pos_i``
