@@ -115,7 +115,7 @@ class BatchedDraftCandidateGenerator(CandidateGenerator):
         tokens, mask = self.pending_tokens, self.pending_mask
         draft_tokens, token_log_probs, draft_probs = [], [], []
         for step in range(num_tokens):
-            logits = self.slots.forward(self.assistant_model, tokens, mask, logits_to_keep=1)
+            logits = self.slots.forward(self.assistant_model, tokens, mask, logits_to_keep=1, step=True)
             scores = self.logits_processor(sequences, lengths + step, logits[:, -1:], rows)[:, 0]
             log_probs = scores.log_softmax(dim=-1)
             if self.do_sample:
@@ -165,16 +165,3 @@ class BatchedDraftCandidateGenerator(CandidateGenerator):
         """Keep only ``rows`` (finished rows leave the batch)."""
         self.slots.select_rows(rows)
         self.pending_tokens, self.pending_mask = _left_pack(self.pending_tokens[rows], self.pending_mask[rows])
-
-    # transformers' CandidateGenerator interface, for callers that drive one uniform step at a time.
-    def get_candidates(self, input_ids: torch.LongTensor, num_tokens: int = 4) -> tuple[torch.LongTensor, torch.Tensor]:
-        """``input_ids`` ``(B, T)`` (all rows at the same length, the generator prefilled on them) ->
-        ``candidate_ids`` ``(B, T + K)`` and ``candidate_log_probs`` ``(B, K)``."""
-        lengths = torch.full((input_ids.shape[0],), input_ids.shape[1], device=input_ids.device)
-        scratch = torch.cat([input_ids, input_ids.new_zeros(input_ids.shape[0], num_tokens)], dim=1)
-        _, log_probs, _ = self.propose(scratch, lengths, num_tokens)
-        return scratch, log_probs
-
-    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches) -> None:
-        """``num_matches`` ``(B,)``; the token the target added is the last of ``input_ids`` ``(B, T)``."""
-        self.accept(torch.as_tensor(num_matches, device=input_ids.device), input_ids[:, -1])

@@ -48,8 +48,8 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     if modalities or config.get_text_config(decoder=True) is not config:
         return (f"it is a multimodal model ({', '.join(modalities) or 'a wrapped text_config'}); load its text-only "
                 "causal LM instead (the *ForCausalLM class of its language model, e.g. Gemma3ForCausalLM)")
-    recurrent = "it keeps a recurrent state (state-space, recurrent or convolution layers) that summarises every token " \
-                "read, so rejected drafts cannot be rolled back row by row"
+    recurrent = ("it keeps a recurrent state (state-space, recurrent or convolution layers) that summarises every "
+                 "token read, so rejected drafts cannot be rolled back row by row")
     if getattr(model, "_is_stateful", False):
         return recurrent
     if "past_key_values" not in inspect.signature(model.forward).parameters:

@@ -1,10 +1,10 @@
 # Exported from tetris_hf/strategies.py by `python -m tetris_hf.hub_export`: edit the package, not this copy.
 """How many tokens to draft and which of them to verify, each step.
 
-A strategy answers three questions for the loop: ``num_draft_tokens(num_rows)`` (K this step), ``budget(num_rows)``
-(draft tokens the target may verify across the batch) and ``select(token_log_probs, max_lengths, budget)`` (a verified
-length per row). ``observe`` lets a strategy learn from what was accepted and from the step's measured
-:class:`StepSeconds`.
+Each is a :class:`~tetris_hf.step_strategy.StepStrategy`: ``plan(num_rows)`` gives the step's
+:class:`~tetris_hf.step_strategy.DraftPlan` (``K`` drafts per row, a budget of ``C`` cells), ``select(token_log_probs,
+max_lengths, plan)`` a verified length per row, and ``observe`` lets a strategy learn from what was accepted and from the
+step's measured :class:`~tetris_hf.step_strategy.StepSeconds`.
 
 Four strategies: ``fixed`` (every row verifies its first ``k``), ``tetris`` (the top ``C = k x B`` cells),
 ``adaptive`` (``C`` and ``K`` chosen each step to maximise expected tokens per second from a measured cost model and
@@ -27,6 +27,7 @@ import torch
 from .candidate_generators_reduced_vocab import check_draft_vocab_spec
 from .cost_model import AcceptanceCalibrator, CostProfile, StepCostModel, cost_model_for, load_profile
 from .selection import cumulative_log_probs, select_fixed, select_tetris
+from .step_strategy import DraftPlan, StepSeconds
 
 STRATEGIES = ("tetris", "fixed", "adaptive", "dsd")
 
@@ -36,15 +37,6 @@ def _check_count(name: str, value, minimum: int) -> None:
         raise TypeError(f"`{name}` must be an integer, got {value!r} ({type(value).__name__})")
     if value < minimum:
         raise ValueError(f"`{name}` must be >= {minimum}, got {value}")
-
-
-class StepSeconds(NamedTuple):
-    """Wall time of one loop step, as the loop measured it: the ``K`` draft forwards, the target side (selection,
-    verification forward, acceptance, roll back), and the rest (planning, emitting, stopping)."""
-
-    draft: float
-    verify: float
-    other: float
 
 
 @dataclass(frozen=True)
@@ -71,6 +63,8 @@ class TetrisOptions:
             ``N`` most frequent tokens of the frequency table the draft carries) or a 1-D tensor of token ids; every
             other token gets no draft probability. Lossless (the target verifies as before). See
             :mod:`tetris_hf.candidate_generators.reduced_vocab`.
+        tetris_compile: run the target's verify forward and the draft's step through ``torch.compile`` (CUDA graphs
+            on CUDA), see :mod:`tetris_hf.compiled`.
     """
 
     num_assistant_tokens: int = 4
@@ -81,9 +75,12 @@ class TetrisOptions:
     tetris_step_callback: Callable | None = None
     tetris_cost_profile: str | os.PathLike | Mapping | CostProfile | None = None
     tetris_draft_vocab: int | torch.Tensor | None = None
+    tetris_compile: bool = False
 
     def __post_init__(self):
         check_draft_vocab_spec(self.tetris_draft_vocab)
+        if not isinstance(self.tetris_compile, bool):
+            raise TypeError(f"`tetris_compile` must be True or False, got {self.tetris_compile!r}")
         _check_count("num_assistant_tokens", self.num_assistant_tokens, 1)
         _check_count("tetris_extra_tokens", self.tetris_extra_tokens, 0)
         if self.tetris_budget is not None:
@@ -110,13 +107,10 @@ class FixedWindow:
     def __init__(self, options: TetrisOptions):
         self.k = options.num_assistant_tokens
 
-    def num_draft_tokens(self, num_rows: int) -> int:
-        return self.k
+    def plan(self, num_rows: int) -> DraftPlan:
+        return DraftPlan(self.k, self.k * num_rows)
 
-    def budget(self, num_rows: int) -> int:
-        return self.k * num_rows
-
-    def select(self, token_log_probs: torch.Tensor, max_lengths: torch.Tensor, budget: int) -> torch.Tensor:
+    def select(self, token_log_probs: torch.Tensor, max_lengths: torch.Tensor, plan: DraftPlan) -> torch.Tensor:
         return select_fixed(max_lengths, self.k)
 
     def observe(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
@@ -132,14 +126,11 @@ class TetrisSelection(FixedWindow):
         self.extra = options.tetris_extra_tokens
         self.fixed_budget = options.tetris_budget
 
-    def num_draft_tokens(self, num_rows: int) -> int:
-        return self.k + self.extra
+    def plan(self, num_rows: int) -> DraftPlan:
+        return DraftPlan(self.k + self.extra, self.k * num_rows if self.fixed_budget is None else self.fixed_budget)
 
-    def budget(self, num_rows: int) -> int:
-        return self.k * num_rows if self.fixed_budget is None else self.fixed_budget
-
-    def select(self, token_log_probs: torch.Tensor, max_lengths: torch.Tensor, budget: int) -> torch.Tensor:
-        return select_tetris(cumulative_log_probs(token_log_probs), max_lengths, budget)
+    def select(self, token_log_probs: torch.Tensor, max_lengths: torch.Tensor, plan: DraftPlan) -> torch.Tensor:
+        return select_tetris(cumulative_log_probs(token_log_probs), max_lengths, plan.budget)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -197,8 +188,8 @@ def best_budget(survival: torch.Tensor, max_lengths: torch.Tensor, fixed_seconds
     return BudgetChoice(budget, tokens.gather(1, index)[:, 0], seconds.gather(1, index)[:, 0])
 
 
-class StepPlan(NamedTuple):
-    """A step's plan: draft ``num_draft_tokens`` per row (0 = plain decoding), verify about ``budget`` cells,
+class GoodputPlan(NamedTuple):
+    """What :func:`plan_step` expects of a plan: draft ``num_draft_tokens`` per row (0 = plain decoding), verify about ``budget`` cells,
     expecting ``tokens`` emitted in ``seconds``."""
 
     num_draft_tokens: int
@@ -212,7 +203,7 @@ class StepPlan(NamedTuple):
 
 
 def plan_step(acceptance: torch.Tensor, num_rows: int, max_draft: int, cost: StepCostModel,
-              max_budget: int | None = None) -> StepPlan:
+              max_budget: int | None = None) -> GoodputPlan:
     """Choose ``K`` (0 = no drafting) and ``C`` for a batch of ``num_rows`` before drafting.
 
     Args:
@@ -226,10 +217,10 @@ def plan_step(acceptance: torch.Tensor, num_rows: int, max_draft: int, cost: Ste
         max_budget: cap on ``C``.
 
     Returns:
-        The best :class:`StepPlan`; plain decoding unless drafting is expected to be faster.
+        The best :class:`GoodputPlan`; plain decoding unless drafting is expected to be faster.
     """
     plain_seconds = cost.verify_seconds(num_rows, 1) + cost.step_overhead
-    best = StepPlan(0, 0, float(num_rows), plain_seconds)
+    best = GoodputPlan(0, 0, float(num_rows), plain_seconds)
     pool_rows = acceptance.shape[0]
     if pool_rows == 0 or max_draft == 0 or max_budget == 0:
         return best
@@ -243,7 +234,7 @@ def plan_step(acceptance: torch.Tensor, num_rows: int, max_draft: int, cost: Ste
         lengths = torch.full((num_batches, num_rows), num_draft, dtype=torch.long)
         choice = best_budget(survival, lengths, num_draft * draft_seconds + cost.step_overhead,
                              verify[: num_draft + 1], max_budget)
-        plan = StepPlan(num_draft, max(1, round(float(choice.budget.double().mean()))),
+        plan = GoodputPlan(num_draft, max(1, round(float(choice.budget.double().mean()))),
                         float(choice.tokens.mean()), float(choice.seconds.mean()))
         if plan.rate > best.rate:
             best = plan
@@ -332,7 +323,28 @@ class _CostAware:
         self.cost: StepCostModel | None = cost if isinstance(cost, StepCostModel) else None
         self.learn_costs = learn_costs
         self.memory = memory if memory is not None else PairMemory(probe_interval=self.probe_interval_start)
-        self.probing = False
+        self._pending: list[tuple] = []  # observed steps not learnt from yet (their tensors still on the device)
+
+    def observe(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
+                seconds: StepSeconds | None = None):
+        """Keep the step to learn from at the next device read the strategy makes anyway (learning is lazy: it
+        happens before anything learnt is used, so what the strategy decides is as if it had learnt at once)."""
+        self._pending.append((token_log_probs, verify_lengths, num_accepted, seconds))
+
+    def _flush(self, *wanted: torch.Tensor) -> list[torch.Tensor]:
+        """Learn from the pending steps, reading them and ``wanted`` from the device in one transfer; returns
+        ``wanted`` on the host."""
+        pending, self._pending = self._pending, []
+        tensors = [t for step in pending for t in step[1:3]] + list(wanted)
+        host = _to_host(tensors)
+        for step, (verify_lengths, num_accepted) in zip(pending, zip(host[0::2], host[1::2])):
+            token_log_probs, _, _, seconds = step
+            self._correct_costs(verify_lengths.numel(), token_log_probs.shape[1], _longest(verify_lengths), seconds)
+            self._learn(token_log_probs, verify_lengths.long(), num_accepted.long())
+        return host[2 * len(pending):]
+
+    def _learn(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """Learn acceptance from one observed step (host tensors but ``token_log_probs``)."""
 
     def _open_step(self, num_rows: int) -> StepCostModel:
         if self.cost is None:
@@ -381,6 +393,14 @@ class _CostAware:
         return math.ceil(extra / plain / self.probe_overhead) if plain > 0 else 1
 
 
+def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` on the CPU, read from their device in one transfer (float64, shapes kept)."""
+    if not tensors:
+        return []
+    flat = torch.cat([tensor.detach().double().flatten().to(tensors[0].device) for tensor in tensors]).cpu()
+    return [part.view(tensor.shape) for part, tensor in zip(flat.split([t.numel() for t in tensors]), tensors)]
+
+
 def _longest(verify_lengths: torch.Tensor) -> int:
     return int(verify_lengths.max()) if verify_lengths.numel() else 0
 
@@ -424,17 +444,29 @@ class AdaptiveBudget(_CostAware):
         self.pool = torch.zeros(0, self.max_draft, dtype=torch.float64)
         if self.memory.pool is not None:
             self._add_rows(self.memory.pool)
-        self.plan: StepPlan | None = None
-        self._planned: tuple[int, StepPlan, bool] | None = None  # (rows, plan, could_pay) while nothing was drafted
+        self._planned: tuple[int, GoodputPlan, bool] | None = None  # (rows, plan, could_pay)
         self._plan_age = 0
+        self._host_log_probs: tuple[torch.Tensor, torch.Tensor] | None = None  # (device tensor, its host copy)
+
+    def _learn(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """Calibrate on the step's verified cells and add its drafted rows to the planning pool."""
+        if self._host_log_probs is not None and self._host_log_probs[0] is token_log_probs:
+            host_log_probs = self._host_log_probs[1]
+        else:  # a probe step (its selection read nothing)
+            host_log_probs = token_log_probs.detach().double().cpu()
+        self.calibrator.update(host_log_probs, verify_lengths, num_accepted)
+        self.remember(host_log_probs)
 
     def remember(self, token_log_probs: torch.Tensor) -> None:
-        """Add drafted rows ``(B, K)`` to the planning pool. After a probe (the plan was plain decoding) the plan is
-        made again at the next step; while the plan drafts, the pool only drifts and the plan ages as usual."""
-        self._add_rows(token_log_probs.detach().double().cpu().flip(0))
+        """Add drafted rows ``(B, K)`` (on the host) to the planning pool."""
+        self._add_rows(token_log_probs.double().flip(0))
         self.memory.pool = self.pool
-        if self._planned is not None and self._planned[1].num_draft_tokens == 0:
-            self._planned = None
+
+    def observe(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
+                seconds: StepSeconds | None = None):
+        super().observe(token_log_probs, verify_lengths, num_accepted, seconds)
+        if self._planned is not None and self._planned[1].num_draft_tokens == 0 and token_log_probs.shape[1] > 0:
+            self._planned = None  # a probe drafted: plan again at the next step, on what it showed
 
     def _add_rows(self, rows: torch.Tensor) -> None:
         """Put ``rows`` ``(n, K)`` (newest first) in front of the pool, cut or NaN-padded to ``max_draft`` cells."""
@@ -466,51 +498,45 @@ class AdaptiveBudget(_CostAware):
     replan_every = 16
     optimism = 2.0
 
-    def budget(self, num_rows: int) -> int:
+    def plan(self, num_rows: int) -> DraftPlan:
         cost = self._open_step(num_rows)
         # The last plan stands until the batch shrinks, a probe has drafted, or ``replan_every`` steps have passed (the
         # pool and the online cost corrections drift slowly); planning is ~0.5 ms of Python (x2 while plain).
         if self._planned is None or self._planned[0] != num_rows or self._plan_age >= self.replan_every:
+            if self._planned is None or self.pool.shape[0] == 0:
+                self._flush()  # after a probe: plan on what it showed (else the last step is learnt at the next read)
             plan = plan_step(self.pool_acceptance(num_rows), num_rows, self.max_draft, cost, self.max_budget)
             could_pay = plan.num_draft_tokens > 0 or plan_step(
                 self.pool_acceptance(num_rows, self.optimism), num_rows, self.max_draft, cost, self.max_budget
             ).num_draft_tokens > 0
             self._planned = (num_rows, plan, could_pay)
             self._plan_age = 0
+        elif self.pool.shape[0] == 0 and self._pending:
+            self._flush()  # the first drafted rows: whether a probe can teach anything depends on them
         self._plan_age += 1
         _, plan, could_pay = self._planned
-        self.probing = self._after_plan(plan.num_draft_tokens > 0, can_learn=self.pool.shape[0] > 0,
-                                        num_rows=num_rows, could_pay=could_pay)
-        if self.probing and self.max_draft > 0 and self.max_budget != 0:
-            plan = StepPlan(1, num_rows, plan.tokens, plan.seconds)
-        else:
-            self.probing = False
-        self.plan = plan
-        return plan.budget
+        probe = self._after_plan(plan.num_draft_tokens > 0, can_learn=self.pool.shape[0] > 0,
+                                 num_rows=num_rows, could_pay=could_pay)
+        if probe and self.max_draft > 0 and self.max_budget != 0:
+            return DraftPlan(1, num_rows, probe=True)
+        return DraftPlan(plan.num_draft_tokens, plan.budget)
 
-    def num_draft_tokens(self, num_rows: int) -> int:
-        return self.plan.num_draft_tokens if self.plan is not None else 0
-
-    def select(self, token_log_probs: torch.Tensor, max_lengths: torch.Tensor, budget: int) -> torch.Tensor:
+    def select(self, token_log_probs: torch.Tensor, max_lengths: torch.Tensor, plan: DraftPlan) -> torch.Tensor:
         num_rows, num_drafted = token_log_probs.shape
-        self.remember(token_log_probs)
-        if self.probing:
+        if plan.probe:
             lengths = max_lengths.clamp(max=num_drafted)
             return lengths if self.max_budget is None else select_fixed_budget(lengths, self.max_budget)
-        survival = self.calibrator.predict(token_log_probs.detach().double().cpu().exp()).cumprod(dim=1)
+        host_log_probs, host_max_lengths = self._flush(token_log_probs, max_lengths)  # the strategy's one read
+        self._host_log_probs = (token_log_probs, host_log_probs)
+        survival = self.calibrator.predict(host_log_probs.exp()).cumprod(dim=1)
         scores = survival.log().to(token_log_probs.device)
         if self.sampling:
-            return select_tetris(scores, max_lengths, budget)
+            return select_tetris(scores, max_lengths, plan.budget)
         cost = self.cost
         fixed_seconds = num_drafted * cost.draft_seconds(num_rows) + cost.step_overhead  # drafting is already paid
-        choice = best_budget(survival, max_lengths.cpu(), fixed_seconds,
+        choice = best_budget(survival, host_max_lengths.long(), fixed_seconds,
                              cost.verify_seconds_by_length(num_rows, num_drafted), self.max_budget)
         return select_tetris(scores, max_lengths, int(choice.budget[0]))
-
-    def observe(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
-                seconds: StepSeconds | None = None):
-        self._correct_costs(verify_lengths.numel(), token_log_probs.shape[1], _longest(verify_lengths), seconds)
-        self.calibrator.update(token_log_probs.cpu(), verify_lengths.cpu(), num_accepted.cpu())
 
 
 def select_fixed_budget(lengths: torch.Tensor, budget: int) -> torch.Tensor:
@@ -532,24 +558,20 @@ class DynamicWindow(_CostAware):
     def __init__(self, options: TetrisOptions, cost, learn_costs: bool = False, memory: PairMemory | None = None):
         super().__init__(options, cost, learn_costs, memory)
         self.acceptance: float | None = self.memory.dsd_acceptance
-        self.window = 0
 
-    def budget(self, num_rows: int) -> int:
+    def plan(self, num_rows: int) -> DraftPlan:
         cost = self._open_step(num_rows)
+        if self._pending:
+            self._flush()  # the strategy's one read
         window = dsd_window(self.acceptance, num_rows, self.max_draft, cost) if self.acceptance is not None else 0
-        self.probing = self._after_plan(window > 0, self.acceptance is not None, num_rows) and self.max_draft > 0
-        self.window = 1 if self.probing else window
-        return self.window * num_rows
+        probe = self._after_plan(window > 0, self.acceptance is not None, num_rows) and self.max_draft > 0
+        window = 1 if probe else window
+        return DraftPlan(window, window * num_rows, probe)
 
-    def num_draft_tokens(self, num_rows: int) -> int:
-        return self.window
-
-    def select(self, token_log_probs: torch.Tensor, max_lengths: torch.Tensor, budget: int) -> torch.Tensor:
+    def select(self, token_log_probs: torch.Tensor, max_lengths: torch.Tensor, plan: DraftPlan) -> torch.Tensor:
         return select_fixed(max_lengths, token_log_probs.shape[1])
 
-    def observe(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
-                seconds: StepSeconds | None = None):
-        self._correct_costs(verify_lengths.numel(), token_log_probs.shape[1], _longest(verify_lengths), seconds)
+    def _learn(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor) -> None:
         accepted = int(num_accepted.sum())
         rejections = int((num_accepted < verify_lengths).sum())
         if accepted + rejections == 0:

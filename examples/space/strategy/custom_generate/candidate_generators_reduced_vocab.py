@@ -117,8 +117,8 @@ def resolve_token_ids(model: nn.Module, spec) -> torch.Tensor:
         raise ValueError(
             f"`tetris_draft_vocab={spec}` picks the draft's {spec} most frequent tokens, but this draft carries no "
             "token frequency table: load a tetris-hf draft directory that ships one (`tetris-hf distill "
-            "--draft-vocab N`), attach one with tetris_hf.attach_token_counts(draft, tetris_hf.token_counts(tokenizer, "
-            "texts, vocab_size), source), or pass the token ids as a 1-D tensor"
+            "--draft-vocab N`), attach one with attach_token_counts(draft, token_counts(tokenizer, texts, vocab_size), "
+            "source) from tetris_hf.candidate_generators.reduced_vocab, or pass the token ids as a 1-D tensor"
         )
     return most_frequent(counts, spec)
 

@@ -18,13 +18,16 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
 
 from .candidate_generators import BatchedDraftCandidateGenerator
+from .compiled import bucket, check_compilable, compiled_forward
 from .candidate_generators_reduced_vocab import reduced_vocab_draft
 from .families import check_supported
-from .kv import SlotCache
+from .kv import AttentionLayout, SlotCache, slots_needed
 from .logits import PositionwiseLogitsProcessor, verify_greedy, verify_sampling
 from .outputs import TetrisGenerateOutput, TetrisStats
 from .stopping import rows_that_stop
-from .strategies import StepSeconds, TetrisOptions, make_strategy
+from .step_strategy import StepSeconds, run_step
+from .timing import StepClock
+from .strategies import TetrisOptions, make_strategy
 
 
 def output_vocab_size(model: torch.nn.Module) -> int:
@@ -93,8 +96,10 @@ def check_generation_config(generation_config, model_kwargs: dict) -> None:
 class StepRecord:
     """What one step did, per active row (shapes ``(B_active,)``; ``rows`` are original batch indices).
 
-    ``seconds``: the step's measured draft, target and other time. The draft reading tokens it skipped while the loop
-    decoded plainly is in none of them: it is a one-off catch-up, not a cost of drafting.
+    ``seconds``: the step's measured draft, target and other time (:class:`~tetris_hf.timing.StepClock`; on CUDA
+    the previous step's, read once this step has synchronised it, and zeros at the first drafting step). The draft
+    reading tokens it skipped while the loop decoded plainly is in none of them: it is a one-off catch-up, not a cost
+    of drafting.
     """
 
     rows: torch.Tensor
@@ -167,15 +172,26 @@ class BatchedSpeculativeLoop:
         # Drafts are written past each row's end (scratch that accepted tokens overwrite): room for the longest block.
         self.max_draft = options.num_assistant_tokens + options.tetris_extra_tokens
         capacity = self.max_length + self.max_draft + 1
-        cache_capacity = capacity + options.tetris_max_holes
+        block = bucket(self.max_draft + 1) if options.tetris_compile else self.max_draft + 1
+
+        def cache_capacity(layout_model: torch.nn.Module) -> int:  # (its layout also refuses what it cannot mask)
+            return slots_needed(AttentionLayout.of(layout_model), prompt_length, self.max_length, block,
+                                options.tetris_max_holes)
+
         self.drafter = BatchedDraftCandidateGenerator(
             assistant_model, self.logits_processor, self.do_sample, max_holes=options.tetris_max_holes,
-            capacity=cache_capacity,
+            capacity=cache_capacity(assistant_model),
         )
-        self.target_slots = SlotCache(batch_size, device, options.tetris_max_holes, capacity=cache_capacity)
+        self.target_slots = SlotCache(batch_size, device, options.tetris_max_holes, capacity=cache_capacity(model))
         self.prompt_mask = attention_mask
         self.prompt_read = False  # the first step reads the prompt and emits the first token, as generate() does
         self.drafter.prefill(input_ids, attention_mask)  # lazy: the draft reads the prompt when it first drafts
+        self.compile = options.tetris_compile
+        if self.compile:
+            check_compilable(model, "target")
+            check_compilable(assistant_model, "draft")
+            self.target_slots.step_forward = compiled_forward(model)
+            self.drafter.slots.step_forward = compiled_forward(assistant_model)
 
         self.sequences = input_ids.new_full((batch_size, capacity), self.pad_value)
         self.sequences[:, :prompt_length] = input_ids
@@ -186,6 +202,7 @@ class BatchedSpeculativeLoop:
         self.outputs = self.sequences.clone()  # finished rows, by original index
         self.output_lengths = self.lengths.clone()
         self._records: list[StepRecord] = []
+        self.clock = StepClock(device)
         self._stats: TetrisStats | None = None
 
     @property
@@ -196,65 +213,69 @@ class BatchedSpeculativeLoop:
         """One speculative step for every active row; finished rows leave the batch.
 
         The first step reads the prompt into the target's cache and emits the token after it (no drafts), as
-        ``generate()``'s own first forward does; every later step drafts, selects, verifies, accepts and rolls back.
+        ``generate()``'s own first forward does; every later step drafts, selects, verifies, accepts and rolls back
+        (the order is :func:`~tetris_hf.step_strategy.run_step`'s).
         """
         if not self.prompt_read:
             return self._read_prompt()
-        step_started = time.perf_counter()
-        lengths, num_rows = self.lengths, self.num_rows
+        clock = self.clock
+        clock.mark("start")
+        lengths, rows = self.lengths, self.rows
         max_verify = (self.max_length - lengths - 1).clamp(min=0)  # one target token is always added
-        budget = self.strategy.budget(num_rows)
+        done: dict = {}  # what the step's phases hand each other
+
+        def draft(num_drafted: int) -> tuple[torch.Tensor, torch.Tensor]:
+            if num_drafted > 0:
+                clock.mark("catch_up_start")
+                self.drafter.catch_up()  # what it skipped during plain steps: a one-off, kept out of the timings
+                clock.mark("catch_up_end")
+            clock.mark("draft_start")
+            done["drafts"], done["log_probs"], done["draft_probs"] = self.drafter.propose(
+                self.sequences, lengths, num_drafted, rows)
+            clock.mark("draft_end")
+            return done["log_probs"], max_verify
+
+        def verify(verify_lengths: torch.Tensor) -> tuple[torch.Tensor, StepSeconds | None]:
+            # The step's one read: the block length sizes the target's input; the caches' fill levels come along.
+            block_length, target_longest, draft_longest = torch.stack([
+                verify_lengths.max(), self.target_slots.longest(), self.drafter.slots.longest()]).tolist()
+            self.target_slots.note_longest(target_longest)
+            self.drafter.slots.note_longest(draft_longest)
+            verified_drafts = done["drafts"][:, :block_length]
+
+            # verify: [last emitted token, drafts 1..l_i] per row, padded to one length with masked drafts
+            # (compiled: padded with masked filler to a power of two, so that block shapes repeat)
+            width = bucket(block_length + 1) if self.compile else block_length + 1
+            row_range = torch.arange(self.num_rows, device=lengths.device)
+            block = torch.cat([self.sequences[row_range, lengths - 1][:, None], verified_drafts], dim=1)
+            block = torch.nn.functional.pad(block, (0, width - block.shape[1]), value=self.pad_value)
+            offsets = torch.arange(width, device=lengths.device)
+            block_mask = (offsets[None, :] <= verify_lengths[:, None]).long()
+            logits = self.target_slots.forward(self.model, block, block_mask, step=True)[:, : block_length + 1]
+            target_scores = self.logits_processor(self.sequences, lengths, logits, rows)
+
+            # accept
+            num_accepted, next_tokens = self._accept(verified_drafts, verify_lengths, target_scores,
+                                                     done["draft_probs"])
+
+            # roll back: the target keeps [last token, accepted drafts]; the draft keeps its accepted drafts
+            self.target_slots.drop_slots(self.target_slots.length - width, num_accepted + 1)
+            self.target_slots.compact()
+            self.drafter.accept(num_accepted, next_tokens)
+            clock.mark("verify_end")
+
+            # emit
+            done["emitted"], done["stopped"] = self._emit(num_accepted, next_tokens, block_length + 1)
+            clock.mark("end")
+            done["seconds"] = clock.finish_step()  # on CUDA the previous step's, read without a stall
+            return num_accepted, done["seconds"]
+
         room = max(self.max_length - self.shortest - 1, 0)  # no row may verify more than this
-        num_drafted = min(self.strategy.num_draft_tokens(num_rows), room, self.max_draft) if budget > 0 else 0
-        if num_drafted > 0:
-            caught_up_at = time.perf_counter()
-            self.drafter.catch_up()  # what it skipped during plain steps: a one-off, kept out of the timings
-            step_started += time.perf_counter() - caught_up_at
-
-        # 1. draft
-        draft_started = time.perf_counter()
-        draft_tokens, token_log_probs, draft_probs = self.drafter.propose(self.sequences, lengths, num_drafted,
-                                                                          self.rows)
-        drafted_at = time.perf_counter()
-
-        # 2. select
-        if num_drafted > 0:
-            verify_lengths = self.strategy.select(token_log_probs, max_verify.clamp(max=num_drafted), budget)
-        else:
-            verify_lengths = torch.zeros(num_rows, dtype=torch.long, device=lengths.device)
-        # The step's one read: the block length sizes the target's input; the caches' fill levels come along.
-        block_length, target_longest, draft_longest = torch.stack([
-            verify_lengths.max(), self.target_slots.longest(), self.drafter.slots.longest()]).tolist()
-        self.target_slots.note_longest(target_longest)
-        self.drafter.slots.note_longest(draft_longest)
-        verified_drafts = draft_tokens[:, :block_length]
-
-        # 3. verify: [last emitted token, drafts 1..l_i] per row, padded to one length with masked drafts
-        row_range = torch.arange(num_rows, device=lengths.device)
-        block = torch.cat([self.sequences[row_range, lengths - 1][:, None], verified_drafts], dim=1)
-        offsets = torch.arange(block_length + 1, device=lengths.device)
-        block_mask = (offsets[None, :] <= verify_lengths[:, None]).long()
-        logits = self.target_slots.forward(self.model, block, block_mask)
-        target_scores = self.logits_processor(self.sequences, lengths, logits, self.rows)
-
-        # 4. accept
-        num_accepted, next_tokens = self._accept(verified_drafts, verify_lengths, target_scores, draft_probs)
-
-        # 5. roll back: the target keeps [last token, accepted drafts]; the draft keeps its accepted drafts
-        self.target_slots.drop_slots(self.target_slots.length - (block_length + 1), num_accepted + 1)
-        self.target_slots.compact()
-        self.drafter.accept(num_accepted, next_tokens)
-        verified_at = time.perf_counter()
-
-        # 6. emit
-        emitted, stopped = self._emit(num_accepted, next_tokens, block_length + 1)
-        draft_seconds, verify_seconds = drafted_at - draft_started, verified_at - drafted_at
-        seconds = StepSeconds(draft_seconds, verify_seconds,
-                              time.perf_counter() - step_started - draft_seconds - verify_seconds)
-        record = StepRecord(self.rows, num_drafted, budget, token_log_probs, verify_lengths, num_accepted, emitted,
-                            seconds)
-        self.strategy.observe(token_log_probs, verify_lengths, num_accepted, seconds)
-        return self._finish(record, stopped)
+        outcome = run_step(self.strategy, self.num_rows, min(room, self.max_draft), draft, verify)
+        record = StepRecord(rows, outcome.num_drafted, outcome.plan.budget, done["log_probs"],
+                            outcome.verify_lengths, outcome.num_accepted, done["emitted"],
+                            done["seconds"] or StepSeconds(0.0, 0.0, 0.0))
+        return self._finish(record, done["stopped"])
 
     def _read_prompt(self) -> StepRecord:
         """The first step: the target reads every prompt (its cache had nothing) and adds one token per row."""

@@ -88,6 +88,16 @@ class AttentionLayout:
         return None if any(window is None for window in windows) else max(windows)
 
 
+def slots_needed(layout: AttentionLayout, prompt_length: int, max_length: int, block: int, max_holes: int) -> int:
+    """Slots per row a cache needs for a whole call: every token up to ``max_length`` plus a block and the holes
+    allowed; on a model whose every layer has a window, the prompt or the window (what outlives it is dropped), plus
+    the same margins, however long the call."""
+    margin = 2 * block + max_holes  # the block being written, the one not yet repacked, and the holes allowed
+    if layout.reach is None:
+        return max_length + margin
+    return min(max_length, max(prompt_length, layout.reach)) + margin
+
+
 def position_masks(layout: AttentionLayout, key_positions: torch.Tensor, key_valid: torch.Tensor,
                    query_positions: torch.Tensor, dtype: torch.dtype):
     """Prepared 4D masks in which query ``i`` sees key ``j`` iff slot ``j`` holds a real token, ``pos_j <= pos_i``
@@ -130,6 +140,9 @@ class SlotLayer(CacheLayerMixin):
         capacity = self.owner.capacity
         self.keys = key_states.new_zeros(batch, heads, capacity, key_states.shape[-1])
         self.values = value_states.new_zeros(batch, heads, capacity, value_states.shape[-1])
+        if self.owner.step_forward is not None:  # compiled steps (CUDA graphs) need buffers that stay put
+            torch._dynamo.mark_static_address(self.keys)
+            torch._dynamo.mark_static_address(self.values)
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
@@ -177,6 +190,7 @@ class SlotCache:
         self.slot_positions = torch.zeros(batch_size, self.capacity, dtype=torch.long, device=device)
         self.next_positions = torch.zeros(batch_size, dtype=torch.long, device=device)  # real tokens cached so far
         self.layout: AttentionLayout | None = None
+        self.step_forward = None  # a compiled forward for the step forwards (see tetris_hf.compiled), else the model
         self.longest_bound = 0  # an upper bound on any row's real slots (tightened by note_longest)
 
     @property
@@ -190,6 +204,7 @@ class SlotCache:
         input_ids: torch.Tensor,
         input_mask: torch.Tensor,
         logits_to_keep: int = 0,
+        step: bool = False,
     ) -> torch.Tensor:
         """Run ``model`` on a block appended to every row, and cache it.
 
@@ -201,6 +216,7 @@ class SlotCache:
             input_ids: ``(B, L)`` the block (filler where ``input_mask`` is 0).
             input_mask: ``(B, L)`` 1 for real tokens, 0 for filler.
             logits_to_keep: keep logits for the last this-many positions only (0 = all).
+            step: a decoding step's forward (run through :attr:`step_forward` when set), not a prompt read.
 
         Returns:
             ``(B, L or logits_to_keep, V)`` logits.
@@ -220,7 +236,8 @@ class SlotCache:
         else:  # causality by slot index is causality by position: the 2D mask of real slots is enough
             attention_mask = self.slot_mask[:, :end]
         kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
-        outputs = model(
+        run = self.step_forward if step and self.step_forward is not None else model
+        outputs = run(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
