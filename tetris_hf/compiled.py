@@ -34,6 +34,9 @@ def check_compilable(model: torch.nn.Module, role: str) -> None:
 def compiled_forward(model: torch.nn.Module) -> Callable:
     """``model.forward`` compiled for the loop's step forwards (one compilation per model, kept while it lives)."""
     if model not in _COMPILED:
+        # every transformers forward shares one decorator code object, whose compiled variants (target, draft, batch
+        # sizes) count against one dynamo cache: 8 by default, past which it silently runs eager
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         on_cuda = next(model.parameters()).is_cuda
         _COMPILED[model] = torch.compile(model.forward, dynamic=True,
                                          mode="reduce-overhead" if on_cuda else None)
