@@ -17,7 +17,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
 from test_bad_input import ForwardCounter
 from test_sampling_distribution import chi_square_p_value, exact_joint, sampled_joint
-from tiny_models import PAD, left_pad, noisy_copy, random_prompts, sharpen
+from tiny_models import PAD, greedy_alone, left_pad, noisy_copy, random_prompts, sharpen
 
 VOCAB, BATCH, WINDOW = 96, 4, 8
 NEW_TOKENS = 3 * WINDOW + 2
@@ -56,13 +56,7 @@ def windows(model) -> set[int]:
 
 def target_alone(target, prompts: list[list[int]]) -> list[list[int]]:
     """Each prompt generated on its own, unpadded: the reference (``NEW_TOKENS`` tokens per row)."""
-    outputs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS,
-                              min_new_tokens=NEW_TOKENS, pad_token_id=PAD)
-        outputs.append(out[0, len(prompt):].tolist())
-    return outputs
+    return greedy_alone(target, prompts, NEW_TOKENS)
 
 
 def assert_exact(target, draft, runs: list[dict], seed: int = 3) -> tuple[int, int]:

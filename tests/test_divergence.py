@@ -5,20 +5,10 @@ import torch
 
 import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
 from tetris_hf.divergence import compare_outputs, first_difference, logit_tolerance, split_sequences
-from tiny_models import PAD, left_pad, noisy_copy, random_prompts, tiny_llama
+from tiny_models import PAD, greedy_alone, left_pad, noisy_copy, random_prompts, tiny_llama
 
 VOCAB, NEW_TOKENS = 64, 12
 
-
-def greedy_alone(target, prompts: list[list[int]]) -> list[list[int]]:
-    """Each prompt generated on its own, unpadded (the reference)."""
-    outputs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS,
-                              min_new_tokens=NEW_TOKENS, pad_token_id=PAD)
-        outputs.append(out[0, len(prompt):].tolist())
-    return outputs
 
 
 def speculative(target, draft, prompts: list[list[int]]) -> list[list[int]]:
@@ -47,7 +37,7 @@ def test_fp32_speculative_rows_are_identical():
     target = tiny_llama(VOCAB, num_layers=2, seed=31)
     prompts = random_prompts(4, VOCAB, seed=31, min_length=3)
     checks = compare_outputs(target, prompts, speculative(target, noisy_copy(target, 0.3), prompts),
-                             greedy_alone(target, prompts))
+                             greedy_alone(target, prompts, NEW_TOKENS))
     assert all(check.identical for check in checks)
 
 
@@ -55,7 +45,8 @@ def test_bf16_speculative_rows_equal_the_target_or_differ_at_near_ties():
     target = tiny_llama(VOCAB, num_layers=2, seed=32).to(torch.bfloat16)
     draft = noisy_copy(target, 0.3)
     prompts = random_prompts(6, VOCAB, seed=32, min_length=3)
-    checks = compare_outputs(target, prompts, speculative(target, draft, prompts), greedy_alone(target, prompts))
+    reference = greedy_alone(target, prompts, NEW_TOKENS)
+    checks = compare_outputs(target, prompts, speculative(target, draft, prompts), reference)
     assert all(check.within_tolerance for check in checks), [check.describe() for check in checks]
 
 
@@ -64,12 +55,12 @@ def near_tie(dtype: torch.dtype):
     output, and the same output with the first token swapped for its twin (what rounding could have chosen)."""
     target = tiny_llama(VOCAB, num_layers=2, seed=33).to(dtype)
     prompt = [5, 9, 17, 4]
-    first = greedy_alone(target, [prompt])[0][0]
+    first = greedy_alone(target, [prompt], NEW_TOKENS)[0][0]
     twin = (first + 1) % VOCAB
     with torch.no_grad():
         row = target.lm_head.weight[first]
         target.lm_head.weight[twin] = row + torch.finfo(torch.bfloat16).eps * row.abs().max() * torch.sign(row)
-    reference = greedy_alone(target, [prompt])[0]
+    reference = greedy_alone(target, [prompt], NEW_TOKENS)[0]
     assert reference[0] in (first, twin)
     return target, prompt, reference, [twin if reference[0] == first else first] + reference[1:]
 
@@ -90,7 +81,7 @@ def test_a_draft_accepted_against_the_targets_clear_argmax_fails_in_bf16(monkeyp
     target = tiny_llama(VOCAB, num_layers=2, seed=34).to(torch.bfloat16)
     draft = tiny_llama(VOCAB, num_layers=1, seed=35).to(torch.bfloat16)  # agrees by chance only
     prompts = random_prompts(4, VOCAB, seed=34, min_length=3)
-    reference = greedy_alone(target, prompts)
+    reference = greedy_alone(target, prompts, NEW_TOKENS)
     monkeypatch.setattr("tetris_hf.decoding.verify_greedy", accept_every_draft)
     checks = compare_outputs(target, prompts, speculative(target, draft, prompts), reference)
     failing = [check for check in checks if not check.within_tolerance]

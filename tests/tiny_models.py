@@ -74,3 +74,14 @@ def target_and_draft(vocab_size: int, seed: int, draft_kind: str, noise: float =
     if draft_kind == "same":
         return target, target
     raise ValueError(f"unknown draft kind {draft_kind!r}")
+
+
+def greedy_alone(target, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Each prompt generated on its own, unpadded, exactly ``new_tokens`` tokens (the reference for exactness)."""
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, pad_token_id=PAD)
+        outputs.append(out[0, len(prompt):].tolist())
+    return outputs
