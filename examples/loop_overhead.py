@@ -1,11 +1,12 @@
-"""What the speculative loop costs on its own: plain ``generate()`` against ``tetris_budget=0`` (the loop, drafting
-nothing), on the offline default pair, with the time inside the target's forward calls split from the rest.
+"""What the speculative loop costs on its own: plain ``generate()`` against the loop drafting nothing
+(``tetris_budget=0``) and drafting (fixed k = 2, TETRIS k = 2, e = 2), on the offline default pair, with the time
+inside the models' forward calls split from the rest.
 
     python examples/loop_overhead.py --batch-size 16 --max-new-tokens 32 --repeats 5
 
 Prints, per run (medians over the interleaved repeats): wall seconds, seconds inside the target's forwards (and its
-first, the prompt), the number of forwards, and the seconds outside them (preparation, logits processing, stopping,
-the loop's bookkeeping).
+first, the prompt), seconds inside the draft's forwards, the number of target forwards (steps), and the seconds
+outside every forward, in all and per step (preparation, logits processing, stopping, the loop's bookkeeping).
 """
 
 from __future__ import annotations
@@ -45,27 +46,42 @@ class ForwardTimer:
         self.calls += 1
 
 
+def runs_to_compare(draft) -> dict[str, dict]:
+    """The ``generate()`` keyword arguments of every run, by name."""
+    speculative = dict(assistant_model=draft, custom_generate="tetris")
+    return {"plain generate()": {},
+            "tetris_budget=0": dict(speculative, tetris_budget=0),
+            "fixed k=2": dict(speculative, tetris_strategy="fixed", num_assistant_tokens=2),
+            "tetris k=2 e=2": dict(speculative, num_assistant_tokens=2, tetris_extra_tokens=2)}
+
+
 def measure(target, draft, batch: dict, max_new_tokens: int, pad_token_id: int, repeats: int) -> dict[str, dict]:
-    """Both runs, interleaved ``repeats`` times after a warm-up; per run the medians of ``wall``, ``forwards``
-    (seconds inside the target's forwards), ``prompt`` (its first forward) and ``outside``, and ``calls``."""
+    """Every run of :func:`runs_to_compare`, interleaved ``repeats`` times after a warm-up; per run the medians of
+    ``wall``, ``forwards`` (seconds inside the target's forwards), ``prompt`` (its first forward), ``draft`` (seconds
+    inside the draft's forwards), ``outside`` (wall minus both) and ``outside_per_step`` (over the target's forwards),
+    and ``calls`` (the target's forwards in the first repeat)."""
     common = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id)
-    runs = {"plain generate()": {},
-            "tetris_budget=0": dict(assistant_model=draft, custom_generate="tetris", tetris_budget=0)}
-    timer = ForwardTimer(target)
-    target.generate(**batch, **common)  # warm-up
-    measured: dict[str, list[tuple[float, float, float, int]]] = {name: [] for name in runs}
+    runs = runs_to_compare(draft)
+    target_timer, draft_timer = ForwardTimer(target), ForwardTimer(draft)
+    for extra in runs.values():  # warm-up
+        target.generate(**batch, **common, **extra)
+    measured: dict[str, list[tuple[float, float, float, float, int]]] = {name: [] for name in runs}
     for _ in range(repeats):
         for name, extra in runs.items():
-            timer.reset()
+            target_timer.reset()
+            draft_timer.reset()
             started = time.perf_counter()
             target.generate(**batch, **common, **extra)
-            measured[name].append((time.perf_counter() - started, timer.seconds, timer.first_seconds, timer.calls))
+            measured[name].append((time.perf_counter() - started, target_timer.seconds, target_timer.first_seconds,
+                                   draft_timer.seconds, target_timer.calls))
+    median = statistics.median
     summary = {}
     for name, rows in measured.items():
-        median = statistics.median
+        outside = [wall - forwards - drafting for wall, forwards, _, drafting, _ in rows]
         summary[name] = {"wall": median(r[0] for r in rows), "forwards": median(r[1] for r in rows),
-                         "prompt": median(r[2] for r in rows), "outside": median(r[0] - r[1] for r in rows),
-                         "calls": rows[0][3]}
+                         "prompt": median(r[2] for r in rows), "draft": median(r[3] for r in rows),
+                         "outside": median(outside),
+                         "outside_per_step": median(o / r[4] for o, r in zip(outside, rows)), "calls": rows[0][4]}
     return summary
 
 
@@ -75,19 +91,21 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--draft", default=None, help="a draft for load_default_pair (default: the shipped one)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    target, draft, tokenizer, _ = load_default_pair()
+    target, draft, tokenizer, _ = load_default_pair(draft=args.draft)
     tokenizer.padding_side = "left"
     texts, _ = prompt_texts(load_prompt_set("sharegpt"), args.batch_size, tokenizer, 128)
     batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     summary = measure(target, draft, batch, args.max_new_tokens, tokenizer.pad_token_id, args.repeats)
     print(f"batch {args.batch_size}, {args.max_new_tokens} new tokens, median of {args.repeats} interleaved repeats")
-    print(f"{'run':<18} {'wall s':>8} {'forwards s':>11} {'prompt s':>9} {'forwards':>9} {'outside s':>10}")
+    print(f"{'run':<18} {'wall s':>8} {'target s':>9} {'prompt s':>9} {'draft s':>8} {'steps':>6} "
+          f"{'outside s':>10} {'outside ms/step':>16}")
     for name, row in summary.items():
-        print(f"{name:<18} {row['wall']:>8.3f} {row['forwards']:>11.3f} {row['prompt']:>9.3f} {row['calls']:>9} "
-              f"{row['outside']:>10.3f}")
+        print(f"{name:<18} {row['wall']:>8.3f} {row['forwards']:>9.3f} {row['prompt']:>9.3f} {row['draft']:>8.3f} "
+              f"{row['calls']:>6} {row['outside']:>10.3f} {1000 * row['outside_per_step']:>16.2f}")
 
 
 if __name__ == "__main__":

@@ -23,8 +23,13 @@ def test_plain_generate_and_the_loop_drafting_nothing_make_the_same_forwards(loo
     input_ids, mask = left_pad(random_prompts(3, 64, seed=72))
     summary = loop_overhead.measure(target, noisy_copy(target, 0.3, seed=73),
                                     {"input_ids": input_ids, "attention_mask": mask}, 6, PAD, repeats=2)
-    assert list(summary) == ["plain generate()", "tetris_budget=0"]
-    for row in summary.values():
-        assert row["calls"] == 6  # one target forward per new token, the first reading the prompt
+    assert list(summary) == ["plain generate()", "tetris_budget=0", "fixed k=2", "tetris k=2 e=2"]
+    for name in ("plain generate()", "tetris_budget=0"):
+        assert summary[name]["calls"] == 6  # one target forward per new token, the first reading the prompt
+        assert summary[name]["draft"] == 0  # nothing drafted
+    for name, row in summary.items():
         assert 0 < row["prompt"] < row["forwards"] < row["wall"]
         assert 0 < row["outside"] < row["wall"]
+        assert row["outside_per_step"] == pytest.approx(row["outside"] / row["calls"], rel=0.5)
+    for name in ("fixed k=2", "tetris k=2 e=2"):
+        assert summary[name]["draft"] > 0 and summary[name]["calls"] <= 6
