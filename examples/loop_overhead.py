@@ -18,8 +18,8 @@ import time
 import torch
 
 import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
-from tetris_hf.cli import load_prompt_set, prompt_texts
-from tetris_hf.models import load_default_pair
+from tetris_hf.tools.cli import load_prompt_set, prompt_texts
+from tetris_hf.tools.models import load_default_pair
 
 
 class ForwardTimer:

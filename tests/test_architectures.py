@@ -16,7 +16,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 
 import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
 from test_bad_input import ForwardCounter
-from test_sampling_distribution import chi_square_p_value, exact_joint, sampled_joint
+from test_sampling_distribution import ROWS, chi_square_p_value, exact_joint, sampled_joint
 from tiny_models import PAD, greedy_alone, left_pad, noisy_copy, random_prompts, sharpen
 
 VOCAB, BATCH, WINDOW = 96, 4, 8
@@ -157,14 +157,45 @@ def test_a_draft_of_another_family_is_exact(target_family, draft_family):
     assert 0 < accepted < verified
 
 
-def test_sampling_on_a_sliding_window_model_follows_the_target_distribution():
-    """Chi-square of the first 4 tokens (8 positions: four windows of 2) against the exact law of the target."""
+@pytest.fixture(scope="module")
+def windowed_pair():
     small = {"sliding_window": 2, "hidden_size": 16, "intermediate_size": 32, "head_dim": 4}
     target = sharpen(tiny("mistral", 2, seed=21, overrides=small, vocab_size=6), 12)
     draft = sharpen(tiny("mistral", 1, seed=22, overrides=small, vocab_size=6), 12)  # disagrees often
-    counts, stats = sampled_joint(target, draft, 1.0, 1.0, "tetris", new_tokens=4)
+    return target, draft
+
+
+# Half the rows' drafts go unverified each step (C = B/2): block filler and rejected drafts leave holes right where
+# a window of 2 looks.
+WINDOWED_SAMPLING = dict(num_assistant_tokens=3, tetris_extra_tokens=1, tetris_budget=ROWS // 2)
+
+
+def test_sampling_on_a_sliding_window_model_follows_the_target_distribution(windowed_pair):
+    """Chi-square of the first 4 tokens (8 positions: four windows of 2) against the exact law of the target."""
+    target, draft = windowed_pair
+    counts, stats = sampled_joint(target, draft, 1.0, 1.0, "tetris", new_tokens=4, **WINDOWED_SAMPLING)
     assert 0 < stats.accepted_tokens < stats.verified_tokens
     assert chi_square_p_value(counts, exact_joint(target, 1.0, 1.0, new_tokens=4)) > 1e-3
+
+
+def windows_measured_in_slots(layout, key_positions, key_valid, query_positions, dtype):
+    """The bug this file guards against: sliding windows counted in cache slots (what transformers does with a 2D
+    mask), so holes left by rejected drafts take the place of real tokens in the window."""
+    slots, block = key_positions.shape[1], query_positions.shape[1]
+    query_slots = torch.arange(slots - block, slots)
+    slot_distance = query_slots[:, None] - torch.arange(slots)[None, :]  # (L, S): the queries are the last L slots
+    visible = key_valid[:, None, :] & (query_positions[:, :, None] >= key_positions[:, None, :])
+    masks = {kind: (visible if window is None else visible & (slot_distance < window))[:, None]
+             for kind, window in layout.windows.items()}
+    return masks if layout.keyed else next(iter(masks.values()))
+
+
+def test_chi_square_catches_windows_measured_in_slots(windowed_pair, monkeypatch):
+    """Teeth: with windows counted in slots instead of positions, the same chi-square test fails (p ~ 1e-21)."""
+    monkeypatch.setattr("tetris_hf.kv.position_masks", windows_measured_in_slots)
+    target, draft = windowed_pair
+    counts, _ = sampled_joint(target, draft, 1.0, 1.0, "tetris", new_tokens=4, **WINDOWED_SAMPLING)
+    assert chi_square_p_value(counts, exact_joint(target, 1.0, 1.0, new_tokens=4)) < 1e-3
 
 
 REFUSED = {  # test id: (model_type, config overrides, loader, words the message must contain)

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-import tetris_hf.bench as bench
+import tetris_hf.tools.bench as bench
 import tetris_hf.logits.verification as verification
-from tetris_hf.cli import main as cli_main
+from tetris_hf.tools.cli import main as cli_main
 from tiny_models import noisy_copy, tiny_llama
 from tiny_tokenizer import SENTENCES, tiny_tokenizer
 
@@ -137,7 +137,7 @@ def test_data_parallel_under_accelerate_launch(saved_target, prompt_file, tmp_pa
     output = tmp_path / "dp"
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "-m", "tetris_hf.bench", "--target", str(saved_target), "--draft", "early-exit:1",
+               "-m", "tetris_hf.tools.bench", "--target", str(saved_target), "--draft", "early-exit:1",
                "--prompts", str(prompt_file), "--num-prompts", "4", "--batch-size", "2", "--max-new-tokens", "5",
                "--strategies", "generate,fixed,tetris", "--extra-tokens", "1", "--device", "cpu",
                "--output", str(output), "--no-progress"]

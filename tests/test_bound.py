@@ -5,9 +5,10 @@ import json
 import pytest
 import torch
 
-from tetris_hf import bound, models, multidraft
-from tetris_hf.cli import main as cli_main
-from tetris_hf.models import PairInfo
+from tetris_hf import multidraft
+from tetris_hf.tools import bound, models
+from tetris_hf.tools.cli import main as cli_main
+from tetris_hf.tools.models import PairInfo
 
 from tiny_models import noisy_copy, tiny_llama
 from tiny_tokenizer import tiny_tokenizer

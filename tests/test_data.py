@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from tetris_hf.data import (
+from tetris_hf.tools.data import (
     SHAREGPT_FILE,
     Prompt,
     load_humaneval,
@@ -57,7 +57,7 @@ def test_truncated_copy_recovers_complete_records_and_reports_break_point(tmp_pa
     with pytest.raises(json.JSONDecodeError):
         json.loads(truncated.read_text())
 
-    with caplog.at_level(logging.WARNING, logger="tetris_hf.data"):
+    with caplog.at_level(logging.WARNING, logger="tetris_hf.tools.data"):
         prompts = load_sharegpt(truncated)
 
     assert prompts.recovered == 4  # a, b, c, d decoded completely
@@ -226,7 +226,7 @@ def test_render_chats_through_template_and_raw_as_is():
 
 
 def test_render_mtbench_with_smollm2_chat_template():
-    from tetris_hf.models import load_target
+    from tetris_hf.tools.models import load_target
 
     _, tokenizer = load_target()  # ~20 s the first time (GGUF conversion), then cached
     prompts = load_mtbench(limit=2)

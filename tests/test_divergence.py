@@ -92,7 +92,7 @@ def test_a_draft_accepted_against_the_targets_clear_argmax_fails_in_bf16(monkeyp
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_bench_fails_on_a_wrong_token_and_on_a_near_tie_only_in_fp32(dtype):
-    import tetris_hf.bench as bench
+    import tetris_hf.tools.bench as bench
 
     class SpaceSeparatedIds:  # the bench encodes each differing row's text alone; here a text is its token ids
         def __call__(self, text, add_special_tokens=False):

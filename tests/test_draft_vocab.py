@@ -249,7 +249,7 @@ def test_a_draft_that_is_already_reduced_is_refused(models):
 
 
 def test_draft_directory_round_trip(tmp_path):
-    from tetris_hf.models import early_exit_draft, load_draft, load_draft_vocab, save_draft, save_draft_vocab
+    from tetris_hf.tools.models import early_exit_draft, load_draft, load_draft_vocab, save_draft, save_draft_vocab
 
     target = tiny_llama(60, num_layers=3, seed=9)
     draft = early_exit_draft(target, 1)
@@ -270,7 +270,7 @@ def test_draft_directory_round_trip(tmp_path):
 
 
 def test_bench_repeats_every_speculative_run_per_draft_vocabulary():
-    import tetris_hf.bench as bench
+    import tetris_hf.tools.bench as bench
     from tiny_tokenizer import SENTENCES, tiny_tokenizer
 
     tokenizer = tiny_tokenizer()
@@ -291,7 +291,7 @@ def test_bench_repeats_every_speculative_run_per_draft_vocabulary():
 def test_bench_draft_vocab_flag():
     import argparse
 
-    from tetris_hf.bench import draft_vocab_list
+    from tetris_hf.tools.bench import draft_vocab_list
 
     assert draft_vocab_list("full,8192,16384,8192") == (None, 8192, 16384)
     for bad in ("0", "-5", "big", ""):
@@ -300,7 +300,7 @@ def test_bench_draft_vocab_flag():
 
 
 def test_simulate_records_traces_with_a_reduced_draft():
-    from tetris_hf.simulate import draft_as_ratio, record_traces
+    from tetris_hf.tools.simulate import draft_as_ratio, record_traces
 
     target, draft = target_and_draft(64, 11, "noisy", noise=0.3)
     input_ids, mask = left_pad(random_prompts(3, 64, 11))
@@ -314,7 +314,7 @@ def test_simulate_records_traces_with_a_reduced_draft():
 def test_distill_stores_the_token_table_and_vocab_only_adds_one(tmp_path, capsys):
     import json
 
-    from tetris_hf import distill, models
+    from tetris_hf.tools import distill, models
     from test_models import distill_args, tiny_model_dir, tiny_sharegpt
 
     model_dir = tiny_model_dir(tmp_path / "model")
@@ -339,8 +339,8 @@ def test_distill_stores_the_token_table_and_vocab_only_adds_one(tmp_path, capsys
 
 
 def test_distill_vocab_errors(tmp_path):
-    from tetris_hf import distill
-    from tetris_hf.cli import UsageError
+    from tetris_hf.tools import distill
+    from tetris_hf.tools.cli import UsageError
     from test_models import distill_args
 
     with pytest.raises(UsageError, match="--vocab-only adds a --draft-vocab table"):

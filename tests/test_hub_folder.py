@@ -1,4 +1,4 @@
-"""The Hub folder is what ``python -m tetris_hf.hub_export`` writes: the strategy's library modules as flat files
+"""The Hub folder is what ``python -m tetris_hf.tools.hub_export`` writes: the strategy's library modules as flat files
 with relative imports, found by reading the package's imports; it loads by path and names missing requirements.
 
 (That the folder runs with the package not importable at all is tests/test_custom_generate_folder.py's business.)
@@ -14,13 +14,13 @@ import pytest
 import torch
 
 import tetris_hf
-from tetris_hf import hub_export
-from tetris_hf.hub_export import ExportError, export, installed_version, library_closure, main
+from tetris_hf.tools import hub_export
+from tetris_hf.tools.hub_export import ExportError, export, installed_version, library_closure, main
 from tiny_models import PAD, left_pad, noisy_copy, random_prompts, tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
 COMMITTED_COPIES = (REPO / "hub", REPO / "examples" / "space" / "strategy")
-EXPORT_COMMAND = "python -m tetris_hf.hub_export hub/ examples/space/strategy/"
+EXPORT_COMMAND = "python -m tetris_hf.tools.hub_export hub/ examples/space/strategy/"
 
 
 def _files(folder: Path) -> dict[str, str]:
@@ -47,8 +47,9 @@ def test_export_holds_the_library_closure_and_no_tool(tmp_path):
                 "outputs", "candidate_generators", "candidate_generators_batched_draft", "logits",
                 "logits_processing", "logits_verification"}
     assert expected <= {Path(name).stem for name in code}
-    tools = {name.removeprefix("tetris_hf.") for name in hub_export.TOOLS}
-    assert not tools & {Path(name).stem for name in code}
+    assert hub_export.TOOLS == {"tetris_hf.tools"}
+    assert not any(module.name.startswith("tetris_hf.tools") for module in hub_export.library_closure())
+    assert not {"bench", "cli", "models", "data", "simulate", "hub_export"} & {Path(name).stem for name in code}
     assert sorted(_files(tmp_path)) == sorted(str(path.relative_to(tmp_path)) for path in written)
 
 
@@ -98,7 +99,7 @@ def test_a_library_module_that_imports_a_tool_is_refused_with_the_chain(monkeypa
 
 
 def test_export_command_writes_the_folders(tmp_path, capsys):
-    main([str(tmp_path / "a"), str(tmp_path / "b")])  # what `python -m tetris_hf.hub_export A B` runs
+    main([str(tmp_path / "a"), str(tmp_path / "b")])  # what `python -m tetris_hf.tools.hub_export A B` runs
     assert _files(tmp_path / "a") == _files(tmp_path / "b")
     assert len(capsys.readouterr().out.splitlines()) == 2 * len(_files(tmp_path / "a"))
 

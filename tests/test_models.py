@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from tetris_hf import distill, models
-from tetris_hf.cli import UsageError
-from tetris_hf.models import (
-    check_same_vocab,
+from tetris_hf.tools import distill, models
+from tetris_hf.decoding import check_same_vocabulary
+from tetris_hf.tools.cli import UsageError
+from tetris_hf.tools.models import (
     early_exit_draft,
     load_default_pair,
     load_draft,
@@ -114,15 +114,15 @@ def test_draft_for_another_target_is_refused(target, tmp_path):
         load_draft(other, tmp_path / "d")
 
 
-def test_check_same_vocab_names_both_sizes(target):
-    with pytest.raises(ValueError, match=r"draft's vocabulary \(80 tokens\) differs from the target's \(64 tokens\)"):
-        check_same_vocab(target, tiny_llama(vocab_size=80))
-    check_same_vocab(target, early_exit_draft(target, 1))
+def test_check_same_vocabulary_names_both_sizes(target):
+    with pytest.raises(ValueError, match=r"vocabularies differ \(target 64 tokens, draft 80\)"):
+        check_same_vocabulary(target, tiny_llama(vocab_size=80))
+    check_same_vocabulary(target, early_exit_draft(target, 1))
 
 
 def test_default_draft_falls_back_to_early_exit_and_says_so(target, tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(models, "DEFAULT_DRAFT_DIR", tmp_path / "absent")
-    with caplog.at_level(logging.WARNING, logger="tetris_hf.models"):
+    with caplog.at_level(logging.WARNING, logger="tetris_hf.tools.models"):
         draft = load_draft(target)
     assert draft.config.num_hidden_layers == models.EARLY_EXIT_LAYERS
     assert "no trained draft shipped" in draft.tetris_description

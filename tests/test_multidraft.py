@@ -196,7 +196,7 @@ VERIFIERS = {  # name -> (sampler, closed-form acceptance)
         partial(md.rrs_acceptance, replacement=False, method="exact"),
     ),
     "kseq": (md.verify_kseq, md.kseq_acceptance),
-    "greedy": (md.verify_greedy, md.greedy_acceptance),
+    "greedy": (md.verify_greedy_construction, md.greedy_acceptance),
 }
 CASES = [("single", 1)] + [(name, n) for name in VERIFIERS if name != "single" for n in (2, 3)]
 

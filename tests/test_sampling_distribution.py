@@ -136,7 +136,7 @@ def test_chi_square_catches_selection_by_the_sampled_tokens_probability(pair, mo
 def test_chi_square_catches_a_verifier_that_skips_the_residual(pair, monkeypatch):
     """Teeth: sampling the correction from p instead of norm(max(p - q, 0)) is biased, and the test sees it."""
     target, draft = pair
-    monkeypatch.setattr(verification, "residual_distribution", lambda target_probs, draft_probs: target_probs)
+    monkeypatch.setattr(verification, "residual_distribution", lambda target_probs, draft_probs: (target_probs, None))
     counts, _ = sampled_joint(target, draft, 1.0, 1.0, "tetris")
     assert chi_square_p_value(counts, exact_joint(target, 1.0, 1.0)) < 1e-3
 

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from tetris_hf import simulate
-from tetris_hf.cli import UsageError
+from tetris_hf.tools import simulate
+from tetris_hf.tools.cli import UsageError
 from tetris_hf.cost_model import CostProfile, StepCostModel
 from tetris_hf.strategies import FixedWindow, TetrisOptions, expected_tokens_geometric
 from test_greedy_exactness import pick_eos, target_alone

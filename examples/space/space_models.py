@@ -8,7 +8,7 @@ Drafts (``TETRIS_SPACE_DRAFT`` / ``--draft``):
   layers and final norm, sharing the target's embedding and head (same tensors, no copy);
 - anything else: a causal LM with the target's vocabulary, by Hub id or folder.
 
-This mirrors ``tetris_hf.models`` (the package's tools) for the two draft kinds above, so the Space needs nothing but
+This mirrors ``tetris_hf.tools.models`` (the package's tools) for the two draft kinds above, so the Space needs nothing but
 transformers and its own files.
 """
 

@@ -1,4 +1,4 @@
-"""Draft proposers (transformers ``CandidateGenerator`` subclasses) for batched speculative decoding."""
+"""The draft side of batched speculative decoding: the batched proposer and reduced-vocabulary draft heads."""
 
 from .batched_draft import BatchedDraftCandidateGenerator
 

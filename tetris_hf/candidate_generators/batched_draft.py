@@ -9,7 +9,6 @@ last ran. The draft is lazy: it reads the prompt only when it first drafts, so a
 from __future__ import annotations
 
 import torch
-from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..kv import SlotCache
 from ..logits import PositionwiseLogitsProcessor, sample_tokens
@@ -31,8 +30,10 @@ def _left_pack(tokens: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, 
     return tokens.gather(1, order), sorted_mask
 
 
-class BatchedDraftCandidateGenerator(CandidateGenerator):
-    """Proposes draft tokens for a batch whose rows advance independently.
+class BatchedDraftCandidateGenerator:
+    """Proposes draft tokens for a batch whose rows advance independently: the batched counterpart of transformers'
+    ``AssistedCandidateGenerator`` (which serves one row), driven by the loop through :meth:`propose`,
+    :meth:`accept` and :meth:`select_rows` rather than ``get_candidates``.
 
     Args:
         assistant_model: the draft model (same vocabulary as the target).
@@ -152,6 +153,8 @@ class BatchedDraftCandidateGenerator(CandidateGenerator):
             self.pending_mask = torch.cat([self.pending_mask, ones], dim=1)
             return
         # The cache now holds the pending block, then drafts 1..K-1; keep the accepted ones among those.
+        # E.g. K = 3, rows [p q | d1 d2] and [r s | e1 e2], 1 and 3 accepted: drafts start at slot 2, keep [1, 2] ->
+        # [p q | d1 .] and [r s | e1 e2]; pending [d3 t] mask [0 1] (d3 rejected: filler), [e3 u] mask [1 1].
         first_draft_slot = self.slots.length - (drafted - 1)
         self.slots.drop_slots(first_draft_slot, num_accepted.clamp(max=drafted - 1))
         all_accepted = (num_accepted == drafted).long()[:, None]  # draft K accepted but never read

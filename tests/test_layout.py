@@ -1,0 +1,93 @@
+"""The library (what ``import tetris_hf`` and ``custom_generate="tetris"`` run) never imports a tool
+(``tetris_hf.tools``: the commands, model and data loading, the Hub export), neither at import time nor inside a
+function."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE_DIR = Path(__file__).resolve().parents[1] / "tetris_hf"
+TOOLS = "tetris_hf.tools"
+
+
+def module_name(path: Path) -> str:
+    """``tetris_hf/logits/verification.py`` -> ``tetris_hf.logits.verification`` (an ``__init__`` is its package)."""
+    parts = path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(source: str, name: str, is_package: bool) -> list[tuple[int, str]]:
+    """``(line, absolute module)`` of every import statement in ``source``, wherever it sits (module level, function,
+    branch), relative imports resolved against module ``name``; ``from X import y`` yields both ``X`` and ``X.y``
+    (``y`` may be a submodule)."""
+    package = name if is_package else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            found.append((node.lineno, base))
+            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+    return found
+
+
+def tool_imports(path: Path) -> list[str]:
+    """``"file:line imports module"`` for every import of a tool module in the library file at ``path``."""
+    name = module_name(path)
+    imports = imported_modules(path.read_text(), name, path.name == "__init__.py")
+    return [f"{path.relative_to(PACKAGE_DIR.parent)}:{line} imports {module}" for line, module in imports
+            if module == TOOLS or module.startswith(TOOLS + ".")]
+
+
+def library_files() -> list[Path]:
+    return sorted(path for path in PACKAGE_DIR.rglob("*.py") if TOOLS.split(".")[1] not in path.relative_to(
+        PACKAGE_DIR).parts[:1])
+
+
+def test_importing_the_package_loads_no_tool_module():
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, tetris_hf; print('\\n'.join(m for m in sys.modules if "
+                               "m.startswith('tetris_hf')))"],
+        capture_output=True, text=True, check=True).stdout.split()
+    assert "tetris_hf.generation" in loaded and "tetris_hf.decoding" in loaded
+    assert [name for name in loaded if name.startswith(TOOLS)] == []
+
+
+def test_no_library_module_imports_a_tool_anywhere_in_its_source():
+    files = library_files()
+    assert {"decoding.py", "kv.py", "verification.py", "batched_draft.py", "multidraft.py"} <= {p.name for p in files}
+    offending = [hit for path in files for hit in tool_imports(path)]
+    assert offending == []
+
+
+@pytest.mark.parametrize("source", [
+    "from .tools.models import cache_dir\n",
+    "def f():\n    from .tools import models\n",
+    "def f():\n    if True:\n        import tetris_hf.tools.data\n",
+    "from tetris_hf.tools.cli import main\n",
+])
+def test_the_check_sees_tool_imports_at_any_depth(tmp_path, source, monkeypatch):
+    fake_package = tmp_path / "tetris_hf"
+    fake_package.mkdir()
+    module = fake_package / "cost_model.py"
+    module.write_text(source)
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE_DIR", fake_package)
+    assert len(tool_imports(module)) >= 1
+
+
+def test_the_check_lets_library_imports_through(tmp_path, monkeypatch):
+    fake_package = tmp_path / "tetris_hf"
+    (fake_package / "logits").mkdir(parents=True)
+    module = fake_package / "logits" / "verification.py"
+    module.write_text("from ..kv import SlotCache\nfrom . import processing\nimport torch\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE_DIR", fake_package)
+    assert tool_imports(module) == []
+    assert [m for _, m in imported_modules(module.read_text(), "tetris_hf.logits.verification", False)][:2] == [
+        "tetris_hf.kv", "tetris_hf.kv.SlotCache"]

@@ -1,0 +1,676 @@
+"""``tetris-hf bench``: TETRIS against the baselines users have, side by side in one process, on real prompts.
+
+For one prompt set, batch size and ``max_new_tokens`` it runs, on the same prompts:
+
+- ``generate``: plain batched ``generate()`` (no speculation) — the reference every greedy output must equal;
+- ``hf-assisted``: transformers' own assisted generation, one request at a time (its only option), on a subset;
+- ``fixed``: standard batched speculative decoding, every row verifying its first ``k`` drafts, for each ``k``;
+- ``tetris``: TETRIS with each ``e`` at the fixed runs' budget ``C = k x B`` (or ``--budget``);
+- any other ``tetris_strategy`` name (e.g. ``adaptive``, ``dsd``) once per ``k``.
+
+Per run it reports output tokens/s, per-request latency (all requests arrive at time 0 and batches run one after
+the other, so a request's latency is when its batch returned), acceptance rate, VSR, target forwards per generated
+token, tokens emitted per row-step, and peak memory; it prints a table, writes ``results.json`` and ``bench.png``, and
+fails (exit 1) when a greedy speculative output differs from plain ``generate()`` (in bf16/fp16: where the target's
+choice was clear, not at a near-tie; see :mod:`tetris_hf.divergence`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from .cli import UsageError, load_pair, load_prompt_set, number_list, prompt_texts, resolve_device
+from ..divergence import RowDivergence
+
+BASELINES = ("generate", "hf-assisted")
+
+
+@dataclasses.dataclass
+class BenchConfig:
+    """What to run. ``strategies`` names runs: ``generate``, ``hf-assisted``, or a ``tetris_strategy`` value."""
+
+    batch_size: int = 16
+    max_new_tokens: int = 64
+    strategies: tuple[str, ...] = ("generate", "hf-assisted", "fixed", "tetris", "adaptive")
+    num_assistant_tokens: tuple[int, ...] = (4,)
+    extra_tokens: tuple[int, ...] = (1, 2, 3)
+    budget: int | None = None
+    hf_assisted_prompts: int = 4
+    do_sample: bool = False
+    seed: int = 0
+    repeats: int = 1
+    draft_vocabs: tuple[int | None, ...] = (None,)  # tetris_draft_vocab of the speculative runs (None: full)
+
+
+@dataclasses.dataclass
+class RunResult:
+    """One strategy's measurements. ``outputs[i]`` are request ``i``'s generated tokens (``None``: not run)."""
+
+    name: str
+    strategy: str
+    options: dict
+    requests: int
+    tokens: int
+    seconds: float
+    latencies: list[float]
+    target_forwards: int
+    row_steps: int
+    drafted: int
+    verified: int
+    accepted: int
+    peak_memory_mb: float
+    outputs: list
+    agreement: dict | None = None  # output_agreement with plain generate() (greedy runs)
+    repeat_seconds: list[float] = dataclasses.field(default_factory=list)  # every repeat's time (this is the median)
+
+    def summary(self) -> dict:
+        latencies = sorted(self.latencies)
+        return {
+            "name": self.name,
+            "strategy": self.strategy,
+            "options": self.options,
+            "requests": self.requests,
+            "output_tokens": self.tokens,
+            "seconds": self.seconds,
+            "tokens_per_second": self.tokens / self.seconds if self.seconds else 0.0,
+            "tokens_per_second_repeats": [self.tokens / seconds for seconds in self.repeat_seconds if seconds],
+            "latency_mean_s": statistics.fmean(latencies) if latencies else 0.0,
+            "latency_p50_s": _percentile(latencies, 50),
+            "latency_p99_s": _percentile(latencies, 99),
+            "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
+            "vsr": self.accepted / self.verified if self.verified else None,
+            "drafted_tokens": self.drafted,
+            "verified_tokens": self.verified,
+            "accepted_tokens": self.accepted,
+            "target_forwards_per_token": self.target_forwards / self.tokens if self.tokens else 0.0,
+            "tokens_per_row_step": self.tokens / self.row_steps if self.row_steps else 0.0,
+            "peak_memory_mb": self.peak_memory_mb,
+            "agreement_with_generate": self.agreement,
+        }
+
+
+def _percentile(sorted_values: list[float], percent: float) -> float:
+    if not sorted_values:
+        return 0.0
+    rank = (len(sorted_values) - 1) * percent / 100
+    low, high = math.floor(rank), math.ceil(rank)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (rank - low)
+
+
+class ForwardCounter:
+    """Counts a model's forward calls (a batched forward counts once)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.count = 0
+        self._handle = model.register_forward_hook(self._hook)
+
+    def _hook(self, *_):
+        self.count += 1
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+class PeakMemory:
+    """Peak memory during a run: CUDA's allocator peak on GPU, else the process RSS sampled every 20 ms (MB)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peak = 0.0
+        self._stop = threading.Event()
+        self._thread = None
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            import psutil
+
+            process = psutil.Process()
+
+            def sample():
+                while not self._stop.is_set():
+                    self.peak = max(self.peak, process.memory_info().rss / 2**20)
+                    self._stop.wait(0.02)
+
+            self._thread = threading.Thread(target=sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *_):
+        if self.device.type == "cuda":
+            self.peak = torch.cuda.max_memory_allocated(self.device) / 2**20
+        else:
+            self._stop.set()
+            self._thread.join()
+
+
+def generated_tokens(sequences: torch.Tensor, prompt_width: int, eos_token_ids: set[int]) -> list[list[int]]:
+    """Each row's new tokens, up to and including its first EOS (what follows is padding)."""
+    rows = []
+    for row in sequences[:, prompt_width:].tolist():
+        for index, token in enumerate(row):
+            if token in eos_token_ids:
+                row = row[: index + 1]
+                break
+        rows.append(row)
+    return rows
+
+
+def encode(tokenizer, texts: list[str], device) -> dict:
+    """Left-padded batch; rendered chats already carry their special tokens."""
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    return {key: value.to(device) for key, value in batch.items() if key in ("input_ids", "attention_mask")}
+
+
+def _eos_ids(target) -> set[int]:
+    eos = target.generation_config.eos_token_id
+    return set(eos if isinstance(eos, (list, tuple)) else [eos]) if eos is not None else set()
+
+
+def run_strategy(
+    name: str,
+    strategy: str,
+    options: dict,
+    target,
+    draft,
+    tokenizer,
+    texts: list[str],
+    config: BenchConfig,
+    progress=None,
+) -> RunResult:
+    """Run one strategy over ``texts`` in batches of ``config.batch_size`` (``hf-assisted``: one at a time)."""
+    device = target.device
+    batch_size = 1 if strategy == "hf-assisted" else config.batch_size
+    eos_ids = _eos_ids(target)
+    common = dict(max_new_tokens=config.max_new_tokens, do_sample=config.do_sample, pad_token_id=tokenizer.pad_token_id)
+    outputs, latencies = [], []
+    drafted = verified = accepted = row_steps = 0
+    counter = ForwardCounter(target)
+    torch.manual_seed(config.seed)
+    try:
+        with PeakMemory(device) as memory:
+            started = time.perf_counter()
+            for first in range(0, len(texts), batch_size):
+                batch = encode(tokenizer, texts[first : first + batch_size], device)
+                if strategy == "generate":
+                    sequences = target.generate(**batch, **common)
+                elif strategy == "hf-assisted":
+                    sequences = target.generate(**batch, assistant_model=draft, **common)
+                else:
+                    result = target.generate(
+                        **batch, assistant_model=draft, custom_generate="tetris", tetris_strategy=strategy,
+                        return_dict_in_generate=True, **options, **common,
+                    )
+                    sequences, stats = result.sequences, result.tetris_stats
+                    drafted += stats.drafted_tokens
+                    verified += stats.verified_tokens
+                    accepted += stats.accepted_tokens
+                    row_steps += sum(sum(v >= 0 for v in step) for step in stats.verified_per_step)
+                rows = generated_tokens(sequences, batch["input_ids"].shape[1], eos_ids)
+                if strategy == "generate":
+                    row_steps += sum(map(len, rows))  # one token per row per step, by construction
+                outputs.extend(rows)
+                latencies.extend([time.perf_counter() - started] * len(rows))
+                if progress is not None:
+                    progress.update(len(rows))
+            seconds = time.perf_counter() - started
+        if strategy == "hf-assisted":
+            row_steps = counter.count  # one row, one target forward per step
+    finally:
+        counter.close()
+    return RunResult(
+        name=name,
+        strategy=strategy,
+        options=options,
+        requests=len(texts),
+        tokens=sum(map(len, outputs)),
+        seconds=seconds,
+        latencies=latencies,
+        target_forwards=counter.count,
+        row_steps=row_steps,
+        drafted=drafted,
+        verified=verified,
+        accepted=accepted,
+        peak_memory_mb=memory.peak,
+        outputs=outputs,
+    )
+
+
+def plan_runs(config: BenchConfig, num_rows: int) -> list[tuple[str, str, dict]]:
+    """``(name, strategy, generate options)`` for every run, baselines first; the speculative runs once per
+    ``config.draft_vocabs`` entry (named ``... N=8192`` when the draft's head is reduced)."""
+    runs = [(strategy, strategy, {}) for strategy in BASELINES if strategy in config.strategies]
+    for vocab in config.draft_vocabs:
+        for name, strategy, options in _speculative_runs(config, num_rows):
+            if vocab is not None:
+                name, options = f"{name} N={vocab}", {**options, "tetris_draft_vocab": vocab}
+            runs.append((name, strategy, options))
+    return runs
+
+
+def _speculative_runs(config: BenchConfig, num_rows: int) -> list[tuple[str, str, dict]]:
+    runs = []
+    for k in config.num_assistant_tokens:
+        budget = config.budget if config.budget is not None else k * num_rows
+        for strategy in config.strategies:
+            if strategy in BASELINES:
+                continue
+            if strategy == "fixed":
+                runs.append((f"fixed k={k}", "fixed", {"num_assistant_tokens": k}))
+            elif strategy == "tetris":
+                for e in config.extra_tokens:
+                    options = {"num_assistant_tokens": k, "tetris_extra_tokens": e}
+                    if config.budget is not None:
+                        options["tetris_budget"] = config.budget
+                    runs.append((f"tetris k={k} e={e} C={budget}", "tetris", options))
+            else:  # adaptive, dsd: K <= k + the largest e; a given budget caps C
+                extra = max(config.extra_tokens)
+                options = {"num_assistant_tokens": k, "tetris_extra_tokens": extra}
+                if config.budget is not None:
+                    options["tetris_budget"] = config.budget
+                runs.append((f"{strategy} k={k} e={extra}", strategy, options))
+    return runs
+
+
+def profile_cost_model(target, draft, runs: list[tuple[str, str, dict]], num_rows: int) -> float | None:
+    """Measure (or load) the cost profiles ``adaptive`` and ``dsd`` use (one per draft vocabulary), before any timing;
+    their seconds, or ``None`` when no run needs one. Each is measured once per pair, device, dtype and thread count
+    and then cached."""
+    from ..candidate_generators.reduced_vocab import reduced_vocab_draft
+    from ..cost_model import cost_model_for
+
+    windows: dict = {}
+    for _, strategy, options in runs:
+        if strategy in ("adaptive", "dsd"):
+            vocab = options.get("tetris_draft_vocab")
+            window = options["num_assistant_tokens"] + options.get("tetris_extra_tokens", 0)
+            windows[vocab] = max(window, windows.get(vocab, 0))
+    if not windows:
+        return None
+    started = time.perf_counter()
+    for vocab, window in windows.items():
+        cost_model_for(target, reduced_vocab_draft(draft, vocab), num_rows=num_rows, max_tokens=window + 1)
+    return time.perf_counter() - started
+
+
+def draft_cost_ratios(target, draft, vocabs, rows: list[int], rounds: int = 5) -> list[dict]:
+    """One draft step against one target step (both one token per row, on a 32-token cache) for each draft vocabulary
+    and row count: ``[{vocab, rows, draft_ms, target_ms, ratio}]``. ``rounds`` rounds, each timing every vocabulary's
+    draft and the target in turn (3 forwards each), so that a busy spell of a shared machine hits all of them; each
+    time is the fastest over all rounds."""
+    from ..candidate_generators.reduced_vocab import reduced_vocab_draft
+    from ..cost_model import measure_profile
+
+    fastest: dict[tuple, float] = {}
+    for _ in range(rounds):
+        for vocab in vocabs:
+            profile = measure_profile(target, reduced_vocab_draft(draft, vocab), rows=rows, tokens=[1], repeats=3)
+            for r in rows:
+                for key, ms in (((vocab, r, "draft"), profile.draft[r]), ((vocab, r, "target"), profile.target[(r, 1)])):
+                    fastest[key] = min(ms, fastest.get(key, math.inf))
+    results = []
+    for vocab in vocabs:
+        for r in rows:
+            draft_ms, target_ms = fastest[(vocab, r, "draft")], fastest[(vocab, r, "target")]
+            results.append({"vocab": vocab, "rows": r, "draft_ms": draft_ms, "target_ms": target_ms,
+                            "ratio": draft_ms / target_ms})
+    return results
+
+
+def median_run(results: list[RunResult]) -> RunResult:
+    """The repeat with the median time (the lower middle one for an even count), with every repeat's seconds."""
+    ordered = sorted(results, key=lambda result: result.seconds)
+    median = ordered[(len(ordered) - 1) // 2]
+    return dataclasses.replace(median, repeat_seconds=[result.seconds for result in results])
+
+
+def check_greedy_outputs(results: list[RunResult], target, tokenizer, texts: list[str]) -> list[str]:
+    """Greedy outputs of every run must equal plain ``generate()``'s; returns one line per run that fails.
+
+    A differing row fails only when it first differs where the target's choice was clear (re-scored by ``target`` on
+    the prompt of ``texts[row]``): in bf16/fp16 a block forward and a one-token forward round differently, so outputs
+    may differ at near-ties (:mod:`tetris_hf.divergence` states the tolerance; in fp32 it is 0). Each run's
+    ``agreement["divergences"]`` lists its differing rows.
+    """
+    reference = next((r for r in results if r.strategy == "generate"), None)
+    if reference is None:
+        return []
+    from ..divergence import compare_outputs
+    from .metrics import load_output_agreement
+
+    metric = load_output_agreement()
+    problems = []
+    for result in results:
+        pairs = [(o, ref) for o, ref in zip(result.outputs, reference.outputs) if o is not None]
+        agreement = metric.compute(predictions=[p for p, _ in pairs], references=[r for _, r in pairs])
+        result.agreement = agreement
+        if agreement["exact_match"] == 1.0:
+            continue
+        rows = [i for i, (o, ref) in enumerate(zip(result.outputs, reference.outputs)) if o is not None and o != ref]
+        prompts = [tokenizer(texts[i], add_special_tokens=False)["input_ids"] for i in rows]
+        checks = compare_outputs(target, prompts, [result.outputs[i] for i in rows],
+                                 [reference.outputs[i] for i in rows])
+        agreement["divergences"] = [dict(dataclasses.asdict(check), row=i) for i, check in zip(rows, checks)]
+        failing = sum(not check.within_tolerance for check in checks)
+        if failing:
+            problems.append(
+                f"{result.name}: {agreement['exact_match']:.0%} of outputs equal plain generate "
+                f"(token agreement {agreement['token_agreement']:.3f}; {failing} differ beyond a near-tie)"
+            )
+    return problems
+
+
+def format_table(summaries: list[dict], reference_name: str | None) -> str:
+    reference = next((s for s in summaries if s["name"] == reference_name), None)
+    spread = any(len(s.get("tokens_per_second_repeats", [])) > 1 for s in summaries)
+    header = (f"{'strategy':<26} {'tok/s':>7} {'x plain':>7} {'lat mean':>8} {'p50':>6} {'p99':>6} "
+              f"{'accept':>6} {'VSR':>5} {'fwd/tok':>7} {'tok/step':>8} {'peak MB':>8}"
+              + (f" {'tok/s min-max':>14}" if spread else ""))
+    lines = [header, "-" * len(header)]
+    for s in summaries:
+        ratio = s["tokens_per_second"] / reference["tokens_per_second"] if reference else float("nan")
+        fmt = lambda value: f"{value:.2f}" if value is not None else "-"  # noqa: E731
+        lines.append(
+            f"{s['name']:<26} {s['tokens_per_second']:>7.1f} {ratio:>7.2f} {s['latency_mean_s']:>8.1f} "
+            f"{s['latency_p50_s']:>6.1f} {s['latency_p99_s']:>6.1f} {fmt(s['acceptance_rate']):>6} "
+            f"{fmt(s['vsr']):>5} {s['target_forwards_per_token']:>7.3f} {s['tokens_per_row_step']:>8.2f} "
+            f"{s['peak_memory_mb']:>8.0f}" + (f" {_range(s['tokens_per_second_repeats']):>14}" if spread else "")
+        )
+    return "\n".join(lines)
+
+
+def format_draft_costs(costs: list[dict]) -> str:
+    """One line per draft vocabulary: its step time against a target step at each measured row count."""
+    lines = ["draft step / target step (one token per row, fastest of 5 interleaved rounds):"]
+    for vocab in dict.fromkeys(c["vocab"] for c in costs):
+        cells = [f"B={c['rows']}: {c['draft_ms']:.1f} / {c['target_ms']:.1f} ms = {c['ratio']:.3f}"
+                 for c in costs if c["vocab"] == vocab]
+        lines.append(f"  {'full vocabulary' if vocab is None else f'N={vocab}':<16} " + ", ".join(cells))
+    return "\n".join(lines)
+
+
+def _range(values: list[float]) -> str:
+    return f"{min(values):.1f}-{max(values):.1f}" if values else "-"
+
+
+def plot(summaries: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [s["name"] for s in summaries]
+    colours = ["#9e9e9e" if s["strategy"] in BASELINES else "#1f77b4" if s["strategy"] == "fixed"
+               else "#d62728" if s["strategy"] == "tetris" else "#2ca02c" for s in summaries]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 0.45 * len(names) + 2), sharey=True)
+    positions = range(len(names))
+    left.barh(positions, [s["tokens_per_second"] for s in summaries], color=colours)
+    left.set_xlabel("output tokens / s (higher is better)")
+    left.set_yticks(list(positions), names)
+    left.invert_yaxis()
+    right.barh(positions, [s["vsr"] or 0.0 for s in summaries], color=colours)
+    right.set_xlabel("VSR: accepted / verified draft tokens")
+    right.set_xlim(0, 1)
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def distributed_state(device: torch.device):
+    """Under ``accelerate launch`` with several processes: accelerate's ``PartialState`` (gloo on CPU), else None."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    from accelerate import PartialState
+
+    return PartialState(cpu=device.type == "cpu")
+
+
+def _split_for_processes(texts: list[str], state) -> tuple[list[str], list[int]]:
+    """This process's share of the prompts, and their indices in the full list."""
+    indices = list(range(len(texts)))
+    if state is None:
+        return texts, indices
+    with state.split_between_processes(indices) as mine:
+        mine = list(mine)
+    return [texts[i] for i in mine], mine
+
+
+def _gather(result: RunResult, indices: list[int]) -> RunResult:
+    """Combine one run's per-process results: tokens add up, wall time is the slowest process's."""
+    from accelerate.utils import gather_object
+
+    parts = gather_object([(dataclasses.asdict(result), list(indices))])
+    merged = dataclasses.asdict(result)
+    outputs = {}
+    for part, part_indices in parts:
+        outputs.update(zip(part_indices, part["outputs"]))
+    for key in ("requests", "tokens", "target_forwards", "row_steps", "drafted", "verified", "accepted"):
+        merged[key] = sum(part[key] for part, _ in parts)
+    merged["seconds"] = max(part["seconds"] for part, _ in parts)
+    merged["peak_memory_mb"] = max(part["peak_memory_mb"] for part, _ in parts)
+    merged["latencies"] = [latency for part, _ in parts for latency in part["latencies"]]
+    merged["outputs"] = [outputs[i] for i in sorted(outputs)]
+    return RunResult(**merged)
+
+
+def run_bench(
+    target, draft, tokenizer, texts: list[str], config: BenchConfig, *, show_progress: bool = True, state=None
+) -> dict:
+    """Every planned run on ``texts``; returns ``{"config", "runs": [summary...], "mismatches": [...]}``.
+
+    With an accelerate ``state`` (several processes), each process runs its share of the prompts and the results are
+    gathered: tokens add up, wall time is the slowest process's.
+    """
+    from tqdm.auto import tqdm
+
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    all_texts = texts  # the greedy check re-scores differing rows, which may come from any process
+    texts, indices = _split_for_processes(texts, state)
+    is_main = state is None or state.is_main_process
+    runs = plan_runs(config, min(config.batch_size, len(texts)))
+    assisted_texts = texts[: config.hf_assisted_prompts]
+    # Warm-up: the first forwards of a process are slow (allocator, kernels); keep them out of every timing, and so
+    # are building and checking each reduced-vocabulary draft (cached on the draft).
+    from ..candidate_generators.reduced_vocab import reduced_vocab_draft
+
+    for vocab in config.draft_vocabs:
+        reduced_vocab_draft(draft, vocab)
+    warm = encode(tokenizer, texts[:2], target.device)
+    target.generate(**warm, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    target.generate(**warm, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                    assistant_model=draft, custom_generate="tetris")
+    profile_seconds = profile_cost_model(target, draft, runs, min(config.batch_size, len(texts)))
+    cost_rows = sorted({1, min(config.batch_size, len(texts))})
+    draft_costs = draft_cost_ratios(target, draft, config.draft_vocabs, cost_rows) if is_main else []
+    total = config.repeats * sum(len(assisted_texts) if strategy == "hf-assisted" else len(texts)
+                                 for _, strategy, _ in runs)
+    repeats: dict[str, list[RunResult]] = {name: [] for name, _, _ in runs}
+    with tqdm(total=total, desc="bench", unit="req", disable=not (show_progress and is_main), file=sys.stderr) as bar:
+        for _ in range(config.repeats):  # interleaved, so that a slow spell of the machine hits every strategy
+            for name, strategy, options in runs:
+                bar.set_postfix_str(name)
+                run_texts = assisted_texts if strategy == "hf-assisted" else texts
+                result = run_strategy(name, strategy, options, target, draft, tokenizer, run_texts, config, bar)
+                if strategy == "hf-assisted":
+                    result.outputs += [None] * (len(texts) - len(run_texts))
+                if state is not None:
+                    result = _gather(result, indices)
+                repeats[name].append(result)
+    results = [median_run(repeats[name]) for name, _, _ in runs]
+    mismatches = check_greedy_outputs(results, target, tokenizer, all_texts) if not config.do_sample else []
+    return {"config": dataclasses.asdict(config), "runs": [result.summary() for result in results],
+            "mismatches": mismatches, "cost_profile_seconds": profile_seconds, "draft_cost": draft_costs,
+            "is_main_process": is_main, "num_processes": 1 if state is None else state.num_processes}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Command line
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompts", default="sharegpt", help="sharegpt | mtbench | humaneval | FILE.jsonl")
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--max-prompt-tokens", type=int, default=256,
+                        help="skip prompts longer than this many tokens (ShareGPT has some very long ones)")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--strategies", default="generate,hf-assisted,fixed,tetris,adaptive",
+                        help="comma list: generate, hf-assisted, fixed, tetris, or any other tetris_strategy")
+    parser.add_argument("--num-assistant-tokens", type=number_list(int, 1), default=(4,), help="k (comma list)")
+    parser.add_argument("--extra-tokens", type=number_list(int, 0), default=(1, 2, 3), help="TETRIS e (comma list)")
+    parser.add_argument("--budget", type=int, default=None, help="C per step (default k x batch size)")
+    parser.add_argument("--hf-assisted-prompts", type=int, default=4,
+                        help="requests for transformers' one-at-a-time assisted generation (it is slow)")
+    parser.add_argument("--target", default=None, help="Hub id, local directory or .gguf (default: SmolLM2-135M)")
+    parser.add_argument("--draft", default=None,
+                        help="Hub id, local directory, tetris-hf draft directory or early-exit:N (default: shipped)")
+    parser.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto")
+    parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy (no equality check)")
+    parser.add_argument("--load-in-4bit", action="store_true", help="bitsandbytes nf4 target")
+    parser.add_argument("--load-in-8bit", action="store_true", help="bitsandbytes 8-bit target")
+    parser.add_argument("--output", default="bench-out", help="directory for results.json and bench.png")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run every strategy this many times, interleaved, and report the median run")
+    parser.add_argument("--draft-vocab", type=draft_vocab_list, default=(None,),
+                        help="comma list of draft head sizes: 'full' or N (the draft's N most frequent tokens, "
+                             "tetris_draft_vocab=N); every speculative run is repeated for each (default: full)")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def draft_vocab_list(text: str) -> tuple[int | None, ...]:
+    """argparse type of ``--draft-vocab``: ``full`` -> None, else positive ints."""
+    values = []
+    for part in (p.strip() for p in text.split(",")):
+        if part == "full":
+            values.append(None)
+        elif part.isdigit() and int(part) > 0:
+            values.append(int(part))
+        else:
+            raise argparse.ArgumentTypeError(f"expected 'full' or a positive number of tokens, got {part!r}")
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one draft vocabulary")
+    return tuple(dict.fromkeys(values))
+
+
+def ensure_token_counts(draft, tokenizer, vocabs) -> str | None:
+    """A reduced head needs the draft's token frequency table; a draft that ships none gets one counted over the
+    last 2,000 ShareGPT chats (the prompt sets read from the file's front). Returns where the table came from."""
+    from ..candidate_generators.reduced_vocab import (
+        TOKEN_COUNTS_ATTRIBUTE, TOKEN_COUNTS_SOURCE_ATTRIBUTE, attach_token_counts, output_rows, token_counts,
+    )
+
+    if all(vocab is None for vocab in vocabs):
+        return None
+    if getattr(draft, TOKEN_COUNTS_ATTRIBUTE, None) is None:
+        from .data import load_sharegpt_chats
+
+        chats = list(load_sharegpt_chats())[-2000:]
+        texts = [tokenizer.apply_chat_template(list(chat.messages), tokenize=False) for chat in chats]
+        counts = token_counts(tokenizer, texts, output_rows(draft))
+        attach_token_counts(draft, counts, f"{int(counts.sum()):,} tokens of the last {len(chats)} ShareGPT chats "
+                                           "(counted by the bench: the draft ships no table)")
+    too_big = [v for v in vocabs if v is not None and v > output_rows(draft)]
+    if too_big:
+        raise UsageError(f"--draft-vocab {too_big[0]} is larger than the draft's {output_rows(draft)}-token vocabulary")
+    return getattr(draft, TOKEN_COUNTS_SOURCE_ATTRIBUTE)
+
+
+def config_from_args(args) -> BenchConfig:
+    for flag in ("num_prompts", "batch_size", "max_new_tokens", "repeats"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if args.budget is not None and args.budget < 0:
+        raise UsageError(f"--budget must be >= 0, got {args.budget}")
+    strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
+    from ..strategies import STRATEGIES
+
+    unknown = [s for s in strategies if s not in BASELINES and s not in STRATEGIES]
+    if unknown or not strategies:
+        raise UsageError(f"unknown strategy {unknown}: choose from {', '.join(BASELINES + tuple(STRATEGIES))}")
+    return BenchConfig(
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        strategies=strategies,
+        num_assistant_tokens=args.num_assistant_tokens,
+        extra_tokens=args.extra_tokens,
+        budget=args.budget,
+        hf_assisted_prompts=args.hf_assisted_prompts,
+        do_sample=args.do_sample,
+        seed=args.seed,
+        repeats=args.repeats,
+        draft_vocabs=args.draft_vocab,
+    )
+
+
+def main(args) -> int:
+    config = config_from_args(args)
+    device = resolve_device(args.device)
+    prompt_set = load_prompt_set(args.prompts)
+    state = distributed_state(device)
+    if state is not None and device.type == "cuda":
+        device = state.device  # one GPU per process
+    torch.manual_seed(args.seed)
+    quantization = None
+    if args.load_in_4bit or args.load_in_8bit:
+        from ..quantization import quantization_config
+
+        try:
+            quantization = quantization_config(args.load_in_4bit, args.load_in_8bit, device=device)
+        except (ValueError, ImportError, RuntimeError) as error:
+            raise UsageError(str(error)) from None
+    target, draft, tokenizer, info = load_pair(args.target, args.draft, device, quantization)
+    texts, note = prompt_texts(prompt_set, args.num_prompts, tokenizer, args.max_prompt_tokens)
+    vocab_source = ensure_token_counts(draft, tokenizer, config.draft_vocabs)
+    report = run_bench(target, draft, tokenizer, texts, config, show_progress=not args.no_progress, state=state)
+    if not report["is_main_process"]:
+        return 0
+    report.update(pair=dataclasses.asdict(info), prompts={"set": args.prompts, "count": len(texts), "note": note},
+                  draft_vocab_source=vocab_source,
+                  device=str(device), torch=torch.__version__, threads=torch.get_num_threads(),
+                  argv=sys.argv)
+    output = Path(args.output)
+    output.mkdir(parents=True, exist_ok=True)
+    (output / "results.json").write_text(json.dumps(report, indent=2))
+    title = (f"{args.prompts} x{len(texts)}, batch {config.batch_size}, {config.max_new_tokens} new tokens, "
+             f"{device} — draft: {info.draft_kind}")
+    plot(report["runs"], output / "bench.png", title)
+    print(f"target: {info.target}\ndraft:  {info.draft}\nprompts: {note}")
+    if vocab_source is not None:
+        print(f"reduced draft heads (N=...): the N most frequent tokens of {vocab_source}")
+    print(format_table(report["runs"], "generate" if "generate" in config.strategies else None))
+    print(format_draft_costs(report["draft_cost"]))
+    if report["cost_profile_seconds"] is not None:
+        print(f"cost profile for adaptive/dsd: {report['cost_profile_seconds']:.1f} s before the timed runs (measured "
+              "once per pair, device, dtype and thread count, then read from the cache)")
+    print(f"wrote {output / 'results.json'} and {output / 'bench.png'}")
+    for run in report["runs"]:
+        for divergence in (run["agreement_with_generate"] or {}).get("divergences", []):
+            print(f"{run['name']}: {RowDivergence(**divergence).describe()}")
+    if report["mismatches"]:
+        print("error: greedy speculative outputs differ from plain generate():", file=sys.stderr)
+        for line in report["mismatches"]:
+            print(f"  {line}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    from .cli import main as cli_main
+
+    sys.exit(cli_main(["bench", *sys.argv[1:]]))
