@@ -226,6 +226,8 @@ class SlotCache:
         self._make_room(block)
         start, end = self.pointer, self.pointer + block
         input_mask = input_mask.to(self.slot_mask.dtype)
+        # E.g. next_positions [5, 2] and mask [[0 1 1], [1 1 0]]: cumsum - 1 = [[-1 0 1], [0 1 1]], clamped at 0,
+        # so positions [[5 5 6], [2 3 3]]: left filler takes the first real token's position, right filler the last's.
         position_ids = self.next_positions[:, None] + (input_mask.cumsum(dim=1) - 1).clamp(min=0)
         self.slot_mask[:, start:end] = input_mask
         self.slot_positions[:, start:end] = position_ids
@@ -262,6 +264,8 @@ class SlotCache:
             start: first slot of the block this applies to.
             keep: ``(B,)`` how many slots of the block row ``i`` keeps.
         """
+        # E.g. block mask [[0 1 1 1], [1 1 1 1]] (row 0 left-padded) with keep [2, 3] -> [[0 1 . .], [1 1 1 .]]:
+        # keep counts slots, filler included; next_positions drops by the real slots removed, [2, 1].
         block = self.slot_mask[:, start : self.pointer]
         offsets = torch.arange(block.shape[1], device=block.device)
         kept = block * (offsets[None, :] < keep[:, None]).to(block.dtype)
@@ -308,6 +312,8 @@ class SlotCache:
         if not force and self.pointer - width <= self.max_holes:
             return
         # A stable ascending sort puts holes (0) first and real slots (1) last, each group in its original order.
+        # E.g. pointer 4, width 3, masks [[1 1 0 1], [0 0 1 1]] ([a b . c | _ _ d e]): order [[2 0 1 3], [0 1 2 3]],
+        # its last 3 columns [[0 1 3], [1 2 3]] are the slots gathered into 0..2 -> [a b c | _ d e], pointer 3.
         sorted_mask, order = torch.sort(self.slot_mask[:, : self.pointer], dim=1, stable=True)
         order = order[:, self.pointer - width :]
         positions = self.slot_positions.gather(1, order)

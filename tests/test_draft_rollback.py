@@ -1,0 +1,127 @@
+"""The draft's roll back after verification, on hand-built outcomes: after a proposal of K drafts its cache keeps
+exactly the accepted drafts among drafts 1..K-1 (draft K is never read), and the pending block holds [draft K if all K
+were accepted] + the target's token, left-packed.
+
+The draft is a stand-in model that predicts token + 1 and caches token ids as keys, so every draft and every cached
+slot is known in advance. ``_`` is left padding, ``.`` a hole, ``-1`` a hole in ``cached_tokens``."""
+
+import pytest
+import torch
+from transformers.generation.logits_process import LogitsProcessorList
+
+from tetris_hf.candidate_generators.batched_draft import BatchedDraftCandidateGenerator, _left_pack
+from tetris_hf.logits import PositionwiseLogitsProcessor
+from test_slot_cache import RecordingModel, cached_tokens
+from tiny_models import left_pad
+
+PROMPTS = [[3, 4], [5, 6, 7], [8], [9, 10, 11]]  # left-padded to [_ 3 4], [5 6 7], [_ _ 8], [9 10 11]
+
+
+def drafter_after_proposal(num_tokens: int, max_holes: int = 100):
+    """A drafter that read ``PROMPTS`` and proposed ``num_tokens`` drafts; also the proposal and the sequences."""
+    drafter = BatchedDraftCandidateGenerator(RecordingModel(), PositionwiseLogitsProcessor(LogitsProcessorList()),
+                                             do_sample=False, max_holes=max_holes, capacity=32)
+    input_ids, mask = left_pad(PROMPTS)
+    drafter.prefill(input_ids, mask)
+    sequences = torch.cat([input_ids, torch.zeros(len(PROMPTS), 8, dtype=torch.long)], dim=1)
+    lengths = torch.full((len(PROMPTS),), input_ids.shape[1])
+    drafts, _, _ = drafter.propose(sequences, lengths, num_tokens)
+    return drafter, drafts
+
+
+def test_a_proposal_caches_the_pending_block_and_all_drafts_but_the_last():
+    drafter, drafts = drafter_after_proposal(3)
+    assert drafts.tolist() == [[5, 6, 7], [8, 9, 10], [9, 10, 11], [12, 13, 14]]
+    assert cached_tokens(drafter.slots).tolist() == [[-1, 3, 4, 5, 6], [5, 6, 7, 8, 9], [-1, -1, 8, 9, 10],
+                                                     [9, 10, 11, 12, 13]]
+    assert drafter.slots.next_positions.tolist() == [4, 5, 3, 5]
+
+
+# K = 3 drafts per row; (num_accepted per row, cache afterwards, next_positions, pending tokens, pending mask).
+# Rows before: [_ 3 4 | 5 6], [5 6 7 | 8 9], [_ _ 8 | 9 10], [9 10 11 | 12 13] (prompt | drafts 1, 2), drafts 3 = 7,
+# 10, 11, 14; the target's tokens 20, 21, 22, 23.
+ROLLBACK_CASES = [
+    ("none accepted", [0, 0, 0, 0],
+     [[-1, 3, 4, -1, -1], [5, 6, 7, -1, -1], [-1, -1, 8, -1, -1], [9, 10, 11, -1, -1]], [2, 3, 1, 3],
+     [[7, 20], [10, 21], [11, 22], [14, 23]], [[0, 1]] * 4),
+    ("all accepted: draft 3 joins the pending block", [3, 3, 3, 3],
+     [[-1, 3, 4, 5, 6], [5, 6, 7, 8, 9], [-1, -1, 8, 9, 10], [9, 10, 11, 12, 13]], [4, 5, 3, 5],
+     [[7, 20], [10, 21], [11, 22], [14, 23]], [[1, 1]] * 4),
+    ("mixed: none, one, two, all", [0, 1, 2, 3],
+     [[-1, 3, 4, -1, -1], [5, 6, 7, 8, -1], [-1, -1, 8, 9, 10], [9, 10, 11, 12, 13]], [2, 4, 3, 5],
+     [[7, 20], [10, 21], [11, 22], [14, 23]], [[0, 1], [0, 1], [0, 1], [1, 1]]),
+]
+
+
+@pytest.mark.parametrize("name,accepted,cached,next_positions,pending,pending_mask", ROLLBACK_CASES,
+                         ids=[c[0] for c in ROLLBACK_CASES])
+def test_accept_keeps_accepted_drafts_and_queues_what_the_draft_has_not_read(name, accepted, cached, next_positions,
+                                                                             pending, pending_mask):
+    drafter, _ = drafter_after_proposal(3)
+    drafter.accept(torch.tensor(accepted), torch.tensor([20, 21, 22, 23]))
+    assert drafter.slots.pointer == 5
+    assert cached_tokens(drafter.slots).tolist() == cached
+    assert drafter.slots.slot_mask[:, :5].tolist() == [[int(token >= 0) for token in row] for row in cached]
+    assert drafter.slots.next_positions.tolist() == next_positions
+    assert drafter.pending_tokens.tolist() == pending
+    assert drafter.pending_mask.tolist() == pending_mask
+
+
+def test_the_next_proposal_reads_the_pending_block_at_the_rolled_back_positions():
+    drafter, _ = drafter_after_proposal(3)
+    drafter.accept(torch.tensor([0, 1, 2, 3]), torch.tensor([20, 21, 22, 23]))
+    sequences = torch.zeros(4, 16, dtype=torch.long)
+    drafts, _, _ = drafter.propose(sequences, torch.full((4,), 6), 2)
+    assert drafts.tolist() == [[21, 22], [22, 23], [23, 24], [24, 25]]
+    assert cached_tokens(drafter.slots)[:, 5:].tolist() == [[-1, 20, 21], [-1, 21, 22], [-1, 22, 23], [14, 23, 24]]
+    assert drafter.slots.slot_positions[:, 6:8].tolist() == [[2, 3], [4, 5], [3, 4], [6, 7]]
+    assert drafter.slots.slot_positions[3, 5] == 5  # draft 3 of row 3, read one step late at its own position
+
+
+def test_a_single_draft_leaves_the_cache_alone_and_queues_it_only_if_accepted():
+    drafter, drafts = drafter_after_proposal(1)
+    assert drafts.tolist() == [[5], [8], [9], [12]]
+    before = drafter.slots.slot_mask.clone()
+    drafter.accept(torch.tensor([0, 1, 0, 1]), torch.tensor([20, 21, 22, 23]))
+    assert torch.equal(drafter.slots.slot_mask, before)
+    assert drafter.slots.next_positions.tolist() == [2, 3, 1, 3]
+    assert drafter.pending_tokens.tolist() == [[5, 20], [8, 21], [9, 22], [12, 23]]
+    assert drafter.pending_mask.tolist() == [[0, 1], [1, 1], [0, 1], [1, 1]]
+
+
+def test_a_step_without_drafts_appends_the_targets_token_to_the_pending_block():
+    drafter, _ = drafter_after_proposal(0)
+    assert drafter.slots.pointer == 0  # nothing read yet
+    drafter.accept(torch.zeros(4, dtype=torch.long), torch.tensor([20, 21, 22, 23]))
+    assert drafter.pending_tokens.tolist() == [[0, 3, 4, 20], [5, 6, 7, 21], [0, 0, 8, 22], [9, 10, 11, 23]]
+    assert drafter.pending_mask.tolist() == [[0, 1, 1, 1], [1, 1, 1, 1], [0, 0, 1, 1], [1, 1, 1, 1]]
+
+
+def test_rolled_back_holes_are_repacked_once_they_exceed_max_holes():
+    drafter, _ = drafter_after_proposal(3, max_holes=0)
+    drafter.slots.note_longest(4)  # a bound the loop knows for after this roll back: row 1 keeps 4 real slots
+    drafter.accept(torch.tensor([0, 1, 2, 0]), torch.tensor([20, 21, 22, 23]))
+    # [_ 3 4 . . | 5 6 7 8 . | _ _ 8 9 10 | 9 10 11 . .] -> width 4, each row's real slots right-aligned
+    assert drafter.slots.pointer == 4
+    assert cached_tokens(drafter.slots).tolist() == [[-1, -1, 3, 4], [5, 6, 7, 8], [-1, 8, 9, 10], [-1, 9, 10, 11]]
+    assert drafter.slots.next_positions.tolist() == [2, 4, 3, 3]
+    assert drafter.pending_tokens.tolist() == [[7, 20], [10, 21], [11, 22], [14, 23]]
+
+
+@pytest.mark.parametrize("tokens,mask,packed,packed_mask", [
+    ([[1, 2], [3, 4]], [[1, 1], [1, 0]], [[1, 2], [4, 3]], [[1, 1], [0, 1]]),
+    ([[1, 2, 3, 4]], [[1, 0, 1, 0]], [[2, 4, 1, 3]], [[0, 0, 1, 1]]),
+    ([[1, 2, 3]], [[0, 0, 0]], [[1, 2, 3]], [[0, 0, 0]]),
+])
+def test_left_pack_moves_real_tokens_to_the_right_in_order(tokens, mask, packed, packed_mask):
+    result, result_mask = _left_pack(torch.tensor(tokens), torch.tensor(mask))
+    assert result.tolist() == packed and result_mask.tolist() == packed_mask
+
+
+def test_select_rows_keeps_pending_blocks_left_packed():
+    drafter, _ = drafter_after_proposal(3)
+    drafter.accept(torch.tensor([0, 1, 2, 3]), torch.tensor([20, 21, 22, 23]))
+    drafter.select_rows(torch.tensor([3, 0]))
+    assert drafter.pending_tokens.tolist() == [[14, 23], [7, 20]]
+    assert drafter.pending_mask.tolist() == [[1, 1], [0, 1]]
+    assert cached_tokens(drafter.slots).tolist() == [[9, 10, 11, 12, 13], [-1, 3, 4, -1, -1]]

@@ -1,0 +1,255 @@
+"""SlotCache bookkeeping on hand-built blocks: where each forward writes, which slots become holes, how repacking moves
+slots and their keys/values, and the exact attention masks. Tokens are single letters in the comments; ``.`` a hole,
+``_`` left padding (filler)."""
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from tetris_hf.kv import FULL, SLIDING, AttentionLayout, SlotCache, position_masks, slots_needed
+from tiny_models import tiny_llama
+
+HEADS, HEAD_DIM, LAYERS = 2, 3, 2
+FULL_SDPA = AttentionLayout({FULL: None}, False, "sdpa", True)
+
+
+class RecordingModel:
+    """Stands in for a causal LM: writes keys = token id (+ 100 * layer) and values = -keys into every layer of the
+    cache, records the mask and positions it was given, and predicts token + 1 after every token."""
+
+    dtype = torch.float32
+    vocab_size = 64
+
+    def __init__(self):
+        self.config = LlamaConfig(vocab_size=self.vocab_size, attn_implementation="sdpa")  # full attention, sdpa
+        self.calls = []
+
+    def __call__(self, input_ids, attention_mask, position_ids, past_key_values, use_cache, logits_to_keep=0):
+        self.calls.append({"attention_mask": attention_mask, "position_ids": position_ids.clone()})
+        batch, block = input_ids.shape
+        for layer in range(LAYERS):
+            keys = (input_ids.float() + 100 * layer)[:, None, :, None].expand(batch, HEADS, block, HEAD_DIM)
+            past_key_values.update(keys.contiguous(), -keys, layer)
+        kept = logits_to_keep or block
+        logits = torch.nn.functional.one_hot((input_ids[:, -kept:] + 1) % self.vocab_size, self.vocab_size).float()
+        return type("Output", (), {"logits": logits})()
+
+
+def new_cache(batch_size, layout=FULL_SDPA, **kwargs):
+    slots = SlotCache(batch_size, torch.device("cpu"), **kwargs)
+    slots.layout = layout
+    return slots
+
+
+def feed(slots, model, tokens, mask):
+    slots.forward(model, torch.tensor(tokens), torch.tensor(mask))
+
+
+def cached_tokens(slots, layer=0):
+    """``(B, pointer)`` the token each slot's key holds (-1 where the slot is a hole)."""
+    keys = slots.cache.layers[layer].keys[:, 0, : slots.pointer, 0].long() - 100 * layer
+    return keys.masked_fill(slots.slot_mask[:, : slots.pointer] == 0, -1)
+
+
+A, B, C, D, E, X, PAD = 10, 11, 12, 13, 14, 15, 0
+
+
+def test_forward_writes_every_row_at_the_shared_pointer_and_numbers_real_tokens():
+    model, slots = RecordingModel(), new_cache(2, capacity=16)
+    feed(slots, model, [[PAD, PAD, A, B], [C, D, E, X]], [[0, 0, 1, 1], [1, 1, 1, 1]])
+    # Left filler takes the position of the row's first real token ([_ _ a b] -> 0 0 0 1).
+    assert slots.pointer == 4 and slots.next_positions.tolist() == [2, 4]
+    assert slots.slot_mask[:, :4].tolist() == [[0, 0, 1, 1], [1, 1, 1, 1]]
+    assert slots.slot_positions[:, :4].tolist() == [[0, 0, 0, 1], [0, 1, 2, 3]]
+    assert model.calls[0]["position_ids"].tolist() == [[0, 0, 0, 1], [0, 1, 2, 3]]
+    # Second block at slots 4..6: row 0 [c _ _] (right filler: the last real position), row 1 [_ a b].
+    feed(slots, model, [[C, PAD, PAD], [PAD, A, B]], [[1, 0, 0], [0, 1, 1]])
+    assert slots.pointer == 7 and slots.next_positions.tolist() == [3, 6]
+    assert slots.slot_mask[:, :7].tolist() == [[0, 0, 1, 1, 1, 0, 0], [1, 1, 1, 1, 0, 1, 1]]
+    assert slots.slot_positions[:, 4:7].tolist() == [[2, 2, 2], [4, 4, 5]]
+    assert model.calls[1]["position_ids"].tolist() == [[2, 2, 2], [4, 4, 5]]
+    assert cached_tokens(slots).tolist() == [[-1, -1, A, B, C, -1, -1], [C, D, E, X, -1, A, B]]
+    assert torch.equal(slots.cache.layers[1].values[:, :, :7], -slots.cache.layers[1].keys[:, :, :7])
+    # The mask the model got: query i sees real keys at positions <= its own.
+    assert model.calls[1]["attention_mask"].shape == (2, 1, 3, 7)
+    assert model.calls[1]["attention_mask"][0, 0, 0].tolist() == [False, False, True, True, True, False, False]
+
+
+def test_drop_slots_turns_the_tail_of_each_rows_block_into_holes_and_rewinds_its_positions():
+    model, slots = RecordingModel(), new_cache(3, capacity=16)
+    feed(slots, model, [[A, B], [A, B], [A, B]], [[1, 1]] * 3)
+    feed(slots, model, [[PAD, C, D], [C, D, E], [C, D, E]], [[0, 1, 1], [1, 1, 1], [1, 1, 1]])
+    # Block = slots 2..4. Row 0 keeps 2 slots: its filler and c (d dropped); row 1 keeps 0; row 2 keeps more than
+    # the block holds.
+    slots.drop_slots(2, torch.tensor([2, 0, 5]))
+    assert slots.slot_mask[:, :5].tolist() == [[1, 1, 0, 1, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]
+    assert slots.next_positions.tolist() == [3, 2, 5]
+    assert slots.pointer == 5  # holes stay in place until repacking
+    # The next token reuses the dropped positions.
+    feed(slots, model, [[E], [E], [E]], [[1]] * 3)
+    assert slots.slot_positions[:, 5].tolist() == [3, 2, 5]
+    assert slots.next_positions.tolist() == [4, 3, 6]
+
+
+def rows_with_a_hole(**kwargs):
+    """Rows ``[a b . c | _ _ d e]``: x was drafted into slot 2 of row 0 and dropped."""
+    model, slots = RecordingModel(), new_cache(2, **kwargs)
+    feed(slots, model, [[A, B], [PAD, PAD]], [[1, 1], [0, 0]])
+    feed(slots, model, [[X], [D]], [[1], [1]])
+    slots.drop_slots(2, torch.tensor([0, 1]))
+    feed(slots, model, [[C], [E]], [[1], [1]])
+    assert cached_tokens(slots).tolist() == [[A, B, -1, C], [-1, -1, D, E]]
+    assert slots.slot_positions[:, :4].tolist() == [[0, 1, 2, 2], [0, 0, 0, 1]]
+    return model, slots
+
+
+def test_compact_moves_real_slots_to_the_right_end_of_the_width_in_order_with_their_keys_and_values():
+    model, slots = rows_with_a_hole(capacity=16, max_holes=0)
+    slots.note_longest(3)  # the loop read that no row holds more than 3 real slots
+    slots.compact()
+    # [a b . c | _ _ d e] -> [a b c | . d e]
+    assert slots.pointer == 3
+    assert slots.slot_mask[:, :5].tolist() == [[1, 1, 1, 0, 0], [0, 1, 1, 0, 0]]
+    assert slots.slot_positions[:, :3].tolist() == [[0, 1, 2], [0, 0, 1]]
+    assert slots.next_positions.tolist() == [3, 2]
+    for layer in range(LAYERS):
+        assert cached_tokens(slots, layer).tolist() == [[A, B, C], [-1, D, E]]
+        keys, values = slots.cache.layers[layer].keys, slots.cache.layers[layer].values
+        assert torch.equal(values[:, :, :3], -keys[:, :, :3])
+    # The next block is written right after the repacked slots.
+    feed(slots, model, [[D], [A]], [[1], [1]])
+    assert slots.pointer == 4 and slots.slot_positions[:, 3].tolist() == [3, 2]
+    assert cached_tokens(slots).tolist() == [[A, B, C, D], [-1, D, E, A]]
+
+
+def test_compact_without_a_tighter_bound_keeps_the_width_and_closes_holes_from_the_left():
+    _, slots = rows_with_a_hole(capacity=16, max_holes=0)
+    slots.compact(force=True)  # width = the pointer (4): [a b . c] -> [. a b c]
+    assert slots.pointer == 4
+    assert slots.slot_mask[:, :4].tolist() == [[0, 1, 1, 1], [0, 0, 1, 1]]
+    assert cached_tokens(slots).tolist() == [[-1, A, B, C], [-1, -1, D, E]]
+    assert slots.slot_positions[:, 1:4].tolist() == [[0, 1, 2], [0, 0, 1]]
+
+
+def test_compact_waits_until_holes_exceed_max_holes():
+    _, slots = rows_with_a_hole(capacity=16, max_holes=1)
+    slots.note_longest(3)
+    before = (slots.slot_mask.clone(), slots.slot_positions.clone(), slots.cache.layers[0].keys.clone())
+    slots.compact()  # 4 slots, at most 3 real: 1 hole, allowed
+    assert slots.pointer == 4
+    assert torch.equal(slots.slot_mask, before[0]) and torch.equal(slots.slot_positions, before[1])
+    assert torch.equal(slots.cache.layers[0].keys, before[2])
+
+
+def test_compact_on_a_windowed_model_drops_slots_out_of_every_window():
+    layout = AttentionLayout({SLIDING: 3}, False, "sdpa", True)
+    model, slots = RecordingModel(), new_cache(2, layout=layout, capacity=16, max_holes=0)
+    feed(slots, model, [[A, B, C, D], [PAD, PAD, A, B]], [[1, 1, 1, 1], [0, 0, 1, 1]])
+    # The next queries sit at positions 4 and 2; with a window of 3 they see positions 2 and 0 onwards:
+    # [a b c d | _ _ a b] -> [. . c d | _ _ a b], then repacked to the window's width: [. c d | . a b].
+    slots.compact()
+    assert slots.pointer == 3
+    assert slots.slot_mask[:, :4].tolist() == [[0, 1, 1, 0], [0, 1, 1, 0]]
+    assert slots.slot_positions[:, 1:3].tolist() == [[2, 3], [0, 1]]
+    assert cached_tokens(slots).tolist() == [[-1, C, D], [-1, A, B]]
+    assert slots.next_positions.tolist() == [4, 2]
+
+
+def test_select_rows_keeps_rows_in_the_given_order_with_their_keys_and_values():
+    model, slots = RecordingModel(), new_cache(3, capacity=8)
+    feed(slots, model, [[A, B], [PAD, C], [D, E]], [[1, 1], [0, 1], [1, 1]])
+    slots.drop_slots(0, torch.tensor([2, 2, 1]))
+    slots.select_rows(torch.tensor([2, 0]))
+    assert slots.slot_mask[:, :2].tolist() == [[1, 0], [1, 1]]
+    assert slots.next_positions.tolist() == [1, 2]
+    assert cached_tokens(slots).tolist() == [[D, -1], [A, B]]
+    for layer in slots.cache.layers:
+        assert layer.keys.shape[0] == 2 and layer.values.shape[0] == 2
+
+
+def test_a_full_buffer_repacks_then_grows():
+    model, slots = RecordingModel(), new_cache(1, capacity=4, max_holes=100)
+    feed(slots, model, [[A, B, C]], [[1, 1, 1]])
+    slots.drop_slots(1, torch.tensor([0]))  # [a . .]
+    slots.note_longest(1)
+    feed(slots, model, [[D, E]], [[1, 1]])  # does not fit: repacked to [a] first, then written
+    assert slots.capacity == 4 and slots.pointer == 3
+    assert cached_tokens(slots).tolist() == [[A, D, E]]
+    feed(slots, model, [[X, X]], [[1, 1]])  # no hole left: the buffers double
+    assert slots.capacity == 8 and slots.pointer == 5
+    assert cached_tokens(slots).tolist() == [[A, D, E, X, X]]
+    assert slots.slot_positions[0, :5].tolist() == [0, 1, 2, 3, 4]
+
+
+# position_masks on one row ``[_ _ a b . c]``: positions 0 0 0 1 2 2 (the hole held a dropped token at 2), queries
+# at positions 2 (c itself) and 3 (the next token).
+KEY_POSITIONS = torch.tensor([[0, 0, 0, 1, 2, 2]])
+KEY_VALID = torch.tensor([[False, False, True, True, False, True]])
+QUERIES = torch.tensor([[2, 3]])
+SEES_ALL = [[0, 0, 1, 1, 0, 1], [0, 0, 1, 1, 0, 1]]
+SEES_WINDOW_2 = [[0, 0, 0, 1, 0, 1], [0, 0, 0, 0, 0, 1]]  # position 2 sees 1..2, position 3 sees 2..3
+
+
+def as_bool(rows):
+    return torch.tensor(rows, dtype=torch.bool)[None, None]
+
+
+@pytest.mark.parametrize("window,expected", [
+    (None, SEES_ALL),
+    (3, [[0, 0, 1, 1, 0, 1], [0, 0, 0, 1, 0, 1]]),
+    (2, SEES_WINDOW_2),
+    (1, [[0, 0, 0, 0, 0, 1], [0, 0, 0, 0, 0, 0]]),
+])
+def test_position_masks_see_real_keys_not_after_the_query_within_the_window(window, expected):
+    layout = AttentionLayout({FULL if window is None else SLIDING: window}, False, "sdpa", True)
+    mask = position_masks(layout, KEY_POSITIONS, KEY_VALID, QUERIES, torch.float32)
+    assert mask.dtype == torch.bool
+    assert torch.equal(mask, as_bool(expected))
+
+
+def test_position_masks_for_hybrid_models_are_keyed_by_layer_type():
+    layout = AttentionLayout({FULL: None, SLIDING: 2}, True, "sdpa", True)
+    masks = position_masks(layout, KEY_POSITIONS, KEY_VALID, QUERIES, torch.float32)
+    assert set(masks) == {FULL, SLIDING}
+    assert torch.equal(masks[FULL], as_bool(SEES_ALL))
+    assert torch.equal(masks[SLIDING], as_bool(SEES_WINDOW_2))
+
+
+def test_position_masks_for_eager_attention_are_additive():
+    layout = AttentionLayout({SLIDING: 2}, False, "eager", True)
+    mask = position_masks(layout, KEY_POSITIONS, KEY_VALID, QUERIES, torch.float16)
+    blocked = torch.finfo(torch.float16).min
+    expected = torch.tensor(SEES_WINDOW_2, dtype=torch.float16).mul(-blocked).add(blocked)  # 1 -> 0, 0 -> min
+    assert mask.dtype == torch.float16
+    assert torch.equal(mask, expected[None, None])
+
+
+@pytest.mark.parametrize("windows,prompt,max_length,expected", [
+    ({FULL: None}, 5, 100, 100 + 11),  # every token up to max_length, plus 2 blocks of 4 and 3 holes
+    ({FULL: None, SLIDING: 8}, 5, 100, 100 + 11),  # one full layer: unbounded
+    ({SLIDING: 8}, 5, 100, 8 + 11),  # the window outlives the prompt
+    ({SLIDING: 8}, 20, 100, 20 + 11),  # the prompt is read whole before anything expires
+    ({SLIDING: 8}, 5, 6, 6 + 11),  # the call ends inside the window
+], ids=["full", "hybrid", "window outlives prompt", "prompt outlives window", "call ends inside window"])
+def test_slots_needed(windows, prompt, max_length, expected):
+    layout = AttentionLayout(windows, len(windows) > 1, "sdpa", True)
+    assert slots_needed(layout, prompt, max_length, block=4, max_holes=3) == expected
+
+
+def test_repacking_changes_nothing_a_real_model_computes():
+    model = tiny_llama(32, num_layers=2, seed=5, hidden_size=16)
+    slots = SlotCache(2, torch.device("cpu"), max_holes=0, capacity=16)
+    with torch.no_grad():
+        slots.forward(model, torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10]]), torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]))
+        slots.forward(model, torch.tensor([[11, 12], [13, 14]]), torch.tensor([[1, 1], [1, 1]]))
+        slots.drop_slots(4, torch.tensor([1, 0]))  # [_ _ a b c .] and [a b c d . .]
+        slots.note_longest(4)
+        with_holes = copy.deepcopy(slots).forward(model, torch.tensor([[15], [16]]), torch.ones(2, 1, dtype=torch.long))
+        slots.compact()
+        assert slots.pointer == 4 and slots.slot_mask[:, :4].tolist() == [[0, 1, 1, 1], [1, 1, 1, 1]]
+        repacked = slots.forward(model, torch.tensor([[15], [16]]), torch.ones(2, 1, dtype=torch.long))
+        fresh = [model(torch.tensor([text])).logits[0, -1] for text in ([5, 6, 11, 15], [7, 8, 9, 10, 16])]
+    torch.testing.assert_close(repacked, with_holes, atol=1e-5, rtol=0)
+    torch.testing.assert_close(repacked[:, -1], torch.stack(fresh), atol=1e-5, rtol=0)
