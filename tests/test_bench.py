@@ -104,7 +104,7 @@ def test_command_writes_json_and_plot(saved_target, prompt_file, tmp_path, capsy
     (["--repeats", "0"], "--repeats must be at least 1"),
     (["--strategies", "generate,warp"], "unknown strategy"),
     (["--target", "/nonexistent/model.gguf"], "does not exist"),
-    (["--draft", "DRAFT_WITH_OTHER_VOCAB"], "vocabulary"),
+    (["--draft", "DRAFT_WITH_OTHER_VOCAB"], "vocabularies differ"),
     (["--prompts", "EMPTY_FILE"], "holds no prompts"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(arguments, message, saved_target, tmp_path, capsys):

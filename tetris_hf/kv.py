@@ -208,7 +208,8 @@ class SlotCache:
         """Run ``model`` on a block appended to every row, and cache it.
 
         Each real token's position is the number of real tokens before it in its row (cached ones included); filler
-        gets its row's last real position, which nothing ever sees (it is masked out as a key, its output unused).
+        gets a neighbour's position (left filler the block's first real token's, right filler the last's), which
+        nothing ever sees (it is masked out as a key, its output unused).
 
         Args:
             model: a causal LM whose forward takes ``attention_mask``, ``position_ids``, ``past_key_values``.

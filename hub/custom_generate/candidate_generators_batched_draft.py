@@ -1,4 +1,4 @@
-# Exported from tetris_hf/candidate_generators/batched_draft.py by `python -m tetris_hf.hub_export`: edit the package, not this copy.
+# Exported from tetris_hf/candidate_generators/batched_draft.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
 """The draft side: a small model proposes ``K`` tokens for every active row of a left-padded batch.
 
 The draft keeps its own KV cache (:class:`~tetris_hf.kv.SlotCache`). Tokens the draft has not yet read wait in a
@@ -10,7 +10,6 @@ last ran. The draft is lazy: it reads the prompt only when it first drafts, so a
 from __future__ import annotations
 
 import torch
-from transformers.generation.candidate_generator import CandidateGenerator
 
 from .kv import SlotCache
 from .logits import PositionwiseLogitsProcessor, sample_tokens
@@ -32,8 +31,10 @@ def _left_pack(tokens: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, 
     return tokens.gather(1, order), sorted_mask
 
 
-class BatchedDraftCandidateGenerator(CandidateGenerator):
-    """Proposes draft tokens for a batch whose rows advance independently.
+class BatchedDraftCandidateGenerator:
+    """Proposes draft tokens for a batch whose rows advance independently: the batched counterpart of transformers'
+    ``AssistedCandidateGenerator`` (which serves one row), driven by the loop through :meth:`propose`,
+    :meth:`accept` and :meth:`select_rows` rather than ``get_candidates``.
 
     Args:
         assistant_model: the draft model (same vocabulary as the target).
@@ -126,7 +127,7 @@ class BatchedDraftCandidateGenerator(CandidateGenerator):
                 next_tokens = scores.argmax(dim=-1)
             sequences[row_range, lengths + step] = next_tokens
             draft_tokens.append(next_tokens)
-            token_log_probs.append(log_probs.max(dim=-1).values)
+            token_log_probs.append(log_probs.amax(dim=-1))  # amax: max(dim) would also find indices (10x slower on CPU)
             tokens, mask = next_tokens[:, None], torch.ones_like(next_tokens[:, None])
         self._last_num_drafted = num_tokens
         if num_tokens == 0:
@@ -153,6 +154,8 @@ class BatchedDraftCandidateGenerator(CandidateGenerator):
             self.pending_mask = torch.cat([self.pending_mask, ones], dim=1)
             return
         # The cache now holds the pending block, then drafts 1..K-1; keep the accepted ones among those.
+        # E.g. K = 3, rows [p q | d1 d2] and [r s | e1 e2], 1 and 3 accepted: drafts start at slot 2, keep [1, 2] ->
+        # [p q | d1 .] and [r s | e1 e2]; pending [d3 t] mask [0 1] (d3 rejected: filler), [e3 u] mask [1 1].
         first_draft_slot = self.slots.length - (drafted - 1)
         self.slots.drop_slots(first_draft_slot, num_accepted.clamp(max=drafted - 1))
         all_accepted = (num_accepted == drafted).long()[:, None]  # draft K accepted but never read

@@ -1,4 +1,4 @@
-# Exported from tetris_hf/compiled.py by `python -m tetris_hf.hub_export`: edit the package, not this copy.
+# Exported from tetris_hf/compiled.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
 """``tetris_compile=True``: the target's verify forward and the draft's one-token step through ``torch.compile``.
 
 Prompt reads and catch-ups stay eager (each has its own length, and runs once). The step forwards are compiled with

@@ -1,4 +1,4 @@
-# Exported from tetris_hf/decoding.py by `python -m tetris_hf.hub_export`: edit the package, not this copy.
+# Exported from tetris_hf/decoding.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
 """The batched speculative loop: draft -> select -> verify -> accept -> roll back, until every row stops.
 
 Rows advance independently. Each step, every active row drafts ``K`` tokens; a strategy picks how many of them each
@@ -46,14 +46,20 @@ def check_pair(model: torch.nn.Module, assistant_model: torch.nn.Module | None) 
         )
     if not hasattr(assistant_model, "get_output_embeddings"):
         raise TypeError(f"`assistant_model` must be a transformers causal LM, got {type(assistant_model).__name__}")
+    check_same_vocabulary(model, assistant_model)
+    check_supported(model, "target")
+    check_supported(assistant_model, "draft")
+
+
+def check_same_vocabulary(model: torch.nn.Module, assistant_model: torch.nn.Module) -> None:
+    """Refuse a draft whose output head scores another vocabulary than the target's (a ``ValueError`` naming both
+    sizes)."""
     target_vocab, draft_vocab = output_vocab_size(model), output_vocab_size(assistant_model)
     if target_vocab != draft_vocab:
         raise ValueError(
             f"draft and target vocabularies differ (target {target_vocab} tokens, draft {draft_vocab}): tetris_hf "
             "needs a draft that shares the target's tokenizer"
         )
-    check_supported(model, "target")
-    check_supported(assistant_model, "draft")
 
 
 def check_prompt_mask(attention_mask: torch.Tensor) -> None:

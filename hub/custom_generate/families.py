@@ -1,4 +1,4 @@
-# Exported from tetris_hf/families.py by `python -m tetris_hf.hub_export`: edit the package, not this copy.
+# Exported from tetris_hf/families.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
 """Which models the batched loop can serve, decided from the model and its config before anything runs.
 
 The loop needs a decoder-only causal LM whose only per-token state is an attention KV cache: it rolls every row back

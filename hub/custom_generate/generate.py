@@ -2,7 +2,7 @@
 
 ``model.generate(inputs, assistant_model=draft, custom_generate="<this repo>", trust_remote_code=True)`` runs
 :func:`generation.generate`. The modules of this folder are tetris_hf's generation strategy, exported by
-``python -m tetris_hf.hub_export``: edit the tetris_hf package and export again, not these copies.
+``python -m tetris_hf.tools.hub_export``: edit the tetris_hf package and export again, not these copies.
 """
 
 from .generation import generate

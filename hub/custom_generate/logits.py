@@ -1,4 +1,4 @@
-# Exported from tetris_hf/logits/__init__.py by `python -m tetris_hf.hub_export`: edit the package, not this copy.
+# Exported from tetris_hf/logits/__init__.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
 """Target and draft distributions: logits processing at many positions, and lossless verification."""
 
 from .logits_processing import PositionwiseLogitsProcessor, is_prefix_free

@@ -1,4 +1,4 @@
-# Exported from tetris_hf/logits/verification.py by `python -m tetris_hf.hub_export`: edit the package, not this copy.
+# Exported from tetris_hf/logits/verification.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
 """Accept or reject drafted tokens against the target, per row, losslessly.
 
 Shapes: ``B`` rows, ``L`` = the longest verified block this step, ``V`` vocabulary. Row ``i`` verified
@@ -47,15 +47,23 @@ def sample_tokens(probs: torch.Tensor, generator: torch.Generator | None = None)
     return (probs / noise.clamp(min=torch.finfo(probs.dtype).tiny)).argmax(dim=-1)
 
 
-def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
-    """``norm(max(p - q, 0))`` over the last dimension, the distribution to sample after a rejection.
+def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``norm(max(p - q, 0))`` over the last dimension, the distribution to sample after a rejection, and its mass
+    before normalising, ``sum max(p - q, 0)`` = the probability that a draft ``x ~ q`` is rejected.
 
     Where ``p - q`` has no positive mass (only possible through rounding, since a rejection needs ``q(x) > p(x)``
-    somewhere), falls back to ``p``.
+    somewhere), the distribution falls back to ``p``.
+
+    Args:
+        target_probs, draft_probs: ``(..., V)``.
+
+    Returns:
+        ``(..., V)`` the residual distribution and ``(...)`` its mass.
     """
     residual = (target_probs - draft_probs).clamp(min=0)
     mass = residual.sum(dim=-1, keepdim=True)
-    return torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(mass.dtype).tiny), target_probs)
+    normalised = torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(mass.dtype).tiny), target_probs)
+    return normalised, mass.squeeze(-1)
 
 
 def verify_sampling(
@@ -96,7 +104,7 @@ def verify_sampling(
     if block_length > 0:
         draft_at_rejection = draft_probs[rows, num_accepted.clamp(max=block_length - 1)]
         next_target = torch.where(
-            rejected[:, None], residual_distribution(next_target, draft_at_rejection), next_target
+            rejected[:, None], residual_distribution(next_target, draft_at_rejection)[0], next_target
         )
     next_tokens = sample_tokens(next_target, generator)
     return num_accepted, next_tokens

@@ -1,4 +1,4 @@
-# Exported from tetris_hf/outputs.py by `python -m tetris_hf.hub_export`: edit the package, not this copy.
+# Exported from tetris_hf/outputs.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
 """What a TETRIS ``generate()`` call returns: the usual output plus ``tetris_stats``."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-# Exported from tetris_hf/stopping.py by `python -m tetris_hf.hub_export`: edit the package, not this copy.
+# Exported from tetris_hf/stopping.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
 """``generate()``'s stopping criteria, applied to rows that each emitted a different number of tokens this step.
 
 A row stops at the first of its new tokens after which any criterion holds; the tokens after that one are dropped.

@@ -126,7 +126,7 @@ class BatchedDraftCandidateGenerator:
                 next_tokens = scores.argmax(dim=-1)
             sequences[row_range, lengths + step] = next_tokens
             draft_tokens.append(next_tokens)
-            token_log_probs.append(log_probs.max(dim=-1).values)
+            token_log_probs.append(log_probs.amax(dim=-1))  # amax: max(dim) would also find indices (10x slower on CPU)
             tokens, mask = next_tokens[:, None], torch.ones_like(next_tokens[:, None])
         self._last_num_drafted = num_tokens
         if num_tokens == 0:

@@ -1,5 +1,5 @@
-# Exported from tetris_hf/candidate_generators/__init__.py by `python -m tetris_hf.hub_export`: edit the package, not this copy.
-"""Draft proposers (transformers ``CandidateGenerator`` subclasses) for batched speculative decoding."""
+# Exported from tetris_hf/candidate_generators/__init__.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
+"""The draft side of batched speculative decoding: the batched proposer and reduced-vocabulary draft heads."""
 
 from .candidate_generators_batched_draft import BatchedDraftCandidateGenerator
 

@@ -1,4 +1,4 @@
-# Exported from tetris_hf/candidate_generators/reduced_vocab.py by `python -m tetris_hf.hub_export`: edit the package, not this copy.
+# Exported from tetris_hf/candidate_generators/reduced_vocab.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
 """Reduced-vocabulary drafts: the draft scores only a subset of the vocabulary (FR-Spec, arXiv 2502.14856).
 
 A shallow draft spends most of its time in its output head (SmolLM2-135M: 49,152 x 576 multiply-adds per token against

@@ -1,4 +1,4 @@
-# Exported from tetris_hf/cost_model.py by `python -m tetris_hf.hub_export`: edit the package, not this copy.
+# Exported from tetris_hf/cost_model.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
 """What one speculative step costs on this machine, and how likely a drafted cell is to be accepted.
 
 Two pieces feed the ``adaptive`` and ``dsd`` strategies:
@@ -387,8 +387,8 @@ def profile_key(model: torch.nn.Module, assistant_model: torch.nn.Module) -> str
 def cache_dir() -> Path:
     """tetris_hf's cache folder: ``$TETRIS_HF_CACHE`` or ``~/.cache/tetris_hf`` (cost profiles, converted models).
 
-    Defined here, in the library, so that the exported Hub strategy does not depend on the model tools
-    (:func:`tetris_hf.models.cache_dir` gives the same folder).
+    Defined here, in the library, so that the exported Hub strategy does not depend on the model tools (which cache
+    converted models here too).
     """
     root = os.environ.get("TETRIS_HF_CACHE")
     return Path(root).expanduser() if root else Path.home() / ".cache" / "tetris_hf"

@@ -1,4 +1,4 @@
-# Exported from tetris_hf/generation.py by `python -m tetris_hf.hub_export`: edit the package, not this copy.
+# Exported from tetris_hf/generation.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
 """The ``custom_generate`` entry point: ``model.generate(..., assistant_model=draft, custom_generate="tetris")``.
 
 ``generate(model, ...)`` takes exactly what ``GenerationMixin.generate`` takes. It peels off the draft model and the

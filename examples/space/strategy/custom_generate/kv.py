@@ -1,4 +1,4 @@
-# Exported from tetris_hf/kv.py by `python -m tetris_hf.hub_export`: edit the package, not this copy.
+# Exported from tetris_hf/kv.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
 """A model's KV cache shared by a batch whose rows advance by different amounts each step.
 
 Every row writes the same number of slots per forward (blocks are padded to one length) at one shared write
@@ -209,7 +209,8 @@ class SlotCache:
         """Run ``model`` on a block appended to every row, and cache it.
 
         Each real token's position is the number of real tokens before it in its row (cached ones included); filler
-        gets its row's last real position, which nothing ever sees (it is masked out as a key, its output unused).
+        gets a neighbour's position (left filler the block's first real token's, right filler the last's), which
+        nothing ever sees (it is masked out as a key, its output unused).
 
         Args:
             model: a causal LM whose forward takes ``attention_mask``, ``position_ids``, ``past_key_values``.
@@ -227,6 +228,8 @@ class SlotCache:
         self._make_room(block)
         start, end = self.pointer, self.pointer + block
         input_mask = input_mask.to(self.slot_mask.dtype)
+        # E.g. next_positions [5, 2] and mask [[0 1 1], [1 1 0]]: cumsum - 1 = [[-1 0 1], [0 1 1]], clamped at 0,
+        # so positions [[5 5 6], [2 3 3]]: left filler takes the first real token's position, right filler the last's.
         position_ids = self.next_positions[:, None] + (input_mask.cumsum(dim=1) - 1).clamp(min=0)
         self.slot_mask[:, start:end] = input_mask
         self.slot_positions[:, start:end] = position_ids
@@ -263,6 +266,8 @@ class SlotCache:
             start: first slot of the block this applies to.
             keep: ``(B,)`` how many slots of the block row ``i`` keeps.
         """
+        # E.g. block mask [[0 1 1 1], [1 1 1 1]] (row 0 left-padded) with keep [2, 3] -> [[0 1 . .], [1 1 1 .]]:
+        # keep counts slots, filler included; next_positions drops by the real slots removed, [2, 1].
         block = self.slot_mask[:, start : self.pointer]
         offsets = torch.arange(block.shape[1], device=block.device)
         kept = block * (offsets[None, :] < keep[:, None]).to(block.dtype)
@@ -309,6 +314,8 @@ class SlotCache:
         if not force and self.pointer - width <= self.max_holes:
             return
         # A stable ascending sort puts holes (0) first and real slots (1) last, each group in its original order.
+        # E.g. pointer 4, width 3, masks [[1 1 0 1], [0 0 1 1]] ([a b . c | _ _ d e]): order [[2 0 1 3], [0 1 2 3]],
+        # its last 3 columns [[0 1 3], [1 2 3]] are the slots gathered into 0..2 -> [a b c | _ d e], pointer 3.
         sorted_mask, order = torch.sort(self.slot_mask[:, : self.pointer], dim=1, stable=True)
         order = order[:, self.pointer - width :]
         positions = self.slot_positions.gather(1, order)

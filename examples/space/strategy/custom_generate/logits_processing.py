@@ -1,4 +1,4 @@
-# Exported from tetris_hf/logits/processing.py by `python -m tetris_hf.hub_export`: edit the package, not this copy.
+# Exported from tetris_hf/logits/processing.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
 """Apply transformers' logits processors to many positions at once, as plain ``generate()`` would at each of them.
 
 Plain ``generate()`` calls its ``LogitsProcessorList`` once per step on ``(input_ids (B, T), scores (B, V))`` with the

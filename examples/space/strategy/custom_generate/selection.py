@@ -1,4 +1,4 @@
-# Exported from tetris_hf/selection.py by `python -m tetris_hf.hub_export`: edit the package, not this copy.
+# Exported from tetris_hf/selection.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
 """Which drafted tokens the target verifies this step.
 
 Every function here returns ``verify_lengths`` of shape ``(B,)``: row ``i`` verifies its first ``verify_lengths[i]``

@@ -1,4 +1,4 @@
-# Exported from tetris_hf/step_strategy.py by `python -m tetris_hf.hub_export`: edit the package, not this copy.
+# Exported from tetris_hf/step_strategy.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
 """The contract between the loop and a strategy, and the one place that runs it in order.
 
 Each step the loop asks once for a :class:`DraftPlan` (``K`` drafts per row, a budget of ``C`` cells), drafts,

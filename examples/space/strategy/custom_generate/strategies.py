@@ -1,4 +1,4 @@
-# Exported from tetris_hf/strategies.py by `python -m tetris_hf.hub_export`: edit the package, not this copy.
+# Exported from tetris_hf/strategies.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
 """How many tokens to draft and which of them to verify, each step.
 
 Each is a :class:`~tetris_hf.step_strategy.StepStrategy`: ``plan(num_rows)`` gives the step's

@@ -1,4 +1,4 @@
-# Exported from tetris_hf/timing.py by `python -m tetris_hf.hub_export`: edit the package, not this copy.
+# Exported from tetris_hf/timing.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
 """Device-correct step timing that adds no device read of its own.
 
 On the CPU a step's phases are timed with ``time.perf_counter`` as they happen. On CUDA, kernels run after the host
