@@ -7,7 +7,8 @@ from torch._dynamo.utils import counters
 import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
 from tetris_hf.compiled import bucket, check_compilable
 from test_greedy_exactness import generate_checked, pick_eos, target_alone
-from tiny_models import left_pad, random_prompts, target_and_draft
+from test_sampling_distribution import VOCAB, chi_square_p_value, exact_joint, sampled_joint
+from tiny_models import left_pad, random_prompts, sharpen, target_and_draft, tiny_llama
 
 
 def test_blocks_are_padded_to_powers_of_two():
@@ -28,6 +29,15 @@ def test_compiled_greedy_rows_equal_target_alone():
         assert stats.verified_tokens > 0
     # the step forwards really ran compiled, and a handful of graphs (not one per step) served them all
     assert 0 < counters["stats"]["unique_graphs"] <= 16, dict(counters["stats"])
+
+
+def test_compiled_sampling_follows_the_target_distribution():
+    """Chi-square of the first 3 sampled tokens against the exact target law, compiled, with a partial budget."""
+    target = sharpen(tiny_llama(VOCAB, num_layers=2, seed=21, hidden_size=16), 12)
+    draft = sharpen(tiny_llama(VOCAB, num_layers=1, seed=22, hidden_size=16), 12)
+    counts, stats = sampled_joint(target, draft, 1.0, 1.0, "tetris", tetris_compile=True, tetris_budget=6000)
+    assert 0 < stats.accepted_tokens < stats.verified_tokens
+    assert chi_square_p_value(counts, exact_joint(target, 1.0, 1.0)) > 1e-3
 
 
 def test_compile_is_refused_for_quantized_and_offloaded_models():
