@@ -78,6 +78,28 @@ def test_the_next_proposal_reads_the_pending_block_at_the_rolled_back_positions(
     assert drafter.slots.slot_positions[3, 5] == 5  # draft 3 of row 3, read one step late at its own position
 
 
+def test_a_host_bound_below_k_queues_only_the_targets_token():
+    """No row verified all K drafts (the longest verified block was 2 < 3): the pending block is one column wide."""
+    drafter, _ = drafter_after_proposal(3)
+    drafter.accept(torch.tensor([0, 1, 2, 0]), torch.tensor([20, 21, 22, 23]), max_accepted=2)
+    assert cached_tokens(drafter.slots).tolist() == [[-1, 3, 4, -1, -1], [5, 6, 7, 8, -1], [-1, -1, 8, 9, 10],
+                                                     [9, 10, 11, -1, -1]]
+    assert drafter.pending_tokens.tolist() == [[20], [21], [22], [23]]
+    assert drafter.pending_mask.tolist() == [[1]] * 4
+
+
+@pytest.mark.parametrize("accepted,width", [([0, 1, 2, 0], 1), ([0, 1, 2, 3], 2)])
+def test_pending_width_trims_columns_that_are_filler_in_every_row(accepted, width):
+    drafter, _ = drafter_after_proposal(3)
+    drafter.accept(torch.tensor(accepted), torch.tensor([20, 21, 22, 23]))  # no host bound: two columns
+    assert drafter.pending_tokens.shape[1] == 2
+    assert int(drafter.pending_width()) == width
+    drafter.trim_pending(width)
+    assert drafter.pending_tokens[:, -1].tolist() == [20, 21, 22, 23]
+    assert drafter.pending_tokens.shape[1] == drafter.pending_mask.shape[1] == width
+    assert drafter.pending_mask.sum().item() == 4 + sum(a == 3 for a in accepted)
+
+
 def test_a_single_draft_leaves_the_cache_alone_and_queues_it_only_if_accepted():
     drafter, drafts = drafter_after_proposal(1)
     assert drafts.tolist() == [[5], [8], [9], [12]]

@@ -128,8 +128,9 @@ class BatchedSpeculativeLoop:
 
     The step reads the device once to size the target's block (the longest verified prefix, read together with the
     caches' fill levels), and once more only when a row may have stopped (an EOS or another criterion than the length
-    limit, or a row near that limit). Everything else it needs on the host is an upper bound it keeps itself: every
-    active row grows by at least one and at most ``block + 1`` tokens a step. Counts stay on the device until
+    limit, or a row near that limit), which also tells the draft how wide its next block must be. Everything else it
+    needs on the host is an upper bound it keeps itself: every active row grows by at least one and at most
+    ``block + 1`` tokens a step, and no row accepted more drafts than the longest verified block. Counts stay on the device until
     :attr:`stats` turns them into a :class:`~tetris_hf.outputs.TetrisStats`.
 
     Args:
@@ -267,7 +268,7 @@ class BatchedSpeculativeLoop:
             # roll back: the target keeps [last token, accepted drafts]; the draft keeps its accepted drafts
             self.target_slots.drop_slots(self.target_slots.length - width, num_accepted + 1)
             self.target_slots.compact()
-            self.drafter.accept(num_accepted, next_tokens)
+            self.drafter.accept(num_accepted, next_tokens, max_accepted=block_length)
             clock.mark("verify_end")
 
             # emit
@@ -340,8 +341,9 @@ class BatchedSpeculativeLoop:
             num_stopped = self.num_rows  # every row is at the length limit
         elif self.stops_only_at_max_length and self.longest < self.max_length:
             num_stopped = 0  # no row can have stopped: no need to ask the device
-        else:
-            num_stopped = int(stopped.sum())
+        else:  # a read the step makes anyway: how wide the draft's next block must be comes along
+            num_stopped, pending_width = torch.stack([stopped.sum(), self.drafter.pending_width()]).tolist()
+            self.drafter.trim_pending(pending_width)
         if num_stopped:
             self._retire(stopped, num_stopped)
         if self.step_callback is not None:

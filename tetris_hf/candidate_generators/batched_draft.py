@@ -139,12 +139,15 @@ class BatchedDraftCandidateGenerator:
             torch.stack(draft_probs, dim=1) if self.do_sample else None,
         )
 
-    def accept(self, num_accepted: torch.Tensor, next_tokens: torch.Tensor) -> None:
+    def accept(self, num_accepted: torch.Tensor, next_tokens: torch.Tensor, max_accepted: int | None = None) -> None:
         """Roll the draft cache back to what the target accepted, and queue the tokens the draft has not read.
 
         Args:
             num_accepted: ``(B,)`` drafts of the last proposal the target accepted.
             next_tokens: ``(B,)`` the target's token after them.
+            max_accepted: an upper bound on ``num_accepted`` known on the host (the longest verified block), if any:
+                below ``K`` no row accepted its last draft, so only the target's token waits (a one-column block,
+                no device read).
         """
         drafted = self._last_num_drafted
         ones = torch.ones_like(next_tokens[:, None])
@@ -157,11 +160,27 @@ class BatchedDraftCandidateGenerator:
         # [p q | d1 .] and [r s | e1 e2]; pending [d3 t] mask [0 1] (d3 rejected: filler), [e3 u] mask [1 1].
         first_draft_slot = self.slots.length - (drafted - 1)
         self.slots.drop_slots(first_draft_slot, num_accepted.clamp(max=drafted - 1))
+        if max_accepted is not None and max_accepted < drafted:
+            self.pending_tokens, self.pending_mask = next_tokens[:, None], ones
+            self.slots.compact()
+            return
         all_accepted = (num_accepted == drafted).long()[:, None]  # draft K accepted but never read
         tokens = torch.cat([self._last_draft[:, None], next_tokens[:, None]], dim=1)
         mask = torch.cat([all_accepted, ones], dim=1)
         self.pending_tokens, self.pending_mask = _left_pack(tokens, mask)
         self.slots.compact()
+
+    def pending_width(self) -> torch.Tensor:
+        """A 0-d device tensor: the most pending tokens any row holds (the block is left-packed, so the columns
+        before the last this-many are filler in every row). Read it with another read and pass it to
+        :meth:`trim_pending`."""
+        return self.pending_mask.sum(dim=1).max()
+
+    def trim_pending(self, width: int) -> None:
+        """Keep the last ``width`` columns of the pending block (what :meth:`pending_width` was): the draft's next
+        forward reads no column of filler alone."""
+        if 0 < width < self.pending_tokens.shape[1]:
+            self.pending_tokens, self.pending_mask = self.pending_tokens[:, -width:], self.pending_mask[:, -width:]
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (finished rows leave the batch)."""
