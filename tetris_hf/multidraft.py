@@ -11,8 +11,8 @@ bound is a sort plus ``V + 1`` evaluations of ``P(some draft outside H_k)``.
 
 Contents, in order: the bound (:func:`optimal_acceptance`, :func:`greedy_acceptance`); the closed-form acceptance of
 each verifier (:func:`single_draft_acceptance`, :func:`rrs_acceptance`, :func:`kseq_acceptance`); the verifiers as
-samplers (:func:`verify_single`, :func:`verify_rrs`, :func:`verify_kseq`, :func:`verify_greedy_construction`), which draw their own
-drafts and return ``(token, accepted)`` with ``accepted`` meaning "the output is one of the drafts".
+samplers (:func:`verify_single`, :func:`verify_rrs`, :func:`verify_kseq`, :func:`verify_greedy_construction`), which
+draw their own drafts and return ``(token, accepted)`` with ``accepted`` meaning "the output is one of the drafts".
 
 Shapes: ``p`` and ``q`` are ``(..., V)``; closed forms return ``(...)`` float64; samplers take one position, ``(V,)``.
 """
@@ -588,7 +588,9 @@ def verify_kseq(p: Tensor, q: Tensor, n: int, generator: torch.Generator | None 
     return token, token in drafts
 
 
-def verify_greedy_construction(p: Tensor, q: Tensor, n: int, generator: torch.Generator | None = None) -> tuple[int, bool]:
+def verify_greedy_construction(
+    p: Tensor, q: Tensor, n: int, generator: torch.Generator | None = None
+) -> tuple[int, bool]:
     """Verifier of the greedy draft construction, reaching :func:`greedy_acceptance`.
 
     Drafts: the ``n - 1`` most likely tokens of q, and ``x_n ~ q'`` (q on the other tokens, renormalised). Keep

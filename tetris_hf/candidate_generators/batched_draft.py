@@ -160,14 +160,13 @@ class BatchedDraftCandidateGenerator:
         # [p q | d1 .] and [r s | e1 e2]; pending [d3 t] mask [0 1] (d3 rejected: filler), [e3 u] mask [1 1].
         first_draft_slot = self.slots.length - (drafted - 1)
         self.slots.drop_slots(first_draft_slot, num_accepted.clamp(max=drafted - 1))
-        if max_accepted is not None and max_accepted < drafted:
+        if max_accepted is not None and max_accepted < drafted:  # no row accepted draft K: one column
             self.pending_tokens, self.pending_mask = next_tokens[:, None], ones
-            self.slots.compact()
-            return
-        all_accepted = (num_accepted == drafted).long()[:, None]  # draft K accepted but never read
-        tokens = torch.cat([self._last_draft[:, None], next_tokens[:, None]], dim=1)
-        mask = torch.cat([all_accepted, ones], dim=1)
-        self.pending_tokens, self.pending_mask = _left_pack(tokens, mask)
+        else:
+            all_accepted = (num_accepted == drafted).long()[:, None]  # draft K accepted but never read
+            tokens = torch.cat([self._last_draft[:, None], next_tokens[:, None]], dim=1)
+            mask = torch.cat([all_accepted, ones], dim=1)
+            self.pending_tokens, self.pending_mask = _left_pack(tokens, mask)
         self.slots.compact()
 
     def pending_width(self) -> torch.Tensor:

@@ -18,16 +18,16 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
 
 from .candidate_generators import BatchedDraftCandidateGenerator
-from .compiled import bucket, check_compilable, compiled_forward
 from .candidate_generators_reduced_vocab import reduced_vocab_draft
+from .compiled import bucket, check_compilable, compiled_forward
 from .families import check_supported
 from .kv import AttentionLayout, SlotCache, slots_needed
 from .logits import PositionwiseLogitsProcessor, verify_greedy, verify_sampling
 from .outputs import TetrisGenerateOutput, TetrisStats
-from .stopping import rows_that_stop
 from .step_strategy import StepSeconds, run_step
-from .timing import StepClock
+from .stopping import rows_that_stop
 from .strategies import TetrisOptions, make_strategy
+from .timing import StepClock
 
 
 def output_vocab_size(model: torch.nn.Module) -> int:
@@ -130,8 +130,8 @@ class BatchedSpeculativeLoop:
     caches' fill levels), and once more only when a row may have stopped (an EOS or another criterion than the length
     limit, or a row near that limit), which also tells the draft how wide its next block must be. Everything else it
     needs on the host is an upper bound it keeps itself: every active row grows by at least one and at most
-    ``block + 1`` tokens a step, and no row accepted more drafts than the longest verified block. Counts stay on the device until
-    :attr:`stats` turns them into a :class:`~tetris_hf.outputs.TetrisStats`.
+    ``block + 1`` tokens a step, and no row accepted more drafts than the longest verified block. Counts stay on the
+    device until :attr:`stats` turns them into a :class:`~tetris_hf.outputs.TetrisStats`.
 
     Args:
         model: the target causal LM.
