@@ -140,10 +140,10 @@ def test_left_pack_moves_real_tokens_to_the_right_in_order(tokens, mask, packed,
     assert result.tolist() == packed and result_mask.tolist() == packed_mask
 
 
-def test_select_rows_keeps_pending_blocks_left_packed():
+def test_fill_rows_moves_pending_blocks_with_their_rows():
     drafter, _ = drafter_after_proposal(3)
     drafter.accept(torch.tensor([0, 1, 2, 3]), torch.tensor([20, 21, 22, 23]))
-    drafter.select_rows(torch.tensor([3, 0]))
-    assert drafter.pending_tokens.tolist() == [[14, 23], [7, 20]]
-    assert drafter.pending_mask.tolist() == [[1, 1], [0, 1]]
-    assert cached_tokens(drafter.slots).tolist() == [[9, 10, 11, 12, 13], [-1, 3, 4, -1, -1]]
+    drafter.fill_rows(torch.tensor([1]), torch.tensor([3]), 2)  # rows 1 and 2 finished: row 3 takes row 1's place
+    assert drafter.pending_tokens.tolist() == [[7, 20], [14, 23]]
+    assert drafter.pending_mask.tolist() == [[0, 1], [1, 1]]
+    assert cached_tokens(drafter.slots).tolist() == [[-1, 3, 4, -1, -1], [9, 10, 11, 12, 13]]

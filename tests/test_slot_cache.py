@@ -157,16 +157,33 @@ def test_compact_on_a_windowed_model_drops_slots_out_of_every_window():
     assert slots.next_positions.tolist() == [4, 2]
 
 
-def test_select_rows_keeps_rows_in_the_given_order_with_their_keys_and_values():
-    model, slots = RecordingModel(), new_cache(3, capacity=8)
-    feed(slots, model, [[A, B], [PAD, C], [D, E]], [[1, 1], [0, 1], [1, 1]])
-    slots.drop_slots(0, torch.tensor([2, 2, 1]))
-    slots.select_rows(torch.tensor([2, 0]))
-    assert slots.slot_mask[:, :2].tolist() == [[1, 0], [1, 1]]
-    assert slots.next_positions.tolist() == [1, 2]
-    assert cached_tokens(slots).tolist() == [[D, -1], [A, B]]
-    for layer in slots.cache.layers:
+def test_fill_rows_moves_rows_from_the_end_into_finished_rows_places_in_place():
+    model, slots = RecordingModel(), new_cache(4, capacity=8)
+    feed(slots, model, [[A, B], [PAD, C], [D, E], [PAD, X]], [[1, 1], [0, 1], [1, 1], [0, 1]])
+    slots.drop_slots(0, torch.tensor([2, 2, 1, 2]))
+    buffers = [layer.keys.data_ptr() for layer in slots.cache.layers]
+    # rows 1 and 2 finished: row 3 takes row 1's place, 2 rows remain
+    rows = slots.fill_rows(torch.tensor([1]), torch.tensor([3]), 2)
+    assert rows.tolist() == [0, 3]
+    assert slots.slot_mask[:, :2].tolist() == [[1, 1], [0, 1]]
+    assert slots.next_positions.tolist() == [2, 1]
+    assert cached_tokens(slots).tolist() == [[A, B], [-1, X]]
+    for layer, buffer in zip(slots.cache.layers, buffers):
         assert layer.keys.shape[0] == 2 and layer.values.shape[0] == 2
+        assert layer.keys.data_ptr() == buffer  # the same buffer: nothing reallocated
+        assert torch.equal(layer.values[:, :, :2], -layer.keys[:, :, :2])
+    # and the rows go on: the next block is written after their slots
+    feed(slots, model, [[C], [D]], [[1], [1]])
+    assert cached_tokens(slots).tolist() == [[A, B, C], [-1, X, D]]
+    assert slots.slot_positions[:, 2].tolist() == [2, 1]
+
+
+def test_fill_rows_pairs_that_name_the_same_row_move_nothing():
+    model, slots = RecordingModel(), new_cache(3, capacity=8)
+    feed(slots, model, [[A, B], [C, D], [E, X]], [[1, 1], [1, 1], [1, 1]])
+    rows = slots.fill_rows(torch.tensor([0, 1]), torch.tensor([2, 1]), 2)  # row 2 into row 0; row 1 stays
+    assert rows.tolist() == [2, 1]
+    assert cached_tokens(slots).tolist() == [[E, X], [C, D]]
 
 
 def test_a_full_buffer_repacks_then_grows():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .kv import SlotCache
-from .logits import PositionwiseLogitsProcessor, sample_tokens
+from .logits import PositionwiseLogitsProcessor, sample_tokens, vocab_argmax
 
 
 def _left_pack(tokens: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,7 +34,7 @@ def _left_pack(tokens: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, 
 class BatchedDraftCandidateGenerator:
     """Proposes draft tokens for a batch whose rows advance independently: the batched counterpart of transformers'
     ``AssistedCandidateGenerator`` (which serves one row), driven by the loop through :meth:`propose`,
-    :meth:`accept` and :meth:`select_rows` rather than ``get_candidates``.
+    :meth:`accept` and :meth:`fill_rows` rather than ``get_candidates``.
 
     Args:
         assistant_model: the draft model (same vocabulary as the target).
@@ -124,7 +124,7 @@ class BatchedDraftCandidateGenerator:
                 next_tokens = sample_tokens(probs, self.generator)
                 draft_probs.append(probs)
             else:
-                next_tokens = scores.argmax(dim=-1)
+                next_tokens = vocab_argmax(scores)
             sequences[row_range, lengths + step] = next_tokens
             draft_tokens.append(next_tokens)
             token_log_probs.append(log_probs.amax(dim=-1))  # amax: max(dim) would also find indices (10x slower on CPU)
@@ -182,7 +182,7 @@ class BatchedDraftCandidateGenerator:
         if 0 < width < self.pending_tokens.shape[1]:
             self.pending_tokens, self.pending_mask = self.pending_tokens[:, -width:], self.pending_mask[:, -width:]
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows`` (finished rows leave the batch)."""
-        self.slots.select_rows(rows)
-        self.pending_tokens, self.pending_mask = _left_pack(self.pending_tokens[rows], self.pending_mask[rows])
+    def fill_rows(self, targets: torch.Tensor, sources: torch.Tensor, num_rows: int) -> None:
+        """Finished rows leave the batch: see :meth:`~tetris_hf.kv.SlotCache.fill_rows`."""
+        rows = self.slots.fill_rows(targets, sources, num_rows)
+        self.pending_tokens, self.pending_mask = self.pending_tokens[rows], self.pending_mask[rows]

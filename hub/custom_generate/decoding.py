@@ -352,16 +352,29 @@ class BatchedSpeculativeLoop:
 
     def _retire(self, stopped: torch.Tensor, num_stopped: int) -> None:
         """Move the ``num_stopped`` rows that ``stopped`` ``(B_active,)`` out of the batch (their tokens into
-        ``outputs``, their cache rows dropped), without reading which rows they are."""
-        # Stopped rows first, each group in its original order: [stopped..., kept...].
-        order = torch.argsort(stopped.long(), descending=True, stable=True)
-        gone, keep = order[:num_stopped], order[num_stopped:]
+        ``outputs``), without reading which rows they are: active rows from the end of the batch take the places of
+        finished rows before it, and the batch ends after ``B_active - num_stopped`` rows. Only moved rows are
+        copied, in place (the caches' buffers stay where they are).
+
+        E.g. rows ``[a b c d e]`` with ``b`` and ``e`` stopped: 3 remain; ``b`` is the finished row among the first
+        3 and ``d`` the active row after them, so ``d`` moves to 1: ``[a d c]``.
+        """
+        gone = torch.argsort(stopped.long(), descending=True, stable=True)[:num_stopped]
         self.outputs.index_copy_(0, self.rows[gone], self.sequences[gone])
         self.output_lengths.index_copy_(0, self.rows[gone], self.lengths[gone])
-        self.rows, self.sequences, self.lengths = self.rows[keep], self.sequences[keep], self.lengths[keep]
-        self.num_rows -= num_stopped
-        self.target_slots.select_rows(keep)
-        self.drafter.select_rows(keep)
+        num_rows = self.num_rows - num_stopped
+        self.num_rows = num_rows
+        if num_rows == 0:
+            return
+        # As many finished rows among the first num_rows as active rows after them; pair them in order. Pairs
+        # beyond that count (min(num_stopped, num_rows) are formed, as that count is not read) move nothing.
+        moves = min(num_stopped, num_rows)
+        targets = torch.argsort(stopped[:num_rows].long(), descending=True, stable=True)[:moves]  # finished first
+        sources = num_rows + torch.argsort(stopped[num_rows:].long(), stable=True)[:moves]  # active first
+        sources = torch.where(stopped[targets], sources, targets)
+        rows = self.target_slots.fill_rows(targets, sources, num_rows)
+        self.drafter.fill_rows(targets, sources, num_rows)
+        self.rows, self.sequences, self.lengths = self.rows[rows], self.sequences[rows], self.lengths[rows]
 
     def partial_outputs(self) -> list[list[int]]:
         """Every original row's tokens so far (prompt with its left padding, then what it generated)."""

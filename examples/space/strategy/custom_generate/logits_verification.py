@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from .logits_argmax import vocab_argmax
+
 
 def _leading_true(flags: torch.Tensor) -> torch.Tensor:
     """``(B, L)`` bool -> ``(B,)`` number of leading True values per row."""
@@ -31,7 +33,7 @@ def verify_greedy(
         verify_lengths: ``(B,)``.
         target_scores: ``(B, L + 1, V)`` processed target scores.
     """
-    target_tokens = target_scores.argmax(dim=-1)  # (B, L + 1)
+    target_tokens = vocab_argmax(target_scores)  # (B, L + 1)
     block_length = draft_tokens.shape[1]
     positions = torch.arange(block_length, device=draft_tokens.device)
     matches = (draft_tokens == target_tokens[:, :block_length]) & (positions[None, :] < verify_lengths[:, None])
@@ -44,7 +46,7 @@ def sample_tokens(probs: torch.Tensor, generator: torch.Generator | None = None)
     """One token per row of ``probs`` ``(..., V)``, drawn from it without a device sync (unlike
     ``torch.multinomial``): the argmax of ``p / E`` with ``E ~ Exp(1)`` i.i.d. is distributed as ``p``."""
     noise = torch.empty_like(probs).exponential_(1, generator=generator)
-    return (probs / noise.clamp(min=torch.finfo(probs.dtype).tiny)).argmax(dim=-1)
+    return vocab_argmax(probs / noise.clamp(min=torch.finfo(probs.dtype).tiny))
 
 
 def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
