@@ -1,0 +1,37 @@
+"""vocab_argmax finds exactly torch.argmax's index: the first maximum, NaN as the largest, on any shape."""
+
+import pytest
+import torch
+
+from tetris_hf.logits import vocab_argmax
+
+
+def _cases():
+    generator = torch.Generator().manual_seed(0)
+    random = torch.randn(4, 3, 1024, generator=generator)
+    ties = torch.zeros(3, 1024)
+    ties[0, [700, 5, 900]] = 1.0  # equal maxima in three chunks: the first wins
+    ties[1, [1023, 256]] = 2.0  # the maximum at a chunk's first slot, and at the very end
+    ties[2, :] = 7.0  # all equal: index 0
+    nan = torch.randn(2, 1024, generator=generator)
+    nan[0, 600], nan[1, [3, 900]] = float("nan"), float("nan")
+    nan[1, 2] = float("inf")
+    infinite = torch.full((2, 512), float("-inf"))
+    infinite[1, 400] = 0.0
+    half = torch.randn(3, 2048, generator=generator).to(torch.bfloat16)  # bf16 ties are common
+    odd_vocab = torch.randn(3, 1000, generator=generator)  # 1000 = 8 x 125: no chunk size divides it
+    small = torch.randn(5, 100, generator=generator)
+    strided = torch.randn(2, 5, 1024, generator=generator)[:, 1:4]  # rows of a larger block, as the loop slices
+    return {"random": random, "ties": ties, "nan": nan, "infinite": infinite, "bf16": half, "odd vocab": odd_vocab,
+            "small": small, "strided": strided, "empty": torch.empty(0, 1024)}
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+def test_vocab_argmax_equals_torch_argmax(name):
+    scores = _cases()[name]
+    assert torch.equal(vocab_argmax(scores), scores.argmax(dim=-1))
+
+
+def test_the_ties_case_has_the_first_maximum_before_later_ones():
+    scores = _cases()["ties"]
+    assert vocab_argmax(scores).tolist() == [5, 256, 0]
