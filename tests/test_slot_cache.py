@@ -77,6 +77,35 @@ def test_forward_writes_every_row_at_the_shared_pointer_and_numbers_real_tokens(
     assert model.calls[1]["attention_mask"][0, 0, 0].tolist() == [False, False, True, True, True, False, False]
 
 
+@pytest.mark.parametrize("layout", [
+    FULL_SDPA,  # one real token: its mask is its row's real slots (no positions compared)
+    AttentionLayout({SLIDING: 3}, False, "sdpa", True),
+    AttentionLayout({FULL: None, SLIDING: 3}, True, "sdpa", True),
+    AttentionLayout({FULL: None}, False, "eager", True),
+], ids=["sdpa", "window", "hybrid", "eager"])
+@pytest.mark.parametrize("block", [1, 2])
+def test_a_block_of_real_tokens_passed_without_a_mask_is_cached_as_with_a_mask_of_ones(layout, block):
+    def run(mask):
+        model, slots = RecordingModel(), new_cache(2, layout=layout, capacity=16)
+        feed(slots, model, [[PAD, A, B, C, D], [A, B, C, D, E]], [[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
+        slots.drop_slots(0, torch.tensor([3, 5]))  # [_ a b . .]: row 0 now has holes
+        tokens = torch.tensor([[X] * block, [E] * block])
+        slots.forward(model, tokens, mask if mask is None else torch.ones_like(tokens))
+        return model.calls[-1], slots
+
+    (without, slots), (with_ones, reference) = run(None), run("ones")
+    assert torch.equal(without["position_ids"], with_ones["position_ids"])
+    assert without["position_ids"].tolist() == [[2 + j for j in range(block)], [5 + j for j in range(block)]]
+    masks, expected = without["attention_mask"], with_ones["attention_mask"]
+    if isinstance(expected, dict):
+        assert set(masks) == set(expected) and all(torch.equal(masks[kind], expected[kind]) for kind in expected)
+    else:
+        assert masks.dtype == expected.dtype and torch.equal(masks, expected)
+    for name in ("slot_mask", "slot_positions", "next_positions"):
+        assert torch.equal(getattr(slots, name), getattr(reference, name)), name
+    assert cached_tokens(slots).tolist() == cached_tokens(reference).tolist()
+
+
 def test_drop_slots_turns_the_tail_of_each_rows_block_into_holes_and_rewinds_its_positions():
     model, slots = RecordingModel(), new_cache(3, capacity=16)
     feed(slots, model, [[A, B], [A, B], [A, B]], [[1, 1]] * 3)

@@ -199,10 +199,12 @@ class BatchedSpeculativeLoop:
             self.target_slots.step_forward = compiled_forward(model)
             self.drafter.slots.step_forward = compiled_forward(assistant_model)
 
+        self.offsets = torch.arange(block, device=device)  # positions within a verified block
         self.sequences = input_ids.new_full((batch_size, capacity), self.pad_value)
         self.sequences[:, :prompt_length] = input_ids
         self.lengths = torch.full((batch_size,), prompt_length, dtype=torch.long, device=device)
         self.rows = torch.arange(batch_size, device=device)  # original index of each active row
+        self.last_tokens = input_ids[:, -1]  # each active row's last token (the next block starts with it)
         self.num_rows = batch_size  # active rows, known on the host
         self.shortest, self.longest = prompt_length, prompt_length  # host bounds on the active rows' lengths
         self.outputs = self.sequences.clone()  # finished rows, by original index
@@ -227,36 +229,42 @@ class BatchedSpeculativeLoop:
         clock = self.clock
         clock.mark("start")
         lengths, rows = self.lengths, self.rows
-        max_verify = (self.max_length - lengths - 1).clamp(min=0)  # one target token is always added
         done: dict = {}  # what the step's phases hand each other
 
         def draft(num_drafted: int) -> tuple[torch.Tensor, torch.Tensor]:
-            if num_drafted > 0:
-                clock.mark("catch_up_start")
-                self.drafter.catch_up()  # what it skipped during plain steps: a one-off, kept out of the timings
-                clock.mark("catch_up_end")
+            done["num_drafted"] = num_drafted
+            if num_drafted == 0:  # a plain step: the draft does nothing (its pending tokens wait)
+                done["drafts"], done["log_probs"], done["draft_probs"] = self.drafter.propose(
+                    self.sequences, lengths, 0, rows)
+                clock.mark("draft_start")
+                clock.mark("draft_end")
+                return done["log_probs"], lengths
+            clock.mark("catch_up_start")
+            self.drafter.catch_up()  # what it skipped during plain steps: a one-off, kept out of the timings
+            clock.mark("catch_up_end")
             clock.mark("draft_start")
             done["drafts"], done["log_probs"], done["draft_probs"] = self.drafter.propose(
                 self.sequences, lengths, num_drafted, rows)
             clock.mark("draft_end")
-            return done["log_probs"], max_verify
+            return done["log_probs"], (self.max_length - lengths - 1).clamp(min=0)  # a target token is always added
 
         def verify(verify_lengths: torch.Tensor) -> tuple[torch.Tensor, StepSeconds | None]:
-            # The step's one read: the block length sizes the target's input; the caches' fill levels come along.
-            block_length, target_longest, draft_longest = torch.stack([
-                verify_lengths.max(), self.target_slots.longest(), self.drafter.slots.longest()]).tolist()
-            self.target_slots.note_longest(target_longest)
-            self.drafter.slots.note_longest(draft_longest)
+            if done["num_drafted"] == 0:
+                # Nothing to verify: the target reads each row's last token (no read, no filler, no holes).
+                block_length, width, block, block_mask = 0, 1, self.last_tokens[:, None], None
+            else:
+                # The step's one read: the block length sizes the target's input; the caches' fill levels come along.
+                block_length, target_longest, draft_longest = torch.stack([
+                    verify_lengths.max(), self.target_slots.longest(), self.drafter.slots.longest()]).tolist()
+                self.target_slots.note_longest(target_longest)
+                self.drafter.slots.note_longest(draft_longest)
+                # verify: [last emitted token, drafts 1..l_i] per row, padded to one length with masked drafts
+                # (compiled: padded with masked filler to a power of two, so that block shapes repeat)
+                width = bucket(block_length + 1) if self.compile else block_length + 1
+                block = torch.cat([self.last_tokens[:, None], done["drafts"][:, :block_length]], dim=1)
+                block = torch.nn.functional.pad(block, (0, width - block.shape[1]), value=self.pad_value)
+                block_mask = (self.offsets[None, :width] <= verify_lengths[:, None]).long()
             verified_drafts = done["drafts"][:, :block_length]
-
-            # verify: [last emitted token, drafts 1..l_i] per row, padded to one length with masked drafts
-            # (compiled: padded with masked filler to a power of two, so that block shapes repeat)
-            width = bucket(block_length + 1) if self.compile else block_length + 1
-            row_range = torch.arange(self.num_rows, device=lengths.device)
-            block = torch.cat([self.sequences[row_range, lengths - 1][:, None], verified_drafts], dim=1)
-            block = torch.nn.functional.pad(block, (0, width - block.shape[1]), value=self.pad_value)
-            offsets = torch.arange(width, device=lengths.device)
-            block_mask = (offsets[None, :] <= verify_lengths[:, None]).long()
             logits = self.target_slots.forward(self.model, block, block_mask, step=True)[:, : block_length + 1]
             target_scores = self.logits_processor(self.sequences, lengths, logits, rows)
 
@@ -265,7 +273,8 @@ class BatchedSpeculativeLoop:
                                                      done["draft_probs"])
 
             # roll back: the target keeps [last token, accepted drafts]; the draft keeps its accepted drafts
-            self.target_slots.drop_slots(self.target_slots.length - width, num_accepted + 1)
+            if block_mask is not None:
+                self.target_slots.drop_slots(self.target_slots.length - width, num_accepted + 1)
             self.target_slots.compact()
             self.drafter.accept(num_accepted, next_tokens, max_accepted=block_length)
             clock.mark("verify_end")
@@ -324,6 +333,7 @@ class BatchedSpeculativeLoop:
         lengths = self.lengths
         row_range = torch.arange(lengths.shape[0], device=lengths.device)
         self.sequences[row_range, lengths + num_accepted] = next_tokens
+        self.last_tokens = next_tokens  # a row that stops here leaves the batch: its last token is not needed
         kept, stopped = rows_that_stop(self.stopping_criteria, self.sequences, lengths, num_accepted + 1, max_new)
         if self.streamer is not None:
             self.streamer.put(self.sequences[0, lengths[0] : lengths[0] + kept[0]].cpu())
@@ -374,6 +384,7 @@ class BatchedSpeculativeLoop:
         rows = self.target_slots.fill_rows(targets, sources, num_rows)
         self.drafter.fill_rows(targets, sources, num_rows)
         self.rows, self.sequences, self.lengths = self.rows[rows], self.sequences[rows], self.lengths[rows]
+        self.last_tokens = self.last_tokens[rows]
 
     def partial_outputs(self) -> list[list[int]]:
         """Every original row's tokens so far (prompt with its left padding, then what it generated)."""

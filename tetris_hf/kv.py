@@ -81,6 +81,11 @@ class AttentionLayout:
         return any(window is not None for window in self.windows.values())
 
     @property
+    def plain_sdpa(self) -> bool:
+        """One boolean 4D mask for every layer, no window (the mask of a single new token is its row's real slots)."""
+        return self.implementation == "sdpa" and self.prepared and not self.keyed and not self.windowed
+
+    @property
     def reach(self) -> int | None:
         """How far back any layer sees (``None``: unbounded). Older slots are never read again."""
         windows = list(self.windows.values())
@@ -216,6 +221,7 @@ class SlotCache:
         self.slot_mask = torch.zeros(batch_size, self.capacity, dtype=torch.long, device=device)
         self.slot_positions = torch.zeros(batch_size, self.capacity, dtype=torch.long, device=device)
         self.next_positions = torch.zeros(batch_size, dtype=torch.long, device=device)  # real tokens cached so far
+        self.offsets = torch.arange(self.capacity, device=device)
         self.layout: AttentionLayout | None = None
         self.step_forward = None  # a compiled forward for the step forwards (see tetris_hf.compiled), else the model
         self.longest_bound = 0  # an upper bound on any row's real slots (tightened by note_longest)
@@ -229,7 +235,7 @@ class SlotCache:
         self,
         model: torch.nn.Module,
         input_ids: torch.Tensor,
-        input_mask: torch.Tensor,
+        input_mask: torch.Tensor | None,
         logits_to_keep: int = 0,
         step: bool = False,
     ) -> torch.Tensor:
@@ -242,7 +248,8 @@ class SlotCache:
         Args:
             model: a causal LM whose forward takes ``attention_mask``, ``position_ids``, ``past_key_values``.
             input_ids: ``(B, L)`` the block (filler where ``input_mask`` is 0).
-            input_mask: ``(B, L)`` 1 for real tokens, 0 for filler.
+            input_mask: ``(B, L)`` 1 for real tokens, 0 for filler; ``None`` when every token is real (the draft's
+                own tokens), which needs fewer operations.
             logits_to_keep: keep logits for the last this-many positions only (0 = all).
             step: a decoding step's forward (run through :attr:`step_forward` when set), not a prompt read.
 
@@ -254,17 +261,30 @@ class SlotCache:
         block = input_ids.shape[1]
         self._make_room(block)
         start, end = self.pointer, self.pointer + block
-        input_mask = input_mask.to(self.slot_mask.dtype)
-        # E.g. next_positions [5, 2] and mask [[0 1 1], [1 1 0]]: cumsum - 1 = [[-1 0 1], [0 1 1]], clamped at 0,
-        # so positions [[5 5 6], [2 3 3]]: left filler takes the first real token's position, right filler the last's.
-        position_ids = self.next_positions[:, None] + (input_mask.cumsum(dim=1) - 1).clamp(min=0)
-        self.slot_mask[:, start:end] = input_mask
+        if input_mask is None:  # every token real: positions go on from each row's cached tokens
+            position_ids = self.next_positions[:, None]
+            if block > 1:
+                position_ids = position_ids + torch.arange(block, device=position_ids.device)
+            self.slot_mask[:, start:end] = 1
+            new_tokens = block
+        else:
+            input_mask = input_mask.to(self.slot_mask.dtype)
+            # E.g. next_positions [5, 2] and mask [[0 1 1], [1 1 0]]: cumsum - 1 = [[-1 0 1], [0 1 1]], clamped at 0,
+            # so positions [[5 5 6], [2 3 3]]: left filler takes the first real token's position, right filler the
+            # last's.
+            position_ids = self.next_positions[:, None] + (input_mask.cumsum(dim=1) - 1).clamp(min=0)
+            self.slot_mask[:, start:end] = input_mask
+            new_tokens = input_mask.sum(dim=1)
         self.slot_positions[:, start:end] = position_ids
-        if self.layout.prepared:
-            attention_mask = position_masks(self.layout, self.slot_positions[:, :end], self.slot_mask[:, :end].bool(),
-                                            position_ids, model.dtype)
-        else:  # causality by slot index is causality by position: the 2D mask of real slots is enough
-            attention_mask = self.slot_mask[:, :end]
+        real_slots = self.slot_mask[:, :end]
+        if not self.layout.prepared:  # causality by slot index is causality by position: the 2D mask of real slots
+            attention_mask = real_slots
+        elif input_mask is None and block == 1 and self.layout.plain_sdpa:
+            # One real token after every cached one: it sees exactly the real slots.
+            attention_mask = real_slots.bool()[:, None, None, :]
+        else:
+            attention_mask = position_masks(self.layout, self.slot_positions[:, :end], real_slots.bool(), position_ids,
+                                            model.dtype)
         kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
         run = self.step_forward if step and self.step_forward is not None else model
         outputs = run(
@@ -276,7 +296,7 @@ class SlotCache:
             **kwargs,
         )
         self.pointer = end
-        self.next_positions = self.next_positions + input_mask.sum(dim=1)
+        self.next_positions = self.next_positions + new_tokens
         self.longest_bound += block
         return outputs.logits
 
@@ -295,11 +315,10 @@ class SlotCache:
         """
         # E.g. block mask [[0 1 1 1], [1 1 1 1]] (row 0 left-padded) with keep [2, 3] -> [[0 1 . .], [1 1 1 .]]:
         # keep counts slots, filler included; next_positions drops by the real slots removed, [2, 1].
-        block = self.slot_mask[:, start : self.pointer]
-        offsets = torch.arange(block.shape[1], device=block.device)
-        kept = block * (offsets[None, :] < keep[:, None]).to(block.dtype)
-        self.next_positions = self.next_positions - (block - kept).sum(dim=1)
-        self.slot_mask[:, start : self.pointer] = kept
+        block = self.slot_mask[:, start : self.pointer]  # a view: changed in place
+        dropped = self.offsets[: block.shape[1]] >= keep[:, None]
+        self.next_positions = self.next_positions - (block * dropped).sum(dim=1)
+        block.masked_fill_(dropped, 0)
 
     def fill_rows(self, targets: torch.Tensor, sources: torch.Tensor, num_rows: int) -> torch.Tensor:
         """Keep the first ``num_rows`` rows, row ``sources[i]`` taking the place of row ``targets[i]``: how finished
@@ -328,9 +347,10 @@ class SlotCache:
         return self.next_positions
 
     def longest(self) -> torch.Tensor:
-        """A 0-d device tensor: the most real slots any row holds (the loop reads it with its other numbers and hands
-        it back through :meth:`note_longest`, so that repacking needs no read of its own)."""
-        return self.slot_mask[:, : self.pointer].sum(dim=1).max() if self.pointer else self.slot_mask.new_zeros(())
+        """A 0-d device tensor: the most real tokens any row has cached, a bound on its real slots (equal to them
+        but on windowed models, whose expired slots became holes). The loop reads it with its other numbers and hands
+        it back through :meth:`note_longest`, so that repacking needs no read of its own."""
+        return self.next_positions.max()
 
     def note_longest(self, value: int) -> None:
         """What :meth:`longest` was when last read: every row holds at most this many real slots now."""
@@ -383,6 +403,7 @@ class SlotCache:
         for layer in self._layers():
             layer.rebuild(lambda tensor: torch.nn.functional.pad(tensor, (0, 0, 0, extra)))
         self.capacity = capacity
+        self.offsets = torch.arange(capacity, device=self.offsets.device)
 
     def _layers(self) -> list[SlotLayer]:
         return [layer for layer in self.cache.layers if layer.is_initialized]

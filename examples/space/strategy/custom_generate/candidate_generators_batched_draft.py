@@ -111,8 +111,14 @@ class BatchedDraftCandidateGenerator:
             draft_probs: ``(B, K, V)`` the processed draft distributions (only when sampling, else ``None``).
         """
         batch_size = sequences.shape[0]
-        row_range = torch.arange(batch_size, device=sequences.device)
-        rows = row_range if rows is None else rows
+        self._last_num_drafted = num_tokens
+        if num_tokens == 0:
+            empty = torch.empty(batch_size, 0, device=sequences.device)
+            return empty.long(), empty, None
+        rows = torch.arange(batch_size, device=sequences.device) if rows is None else rows
+        # Processors that read the tokens so far must see each draft before scoring the next; for the others the
+        # drafts are written in one go at the end.
+        write_each = not self.logits_processor.prefix_free
         tokens, mask = self.pending_tokens, self.pending_mask
         draft_tokens, token_log_probs, draft_probs = [], [], []
         for step in range(num_tokens):
@@ -125,17 +131,17 @@ class BatchedDraftCandidateGenerator:
                 draft_probs.append(probs)
             else:
                 next_tokens = vocab_argmax(scores)
-            sequences[row_range, lengths + step] = next_tokens
+            if write_each:
+                sequences.scatter_(1, (lengths + step)[:, None], next_tokens[:, None])
             draft_tokens.append(next_tokens)
             token_log_probs.append(log_probs.amax(dim=-1))  # amax: max(dim) would also find indices (10x slower on CPU)
-            tokens, mask = next_tokens[:, None], torch.ones_like(next_tokens[:, None])
-        self._last_num_drafted = num_tokens
-        if num_tokens == 0:
-            empty = torch.empty(batch_size, 0, device=sequences.device)
-            return empty.long(), empty, None
+            tokens, mask = next_tokens[:, None], None  # the draft's own token: real in every row
         self._last_draft = draft_tokens[-1]
+        drafts = torch.stack(draft_tokens, dim=1)
+        if not write_each:
+            sequences.scatter_(1, lengths[:, None] + torch.arange(num_tokens, device=lengths.device), drafts)
         return (
-            torch.stack(draft_tokens, dim=1),
+            drafts,
             torch.stack(token_log_probs, dim=1),
             torch.stack(draft_probs, dim=1) if self.do_sample else None,
         )

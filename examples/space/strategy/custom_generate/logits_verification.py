@@ -33,8 +33,10 @@ def verify_greedy(
         verify_lengths: ``(B,)``.
         target_scores: ``(B, L + 1, V)`` processed target scores.
     """
-    target_tokens = vocab_argmax(target_scores)  # (B, L + 1)
     block_length = draft_tokens.shape[1]
+    if block_length == 0:  # nothing verified (a plain step): the target's token
+        return torch.zeros_like(verify_lengths), vocab_argmax(target_scores[:, 0])
+    target_tokens = vocab_argmax(target_scores)  # (B, L + 1)
     positions = torch.arange(block_length, device=draft_tokens.device)
     matches = (draft_tokens == target_tokens[:, :block_length]) & (positions[None, :] < verify_lengths[:, None])
     num_accepted = _leading_true(matches)
