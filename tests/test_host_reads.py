@@ -41,6 +41,16 @@ def test_steady_state_step_reads_the_device_at_most_twice(strategy, do_sample):
     assert max(steady) <= 2, per_step
 
 
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_a_plain_step_reads_the_device_only_for_stopping(do_sample):
+    """A step that drafts nothing (``tetris_budget=0``, and ``adaptive`` when drafting does not pay) sends each row's
+    last token: no block length to read, only whether a row stopped (this call has an EOS token)."""
+    per_step = reads_per_step(tetris_budget=0, do_sample=do_sample, eos_token_id=63)
+    steady = per_step[1:-1]
+    assert len(steady) >= 5
+    assert max(steady) <= 1, per_step
+
+
 def test_reads_are_counted():
     """The counter sees the reads a custom stopping criterion makes (token by token, on the host)."""
     from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList

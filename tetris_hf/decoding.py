@@ -233,19 +233,16 @@ class BatchedSpeculativeLoop:
 
         def draft(num_drafted: int) -> tuple[torch.Tensor, torch.Tensor]:
             done["num_drafted"] = num_drafted
-            if num_drafted == 0:  # a plain step: the draft does nothing (its pending tokens wait)
-                done["drafts"], done["log_probs"], done["draft_probs"] = self.drafter.propose(
-                    self.sequences, lengths, 0, rows)
-                clock.mark("draft_start")
-                clock.mark("draft_end")
-                return done["log_probs"], lengths
-            clock.mark("catch_up_start")
-            self.drafter.catch_up()  # what it skipped during plain steps: a one-off, kept out of the timings
-            clock.mark("catch_up_end")
+            if num_drafted > 0:
+                clock.mark("catch_up_start")
+                self.drafter.catch_up()  # what it skipped during plain steps: a one-off, kept out of the timings
+                clock.mark("catch_up_end")
             clock.mark("draft_start")
             done["drafts"], done["log_probs"], done["draft_probs"] = self.drafter.propose(
                 self.sequences, lengths, num_drafted, rows)
             clock.mark("draft_end")
+            if num_drafted == 0:  # a plain step: nothing to select from
+                return done["log_probs"], lengths
             return done["log_probs"], (self.max_length - lengths - 1).clamp(min=0)  # a target token is always added
 
         def verify(verify_lengths: torch.Tensor) -> tuple[torch.Tensor, StepSeconds | None]:
@@ -375,8 +372,8 @@ class BatchedSpeculativeLoop:
         self.num_rows = num_rows
         if num_rows == 0:
             return
-        # As many finished rows among the first num_rows as active rows after them; pair them in order. Pairs
-        # beyond that count (min(num_stopped, num_rows) are formed, as that count is not read) move nothing.
+        # There are as many finished rows among the first num_rows as active rows after them; they pair up in
+        # order. That count is not read: min(num_stopped, num_rows) pairs are formed, and those past it move nothing.
         moves = min(num_stopped, num_rows)
         targets = torch.argsort(stopped[:num_rows].long(), descending=True, stable=True)[:moves]  # finished first
         sources = num_rows + torch.argsort(stopped[num_rows:].long(), stable=True)[:moves]  # active first
