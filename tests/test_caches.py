@@ -171,3 +171,30 @@ def test_windowed_model_cache_stays_bounded_over_500_steps_and_exact():
         reference = target.generate(torch.tensor([prompts[row]]), max_new_tokens=len(tokens) - len(prompts[row]),
                                     do_sample=False, pad_token_id=PAD)[0].tolist()
         assert tokens == reference, f"row {row}"
+
+
+def test_a_calls_caches_are_freed_when_it_returns_without_waiting_for_the_garbage_collector():
+    """Nothing keeps a finished call's KV buffers alive: no reference cycle (which only the cyclic collector frees,
+    whenever it runs, and which grew the process by a call's caches per call)."""
+    import gc
+    import weakref
+
+    target = tiny_llama(64, num_layers=2, seed=0)
+    draft = noisy_copy(target, 0.3)
+    input_ids, mask = left_pad(random_prompts(4, 64, seed=1))
+    buffers = []
+
+    def keep_weak_references(record, loop):
+        if not buffers:
+            for slots in (loop.target_slots, loop.drafter.slots):
+                buffers.extend(weakref.ref(layer.keys) for layer in slots.cache.layers if layer.is_initialized)
+            buffers.append(weakref.ref(loop.target_slots))
+
+    gc.disable()
+    try:
+        with torch.no_grad():
+            target.generate(input_ids, attention_mask=mask, assistant_model=draft, custom_generate="tetris",
+                            max_new_tokens=8, tetris_step_callback=keep_weak_references)
+        assert len(buffers) > 2 and all(reference() is None for reference in buffers)
+    finally:
+        gc.enable()

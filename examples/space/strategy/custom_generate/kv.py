@@ -21,6 +21,7 @@ out of every window become holes first, so the cache stays bounded however long 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -138,7 +139,7 @@ class SlotLayer(CacheLayerMixin):
 
     def __init__(self, owner: "SlotCache"):
         super().__init__()
-        self.owner = owner
+        self.owner = owner  # a weak proxy (see SlotCache): no reference cycle keeps the buffers after the call
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads = key_states.shape[:2]
@@ -218,7 +219,8 @@ class SlotCache:
         self.max_holes = max_holes
         self.capacity = max(int(capacity), 1)
         self.pointer = 0  # slots written per row, holes included (host-side: no device read needed)
-        self.cache = Cache(layer_class_to_replicate=lambda: SlotLayer(self))
+        owner = weakref.proxy(self)  # layers that pointed back at the cache strongly would form a reference cycle,
+        self.cache = Cache(layer_class_to_replicate=lambda: SlotLayer(owner))  # freed only by the cyclic GC
         self.slot_mask = torch.zeros(batch_size, self.capacity, dtype=torch.long, device=device)
         self.slot_positions = torch.zeros(batch_size, self.capacity, dtype=torch.long, device=device)
         self.next_positions = torch.zeros(batch_size, dtype=torch.long, device=device)  # real tokens cached so far
