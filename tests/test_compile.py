@@ -24,9 +24,10 @@ def test_compiled_greedy_rows_equal_target_alone():
     input_ids, mask = left_pad(prompts)
     counters.clear()
     for options in (dict(tetris_strategy="tetris", tetris_extra_tokens=2, tetris_budget=5),
-                    dict(tetris_strategy="fixed", num_assistant_tokens=2)):
+                    dict(tetris_strategy="fixed", num_assistant_tokens=2),
+                    dict(tetris_budget=0)):  # plain steps: the last token alone, no mask built from positions
         stats = generate_checked(target, draft, input_ids, mask, references, eos, tetris_compile=True, **options)
-        assert stats.verified_tokens > 0
+        assert (stats.verified_tokens > 0) == (options.get("tetris_budget") != 0)
     # the step forwards really ran compiled, and a handful of graphs (not one per step) served them all
     assert 0 < counters["stats"]["unique_graphs"] <= 16, dict(counters["stats"])
 
