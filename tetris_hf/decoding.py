@@ -241,8 +241,8 @@ class BatchedSpeculativeLoop:
             done["drafts"], done["log_probs"], done["draft_probs"] = self.drafter.propose(
                 self.sequences, lengths, num_drafted, rows)
             clock.mark("draft_end")
-            if num_drafted == 0:  # a plain step: nothing to select from
-                return done["log_probs"], lengths
+            if num_drafted == 0:  # a plain step: no row may verify anything
+                return done["log_probs"], torch.zeros_like(lengths)
             return done["log_probs"], (self.max_length - lengths - 1).clamp(min=0)  # a target token is always added
 
         def verify(verify_lengths: torch.Tensor) -> tuple[torch.Tensor, StepSeconds | None]:

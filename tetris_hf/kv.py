@@ -352,7 +352,7 @@ class SlotCache:
         """A 0-d device tensor: the most real tokens any row has cached, a bound on its real slots (equal to them
         but on windowed models, whose expired slots became holes). The loop reads it with its other numbers and hands
         it back through :meth:`note_longest`, so that repacking needs no read of its own."""
-        return self.next_positions.max()
+        return self.live_lengths().max()
 
     def note_longest(self, value: int) -> None:
         """What :meth:`longest` was when last read: every row holds at most this many real slots now."""
