@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tetris_hf.logits import vocab_argmax
+from tetris_hf.logits import argmax, vocab_argmax
 
 
 def _cases():
@@ -22,12 +22,15 @@ def _cases():
     odd_vocab = torch.randn(3, 1000, generator=generator)  # 1000 = 8 x 125: no chunk size divides it
     small = torch.randn(5, 100, generator=generator)
     strided = torch.randn(2, 5, 1024, generator=generator)[:, 1:4]  # rows of a larger block, as the loop slices
+    one_row = torch.randn(1, 1, 2048, generator=generator)  # a draft token at batch size 1
     return {"random": random, "ties": ties, "nan": nan, "infinite": infinite, "bf16": half, "odd vocab": odd_vocab,
-            "small": small, "strided": strided, "empty": torch.empty(0, 1024)}
+            "small": small, "strided": strided, "one row": one_row, "empty": torch.empty(0, 1024)}
 
 
+@pytest.mark.parametrize("few_rows", [0, argmax.FEW_ROWS], ids=["chunked always", "argmax for few rows"])
 @pytest.mark.parametrize("name", list(_cases()))
-def test_vocab_argmax_equals_torch_argmax(name):
+def test_vocab_argmax_equals_torch_argmax(name, few_rows, monkeypatch):
+    monkeypatch.setattr(argmax, "FEW_ROWS", few_rows)  # 0: every case, even one row, takes the chunked passes
     scores = _cases()[name]
     assert torch.equal(vocab_argmax(scores), scores.argmax(dim=-1))
 

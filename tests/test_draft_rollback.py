@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import LogitsProcessorList
 
-from tetris_hf.candidate_generators.batched_draft import BatchedDraftCandidateGenerator, _left_pack
+from tetris_hf.candidate_generators.batched_draft import BatchedDraftCandidateGenerator
 from tetris_hf.logits import PositionwiseLogitsProcessor
 from test_slot_cache import RecordingModel, cached_tokens
 from tiny_models import left_pad
@@ -128,16 +128,6 @@ def test_rolled_back_holes_are_repacked_once_they_exceed_max_holes():
     assert cached_tokens(drafter.slots).tolist() == [[-1, -1, 3, 4], [5, 6, 7, 8], [-1, 8, 9, 10], [-1, 9, 10, 11]]
     assert drafter.slots.next_positions.tolist() == [2, 4, 3, 3]
     assert drafter.pending_tokens.tolist() == [[7, 20], [10, 21], [11, 22], [14, 23]]
-
-
-@pytest.mark.parametrize("tokens,mask,packed,packed_mask", [
-    ([[1, 2], [3, 4]], [[1, 1], [1, 0]], [[1, 2], [4, 3]], [[1, 1], [0, 1]]),
-    ([[1, 2, 3, 4]], [[1, 0, 1, 0]], [[2, 4, 1, 3]], [[0, 0, 1, 1]]),
-    ([[1, 2, 3]], [[0, 0, 0]], [[1, 2, 3]], [[0, 0, 0]]),
-])
-def test_left_pack_moves_real_tokens_to_the_right_in_order(tokens, mask, packed, packed_mask):
-    result, result_mask = _left_pack(torch.tensor(tokens), torch.tensor(mask))
-    assert result.tolist() == packed and result_mask.tolist() == packed_mask
 
 
 def test_fill_rows_moves_pending_blocks_with_their_rows():

@@ -79,3 +79,16 @@ def test_negative_budget_is_refused():
 
 def test_fixed_window_is_capped_per_row():
     assert select_fixed(torch.tensor([0, 2, 9]), 4).tolist() == [0, 2, 4]
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_one_row_verifies_its_first_cells_as_the_heap_greedy_does(ties):
+    # A single row takes a shortcut (no sort): its top cells are its first ones, up to max_lengths and the budget.
+    generator = torch.Generator().manual_seed(3)
+    for cells in range(1, 6):
+        scores = random_table(generator, 1, cells, ties)
+        scores[0, cells // 2:] = float("-inf") if cells > 2 else scores[0, cells // 2:]  # -inf cells are candidates
+        for max_length in range(cells + 1):
+            for budget in range(cells + 2):
+                lengths = select_tetris(scores, torch.tensor([max_length]), budget)
+                assert lengths.tolist() == heap_greedy(scores, torch.tensor([max_length]), budget)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -76,17 +77,17 @@ class AttentionLayout:
                 )
         return layout
 
-    @property
+    @cached_property  # (properties of a frozen layout, asked for at every forward)
     def windowed(self) -> bool:
         """Some layer attends through a sliding window (masks must come from real positions)."""
         return any(window is not None for window in self.windows.values())
 
-    @property
+    @cached_property
     def plain_sdpa(self) -> bool:
         """One boolean 4D mask for every layer, no window (the mask of a single new token is its row's real slots)."""
         return self.implementation == "sdpa" and self.prepared and not self.keyed and not self.windowed
 
-    @property
+    @cached_property
     def reach(self) -> int | None:
         """How far back any layer sees (``None``: unbounded). Older slots are never read again."""
         windows = list(self.windows.values())
@@ -204,7 +205,7 @@ class SlotLayer(CacheLayerMixin):
 
 
 class SlotCache:
-    """Preallocated KV buffers + per-slot ``slot_mask`` (1 = real token) and ``slot_positions`` for one model.
+    """Preallocated KV buffers + per-slot ``slot_mask`` (True = real token) and ``slot_positions`` for one model.
 
     Args:
         batch_size: rows at the start.
@@ -220,7 +221,7 @@ class SlotCache:
         self.pointer = 0  # slots written per row, holes included (host-side: no device read needed)
         owner = weakref.proxy(self)  # layers that pointed back at the cache strongly would form a reference cycle,
         self.cache = Cache(layer_class_to_replicate=lambda: SlotLayer(owner))  # freed only by the cyclic GC
-        self.slot_mask = torch.zeros(batch_size, self.capacity, dtype=torch.long, device=device)
+        self.slot_mask = torch.zeros(batch_size, self.capacity, dtype=torch.bool, device=device)
         self.slot_positions = torch.zeros(batch_size, self.capacity, dtype=torch.long, device=device)
         self.next_positions = torch.zeros(batch_size, dtype=torch.long, device=device)  # real tokens cached so far
         self.offsets = torch.arange(self.capacity, device=device)
@@ -266,11 +267,10 @@ class SlotCache:
         if input_mask is None:  # every token real: positions go on from each row's cached tokens
             position_ids = self.next_positions[:, None]
             if block > 1:
-                position_ids = position_ids + torch.arange(block, device=position_ids.device)
-            self.slot_mask[:, start:end] = 1
+                position_ids = position_ids + self.offsets[:block]
+            self.slot_mask[:, start:end] = True
             new_tokens = block
         else:
-            input_mask = input_mask.to(self.slot_mask.dtype)
             # E.g. next_positions [5, 2] and mask [[0 1 1], [1 1 0]]: cumsum - 1 = [[-1 0 1], [0 1 1]], clamped at 0,
             # so positions [[5 5 6], [2 3 3]]: left filler takes the first real token's position, right filler the
             # last's.
@@ -278,15 +278,14 @@ class SlotCache:
             self.slot_mask[:, start:end] = input_mask
             new_tokens = input_mask.sum(dim=1)
         self.slot_positions[:, start:end] = position_ids
-        real_slots = self.slot_mask[:, :end]
         if not self.layout.prepared:  # causality by slot index is causality by position: the 2D mask of real slots
-            attention_mask = real_slots
+            attention_mask = self.slot_mask[:, :end].long()
         elif input_mask is None and block == 1 and self.layout.plain_sdpa:
             # One real token after every cached one: it sees exactly the real slots.
-            attention_mask = real_slots.bool()[:, None, None, :]
+            attention_mask = self.slot_mask[:, None, None, :end]
         else:
-            attention_mask = position_masks(self.layout, self.slot_positions[:, :end], real_slots.bool(), position_ids,
-                                            model.dtype)
+            attention_mask = position_masks(self.layout, self.slot_positions[:, :end], self.slot_mask[:, :end],
+                                            position_ids, model.dtype)
         kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
         run = self.step_forward if step and self.step_forward is not None else model
         outputs = run(
@@ -319,8 +318,9 @@ class SlotCache:
         # keep counts slots, filler included; next_positions drops by the real slots removed, [2, 1].
         block = self.slot_mask[:, start : self.pointer]  # a view: changed in place
         dropped = self.offsets[: block.shape[1]] >= keep[:, None]
-        self.next_positions = self.next_positions - (block * dropped).sum(dim=1)
-        block.masked_fill_(dropped, 0)
+        dropped &= block
+        self.next_positions = self.next_positions - dropped.sum(dim=1)
+        block.masked_fill_(dropped, False)
 
     def fill_rows(self, targets: torch.Tensor, sources: torch.Tensor, num_rows: int) -> torch.Tensor:
         """Keep the first ``num_rows`` rows, row ``sources[i]`` taking the place of row ``targets[i]``: how finished
@@ -372,7 +372,7 @@ class SlotCache:
         reach = self.layout.reach if self.layout is not None else None
         if reach is not None:  # older than every window of the next query (position >= next_positions)
             expired = self.slot_positions[:, : self.pointer] <= (self.next_positions - reach)[:, None]
-            self.slot_mask[:, : self.pointer].masked_fill_(expired, 0)
+            self.slot_mask[:, : self.pointer].masked_fill_(expired, False)
             self.longest_bound = min(self.longest_bound, reach)  # positions next - reach + 1 .. next - 1 remain
         width = min(self.longest_bound, self.pointer)
         if not force and self.pointer - width <= self.max_holes:
@@ -380,12 +380,12 @@ class SlotCache:
         # A stable ascending sort puts holes (0) first and real slots (1) last, each group in its original order.
         # E.g. pointer 4, width 3, masks [[1 1 0 1], [0 0 1 1]] ([a b . c | _ _ d e]): order [[2 0 1 3], [0 1 2 3]],
         # its last 3 columns [[0 1 3], [1 2 3]] are the slots gathered into 0..2 -> [a b c | _ d e], pointer 3.
-        sorted_mask, order = torch.sort(self.slot_mask[:, : self.pointer], dim=1, stable=True)
+        sorted_mask, order = torch.sort(self.slot_mask[:, : self.pointer].view(torch.uint8), dim=1, stable=True)
         order = order[:, self.pointer - width :]
         positions = self.slot_positions.gather(1, order)
         self.slot_mask[:, :width] = sorted_mask[:, self.pointer - width :]
         self.slot_positions[:, :width] = positions
-        self.slot_mask[:, width:] = 0
+        self.slot_mask[:, width:] = False
         flat_index: dict = {}
         for layer in self._layers():
             layer.repack(order, flat_index)

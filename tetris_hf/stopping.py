@@ -33,21 +33,26 @@ def rows_that_stop(
         ``kept`` ``(B,)`` new tokens kept (up to and including the one that stopped the row) and ``stopped``
         ``(B,)`` bool.
     """
-    offsets = torch.arange(1, max_new + 1, device=lengths.device)  # (W,) 1-based position among the new tokens
-    ends = lengths[:, None] + offsets[None, :]  # (B, W) a row's length once that token is added
-    stops = torch.zeros(ends.shape, dtype=torch.bool, device=lengths.device)
+    offsets = torch.arange(max_new, device=lengths.device)  # (W,) 0-based position among the new tokens
+    indices = lengths[:, None] + offsets  # (B, W) where that token sits (a row's length once it is added, minus 1)
+    stops = None
     others = []
     for criterion in stopping_criteria:
         if type(criterion) is MaxLengthCriteria:
-            stops |= ends >= criterion.max_length
+            hits = indices >= criterion.max_length - 1
         elif type(criterion) is EosTokenCriteria:
-            tokens = sequences.gather(1, (ends - 1).clamp(max=sequences.shape[1] - 1))
-            stops |= torch.isin(tokens, criterion.eos_token_id.to(tokens.device))
+            tokens = sequences.gather(1, indices.clamp(max=sequences.shape[1] - 1))
+            hits = torch.isin(tokens, criterion.eos_token_id.to(tokens.device))
         else:
             others.append(criterion)
-    stops &= offsets[None, :] <= new_counts[:, None]
-    stopped = stops.any(dim=1)
-    kept = torch.where(stopped, stops.long().argmax(dim=1) + 1, new_counts)
+            continue
+        stops = hits if stops is None else stops | hits
+    if stops is None:
+        kept, stopped = new_counts, torch.zeros(new_counts.shape, dtype=torch.bool, device=new_counts.device)
+    else:
+        stops &= offsets < new_counts[:, None]
+        stopped = stops.any(dim=1)
+        kept = torch.where(stopped, stops.long().argmax(dim=1) + 1, new_counts)
     if not others:
         return kept, stopped
     return _apply_one_by_one(StoppingCriteriaList(others), sequences, lengths, kept, stopped)

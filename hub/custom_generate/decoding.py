@@ -260,10 +260,13 @@ class BatchedSpeculativeLoop:
                 # (compiled: padded with masked filler to a power of two, so that block shapes repeat)
                 width = bucket(block_length + 1) if self.compile else block_length + 1
                 block = torch.cat([self.last_tokens[:, None], done["drafts"][:, :block_length]], dim=1)
-                block = torch.nn.functional.pad(block, (0, width - block.shape[1]), value=self.pad_value)
-                block_mask = (self.offsets[None, :width] <= verify_lengths[:, None]).long()
-            verified_drafts = done["drafts"][:, :block_length]
-            logits = self.target_slots.forward(self.model, block, block_mask, step=True)[:, : block_length + 1]
+                if width > block_length + 1:
+                    block = torch.nn.functional.pad(block, (0, width - block_length - 1), value=self.pad_value)
+                block_mask = self.offsets[:width] <= verify_lengths[:, None]
+            verified_drafts = block[:, 1 : block_length + 1]
+            logits = self.target_slots.forward(self.model, block, block_mask, step=True)
+            if width > block_length + 1:
+                logits = logits[:, : block_length + 1]
             target_scores = self.logits_processor(self.sequences, lengths, logits, rows)
 
             # accept
@@ -329,8 +332,7 @@ class BatchedSpeculativeLoop:
             ``emitted`` ``(B_active,)`` tokens kept per row and ``stopped`` ``(B_active,)`` rows now finished.
         """
         lengths = self.lengths
-        row_range = torch.arange(lengths.shape[0], device=lengths.device)
-        self.sequences[row_range, lengths + num_accepted] = next_tokens
+        self.sequences.scatter_(1, (lengths + num_accepted)[:, None], next_tokens[:, None])
         self.last_tokens = next_tokens  # a row that stops here leaves the batch: its last token is not needed
         kept, stopped = rows_that_stop(self.stopping_criteria, self.sequences, lengths, num_accepted + 1, max_new)
         if self.streamer is not None:

@@ -37,9 +37,8 @@ def verify_greedy(
     if block_length == 0:  # nothing verified (a plain step): the target's token
         return torch.zeros_like(verify_lengths), vocab_argmax(target_scores[:, 0])
     target_tokens = vocab_argmax(target_scores)  # (B, L + 1)
-    positions = torch.arange(block_length, device=draft_tokens.device)
-    matches = (draft_tokens == target_tokens[:, :block_length]) & (positions[None, :] < verify_lengths[:, None])
-    num_accepted = _leading_true(matches)
+    # Drafts past a row's verified length are not candidates: its accepted count stops there.
+    num_accepted = torch.minimum(_leading_true(draft_tokens == target_tokens[:, :block_length]), verify_lengths)
     next_tokens = target_tokens.gather(1, num_accepted[:, None]).squeeze(1)
     return num_accepted, next_tokens
 

@@ -45,11 +45,13 @@ def select_tetris(scores: torch.Tensor, max_lengths: torch.Tensor, budget: int) 
     if budget < 0:
         raise ValueError(f"budget must be >= 0, got {budget}")
     batch_size, num_cells = scores.shape
-    positions = torch.arange(num_cells, device=scores.device)
-    candidate = positions[None, :] < max_lengths[:, None]
     take = min(budget, batch_size * num_cells)  # how many cells are candidates is not read from the device
     if take == 0:
         return torch.zeros(batch_size, dtype=torch.long, device=scores.device)
+    if batch_size == 1:  # one row's top cells are its first ones (ties go to the earlier position): no sort
+        return max_lengths.clamp(min=0, max=take)
+    positions = torch.arange(num_cells, device=scores.device)
+    candidate = positions[None, :] < max_lengths[:, None]
     # A candidate ranks by its score (a -inf score still above every non-candidate); non-candidates last, and a
     # non-candidate among the top ``take`` (fewer candidates than the budget) is not chosen.
     ranked = scores.float().clamp(min=torch.finfo(torch.float).min).masked_fill(~candidate, float("-inf"))

@@ -90,24 +90,25 @@ class PositionwiseLogitsProcessor:
         return self._row_lists[row]
 
     def __call__(
-        self, sequences: torch.Tensor, prefix_lengths: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor
+        self, sequences: torch.Tensor, prefix_lengths: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor,
+        offset: int = 0,
     ) -> torch.Tensor:
         """Processed scores at ``L`` consecutive positions of each row, in float32.
 
-        Position ``j`` of row ``i`` predicts the token after ``sequences[i, :prefix_lengths[i] + j]``: that prefix is
-        what plain batched ``generate()`` would pass the processors there (left padding included).
+        Position ``j`` of row ``i`` predicts the token after ``sequences[i, :prefix_lengths[i] + offset + j]``: that
+        prefix is what plain batched ``generate()`` would pass the processors there (left padding included).
 
         Args:
             sequences: ``(B, T)`` each row's tokens, followed by the tokens being scored (drafts);
                 ``T >= prefix_lengths + L - 1``.
-            prefix_lengths: ``(B,)`` prefix length at position 0.
+            prefix_lengths: ``(B,)`` prefix length at position 0, before ``offset``.
             logits: ``(B, L, V)`` raw model logits.
             rows: ``(B,)`` each row's index in the batch ``generate()`` was called with.
 
         Returns:
             ``(B, L, V)`` float32 processed scores.
         """
-        scores = logits.float()
+        scores = logits if logits.dtype == torch.float32 else logits.float()
         if len(self.logits_processor) == 0:
             return scores
         batch_size, num_positions, vocab_size = scores.shape
@@ -120,6 +121,6 @@ class PositionwiseLogitsProcessor:
         for index, (row, length) in enumerate(zip(rows.tolist(), prefix_lengths.tolist())):
             row_processors = self._row_list(row)
             for position in range(num_positions):
-                prefix = sequences[index : index + 1, : length + position]
+                prefix = sequences[index : index + 1, : length + offset + position]
                 processed[index, position] = row_processors(prefix, scores[index, position].unsqueeze(0).clone())[0]
         return processed

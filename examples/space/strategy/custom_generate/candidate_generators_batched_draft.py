@@ -15,22 +15,6 @@ from .kv import SlotCache
 from .logits import PositionwiseLogitsProcessor, sample_tokens, vocab_argmax
 
 
-def _left_pack(tokens: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Move each row's real tokens (mask 1) to the right end, in order (the width stays: no device read).
-
-    E.g. tokens ``[[a, b], [c, d]]`` with mask ``[[1, 1], [1, 0]]`` become ``[[a, b], [d, c]]`` with mask
-    ``[[1, 1], [0, 1]]``.
-
-    Args:
-        tokens, mask: ``(B, P)``.
-
-    Returns:
-        ``(B, P)`` tokens and mask.
-    """
-    sorted_mask, order = torch.sort(mask, dim=1, stable=True)
-    return tokens.gather(1, order), sorted_mask
-
-
 class BatchedDraftCandidateGenerator:
     """Proposes draft tokens for a batch whose rows advance independently: the batched counterpart of transformers'
     ``AssistedCandidateGenerator`` (which serves one row), driven by the loop through :meth:`propose`,
@@ -63,7 +47,8 @@ class BatchedDraftCandidateGenerator:
         self.slots: SlotCache | None = None
         self.pending_tokens: torch.Tensor | None = None  # (B, P) left-padded
         self.pending_mask: torch.Tensor | None = None  # (B, P)
-        self._last_draft: torch.Tensor | None = None  # (B,) the K-th draft of the last proposal (never fed)
+        self.pending_real = False  # known on the host: every pending token is real (the next forward needs no mask)
+        self._last_draft: torch.Tensor | None = None  # (B, 1) the K-th draft of the last proposal (never fed)
         self._last_num_drafted = 0
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
@@ -75,6 +60,7 @@ class BatchedDraftCandidateGenerator:
         """
         self.slots = SlotCache(input_ids.shape[0], input_ids.device, self.max_holes, self.capacity)
         self.pending_tokens, self.pending_mask = input_ids, attention_mask.long()
+        self.pending_real = False
 
     def catch_up(self) -> None:
         """Read the pending tokens into the cache but the last column (which opens the next proposal): one forward.
@@ -87,6 +73,7 @@ class BatchedDraftCandidateGenerator:
             return
         self.slots.prefill(self.assistant_model, self.pending_tokens, self.pending_mask)
         self.pending_tokens, self.pending_mask = self.pending_tokens[:, -1:], self.pending_mask[:, -1:]
+        self.pending_real = True  # every row's last token is real
 
     def propose(
         self, sequences: torch.Tensor, lengths: torch.Tensor, num_tokens: int, rows: torch.Tensor | None = None
@@ -119,11 +106,11 @@ class BatchedDraftCandidateGenerator:
         # Processors that read the tokens so far must see each draft before scoring the next; for the others the
         # drafts are written in one go at the end.
         write_each = not self.logits_processor.prefix_free
-        tokens, mask = self.pending_tokens, self.pending_mask
+        tokens, mask = self.pending_tokens, (None if self.pending_real else self.pending_mask)
         draft_tokens, token_log_probs, draft_probs = [], [], []
-        for step in range(num_tokens):
+        for step in range(num_tokens):  # every tensor (B, 1, ...): one position per row
             logits = self.slots.forward(self.assistant_model, tokens, mask, logits_to_keep=1, step=True)
-            scores = self.logits_processor(sequences, lengths + step, logits[:, -1:], rows)[:, 0]
+            scores = self.logits_processor(sequences, lengths, logits, rows, offset=step)
             log_probs = scores.log_softmax(dim=-1)
             if self.do_sample:
                 probs = log_probs.exp()
@@ -132,18 +119,18 @@ class BatchedDraftCandidateGenerator:
             else:
                 next_tokens = vocab_argmax(scores)
             if write_each:
-                sequences.scatter_(1, (lengths + step)[:, None], next_tokens[:, None])
+                sequences.scatter_(1, lengths[:, None] + step, next_tokens)
             draft_tokens.append(next_tokens)
             token_log_probs.append(log_probs.amax(dim=-1))  # amax: max(dim) would also find indices (10x slower on CPU)
-            tokens, mask = next_tokens[:, None], None  # the draft's own token: real in every row
-        self._last_draft = draft_tokens[-1]
-        drafts = torch.stack(draft_tokens, dim=1)
+            tokens, mask = next_tokens, None  # the draft's own token: real in every row
+        self._last_draft = next_tokens
+        drafts = torch.cat(draft_tokens, dim=1)
         if not write_each:
-            sequences.scatter_(1, lengths[:, None] + torch.arange(num_tokens, device=lengths.device), drafts)
+            sequences.scatter_(1, lengths[:, None] + self.slots.offsets[:num_tokens], drafts)
         return (
             drafts,
-            torch.stack(token_log_probs, dim=1),
-            torch.stack(draft_probs, dim=1) if self.do_sample else None,
+            torch.cat(token_log_probs, dim=1),
+            torch.cat(draft_probs, dim=1) if self.do_sample else None,
         )
 
     def accept(self, num_accepted: torch.Tensor, next_tokens: torch.Tensor, max_accepted: int | None = None) -> None:
@@ -168,12 +155,12 @@ class BatchedDraftCandidateGenerator:
         first_draft_slot = self.slots.length - (drafted - 1)
         self.slots.drop_slots(first_draft_slot, num_accepted.clamp(max=drafted - 1))
         if max_accepted is not None and max_accepted < drafted:  # no row accepted draft K: one column
-            self.pending_tokens, self.pending_mask = next_tokens[:, None], ones
-        else:
+            self.pending_tokens, self.pending_mask, self.pending_real = next_tokens[:, None], ones, True
+        else:  # [draft K, target token], the draft filler where it was not accepted: left-padded as it stands
             all_accepted = (num_accepted == drafted).long()[:, None]  # draft K accepted but never read
-            tokens = torch.cat([self._last_draft[:, None], next_tokens[:, None]], dim=1)
-            mask = torch.cat([all_accepted, ones], dim=1)
-            self.pending_tokens, self.pending_mask = _left_pack(tokens, mask)
+            self.pending_tokens = torch.cat([self._last_draft, next_tokens[:, None]], dim=1)
+            self.pending_mask = torch.cat([all_accepted, ones], dim=1)
+            self.pending_real = False
         self.slots.compact()
 
     def pending_width(self) -> torch.Tensor:
