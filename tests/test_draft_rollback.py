@@ -98,6 +98,7 @@ def test_pending_width_trims_columns_that_are_filler_in_every_row(accepted, widt
     assert drafter.pending_tokens[:, -1].tolist() == [20, 21, 22, 23]
     assert drafter.pending_tokens.shape[1] == drafter.pending_mask.shape[1] == width
     assert drafter.pending_mask.sum().item() == 4 + sum(a == 3 for a in accepted)
+    assert drafter.pending_real == (width == 1)  # one column left: all real, the next forward needs no mask
 
 
 def test_a_single_draft_leaves_the_cache_alone_and_queues_it_only_if_accepted():

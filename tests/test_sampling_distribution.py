@@ -121,8 +121,8 @@ def test_chi_square_catches_selection_by_the_sampled_tokens_probability(pair, mo
     target, draft = pair
     real_propose = BatchedDraftCandidateGenerator.propose
 
-    def rank_by_sampled_token(self, sequences, lengths, num_tokens, rows=None):
-        tokens, scores, probs = real_propose(self, sequences, lengths, num_tokens, rows)
+    def rank_by_sampled_token(self, sequences, lengths, num_tokens, rows=None, confidences=True):
+        tokens, scores, probs = real_propose(self, sequences, lengths, num_tokens, rows, confidences)
         if probs is None:  # nothing drafted
             return tokens, scores, probs
         return tokens, probs.gather(2, tokens[..., None]).squeeze(2).log(), probs

@@ -106,6 +106,41 @@ def test_a_block_of_real_tokens_passed_without_a_mask_is_cached_as_with_a_mask_o
     assert cached_tokens(slots).tolist() == cached_tokens(reference).tolist()
 
 
+@pytest.mark.parametrize("layout", [
+    FULL_SDPA,  # cached real slots, then causality within the block (no positions compared)
+    AttentionLayout({SLIDING: 3}, False, "sdpa", True),
+    AttentionLayout({FULL: None, SLIDING: 3}, True, "sdpa", True),
+    AttentionLayout({FULL: None}, False, "eager", True),
+    AttentionLayout({FULL: None}, False, "flash_attention_2", False),
+], ids=["sdpa", "window", "hybrid", "eager", "2d"])
+@pytest.mark.parametrize("real", [[1, 3], [4, 1], [4, 4]])
+def test_a_verified_block_passed_as_a_real_prefix_is_seen_as_with_its_mask(layout, real):
+    # A verified block: each row's last token and its verified drafts, then filler. What a real token sees, where it
+    # sits and what is cached must not depend on taking the real_prefix shortcut.
+    def run(real_prefix):
+        model, slots = RecordingModel(), new_cache(2, layout=layout, capacity=16)
+        feed(slots, model, [[PAD, A, B, C, D], [A, B, C, D, E]], [[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
+        slots.drop_slots(0, torch.tensor([3, 5]))  # [_ a b . .]: row 0 now has holes
+        mask = torch.arange(4)[None, :] < torch.tensor(real)[:, None]
+        slots.forward(model, torch.tensor([[X, A, B, C], [E, D, C, B]]), mask, real_prefix=real_prefix)
+        return model.calls[-1], slots, mask
+
+    (fast, slots, mask), (generic, reference, _) = run(True), run(False)
+    assert torch.equal(fast["position_ids"][mask], generic["position_ids"][mask])
+    masks, expected = fast["attention_mask"], generic["attention_mask"]
+    if not isinstance(expected, dict):
+        masks, expected = {FULL: masks}, {FULL: expected}
+    for kind in expected:
+        if expected[kind].dim() == 2:  # 2D masks of real slots
+            assert torch.equal(masks[kind], expected[kind])
+        else:  # (B, 1, L, S): the real queries' rows
+            assert masks[kind].dtype == expected[kind].dtype
+            assert torch.equal(masks[kind][:, 0][mask], expected[kind][:, 0][mask])
+    assert torch.equal(slots.slot_mask, reference.slot_mask) and torch.equal(slots.next_positions,
+                                                                             reference.next_positions)
+    assert torch.equal(slots.slot_positions[slots.slot_mask], reference.slot_positions[reference.slot_mask])
+
+
 def test_drop_slots_turns_the_tail_of_each_rows_block_into_holes_and_rewinds_its_positions():
     model, slots = RecordingModel(), new_cache(3, capacity=16)
     feed(slots, model, [[A, B], [A, B], [A, B]], [[1, 1]] * 3)

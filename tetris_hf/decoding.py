@@ -110,7 +110,7 @@ class StepRecord:
     rows: torch.Tensor
     num_drafted: int
     budget: int
-    token_log_probs: torch.Tensor  # (B_active, K) log q of each drafted token
+    token_log_probs: torch.Tensor | None  # (B_active, K) the draft's confidences (None: nothing needed them)
     verify_lengths: torch.Tensor
     num_accepted: torch.Tensor
     emitted: torch.Tensor
@@ -167,6 +167,8 @@ class BatchedSpeculativeLoop:
         assistant_model = reduced_vocab_draft(assistant_model, options.tetris_draft_vocab)  # the strategy profiles it too
         self.strategy = make_strategy(options, model, assistant_model, sampling=self.do_sample)
         self.step_callback = options.tetris_step_callback
+        # The draft's confidences cost a softmax per draft token: only for strategies and callbacks that read them.
+        self.confidences = self.strategy.needs_confidences or self.step_callback is not None
         self.batch_size = batch_size
         self.input_ids = input_ids
         device = input_ids.device
@@ -239,7 +241,7 @@ class BatchedSpeculativeLoop:
                 clock.mark("catch_up_end")
             clock.mark("draft_start")
             done["drafts"], done["log_probs"], done["draft_probs"] = self.drafter.propose(
-                self.sequences, lengths, num_drafted, rows)
+                self.sequences, lengths, num_drafted, rows, self.confidences)
             clock.mark("draft_end")
             if num_drafted == 0:  # a plain step: no row may verify anything
                 return done["log_probs"], torch.zeros_like(lengths)
@@ -263,7 +265,7 @@ class BatchedSpeculativeLoop:
                     block = torch.nn.functional.pad(block, (0, width - block_length - 1), value=self.pad_value)
                 block_mask = self.offsets[:width] <= verify_lengths[:, None]
             verified_drafts = block[:, 1 : block_length + 1]
-            logits = self.target_slots.forward(self.model, block, block_mask, step=True)
+            logits = self.target_slots.forward(self.model, block, block_mask, step=True, real_prefix=True)
             if width > block_length + 1:
                 logits = logits[:, : block_length + 1]
             target_scores = self.logits_processor(self.sequences, lengths, logits, rows)

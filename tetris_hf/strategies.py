@@ -103,22 +103,26 @@ class TetrisOptions:
 class FixedWindow:
     """Standard batched speculative decoding: every active row drafts and verifies ``k`` tokens."""
 
+    needs_confidences = False  # every drafted cell is verified, whatever the draft thought of it
+
     def __init__(self, options: TetrisOptions):
         self.k = options.num_assistant_tokens
 
     def plan(self, num_rows: int) -> DraftPlan:
         return DraftPlan(self.k, self.k * num_rows)
 
-    def select(self, token_log_probs: torch.Tensor, max_lengths: torch.Tensor, plan: DraftPlan) -> torch.Tensor:
+    def select(self, token_log_probs: torch.Tensor | None, max_lengths: torch.Tensor, plan: DraftPlan) -> torch.Tensor:
         return select_fixed(max_lengths, self.k)
 
-    def observe(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
+    def observe(self, token_log_probs: torch.Tensor | None, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
                 seconds: StepSeconds | None = None):
         pass
 
 
 class TetrisSelection(FixedWindow):
     """TETRIS: every row drafts ``k + e``; the ``C`` cells with the highest cumulative draft probability are verified."""
+
+    needs_confidences = True
 
     def __init__(self, options: TetrisOptions):
         super().__init__(options)
@@ -310,6 +314,7 @@ class _CostAware:
     probes then come only every ``max_probe_interval`` steps, to notice requests that have become easier.
     """
 
+    needs_confidences = True
     probe_interval_start = 8
     max_probe_interval = 128
     probe_overhead = 0.05

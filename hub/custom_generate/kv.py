@@ -226,6 +226,7 @@ class SlotCache:
         self.slot_positions = torch.zeros(batch_size, self.capacity, dtype=torch.long, device=device)
         self.next_positions = torch.zeros(batch_size, dtype=torch.long, device=device)  # real tokens cached so far
         self.offsets = torch.arange(self.capacity, device=device)
+        self.causal: torch.Tensor | None = None  # see _causal
         self.layout: AttentionLayout | None = None
         self.step_forward = None  # a compiled forward for the step forwards (see tetris_hf.compiled), else the model
         self.longest_bound = 0  # an upper bound on any row's real slots (tightened by note_longest)
@@ -242,6 +243,7 @@ class SlotCache:
         input_mask: torch.Tensor | None,
         logits_to_keep: int = 0,
         step: bool = False,
+        real_prefix: bool = False,
     ) -> torch.Tensor:
         """Run ``model`` on a block appended to every row, and cache it.
 
@@ -256,6 +258,9 @@ class SlotCache:
                 own tokens), which needs fewer operations.
             logits_to_keep: keep logits for the last this-many positions only (0 = all).
             step: a decoding step's forward (run through :attr:`step_forward` when set), not a prompt read.
+            real_prefix: every row's real tokens come first in the block, filler only after them (a verified block):
+                positions simply count on (filler's are never seen) and, on plain sdpa layouts, the mask is each row's
+                real cached slots followed by causality within the block, both known without comparing positions.
 
         Returns:
             ``(B, L or logits_to_keep, V)`` logits.
@@ -265,12 +270,16 @@ class SlotCache:
         block = input_ids.shape[1]
         self._make_room(block)
         start, end = self.pointer, self.pointer + block
-        if input_mask is None:  # every token real: positions go on from each row's cached tokens
+        if input_mask is None or real_prefix:  # positions go on from each row's cached tokens
             position_ids = self.next_positions[:, None]
             if block > 1:
                 position_ids = position_ids + self.offsets[:block]
+        if input_mask is None:
             self.slot_mask[:, start:end] = True
             new_tokens = block
+        elif real_prefix:
+            self.slot_mask[:, start:end] = input_mask
+            new_tokens = input_mask.sum(dim=1)
         else:
             # E.g. next_positions [5, 2] and mask [[0 1 1], [1 1 0]]: cumsum - 1 = [[-1 0 1], [0 1 1]], clamped at 0,
             # so positions [[5 5 6], [2 3 3]]: left filler takes the first real token's position, right filler the
@@ -284,6 +293,12 @@ class SlotCache:
         elif input_mask is None and block == 1 and self.layout.plain_sdpa:
             # One real token after every cached one: it sees exactly the real slots.
             attention_mask = self.slot_mask[:, None, None, :end]
+        elif (input_mask is None or real_prefix) and self.layout.plain_sdpa:
+            # A real token sees the real cached slots and the block up to itself (all real before it); what filler
+            # sees does not matter.
+            batch = input_ids.shape[0]
+            attention_mask = torch.cat([self.slot_mask[:, None, None, :start].expand(batch, 1, block, start),
+                                        self._causal(block).expand(batch, 1, block, block)], dim=-1)
         else:
             attention_mask = position_masks(self.layout, self.slot_positions[:, :end], self.slot_mask[:, :end],
                                             position_ids, model.dtype)
@@ -301,6 +316,12 @@ class SlotCache:
         self.next_positions = self.next_positions + new_tokens
         self.longest_bound += block
         return outputs.logits
+
+    def _causal(self, block: int) -> torch.Tensor:
+        """``(block, block)`` bool, True on and below the diagonal (kept, and grown, across forwards)."""
+        if self.causal is None or self.causal.shape[0] < block:
+            self.causal = torch.ones(block, block, dtype=torch.bool, device=self.slot_mask.device).tril()
+        return self.causal[:block, :block]
 
     def prefill(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
         """Cache a left-padded block ``(B, T)`` (a prompt, or tokens a draft skipped) but its last column, which

@@ -38,21 +38,28 @@ class DraftPlan(NamedTuple):
 
 
 class StepStrategy(Protocol):
-    """What the loop needs of a strategy (``fixed``, ``tetris``, ``adaptive``, ``dsd``)."""
+    """What the loop needs of a strategy (``fixed``, ``tetris``, ``adaptive``, ``dsd``).
+
+    ``needs_confidences``: :meth:`select` and :meth:`observe` read the draft's confidences (else the loop may skip
+    computing them and pass ``None``).
+    """
+
+    needs_confidences: bool
 
     def plan(self, num_rows: int) -> DraftPlan:
         """The plan for a step of ``num_rows`` active rows (called once per step, before drafting)."""
 
-    def select(self, token_log_probs: torch.Tensor, max_lengths: torch.Tensor, plan: DraftPlan) -> torch.Tensor:
+    def select(self, token_log_probs: torch.Tensor | None, max_lengths: torch.Tensor, plan: DraftPlan) -> torch.Tensor:
         """Verified drafts per row, ``(B,)``, each ``<= max_lengths``; changes no state.
 
         Args:
-            token_log_probs: ``(B, K)`` the draft's confidence at each drafted cell.
+            token_log_probs: ``(B, K)`` the draft's confidence at each drafted cell (``None`` when the strategy does
+                not need confidences and nothing else asked for them).
             max_lengths: ``(B,)`` cells each row may verify.
             plan: this step's plan.
         """
 
-    def observe(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
+    def observe(self, token_log_probs: torch.Tensor | None, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
                 seconds: StepSeconds | None = None) -> None:
         """What the step did: ``(B, K)`` confidences, ``(B,)`` verified and accepted drafts, the measured time."""
 
@@ -79,8 +86,8 @@ def run_step(
         strategy: the step strategy.
         num_rows: ``B`` active rows.
         max_draft: at most this many drafts per row this step (length limits, recorded traces).
-        draft: ``draft(K) -> (token_log_probs (B, K), max_lengths (B,))``: drafts ``K`` tokens per row and says how
-            many of them each row may verify.
+        draft: ``draft(K) -> (token_log_probs (B, K) or None, max_lengths (B,))``: drafts ``K`` tokens per row and
+            says how many of them each row may verify.
         verify: ``verify(verify_lengths (B,)) -> (num_accepted (B,), seconds)``: the target's side.
 
     Returns:

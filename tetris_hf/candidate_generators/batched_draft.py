@@ -75,8 +75,9 @@ class BatchedDraftCandidateGenerator:
         self.pending_real = True  # every row's last token is real
 
     def propose(
-        self, sequences: torch.Tensor, lengths: torch.Tensor, num_tokens: int, rows: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        self, sequences: torch.Tensor, lengths: torch.Tensor, num_tokens: int, rows: torch.Tensor | None = None,
+        confidences: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Draft ``num_tokens`` tokens after each row, writing them into ``sequences`` past ``lengths``.
 
         Args:
@@ -86,10 +87,11 @@ class BatchedDraftCandidateGenerator:
             lengths: ``(B,)``.
             num_tokens: ``K >= 0``.
             rows: ``(B,)`` each row's index in the original batch (for per-row processor state); default ``arange``.
+            confidences: compute ``token_log_probs`` (else ``None``: greedy drafting then takes no softmax).
 
         Returns:
             draft_tokens: ``(B, K)``.
-            token_log_probs: ``(B, K)`` the draft's confidence at each position, ``log max_x q(x)`` under the
+            token_log_probs: ``(B, K)`` (or ``None``, see ``confidences``) the draft's confidence at each position, ``log max_x q(x)`` under the
                 processed draft distribution: the drafted token's ``log q`` when greedy (it is the argmax), and when
                 sampling a number that does not depend on which token was drawn. Selection ranks cells by it, and a
                 ranking by the drawn token's own probability would verify likely draws more often than unlikely
@@ -100,7 +102,7 @@ class BatchedDraftCandidateGenerator:
         self._last_num_drafted = num_tokens
         if num_tokens == 0:
             empty = torch.empty(batch_size, 0, device=sequences.device)
-            return empty.long(), empty, None
+            return empty.long(), (empty if confidences else None), None
         rows = torch.arange(batch_size, device=sequences.device) if rows is None else rows
         # Processors that read the tokens so far must see each draft before scoring the next; for the others the
         # drafts are written in one go at the end.
@@ -110,7 +112,7 @@ class BatchedDraftCandidateGenerator:
         for step in range(num_tokens):  # every tensor (B, 1, ...): one position per row
             logits = self.slots.forward(self.assistant_model, tokens, mask, logits_to_keep=1, step=True)
             scores = self.logits_processor(sequences, lengths, logits, rows, offset=step)
-            log_probs = scores.log_softmax(dim=-1)
+            log_probs = scores.log_softmax(dim=-1) if confidences or self.do_sample else None
             if self.do_sample:
                 probs = log_probs.exp()
                 next_tokens = sample_tokens(probs, self.generator)
@@ -120,7 +122,8 @@ class BatchedDraftCandidateGenerator:
             if write_each:
                 sequences.scatter_(1, lengths[:, None] + step, next_tokens)
             draft_tokens.append(next_tokens)
-            token_log_probs.append(log_probs.amax(dim=-1))  # amax: max(dim) would also find indices (10x slower on CPU)
+            if confidences:  # amax: max(dim) would also find indices (10x slower on CPU)
+                token_log_probs.append(log_probs.amax(dim=-1))
             tokens, mask = next_tokens, None  # the draft's own token: real in every row
         self._last_draft = next_tokens
         drafts = torch.cat(draft_tokens, dim=1)
@@ -128,7 +131,7 @@ class BatchedDraftCandidateGenerator:
             sequences.scatter_(1, lengths[:, None] + self.slots.offsets[:num_tokens], drafts)
         return (
             drafts,
-            torch.cat(token_log_probs, dim=1),
+            torch.cat(token_log_probs, dim=1) if confidences else None,
             torch.cat(draft_probs, dim=1) if self.do_sample else None,
         )
 
@@ -173,6 +176,8 @@ class BatchedDraftCandidateGenerator:
         forward reads no column of filler alone."""
         if 0 < width < self.pending_tokens.shape[1]:
             self.pending_tokens, self.pending_mask = self.pending_tokens[:, -width:], self.pending_mask[:, -width:]
+        if width == 1:  # every row holds one pending token, the last column: real everywhere
+            self.pending_real = True
 
     def fill_rows(self, targets: torch.Tensor, sources: torch.Tensor, num_rows: int) -> None:
         """Finished rows leave the batch: see :meth:`~tetris_hf.kv.SlotCache.fill_rows`."""
