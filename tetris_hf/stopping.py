@@ -49,6 +49,8 @@ def rows_that_stop(
         stops = hits if stops is None else stops | hits
     if stops is None:
         kept, stopped = new_counts, torch.zeros(new_counts.shape, dtype=torch.bool, device=new_counts.device)
+    elif max_new == 1:  # one new token per row: kept whether or not it stops the row
+        kept, stopped = new_counts, stops[:, 0]
     else:
         stops &= offsets < new_counts[:, None]
         stopped = stops.any(dim=1)

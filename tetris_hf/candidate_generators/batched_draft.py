@@ -50,16 +50,17 @@ class BatchedDraftCandidateGenerator:
         self._last_draft: torch.Tensor | None = None  # (B, 1) the K-th draft of the last proposal (never fed)
         self._last_num_drafted = 0
 
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, all_real: bool = False) -> None:
         """Start on a left-padded prompt batch: an empty cache, the whole prompt pending (read at the first proposal
         or :meth:`catch_up`).
 
         Args:
             input_ids, attention_mask: ``(B, T)``, left-padded; every row's last column is a real token.
+            all_real: the caller knows ``attention_mask`` has no padding (the first forward then needs no mask).
         """
         self.slots = SlotCache(input_ids.shape[0], input_ids.device, self.max_holes, self.capacity)
         self.pending_tokens, self.pending_mask = input_ids, attention_mask.long()
-        self.pending_real = False
+        self.pending_real = all_real
 
     def catch_up(self) -> None:
         """Read the pending tokens into the cache but the last column (which opens the next proposal): one forward.

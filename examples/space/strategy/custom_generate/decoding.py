@@ -162,8 +162,11 @@ class BatchedSpeculativeLoop:
         self.logits_processor = PositionwiseLogitsProcessor(logits_processor)
         self.stopping_criteria = stopping_criteria
         self.stops_only_at_max_length = _has_only_length_limit(stopping_criteria)
-        self.do_sample = bool(generation_config.do_sample)
         self.max_length = int(generation_config.max_length)
+        # generate() always adds the length limit; without it rows would still have to stop there
+        self.limit_in_criteria = any(type(criterion) is MaxLengthCriteria and criterion.max_length <= self.max_length
+                                     for criterion in stopping_criteria)
+        self.do_sample = bool(generation_config.do_sample)
         self.streamer = streamer
         assistant_model = reduced_vocab_draft(assistant_model, options.tetris_draft_vocab)  # the strategy profiles it too
         self.strategy = make_strategy(options, model, assistant_model, sampling=self.do_sample)
@@ -194,7 +197,8 @@ class BatchedSpeculativeLoop:
         self.target_slots = SlotCache(batch_size, device, options.tetris_max_holes, capacity=cache_capacity(model))
         self.prompt_mask = attention_mask
         self.prompt_read = False  # the first step reads the prompt and emits the first token, as generate() does
-        self.drafter.prefill(input_ids, attention_mask)  # lazy: the draft reads the prompt when it first drafts
+        # lazy: the draft reads the prompt when it first drafts
+        self.drafter.prefill(input_ids, attention_mask, all_real=bool(attention_mask.all()))
         self.compile = options.tetris_compile
         if self.compile:
             check_compilable(model, "target")
@@ -246,7 +250,7 @@ class BatchedSpeculativeLoop:
             clock.mark("draft_end")
             if num_drafted == 0:  # a plain step: no row may verify anything
                 return done["log_probs"], torch.zeros_like(lengths)
-            return done["log_probs"], (self.max_length - lengths - 1).clamp(min=0)  # a target token is always added
+            return done["log_probs"], (self.max_length - 1 - lengths).clamp_(min=0)  # a target token is always added
 
         def verify(verify_lengths: torch.Tensor) -> tuple[torch.Tensor, StepSeconds | None]:
             if done["num_drafted"] == 0:
@@ -342,7 +346,7 @@ class BatchedSpeculativeLoop:
         self.lengths = lengths + kept
         self.shortest = min(self.shortest + 1, self.max_length)
         self.longest = min(self.longest + max_new, self.max_length)
-        return kept, stopped | (self.lengths >= self.max_length)
+        return kept, (stopped if self.limit_in_criteria else stopped | (self.lengths >= self.max_length))
 
     def _finish(self, record: StepRecord, stopped: torch.Tensor) -> StepRecord:
         """Keep the step's record, retire the rows that ``stopped`` ``(B_active,)``, call the user's step callback."""
@@ -352,6 +356,8 @@ class BatchedSpeculativeLoop:
             num_stopped = self.num_rows  # every row is at the length limit
         elif self.stops_only_at_max_length and self.longest < self.max_length:
             num_stopped = 0  # no row can have stopped: no need to ask the device
+        elif self.drafter.pending_real:  # no filler column to trim
+            num_stopped = int(stopped.sum())
         else:  # a read the step makes anyway: how wide the draft's next block must be comes along
             num_stopped, pending_width = torch.stack([stopped.sum(), self.drafter.pending_width()]).tolist()
             self.drafter.trim_pending(pending_width)

@@ -16,6 +16,7 @@ import torch
 
 CHUNK_SIZES = (256, 128, 64)  # the first that divides the vocabulary is used (else plain argmax)
 FEW_ROWS = 2  # up to this many rows plain argmax is faster (measured with caches evicted, one core)
+_chunk_sizes: dict[int, int | None] = {}  # vocabulary size -> the chunk size it takes
 
 
 def vocab_argmax(scores: torch.Tensor) -> torch.Tensor:
@@ -31,7 +32,9 @@ def vocab_argmax(scores: torch.Tensor) -> torch.Tensor:
         ``(...)`` long indices in ``[0, V)``.
     """
     vocab = scores.shape[-1]
-    chunk = next((size for size in CHUNK_SIZES if vocab % size == 0 and vocab >= 4 * size), None)
+    if vocab not in _chunk_sizes:
+        _chunk_sizes[vocab] = next((size for size in CHUNK_SIZES if vocab % size == 0 and vocab >= 4 * size), None)
+    chunk = _chunk_sizes[vocab]
     if scores.device.type != "cpu" or chunk is None or scores.numel() <= FEW_ROWS * vocab:
         return scores.argmax(dim=-1)
     leading = scores.shape[:-1]
