@@ -93,11 +93,12 @@ class BatchedDraftCandidateGenerator:
 
         Returns:
             draft_tokens: ``(B, K)``.
-            token_log_probs: ``(B, K)`` (or ``None``, see ``confidences``) the draft's confidence at each position, ``log max_x q(x)`` under the
-                processed draft distribution: the drafted token's ``log q`` when greedy (it is the argmax), and when
-                sampling a number that does not depend on which token was drawn. Selection ranks cells by it, and a
-                ranking by the drawn token's own probability would verify likely draws more often than unlikely
-                ones, which biases the output (see ``tests/test_sampling_distribution.py``).
+            token_log_probs: ``(B, K)`` (``None`` without ``confidences``) the draft's confidence at each position,
+                ``log max_x q(x)`` under the processed draft distribution: the drafted token's ``log q`` when greedy
+                (it is the argmax), and when sampling a number that does not depend on which token was drawn.
+                Selection ranks cells by it, and a ranking by the drawn token's own probability would verify likely
+                draws more often than unlikely ones, which biases the output (see
+                ``tests/test_sampling_distribution.py``).
             draft_probs: ``(B, K, V)`` the processed draft distributions (only when sampling, else ``None``).
         """
         batch_size = sequences.shape[0]
