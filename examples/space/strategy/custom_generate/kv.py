@@ -274,17 +274,15 @@ class SlotCache:
             position_ids = self.next_positions[:, None]
             if block > 1:
                 position_ids = position_ids + self.offsets[:block]
-        if input_mask is None:
-            self.slot_mask[:, start:end] = True
-            new_tokens = block
-        elif real_prefix:
-            self.slot_mask[:, start:end] = input_mask
-            new_tokens = input_mask.sum(dim=1)
         else:
             # E.g. next_positions [5, 2] and mask [[0 1 1], [1 1 0]]: cumsum - 1 = [[-1 0 1], [0 1 1]], clamped at 0,
             # so positions [[5 5 6], [2 3 3]]: left filler takes the first real token's position, right filler the
             # last's.
             position_ids = self.next_positions[:, None] + (input_mask.cumsum(dim=1) - 1).clamp(min=0)
+        if input_mask is None:
+            self.slot_mask[:, start:end] = True
+            new_tokens = block
+        else:
             self.slot_mask[:, start:end] = input_mask
             new_tokens = input_mask.sum(dim=1)
         self.slot_positions[:, start:end] = position_ids
