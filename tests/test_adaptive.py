@@ -116,7 +116,7 @@ def probe_steps(cost_profile: CostProfile, q: float, num_rows: int = 4, steps: i
     for step in range(steps):
         outcome = run_step(
             strategy, num_rows, strategy.max_draft,
-            draft=lambda k: (torch.full((num_rows, k), math.log(q)), torch.full((num_rows,), k)),
+            draft=lambda k, _: (torch.full((num_rows, k), math.log(q)), torch.full((num_rows,), k)),
             verify=lambda lengths: (torch.zeros(num_rows, dtype=torch.long), None),
         )
         if outcome.num_drafted:

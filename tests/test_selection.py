@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tetris_hf.selection import cumulative_log_probs, select_fixed, select_tetris
+from tetris_hf.strategies import TetrisOptions, TetrisSelection
 
 
 def heap_greedy(scores: torch.Tensor, max_lengths: torch.Tensor, budget: int) -> list[int]:
@@ -92,3 +93,21 @@ def test_one_row_verifies_its_first_cells_as_the_heap_greedy_does(ties):
             for budget in range(cells + 2):
                 lengths = select_tetris(scores, torch.tensor([max_length]), budget)
                 assert lengths.tolist() == heap_greedy(scores, torch.tensor([max_length]), budget)
+
+
+@pytest.mark.parametrize("budget", [None, 0, 1, 3, 5, 8, 12, 40])
+@pytest.mark.parametrize("num_rows", [1, 2, 3])
+def test_tetris_plans_without_confidences_only_where_ranking_cannot_matter(num_rows, budget):
+    # Where its plan skips the draft's confidences (one row, or a budget covering every cell), TetrisSelection's
+    # choice equals ranking by real confidences; everywhere else the plan asks for them.
+    strategy = TetrisSelection(TetrisOptions(num_assistant_tokens=2, tetris_extra_tokens=2, tetris_budget=budget))
+    plan = strategy.plan(num_rows)
+    cells = plan.num_draft_tokens
+    assert plan.needs_confidences == (num_rows > 1 and plan.budget < num_rows * cells)
+    generator = torch.Generator().manual_seed(num_rows)
+    for _ in range(20):
+        log_probs = -torch.rand(num_rows, cells, generator=generator) * 3
+        max_lengths = torch.randint(0, cells + 1, (num_rows,), generator=generator)
+        ranked = select_tetris(cumulative_log_probs(log_probs), max_lengths, plan.budget)
+        chosen = strategy.select(None if not plan.needs_confidences else log_probs, max_lengths, plan)
+        assert chosen.tolist() == ranked.tolist()

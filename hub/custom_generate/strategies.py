@@ -104,13 +104,12 @@ class TetrisOptions:
 class FixedWindow:
     """Standard batched speculative decoding: every active row drafts and verifies ``k`` tokens."""
 
-    needs_confidences = False  # every drafted cell is verified, whatever the draft thought of it
-
     def __init__(self, options: TetrisOptions):
         self.k = options.num_assistant_tokens
 
     def plan(self, num_rows: int) -> DraftPlan:
-        return DraftPlan(self.k, self.k * num_rows)
+        # every drafted cell is verified, whatever the draft thought of it: no confidences
+        return DraftPlan(self.k, self.k * num_rows, needs_confidences=False)
 
     def select(self, token_log_probs: torch.Tensor | None, max_lengths: torch.Tensor, plan: DraftPlan) -> torch.Tensor:
         return select_fixed(max_lengths, self.k)
@@ -121,9 +120,11 @@ class FixedWindow:
 
 
 class TetrisSelection(FixedWindow):
-    """TETRIS: every row drafts ``k + e``; the ``C`` cells with the highest cumulative draft probability are verified."""
+    """TETRIS: every row drafts ``k + e``; the ``C`` cells with the highest cumulative draft probability are verified.
 
-    needs_confidences = True
+    Ranking needs the draft's confidences only where it chooses between rows: one row's top ``C`` cells are its first
+    ``C``, and a budget that covers every cell verifies them all; such steps skip the draft's softmax.
+    """
 
     def __init__(self, options: TetrisOptions):
         super().__init__(options)
@@ -131,9 +132,13 @@ class TetrisSelection(FixedWindow):
         self.fixed_budget = options.tetris_budget
 
     def plan(self, num_rows: int) -> DraftPlan:
-        return DraftPlan(self.k + self.extra, self.k * num_rows if self.fixed_budget is None else self.fixed_budget)
+        num_drafts = self.k + self.extra
+        budget = self.k * num_rows if self.fixed_budget is None else self.fixed_budget
+        return DraftPlan(num_drafts, budget, needs_confidences=num_rows > 1 and budget < num_rows * num_drafts)
 
-    def select(self, token_log_probs: torch.Tensor, max_lengths: torch.Tensor, plan: DraftPlan) -> torch.Tensor:
+    def select(self, token_log_probs: torch.Tensor | None, max_lengths: torch.Tensor, plan: DraftPlan) -> torch.Tensor:
+        if not plan.needs_confidences:  # one row, or every cell: each row's first min(C, K) cells it may verify
+            return max_lengths.clamp(min=0, max=min(plan.budget, plan.num_draft_tokens))
         return select_tetris(cumulative_log_probs(token_log_probs), max_lengths, plan.budget)
 
 
@@ -315,7 +320,6 @@ class _CostAware:
     probes then come only every ``max_probe_interval`` steps, to notice requests that have become easier.
     """
 
-    needs_confidences = True
     probe_interval_start = 8
     max_probe_interval = 128
     probe_overhead = 0.05

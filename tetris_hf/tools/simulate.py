@@ -229,7 +229,7 @@ def replay(strategy, traces: TraceSet, cost: StepCostModel, batch_size: int, ste
     for _ in range(steps):
         log_probs, recorded = sampler.next()
 
-        def draft(num_drafted: int) -> tuple[torch.Tensor, torch.Tensor]:
+        def draft(num_drafted: int, needs_confidences: bool) -> tuple[torch.Tensor, torch.Tensor]:
             return log_probs[:, :num_drafted], torch.full((batch_size,), num_drafted)
 
         def verify(verify_lengths: torch.Tensor) -> tuple[torch.Tensor, None]:

@@ -171,8 +171,6 @@ class BatchedSpeculativeLoop:
         assistant_model = reduced_vocab_draft(assistant_model, options.tetris_draft_vocab)  # the strategy profiles it too
         self.strategy = make_strategy(options, model, assistant_model, sampling=self.do_sample)
         self.step_callback = options.tetris_step_callback
-        # The draft's confidences cost a softmax per draft token: only for strategies and callbacks that read them.
-        self.confidences = self.strategy.needs_confidences or self.step_callback is not None
         self.batch_size = batch_size
         self.input_ids = input_ids
         device = input_ids.device
@@ -238,15 +236,16 @@ class BatchedSpeculativeLoop:
         lengths, rows = self.lengths, self.rows
         done: dict = {}  # what the step's phases hand each other
 
-        def draft(num_drafted: int) -> tuple[torch.Tensor, torch.Tensor]:
+        def draft(num_drafted: int, needs_confidences: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
             done["num_drafted"] = num_drafted
             if num_drafted > 0:
                 clock.mark("catch_up_start")
                 self.drafter.catch_up()  # what it skipped during plain steps: a one-off, kept out of the timings
                 clock.mark("catch_up_end")
             clock.mark("draft_start")
+            # The draft's confidences cost a softmax per draft token: only for plans and callbacks that read them.
             done["drafts"], done["log_probs"], done["draft_probs"] = self.drafter.propose(
-                self.sequences, lengths, num_drafted, rows, self.confidences)
+                self.sequences, lengths, num_drafted, rows, needs_confidences or self.step_callback is not None)
             clock.mark("draft_end")
             if num_drafted == 0:  # a plain step: no row may verify anything
                 return done["log_probs"], torch.zeros_like(lengths)

@@ -29,22 +29,19 @@ class DraftPlan(NamedTuple):
 
     ``num_draft_tokens``: ``K`` drafts per row (0: plain decoding). ``budget``: ``C``, cells the target may verify
     across the batch. ``probe``: a step taken to learn (one draft per row, all verified) rather than because drafting
-    is expected to pay.
+    is expected to pay. ``needs_confidences``: this step's :meth:`StepStrategy.select` or :meth:`StepStrategy.observe`
+    reads the draft's confidences (else the loop may skip computing them, a softmax per draft token, and pass
+    ``None``).
     """
 
     num_draft_tokens: int
     budget: int
     probe: bool = False
+    needs_confidences: bool = True
 
 
 class StepStrategy(Protocol):
-    """What the loop needs of a strategy (``fixed``, ``tetris``, ``adaptive``, ``dsd``).
-
-    ``needs_confidences``: :meth:`select` and :meth:`observe` read the draft's confidences (else the loop may skip
-    computing them and pass ``None``).
-    """
-
-    needs_confidences: bool
+    """What the loop needs of a strategy (``fixed``, ``tetris``, ``adaptive``, ``dsd``)."""
 
     def plan(self, num_rows: int) -> DraftPlan:
         """The plan for a step of ``num_rows`` active rows (called once per step, before drafting)."""
@@ -53,8 +50,8 @@ class StepStrategy(Protocol):
         """Verified drafts per row, ``(B,)``, each ``<= max_lengths``; changes no state.
 
         Args:
-            token_log_probs: ``(B, K)`` the draft's confidence at each drafted cell (``None`` when the strategy does
-                not need confidences and nothing else asked for them).
+            token_log_probs: ``(B, K)`` the draft's confidence at each drafted cell (``None`` when the plan did not
+                need confidences and nothing else asked for them).
             max_lengths: ``(B,)`` cells each row may verify.
             plan: this step's plan.
         """
@@ -77,7 +74,7 @@ def run_step(
     strategy: StepStrategy,
     num_rows: int,
     max_draft: int,
-    draft: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    draft: Callable[[int, bool], tuple[torch.Tensor | None, torch.Tensor]],
     verify: Callable[[torch.Tensor], tuple[torch.Tensor, StepSeconds | None]],
 ) -> StepOutcome:
     """plan -> draft -> select -> verify -> observe, once.
@@ -86,8 +83,9 @@ def run_step(
         strategy: the step strategy.
         num_rows: ``B`` active rows.
         max_draft: at most this many drafts per row this step (length limits, recorded traces).
-        draft: ``draft(K) -> (token_log_probs (B, K) or None, max_lengths (B,))``: drafts ``K`` tokens per row and
-            says how many of them each row may verify.
+        draft: ``draft(K, needs_confidences) -> (token_log_probs (B, K) or None, max_lengths (B,))``: drafts ``K``
+            tokens per row (with the draft's confidences when the plan needs them) and says how many of them each row
+            may verify.
         verify: ``verify(verify_lengths (B,)) -> (num_accepted (B,), seconds)``: the target's side.
 
     Returns:
@@ -95,7 +93,7 @@ def run_step(
     """
     plan = strategy.plan(num_rows)
     num_drafted = min(plan.num_draft_tokens, max_draft) if plan.budget > 0 else 0
-    token_log_probs, max_lengths = draft(num_drafted)
+    token_log_probs, max_lengths = draft(num_drafted, plan.needs_confidences)
     if num_drafted > 0:
         verify_lengths = strategy.select(token_log_probs, max_lengths.clamp(max=num_drafted), plan)
     else:
