@@ -116,16 +116,29 @@ def test_a_block_of_real_tokens_passed_without_a_mask_is_cached_as_with_a_mask_o
 @pytest.mark.parametrize("real", [[1, 3], [4, 1], [4, 4]])
 def test_a_verified_block_passed_as_a_real_prefix_is_seen_as_with_its_mask(layout, real):
     # A verified block: each row's last token and its verified drafts, then filler. What a real token sees, where it
-    # sits and what is cached must not depend on taking the real_prefix shortcut.
-    def run(real_prefix):
+    # sits and what is cached must not depend on passing real_lengths in place of the mask; nor must rolling it back
+    # by keep_prefix in place of drop_slots.
+    def run(prefix):
         model, slots = RecordingModel(), new_cache(2, layout=layout, capacity=16)
         feed(slots, model, [[PAD, A, B, C, D], [A, B, C, D, E]], [[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
         slots.drop_slots(0, torch.tensor([3, 5]))  # [_ a b . .]: row 0 now has holes
         mask = torch.arange(4)[None, :] < torch.tensor(real)[:, None]
-        slots.forward(model, torch.tensor([[X, A, B, C], [E, D, C, B]]), mask, real_prefix=real_prefix)
-        return model.calls[-1], slots, mask
+        block = torch.tensor([[X, A, B, C], [E, D, C, B]])
+        if prefix:
+            slots.forward(model, block, None, real_lengths=torch.tensor(real))
+        else:
+            slots.forward(model, block, mask)
+        rolled_back = []
+        for keep in (torch.zeros(2, dtype=torch.long), (torch.tensor(real) - 2).clamp(min=0), torch.tensor(real)):
+            after = copy.deepcopy(slots)
+            (after.keep_prefix if prefix else after.drop_slots)(5, keep)
+            rolled_back.append(after)
+        return model.calls[-1], slots, mask, rolled_back
 
-    (fast, slots, mask), (generic, reference, _) = run(True), run(False)
+    (fast, slots, mask, kept), (generic, reference, _, dropped) = run(True), run(False)
+    for after_keep, after_drop in zip(kept, dropped):
+        for name in ("slot_mask", "next_positions"):
+            assert torch.equal(getattr(after_keep, name), getattr(after_drop, name)), name
     assert torch.equal(fast["position_ids"][mask], generic["position_ids"][mask])
     masks, expected = fast["attention_mask"], generic["attention_mask"]
     if not isinstance(expected, dict):

@@ -9,7 +9,7 @@ from transformers.generation.stopping_criteria import (
     StoppingCriteriaList,
 )
 
-from tetris_hf.stopping import rows_that_stop
+from tetris_hf.stopping import RowStopper
 
 
 class StopAfterToken(StoppingCriteria):
@@ -49,14 +49,33 @@ def test_fast_path_equals_calling_the_criteria_token_by_token():
         sequences = torch.randint(0, 10, (batch, 18), generator=generator)
         lengths = torch.randint(4, 11, (batch,), generator=generator)
         new_counts = torch.randint(1, max_new + 1, (batch,), generator=generator)
-        kept, stopped = rows_that_stop(criteria, sequences, lengths, new_counts, max_new)
         expected_kept, expected_stopped = one_by_one(criteria, sequences, lengths, new_counts)
-        assert torch.equal(kept, expected_kept) and torch.equal(stopped, expected_stopped), trial
+        stopper = RowStopper(criteria, sequences.device)
+        # with no bound on the lengths, and with the true one (which skips the length check where it cannot hit)
+        for longest in (None, int(lengths.max())):
+            kept, stopped = stopper(sequences, lengths, new_counts, max_new, longest=longest)
+            assert torch.equal(kept, expected_kept) and torch.equal(stopped, expected_stopped), (trial, longest)
         hits += int(stopped.sum())
     assert hits > 100  # the criteria did stop rows, at many different offsets
 
 
 def test_nothing_stops_without_criteria():
     sequences = torch.arange(20).reshape(2, 10)
-    kept, stopped = rows_that_stop(StoppingCriteriaList(), sequences, torch.tensor([3, 4]), torch.tensor([2, 1]), 2)
-    assert kept.tolist() == [2, 1] and stopped.tolist() == [False, False]
+    stopper = RowStopper(StoppingCriteriaList(), sequences.device)
+    kept, stopped = stopper(sequences, torch.tensor([3, 4]), torch.tensor([2, 1]), 2)
+    assert kept.tolist() == [2, 1] and stopped.tolist() == [False, False] and stopper.only_length
+
+
+def test_a_limit_of_the_callers_own_stops_rows_as_a_length_criterion_would():
+    # generate() always builds MaxLengthCriteria; a loop given none still stops rows at its own limit, the tighter one
+    generator = torch.Generator().manual_seed(1)
+    sequences = torch.randint(0, 10, (6, 18), generator=generator)
+    lengths, new_counts = torch.randint(4, 11, (6,), generator=generator), torch.randint(1, 6, (6,), generator=generator)
+    for given, own in ((None, 12), (14, 12), (12, 14)):
+        criteria = StoppingCriteriaList([EosTokenCriteria(3)] + ([MaxLengthCriteria(given)] if given else []))
+        stopper = RowStopper(criteria, sequences.device, max_length=own)
+        assert stopper.max_length == 12
+        reference = StoppingCriteriaList([EosTokenCriteria(3), MaxLengthCriteria(12)])
+        kept, stopped = stopper(sequences, lengths, new_counts, 5)
+        expected_kept, expected_stopped = one_by_one(reference, sequences, lengths, new_counts)
+        assert torch.equal(kept, expected_kept) and torch.equal(stopped, expected_stopped)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import StaticCache
 from transformers.generation.logits_process import LogitsProcessorList
-from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
+from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from .candidate_generators import BatchedDraftCandidateGenerator
 from .candidate_generators.reduced_vocab import reduced_vocab_draft
@@ -24,7 +24,7 @@ from .kv import AttentionLayout, SlotCache, slots_needed
 from .logits import PositionwiseLogitsProcessor, verify_greedy, verify_sampling
 from .outputs import TetrisGenerateOutput, TetrisStats
 from .step_strategy import StepSeconds, run_step
-from .stopping import rows_that_stop
+from .stopping import RowStopper
 from .strategies import TetrisOptions, make_strategy
 from .timing import StepClock
 
@@ -117,11 +117,6 @@ class StepRecord:
     seconds: StepSeconds = StepSeconds(0.0, 0.0, 0.0)
 
 
-def _has_only_length_limit(stopping_criteria: StoppingCriteriaList) -> bool:
-    """True when no criterion but the length limit can stop a row (then when rows stop is known on the host)."""
-    return all(type(criterion) is MaxLengthCriteria for criterion in stopping_criteria)
-
-
 class BatchedSpeculativeLoop:
     """State of one batched speculative ``generate()`` call; :meth:`step` runs draft -> select -> verify -> accept.
 
@@ -159,12 +154,9 @@ class BatchedSpeculativeLoop:
             raise ValueError(f"a streamer needs batch size 1, got {batch_size} rows")
         self.model = model
         self.logits_processor = PositionwiseLogitsProcessor(logits_processor)
-        self.stopping_criteria = stopping_criteria
-        self.stops_only_at_max_length = _has_only_length_limit(stopping_criteria)
-        self.max_length = int(generation_config.max_length)
-        # generate() always adds the length limit; without it rows would still have to stop there
-        self.limit_in_criteria = any(type(criterion) is MaxLengthCriteria and criterion.max_length <= self.max_length
-                                     for criterion in stopping_criteria)
+        # generate()'s length limit (also a criterion, which a stopper applies with any other given)
+        self.stopper = RowStopper(stopping_criteria, input_ids.device, int(generation_config.max_length))
+        self.max_length = self.stopper.max_length
         self.do_sample = bool(generation_config.do_sample)
         self.streamer = streamer
         assistant_model = reduced_vocab_draft(assistant_model, options.tetris_draft_vocab)  # the strategy profiles it too
@@ -248,16 +240,20 @@ class BatchedSpeculativeLoop:
             clock.mark("draft_end")
             if num_drafted == 0:  # a plain step: no row may verify anything
                 return done["log_probs"], torch.zeros_like(lengths)
-            return done["log_probs"], (self.max_length - 1 - lengths).clamp_(min=0)  # a target token is always added
+            if self.longest + num_drafted < self.max_length:  # no row is near its limit: each may verify all it drafted
+                return done["log_probs"], torch.full_like(lengths, num_drafted)
+            # a target token is always added
+            return done["log_probs"], (self.max_length - 1 - lengths).clamp_(min=0, max=num_drafted)
 
         def verify(verify_lengths: torch.Tensor) -> tuple[torch.Tensor, StepSeconds | None]:
             if done["num_drafted"] == 0:
                 # Nothing to verify: the target reads each row's last token (no read, no filler, no holes).
-                block_length, width, block, block_mask = 0, 1, self.last_tokens[:, None], None
+                block_length, width, block, real_lengths = 0, 1, self.last_tokens[:, None], None
             else:
                 # The step's one read: the block length sizes the target's input; the caches' fill levels come along.
                 block_length, target_longest, draft_longest = torch.stack([
-                    verify_lengths.max(), self.target_slots.longest(), self.drafter.slots.longest()]).tolist()
+                    verify_lengths, self.target_slots.live_lengths(), self.drafter.slots.live_lengths()
+                ]).amax(dim=1).tolist()
                 self.target_slots.note_longest(target_longest)
                 self.drafter.slots.note_longest(draft_longest)
                 # verify: [last emitted token, drafts 1..l_i] per row, padded to one length with masked drafts
@@ -266,9 +262,9 @@ class BatchedSpeculativeLoop:
                 block = torch.cat([self.last_tokens[:, None], done["drafts"][:, :block_length]], dim=1)
                 if width > block_length + 1:
                     block = torch.nn.functional.pad(block, (0, width - block_length - 1), value=self.pad_value)
-                block_mask = self.offsets[:width] <= verify_lengths[:, None]
+                real_lengths = verify_lengths + 1  # [last token, verified drafts], then filler
             verified_drafts = block[:, 1 : block_length + 1]
-            logits = self.target_slots.forward(self.model, block, block_mask, step=True, real_prefix=True)
+            logits = self.target_slots.forward(self.model, block, None, step=True, real_lengths=real_lengths)
             if width > block_length + 1:
                 logits = logits[:, : block_length + 1]
             target_scores = self.logits_processor(self.sequences, lengths, logits, rows)
@@ -278,8 +274,8 @@ class BatchedSpeculativeLoop:
                                                      done["draft_probs"])
 
             # roll back: the target keeps [last token, accepted drafts]; the draft keeps its accepted drafts
-            if block_mask is not None:
-                self.target_slots.drop_slots(self.target_slots.length - width, num_accepted + 1)
+            if real_lengths is not None:
+                self.target_slots.keep_prefix(self.target_slots.length - width, num_accepted + 1)
             self.target_slots.compact()
             self.drafter.accept(num_accepted, next_tokens, max_accepted=block_length)
             clock.mark("verify_end")
@@ -338,13 +334,13 @@ class BatchedSpeculativeLoop:
         lengths = self.lengths
         self.sequences.scatter_(1, (lengths + num_accepted)[:, None], next_tokens[:, None])
         self.last_tokens = next_tokens  # a row that stops here leaves the batch: its last token is not needed
-        kept, stopped = rows_that_stop(self.stopping_criteria, self.sequences, lengths, num_accepted + 1, max_new)
+        kept, stopped = self.stopper(self.sequences, lengths, num_accepted + 1, max_new, longest=self.longest)
         if self.streamer is not None:
             self.streamer.put(self.sequences[0, lengths[0] : lengths[0] + kept[0]].cpu())
         self.lengths = lengths + kept
         self.shortest = min(self.shortest + 1, self.max_length)
         self.longest = min(self.longest + max_new, self.max_length)
-        return kept, (stopped if self.limit_in_criteria else stopped | (self.lengths >= self.max_length))
+        return kept, stopped
 
     def _finish(self, record: StepRecord, stopped: torch.Tensor) -> StepRecord:
         """Keep the step's record, retire the rows that ``stopped`` ``(B_active,)``, call the user's step callback."""
@@ -352,7 +348,7 @@ class BatchedSpeculativeLoop:
         self._stats = None
         if self.shortest >= self.max_length:
             num_stopped = self.num_rows  # every row is at the length limit
-        elif self.stops_only_at_max_length and self.longest < self.max_length:
+        elif self.stopper.only_length and self.longest < self.max_length:
             num_stopped = 0  # no row can have stopped: no need to ask the device
         elif self.drafter.pending_real:  # no filler column to trim
             num_stopped = int(stopped.sum())

@@ -243,7 +243,7 @@ class SlotCache:
         input_mask: torch.Tensor | None,
         logits_to_keep: int = 0,
         step: bool = False,
-        real_prefix: bool = False,
+        real_lengths: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run ``model`` on a block appended to every row, and cache it.
 
@@ -255,12 +255,13 @@ class SlotCache:
             model: a causal LM whose forward takes ``attention_mask``, ``position_ids``, ``past_key_values``.
             input_ids: ``(B, L)`` the block (filler where ``input_mask`` is 0).
             input_mask: ``(B, L)`` 1 for real tokens, 0 for filler; ``None`` when every token is real (the draft's
-                own tokens), which needs fewer operations.
+                own tokens) or ``real_lengths`` says which are, which needs fewer operations.
             logits_to_keep: keep logits for the last this-many positions only (0 = all).
             step: a decoding step's forward (run through :attr:`step_forward` when set), not a prompt read.
-            real_prefix: every row's real tokens come first in the block, filler only after them (a verified block):
-                positions simply count on (filler's are never seen) and, on plain sdpa layouts, the mask is each row's
-                real cached slots followed by causality within the block, both known without comparing positions.
+            real_lengths: ``(B,)``, in place of ``input_mask`` for a block whose real tokens come first in every row
+                (a verified block): row ``i``'s first ``real_lengths[i]`` tokens are real, filler after them. Positions
+                simply count on (filler's are never seen) and, on plain sdpa layouts, the mask is each row's real
+                cached slots followed by causality within the block, both known without comparing positions.
 
         Returns:
             ``(B, L or logits_to_keep, V)`` logits.
@@ -270,7 +271,7 @@ class SlotCache:
         block = input_ids.shape[1]
         self._make_room(block)
         start, end = self.pointer, self.pointer + block
-        if input_mask is None or real_prefix:  # positions go on from each row's cached tokens
+        if input_mask is None:  # positions go on from each row's cached tokens (filler's are never seen)
             position_ids = self.next_positions[:, None]
             if block > 1:
                 position_ids = position_ids + self.offsets[:block]
@@ -279,7 +280,10 @@ class SlotCache:
             # so positions [[5 5 6], [2 3 3]]: left filler takes the first real token's position, right filler the
             # last's.
             position_ids = self.next_positions[:, None] + (input_mask.cumsum(dim=1) - 1).clamp(min=0)
-        if input_mask is None:
+        if real_lengths is not None:
+            self.slot_mask[:, start:end] = self.offsets[:block] < real_lengths[:, None]
+            new_tokens = real_lengths
+        elif input_mask is None:
             self.slot_mask[:, start:end] = True
             new_tokens = block
         else:
@@ -288,10 +292,10 @@ class SlotCache:
         self.slot_positions[:, start:end] = position_ids
         if not self.layout.prepared:  # causality by slot index is causality by position: the 2D mask of real slots
             attention_mask = self.slot_mask[:, :end].long()
-        elif input_mask is None and block == 1 and self.layout.plain_sdpa:
+        elif input_mask is None and real_lengths is None and block == 1 and self.layout.plain_sdpa:
             # One real token after every cached one: it sees exactly the real slots.
             attention_mask = self.slot_mask[:, None, None, :end]
-        elif (input_mask is None or real_prefix) and self.layout.plain_sdpa:
+        elif input_mask is None and self.layout.plain_sdpa:
             # A real token sees the real cached slots and the block up to itself (all real before it); what filler
             # sees does not matter.
             batch = input_ids.shape[0]
@@ -342,6 +346,18 @@ class SlotCache:
         self.next_positions = self.next_positions - dropped.sum(dim=1)
         block.masked_fill_(dropped, False)
 
+    def keep_prefix(self, start: int, keep: torch.Tensor) -> None:
+        """:meth:`drop_slots` for a block written at ``start`` whose real tokens come first in every row (one passed
+        as ``real_lengths``, or all real): row ``i`` keeps its first ``keep[i]`` slots, at most its real ones.
+
+        E.g. a block [[a b c], [d e .]] from slot 5 with keep [1, 2] -> [[a . .], [d e .]]; each row's next position is
+        its block's first position plus what it kept.
+        """
+        if start == self.pointer:
+            return
+        self.slot_mask[:, start : self.pointer] = self.offsets[: self.pointer - start] < keep[:, None]
+        self.next_positions = self.slot_positions[:, start] + keep
+
     def fill_rows(self, targets: torch.Tensor, sources: torch.Tensor, num_rows: int) -> torch.Tensor:
         """Keep the first ``num_rows`` rows, row ``sources[i]`` taking the place of row ``targets[i]``: how finished
         rows leave the batch (active rows from the end fill their places). Only the moved rows' written slots are
@@ -365,17 +381,13 @@ class SlotCache:
         return rows
 
     def live_lengths(self) -> torch.Tensor:
-        """``(B,)`` real tokens cached per row (the next token's position)."""
+        """``(B,)`` real tokens cached per row (the next token's position). Their maximum bounds every row's real
+        slots (equal to them but on windowed models, whose expired slots became holes): the loop reads it with its
+        other numbers and hands it back through :meth:`note_longest`, so that repacking needs no read of its own."""
         return self.next_positions
 
-    def longest(self) -> torch.Tensor:
-        """A 0-d device tensor: the most real tokens any row has cached, a bound on its real slots (equal to them
-        but on windowed models, whose expired slots became holes). The loop reads it with its other numbers and hands
-        it back through :meth:`note_longest`, so that repacking needs no read of its own."""
-        return self.live_lengths().max()
-
     def note_longest(self, value: int) -> None:
-        """What :meth:`longest` was when last read: every row holds at most this many real slots now."""
+        """What the most :meth:`live_lengths` was when last read: every row holds at most this many real slots now."""
         self.longest_bound = min(self.longest_bound, int(value))
 
     def compact(self, force: bool = False) -> None:

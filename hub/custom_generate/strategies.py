@@ -112,7 +112,7 @@ class FixedWindow:
         return DraftPlan(self.k, self.k * num_rows, needs_confidences=False)
 
     def select(self, token_log_probs: torch.Tensor | None, max_lengths: torch.Tensor, plan: DraftPlan) -> torch.Tensor:
-        return select_fixed(max_lengths, self.k)
+        return max_lengths  # every cell a row may verify: it drafted at most k (select_fixed's cap holds already)
 
     def observe(self, token_log_probs: torch.Tensor | None, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
                 seconds: StepSeconds | None = None):

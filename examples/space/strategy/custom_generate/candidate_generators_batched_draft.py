@@ -50,6 +50,7 @@ class BatchedDraftCandidateGenerator:
         self.pending_real = False  # known on the host: every pending token is real (the next forward needs no mask)
         self._last_draft: torch.Tensor | None = None  # (B, 1) the K-th draft of the last proposal (never fed)
         self._last_num_drafted = 0
+        self._ones: torch.Tensor | None = None  # (B, 1) ones, the pending mask of the target's token (rows only leave)
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, all_real: bool = False) -> None:
         """Start on a left-padded prompt batch: an empty cache, the whole prompt pending (read at the first proposal
@@ -149,7 +150,9 @@ class BatchedDraftCandidateGenerator:
                 no device read).
         """
         drafted = self._last_num_drafted
-        ones = torch.ones_like(next_tokens[:, None])
+        if self._ones is None:
+            self._ones = torch.ones_like(next_tokens[:, None])
+        ones = self._ones[: next_tokens.shape[0]]
         if drafted == 0:  # nothing was read: the old pending tokens still wait (left-packed), the new token joins
             self.pending_tokens = torch.cat([self.pending_tokens, next_tokens[:, None]], dim=1)
             self.pending_mask = torch.cat([self.pending_mask, ones], dim=1)
@@ -157,8 +160,8 @@ class BatchedDraftCandidateGenerator:
         # The cache now holds the pending block, then drafts 1..K-1; keep the accepted ones among those.
         # E.g. K = 3, rows [p q | d1 d2] and [r s | e1 e2], 1 and 3 accepted: drafts start at slot 2, keep [1, 2] ->
         # [p q | d1 .] and [r s | e1 e2]; pending [d3 t] mask [0 1] (d3 rejected: filler), [e3 u] mask [1 1].
-        first_draft_slot = self.slots.length - (drafted - 1)
-        self.slots.drop_slots(first_draft_slot, num_accepted.clamp(max=drafted - 1))
+        first_draft_slot = self.slots.length - (drafted - 1)  # (drafts are real in every row)
+        self.slots.keep_prefix(first_draft_slot, num_accepted.clamp(max=drafted - 1))
         if max_accepted is not None and max_accepted < drafted:  # no row accepted draft K: one column
             self.pending_tokens, self.pending_mask, self.pending_real = next_tokens[:, None], ones, True
         else:  # [draft K, target token], the draft filler where it was not accepted: left-padded as it stands

@@ -52,7 +52,7 @@ class StepStrategy(Protocol):
         Args:
             token_log_probs: ``(B, K)`` the draft's confidence at each drafted cell (``None`` when the plan did not
                 need confidences and nothing else asked for them).
-            max_lengths: ``(B,)`` cells each row may verify.
+            max_lengths: ``(B,)`` cells each row may verify, at most the ``K`` drafted.
             plan: this step's plan.
         """
 
@@ -85,7 +85,7 @@ def run_step(
         max_draft: at most this many drafts per row this step (length limits, recorded traces).
         draft: ``draft(K, needs_confidences) -> (token_log_probs (B, K) or None, max_lengths (B,))``: drafts ``K``
             tokens per row (with the draft's confidences when the plan needs them) and says how many of them each row
-            may verify.
+            may verify (at most ``K``).
         verify: ``verify(verify_lengths (B,)) -> (num_accepted (B,), seconds)``: the target's side.
 
     Returns:
@@ -95,7 +95,7 @@ def run_step(
     num_drafted = min(plan.num_draft_tokens, max_draft) if plan.budget > 0 else 0
     token_log_probs, max_lengths = draft(num_drafted, plan.needs_confidences)
     if num_drafted > 0:
-        verify_lengths = strategy.select(token_log_probs, max_lengths.clamp(max=num_drafted), plan)
+        verify_lengths = strategy.select(token_log_probs, max_lengths, plan)
     else:
         verify_lengths = torch.zeros(num_rows, dtype=torch.long, device=max_lengths.device)
     num_accepted, seconds = verify(verify_lengths)
