@@ -34,7 +34,7 @@ def vocab_argmax(scores: torch.Tensor) -> torch.Tensor:
     if vocab not in _chunk_sizes:
         _chunk_sizes[vocab] = next((size for size in CHUNK_SIZES if vocab % size == 0 and vocab >= 4 * size), None)
     chunk = _chunk_sizes[vocab]
-    if scores.device.type != "cpu" or chunk is None or scores.numel() <= FEW_ROWS * vocab:
+    if not scores.is_cpu or chunk is None or scores.numel() <= FEW_ROWS * vocab:
         return scores.argmax(dim=-1)
     leading = scores.shape[:-1]
     chunks = scores.reshape(*leading, vocab // chunk, chunk)  # (..., V / c, c), a view when rows are dense
