@@ -252,8 +252,8 @@ class BatchedSpeculativeLoop:
                 block_length, width, block, real_lengths = 0, 1, self.last_tokens[:, None], None
             else:
                 # The step's one read: the block length sizes the target's input; the caches' fill levels come along.
-                block_length, target_longest, draft_longest = torch.stack([
-                    verify_lengths, self.target_slots.live_lengths(), self.drafter.slots.live_lengths()
+                block_length, target_longest, draft_longest, self.longest = torch.stack([
+                    verify_lengths, self.target_slots.live_lengths(), self.drafter.slots.live_lengths(), lengths
                 ]).amax(dim=1).tolist()
                 self.target_slots.note_longest(target_longest)
                 self.drafter.slots.note_longest(draft_longest)

@@ -304,6 +304,8 @@ class SlotCache:
         else:
             attention_mask = position_masks(self.layout, self.slot_positions[:, :end], self.slot_mask[:, :end],
                                             position_ids, model.dtype)
+        # (worked out before the forward: the operations right after one run several times slower, on cold caches)
+        next_positions = self.next_positions + new_tokens
         kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
         run = self.step_forward if step and self.step_forward is not None else model
         outputs = run(
@@ -315,7 +317,7 @@ class SlotCache:
             **kwargs,
         )
         self.pointer = end
-        self.next_positions = self.next_positions + new_tokens
+        self.next_positions = next_positions
         self.longest_bound += block
         return outputs.logits
 
