@@ -7,13 +7,20 @@ inside the models' forward calls split from the rest.
 Prints, per run (medians over the interleaved repeats): wall seconds, seconds inside the target's forwards (and its
 first, the prompt), seconds inside the draft's forwards, the number of target forwards (steps), and the seconds
 outside every forward, in all and per step (preparation, logits processing, stopping, the loop's bookkeeping).
+
+``--compare-with DIR`` also runs the loop of another checkout (``DIR/tetris_hf``, e.g. ``git worktree add
+/tmp/before <commit>``) in the same process, interleaved with this one's, and prints the change in the loop's own
+time per step: a ratio measured side by side, which the noise between processes (5-10% here) does not blur.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -46,32 +53,62 @@ class ForwardTimer:
         self.calls += 1
 
 
-def runs_to_compare(draft) -> dict[str, dict]:
-    """The ``generate()`` keyword arguments of every run, by name."""
-    speculative = dict(assistant_model=draft, custom_generate="tetris")
-    return {"plain generate()": {},
-            "tetris_budget=0": dict(speculative, tetris_budget=0),
-            "fixed k=2": dict(speculative, tetris_strategy="fixed", num_assistant_tokens=2),
-            "tetris k=2 e=2": dict(speculative, num_assistant_tokens=2, tetris_extra_tokens=2)}
+BEFORE = " [before]"  # the suffix of a run of the --compare-with checkout
 
 
-def measure(target, draft, batch: dict, max_new_tokens: int, pad_token_id: int, repeats: int) -> dict[str, dict]:
+def load_other_checkout(tree: str | Path, name: str = "tetris_hf_before"):
+    """The package ``tree/tetris_hf`` of another checkout, imported as ``name`` (its modules import each other
+    relatively, so both versions live side by side); this checkout's ``custom_generate="tetris"`` stays registered."""
+    init = Path(tree) / "tetris_hf" / "__init__.py"
+    if not init.is_file():
+        raise SystemExit(f"--compare-with {tree}: no tetris_hf/__init__.py there (a checkout's root is expected)")
+    spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(init.parent)])
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[name] = package
+    spec.loader.exec_module(package)
+    tetris_hf.register()  # importing it registered its own custom_generate="tetris"
+    return package
+
+
+def runs_to_compare(draft, before=None) -> dict[str, tuple]:
+    """Every run by name: ``(generate function, its keyword arguments)``. The speculative runs call a package's
+    ``generate`` (what ``custom_generate="tetris"`` resolves to), again with ``before``'s (another version of the
+    package) when given, under the same name plus :data:`BEFORE`."""
+    speculative = {"tetris_budget=0": dict(tetris_budget=0),
+                   "fixed k=2": dict(tetris_strategy="fixed", num_assistant_tokens=2),
+                   "tetris k=2 e=2": dict(num_assistant_tokens=2, tetris_extra_tokens=2)}
+    runs = {"plain generate()": (None, {})}
+    for name, options in speculative.items():
+        runs[name] = (tetris_hf.generate, dict(options, assistant_model=draft))
+        if before is not None:
+            runs[name + BEFORE] = (before.generate, dict(options, assistant_model=draft))
+    return runs
+
+
+def measure(target, draft, batch: dict, max_new_tokens: int, pad_token_id: int, repeats: int,
+            before=None) -> dict[str, dict]:
     """Every run of :func:`runs_to_compare`, interleaved ``repeats`` times after a warm-up; per run the medians of
     ``wall``, ``forwards`` (seconds inside the target's forwards), ``prompt`` (its first forward), ``draft`` (seconds
     inside the draft's forwards), ``outside`` (wall minus both) and ``outside_per_step`` (over the target's forwards),
-    and ``calls`` (the target's forwards in the first repeat)."""
+    ``calls`` (the target's forwards in the first repeat) and ``same`` (its tokens equal plain ``generate()``'s)."""
     common = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id)
-    runs = runs_to_compare(draft)
+    runs = runs_to_compare(draft, before)
+
+    def call(name: str) -> torch.Tensor:
+        generate, options = runs[name]
+        if generate is None:
+            return target.generate(**batch, **common)
+        return generate(target, **batch, **common, **options)
+
     target_timer, draft_timer = ForwardTimer(target), ForwardTimer(draft)
-    for extra in runs.values():  # warm-up
-        target.generate(**batch, **common, **extra)
+    outputs = {name: call(name) for name in runs}  # warm-up
     measured: dict[str, list[tuple[float, float, float, float, int]]] = {name: [] for name in runs}
     for _ in range(repeats):
-        for name, extra in runs.items():
+        for name in runs:
             target_timer.reset()
             draft_timer.reset()
             started = time.perf_counter()
-            target.generate(**batch, **common, **extra)
+            call(name)
             measured[name].append((time.perf_counter() - started, target_timer.seconds, target_timer.first_seconds,
                                    draft_timer.seconds, target_timer.calls))
     median = statistics.median
@@ -81,7 +118,8 @@ def measure(target, draft, batch: dict, max_new_tokens: int, pad_token_id: int, 
         summary[name] = {"wall": median(r[0] for r in rows), "forwards": median(r[1] for r in rows),
                          "prompt": median(r[2] for r in rows), "draft": median(r[3] for r in rows),
                          "outside": median(outside),
-                         "outside_per_step": median(o / r[4] for o, r in zip(outside, rows)), "calls": rows[0][4]}
+                         "outside_per_step": median(o / r[4] for o, r in zip(outside, rows)), "calls": rows[0][4],
+                         "same": torch.equal(outputs[name], outputs["plain generate()"])}
     return summary
 
 
@@ -92,20 +130,27 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--draft", default=None, help="a draft for load_default_pair (default: the shipped one)")
+    parser.add_argument("--compare-with", default=None, metavar="DIR",
+                        help="another checkout's root: its loop runs too, interleaved, and the change is printed")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    before = load_other_checkout(args.compare_with) if args.compare_with else None
 
     target, draft, tokenizer, _ = load_default_pair(draft=args.draft)
     tokenizer.padding_side = "left"
     texts, _ = prompt_texts(load_prompt_set("sharegpt"), args.batch_size, tokenizer, 128)
     batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    summary = measure(target, draft, batch, args.max_new_tokens, tokenizer.pad_token_id, args.repeats)
+    summary = measure(target, draft, batch, args.max_new_tokens, tokenizer.pad_token_id, args.repeats, before)
     print(f"batch {args.batch_size}, {args.max_new_tokens} new tokens, median of {args.repeats} interleaved repeats")
-    print(f"{'run':<18} {'wall s':>8} {'target s':>9} {'prompt s':>9} {'draft s':>8} {'steps':>6} "
-          f"{'outside s':>10} {'outside ms/step':>16}")
+    print(f"{'run':<27} {'wall s':>8} {'target s':>9} {'prompt s':>9} {'draft s':>8} {'steps':>6} "
+          f"{'outside s':>10} {'outside ms/step':>16}  tokens")
     for name, row in summary.items():
-        print(f"{name:<18} {row['wall']:>8.3f} {row['forwards']:>9.3f} {row['prompt']:>9.3f} {row['draft']:>8.3f} "
-              f"{row['calls']:>6} {row['outside']:>10.3f} {1000 * row['outside_per_step']:>16.2f}")
+        change = ""
+        if before is not None and name + BEFORE in summary:
+            change = f" ({row['outside_per_step'] / summary[name + BEFORE]['outside_per_step'] - 1:+.0%} vs before)"
+        print(f"{name:<27} {row['wall']:>8.3f} {row['forwards']:>9.3f} {row['prompt']:>9.3f} {row['draft']:>8.3f} "
+              f"{row['calls']:>6} {row['outside']:>10.3f} {1000 * row['outside_per_step']:>16.2f}  "
+              f"{'= plain' if row['same'] else 'DIFFER from plain'}{change}")
 
 
 if __name__ == "__main__":

@@ -33,3 +33,24 @@ def test_plain_generate_and_the_loop_drafting_nothing_make_the_same_forwards(loo
         assert row["outside_per_step"] == pytest.approx(row["outside"] / row["calls"], rel=0.5)
     for name in ("fixed k=2", "tetris k=2 e=2"):
         assert summary[name]["draft"] > 0 and summary[name]["calls"] <= 6
+
+
+def test_another_checkout_runs_side_by_side_and_its_tokens_are_compared(loop_overhead):
+    # This checkout stands in for "another" one: imported again under another name, its runs come out as the same
+    # forwards and tokens, and custom_generate="tetris" still resolves to the package imported first.
+    before = loop_overhead.load_other_checkout(EXAMPLE.parents[1], "tetris_hf_compared")
+    assert before.generate is not loop_overhead.tetris_hf.generate
+    target = tiny_llama(64, seed=74)
+    input_ids, mask = left_pad(random_prompts(2, 64, seed=75))
+    summary = loop_overhead.measure(target, noisy_copy(target, 0.3, seed=76),
+                                    {"input_ids": input_ids, "attention_mask": mask}, 5, PAD, repeats=1, before=before)
+    for name in ("tetris_budget=0", "fixed k=2", "tetris k=2 e=2"):
+        ours, theirs = summary[name], summary[name + loop_overhead.BEFORE]
+        assert ours["calls"] == theirs["calls"] and ours["same"] and theirs["same"]
+    from transformers.generation.utils import GenerationMixin
+    assert GenerationMixin.load_custom_generate.__module__ == "tetris_hf.generation"
+
+
+def test_compare_with_a_folder_without_the_package_is_refused(loop_overhead, tmp_path):
+    with pytest.raises(SystemExit, match="no tetris_hf/__init__.py"):
+        loop_overhead.load_other_checkout(tmp_path)
