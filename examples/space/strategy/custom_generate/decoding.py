@@ -122,7 +122,7 @@ class BatchedSpeculativeLoop:
     """State of one batched speculative ``generate()`` call; :meth:`step` runs draft -> select -> verify -> accept.
 
     The step reads the device once to size the target's block (the longest verified prefix, read together with the
-    caches' fill levels), and once more only when a row may have stopped (an EOS or another criterion than the length
+    caches' fill levels and the longest row's length), and once more only when a row may have stopped (an EOS or another criterion than the length
     limit, or a row near that limit), which also tells the draft how wide its next block must be. Everything else it
     needs on the host is an upper bound it keeps itself: every active row grows by at least one and at most
     ``block + 1`` tokens a step, and no row accepted more drafts than the longest verified block. Counts stay on the
@@ -196,7 +196,6 @@ class BatchedSpeculativeLoop:
             self.target_slots.step_forward = compiled_forward(model)
             self.drafter.slots.step_forward = compiled_forward(assistant_model)
 
-        self.offsets = torch.arange(block, device=device)  # positions within a verified block
         self.sequences = input_ids.new_full((batch_size, capacity), self.pad_value)
         self.sequences[:, :prompt_length] = input_ids
         self.lengths = torch.full((batch_size,), prompt_length, dtype=torch.long, device=device)
