@@ -137,7 +137,7 @@ class TetrisSelection(FixedWindow):
 
     def select(self, token_log_probs: torch.Tensor | None, max_lengths: torch.Tensor, plan: DraftPlan) -> torch.Tensor:
         if not plan.needs_confidences:  # one row, or every cell: each row's first min(C, K) cells it may verify
-            return max_lengths.clamp(min=0, max=min(plan.budget, plan.num_draft_tokens))
+            return select_fixed(max_lengths, min(plan.budget, plan.num_draft_tokens))
         return select_tetris(cumulative_log_probs(token_log_probs), max_lengths, plan.budget)
 
 
