@@ -25,7 +25,7 @@ def drafter_after_proposal(num_tokens: int, max_holes: int = 100):
     drafter.prefill(input_ids, mask)
     sequences = torch.cat([input_ids, torch.zeros(len(PROMPTS), 8, dtype=torch.long)], dim=1)
     lengths = torch.full((len(PROMPTS),), input_ids.shape[1])
-    drafts, _, _ = drafter.propose(sequences, lengths, num_tokens)
+    drafts = drafter.propose(sequences, lengths, num_tokens).tokens
     return drafter, drafts
 
 
@@ -71,7 +71,7 @@ def test_the_next_proposal_reads_the_pending_block_at_the_rolled_back_positions(
     drafter, _ = drafter_after_proposal(3)
     drafter.accept(torch.tensor([0, 1, 2, 3]), torch.tensor([20, 21, 22, 23]))
     sequences = torch.zeros(4, 16, dtype=torch.long)
-    drafts, _, _ = drafter.propose(sequences, torch.full((4,), 6), 2)
+    drafts = drafter.propose(sequences, torch.full((4,), 6), 2).tokens
     assert drafts.tolist() == [[21, 22], [22, 23], [23, 24], [24, 25]]
     assert cached_tokens(drafter.slots)[:, 5:].tolist() == [[-1, 20, 21], [-1, 21, 22], [-1, 22, 23], [14, 23, 24]]
     assert drafter.slots.slot_positions[:, 6:8].tolist() == [[2, 3], [4, 5], [3, 4], [6, 7]]

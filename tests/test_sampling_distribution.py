@@ -122,10 +122,10 @@ def test_chi_square_catches_selection_by_the_sampled_tokens_probability(pair, mo
     real_propose = BatchedDraftCandidateGenerator.propose
 
     def rank_by_sampled_token(self, sequences, lengths, num_tokens, rows=None, confidences=True):
-        tokens, scores, probs = real_propose(self, sequences, lengths, num_tokens, rows, confidences)
-        if probs is None:  # nothing drafted
-            return tokens, scores, probs
-        return tokens, probs.gather(2, tokens[..., None]).squeeze(2).log(), probs
+        proposal = real_propose(self, sequences, lengths, num_tokens, rows, confidences)
+        if proposal.probs is None:  # nothing drafted
+            return proposal
+        return proposal._replace(log_probs=proposal.probs.gather(2, proposal.tokens[..., None]).squeeze(2).log())
 
     monkeypatch.setattr(BatchedDraftCandidateGenerator, "propose", rank_by_sampled_token)
     counts, _ = sampled_joint(target, draft, 1.0, 1.0, "tetris", new_tokens=4, num_assistant_tokens=1,

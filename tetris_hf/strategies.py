@@ -23,6 +23,7 @@ from typing import Mapping, NamedTuple
 
 import torch
 
+from .candidate_generators.prompt_lookup import DEFAULT_MAX_NGRAM_SIZE, check_lookup_sizes
 from .candidate_generators.reduced_vocab import check_draft_vocab_spec
 from .cost_model import AcceptanceCalibrator, CostProfile, StepCostModel, cost_model_for, load_profile
 from .selection import cumulative_log_probs, select_fixed, select_tetris
@@ -64,6 +65,12 @@ class TetrisOptions:
             :mod:`tetris_hf.candidate_generators.reduced_vocab`.
         tetris_compile: run the target's verify forward and the draft's step through ``torch.compile`` (CUDA graphs
             on CUDA), see :mod:`tetris_hf.compiled`.
+        prompt_lookup_num_tokens: draft by prompt lookup instead of a draft model (no ``assistant_model``): each row
+            copies up to this many tokens that followed the latest earlier occurrence of its last n-gram in its own
+            prompt and output; it is ``k`` (``num_assistant_tokens`` follows it). See
+            :mod:`tetris_hf.candidate_generators.prompt_lookup`.
+        max_matching_ngram_size: the longest n-gram prompt lookup matches (default 3).
+        tetris_min_ngram_size: the shortest n-gram prompt lookup matches (default 1).
     """
 
     num_assistant_tokens: int = 4
@@ -75,8 +82,12 @@ class TetrisOptions:
     tetris_cost_profile: str | os.PathLike | Mapping | CostProfile | None = None
     tetris_draft_vocab: int | torch.Tensor | None = None
     tetris_compile: bool = False
+    prompt_lookup_num_tokens: int | None = None
+    max_matching_ngram_size: int | None = None
+    tetris_min_ngram_size: int = 1
 
     def __post_init__(self):
+        self._check_lookup()
         check_draft_vocab_spec(self.tetris_draft_vocab)
         if not isinstance(self.tetris_compile, bool):
             raise TypeError(f"`tetris_compile` must be True or False, got {self.tetris_compile!r}")
@@ -98,6 +109,21 @@ class TetrisOptions:
                 path = os.fspath(profile)
                 if not Path(path).is_file() and not Path(path.split(":")[0]).is_file():
                     raise ValueError(f"`tetris_cost_profile` file {path!r} does not exist")
+
+
+    def _check_lookup(self) -> None:
+        lookup = self.prompt_lookup_num_tokens
+        if lookup is None:
+            if self.max_matching_ngram_size is not None or self.tetris_min_ngram_size != 1:
+                raise ValueError("`max_matching_ngram_size` and `tetris_min_ngram_size` apply to prompt lookup: pass "
+                                 "`prompt_lookup_num_tokens=` too")
+            return
+        check_lookup_sizes(lookup, self.max_matching_ngram_size or DEFAULT_MAX_NGRAM_SIZE, self.tetris_min_ngram_size)
+        if self.num_assistant_tokens != lookup:
+            raise ValueError(f"`prompt_lookup_num_tokens` ({lookup}) is the window k: drop `num_assistant_tokens` "
+                             f"({self.num_assistant_tokens}) or make them equal")
+        if self.tetris_draft_vocab is not None:
+            raise ValueError("`tetris_draft_vocab` shapes a draft model's head: prompt lookup has none, drop it")
 
 
 class FixedWindow:
@@ -292,11 +318,20 @@ class PairMemory:
 _PAIR_MEMORY: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakKeyDictionary]" = weakref.WeakKeyDictionary()
 
 
-def pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module, sampling: bool = False) -> PairMemory:
+class _PromptLookup:
+    """Stands for prompt lookup, which has no draft model, as a key of :data:`_PAIR_MEMORY`."""
+
+
+_PROMPT_LOOKUP = _PromptLookup()
+
+
+def pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module | None, sampling: bool = False) -> PairMemory:
     """The :class:`PairMemory` of these two model objects (in memory, forgotten with the models), one for greedy
     calls and one for sampled calls: a draft is accepted by exact match in one and with probability
-    ``min(1, p/q)`` in the other, so what is learnt about one says little about the other."""
-    by_target = _PAIR_MEMORY.setdefault(assistant_model, weakref.WeakKeyDictionary())
+    ``min(1, p/q)`` in the other, so what is learnt about one says little about the other. ``assistant_model=None``:
+    prompt lookup on this target."""
+    draft_key = _PROMPT_LOOKUP if assistant_model is None else assistant_model
+    by_target = _PAIR_MEMORY.setdefault(draft_key, weakref.WeakKeyDictionary())
     return by_target.setdefault(model, {}).setdefault(sampling, PairMemory())
 
 
@@ -603,14 +638,13 @@ def make_strategy(options: TetrisOptions, model: torch.nn.Module | None = None,
     source, learn_costs = options.tetris_cost_profile, True
     if source is not None:
         cost, learn_costs = StepCostModel(load_profile(source)), False  # a given profile is taken as it is
-    elif model is None or assistant_model is None:
+    elif model is None or (assistant_model is None and options.prompt_lookup_num_tokens is None):
         raise ValueError(f"tetris_strategy={options.tetris_strategy!r} needs `tetris_cost_profile=` or the target and "
                          "draft models to profile")
     else:
         def cost(num_rows: int, max_tokens: int) -> StepCostModel:
             return cost_model_for(model, assistant_model, num_rows=num_rows, max_tokens=max_tokens)
-    known_pair = model is not None and assistant_model is not None
-    memory = pair_memory(model, assistant_model, sampling) if known_pair else None
+    memory = pair_memory(model, assistant_model, sampling) if model is not None else None
     if options.tetris_strategy == "adaptive":
         return AdaptiveBudget(options, cost, learn_costs=learn_costs, memory=memory, sampling=sampling)
     return DynamicWindow(options, cost, learn_costs=learn_costs, memory=memory)
