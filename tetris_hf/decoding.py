@@ -211,8 +211,9 @@ class BatchedSpeculativeLoop:
 
         self.drafter: Drafter
         if assistant_model is None:  # prompt lookup: the rows' own tokens are the draft
+            max_ngram = options.max_matching_ngram_size
             self.drafter = BatchedPromptLookupCandidateGenerator(
-                options.max_matching_ngram_size or DEFAULT_MAX_NGRAM_SIZE, options.tetris_min_ngram_size,
+                DEFAULT_MAX_NGRAM_SIZE if max_ngram is None else max_ngram, options.tetris_min_ngram_size,
                 max_tokens=max(self.max_draft, 1))
         else:
             self.drafter = BatchedDraftCandidateGenerator(

@@ -118,7 +118,8 @@ class TetrisOptions:
                 raise ValueError("`max_matching_ngram_size` and `tetris_min_ngram_size` apply to prompt lookup: pass "
                                  "`prompt_lookup_num_tokens=` too")
             return
-        check_lookup_sizes(lookup, self.max_matching_ngram_size or DEFAULT_MAX_NGRAM_SIZE, self.tetris_min_ngram_size)
+        max_ngram = DEFAULT_MAX_NGRAM_SIZE if self.max_matching_ngram_size is None else self.max_matching_ngram_size
+        check_lookup_sizes(lookup, max_ngram, self.tetris_min_ngram_size)
         if self.num_assistant_tokens != lookup:
             raise ValueError(f"`prompt_lookup_num_tokens` ({lookup}) is the window k: drop `num_assistant_tokens` "
                              f"({self.num_assistant_tokens}) or make them equal")
