@@ -18,6 +18,7 @@ from tetris_hf.strategies import (
     expected_tokens_geometric,
     make_strategy,
     plan_step,
+    select_fixed_budget,
 )
 from tetris_hf.step_strategy import DraftPlan, StepSeconds, run_step
 from test_greedy_exactness import generate_checked, pick_eos, target_alone
@@ -84,7 +85,7 @@ def test_dsd_window_follows_cost_and_acceptance():
 
 def test_dsd_acceptance_is_an_exponential_average_of_the_geometric_rate():
     strategy = DynamicWindow(TetrisOptions(tetris_strategy="dsd"), StepCostModel(FREE_VERIFY))
-    assert strategy.plan(4) == DraftPlan(1, 4, probe=True)  # no estimate yet: probe with k = 1
+    assert strategy.plan(4) == DraftPlan(1, 4, probe=True, needs_confidences=False)  # no estimate yet: probe, k = 1
     lengths = torch.tensor([1, 1, 1, 1])
     strategy.observe(torch.zeros(4, 1), lengths, torch.tensor([1, 1, 1, 0]))  # 3 accepted, 1 rejection
     strategy.plan(4)  # what was observed is learnt before the next plan
@@ -229,3 +230,38 @@ def test_what_adaptive_and_dsd_learn_carries_over_to_the_next_call_on_the_same_p
                           do_sample=True, max_new_tokens=6, pad_token_id=PAD, return_dict_in_generate=True,
                           tetris_strategy="adaptive", tetris_cost_profile=COSTLY_VERIFY)
     assert out.tetris_stats.num_drafted_per_step[1] == 1
+
+
+def trim_one_cell_at_a_time(lengths: torch.Tensor, budget: int) -> torch.Tensor:
+    """The reference: take a cell from the longest row (the first of equals) until the budget holds."""
+    lengths = lengths.clone()
+    while int(lengths.sum()) > budget:
+        lengths[int(lengths.argmax())] -= 1
+    return lengths
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_budget_trimming_equals_trimming_one_cell_at_a_time(seed):
+    generator = torch.Generator().manual_seed(seed)
+    longest = 1 + seed % 6
+    lengths = torch.randint(0, longest + 1, (1 + seed % 9,), generator=generator)
+    for budget in range(0, int(lengths.sum()) + 2):
+        assert select_fixed_budget(lengths, budget, longest).tolist() == \
+            trim_one_cell_at_a_time(lengths, budget).tolist(), (lengths.tolist(), budget)
+
+
+def test_adaptive_select_changes_nothing_it_has_learnt():
+    """``select`` reads the step's confidences (with what earlier steps did) and predicts as if it had learnt them,
+    but the calibrator and pool change only in ``observe``."""
+    options = TetrisOptions(tetris_strategy="adaptive", num_assistant_tokens=2, tetris_extra_tokens=0)
+    strategy = AdaptiveBudget(options, StepCostModel(FREE_VERIFY))
+    log_probs = torch.log(torch.tensor([[0.9, 0.8], [0.3, 0.2]]))
+    plan = strategy.plan(2)
+    strategy.observe(log_probs, torch.full((2,), 2), torch.tensor([2, 0]))  # a probe's outcome, not read yet
+    plan = DraftPlan(2, 4)
+    before = (strategy.calibrator.accepted.clone(), strategy.calibrator.rejected.clone(), strategy.pool.clone())
+    first = strategy.select(log_probs, torch.full((2,), 2), plan)
+    assert torch.equal(strategy.calibrator.accepted, before[0]) and torch.equal(strategy.calibrator.rejected, before[1])
+    assert torch.equal(strategy.pool, before[2])
+    strategy.observe(log_probs, first, torch.tensor([2, 0]))  # learns the earlier step now
+    assert strategy.calibrator.accepted.sum() + strategy.calibrator.rejected.sum() > 0

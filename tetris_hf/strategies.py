@@ -13,6 +13,7 @@ under a geometric acceptance model: the TETRIS paper's dynamic baseline).
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import weakref
@@ -141,7 +142,7 @@ class FixedWindow:
         return max_lengths  # every cell a row may verify: it drafted at most k (select_fixed's cap holds already)
 
     def observe(self, token_log_probs: torch.Tensor | None, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
-                seconds: StepSeconds | None = None):
+                seconds: StepSeconds | None = None, num_drafted: int | None = None):
         pass
 
 
@@ -367,25 +368,42 @@ class _CostAware:
         self.cost: StepCostModel | None = cost if isinstance(cost, StepCostModel) else None
         self.learn_costs = learn_costs
         self.memory = memory if memory is not None else PairMemory(probe_interval=self.probe_interval_start)
-        self._pending: list[tuple] = []  # observed steps not learnt from yet (their tensors still on the device)
+        self._pending: list[_ObservedStep] = []  # observed steps not read yet (their counts still on the device)
+        self._read_steps: list[_ObservedStep] = []  # observed steps read (host counts), not learnt from yet
 
-    def observe(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
-                seconds: StepSeconds | None = None):
-        """Keep the step to learn from at the next device read the strategy makes anyway (learning is lazy: it
-        happens before anything learnt is used, so what the strategy decides is as if it had learnt at once)."""
-        self._pending.append((token_log_probs, verify_lengths, num_accepted, seconds))
+    def observe(self, token_log_probs: torch.Tensor | None, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
+                seconds: StepSeconds | None = None, num_drafted: int | None = None):
+        """Learn from the steps read since the last observation, and keep this one to learn from once it is read
+        (learning is lazy: a step's counts are read at the next device read the strategy makes anyway, and what it
+        decides before learning from them it decides on exactly what it would have learnt, see :meth:`_read`)."""
+        self._learn_read()
+        if num_drafted is None:
+            num_drafted = token_log_probs.shape[1] if token_log_probs is not None else 0
+        self._pending.append(_ObservedStep(token_log_probs, verify_lengths, num_accepted, seconds, num_drafted))
 
-    def _flush(self, *wanted: torch.Tensor) -> list[torch.Tensor]:
-        """Learn from the pending steps, reading them and ``wanted`` from the device in one transfer; returns
-        ``wanted`` on the host."""
+    def _read(self, *wanted: torch.Tensor) -> list[torch.Tensor]:
+        """Read the pending steps' counts and ``wanted`` from the device in one transfer; returns ``wanted`` on the
+        host. The steps read wait in ``_read_steps`` (host copies) until :meth:`_learn_read` learns from them: reading
+        changes nothing the strategy has learnt."""
         pending, self._pending = self._pending, []
-        tensors = [t for step in pending for t in step[1:3]] + list(wanted)
+        tensors = [t for step in pending for t in (step.verify_lengths, step.num_accepted)] + list(wanted)
         host = _to_host(tensors)
-        for step, (verify_lengths, num_accepted) in zip(pending, zip(host[0::2], host[1::2])):
-            token_log_probs, _, _, seconds = step
-            self._correct_costs(verify_lengths.numel(), token_log_probs.shape[1], _longest(verify_lengths), seconds)
-            self._learn(token_log_probs, verify_lengths.long(), num_accepted.long())
+        self._read_steps += [step._replace(verify_lengths=lengths.long(), num_accepted=accepted.long())
+                             for step, lengths, accepted in zip(pending, host[0::2], host[1::2])]
         return host[2 * len(pending):]
+
+    def _learn_read(self) -> None:
+        """Learn from the steps :meth:`_read` brought to the host."""
+        steps, self._read_steps = self._read_steps, []
+        for step in steps:
+            self._correct_costs(step.verify_lengths.numel(), step.num_drafted, _longest(step.verify_lengths),
+                                step.seconds)
+            self._learn(step.token_log_probs, step.verify_lengths, step.num_accepted)
+
+    def _flush(self) -> None:
+        """Read and learn from every pending step."""
+        self._read()
+        self._learn_read()
 
     def _learn(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """Learn acceptance from one observed step (host tensors but ``token_log_probs``)."""
@@ -435,6 +453,17 @@ class _CostAware:
         plain = cost.verify_seconds(num_rows, 1) + cost.step_overhead
         extra = cost.draft_seconds(num_rows) + cost.verify_seconds(num_rows, 2) - cost.verify_seconds(num_rows, 1)
         return math.ceil(extra / plain / self.probe_overhead) if plain > 0 else 1
+
+
+class _ObservedStep(NamedTuple):
+    """One step as :meth:`_CostAware.observe` kept it: ``(B, K)`` confidences (``None`` if not computed), ``(B,)``
+    verified and accepted cells (device tensors until read), the measured seconds and ``K``."""
+
+    token_log_probs: torch.Tensor | None
+    verify_lengths: torch.Tensor
+    num_accepted: torch.Tensor
+    seconds: StepSeconds | None
+    num_drafted: int
 
 
 def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -494,12 +523,16 @@ class AdaptiveBudget(_CostAware):
 
     def _learn(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """Calibrate on the step's verified cells and add its drafted rows to the planning pool."""
-        if self._host_log_probs is not None and self._host_log_probs[0] is token_log_probs:
-            host_log_probs = self._host_log_probs[1]
-        else:  # a probe step (its selection read nothing)
-            host_log_probs = token_log_probs.detach().double().cpu()
+        host_log_probs = self._host_copy(token_log_probs)
         self.calibrator.update(host_log_probs, verify_lengths, num_accepted)
         self.remember(host_log_probs)
+
+    def _host_copy(self, token_log_probs: torch.Tensor) -> torch.Tensor:
+        """``token_log_probs`` on the host: the copy :meth:`select` read, else (a probe, which selects without
+        reading) read now, in the read that learning makes anyway."""
+        if self._host_log_probs is not None and self._host_log_probs[0] is token_log_probs:
+            return self._host_log_probs[1]
+        return token_log_probs.detach().double().cpu()
 
     def remember(self, token_log_probs: torch.Tensor) -> None:
         """Add drafted rows ``(B, K)`` (on the host) to the planning pool."""
@@ -507,8 +540,8 @@ class AdaptiveBudget(_CostAware):
         self.memory.pool = self.pool
 
     def observe(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
-                seconds: StepSeconds | None = None):
-        super().observe(token_log_probs, verify_lengths, num_accepted, seconds)
+                seconds: StepSeconds | None = None, num_drafted: int | None = None):
+        super().observe(token_log_probs, verify_lengths, num_accepted, seconds, num_drafted)
         if self._planned is not None and self._planned[1].num_draft_tokens == 0 and token_log_probs.shape[1] > 0:
             self._planned = None  # a probe drafted: plan again at the next step, on what it showed
 
@@ -569,10 +602,15 @@ class AdaptiveBudget(_CostAware):
         num_rows, num_drafted = token_log_probs.shape
         if plan.probe:
             lengths = max_lengths.clamp(max=num_drafted)
-            return lengths if self.max_budget is None else select_fixed_budget(lengths, self.max_budget)
-        host_log_probs, host_max_lengths = self._flush(token_log_probs, max_lengths)  # the strategy's one read
-        self._host_log_probs = (token_log_probs, host_log_probs)
-        survival = self.calibrator.predict(host_log_probs.exp()).cumprod(dim=1)
+            return lengths if self.max_budget is None else select_fixed_budget(lengths, self.max_budget, num_drafted)
+        host_log_probs, host_max_lengths = self._read(token_log_probs, max_lengths)  # the strategy's one read
+        self._host_log_probs = (token_log_probs, host_log_probs)  # (a read: observe learns from it)
+        calibrator = self.calibrator
+        if self._read_steps:  # predict as if the steps just read had been learnt (observe learns them)
+            calibrator = copy.deepcopy(calibrator)
+            for step in self._read_steps:
+                calibrator.update(self._host_copy(step.token_log_probs), step.verify_lengths, step.num_accepted)
+        survival = calibrator.predict(host_log_probs.exp()).cumprod(dim=1)
         scores = survival.log().to(token_log_probs.device)
         if self.sampling:
             return select_tetris(scores, max_lengths, plan.budget)
@@ -583,12 +621,22 @@ class AdaptiveBudget(_CostAware):
         return select_tetris(scores, max_lengths, int(choice.budget[0]))
 
 
-def select_fixed_budget(lengths: torch.Tensor, budget: int) -> torch.Tensor:
-    """Trim ``lengths`` ``(B,)`` so they sum to at most ``budget``, longest rows first."""
-    lengths = lengths.clone()
-    while int(lengths.sum()) > budget:
-        lengths[int(lengths.argmax())] -= 1
-    return lengths
+def select_fixed_budget(lengths: torch.Tensor, budget: int, longest: int) -> torch.Tensor:
+    """Trim ``lengths`` ``(B,)`` (each at most ``longest``) so they sum to at most ``budget``, longest rows first (of
+    equal rows, the earlier row first), without reading the device.
+
+    Trimming one cell at a time from the longest row ends with every row cut to a level ``t`` or, for the last
+    ``r`` rows that were longer than ``t``, ``t + 1``: ``t`` is the largest level whose cut fits the budget and ``r``
+    what the budget has left. E.g. ``[3, 3, 3]`` with budget 7: ``t = 2``, ``r = 1`` -> ``[2, 2, 3]``.
+    """
+    levels = torch.arange(longest + 1, device=lengths.device)
+    cut = torch.minimum(lengths[:, None], levels[None, :]).sum(dim=0)  # (levels,) total at each level
+    level = (cut <= budget).sum() - 1  # cut is non-decreasing and 0 at level 0
+    trimmed = torch.minimum(lengths, level)
+    left = budget - trimmed.sum()
+    longer = lengths > level
+    from_end = longer.flip(0).cumsum(dim=0).flip(0)  # longer rows at or after each row
+    return torch.where(longer & (from_end <= left), level + 1, trimmed)
 
 
 class DynamicWindow(_CostAware):
@@ -610,10 +658,10 @@ class DynamicWindow(_CostAware):
         window = dsd_window(self.acceptance, num_rows, self.max_draft, cost) if self.acceptance is not None else 0
         probe = self._after_plan(window > 0, self.acceptance is not None, num_rows) and self.max_draft > 0
         window = 1 if probe else window
-        return DraftPlan(window, window * num_rows, probe)
+        return DraftPlan(window, window * num_rows, probe, needs_confidences=False)  # one k for all: no ranking
 
-    def select(self, token_log_probs: torch.Tensor, max_lengths: torch.Tensor, plan: DraftPlan) -> torch.Tensor:
-        return select_fixed(max_lengths, token_log_probs.shape[1])
+    def select(self, token_log_probs: torch.Tensor | None, max_lengths: torch.Tensor, plan: DraftPlan) -> torch.Tensor:
+        return select_fixed(max_lengths, plan.num_draft_tokens)
 
     def _learn(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor) -> None:
         accepted = int(num_accepted.sum())
