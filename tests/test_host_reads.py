@@ -41,6 +41,30 @@ def test_steady_state_step_reads_the_device_at_most_twice(strategy, do_sample):
     assert max(steady) <= 2, per_step
 
 
+# The prefix-reading processors transformers ships run batched on the device (tetris_hf/logits/batched_processors.py).
+PREFIX_READERS = dict(repetition_penalty=1.3, min_new_tokens=30, no_repeat_ngram_size=3, bad_words_ids=[[5], [7, 8]])
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_prefix_reading_processors_add_no_read_to_a_step(do_sample):
+    per_step = reads_per_step(do_sample=do_sample, **PREFIX_READERS)
+    steady = per_step[2:-1]
+    assert len(steady) >= 5
+    assert max(steady) <= 2, per_step
+
+
+def test_a_custom_prefix_reading_processor_runs_per_row_and_its_reads_are_counted():
+    """Teeth: a processor with no batched form runs per row and position, on the host."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class LastTokenBonus(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            return scores + torch.nn.functional.one_hot(input_ids[:, -1], scores.shape[-1])
+
+    per_step = reads_per_step(logits_processor=LogitsProcessorList([LastTokenBonus()]), **PREFIX_READERS)
+    assert max(per_step[2:-1]) > 2
+
+
 @pytest.mark.parametrize("do_sample", [False, True])
 def test_a_plain_step_reads_the_device_only_for_stopping(do_sample):
     """A step that drafts nothing (``tetris_budget=0``, and ``adaptive`` when drafting does not pay) sends each row's
