@@ -5,11 +5,12 @@ After ``import tetris_hf``::
     target.generate(input_ids, attention_mask=mask, assistant_model=draft, custom_generate="tetris")
 """
 
+from .candidate_generators.eagle import EagleDraft
 from .generation import generate, register
 from .outputs import TetrisGenerateOutput, TetrisStats
 from .strategies import TetrisOptions
 
 __version__ = "0.1.0"
-__all__ = ["TetrisGenerateOutput", "TetrisOptions", "TetrisStats", "generate", "register"]
+__all__ = ["EagleDraft", "TetrisGenerateOutput", "TetrisOptions", "TetrisStats", "generate", "register"]
 
 register()
