@@ -292,6 +292,15 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+def _feature_inputs(model, input_ids: torch.Tensor) -> dict:
+    """What a draft that reads features (an EAGLE head) takes besides tokens, to time it: zero features of its own
+    width, as a drafted step reads them."""
+    if getattr(model, "feature_kind", None) is None:
+        return {}
+    hidden = model.config.hidden_size
+    return {"draft_features": torch.zeros(*input_ids.shape, hidden, dtype=model.dtype, device=input_ids.device)}
+
+
 def _timed_forwards(model, rows: int, tokens_list: Sequence[int], context: int, repeats: int,
                     logits_to_keep: int = 0) -> dict[int, float]:
     """Fastest of ``repeats`` forwards over ``rows`` x ``L`` new tokens on a ``context``-token KV cache, in ms, for
@@ -305,7 +314,7 @@ def _timed_forwards(model, rows: int, tokens_list: Sequence[int], context: int, 
     prompt = torch.randint(min(3, vocab - 1), vocab, (rows, context), generator=generator).to(device)
     cache = DynamicCache()
     with torch.no_grad():
-        model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1, **_feature_inputs(model, prompt))
         results = {}
         for tokens in tokens_list:
             block = torch.randint(min(3, vocab - 1), vocab, (rows, tokens), generator=generator).to(device)
@@ -317,7 +326,7 @@ def _timed_forwards(model, rows: int, tokens_list: Sequence[int], context: int, 
                 _sync(device)
                 start = time.perf_counter()
                 out = model(input_ids=block, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                            use_cache=True, logits_to_keep=logits_to_keep)
+                            use_cache=True, logits_to_keep=logits_to_keep, **_feature_inputs(model, block))
                 out.logits.float().log_softmax(dim=-1)  # the loop turns every kept logit row into log-probs
                 _sync(device)
                 if attempt or not warm_up:

@@ -19,6 +19,8 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from .candidate_generators import BatchedDraftCandidateGenerator
 from .candidate_generators.drafter import Drafter, Proposal
+from .candidate_generators.eagle import EagleDraft
+from .candidate_generators.eagle_drafter import EagleCandidateGenerator
 from .candidate_generators.prompt_lookup import DEFAULT_MAX_NGRAM_SIZE, BatchedPromptLookupCandidateGenerator
 from .candidate_generators.reduced_vocab import reduced_vocab_draft
 from .compiled import bucket, check_compilable, compiled_forward
@@ -216,7 +218,9 @@ class BatchedSpeculativeLoop:
                 DEFAULT_MAX_NGRAM_SIZE if max_ngram is None else max_ngram, options.tetris_min_ngram_size,
                 max_tokens=max(self.max_draft, 1))
         else:
-            self.drafter = BatchedDraftCandidateGenerator(
+            drafter_class = EagleCandidateGenerator if isinstance(assistant_model, EagleDraft) else \
+                BatchedDraftCandidateGenerator
+            self.drafter = drafter_class(
                 assistant_model, self.logits_processor, self.do_sample, max_holes=options.tetris_max_holes,
                 capacity=cache_capacity(assistant_model),
             )
@@ -227,11 +231,16 @@ class BatchedSpeculativeLoop:
         self.drafter.prefill(input_ids, attention_mask, all_real=bool(attention_mask.all()))
         self.compile = options.tetris_compile
         if self.compile:
+            if isinstance(assistant_model, EagleDraft):
+                raise ValueError("tetris_compile=True with an EAGLE head is not supported yet: the head reads the "
+                                 "target's hidden states through hooks, which a compiled forward does not run; use "
+                                 "tetris_compile=False")
             check_compilable(model, "target")
             self.target_slots.step_forward = compiled_forward(model)
             if assistant_model is not None:
                 check_compilable(assistant_model, "draft")
                 self.drafter.slots.step_forward = compiled_forward(assistant_model)
+        self.feature_tap = self.drafter.feature_tap(model)  # hooks on the target: what an EAGLE head reads (last)
 
         self.sequences = input_ids.new_full((batch_size, capacity), self.pad_value)
         self.sequences[:, :prompt_length] = input_ids
@@ -338,7 +347,7 @@ class BatchedSpeculativeLoop:
             self.target_slots.keep_prefix(self.target_slots.length - width, num_accepted + 1)
         self.target_slots.compact()
         self.drafter.accept(num_accepted, next_tokens, verify_lengths, max_accepted=block_length,
-                            cached_longest=drafter_longest)
+                            cached_longest=drafter_longest, features=self._target_features())
         clock.mark("verify_end")
 
         emitted, stopped = self._emit(num_accepted, next_tokens, block_length + 1)
@@ -354,13 +363,23 @@ class BatchedSpeculativeLoop:
         no_drafts = self.input_ids.new_zeros(num_rows, 0)
         verify_lengths = torch.zeros(num_rows, dtype=torch.long, device=self.lengths.device)
         num_accepted, next_tokens = self._accept(no_drafts, verify_lengths, target_scores, None)
-        self.drafter.accept(num_accepted, next_tokens, verify_lengths)
+        self.drafter.accept(num_accepted, next_tokens, verify_lengths, features=self._target_features())
         self.prompt_read = True
         emitted, stopped = self._emit(num_accepted, next_tokens, 1)
         no_log_probs = target_scores.new_zeros(num_rows, 0)
         record = StepRecord(self.rows, 0, 0, no_log_probs, verify_lengths, num_accepted, emitted,
                             StepSeconds(0.0, time.perf_counter() - started, 0.0))
         return self._finish(record, stopped)
+
+    def _target_features(self) -> torch.Tensor | None:
+        """``(B, W, F)`` what the drafter's tap kept of the target's last forward (``None``: it has no tap)."""
+        return None if self.feature_tap is None else self.feature_tap.features
+
+    def close(self) -> None:
+        """Remove the hooks the drafter put on the target (the call is over)."""
+        if self.feature_tap is not None:
+            self.feature_tap.remove()
+            self.feature_tap = None
 
     def _accept(self, drafts: torch.Tensor, verify_lengths: torch.Tensor, target_scores: torch.Tensor,
                 draft_probs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -502,8 +521,11 @@ def tetris_decoding(
         model, assistant_model, input_ids, attention_mask, logits_processor, stopping_criteria,
         generation_config, options, streamer,
     )
-    while not loop.done:
-        loop.step()
+    try:
+        while not loop.done:
+            loop.step()
+    finally:
+        loop.close()
     if streamer is not None:
         streamer.end()
     if generation_config.return_dict_in_generate:

@@ -115,7 +115,7 @@ class BatchedDraftCandidateGenerator:
         tokens, mask = self.pending_tokens, (None if self.pending_real else self.pending_mask)
         draft_tokens, token_log_probs, draft_probs = [], [], []
         for step in range(num_tokens):  # every tensor (B, 1, ...): one position per row
-            logits = self.slots.forward(self.assistant_model, tokens, mask, logits_to_keep=1, step=True)
+            logits = self._draft_forward(step, tokens, mask)
             scores = self.logits_processor(sequences, lengths, logits, rows, offset=step)
             log_probs = scores.log_softmax(dim=-1) if confidences or self.do_sample else None
             if self.do_sample:
@@ -140,8 +140,17 @@ class BatchedDraftCandidateGenerator:
             torch.cat(draft_probs, dim=1) if self.do_sample else None,
         )
 
+    def _draft_forward(self, step: int, tokens: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Draft step ``step``'s forward: the pending block (step 0) or the last draft, ``(B, P or 1)``; returns the
+        ``(B, 1, V)`` logits after the block's last token."""
+        return self.slots.forward(self.assistant_model, tokens, mask, logits_to_keep=1, step=True)
+
+    def feature_tap(self, target: torch.nn.Module) -> None:
+        """A draft model reads tokens only: nothing of the target's forwards."""
+        return None
+
     def accept(self, num_accepted: torch.Tensor, next_tokens: torch.Tensor, verify_lengths: torch.Tensor | None = None,
-               max_accepted: int | None = None, cached_longest: int | None = None) -> None:
+               max_accepted: int | None = None, cached_longest: int | None = None, features=None) -> None:
         """Roll the draft cache back to what the target accepted, and queue the tokens the draft has not read.
 
         Args:
@@ -153,6 +162,7 @@ class BatchedDraftCandidateGenerator:
                 no device read).
             cached_longest: the most real tokens any row held in the cache when the loop last read
                 :meth:`live_lengths` (bounds what repacking keeps; ``None``: not read this step).
+            features: the target's features (drafters with a :meth:`feature_tap` only).
         """
         if cached_longest is not None:
             self.slots.note_longest(cached_longest)

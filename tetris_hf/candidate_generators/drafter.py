@@ -43,11 +43,18 @@ class Drafter(Protocol):
         """Draft ``num_tokens`` cells after each row of ``sequences`` ``(B, T)`` (valid up to ``lengths`` ``(B,)``),
         writing them into ``sequences[i, lengths[i]:]``; ``rows`` ``(B,)`` original batch indices."""
 
+    def feature_tap(self, target: torch.nn.Module):
+        """Hooks on ``target`` that keep what the drafter reads of the target's forwards (an EAGLE head: hidden
+        states), with a ``features`` attribute and ``remove()``; ``None`` when it reads nothing of them."""
+
     def accept(self, num_accepted: torch.Tensor, next_tokens: torch.Tensor, verify_lengths: torch.Tensor,
-               max_accepted: int | None = None, cached_longest: int | None = None) -> None:
-        """What the target did with the last proposal: ``(B,)`` accepted drafts, the target's token after them, and
-        the cells it verified. ``max_accepted``: a host bound on ``num_accepted``; ``cached_longest``: the maximum of
-        :meth:`live_lengths` as the loop read it this step."""
+               max_accepted: int | None = None, cached_longest: int | None = None,
+               features: torch.Tensor | None = None) -> None:
+        """What the target did with the last proposal (or with the prompt, at the first call): ``(B,)`` accepted
+        drafts, the target's token after them, and the cells it verified. ``max_accepted``: a host bound on
+        ``num_accepted``; ``cached_longest``: the maximum of :meth:`live_lengths` as the loop read it this step;
+        ``features``: ``(B, W, F)`` what :meth:`feature_tap` kept of the target's forward that verified them (``W``
+        its block's width; the prompt's at the first call), when the drafter has a tap."""
 
     def fill_rows(self, targets: torch.Tensor, sources: torch.Tensor, num_rows: int) -> None:
         """Row ``sources[i]`` takes the place of row ``targets[i]``; the first ``num_rows`` rows remain."""

@@ -171,8 +171,11 @@ class BatchedPromptLookupCandidateGenerator:
         log_probs = self.acceptance.log_probs(ngram, num_tokens) if confidences else None
         return Proposal(drafts, log_probs, None, counts)
 
+    def feature_tap(self, target: torch.nn.Module) -> None:
+        return None  # lookup reads tokens only
+
     def accept(self, num_accepted: torch.Tensor, next_tokens: torch.Tensor, verify_lengths: torch.Tensor,
-               max_accepted: int | None = None, cached_longest: int | None = None) -> None:
+               max_accepted: int | None = None, cached_longest: int | None = None, features=None) -> None:
         drafted = self._last_num_drafted
         self.width += (drafted if max_accepted is None else min(max_accepted, drafted)) + 1
         if drafted > 0:
