@@ -1,6 +1,8 @@
 """Prompt-lookup drafts (no draft model): the batched lookup equals a row-by-row search, greedy rows equal the target
 alone, sampled rows follow the target's law, and bad settings are refused before any forward."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -13,13 +15,14 @@ from test_greedy_exactness import NEW_TOKENS, assert_rows_equal, pick_eos, targe
 from tiny_models import EOS, PAD, left_pad, noisy_copy, random_prompts, sharpen, tiny_llama
 
 
-def lookup_one_row(tokens: list[int], num_tokens: int, sizes: range) -> tuple[list[int], int]:
-    """The reference: row by row, longest n first, the latest earlier occurrence followed by a token."""
+def lookup_one_row(tokens: list[int], num_tokens: int, sizes: range, latest: bool = True) -> tuple[list[int], int]:
+    """The reference: row by row, longest n first, the latest (or earliest) earlier occurrence followed by a token."""
     for size in sorted(sizes, reverse=True):
         if size >= len(tokens):
             continue
         suffix = tokens[-size:]
-        for start in range(len(tokens) - size - 1, -1, -1):
+        candidates = range(len(tokens) - size - 1, -1, -1)
+        for start in (candidates if latest else reversed(candidates)):
             if tokens[start : start + size] == suffix:
                 return tokens[start + size : start + size + num_tokens], size
     return [], 0
@@ -36,14 +39,14 @@ def test_batched_lookup_equals_a_row_by_row_search(seed):
     sequences = torch.cat([sequences, torch.full((7, 6), 4)], dim=1)  # scratch past the ends: never matched
     starts = sequences.shape[1] - 6 - mask.sum(dim=1)
     lengths = torch.full((7,), mask.shape[1])
-    for sizes in (range(1, 4), range(2, 3), range(1, 2)):
-        for num_tokens in (1, 3, 5):
-            drafts, counts, ngram = lookup_drafts(sequences, starts, lengths, num_tokens, sizes)
-            for row, prompt in enumerate(prompts):
-                expected, size = lookup_one_row(prompt, num_tokens, sizes)
-                assert int(ngram[row]) == size, (row, prompt, sizes)
-                assert int(counts[row]) == len(expected)
-                assert drafts[row, : len(expected)].tolist() == expected
+    for sizes, num_tokens, latest in itertools.product((range(1, 4), range(2, 3), range(1, 2)), (1, 3, 5),
+                                                       (True, False)):
+        drafts, counts, ngram = lookup_drafts(sequences, starts, lengths, num_tokens, sizes, latest=latest)
+        for row, prompt in enumerate(prompts):
+            expected, size = lookup_one_row(prompt, num_tokens, sizes, latest)
+            assert int(ngram[row]) == size, (row, prompt, sizes)
+            assert int(counts[row]) == len(expected)
+            assert drafts[row, : len(expected)].tolist() == expected
 
 
 def test_lookup_never_drafts_past_the_row_end():

@@ -578,7 +578,7 @@ class AdaptiveBudget(_CostAware):
     def plan(self, num_rows: int) -> DraftPlan:
         cost = self._open_step(num_rows)
         # The last plan stands until the batch shrinks, a probe has drafted, or ``replan_every`` steps have passed (the
-        # pool and the online cost corrections drift slowly); planning is ~0.5 ms of Python (x2 while plain).
+        # pool and the online cost corrections drift slowly, and planning is Python work on every step).
         if self._planned is None or self._planned[0] != num_rows or self._plan_age >= self.replan_every:
             if self._planned is None or self.pool.shape[0] == 0:
                 self._flush()  # after a probe: plan on what it showed (else the last step is learnt at the next read)

@@ -38,7 +38,8 @@ def check_lookup_sizes(num_tokens, max_ngram_size, min_ngram_size) -> None:
 
 
 def lookup_drafts(sequences: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, num_tokens: int,
-                  ngram_sizes: range, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  ngram_sizes: range, width: int | None = None,
+                  latest: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Batched prompt lookup: for every row, the tokens after the latest earlier occurrence of its longest matching
     suffix n-gram.
 
@@ -52,6 +53,8 @@ def lookup_drafts(sequences: torch.Tensor, starts: torch.Tensor, lengths: torch.
         num_tokens: ``K``.
         ngram_sizes: n-gram sizes to try, e.g. ``range(1, 4)``; the largest that matches wins.
         width: a host bound on ``lengths.max()`` (columns past it are not searched), default ``T``.
+        latest: take the latest occurrence (else the earliest, as transformers' one-row lookup does; kept to measure
+            the choice, see ``examples/lookup_occurrence.py``).
 
     Returns:
         drafts ``(B, K)`` (filler past each row's count: its last real token), counts ``(B,)`` drafted cells,
@@ -74,9 +77,13 @@ def lookup_drafts(sequences: torch.Tensor, starts: torch.Tensor, lengths: torch.
         # an earlier occurrence inside the real tokens, followed by at least one token (which excludes the suffix)
         matches &= (first[None, :] >= starts[:, None]) & (first[None, :] + size < lengths[:, None])
         matches &= (lengths - size >= starts)[:, None]  # the suffix itself is real
-        latest = torch.where(matches, first[None, :], -1).amax(dim=1)
-        found = (latest >= 0) & (ngram == 0)
-        best_start = torch.where(found, latest + size, best_start)
+        if latest:
+            occurrence = torch.where(matches, first[None, :], -1).amax(dim=1)
+        else:
+            occurrence = torch.where(matches, first[None, :], width).amin(dim=1)
+            occurrence = torch.where(occurrence < width, occurrence, -1)
+        found = (occurrence >= 0) & (ngram == 0)
+        best_start = torch.where(found, occurrence + size, best_start)
         ngram = torch.where(found, size, ngram)
     counts = torch.where(ngram > 0, (lengths - best_start).clamp(max=num_tokens), 0)
     positions = best_start[:, None] + columns.new_tensor(range(num_tokens))[None, :]
