@@ -238,6 +238,124 @@ class EagleDraft(nn.Module):
         head.rotary_emb = LlamaRotaryEmbedding(config).to(device)  # float32 frequencies, like the target's
         return head.eval()
 
+    @classmethod
+    def for_target(cls, target: nn.Module, draft_vocab_ids: torch.Tensor | None = None,
+                   aux_layer_ids: tuple[int, ...] | list[int] | None = None) -> "EagleDraft":
+        """A fresh EAGLE-3 head for ``target``, to be trained (``tetris-hf train-eagle``), built through the same
+        loader as a published checkpoint (:meth:`from_state_dict`), so it is exactly what :meth:`save_pretrained` then
+        :meth:`from_pretrained` give back.
+
+        The layer and ``fc`` are randomly initialised (PyTorch's defaults, from the global RNG: seed it first);
+        ``lm_head`` starts as the target's output rows of the draft vocabulary and ``norm`` with the scale of the
+        target's final norm (random/ones where the target has none), so that a head output close to the target's last
+        hidden state already gives the target's distribution: the first steps learn features, not token geometry.
+        Sizes (heads, head size, MLP width, activation, RMS epsilon, RoPE) are the target's.
+
+        Args:
+            draft_vocab_ids: ``(Vd,)`` the target token ids the head scores (e.g. the ``Vd`` most frequent), distinct;
+                ``None``: the whole vocabulary (no ``d2t``/``t2d``).
+            aux_layer_ids: ``hs`` indices of the three target hidden states to read (default ``(2, L // 2, L - 3)``).
+
+        Raises:
+            ValueError: token ids out of range, repeated or empty; layer ids the target does not have.
+        """
+        target_config = target.config.get_text_config(decoder=True)
+        hidden, layers = target_config.hidden_size, target_config.num_hidden_layers
+        vocab = output_vocab_size(target)
+        source = "EagleDraft.for_target"
+        aux = resolve_aux_layer_ids({}, (2, layers // 2, layers - 3) if aux_layer_ids is None else aux_layer_ids,
+                                    layers, source)
+        if draft_vocab_ids is None:
+            target_ids = torch.arange(vocab)
+        else:
+            target_ids = torch.as_tensor(draft_vocab_ids).detach().to("cpu").flatten()
+            if target_ids.is_floating_point() or target_ids.dtype == torch.bool or target_ids.numel() == 0:
+                raise ValueError(f"{source}: `draft_vocab_ids` must be a non-empty 1-D tensor of token ids, got "
+                                 f"{target_ids.numel()} values of dtype {target_ids.dtype}")
+            target_ids = target_ids.long().sort().values
+            if int(target_ids[0]) < 0 or int(target_ids[-1]) >= vocab:
+                raise ValueError(f"{source}: `draft_vocab_ids` holds ids outside the target's vocabulary of {vocab} "
+                                 f"(min {int(target_ids[0])}, max {int(target_ids[-1])})")
+            if torch.unique(target_ids).numel() != target_ids.numel():
+                raise ValueError(f"{source}: `draft_vocab_ids` repeats token ids; give each once")
+        draft_vocab = target_ids.numel()
+        heads = target_config.num_attention_heads
+        config_dict = {
+            "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden,
+            "intermediate_size": target_config.intermediate_size, "num_attention_heads": heads,
+            "num_key_value_heads": getattr(target_config, "num_key_value_heads", None) or heads,
+            "head_dim": getattr(target_config, "head_dim", None) or hidden // heads,
+            "hidden_act": getattr(target_config, "hidden_act", "silu"),
+            "rms_norm_eps": getattr(target_config, "rms_norm_eps", 1e-6),
+            "max_position_embeddings": target_config.max_position_embeddings,
+            **_rope_fields(getattr(target_config, "rope_parameters", None)),
+            "num_hidden_layers": 1, "vocab_size": vocab, "draft_vocab_size": draft_vocab,
+            "target_hidden_size": hidden, "tie_word_embeddings": False,
+            **{name: getattr(target_config, name) for name in ("bos_token_id", "eos_token_id", "pad_token_id")
+               if getattr(target_config, name, None) is not None},
+            "eagle_config": {"use_aux_hidden_state": True,  # SpecForge's output-of-layer ids: hs[k] is id k - 1
+                             "eagle_aux_hidden_state_layer_ids": [index - 1 for index in aux]},
+        }
+        config = head_config(config_dict, {}, EAGLE3, vocab, target_config, source)
+        with torch.device("cpu"):
+            fresh = cls(config, EAGLE3, aux, 3 * hidden, False, False, draft_vocab, own_embedding=False).float()
+        tensors = {_published_name(name, EAGLE3): tensor.detach() for name, tensor in fresh.state_dict().items()}
+        output = target.get_output_embeddings()
+        if output is not None and tuple(output.weight.shape) == (vocab, hidden):
+            tensors["lm_head.weight"] = output.weight.detach().float().cpu()[target_ids].clone()
+        norm = getattr(target.get_decoder(), "norm", None)
+        if isinstance(getattr(norm, "weight", None), torch.Tensor) and tuple(norm.weight.shape) == (hidden,):
+            with torch.no_grad():  # its output on a vector of ones: the scale whatever its convention (Gemma: 1 + w)
+                ones = norm.weight.new_ones(1, hidden)
+                tensors["norm.weight"] = norm(ones)[0].float().cpu()
+        if draft_vocab < vocab:
+            tensors["d2t"] = target_ids - torch.arange(draft_vocab)  # draft id + d2t[draft id] = target id
+            tensors["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, target_ids, True)
+        return cls.from_state_dict(config_dict, tensors, target, aux_layer_ids=aux, source=source)
+
+    def save_pretrained(self, directory: str | os.PathLike, dtype: torch.dtype | None = None) -> str:
+        """Write the head in the published format :meth:`from_pretrained` reads: ``config.json`` and
+        ``model.safetensors`` (tensor names and config keys of ``shared/facts/eagle-formats.md``; EAGLE-3 in SpecForge's
+        layout: ``architectures: ["LlamaForCausalLMEagle3"]``, ``eagle_config`` with output-of-layer ids, ``d2t``
+        int64 and ``t2d`` bool for a reduced vocabulary). The target's embedding and head are not written (an own
+        embedding is). ``dtype``: of the weights written (default: the head's). Returns the directory."""
+        config = self.config
+        rope = getattr(config, "rope_parameters", None)
+        fields = {
+            "architectures": ["LlamaForCausalLMEagle3" if self.feature_kind == EAGLE3 else "LlamaForCausalLM"],
+            "model_type": "llama", "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+            "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
+            "head_dim": config.head_dim, "hidden_act": config.hidden_act, "rms_norm_eps": config.rms_norm_eps,
+            "max_position_embeddings": config.max_position_embeddings, **_rope_fields(rope), "num_hidden_layers": 1,
+            "vocab_size": self.vocab_size, "tie_word_embeddings": False,
+        }
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if getattr(config, name, None) is not None:
+                fields[name] = getattr(config, name)
+        if self.feature_kind == EAGLE3:
+            fields.update(draft_vocab_size=self.draft_vocab_size,
+                          target_hidden_size=self.feature_size // len(self.aux_layer_ids),
+                          eagle_config={"use_aux_hidden_state": True,
+                                        "eagle_aux_hidden_state_layer_ids": [i - 1 for i in self.aux_layer_ids]})
+        else:
+            fields["bias"] = self.fc.bias is not None
+            if self.layer.self_attn.q_proj.bias is not None:
+                fields["qkv_bias"] = True
+        fields["torch_dtype"] = str(dtype or self.dtype).removeprefix("torch.")
+        tensors = {_published_name(name, self.feature_kind): tensor.detach().to("cpu", dtype or tensor.dtype)
+                   .contiguous() for name, tensor in self.state_dict().items()}
+        if self.feature_kind == EAGLE3 and self.target_ids is not None:
+            target_ids = self.target_ids.to("cpu", torch.long)
+            tensors["d2t"] = target_ids - torch.arange(target_ids.numel())
+            tensors["t2d"] = torch.zeros(self.vocab_size, dtype=torch.bool).index_fill_(0, target_ids, True)
+        from safetensors.torch import save_file
+
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, CONFIG_NAME), "w", encoding="utf-8") as file:
+            json.dump(fields, file, indent=2)
+        save_file(tensors, os.path.join(directory, WEIGHTS_NAMES[0]), metadata={"format": "pt"})
+        return os.fspath(directory)
+
     # -- the model surface (what SlotCache and the loop read) --------------------------------------------------------
 
     @property
@@ -632,3 +750,23 @@ def check_width(name: str, features: torch.Tensor, width: int, input_ids: torch.
     if features.shape != (*input_ids.shape, width):
         raise ValueError(f"`{name}` has shape {tuple(features.shape)}, expected {(*input_ids.shape, width)} "
                          "(input_ids' shape plus the feature width)")
+
+
+# -- writing checkpoints (EagleDraft.for_target, EagleDraft.save_pretrained) ----------------------------------------
+
+
+def _published_name(name: str, kind: str) -> str:
+    """A head parameter's name in the published checkpoint (``layer.*`` -> ``midlayer.*`` / ``layers.0.*``)."""
+    return LAYER_PREFIXES[kind] + name[len("layer."):] if name.startswith("layer.") else name
+
+
+def _rope_fields(rope: dict | None) -> dict:
+    """transformers' ``rope_parameters`` as published config.json keys: ``rope_theta``, and ``rope_scaling`` for a
+    scaled RoPE (the full-attention layers' for configs that hold one per layer type)."""
+    if not isinstance(rope, dict):
+        return {}
+    rope = rope.get("full_attention", rope)
+    fields = {"rope_theta": rope["rope_theta"]} if rope.get("rope_theta") is not None else {}
+    if rope.get("rope_type", "default") != "default":
+        fields["rope_scaling"] = {key: value for key, value in rope.items() if key != "rope_theta"}
+    return fields
