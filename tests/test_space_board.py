@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "space"))
 
 import tetris_hf  # noqa: E402,F401
 from tetris_board import (  # noqa: E402
-    ACCEPTED, FINISHED, LABEL_WIDTH, NOT_SELECTED, PITCH, REJECTED, BoardTrace, board_cells, render_board,
-    short_probability, step_summary,
+    ACCEPTED, FINISHED, LABEL_WIDTH, LOOKUP, NOT_DRAFTED, NOT_SELECTED, PITCH, REJECTED, BoardTrace, board_cells,
+    render_board, short_probability, step_summary,
 )
+from tetris_runs import step_cells  # noqa: E402
 from tiny_models import left_pad, noisy_copy, random_prompts, sharpen, tiny_llama  # noqa: E402
 
 
@@ -32,7 +35,8 @@ def test_cells_are_accepted_then_rejected_then_not_selected():
         [FINISHED] * 5,
         [ACCEPTED] * 5,
     ]
-    assert step_summary(stats, 0) == {"active_rows": 3, "num_drafted": 5, "budget": 8, "verified": 8, "accepted": 6}
+    assert step_summary(stats, 0) == {"active_rows": 3, "num_drafted": 5, "drafted": 15, "budget": 8, "verified": 8,
+                                      "accepted": 6}
 
 
 def test_cells_of_a_real_tetris_run_respect_the_budget_and_match_the_counts():
@@ -107,3 +111,83 @@ def test_trace_leaves_out_steps_that_drafted_nothing():
     trace = BoardTrace.from_stats("adaptive", 2, stats, survival)
     assert trace.num_drafted_per_step == [2, 3] and trace.budget_per_step == [4, 6]
     assert trace.accepted_per_step == [[1, 2], [3, 0]] and trace.survival_per_step[1] == [[0.9] * 3, [0.5] * 3]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Prompt lookup: rows draft fewer than K cells, or none where nothing matched
+
+
+def test_rows_that_drafted_fewer_cells_show_the_rest_as_not_drafted():
+    stats = stats_like([4], [6], [[0, 2, 3, -1]], [[0, 2, 1, -1]])
+    drafted = [0, 2, 4, None]  # no match; a match two tokens before the row's end; a full window; finished
+    assert board_cells(stats, 0, drafted) == [
+        [NOT_DRAFTED] * 4,
+        [ACCEPTED, ACCEPTED, NOT_DRAFTED, NOT_DRAFTED],
+        [ACCEPTED, REJECTED, REJECTED, NOT_SELECTED],
+        [FINISHED] * 4,
+    ]
+    assert step_summary(stats, 0, drafted)["drafted"] == 6 and step_summary(stats, 0)["drafted"] == 12
+
+
+def test_lookup_board_draws_rows_without_a_match_without_scores():
+    stats = stats_like([0, 4], [0, 6], [[0, 0, 0], [0, 2, 3]], [[0, 0, 0], [0, 2, 1]])
+    survival = [[[], [], []], [[], [0.5, 0.4], [0.6, 0.5, 0.4, 0.3]]]
+    trace = BoardTrace.from_stats("TETRIS", 4, stats, survival, drafted=[[0, 0, 0], [0, 2, 4]], draft=LOOKUP)
+    assert trace.steps == 1 and trace.drafted_per_step == [[0, 2, 4]]  # the prompt step is left out
+    page = render_board(trace, 1)
+    kinds = re.findall(r'class="board-cell ([a-z-]+)"', page)
+    assert kinds.count(NOT_DRAFTED) == 4 + 2 and kinds.count(ACCEPTED) == 3 and kinds.count(NOT_SELECTED) == 1
+    assert page.count(">no match<") == 1 and ">2/2 accepted<" in page
+    assert "(prompt lookup)" in page and "4 per row at most, 6 drafted" in page
+    assert "not drafted (no match in the prompt)" in page  # in the legend
+    assert "estimated chance of acceptance 0.50" in page and "cumulative draft probability" not in page
+    assert page.count('font-size="10"') == 6  # a score on each of the 6 drafted cells, none on the others
+    model = render_board(BoardTrace.from_stats("TETRIS", 4, stats, survival), 1)
+    assert "no match in the prompt" not in model and NOT_DRAFTED not in model
+
+
+def test_step_cells_cut_each_rows_scores_at_the_cells_it_drafted():
+    """A lookup step record: row 2 matched nothing (confidences -inf), row 0 drafted 2 of K = 3, row 1 is done."""
+    record = SimpleNamespace(
+        rows=torch.tensor([0, 2]), num_drafted=3, drafted_lengths=torch.tensor([2, 0]),
+        token_log_probs=torch.tensor([[math.log(0.5), math.log(0.8), math.log(0.9)], [-math.inf] * 3]),
+    )
+    survival, drafted = step_cells(record, 3)
+    assert drafted == [2, None, 0]
+    assert survival == [[0.5, 0.4], None, []]
+    # a draft model's record (no per-row counts in older strategy exports): every row drafted K
+    model = SimpleNamespace(rows=torch.tensor([1]), num_drafted=2, token_log_probs=torch.tensor([[0.0, 0.0]]))
+    assert step_cells(model, 2) == ([None, [1.0, 1.0]], [None, 2])
+
+
+def test_cells_of_a_real_lookup_run_count_what_was_drafted_and_respect_the_budget():
+    """Prompt lookup through the library on tiny models: rows 0-2 repeat themselves (matches), row 3 never repeats a
+    token (no match until it generates one it had): the board's drafted cells add up to ``drafted_tokens``."""
+    target = sharpen(tiny_llama(seed=0), 6.0)
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 9, 10, 9, 10, 9], [11, 12, 13, 11, 12, 13, 11],
+               [20, 21, 22, 23, 24, 25]]
+    input_ids, mask = left_pad(prompts)
+    cells_per_step = []
+    out = target.generate(input_ids, attention_mask=mask, custom_generate="tetris", prompt_lookup_num_tokens=3,
+                          tetris_extra_tokens=2, max_new_tokens=16, do_sample=False, return_dict_in_generate=True,
+                          tetris_step_callback=lambda record, loop: cells_per_step.append(step_cells(record, 4)))
+    stats = out.tetris_stats
+    survival = [step[0] for step in cells_per_step]
+    drafted = [step[1] for step in cells_per_step]
+    trace = BoardTrace.from_stats("TETRIS", 3, stats, survival, drafted, draft=LOOKUP)
+    assert trace.steps > 1
+    total = verified = accepted = 0
+    for step in range(trace.steps):
+        cells = board_cells(trace, step, trace.drafted_per_step[step])
+        selected = sum(kind in (ACCEPTED, REJECTED) for row in cells for kind in row)
+        assert selected <= trace.budget_per_step[step]
+        total += sum(kind not in (NOT_DRAFTED, FINISHED) for row in cells for kind in row)
+        verified += selected
+        accepted += sum(kind == ACCEPTED for row in cells for kind in row)
+        scores = trace.survival_per_step[step]
+        assert all(row is None or len(row) == count for row, count in zip(scores, trace.drafted_per_step[step]))
+        assert all(0 < score <= 1 for row in scores if row for score in row)  # -inf (no match) never shown
+    assert (total, verified, accepted) == (stats.drafted_tokens, stats.verified_tokens, stats.accepted_tokens)
+    assert any(kind == NOT_DRAFTED for step in range(trace.steps)
+               for row in board_cells(trace, step, trace.drafted_per_step[step]) for kind in row)
+    assert "board-cell not-drafted" in render_board(trace, 1)

@@ -1,6 +1,6 @@
 """The Space demo (examples/space/app.py) driven in headless Chromium: a 4-prompt batch, the four outputs, their
 metrics, the device, the board and its step slider, the greedy check mark, the empty-prompt and cancel messages; a
-screenshot.
+screenshot; and a prompt-lookup batch on Code edit presets (which needs a strategy/ export that has prompt lookup).
 
 Runs on tiny random models and the tiny tokenizer (seconds). With ``TETRIS_SPACE_REAL=1`` it uses the offline
 default pair of this checkout instead (``app.load_models(offline=True)``; about two minutes on a CPU;
@@ -257,3 +257,33 @@ def test_outputs_stream_and_stop_cancels_the_run_with_a_message(app_url, browser
     browser.find_element(By.CSS_SELECTOR, "#stop").click()
     _wait(browser, lambda d: "cancelled" in _text(d, "#status"), 60, "the cancel message")
     assert "Run cancelled" in _text(browser, "#status")
+
+
+@pytest.mark.skipif(REAL, reason="the lookup batch is checked on tiny models")
+def test_prompt_lookup_on_code_edit_presets(app_url, browser):
+    from selenium.webdriver.common.by import By
+
+    _open(browser, app_url)
+    code_edit = "li[role=option][aria-label='Code edit']"
+    browser.find_element(By.CSS_SELECTOR, "#preset input").click()
+    _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, code_edit), 20, "the preset list")
+    browser.find_element(By.CSS_SELECTOR, code_edit).click()
+    _set_number(browser, "preset-count", 2)
+    browser.find_element(By.CSS_SELECTOR, "#load-preset").click()
+    box = browser.find_element(By.CSS_SELECTOR, "#prompts textarea")
+    _wait(browser, lambda d: box.get_attribute("value").count("```python") == 2, 20, "two Code edit prompts")
+    assert "\n---\n" in box.get_attribute("value")
+    browser.find_element(By.XPATH, "//*[@id='draft']//label[contains(., 'prompt lookup')]").click()
+    _set_number(browser, "max-new-tokens", 16)
+    browser.find_element(By.CSS_SELECTOR, "#run").click()
+    _wait(browser, lambda d: "✓" in _text(d, "#greedy-check") or "✗" in _text(d, "#greedy-check"),
+          RUN_TIMEOUT, "the greedy check after the four lookup runs")
+
+    assert "✓" in _text(browser, "#greedy-check"), _text(browser, "#greedy-check")
+    assert "drafts from prompt lookup" in _text(browser, "#status"), _text(browser, "#status")
+    for strategy in ("generate", "fixed", "tetris", "adaptive"):
+        assert len(browser.find_elements(By.CSS_SELECTOR, f"#outputs-{strategy} ol.run-outputs li")) == 2
+    assert "(prompt lookup)" in _text(browser, "#board .board-heading")
+    kinds = {cell.get_attribute("class").split()[-1]
+             for cell in browser.find_elements(By.CSS_SELECTOR, "#board rect.board-cell")}
+    assert kinds and kinds <= {"accepted", "rejected", "not-selected", "not-drafted", "finished"}, kinds

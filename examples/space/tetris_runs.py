@@ -5,7 +5,8 @@
   ``"adaptive"``) through the strategy's Hub folder (:data:`STRATEGY_SOURCE`: the copy in ``strategy/`` next to this
   file, or the Hub id in ``$TETRIS_SPACE_STRATEGY``), loaded by transformers as ``custom_generate=...,
   trust_remote_code=True``; ``tetris_step_callback`` copies every row's tokens and the step's board cells after
-  each step.
+  each step. The drafts come from the draft model (``assistant_model``) or, with ``Settings(draft=LOOKUP)``, from
+  each row's own prompt and output (``prompt_lookup_num_tokens=k``, no draft model).
 - :func:`run_all`: the four in turn on one worker thread (one at a time, so each gets the whole CPU/GPU and its
   tokens/s is its own); :func:`stream_runs` runs them and yields copies of their progress, which is what the page
   calls (through ZeroGPU's decorator on a ZeroGPU Space, where it runs in another process).
@@ -29,12 +30,14 @@ from pathlib import Path
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from tetris_board import BoardTrace
+from tetris_board import LOOKUP, MODEL_DRAFT, BoardTrace
 
 PLAIN, FIXED, TETRIS, ADAPTIVE = "generate", "fixed", "tetris", "adaptive"
 STRATEGIES = (PLAIN, FIXED, TETRIS, ADAPTIVE)
 SPECULATIVE = (FIXED, TETRIS, ADAPTIVE)
 TITLES = {PLAIN: "plain generate()", FIXED: "fixed-k speculative", TETRIS: "TETRIS", ADAPTIVE: "adaptive"}
+# Where the drafts come from: the draft model, or prompt lookup (each row copies from its own prompt and output)
+DRAFTS = {MODEL_DRAFT: "the draft model", LOOKUP: "prompt lookup"}
 # The strategy: this Space's copy of the Hub folder, or a Hub repository id given in the Space's variables.
 STRATEGY_SOURCE = os.environ.get("TETRIS_SPACE_STRATEGY") or str(Path(__file__).resolve().parent / "strategy")
 
@@ -45,9 +48,11 @@ class RunCancelled(Exception):
 
 @dataclass(frozen=True)
 class Settings:
-    """The controls: ``k`` draft window, ``extra`` TETRIS's extra proposals ``e``, ``budget`` ``C`` (0: ``k`` x
-    active rows), ``temperature`` (0: greedy), ``max_new_tokens``, ``seed`` (sampling)."""
+    """The controls: ``draft`` (:data:`MODEL_DRAFT` or :data:`LOOKUP`), ``k`` draft window, ``extra`` TETRIS's
+    extra proposals ``e``, ``budget`` ``C`` (0: ``k`` x active rows), ``temperature`` (0: greedy),
+    ``max_new_tokens``, ``seed`` (sampling)."""
 
+    draft: str = MODEL_DRAFT
     k: int = 4
     extra: int = 2
     budget: int = 0
@@ -55,9 +60,17 @@ class Settings:
     max_new_tokens: int = 48
     seed: int = 0
 
+    def __post_init__(self):
+        if self.draft not in DRAFTS:
+            raise ValueError(f"draft must be one of {tuple(DRAFTS)}, got {self.draft!r}")
+
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0
+
+    @property
+    def lookup(self) -> bool:
+        return self.draft == LOOKUP
 
     def sampling_kwargs(self) -> dict:
         if self.greedy:
@@ -67,8 +80,10 @@ class Settings:
     def speculative_kwargs(self, strategy: str) -> dict:
         """The strategy's ``generate()`` options for ``strategy`` (``"fixed"``, ``"tetris"`` or ``"adaptive"``).
 
-        ``adaptive`` drafts up to ``k + e`` per row and picks ``C`` each step, with the budget as its cap."""
-        options = {"tetris_strategy": strategy, "num_assistant_tokens": self.k}
+        ``adaptive`` drafts up to ``k + e`` per row and picks ``C`` each step, with the budget as its cap. With prompt
+        lookup, ``k`` is ``prompt_lookup_num_tokens`` (the strategy's window; ``generate()`` gets no draft model)."""
+        window = "prompt_lookup_num_tokens" if self.lookup else "num_assistant_tokens"
+        options = {"tetris_strategy": strategy, window: self.k}
         if strategy in (TETRIS, ADAPTIVE):
             options["tetris_extra_tokens"] = self.extra
             if self.budget > 0:
@@ -112,17 +127,22 @@ class LiveRun:
 
     ``state``: ``waiting`` | ``running`` | ``done`` | ``cancelled`` | ``error``. ``rows[i]``: request ``i``'s
     generated tokens so far. ``stats``: a :class:`RunStats` copy of the loop's statistics (speculative runs).
-    ``survival``: per step, each row's cumulative draft probabilities (``None`` for finished rows). ``device``: what
-    the run ran on, in words.
+    ``survival``: per step, each row's cumulative confidence at each cell it drafted (``None`` for finished rows):
+    the draft model's cumulative probability, or with prompt lookup the product of the online acceptance estimates;
+    a row that drafted fewer cells than the step's ``K`` (a lookup row without a match drafts none) has fewer
+    scores. ``drafted``: per step, the cells each row drafted (``None`` for finished rows). ``draft``:
+    :data:`MODEL_DRAFT` or :data:`LOOKUP`. ``device``: what the run ran on, in words.
     """
 
     strategy: str
+    draft: str = MODEL_DRAFT
     state: str = "waiting"
     rows: list[list[int]] = field(default_factory=list)
     started: float | None = None
     ended: float | None = None
     stats: RunStats | None = None
     survival: list = field(default_factory=list)
+    drafted: list = field(default_factory=list)
     message: str = ""
     device: str = ""
 
@@ -144,13 +164,15 @@ class LiveRun:
         """A copy that later progress of the run does not change (times frozen at this moment if still running)."""
         ended = self.ended if self.ended is not None or self.started is None else time.perf_counter()
         return dataclasses.replace(self, rows=[list(row) for row in self.rows], ended=ended,
-                                   stats=copy.deepcopy(self.stats), survival=list(self.survival))
+                                   stats=copy.deepcopy(self.stats), survival=list(self.survival),
+                                   drafted=list(self.drafted))
 
     def board(self, num_assistant_tokens: int) -> BoardTrace | None:
         """A snapshot of this run's board so far (``None`` for plain generate or before the first step)."""
         if self.stats is None:
             return None
-        return BoardTrace.from_stats(TITLES[self.strategy], num_assistant_tokens, self.stats, self.survival)
+        return BoardTrace.from_stats(TITLES[self.strategy], num_assistant_tokens, self.stats, self.survival,
+                                     self.drafted, draft=self.draft)
 
 
 class BatchStreamer(BaseStreamer):
@@ -238,19 +260,43 @@ def run_plain(target, tokenizer, batch: dict, settings: Settings, live: LiveRun,
     live.rows = generated_tokens(sequences, batch["input_ids"].shape[1], eos)
 
 
+def step_cells(record, batch_size: int) -> tuple[list[list[float] | None], list[int | None]]:
+    """What the board needs of one step record, per original row (``None`` for rows no longer active):
+
+    - the cumulative confidence of each cell the row drafted (``exp`` of the running sum of ``token_log_probs``),
+      cut at the cells it drafted (no scores where the record has no confidences);
+    - the cells it drafted: ``K`` with a draft model; with prompt lookup fewer where the match was short, and none
+      where nothing matched (its confidences are ``-inf``).
+    """
+    rows = record.rows.tolist()
+    lengths = getattr(record, "drafted_lengths", None)  # the strategy's per-row counts (older exports: all K)
+    lengths = lengths.tolist() if lengths is not None else [record.num_drafted] * len(rows)
+    if record.token_log_probs is None:
+        scores = [[] for _ in rows]
+    else:
+        scores = record.token_log_probs.float().cumsum(dim=-1).exp().tolist()
+    survival: list[list[float] | None] = [None] * batch_size
+    drafted: list[int | None] = [None] * batch_size
+    for row, row_scores, count in zip(rows, scores, lengths):
+        survival[row], drafted[row] = [round(score, 4) for score in row_scores[:count]], count
+    return survival, drafted
+
+
 def run_speculative(target, draft, tokenizer, batch: dict, settings: Settings, strategy: str, live: LiveRun,
                     stop: threading.Event, strategy_source: str = STRATEGY_SOURCE) -> None:
-    """Batched speculative decoding with ``tetris_strategy=strategy``, streamed into ``live`` step by step.
+    """Batched speculative decoding with ``tetris_strategy=strategy``, streamed into ``live`` step by step; the
+    drafts from ``draft`` (the draft model), or with ``settings.draft == LOOKUP`` by prompt lookup (``draft`` unused,
+    may be ``None``).
 
     ``strategy_source``: the Hub folder (local path or repository id) transformers loads the strategy from."""
     eos = eos_token_ids(target)
     width = batch["input_ids"].shape[1]
+    live.draft = settings.draft
 
     def on_step(record, loop) -> None:
-        survival = [None] * loop.batch_size
-        for row, scores in zip(record.rows.tolist(), record.token_log_probs.float().cumsum(dim=-1).exp().tolist()):
-            survival[row] = [round(score, 4) for score in scores]
+        survival, drafted = step_cells(record, loop.batch_size)
         live.survival.append(survival)
+        live.drafted.append(drafted)
         live.stats = RunStats.copy_of(loop.stats)
         live.rows = [tokens[width:] for tokens in loop.partial_outputs()]
         if stop.is_set():
@@ -258,8 +304,9 @@ def run_speculative(target, draft, tokenizer, batch: dict, settings: Settings, s
 
     torch.manual_seed(settings.seed)
     live.state, live.started = "running", time.perf_counter()
+    drafter = {} if settings.lookup else {"assistant_model": draft}
     result = target.generate(
-        **batch, **_common_kwargs(tokenizer, settings), assistant_model=draft, custom_generate=strategy_source,
+        **batch, **_common_kwargs(tokenizer, settings), **drafter, custom_generate=strategy_source,
         trust_remote_code=True, return_dict_in_generate=True, tetris_step_callback=on_step,
         **settings.speculative_kwargs(strategy),
     )
@@ -272,9 +319,10 @@ _warm: set[int] = set()
 
 
 def warm_up(target, draft, batch: dict) -> None:
-    """One short forward of each model, once per model, so the first timed run does not pay one-time start-up."""
+    """One short forward of each model, once per model, so the first timed run does not pay one-time start-up.
+    ``draft`` ``None``: the target only (prompt lookup)."""
     for model in (target, draft):
-        if id(model) not in _warm:
+        if model is not None and id(model) not in _warm:
             with torch.inference_mode():
                 model(input_ids=batch["input_ids"][:, -2:], attention_mask=batch["attention_mask"][:, -2:])
             _warm.add(id(model))
@@ -283,12 +331,13 @@ def warm_up(target, draft, batch: dict) -> None:
 def run_all(target, draft, tokenizer, prompts: list[str], settings: Settings, runs: dict[str, LiveRun],
             stop: threading.Event, strategy_source: str = STRATEGY_SOURCE) -> None:
     """Plain, fixed-k, TETRIS and adaptive in turn on the same batch; each outcome lands in its ``LiveRun``'s state.
+    The speculative runs draft with ``draft``, or by prompt lookup when ``settings.draft == LOOKUP``.
 
     A cancelled run keeps what it had produced; the runs after it stay ``waiting``. An error in one run is recorded
     in its ``message`` and the next run still starts.
     """
     batch = encode_prompts(tokenizer, prompts, target.device)
-    warm_up(target, draft, batch)
+    warm_up(target, None if settings.lookup else draft, batch)
     for strategy in STRATEGIES:
         live = runs[strategy]
         live.device = device_name(target.device)
