@@ -13,6 +13,7 @@ import torch
 
 from .kv import SlotCache
 from .logits import PositionwiseLogitsProcessor, sample_tokens, vocab_argmax
+from .candidate_generators_drafter import Proposal
 
 
 class BatchedDraftCandidateGenerator:
@@ -80,7 +81,7 @@ class BatchedDraftCandidateGenerator:
     def propose(
         self, sequences: torch.Tensor, lengths: torch.Tensor, num_tokens: int, rows: torch.Tensor | None = None,
         confidences: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    ) -> Proposal:
         """Draft ``num_tokens`` tokens after each row, writing them into ``sequences`` past ``lengths``.
 
         Args:
@@ -93,20 +94,21 @@ class BatchedDraftCandidateGenerator:
             confidences: compute ``token_log_probs`` (else ``None``: greedy drafting then takes no softmax).
 
         Returns:
-            draft_tokens: ``(B, K)``.
-            token_log_probs: ``(B, K)`` (``None`` without ``confidences``) the draft's confidence at each position,
+            A :class:`~.drafter.Proposal`, every row drafting all ``K`` cells:
+            tokens: ``(B, K)``.
+            log_probs: ``(B, K)`` (``None`` without ``confidences``) the draft's confidence at each position,
                 ``log max_x q(x)`` under the processed draft distribution: the drafted token's ``log q`` when greedy
                 (it is the argmax), and when sampling a number that does not depend on which token was drawn.
                 Selection ranks cells by it, and a ranking by the drawn token's own probability would verify likely
                 draws more often than unlikely ones, which biases the output (see
                 ``tests/test_sampling_distribution.py``).
-            draft_probs: ``(B, K, V)`` the processed draft distributions (only when sampling, else ``None``).
+            probs: ``(B, K, V)`` the processed draft distributions (only when sampling, else ``None``).
         """
         batch_size = sequences.shape[0]
         self._last_num_drafted = num_tokens
         if num_tokens == 0:
             empty = torch.empty(batch_size, 0, device=sequences.device)
-            return empty.long(), (empty if confidences else None), None
+            return Proposal(empty.long(), (empty if confidences else None), None)
         rows = torch.arange(batch_size, device=sequences.device) if rows is None else rows
         # Processors that read the tokens so far must see each draft before scoring the next; for the others the
         # drafts are written in one go at the end.
@@ -114,7 +116,7 @@ class BatchedDraftCandidateGenerator:
         tokens, mask = self.pending_tokens, (None if self.pending_real else self.pending_mask)
         draft_tokens, token_log_probs, draft_probs = [], [], []
         for step in range(num_tokens):  # every tensor (B, 1, ...): one position per row
-            logits = self.slots.forward(self.assistant_model, tokens, mask, logits_to_keep=1, step=True)
+            logits = self._draft_forward(step, tokens, mask)
             scores = self.logits_processor(sequences, lengths, logits, rows, offset=step)
             log_probs = scores.log_softmax(dim=-1) if confidences or self.do_sample else None
             if self.do_sample:
@@ -126,29 +128,45 @@ class BatchedDraftCandidateGenerator:
             if write_each:
                 sequences.scatter_(1, lengths[:, None] + step, next_tokens)
             draft_tokens.append(next_tokens)
-            if confidences:  # amax: max(dim) would also find indices (10x slower on CPU)
+            if confidences:  # amax: max(dim) would also find the indices, which nothing reads
                 token_log_probs.append(log_probs.amax(dim=-1))
             tokens, mask = next_tokens, None  # the draft's own token: real in every row
         self._last_draft = next_tokens
         drafts = torch.cat(draft_tokens, dim=1)
         if not write_each:
             sequences.scatter_(1, lengths[:, None] + self.slots.offsets[:num_tokens], drafts)
-        return (
+        return Proposal(
             drafts,
             torch.cat(token_log_probs, dim=1) if confidences else None,
             torch.cat(draft_probs, dim=1) if self.do_sample else None,
         )
 
-    def accept(self, num_accepted: torch.Tensor, next_tokens: torch.Tensor, max_accepted: int | None = None) -> None:
+    def _draft_forward(self, step: int, tokens: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Draft step ``step``'s forward: the pending block (step 0) or the last draft, ``(B, P or 1)``; returns the
+        ``(B, 1, V)`` logits after the block's last token."""
+        return self.slots.forward(self.assistant_model, tokens, mask, logits_to_keep=1, step=True)
+
+    def feature_tap(self, target: torch.nn.Module) -> None:
+        """A draft model reads tokens only: nothing of the target's forwards."""
+        return None
+
+    def accept(self, num_accepted: torch.Tensor, next_tokens: torch.Tensor, verify_lengths: torch.Tensor | None = None,
+               max_accepted: int | None = None, cached_longest: int | None = None, features=None) -> None:
         """Roll the draft cache back to what the target accepted, and queue the tokens the draft has not read.
 
         Args:
             num_accepted: ``(B,)`` drafts of the last proposal the target accepted.
             next_tokens: ``(B,)`` the target's token after them.
+            verify_lengths: ``(B,)`` cells the target verified (not needed here: the accepted ones say it all).
             max_accepted: an upper bound on ``num_accepted`` known on the host (the longest verified block), if any:
                 below ``K`` no row accepted its last draft, so only the target's token waits (a one-column block,
                 no device read).
+            cached_longest: the most real tokens any row held in the cache when the loop last read
+                :meth:`live_lengths` (bounds what repacking keeps; ``None``: not read this step).
+            features: the target's features (drafters with a :meth:`feature_tap` only).
         """
+        if cached_longest is not None:
+            self.slots.note_longest(cached_longest)
         drafted = self._last_num_drafted
         if self._ones is None:
             self._ones = torch.ones_like(next_tokens[:, None])
@@ -171,11 +189,15 @@ class BatchedDraftCandidateGenerator:
             self.pending_real = False
         self.slots.compact()
 
-    def pending_width(self) -> torch.Tensor:
+    def live_lengths(self) -> torch.Tensor:
+        """``(B,)`` real tokens the draft's cache holds per row (see :meth:`~tetris_hf.kv.SlotCache.live_lengths`)."""
+        return self.slots.live_lengths()
+
+    def pending_width(self) -> torch.Tensor | None:
         """A 0-d device tensor: the most pending tokens any row holds (the block is left-packed, so the columns
-        before the last this-many are filler in every row). Read it with another read and pass it to
-        :meth:`trim_pending`."""
-        return self.pending_mask.sum(dim=1).max()
+        before the last this-many are filler in every row); ``None`` when every pending token is real (nothing to
+        trim). Read it with another read and pass it to :meth:`trim_pending`."""
+        return None if self.pending_real else self.pending_mask.sum(dim=1).max()
 
     def trim_pending(self, width: int) -> None:
         """Keep the last ``width`` columns of the pending block (what :meth:`pending_width` was): the draft's next

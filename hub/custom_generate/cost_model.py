@@ -293,6 +293,15 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+def _feature_inputs(model, input_ids: torch.Tensor) -> dict:
+    """What a draft that reads features (an EAGLE head) takes besides tokens, to time it: zero features of its own
+    width, as a drafted step reads them."""
+    if getattr(model, "feature_kind", None) is None:
+        return {}
+    hidden = model.config.hidden_size
+    return {"draft_features": torch.zeros(*input_ids.shape, hidden, dtype=model.dtype, device=input_ids.device)}
+
+
 def _timed_forwards(model, rows: int, tokens_list: Sequence[int], context: int, repeats: int,
                     logits_to_keep: int = 0) -> dict[int, float]:
     """Fastest of ``repeats`` forwards over ``rows`` x ``L`` new tokens on a ``context``-token KV cache, in ms, for
@@ -306,7 +315,7 @@ def _timed_forwards(model, rows: int, tokens_list: Sequence[int], context: int, 
     prompt = torch.randint(min(3, vocab - 1), vocab, (rows, context), generator=generator).to(device)
     cache = DynamicCache()
     with torch.no_grad():
-        model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1, **_feature_inputs(model, prompt))
         results = {}
         for tokens in tokens_list:
             block = torch.randint(min(3, vocab - 1), vocab, (rows, tokens), generator=generator).to(device)
@@ -318,7 +327,7 @@ def _timed_forwards(model, rows: int, tokens_list: Sequence[int], context: int, 
                 _sync(device)
                 start = time.perf_counter()
                 out = model(input_ids=block, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                            use_cache=True, logits_to_keep=logits_to_keep)
+                            use_cache=True, logits_to_keep=logits_to_keep, **_feature_inputs(model, block))
                 out.logits.float().log_softmax(dim=-1)  # the loop turns every kept logit row into log-probs
                 _sync(device)
                 if attempt or not warm_up:
@@ -328,10 +337,14 @@ def _timed_forwards(model, rows: int, tokens_list: Sequence[int], context: int, 
     return results
 
 
-def measure_profile(model: torch.nn.Module, assistant_model: torch.nn.Module, *, rows: Sequence[int],
+LOOKUP_DRAFT_MS = 0.01  # prompt lookup's draft "forward": a few tensor operations, near zero next to a forward
+
+
+def measure_profile(model: torch.nn.Module, assistant_model: torch.nn.Module | None, *, rows: Sequence[int],
                     tokens: Sequence[int], context: int = 32, repeats: int = 2,
                     skip: CostProfile | None = None) -> CostProfile:
-    """Time the target over ``rows`` x ``tokens`` and the draft over ``rows`` x 1 on real KV caches.
+    """Time the target over ``rows`` x ``tokens`` and the draft over ``rows`` x 1 on real KV caches
+    (``assistant_model=None``: prompt lookup, whose draft cost is taken as :data:`LOOKUP_DRAFT_MS`, corrected online).
 
     Each row count gets one warm-up forward, then every shape runs ``repeats`` times (the fastest is kept). Cells
     already in ``skip`` are not measured again. On 2 quiet CPU cores the SmolLM2-135M pair over rows {1, 4, 16, 32}
@@ -343,14 +356,15 @@ def measure_profile(model: torch.nn.Module, assistant_model: torch.nn.Module, *,
         if missing:
             target.update({(r, t): ms for t, ms in _timed_forwards(model, r, missing, context, repeats).items()})
         if skip is None or r not in skip.draft:
-            draft[r] = _timed_forwards(assistant_model, r, [1], context, repeats, logits_to_keep=1)[1]
+            draft[r] = (LOOKUP_DRAFT_MS if assistant_model is None
+                        else _timed_forwards(assistant_model, r, [1], context, repeats, logits_to_keep=1)[1])
     if skip is not None:
         return skip.merged(CostProfile(target or dict(skip.target), draft or dict(skip.draft)))
     device = _model_device(model)
     meta = {
         "source": "measured",
         "target": _model_name(model),
-        "draft": _model_name(assistant_model),
+        "draft": "prompt lookup" if assistant_model is None else _model_name(assistant_model),
         "device": str(device),
         "dtype": str(next(model.parameters()).dtype),
         "threads": torch.get_num_threads(),
@@ -375,10 +389,12 @@ def _config_hash(model) -> str:
     return hashlib.sha1(model.config.to_json_string(use_diff=False).encode()).hexdigest()[:16]
 
 
-def profile_key(model: torch.nn.Module, assistant_model: torch.nn.Module) -> str:
-    """What a measured profile depends on: both architectures, device, dtype, torch version and CPU threads."""
+def profile_key(model: torch.nn.Module, assistant_model: torch.nn.Module | None) -> str:
+    """What a measured profile depends on: both architectures (``None``: prompt lookup), device, dtype, torch version
+    and CPU threads."""
     parts = [
-        _config_hash(model), _config_hash(assistant_model), str(_model_device(model)),
+        _config_hash(model), "prompt-lookup" if assistant_model is None else _config_hash(assistant_model),
+        str(_model_device(model)),
         str(next(model.parameters()).dtype), torch.__version__, str(torch.get_num_threads()),
     ]
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:20]
@@ -402,7 +418,7 @@ def profile_cache_dir() -> Path:
 _MEMORY_CACHE: dict[str, CostProfile] = {}
 
 
-def cost_model_for(model: torch.nn.Module, assistant_model: torch.nn.Module, *, num_rows: int, max_tokens: int,
+def cost_model_for(model: torch.nn.Module, assistant_model: torch.nn.Module | None, *, num_rows: int, max_tokens: int,
                    source: "str | os.PathLike | Mapping | CostProfile | None" = None,
                    use_disk: bool = True) -> StepCostModel:
     """The cost model of this pair: from ``source`` when given, else measured once and cached.

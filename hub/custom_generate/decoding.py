@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from transformers.cache_utils import StaticCache
@@ -18,6 +19,10 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from .candidate_generators import BatchedDraftCandidateGenerator
+from .candidate_generators_drafter import Drafter, Proposal
+from .candidate_generators_eagle import EagleDraft
+from .candidate_generators_eagle_drafter import EagleCandidateGenerator
+from .candidate_generators_prompt_lookup import DEFAULT_MAX_NGRAM_SIZE, BatchedPromptLookupCandidateGenerator
 from .candidate_generators_reduced_vocab import reduced_vocab_draft
 from .compiled import bucket, check_compilable, compiled_forward
 from .families import check_supported
@@ -36,13 +41,21 @@ def output_vocab_size(model: torch.nn.Module) -> int:
     return int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
 
 
-def check_pair(model: torch.nn.Module, assistant_model: torch.nn.Module | None) -> None:
-    """Refuse a missing draft, one whose vocabulary differs from the target's, and models the loop cannot serve
+def check_pair(model: torch.nn.Module, assistant_model: torch.nn.Module | None, options: TetrisOptions | None = None
+               ) -> None:
+    """Refuse a missing draft (unless ``options`` ask for prompt lookup, which needs none, and then refuse a draft),
+    one whose vocabulary differs from the target's, and models the loop cannot serve
     (:func:`~tetris_hf.families.check_supported`)."""
+    if options is not None and options.prompt_lookup_num_tokens is not None:
+        if assistant_model is not None:
+            raise ValueError("prompt lookup drafts from the rows' own tokens: pass either `prompt_lookup_num_tokens=` "
+                             "or `assistant_model=`, not both")
+        check_supported(model, "target")
+        return
     if assistant_model is None:
         raise ValueError(
-            "custom_generate='tetris' needs a draft model: pass `assistant_model=` (a small causal LM with the "
-            "target's tokenizer)"
+            "custom_generate='tetris' needs a draft: pass `assistant_model=` (a small causal LM with the target's "
+            "tokenizer) or `prompt_lookup_num_tokens=` (drafts copied from each row's own prompt and output)"
         )
     if not hasattr(assistant_model, "get_output_embeddings"):
         raise TypeError(f"`assistant_model` must be a transformers causal LM, got {type(assistant_model).__name__}")
@@ -98,6 +111,16 @@ def check_generation_config(generation_config, model_kwargs: dict) -> None:
         raise ValueError("tetris_hf starts from the prompt: passing a pre-filled `past_key_values` is not supported")
 
 
+class StepVerdict(NamedTuple):
+    """What the target's side of a step did, per active row (``(B_active,)``): drafts accepted, tokens kept
+    (accepted + the target's, fewer where a row stopped), rows now finished; and the step's measured seconds."""
+
+    num_accepted: torch.Tensor
+    emitted: torch.Tensor
+    stopped: torch.Tensor
+    seconds: StepSeconds | None
+
+
 @dataclass
 class StepRecord:
     """What one step did, per active row (shapes ``(B_active,)``; ``rows`` are original batch indices).
@@ -116,6 +139,14 @@ class StepRecord:
     num_accepted: torch.Tensor
     emitted: torch.Tensor
     seconds: StepSeconds = StepSeconds(0.0, 0.0, 0.0)
+    proposed: torch.Tensor | None = None  # (B_active,) cells each row drafted, where fewer than num_drafted
+
+    @property
+    def drafted_lengths(self) -> torch.Tensor:
+        """``(B_active,)`` cells each row drafted."""
+        if self.proposed is not None:
+            return self.proposed
+        return torch.full_like(self.verify_lengths, self.num_drafted)
 
 
 class BatchedSpeculativeLoop:
@@ -130,7 +161,7 @@ class BatchedSpeculativeLoop:
 
     Args:
         model: the target causal LM.
-        assistant_model: the draft causal LM (same vocabulary).
+        assistant_model: the draft causal LM (same vocabulary), or ``None`` for prompt lookup.
         input_ids: ``(B, T)`` left-padded prompts.
         attention_mask: ``(B, T)`` 0 on left padding.
         logits_processor, stopping_criteria, generation_config: as ``generate()`` prepared them.
@@ -141,7 +172,7 @@ class BatchedSpeculativeLoop:
     def __init__(
         self,
         model: torch.nn.Module,
-        assistant_model: torch.nn.Module,
+        assistant_model: torch.nn.Module | None,
         input_ids: torch.LongTensor,
         attention_mask: torch.Tensor,
         logits_processor: LogitsProcessorList,
@@ -160,7 +191,8 @@ class BatchedSpeculativeLoop:
         self.max_length = self.stopper.max_length
         self.do_sample = bool(generation_config.do_sample)
         self.streamer = streamer
-        assistant_model = reduced_vocab_draft(assistant_model, options.tetris_draft_vocab)  # the strategy profiles it too
+        if assistant_model is not None:
+            assistant_model = reduced_vocab_draft(assistant_model, options.tetris_draft_vocab)  # profiled too
         self.strategy = make_strategy(options, model, assistant_model, sampling=self.do_sample)
         self.step_callback = options.tetris_step_callback
         self.batch_size = batch_size
@@ -180,21 +212,36 @@ class BatchedSpeculativeLoop:
             return slots_needed(AttentionLayout.of(layout_model), prompt_length, self.max_length, block,
                                 options.tetris_max_holes)
 
-        self.drafter = BatchedDraftCandidateGenerator(
-            assistant_model, self.logits_processor, self.do_sample, max_holes=options.tetris_max_holes,
-            capacity=cache_capacity(assistant_model),
-        )
+        self.drafter: Drafter
+        if assistant_model is None:  # prompt lookup: the rows' own tokens are the draft
+            max_ngram = options.max_matching_ngram_size
+            self.drafter = BatchedPromptLookupCandidateGenerator(
+                DEFAULT_MAX_NGRAM_SIZE if max_ngram is None else max_ngram, options.tetris_min_ngram_size,
+                max_tokens=max(self.max_draft, 1))
+        else:
+            drafter_class = EagleCandidateGenerator if isinstance(assistant_model, EagleDraft) else \
+                BatchedDraftCandidateGenerator
+            self.drafter = drafter_class(
+                assistant_model, self.logits_processor, self.do_sample, max_holes=options.tetris_max_holes,
+                capacity=cache_capacity(assistant_model),
+            )
         self.target_slots = SlotCache(batch_size, device, options.tetris_max_holes, capacity=cache_capacity(model))
         self.prompt_mask = attention_mask
         self.prompt_read = False  # the first step reads the prompt and emits the first token, as generate() does
-        # lazy: the draft reads the prompt when it first drafts
+        # lazy: a draft model reads the prompt when it first drafts
         self.drafter.prefill(input_ids, attention_mask, all_real=bool(attention_mask.all()))
         self.compile = options.tetris_compile
         if self.compile:
+            if isinstance(assistant_model, EagleDraft):
+                raise ValueError("tetris_compile=True with an EAGLE head is not supported yet: the head reads the "
+                                 "target's hidden states through hooks, which a compiled forward does not run; use "
+                                 "tetris_compile=False")
             check_compilable(model, "target")
-            check_compilable(assistant_model, "draft")
             self.target_slots.step_forward = compiled_forward(model)
-            self.drafter.slots.step_forward = compiled_forward(assistant_model)
+            if assistant_model is not None:
+                check_compilable(assistant_model, "draft")
+                self.drafter.slots.step_forward = compiled_forward(assistant_model)
+        self.feature_tap = self.drafter.feature_tap(model)  # hooks on the target: what an EAGLE head reads (last)
 
         self.sequences = input_ids.new_full((batch_size, capacity), self.pad_value)
         self.sequences[:, :prompt_length] = input_ids
@@ -222,76 +269,91 @@ class BatchedSpeculativeLoop:
         """
         if not self.prompt_read:
             return self._read_prompt()
-        clock = self.clock
-        clock.mark("start")
-        lengths, rows = self.lengths, self.rows
-        done: dict = {}  # what the step's phases hand each other
+        self.clock.mark("start")
+        room = max(self.max_length - self.shortest - 1, 0)  # no row may verify more than this
+        drafted: list[Proposal] = []  # the draft phase's proposal, for the verify phase
+        verified: list[StepVerdict] = []
 
         def draft(num_drafted: int, needs_confidences: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
-            done["num_drafted"] = num_drafted
-            if num_drafted > 0:
-                clock.mark("catch_up_start")
-                self.drafter.catch_up()  # what it skipped during plain steps: a one-off, kept out of the timings
-                clock.mark("catch_up_end")
-            clock.mark("draft_start")
-            # The draft's confidences cost a softmax per draft token: only for plans and callbacks that read them.
-            done["drafts"], done["log_probs"], done["draft_probs"] = self.drafter.propose(
-                self.sequences, lengths, num_drafted, rows, needs_confidences or self.step_callback is not None)
-            clock.mark("draft_end")
-            if num_drafted == 0:  # a plain step: no row may verify anything
-                return done["log_probs"], torch.zeros_like(lengths)
-            if self.longest + num_drafted < self.max_length:  # no row is near its limit: each may verify all it drafted
-                return done["log_probs"], torch.full_like(lengths, num_drafted)
-            # a target token is always added
-            return done["log_probs"], (self.max_length - 1 - lengths).clamp_(min=0, max=num_drafted)
+            proposal, max_lengths = self._draft(num_drafted, needs_confidences)
+            drafted.append(proposal)
+            return proposal.log_probs, max_lengths
 
         def verify(verify_lengths: torch.Tensor) -> tuple[torch.Tensor, StepSeconds | None]:
-            if done["num_drafted"] == 0:
-                # Nothing to verify: the target reads each row's last token (no read, no filler, no holes).
-                block_length, width, block, real_lengths = 0, 1, self.last_tokens[:, None], None
-            else:
-                # The step's one read: the block length sizes the target's input; the caches' fill levels come along.
-                block_length, target_longest, draft_longest, self.longest = torch.stack([
-                    verify_lengths, self.target_slots.live_lengths(), self.drafter.slots.live_lengths(), lengths
-                ]).amax(dim=1).tolist()
-                self.target_slots.note_longest(target_longest)
-                self.drafter.slots.note_longest(draft_longest)
-                # verify: [last emitted token, drafts 1..l_i] per row, padded to one length with masked drafts
-                # (compiled: padded with masked filler to a power of two, so that block shapes repeat)
-                width = bucket(block_length + 1) if self.compile else block_length + 1
-                block = torch.cat([self.last_tokens[:, None], done["drafts"][:, :block_length]], dim=1)
-                if width > block_length + 1:
-                    block = torch.nn.functional.pad(block, (0, width - block_length - 1), value=self.pad_value)
-                real_lengths = verify_lengths + 1  # [last token, verified drafts], then filler
-            verified_drafts = block[:, 1 : block_length + 1]
-            logits = self.target_slots.forward(self.model, block, None, step=True, real_lengths=real_lengths)
-            if width > block_length + 1:
-                logits = logits[:, : block_length + 1]
-            target_scores = self.logits_processor(self.sequences, lengths, logits, rows)
+            verified.append(self._verify(drafted[0], verify_lengths))
+            return verified[0].num_accepted, verified[0].seconds
 
-            # accept
-            num_accepted, next_tokens = self._accept(verified_drafts, verify_lengths, target_scores,
-                                                     done["draft_probs"])
-
-            # roll back: the target keeps [last token, accepted drafts]; the draft keeps its accepted drafts
-            if real_lengths is not None:
-                self.target_slots.keep_prefix(self.target_slots.length - width, num_accepted + 1)
-            self.target_slots.compact()
-            self.drafter.accept(num_accepted, next_tokens, max_accepted=block_length)
-            clock.mark("verify_end")
-
-            # emit
-            done["emitted"], done["stopped"] = self._emit(num_accepted, next_tokens, block_length + 1)
-            clock.mark("end")
-            done["seconds"] = clock.finish_step()  # on CUDA the previous step's, read without a stall
-            return num_accepted, done["seconds"]
-
-        room = max(self.max_length - self.shortest - 1, 0)  # no row may verify more than this
         outcome = run_step(self.strategy, self.num_rows, min(room, self.max_draft), draft, verify)
-        record = StepRecord(rows, outcome.num_drafted, outcome.plan.budget, done["log_probs"],
-                            outcome.verify_lengths, outcome.num_accepted, done["emitted"],
-                            done["seconds"] or StepSeconds(0.0, 0.0, 0.0))
-        return self._finish(record, done["stopped"])
+        verdict = verified[0]
+        record = StepRecord(self.rows, outcome.num_drafted, outcome.plan.budget, drafted[0].log_probs,
+                            outcome.verify_lengths, outcome.num_accepted, verdict.emitted,
+                            verdict.seconds or StepSeconds(0.0, 0.0, 0.0), drafted[0].lengths)
+        return self._finish(record, verdict.stopped)
+
+    def _draft(self, num_drafted: int, needs_confidences: bool) -> tuple[Proposal, torch.Tensor]:
+        """Draft ``K = num_drafted`` cells per row; returns the proposal and ``(B,)`` cells each row may verify."""
+        clock, lengths = self.clock, self.lengths
+        if num_drafted > 0:
+            clock.mark("catch_up_start")
+            self.drafter.catch_up()  # what it skipped during plain steps: a one-off, kept out of the timings
+            clock.mark("catch_up_end")
+        clock.mark("draft_start")
+        # Confidences may cost a softmax per draft token: only for plans and callbacks that read them.
+        proposal = self.drafter.propose(self.sequences, lengths, num_drafted, self.rows,
+                                        needs_confidences or self.step_callback is not None)
+        clock.mark("draft_end")
+        if num_drafted == 0:  # a plain step: no row may verify anything
+            max_lengths = torch.zeros_like(lengths)
+        elif self.longest + num_drafted < self.max_length:  # no row is near its limit
+            max_lengths = torch.full_like(lengths, num_drafted)
+        else:  # a target token is always added
+            max_lengths = (self.max_length - 1 - lengths).clamp_(min=0, max=num_drafted)
+        if proposal.lengths is not None:  # rows that drafted fewer cells
+            max_lengths = torch.minimum(max_lengths, proposal.lengths)
+        return proposal, max_lengths
+
+    def _verify(self, proposal: Proposal, verify_lengths: torch.Tensor) -> "StepVerdict":
+        """The target's side of a step: one forward over every row's block, acceptance, roll back, emission."""
+        clock, lengths = self.clock, self.lengths
+        if proposal.tokens.shape[1] == 0:
+            # Nothing to verify: the target reads each row's last token (no read, no filler, no holes).
+            block_length, width, block, real_lengths = 0, 1, self.last_tokens[:, None], None
+            drafter_longest = None
+        else:
+            # The step's one read: the block length sizes the target's input; the caches' fill levels come along.
+            drafter_lengths = self.drafter.live_lengths()
+            read = [verify_lengths, self.target_slots.live_lengths(), lengths]
+            if drafter_lengths is not None:
+                read.append(drafter_lengths)
+            block_length, target_longest, self.longest, *drafter_longest = torch.stack(read).amax(dim=1).tolist()
+            drafter_longest = drafter_longest[0] if drafter_longest else None
+            self.target_slots.note_longest(target_longest)
+            # verify: [last emitted token, drafts 1..l_i] per row, padded to one length with masked drafts
+            # (compiled: padded with masked filler to a power of two, so that block shapes repeat)
+            width = bucket(block_length + 1) if self.compile else block_length + 1
+            block = torch.cat([self.last_tokens[:, None], proposal.tokens[:, :block_length]], dim=1)
+            if width > block_length + 1:
+                block = torch.nn.functional.pad(block, (0, width - block_length - 1), value=self.pad_value)
+            real_lengths = verify_lengths + 1  # [last token, verified drafts], then filler
+        verified_drafts = block[:, 1 : block_length + 1]
+        logits = self.target_slots.forward(self.model, block, None, step=True, real_lengths=real_lengths)
+        if width > block_length + 1:
+            logits = logits[:, : block_length + 1]
+        target_scores = self.logits_processor(self.sequences, lengths, logits, self.rows)
+
+        num_accepted, next_tokens = self._accept(verified_drafts, verify_lengths, target_scores, proposal.probs)
+
+        # roll back: the target keeps [last token, accepted drafts]; the drafter keeps its accepted drafts
+        if real_lengths is not None:
+            self.target_slots.keep_prefix(self.target_slots.length - width, num_accepted + 1)
+        self.target_slots.compact()
+        self.drafter.accept(num_accepted, next_tokens, verify_lengths, max_accepted=block_length,
+                            cached_longest=drafter_longest, features=self._target_features())
+        clock.mark("verify_end")
+
+        emitted, stopped = self._emit(num_accepted, next_tokens, block_length + 1)
+        clock.mark("end")
+        return StepVerdict(num_accepted, emitted, stopped, clock.finish_step())  # on CUDA the previous step's
 
     def _read_prompt(self) -> StepRecord:
         """The first step: the target reads every prompt (its cache had nothing) and adds one token per row."""
@@ -302,7 +364,7 @@ class BatchedSpeculativeLoop:
         no_drafts = self.input_ids.new_zeros(num_rows, 0)
         verify_lengths = torch.zeros(num_rows, dtype=torch.long, device=self.lengths.device)
         num_accepted, next_tokens = self._accept(no_drafts, verify_lengths, target_scores, None)
-        self.drafter.accept(num_accepted, next_tokens)
+        self.drafter.accept(num_accepted, next_tokens, verify_lengths, features=self._target_features())
         self.prompt_read = True
         emitted, stopped = self._emit(num_accepted, next_tokens, 1)
         no_log_probs = target_scores.new_zeros(num_rows, 0)
@@ -310,14 +372,24 @@ class BatchedSpeculativeLoop:
                             StepSeconds(0.0, time.perf_counter() - started, 0.0))
         return self._finish(record, stopped)
 
+    def _target_features(self) -> torch.Tensor | None:
+        """``(B, W, F)`` what the drafter's tap kept of the target's last forward (``None``: it has no tap)."""
+        return None if self.feature_tap is None else self.feature_tap.features
+
+    def close(self) -> None:
+        """Remove the hooks the drafter put on the target (the call is over)."""
+        if self.feature_tap is not None:
+            self.feature_tap.remove()
+            self.feature_tap = None
+
     def _accept(self, drafts: torch.Tensor, verify_lengths: torch.Tensor, target_scores: torch.Tensor,
                 draft_probs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Verification (greedy or rejection sampling): ``(num_accepted, next_tokens)``, both ``(B_active,)``."""
         if not self.do_sample:
             return verify_greedy(drafts, verify_lengths, target_scores)
-        if draft_probs is None:
-            draft_probs = target_scores.new_zeros(drafts.shape[0], 0, target_scores.shape[-1])
-        return verify_sampling(drafts, verify_lengths, target_scores, draft_probs[:, : drafts.shape[1]])
+        if draft_probs is not None:
+            draft_probs = draft_probs[:, : drafts.shape[1]]
+        return verify_sampling(drafts, verify_lengths, target_scores, draft_probs)
 
     def _emit(self, num_accepted: torch.Tensor, next_tokens: torch.Tensor,
               max_new: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -350,11 +422,11 @@ class BatchedSpeculativeLoop:
             num_stopped = self.num_rows  # every row is at the length limit
         elif self.stopper.only_length and self.longest < self.max_length:
             num_stopped = 0  # no row can have stopped: no need to ask the device
-        elif self.drafter.pending_real:  # no filler column to trim
+        elif (pending_width := self.drafter.pending_width()) is None:  # nothing for the drafter to trim
             num_stopped = int(stopped.sum())
         else:  # a read the step makes anyway: how wide the draft's next block must be comes along
-            num_stopped, pending_width = torch.stack([stopped.sum(), self.drafter.pending_width()]).tolist()
-            self.drafter.trim_pending(pending_width)
+            num_stopped, width = torch.stack([stopped.sum(), pending_width]).tolist()
+            self.drafter.trim_pending(width)
         if num_stopped:
             self._retire(stopped, num_stopped)
         if self.step_callback is not None:
@@ -419,7 +491,7 @@ def tetris_decoding(
     stopping_criteria: StoppingCriteriaList,
     generation_config,
     *,
-    assistant_model: torch.nn.Module,
+    assistant_model: torch.nn.Module | None,
     options: TetrisOptions,
     streamer=None,
     **model_kwargs,
@@ -430,7 +502,7 @@ def tetris_decoding(
         model: the target causal LM.
         input_ids: ``(B, T)`` left-padded prompts (expanded for ``num_return_sequences``).
         logits_processor, stopping_criteria, generation_config: as ``generate()`` prepared them.
-        assistant_model: the draft causal LM (same vocabulary).
+        assistant_model: the draft causal LM (same vocabulary), or ``None`` with ``options.prompt_lookup_num_tokens``.
         options: :class:`~tetris_hf.strategies.TetrisOptions`.
         streamer: optional ``BaseStreamer`` (batch size 1 only).
         model_kwargs: ``attention_mask`` ``(B, T)`` or ``None`` (no padding); the cache ``generate()`` prepared is
@@ -440,7 +512,7 @@ def tetris_decoding(
         ``(B, T + new)`` sequences, finished rows right-padded with the pad token, or a
         :class:`~tetris_hf.outputs.TetrisGenerateOutput` when ``return_dict_in_generate=True``.
     """
-    check_pair(model, assistant_model)
+    check_pair(model, assistant_model, options)
     check_generation_config(generation_config, model_kwargs)
     attention_mask = model_kwargs.get("attention_mask")
     if attention_mask is None:
@@ -450,8 +522,11 @@ def tetris_decoding(
         model, assistant_model, input_ids, attention_mask, logits_processor, stopping_criteria,
         generation_config, options, streamer,
     )
-    while not loop.done:
-        loop.step()
+    try:
+        while not loop.done:
+            loop.step()
+    finally:
+        loop.close()
     if streamer is not None:
         streamer.end()
     if generation_config.return_dict_in_generate:

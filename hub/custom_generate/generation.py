@@ -9,6 +9,7 @@ runs unchanged and the loop receives what plain decoding would.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import os
@@ -25,13 +26,27 @@ STRATEGY_NAME = "tetris"
 OPTION_NAMES = tuple(option.name for option in dataclasses.fields(TetrisOptions))
 
 
+# generate()'s own arguments that tetris_hf serves itself, read from a generation config as well
+CONFIG_OPTIONS = ("num_assistant_tokens", "prompt_lookup_num_tokens", "max_matching_ngram_size")
+
+
 def _pop_options(kwargs: dict) -> TetrisOptions:
-    """Take tetris_hf's keyword arguments out of ``kwargs`` (``num_assistant_tokens`` also from a generation config)."""
+    """Take tetris_hf's keyword arguments out of ``kwargs``; those ``generate()`` also knows
+    (:data:`CONFIG_OPTIONS`) also out of a generation config, which is replaced by a copy without them (else
+    ``generate()`` would pick a mode of its own for them, and refuse a batch)."""
     values = {name: kwargs.pop(name) for name in OPTION_NAMES if name in kwargs}
     config = kwargs.get("generation_config")
-    default_window = GenerationConfig().num_assistant_tokens
-    if "num_assistant_tokens" not in values and config is not None and config.num_assistant_tokens != default_window:
-        values["num_assistant_tokens"] = config.num_assistant_tokens
+    defaults = GenerationConfig()
+    if config is not None:
+        config = copy.deepcopy(config)
+        for name in CONFIG_OPTIONS:
+            value = getattr(config, name, None)
+            if name not in values and value is not None and value != getattr(defaults, name):
+                values[name] = value
+            setattr(config, name, getattr(defaults, name))
+        kwargs["generation_config"] = config
+    if values.get("prompt_lookup_num_tokens") is not None:
+        values.setdefault("num_assistant_tokens", values["prompt_lookup_num_tokens"])  # lookup's k is the window
     return TetrisOptions(**values)
 
 
@@ -51,11 +66,13 @@ def generate(model, *args, **kwargs):
 
     Args:
         model: the target causal LM.
-        *args, **kwargs: as for ``model.generate``; must include ``assistant_model`` (the draft). tetris_hf's own
-            options: ``num_assistant_tokens`` (k, default 4), ``tetris_extra_tokens`` (e, default 2),
-            ``tetris_budget`` (C, default k x active rows), ``tetris_strategy`` (``"tetris"``, ``"fixed"``,
-            ``"adaptive"`` or ``"dsd"``), ``tetris_cost_profile``, ``tetris_step_callback``, ``tetris_max_holes``
-            (see :class:`~tetris_hf.strategies.TetrisOptions`).
+        *args, **kwargs: as for ``model.generate``; must include a draft: ``assistant_model`` (a small causal LM
+            with the target's tokenizer) or ``prompt_lookup_num_tokens`` (k tokens copied from each row's own prompt
+            and output, with ``max_matching_ngram_size`` and ``tetris_min_ngram_size``). tetris_hf's own options:
+            ``num_assistant_tokens`` (k, default 4), ``tetris_extra_tokens`` (e, default 2), ``tetris_budget`` (C,
+            default k x active rows), ``tetris_strategy`` (``"tetris"``, ``"fixed"``, ``"adaptive"`` or ``"dsd"``),
+            ``tetris_cost_profile``, ``tetris_step_callback``, ``tetris_max_holes``, ``tetris_draft_vocab``,
+            ``tetris_compile`` (see :class:`~tetris_hf.strategies.TetrisOptions`).
 
     Returns:
         What ``generate()`` returns: ``(B, T)`` sequences, or with ``return_dict_in_generate=True`` a
@@ -65,7 +82,7 @@ def generate(model, *args, **kwargs):
     streamer = kwargs.pop("streamer", None)
     kwargs.pop("custom_generate", None)
     options = _pop_options(kwargs)
-    check_pair(model, assistant_model)
+    check_pair(model, assistant_model, options)
     prompt = args[0] if args else kwargs.get("inputs")
     if prompt is None:  # generate(input_ids=...) reaches a custom_generate folder as inputs=None, input_ids=...
         prompt = kwargs.get("input_ids")

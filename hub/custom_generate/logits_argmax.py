@@ -1,12 +1,10 @@
 # Exported from tetris_hf/logits/argmax.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
 """The index of each row's largest score over a vocabulary, as ``torch.argmax`` finds it, cheaper on the CPU.
 
-torch's CPU ``argmax`` is not vectorised: one row of 49,152 scores costs 57 µs on one core (``amax``: 5 µs), 16
-rows 0.65 ms, and the loop takes several vocabulary-wide argmaxes a step (each greedy draft token, every verified
-position). NumPy's ``argmax`` is vectorised and follows the same rules (the first maximum; NaN counts as the largest),
-so CPU float tensors go through it on a zero-copy view: 6 µs for one row, 53 µs for 16 (warm caches; 55 and 99 µs
-right after a forward has evicted them, against torch's 68 and 673). Other devices and dtypes NumPy lacks (bfloat16)
-take ``torch.argmax``.
+torch's CPU ``argmax`` is not vectorised, and the loop takes several vocabulary-wide argmaxes a step (each greedy
+draft token, every verified position). NumPy's ``argmax`` is vectorised and follows the same rules (the first maximum;
+NaN counts as the largest), so CPU float tensors go through it on a zero-copy view (the measured difference is in
+``docs/development.md``). Other devices and dtypes NumPy lacks (bfloat16) take ``torch.argmax``.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ class TetrisStats:
     """Counts of one batched speculative ``generate()`` call.
 
     Totals: ``steps`` (target forwards: the first reads the prompt and emits one token per row, as ``generate()``'s
-    first forward does; each later one verifies a step's drafts), ``drafted_tokens`` (draft proposals over all rows),
+    first forward does; each later one verifies a step's drafts), ``drafted_tokens`` (cells drafted over all rows: a
+    prompt-lookup row without a match drafts none),
     ``verified_tokens`` (drafts the target checked), ``accepted_tokens`` (verified drafts accepted before the first
     rejection), ``emitted_tokens`` (tokens added to the outputs, after stopping criteria). ``draft_seconds`` and
     ``verify_seconds``: wall time of the draft and of the target side of the loop.
@@ -52,7 +53,7 @@ class TetrisStats:
 
         Args:
             records: :class:`~tetris_hf.decoding.StepRecord` s, one per step; ``rows``, ``verify_lengths``,
-                ``num_accepted`` and ``emitted`` are ``(B_active,)`` tensors.
+                ``num_accepted``, ``emitted`` and ``drafted_lengths`` are ``(B_active,)`` tensors.
             batch_size: rows of the ``generate()`` call.
         """
         stats = cls(steps=len(records))
@@ -60,9 +61,9 @@ class TetrisStats:
             return stats
         sizes = [record.rows.numel() for record in records]
         columns = [torch.cat([getattr(record, name).long().cpu() for record in records])
-                   for name in ("rows", "verify_lengths", "num_accepted", "emitted")]
-        rows, verified, accepted, emitted = torch.stack(columns).tolist()
-        stats.drafted_tokens = sum(record.num_drafted * size for record, size in zip(records, sizes))
+                   for name in ("rows", "verify_lengths", "num_accepted", "emitted", "drafted_lengths")]
+        rows, verified, accepted, emitted, drafted = torch.stack(columns).tolist()
+        stats.drafted_tokens = sum(drafted)
         stats.verified_tokens, stats.accepted_tokens, stats.emitted_tokens = sum(verified), sum(accepted), sum(emitted)
         stats.draft_seconds = sum(record.seconds.draft for record in records)
         stats.verify_seconds = sum(record.seconds.verify for record in records)

@@ -47,7 +47,8 @@ class StepStrategy(Protocol):
         """The plan for a step of ``num_rows`` active rows (called once per step, before drafting)."""
 
     def select(self, token_log_probs: torch.Tensor | None, max_lengths: torch.Tensor, plan: DraftPlan) -> torch.Tensor:
-        """Verified drafts per row, ``(B,)``, each ``<= max_lengths``; changes no state.
+        """Verified drafts per row, ``(B,)``, each ``<= max_lengths``; changes nothing the strategy has learnt (it
+        may keep host copies of what it read, for :meth:`observe` to learn from).
 
         Args:
             token_log_probs: ``(B, K)`` the draft's confidence at each drafted cell (``None`` when the plan did not
@@ -57,8 +58,9 @@ class StepStrategy(Protocol):
         """
 
     def observe(self, token_log_probs: torch.Tensor | None, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
-                seconds: StepSeconds | None = None) -> None:
-        """What the step did: ``(B, K)`` confidences, ``(B,)`` verified and accepted drafts, the measured time."""
+                seconds: StepSeconds | None = None, num_drafted: int | None = None) -> None:
+        """What the step did: ``(B, K)`` confidences (``None`` when the plan did not need them), ``(B,)`` verified and
+        accepted drafts, the measured time and ``K``. Where a strategy learns."""
 
 
 class StepOutcome(NamedTuple):
@@ -99,5 +101,5 @@ def run_step(
     else:
         verify_lengths = torch.zeros(num_rows, dtype=torch.long, device=max_lengths.device)
     num_accepted, seconds = verify(verify_lengths)
-    strategy.observe(token_log_probs, verify_lengths, num_accepted, seconds)
+    strategy.observe(token_log_probs, verify_lengths, num_accepted, seconds, num_drafted)
     return StepOutcome(plan, num_drafted, verify_lengths, num_accepted)

@@ -14,6 +14,7 @@ under a geometric acceptance model: the TETRIS paper's dynamic baseline).
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import weakref
@@ -24,6 +25,7 @@ from typing import Mapping, NamedTuple
 
 import torch
 
+from .candidate_generators_prompt_lookup import DEFAULT_MAX_NGRAM_SIZE, check_lookup_sizes
 from .candidate_generators_reduced_vocab import check_draft_vocab_spec
 from .cost_model import AcceptanceCalibrator, CostProfile, StepCostModel, cost_model_for, load_profile
 from .selection import cumulative_log_probs, select_fixed, select_tetris
@@ -65,6 +67,12 @@ class TetrisOptions:
             :mod:`tetris_hf.candidate_generators.reduced_vocab`.
         tetris_compile: run the target's verify forward and the draft's step through ``torch.compile`` (CUDA graphs
             on CUDA), see :mod:`tetris_hf.compiled`.
+        prompt_lookup_num_tokens: draft by prompt lookup instead of a draft model (no ``assistant_model``): each row
+            copies up to this many tokens that followed the latest earlier occurrence of its last n-gram in its own
+            prompt and output; it is ``k`` (``num_assistant_tokens`` follows it). See
+            :mod:`tetris_hf.candidate_generators.prompt_lookup`.
+        max_matching_ngram_size: the longest n-gram prompt lookup matches (default 3).
+        tetris_min_ngram_size: the shortest n-gram prompt lookup matches (default 1).
     """
 
     num_assistant_tokens: int = 4
@@ -76,8 +84,12 @@ class TetrisOptions:
     tetris_cost_profile: str | os.PathLike | Mapping | CostProfile | None = None
     tetris_draft_vocab: int | torch.Tensor | None = None
     tetris_compile: bool = False
+    prompt_lookup_num_tokens: int | None = None
+    max_matching_ngram_size: int | None = None
+    tetris_min_ngram_size: int = 1
 
     def __post_init__(self):
+        self._check_lookup()
         check_draft_vocab_spec(self.tetris_draft_vocab)
         if not isinstance(self.tetris_compile, bool):
             raise TypeError(f"`tetris_compile` must be True or False, got {self.tetris_compile!r}")
@@ -101,6 +113,22 @@ class TetrisOptions:
                     raise ValueError(f"`tetris_cost_profile` file {path!r} does not exist")
 
 
+    def _check_lookup(self) -> None:
+        lookup = self.prompt_lookup_num_tokens
+        if lookup is None:
+            if self.max_matching_ngram_size is not None or self.tetris_min_ngram_size != 1:
+                raise ValueError("`max_matching_ngram_size` and `tetris_min_ngram_size` apply to prompt lookup: pass "
+                                 "`prompt_lookup_num_tokens=` too")
+            return
+        max_ngram = DEFAULT_MAX_NGRAM_SIZE if self.max_matching_ngram_size is None else self.max_matching_ngram_size
+        check_lookup_sizes(lookup, max_ngram, self.tetris_min_ngram_size)
+        if self.num_assistant_tokens != lookup:
+            raise ValueError(f"`prompt_lookup_num_tokens` ({lookup}) is the window k: drop `num_assistant_tokens` "
+                             f"({self.num_assistant_tokens}) or make them equal")
+        if self.tetris_draft_vocab is not None:
+            raise ValueError("`tetris_draft_vocab` shapes a draft model's head: prompt lookup has none, drop it")
+
+
 class FixedWindow:
     """Standard batched speculative decoding: every active row drafts and verifies ``k`` tokens."""
 
@@ -115,7 +143,7 @@ class FixedWindow:
         return max_lengths  # every cell a row may verify: it drafted at most k (select_fixed's cap holds already)
 
     def observe(self, token_log_probs: torch.Tensor | None, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
-                seconds: StepSeconds | None = None):
+                seconds: StepSeconds | None = None, num_drafted: int | None = None):
         pass
 
 
@@ -293,11 +321,20 @@ class PairMemory:
 _PAIR_MEMORY: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakKeyDictionary]" = weakref.WeakKeyDictionary()
 
 
-def pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module, sampling: bool = False) -> PairMemory:
+class _PromptLookup:
+    """Stands for prompt lookup, which has no draft model, as a key of :data:`_PAIR_MEMORY`."""
+
+
+_PROMPT_LOOKUP = _PromptLookup()
+
+
+def pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module | None, sampling: bool = False) -> PairMemory:
     """The :class:`PairMemory` of these two model objects (in memory, forgotten with the models), one for greedy
     calls and one for sampled calls: a draft is accepted by exact match in one and with probability
-    ``min(1, p/q)`` in the other, so what is learnt about one says little about the other."""
-    by_target = _PAIR_MEMORY.setdefault(assistant_model, weakref.WeakKeyDictionary())
+    ``min(1, p/q)`` in the other, so what is learnt about one says little about the other. ``assistant_model=None``:
+    prompt lookup on this target."""
+    draft_key = _PROMPT_LOOKUP if assistant_model is None else assistant_model
+    by_target = _PAIR_MEMORY.setdefault(draft_key, weakref.WeakKeyDictionary())
     return by_target.setdefault(model, {}).setdefault(sampling, PairMemory())
 
 
@@ -332,25 +369,42 @@ class _CostAware:
         self.cost: StepCostModel | None = cost if isinstance(cost, StepCostModel) else None
         self.learn_costs = learn_costs
         self.memory = memory if memory is not None else PairMemory(probe_interval=self.probe_interval_start)
-        self._pending: list[tuple] = []  # observed steps not learnt from yet (their tensors still on the device)
+        self._pending: list[_ObservedStep] = []  # observed steps not read yet (their counts still on the device)
+        self._read_steps: list[_ObservedStep] = []  # observed steps read (host counts), not learnt from yet
 
-    def observe(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
-                seconds: StepSeconds | None = None):
-        """Keep the step to learn from at the next device read the strategy makes anyway (learning is lazy: it
-        happens before anything learnt is used, so what the strategy decides is as if it had learnt at once)."""
-        self._pending.append((token_log_probs, verify_lengths, num_accepted, seconds))
+    def observe(self, token_log_probs: torch.Tensor | None, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
+                seconds: StepSeconds | None = None, num_drafted: int | None = None):
+        """Learn from the steps read since the last observation, and keep this one to learn from once it is read
+        (learning is lazy: a step's counts are read at the next device read the strategy makes anyway, and what it
+        decides before learning from them it decides on exactly what it would have learnt, see :meth:`_read`)."""
+        self._learn_read()
+        if num_drafted is None:
+            num_drafted = token_log_probs.shape[1] if token_log_probs is not None else 0
+        self._pending.append(_ObservedStep(token_log_probs, verify_lengths, num_accepted, seconds, num_drafted))
 
-    def _flush(self, *wanted: torch.Tensor) -> list[torch.Tensor]:
-        """Learn from the pending steps, reading them and ``wanted`` from the device in one transfer; returns
-        ``wanted`` on the host."""
+    def _read(self, *wanted: torch.Tensor) -> list[torch.Tensor]:
+        """Read the pending steps' counts and ``wanted`` from the device in one transfer; returns ``wanted`` on the
+        host. The steps read wait in ``_read_steps`` (host copies) until :meth:`_learn_read` learns from them: reading
+        changes nothing the strategy has learnt."""
         pending, self._pending = self._pending, []
-        tensors = [t for step in pending for t in step[1:3]] + list(wanted)
+        tensors = [t for step in pending for t in (step.verify_lengths, step.num_accepted)] + list(wanted)
         host = _to_host(tensors)
-        for step, (verify_lengths, num_accepted) in zip(pending, zip(host[0::2], host[1::2])):
-            token_log_probs, _, _, seconds = step
-            self._correct_costs(verify_lengths.numel(), token_log_probs.shape[1], _longest(verify_lengths), seconds)
-            self._learn(token_log_probs, verify_lengths.long(), num_accepted.long())
+        self._read_steps += [step._replace(verify_lengths=lengths.long(), num_accepted=accepted.long())
+                             for step, lengths, accepted in zip(pending, host[0::2], host[1::2])]
         return host[2 * len(pending):]
+
+    def _learn_read(self) -> None:
+        """Learn from the steps :meth:`_read` brought to the host."""
+        steps, self._read_steps = self._read_steps, []
+        for step in steps:
+            self._correct_costs(step.verify_lengths.numel(), step.num_drafted, _longest(step.verify_lengths),
+                                step.seconds)
+            self._learn(step.token_log_probs, step.verify_lengths, step.num_accepted)
+
+    def _flush(self) -> None:
+        """Read and learn from every pending step."""
+        self._read()
+        self._learn_read()
 
     def _learn(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """Learn acceptance from one observed step (host tensors but ``token_log_probs``)."""
@@ -400,6 +454,17 @@ class _CostAware:
         plain = cost.verify_seconds(num_rows, 1) + cost.step_overhead
         extra = cost.draft_seconds(num_rows) + cost.verify_seconds(num_rows, 2) - cost.verify_seconds(num_rows, 1)
         return math.ceil(extra / plain / self.probe_overhead) if plain > 0 else 1
+
+
+class _ObservedStep(NamedTuple):
+    """One step as :meth:`_CostAware.observe` kept it: ``(B, K)`` confidences (``None`` if not computed), ``(B,)``
+    verified and accepted cells (device tensors until read), the measured seconds and ``K``."""
+
+    token_log_probs: torch.Tensor | None
+    verify_lengths: torch.Tensor
+    num_accepted: torch.Tensor
+    seconds: StepSeconds | None
+    num_drafted: int
 
 
 def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -459,12 +524,16 @@ class AdaptiveBudget(_CostAware):
 
     def _learn(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """Calibrate on the step's verified cells and add its drafted rows to the planning pool."""
-        if self._host_log_probs is not None and self._host_log_probs[0] is token_log_probs:
-            host_log_probs = self._host_log_probs[1]
-        else:  # a probe step (its selection read nothing)
-            host_log_probs = token_log_probs.detach().double().cpu()
+        host_log_probs = self._host_copy(token_log_probs)
         self.calibrator.update(host_log_probs, verify_lengths, num_accepted)
         self.remember(host_log_probs)
+
+    def _host_copy(self, token_log_probs: torch.Tensor) -> torch.Tensor:
+        """``token_log_probs`` on the host: the copy :meth:`select` read, else (a probe, which selects without
+        reading) read now, in the read that learning makes anyway."""
+        if self._host_log_probs is not None and self._host_log_probs[0] is token_log_probs:
+            return self._host_log_probs[1]
+        return token_log_probs.detach().double().cpu()
 
     def remember(self, token_log_probs: torch.Tensor) -> None:
         """Add drafted rows ``(B, K)`` (on the host) to the planning pool."""
@@ -472,8 +541,8 @@ class AdaptiveBudget(_CostAware):
         self.memory.pool = self.pool
 
     def observe(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
-                seconds: StepSeconds | None = None):
-        super().observe(token_log_probs, verify_lengths, num_accepted, seconds)
+                seconds: StepSeconds | None = None, num_drafted: int | None = None):
+        super().observe(token_log_probs, verify_lengths, num_accepted, seconds, num_drafted)
         if self._planned is not None and self._planned[1].num_draft_tokens == 0 and token_log_probs.shape[1] > 0:
             self._planned = None  # a probe drafted: plan again at the next step, on what it showed
 
@@ -510,7 +579,7 @@ class AdaptiveBudget(_CostAware):
     def plan(self, num_rows: int) -> DraftPlan:
         cost = self._open_step(num_rows)
         # The last plan stands until the batch shrinks, a probe has drafted, or ``replan_every`` steps have passed (the
-        # pool and the online cost corrections drift slowly); planning is ~0.5 ms of Python (x2 while plain).
+        # pool and the online cost corrections drift slowly, and planning is Python work on every step).
         if self._planned is None or self._planned[0] != num_rows or self._plan_age >= self.replan_every:
             if self._planned is None or self.pool.shape[0] == 0:
                 self._flush()  # after a probe: plan on what it showed (else the last step is learnt at the next read)
@@ -534,10 +603,15 @@ class AdaptiveBudget(_CostAware):
         num_rows, num_drafted = token_log_probs.shape
         if plan.probe:
             lengths = max_lengths.clamp(max=num_drafted)
-            return lengths if self.max_budget is None else select_fixed_budget(lengths, self.max_budget)
-        host_log_probs, host_max_lengths = self._flush(token_log_probs, max_lengths)  # the strategy's one read
-        self._host_log_probs = (token_log_probs, host_log_probs)
-        survival = self.calibrator.predict(host_log_probs.exp()).cumprod(dim=1)
+            return lengths if self.max_budget is None else select_fixed_budget(lengths, self.max_budget, num_drafted)
+        host_log_probs, host_max_lengths = self._read(token_log_probs, max_lengths)  # the strategy's one read
+        self._host_log_probs = (token_log_probs, host_log_probs)  # (a read: observe learns from it)
+        calibrator = self.calibrator
+        if self._read_steps:  # predict as if the steps just read had been learnt (observe learns them)
+            calibrator = copy.deepcopy(calibrator)
+            for step in self._read_steps:
+                calibrator.update(self._host_copy(step.token_log_probs), step.verify_lengths, step.num_accepted)
+        survival = calibrator.predict(host_log_probs.exp()).cumprod(dim=1)
         scores = survival.log().to(token_log_probs.device)
         if self.sampling:
             return select_tetris(scores, max_lengths, plan.budget)
@@ -548,12 +622,22 @@ class AdaptiveBudget(_CostAware):
         return select_tetris(scores, max_lengths, int(choice.budget[0]))
 
 
-def select_fixed_budget(lengths: torch.Tensor, budget: int) -> torch.Tensor:
-    """Trim ``lengths`` ``(B,)`` so they sum to at most ``budget``, longest rows first."""
-    lengths = lengths.clone()
-    while int(lengths.sum()) > budget:
-        lengths[int(lengths.argmax())] -= 1
-    return lengths
+def select_fixed_budget(lengths: torch.Tensor, budget: int, longest: int) -> torch.Tensor:
+    """Trim ``lengths`` ``(B,)`` (each at most ``longest``) so they sum to at most ``budget``, longest rows first (of
+    equal rows, the earlier row first), without reading the device.
+
+    Trimming one cell at a time from the longest row ends with every row cut to a level ``t`` or, for the last
+    ``r`` rows that were longer than ``t``, ``t + 1``: ``t`` is the largest level whose cut fits the budget and ``r``
+    what the budget has left. E.g. ``[3, 3, 3]`` with budget 7: ``t = 2``, ``r = 1`` -> ``[2, 2, 3]``.
+    """
+    levels = torch.arange(longest + 1, device=lengths.device)
+    cut = torch.minimum(lengths[:, None], levels[None, :]).sum(dim=0)  # (levels,) total at each level
+    level = (cut <= budget).sum() - 1  # cut is non-decreasing and 0 at level 0
+    trimmed = torch.minimum(lengths, level)
+    left = budget - trimmed.sum()
+    longer = lengths > level
+    from_end = longer.flip(0).cumsum(dim=0).flip(0)  # longer rows at or after each row
+    return torch.where(longer & (from_end <= left), level + 1, trimmed)
 
 
 class DynamicWindow(_CostAware):
@@ -575,10 +659,10 @@ class DynamicWindow(_CostAware):
         window = dsd_window(self.acceptance, num_rows, self.max_draft, cost) if self.acceptance is not None else 0
         probe = self._after_plan(window > 0, self.acceptance is not None, num_rows) and self.max_draft > 0
         window = 1 if probe else window
-        return DraftPlan(window, window * num_rows, probe)
+        return DraftPlan(window, window * num_rows, probe, needs_confidences=False)  # one k for all: no ranking
 
-    def select(self, token_log_probs: torch.Tensor, max_lengths: torch.Tensor, plan: DraftPlan) -> torch.Tensor:
-        return select_fixed(max_lengths, token_log_probs.shape[1])
+    def select(self, token_log_probs: torch.Tensor | None, max_lengths: torch.Tensor, plan: DraftPlan) -> torch.Tensor:
+        return select_fixed(max_lengths, plan.num_draft_tokens)
 
     def _learn(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor) -> None:
         accepted = int(num_accepted.sum())
@@ -604,14 +688,13 @@ def make_strategy(options: TetrisOptions, model: torch.nn.Module | None = None,
     source, learn_costs = options.tetris_cost_profile, True
     if source is not None:
         cost, learn_costs = StepCostModel(load_profile(source)), False  # a given profile is taken as it is
-    elif model is None or assistant_model is None:
+    elif model is None or (assistant_model is None and options.prompt_lookup_num_tokens is None):
         raise ValueError(f"tetris_strategy={options.tetris_strategy!r} needs `tetris_cost_profile=` or the target and "
                          "draft models to profile")
     else:
         def cost(num_rows: int, max_tokens: int) -> StepCostModel:
             return cost_model_for(model, assistant_model, num_rows=num_rows, max_tokens=max_tokens)
-    known_pair = model is not None and assistant_model is not None
-    memory = pair_memory(model, assistant_model, sampling) if known_pair else None
+    memory = pair_memory(model, assistant_model, sampling) if model is not None else None
     if options.tetris_strategy == "adaptive":
         return AdaptiveBudget(options, cost, learn_costs=learn_costs, memory=memory, sampling=sampling)
     return DynamicWindow(options, cost, learn_costs=learn_costs, memory=memory)

@@ -250,6 +250,9 @@ def reduced_vocab_draft(model: nn.Module, spec) -> nn.Module:
         return model
     if isinstance(model, ReducedVocabDraft):
         raise ValueError("the draft already has a reduced vocabulary: pass the original model with tetris_draft_vocab")
+    if getattr(model, "feature_kind", None) is not None:
+        raise ValueError("`tetris_draft_vocab` reshapes a draft model's head; an EAGLE head carries its own draft "
+                         "vocabulary (its d2t mapping): drop tetris_draft_vocab")
     token_ids = resolve_token_ids(model, spec)
     digest = hashlib.sha1(token_ids.numpy().tobytes()).hexdigest()
     cache = model.__dict__.setdefault(_WRAPPERS_ATTRIBUTE, {})

@@ -4,8 +4,11 @@
 Plain ``generate()`` calls its ``LogitsProcessorList`` once per step on ``(input_ids (B, T), scores (B, V))`` with the
 sequence so far. Speculative decoding needs the processed distribution at several positions of several rows at once,
 each with its own prefix. Processors that ignore ``input_ids`` (temperature, top-k, top-p, ...) are applied to every
-position in one call; any other processor is called per row and per position on exactly the prefix plain
-``generate()`` would have passed it.
+position in one call; the prefix-reading processors transformers ships (repetition penalty, min length, min new
+tokens, no-repeat n-gram, sequence bias, bad words) run in their batched forms from :mod:`.batched_processors`, which
+read each row's own prefix on the device. Any other processor (a subclass, a custom one, ``prefix_allowed_tokens_fn``)
+is called per row and per position on exactly the prefix plain ``generate()`` would have passed it; the list still
+applies in order, the processors around it batched.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
     TypicalLogitsWarper,
 )
+
+from .logits_batched_processors import BATCHED_FORMS, batched_form, prefix_ends
 
 # Processors whose output depends on the scores alone, never on the tokens so far.
 PREFIX_FREE_PROCESSORS = (
@@ -73,22 +78,73 @@ def _for_one_row(processor, row: int):
     return processor
 
 
+# How a processor runs on a (B, L, V) block: on every position flattened into one batch (it ignores the prefix), in
+# its batched form (it reads the prefix, batched_processors has its exact type), or per row and position (the rest).
+FLAT, BATCHED, PER_ROW = "flat", "batched", "per_row"
+
+
+def _kind(processor) -> str:
+    if type(processor) in PREFIX_FREE_PROCESSORS:
+        return FLAT
+    return BATCHED if type(processor) in BATCHED_FORMS else PER_ROW
+
+
+def _runs(logits_processor: LogitsProcessorList) -> list[tuple[str, list[int]]]:
+    """The list in order as runs of consecutive processors of one kind: ``(kind, indices)``.
+
+    E.g. [repetition penalty, custom, temperature, top-k] -> [(batched, [0]), (per_row, [1]), (flat, [2, 3])].
+    """
+    runs: list[tuple[str, list[int]]] = []
+    for index, processor in enumerate(logits_processor):
+        kind = _kind(processor)
+        if runs and runs[-1][0] == kind:
+            runs[-1][1].append(index)
+        else:
+            runs.append((kind, [index]))
+    return runs
+
+
+def _apply_flat(processors: LogitsProcessorList, scores: torch.Tensor) -> torch.Tensor:
+    """Processors that ignore ``input_ids``, on every position of ``scores (B, L, V)`` in one call."""
+    batch_size, num_positions, vocab_size = scores.shape
+    flat = scores.reshape(batch_size * num_positions, vocab_size)
+    dummy_ids = torch.zeros(flat.shape[0], 1, dtype=torch.long, device=flat.device)
+    return processors(dummy_ids, flat).view(batch_size, num_positions, vocab_size)
+
+
 class PositionwiseLogitsProcessor:
     """``generate()``'s logits processors applied at many positions of many rows, each with its own prefix.
 
     Args:
         logits_processor: the processors ``generate()`` prepared for the whole batch (may be empty).
+
+    Attributes:
+        prefix_free: no processor reads the tokens so far (a draft then need not write each token into
+            ``sequences`` before scoring the next; the batched prefix-reading forms do read them).
+        per_row: the processors that run per row and position (no batched form): their indices in the list.
     """
 
     def __init__(self, logits_processor: LogitsProcessorList):
         self.logits_processor = logits_processor
         self.prefix_free = is_prefix_free(logits_processor)
-        self._row_lists: dict[int, LogitsProcessorList] = {}
+        runs = _runs(logits_processor)
+        self.per_row = [index for kind, indices in runs if kind == PER_ROW for index in indices]
+        # (FLAT, the run's LogitsProcessorList) | (BATCHED, the run's batched forms) | (PER_ROW, the run's indices)
+        self._stages: list[tuple[str, object]] = []
+        for kind, indices in runs:
+            if kind == FLAT:
+                self._stages.append((kind, LogitsProcessorList(logits_processor[i] for i in indices)))
+            elif kind == BATCHED:
+                self._stages.append((kind, [batched_form(logits_processor[i]) for i in indices]))
+            else:
+                self._stages.append((kind, indices))
+        self._row_lists: dict[tuple[int, tuple[int, ...]], LogitsProcessorList] = {}
 
-    def _row_list(self, row: int) -> LogitsProcessorList:
-        if row not in self._row_lists:
-            self._row_lists[row] = LogitsProcessorList(_for_one_row(p, row) for p in self.logits_processor)
-        return self._row_lists[row]
+    def _row_list(self, row: int, indices: list[int]) -> LogitsProcessorList:
+        key = (row, tuple(indices))
+        if key not in self._row_lists:
+            self._row_lists[key] = LogitsProcessorList(_for_one_row(self.logits_processor[i], row) for i in indices)
+        return self._row_lists[key]
 
     def __call__(
         self, sequences: torch.Tensor, prefix_lengths: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor,
@@ -98,6 +154,7 @@ class PositionwiseLogitsProcessor:
 
         Position ``j`` of row ``i`` predicts the token after ``sequences[i, :prefix_lengths[i] + offset + j]``: that
         prefix is what plain batched ``generate()`` would pass the processors there (left padding included).
+        Without per-row processors (:attr:`per_row` empty) this reads nothing from the device.
 
         Args:
             sequences: ``(B, T)`` each row's tokens, followed by the tokens being scored (drafts);
@@ -110,18 +167,26 @@ class PositionwiseLogitsProcessor:
             ``(B, L, V)`` float32 processed scores.
         """
         scores = logits if logits.dtype == torch.float32 else logits.float()
-        if len(self.logits_processor) == 0:
-            return scores
-        batch_size, num_positions, vocab_size = scores.shape
-        if self.prefix_free:
-            # No processor here reads input_ids: process every position in one call.
-            flat = scores.reshape(batch_size * num_positions, vocab_size)
-            dummy_ids = torch.zeros(flat.shape[0], 1, dtype=torch.long, device=flat.device)
-            return self.logits_processor(dummy_ids, flat).view(batch_size, num_positions, vocab_size)
+        ends = None if self.prefix_free else prefix_ends(prefix_lengths, offset, scores.shape[1])
+        for kind, stage in self._stages:
+            if kind == FLAT:
+                scores = _apply_flat(stage, scores)
+            elif kind == BATCHED:
+                for form in stage:
+                    scores = form(sequences, ends, rows, scores)
+            else:
+                scores = self._apply_per_row(stage, sequences, prefix_lengths, scores, rows, offset)
+        return scores
+
+    def _apply_per_row(
+        self, indices: list[int], sequences: torch.Tensor, prefix_lengths: torch.Tensor, scores: torch.Tensor,
+        rows: torch.Tensor, offset: int,
+    ) -> torch.Tensor:
+        """The processors at ``indices`` called on each row and position alone, on its exact prefix (host reads)."""
         processed = torch.empty_like(scores)
         for index, (row, length) in enumerate(zip(rows.tolist(), prefix_lengths.tolist())):
-            row_processors = self._row_list(row)
-            for position in range(num_positions):
+            row_processors = self._row_list(row, indices)
+            for position in range(scores.shape[1]):
                 prefix = sequences[index : index + 1, : length + offset + position]
                 processed[index, position] = row_processors(prefix, scores[index, position].unsqueeze(0).clone())[0]
         return processed

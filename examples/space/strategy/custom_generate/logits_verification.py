@@ -73,7 +73,7 @@ def verify_sampling(
     draft_tokens: torch.Tensor,
     verify_lengths: torch.Tensor,
     target_scores: torch.Tensor,
-    draft_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023), row by row in one batched pass.
@@ -86,7 +86,9 @@ def verify_sampling(
         draft_tokens: ``(B, L)``.
         verify_lengths: ``(B,)``.
         target_scores: ``(B, L + 1, V)`` processed target scores (``-inf`` allowed).
-        draft_probs: ``(B, L, V)`` the distributions the drafts were sampled from.
+        draft_probs: ``(B, L, V)`` the distributions the drafts were sampled from; ``None`` for deterministic drafts
+            (prompt lookup): ``q`` is one-hot at the draft, so it is accepted with probability ``p(x)`` and a
+            rejection samples ``p`` without ``x``.
         generator: optional random generator.
     """
     target_probs = target_scores.softmax(dim=-1)
@@ -94,7 +96,10 @@ def verify_sampling(
     rows = torch.arange(batch_size, device=draft_tokens.device)
     if block_length > 0:
         p_of_draft = target_probs[:, :block_length].gather(2, draft_tokens[..., None]).squeeze(2)
-        q_of_draft = draft_probs.gather(2, draft_tokens[..., None]).squeeze(2)
+        if draft_probs is None:
+            q_of_draft = torch.ones_like(p_of_draft)
+        else:
+            q_of_draft = draft_probs.gather(2, draft_tokens[..., None]).squeeze(2)
         uniform = torch.rand(p_of_draft.shape, generator=generator, device=p_of_draft.device)
         accepted = uniform * q_of_draft < p_of_draft  # u < p/q without dividing by q
         positions = torch.arange(block_length, device=draft_tokens.device)
@@ -105,7 +110,11 @@ def verify_sampling(
     next_target = target_probs[rows, num_accepted]  # (B, V)
     rejected = num_accepted < verify_lengths
     if block_length > 0:
-        draft_at_rejection = draft_probs[rows, num_accepted.clamp(max=block_length - 1)]
+        rejected_cell = num_accepted.clamp(max=block_length - 1)
+        if draft_probs is None:  # one-hot at the rejected draft
+            draft_at_rejection = torch.zeros_like(next_target).scatter_(1, draft_tokens[rows, rejected_cell, None], 1.0)
+        else:
+            draft_at_rejection = draft_probs[rows, rejected_cell]
         next_target = torch.where(
             rejected[:, None], residual_distribution(next_target, draft_at_rejection)[0], next_target
         )

@@ -1,0 +1,135 @@
+# Exported from tetris_hf/candidate_generators/eagle_drafter.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
+"""An EAGLE head drafting for a batch: the target's own features in, draft tokens out.
+
+Column ``j`` of the head's input pairs the target's feature at position ``j`` with token ``j + 1`` (see
+:mod:`.eagle`). The target computes features at every position it reads: the prompt, every verified block and every
+plain step's token. After each target forward the drafter queues, per row, the tokens that forward made final
+(accepted drafts and the target's token) with the features the target computed for the positions before them; the
+head reads that queue at its next proposal (one forward, which also gives the first draft), then drafts on from its
+own output features. Drafted positions are never kept: after a verification they become holes in the head's cache and
+the accepted tokens are read again with the target's real features.
+
+E.g. a row ``x0 .. x4`` whose target read ``x4, d1, d2`` (features ``f4 f5 f6``), accepting ``d1`` and adding ``t``:
+the head drops its drafted entries and queues ``[d1 t]`` with ``[f4 f5]``; its next forward reads them and predicts
+the token after ``t``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kv import SlotCache
+from .logits import PositionwiseLogitsProcessor
+from .candidate_generators_batched_draft import BatchedDraftCandidateGenerator
+from .candidate_generators_eagle import EagleDraft
+
+
+class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
+    """:class:`~.batched_draft.BatchedDraftCandidateGenerator` for an :class:`~.eagle.EagleDraft`: the pending block
+    carries the target's features, drafted steps read the head's own output, and every drafted entry is dropped after
+    verification.
+
+    Args:
+        head: the EAGLE head (on the target's device and dtype).
+        logits_processor, do_sample, generator, max_holes, capacity: as for the base class.
+    """
+
+    def __init__(self, head: EagleDraft, logits_processor: PositionwiseLogitsProcessor, do_sample: bool,
+                 generator: torch.Generator | None = None, max_holes: int = 32, capacity: int = 256):
+        super().__init__(head, logits_processor, do_sample, generator, max_holes, capacity)
+        self.head = head
+        self.pending_features: torch.Tensor | None = None  # (B, P, F) the target's features of the pending block
+        self._prompt: tuple[torch.Tensor, torch.Tensor] | None = None  # (input_ids, mask) until the prompt's features
+        self._drafts: torch.Tensor | None = None  # (B, K) the last proposal's tokens
+        self._out: torch.Tensor | None = None  # (B, 1, H) the head's output at its last position
+
+    def feature_tap(self, target: torch.nn.Module):
+        return self.head.tap(target)
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, all_real: bool = False) -> None:
+        """Wait for the prompt's features (the target's prompt forward, handed to the first :meth:`accept`)."""
+        self.slots = SlotCache(input_ids.shape[0], input_ids.device, self.max_holes, self.capacity)
+        self._prompt = (input_ids, attention_mask.long())
+        self.pending_real = all_real
+
+    def catch_up(self) -> None:
+        """Read the pending block but its last column (which opens the next proposal)."""
+        if self.pending_tokens.shape[1] <= 2:
+            return
+        call = self.head.with_features(target_features=self.pending_features[:, :-1])
+        self.slots.forward(call, self.pending_tokens[:, :-1], self.pending_mask[:, :-1], logits_to_keep=1)
+        self.pending_tokens, self.pending_mask = self.pending_tokens[:, -1:], self.pending_mask[:, -1:]
+        self.pending_features = self.pending_features[:, -1:]
+        self.pending_real = True
+
+    def _draft_forward(self, step: int, tokens: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        if step == 0:  # the pending block, with the target's features
+            call = self.head.with_features(target_features=self.pending_features)
+        else:  # the last draft, with the head's own output before it
+            call = self.head.with_features(draft_features=self._out)
+        logits = self.slots.forward(call, tokens, mask, logits_to_keep=1, step=True)
+        self._out = call.outputs.features[:, -1:]
+        return logits
+
+    def propose(self, sequences, lengths, num_tokens, rows=None, confidences=True):
+        proposal = super().propose(sequences, lengths, num_tokens, rows, confidences)
+        self._drafts = proposal.tokens
+        return proposal
+
+    def accept(self, num_accepted: torch.Tensor, next_tokens: torch.Tensor, verify_lengths: torch.Tensor | None = None,
+               max_accepted: int | None = None, cached_longest: int | None = None,
+               features: torch.Tensor | None = None) -> None:
+        """Drop the drafted entries and queue what the target made final with its features.
+
+        Args:
+            num_accepted, next_tokens, verify_lengths, max_accepted, cached_longest: see the base class.
+            features: ``(B, W, F)`` the target's features over the block it just read: the prompt (first call), the
+                row's last token and its verified drafts, or the last token alone (a plain step).
+        """
+        if features is None:
+            raise ValueError("an EAGLE head needs the target's features of every target forward")
+        if cached_longest is not None:
+            self.slots.note_longest(cached_longest)
+        ones = torch.ones_like(next_tokens[:, None])
+        if self._prompt is not None:  # the prompt's read: [x1 .. x_{T-1}, t] with [f0 .. f_{T-1}]
+            input_ids, mask = self._prompt
+            self._prompt = None
+            self.pending_tokens = torch.cat([input_ids[:, 1:], next_tokens[:, None]], dim=1)
+            self.pending_mask, self.pending_features = mask, features
+            return
+        drafted = self._last_num_drafted
+        if drafted == 0:  # a plain step: [t] with the feature of the token before it joins what waits
+            self.pending_tokens = torch.cat([self.pending_tokens, next_tokens[:, None]], dim=1)
+            self.pending_mask = torch.cat([self.pending_mask, ones], dim=1)
+            self.pending_features = torch.cat([self.pending_features, features[:, :1]], dim=1)
+            return
+        # The cache holds the old pending block, then drafts 1..K-1 (read with the head's own features): drop those.
+        if drafted > 1:
+            self.slots.keep_prefix(self.slots.length - (drafted - 1), torch.zeros_like(num_accepted))
+        # Queue [d1 .. da, t] with [f_n .. f_{n+a}], left-padded to the longest verified block.
+        # E.g. width 3, a = [0, 2]: rows [. . t] and [d1 d2 t], features [. . f] and [f f f].
+        width = (drafted if max_accepted is None else min(max_accepted, drafted)) + 1
+        final = torch.cat([self._drafts[:, : width - 1], next_tokens[:, None]], dim=1)
+        final = final.scatter(1, num_accepted[:, None], next_tokens[:, None])  # t right after the accepted drafts
+        columns = torch.arange(width, device=num_accepted.device)
+        source = columns[None, :] - (width - 1 - num_accepted)[:, None]  # (B, W): the final token each column holds
+        real = source >= 0
+        source = source.clamp(min=0)
+        self.pending_tokens = final.gather(1, source)
+        self.pending_features = features[:, :width].gather(
+            1, source[..., None].expand(-1, -1, features.shape[-1]))
+        self.pending_mask = real.long()
+        self.pending_real = width == 1
+        self.slots.compact()
+
+    def trim_pending(self, width: int) -> None:
+        if 0 < width < self.pending_tokens.shape[1]:
+            self.pending_features = self.pending_features[:, -width:]
+        super().trim_pending(width)
+
+    def fill_rows(self, targets: torch.Tensor, sources: torch.Tensor, num_rows: int) -> None:
+        rows = self.slots.fill_rows(targets, sources, num_rows)
+        self.pending_tokens, self.pending_mask = self.pending_tokens[rows], self.pending_mask[rows]
+        self.pending_features = self.pending_features[rows]
+        if self._drafts is not None:
+            self._drafts = self._drafts[rows]

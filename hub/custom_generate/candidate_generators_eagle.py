@@ -1,0 +1,773 @@
+# Exported from tetris_hf/candidate_generators/eagle.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
+"""EAGLE draft heads (EAGLE-1 and EAGLE-3) loaded from their published checkpoints, runnable like a causal LM.
+
+An EAGLE head is one decoder layer that drafts from the target's own hidden states ("features"): the target computes
+them anyway while it verifies, so a draft token costs one small layer and an output head.
+:meth:`EagleDraft.from_pretrained` reads the checkpoints the public trainers write (SafeAILab/EAGLE, SpecForge),
+validates them against the target before anything runs, and returns a module whose ``forward`` takes what any
+transformers causal LM takes (``input_ids``, ``attention_mask``, ``position_ids``, ``past_key_values``,
+``logits_to_keep``) plus the features, and returns ``.logits`` over the TARGET's vocabulary and ``.features`` (what the
+next draft step reads). Its attention is transformers' own ``LlamaAttention`` (every published head is a Llama layer,
+whatever the target family: the reference code builds the same layer for Llama, Qwen and Mixtral targets), so it runs
+on any transformers ``Cache``, :class:`tetris_hf.kv.SlotCache` included (see :meth:`EagleDraft.with_features`).
+
+Terms (notation of ``shared/facts/eagle-formats.md``): ``H`` the hidden size, ``L`` the target's decoder layers, ``V``
+the target's vocabulary, ``hs[i]`` transformers' ``output_hidden_states[i]``: ``hs[0]`` the embeddings, ``hs[i]`` the
+INPUT of decoder layer ``i`` (= the output of layer ``i - 1``), ``hs[L]`` the output of the final norm.
+
+Alignment (both versions). Head position ``j`` reads the target's feature at position ``j`` together with the
+embedding of token ``j + 1``, and predicts token ``j + 2``. E.g. a row ``x0 x1 x2 x3`` whose newest token ``x3`` came
+out of the last verification (the target has read ``x0 x1 x2`` only, so features ``f0 f1 f2`` exist)::
+
+    head position   0         1         2
+    input_ids       x1        x2        x3         (the token AFTER the feature's token)
+    features        f0        f1        f2         (target_features: the target's, at positions 0 1 2)
+    predicts        x2        x3        d4         (the last one is the first draft token)
+
+then drafting goes on from the head's own output ``o2`` (``.features`` at position 2)::
+
+    head position   3         4
+    input_ids       d4        d5
+    features        o2        o3                   (draft_features: the head's previous output)
+    predicts        d5        d6
+
+Position ids are the feature's positions (a constant offset changes nothing: RoPE is relative). Every context
+position's cache entry is computed from the target's real feature; after a verification the accepted tokens are read
+again with the features the verify forward produced (the drafted entries are dropped), and drafted positions use the
+head's own output.
+
+Features (``head.feature_kind``, ``head.aux_layer_ids`` in ``hs`` indices, ``head.feature_size`` = F):
+
+- ``"eagle1"``: ``hs[L]``, the target's last hidden state AFTER its final norm (``aux_layer_ids == (L,)``, F = H).
+  ``x = fc(cat(embed(token), feature))``; the layer has no input norm: ``h1 = x + attn(x)``,
+  ``out = h1 + mlp(post_attention_layernorm(h1))``; logits = the target's ``lm_head(out)`` with no norm before it. A
+  drafted position's feature is ``out``, and goes through ``fc`` again.
+- ``"eagle3"``: ``cat(hs[a], hs[b], hs[c])`` (F = 3H), the inputs of three target layers, low, mid, high. A real
+  position's ``h = fc(cat3)``; a drafted position's ``h`` is the head's previous pre-norm output (no ``fc``).
+  ``x = cat(input_layernorm(embed(token)), hidden_norm(h))`` (2H), ``h1 = h + attn(x)``,
+  ``out = h1 + mlp(post_attention_layernorm(h1))``; draft logits = ``lm_head(norm(out))``; the next feature is ``out``,
+  before the norm.
+
+How the EAGLE-3 layers are chosen (engines disagree, so this says which reading this module follows):
+
+- default: ``hs`` indices ``(2, L // 2, L - 3)``, the inputs of those decoder layers, which is what the reference
+  trainer captures (SafeAILab/EAGLE ``eagle/model/modeling_llama_kv.py``, ``LlamaModel.forward`` keeps the hidden state
+  just BEFORE running layers ``2``, ``L // 2`` and ``L - 3``);
+- ``eagle_config.eagle_aux_hidden_state_layer_ids`` in config.json is read as OUTPUT-of-layer ids, the way SpecForge
+  (the trainer that writes the field) and SGLang read it: id ``k`` is ``hs[k + 1]``. SpecForge's defaults
+  ``[1, L // 2 - 1, L - 4]`` are thus the reference trainer's layers (sgl-project/SpecForge
+  ``specforge/algorithms/model_providers.py``, ``resolve_eagle_capture_layers``, and
+  ``tests/test_runtime/test_server_capture_gate.py``: "capture layer id L (sglang convention) == hidden_states[L+1]").
+  vLLM takes the ids verbatim as layer inputs, one layer lower than this; llama.cpp ignores the field;
+- ``aux_layer_ids=`` of :meth:`EagleDraft.from_pretrained` overrides both, in ``hs`` indices, verbatim.
+
+Reduced draft vocabulary (EAGLE-3): the head scores ``Vd`` draft tokens; draft id ``i`` is target id
+``i + d2t[i]``. :meth:`EagleDraft.forward` scatters the ``Vd`` logits into a ``V``-wide row that is ``-inf`` at every
+target token outside the draft vocabulary, so ``softmax`` of it is the head's distribution ``q`` over the target's
+vocabulary, which lossless verification needs (the residual ``max(p - q, 0)`` covers the tokens ``q`` never proposes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import LlamaConfig
+from transformers.cache_utils import Cache
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_utils import slice_logits_to_keep
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.utils import ModelOutput, cached_file
+
+EAGLE1, EAGLE3 = "eagle1", "eagle3"
+CONFIG_NAME = "config.json"
+WEIGHTS_NAMES = ("model.safetensors", "pytorch_model.bin")
+# Checkpoint tensor-name prefixes of the decoder layer, and the name of that layer here (``EagleDraft.layer``).
+LAYER_PREFIXES = {EAGLE1: "layers.0.", EAGLE3: "midlayer."}
+AUX_IDS_FIELD = "eagle_config.eagle_aux_hidden_state_layer_ids"
+# config.json fields copied from a target's config that the head's one Llama layer does not follow (the reference code
+# builds the same full-attention layer whatever they say).
+TARGET_ONLY_FIELDS = ("model_type", "sliding_window", "use_sliding_window", "max_window_layers", "layer_types",
+                      "torch_dtype", "dtype")
+
+
+@dataclass
+class EagleOutput(ModelOutput):
+    """What :meth:`EagleDraft.forward` returns.
+
+    Args:
+        logits: ``(B, K, V)`` over the target's vocabulary (``K`` = ``logits_to_keep`` or the block length); ``-inf``
+            outside a reduced draft vocabulary.
+        features: ``(B, L, H)`` the head's output at every block position: the feature a drafted token at the next
+            position reads (pass it back as ``draft_features``).
+        past_key_values: the cache it wrote to.
+    """
+
+    logits: torch.Tensor | None = None
+    features: torch.Tensor | None = None
+    past_key_values: Cache | None = None
+
+
+@dataclass
+class _Borrowed:
+    """The target's modules the head uses without owning them (kept out of the head's parameters and state dict, so
+    ``head.to(...)`` never moves the target's)."""
+
+    embed_tokens: nn.Module | None = None
+    lm_head: nn.Module | None = None
+
+
+class EagleDraft(nn.Module):
+    """An EAGLE-1 or EAGLE-3 head on a target model. Build it with :meth:`from_pretrained`.
+
+    Attributes:
+        feature_kind: ``"eagle1"`` or ``"eagle3"``.
+        aux_layer_ids: the target hidden states the head reads, ``hs`` indices (``output_hidden_states`` convention:
+            ``i < L`` the input of decoder layer ``i``, ``L`` the final norm's output), concatenated in this order.
+        feature_size: F, the last dimension of ``target_features``.
+        config: a ``LlamaConfig`` of the head (``vocab_size`` the target's ``V``, ``draft_vocab_size`` the head's,
+            ``_attn_implementation`` the target's), so :class:`tetris_hf.kv.AttentionLayout` reads it like a model's.
+    """
+
+    def __init__(self, config: LlamaConfig, kind: str, aux_layer_ids: tuple[int, ...], feature_size: int,
+                 fc_bias: bool, qkv_bias: bool, draft_vocab_size: int, own_embedding: bool):
+        super().__init__()
+        hidden = config.hidden_size
+        self.config = config
+        self.feature_kind = kind
+        self.aux_layer_ids = tuple(aux_layer_ids)
+        self.feature_size = feature_size
+        self.vocab_size = config.vocab_size
+        self.draft_vocab_size = draft_vocab_size
+        self._borrowed = _Borrowed()
+        self.register_buffer("target_ids", None, persistent=False)  # (Vd,) target id of each draft id, reduced vocab
+        if own_embedding:
+            self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
+        self.fc = nn.Linear(2 * hidden if kind == EAGLE1 else feature_size, hidden, bias=fc_bias)
+        layer = LlamaDecoderLayer(config, layer_idx=0)
+        attention = layer.self_attn
+        attention_input = hidden if kind == EAGLE1 else 2 * hidden  # EAGLE-3 attends over cat(embedding, feature)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            rows = getattr(attention, name).out_features
+            setattr(attention, name, nn.Linear(attention_input, rows, bias=qkv_bias))
+        if kind == EAGLE1:
+            layer.input_layernorm = nn.Identity()  # the first (and only) EAGLE-1 layer has no input norm
+        else:
+            layer.hidden_norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+            self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+            self.lm_head = nn.Linear(hidden, draft_vocab_size, bias=False)
+        self.layer = layer
+        self.rotary_emb: LlamaRotaryEmbedding | None = None  # built on the head's device once the weights are in
+
+    # -- loading -----------------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path_or_repo_id: str | os.PathLike,
+        target: nn.Module,
+        aux_layer_ids: tuple[int, ...] | list[int] | None = None,
+        revision: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        local_files_only: bool | None = None,
+        token: str | bool | None = None,
+    ) -> "EagleDraft":
+        """Load a published EAGLE-1 or EAGLE-3 head for ``target``, on the target's device and in its dtype.
+
+        Reads ``config.json`` and ``model.safetensors`` (else ``pytorch_model.bin``, loaded with ``weights_only=True``)
+        from a local folder or a Hub repo (``revision``, ``cache_dir``, ``local_files_only``, ``token`` as in
+        transformers). The format is told by the tensor names (``midlayer.*``: EAGLE-3, ``layers.0.*``: EAGLE-1). The
+        embedding is the checkpoint's ``embed_tokens.weight`` when it has one, else the target's input embedding
+        (shared, not copied); an EAGLE-1 head's output head is the target's.
+
+        Args:
+            aux_layer_ids: EAGLE-3 only: the target hidden states to read, ``hs`` indices (see the module docstring),
+                in place of the config's or the default ``(2, L // 2, L - 3)``.
+
+        Raises:
+            ValueError, before anything runs, naming the field and what to change: a hidden size or vocabulary that
+            differs from the target's, ``d2t`` entries outside the target's vocabulary, layer ids the target does not
+            have, missing or misshapen tensors, an unreadable (truncated, corrupt) weights file.
+        """
+        hub = {name: value for name, value in dict(revision=revision, cache_dir=cache_dir,
+                                                   local_files_only=local_files_only, token=token).items()
+               if value is not None}
+        config_dict, tensors, source = read_checkpoint(path_or_repo_id, **hub)
+        return cls.from_state_dict(config_dict, tensors, target, aux_layer_ids=aux_layer_ids, source=source)
+
+    @classmethod
+    def from_state_dict(cls, config_dict: dict, tensors: dict[str, torch.Tensor], target: nn.Module,
+                        aux_layer_ids=None, source: str = "the checkpoint") -> "EagleDraft":
+        """:meth:`from_pretrained` on a config dict and tensors already read (published names)."""
+        kind = checkpoint_kind(tensors, source)
+        target_config = target.config.get_text_config(decoder=True)
+        target_hidden, target_layers = target_config.hidden_size, target_config.num_hidden_layers
+        target_vocab = output_vocab_size(target)
+        check_config(config_dict, kind, target_hidden, target_vocab, source)
+        if kind == EAGLE1:
+            if aux_layer_ids is not None:
+                raise ValueError("`aux_layer_ids` applies to EAGLE-3 heads only: an EAGLE-1 head reads the target's "
+                                 f"last hidden state (hs[{target_layers}]); drop the argument")
+            aux = (target_layers,)
+        else:
+            aux = resolve_aux_layer_ids(config_dict, aux_layer_ids, target_layers, source)
+        feature_size = target_hidden * len(aux)
+        own_embedding = "embed_tokens.weight" in tensors
+        if not own_embedding and config_dict["hidden_size"] != target_hidden:
+            raise ValueError(f"{source}: the head's `hidden_size` ({config_dict['hidden_size']}) differs from the "
+                             f"target's ({target_hidden}) and the checkpoint has no `embed_tokens.weight`, so the "
+                             "target's embedding cannot be used; load a head that ships its embedding")
+        config = head_config(config_dict, tensors, kind, target_vocab, target_config, source)
+        draft_vocab = int(tensors["lm_head.weight"].shape[0]) if "lm_head.weight" in tensors else target_vocab
+        fc_bias = bool(config_dict.get("bias", True)) if kind == EAGLE1 else False  # the reference's default: true
+        qkv_bias = bool(config_dict.get("qkv_bias", False)) if kind == EAGLE1 else False
+        with torch.device("meta"):  # no random initialisation: every weight comes from the checkpoint
+            head = cls(config, kind, aux, feature_size, fc_bias, qkv_bias, draft_vocab, own_embedding)
+        state = checkpoint_state(head, tensors, kind, source, bias_field="bias" in config_dict)
+        target_ids = draft_to_target(tensors, draft_vocab, target_vocab, source) if kind == EAGLE3 else None
+        # -- every check passed: load --
+        head.load_state_dict(state, strict=True, assign=True)
+        embedding = target.get_input_embeddings()
+        device, dtype = embedding.weight.device, target.dtype
+        head.to(device=device, dtype=dtype)
+        head.target_ids = None if target_ids is None else target_ids.to(device)
+        head._borrowed = _Borrowed(embed_tokens=None if own_embedding else embedding,
+                                   lm_head=target.get_output_embeddings() if kind == EAGLE1 else None)
+        head.rotary_emb = LlamaRotaryEmbedding(config).to(device)  # float32 frequencies, like the target's
+        return head.eval()
+
+    @classmethod
+    def for_target(cls, target: nn.Module, draft_vocab_ids: torch.Tensor | None = None,
+                   aux_layer_ids: tuple[int, ...] | list[int] | None = None) -> "EagleDraft":
+        """A fresh EAGLE-3 head for ``target``, to be trained (``tetris-hf train-eagle``), built through the same
+        loader as a published checkpoint (:meth:`from_state_dict`), so it is exactly what :meth:`save_pretrained` then
+        :meth:`from_pretrained` give back.
+
+        The layer and ``fc`` are randomly initialised (PyTorch's defaults, from the global RNG: seed it first);
+        ``lm_head`` starts as the target's output rows of the draft vocabulary and ``norm`` with the scale of the
+        target's final norm (random/ones where the target has none), so that a head output close to the target's last
+        hidden state already gives the target's distribution: the first steps learn features, not token geometry.
+        Sizes (heads, head size, MLP width, activation, RMS epsilon, RoPE) are the target's.
+
+        Args:
+            draft_vocab_ids: ``(Vd,)`` the target token ids the head scores (e.g. the ``Vd`` most frequent), distinct;
+                ``None``: the whole vocabulary (no ``d2t``/``t2d``).
+            aux_layer_ids: ``hs`` indices of the three target hidden states to read (default ``(2, L // 2, L - 3)``).
+
+        Raises:
+            ValueError: token ids out of range, repeated or empty; layer ids the target does not have.
+        """
+        target_config = target.config.get_text_config(decoder=True)
+        hidden, layers = target_config.hidden_size, target_config.num_hidden_layers
+        vocab = output_vocab_size(target)
+        source = "EagleDraft.for_target"
+        aux = resolve_aux_layer_ids({}, (2, layers // 2, layers - 3) if aux_layer_ids is None else aux_layer_ids,
+                                    layers, source)
+        if draft_vocab_ids is None:
+            target_ids = torch.arange(vocab)
+        else:
+            target_ids = torch.as_tensor(draft_vocab_ids).detach().to("cpu").flatten()
+            if target_ids.is_floating_point() or target_ids.dtype == torch.bool or target_ids.numel() == 0:
+                raise ValueError(f"{source}: `draft_vocab_ids` must be a non-empty 1-D tensor of token ids, got "
+                                 f"{target_ids.numel()} values of dtype {target_ids.dtype}")
+            target_ids = target_ids.long().sort().values
+            if int(target_ids[0]) < 0 or int(target_ids[-1]) >= vocab:
+                raise ValueError(f"{source}: `draft_vocab_ids` holds ids outside the target's vocabulary of {vocab} "
+                                 f"(min {int(target_ids[0])}, max {int(target_ids[-1])})")
+            if torch.unique(target_ids).numel() != target_ids.numel():
+                raise ValueError(f"{source}: `draft_vocab_ids` repeats token ids; give each once")
+        draft_vocab = target_ids.numel()
+        heads = target_config.num_attention_heads
+        config_dict = {
+            "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden,
+            "intermediate_size": target_config.intermediate_size, "num_attention_heads": heads,
+            "num_key_value_heads": getattr(target_config, "num_key_value_heads", None) or heads,
+            "head_dim": getattr(target_config, "head_dim", None) or hidden // heads,
+            "hidden_act": getattr(target_config, "hidden_act", "silu"),
+            "rms_norm_eps": getattr(target_config, "rms_norm_eps", 1e-6),
+            "max_position_embeddings": target_config.max_position_embeddings,
+            **_rope_fields(getattr(target_config, "rope_parameters", None)),
+            "num_hidden_layers": 1, "vocab_size": vocab, "draft_vocab_size": draft_vocab,
+            "target_hidden_size": hidden, "tie_word_embeddings": False,
+            **{name: getattr(target_config, name) for name in ("bos_token_id", "eos_token_id", "pad_token_id")
+               if getattr(target_config, name, None) is not None},
+            "eagle_config": {"use_aux_hidden_state": True,  # SpecForge's output-of-layer ids: hs[k] is id k - 1
+                             "eagle_aux_hidden_state_layer_ids": [index - 1 for index in aux]},
+        }
+        config = head_config(config_dict, {}, EAGLE3, vocab, target_config, source)
+        with torch.device("cpu"):
+            fresh = cls(config, EAGLE3, aux, 3 * hidden, False, False, draft_vocab, own_embedding=False).float()
+        tensors = {_published_name(name, EAGLE3): tensor.detach() for name, tensor in fresh.state_dict().items()}
+        output = target.get_output_embeddings()
+        if output is not None and tuple(output.weight.shape) == (vocab, hidden):
+            tensors["lm_head.weight"] = output.weight.detach().float().cpu()[target_ids].clone()
+        norm = getattr(target.get_decoder(), "norm", None)
+        if isinstance(getattr(norm, "weight", None), torch.Tensor) and tuple(norm.weight.shape) == (hidden,):
+            with torch.no_grad():  # its output on a vector of ones: the scale whatever its convention (Gemma: 1 + w)
+                ones = norm.weight.new_ones(1, hidden)
+                tensors["norm.weight"] = norm(ones)[0].float().cpu()
+        if draft_vocab < vocab:
+            tensors["d2t"] = target_ids - torch.arange(draft_vocab)  # draft id + d2t[draft id] = target id
+            tensors["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, target_ids, True)
+        return cls.from_state_dict(config_dict, tensors, target, aux_layer_ids=aux, source=source)
+
+    def save_pretrained(self, directory: str | os.PathLike, dtype: torch.dtype | None = None) -> str:
+        """Write the head in the published format :meth:`from_pretrained` reads: ``config.json`` and
+        ``model.safetensors`` (tensor names and config keys of ``shared/facts/eagle-formats.md``; EAGLE-3 in SpecForge's
+        layout: ``architectures: ["LlamaForCausalLMEagle3"]``, ``eagle_config`` with output-of-layer ids, ``d2t``
+        int64 and ``t2d`` bool for a reduced vocabulary). The target's embedding and head are not written (an own
+        embedding is). ``dtype``: of the weights written (default: the head's). Returns the directory."""
+        config = self.config
+        rope = getattr(config, "rope_parameters", None)
+        fields = {
+            "architectures": ["LlamaForCausalLMEagle3" if self.feature_kind == EAGLE3 else "LlamaForCausalLM"],
+            "model_type": "llama", "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+            "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
+            "head_dim": config.head_dim, "hidden_act": config.hidden_act, "rms_norm_eps": config.rms_norm_eps,
+            "max_position_embeddings": config.max_position_embeddings, **_rope_fields(rope), "num_hidden_layers": 1,
+            "vocab_size": self.vocab_size, "tie_word_embeddings": False,
+        }
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if getattr(config, name, None) is not None:
+                fields[name] = getattr(config, name)
+        if self.feature_kind == EAGLE3:
+            fields.update(draft_vocab_size=self.draft_vocab_size,
+                          target_hidden_size=self.feature_size // len(self.aux_layer_ids),
+                          eagle_config={"use_aux_hidden_state": True,
+                                        "eagle_aux_hidden_state_layer_ids": [i - 1 for i in self.aux_layer_ids]})
+        else:
+            fields["bias"] = self.fc.bias is not None
+            if self.layer.self_attn.q_proj.bias is not None:
+                fields["qkv_bias"] = True
+        fields["torch_dtype"] = str(dtype or self.dtype).removeprefix("torch.")
+        tensors = {_published_name(name, self.feature_kind): tensor.detach().to("cpu", dtype or tensor.dtype)
+                   .contiguous() for name, tensor in self.state_dict().items()}
+        if self.feature_kind == EAGLE3 and self.target_ids is not None:
+            target_ids = self.target_ids.to("cpu", torch.long)
+            tensors["d2t"] = target_ids - torch.arange(target_ids.numel())
+            tensors["t2d"] = torch.zeros(self.vocab_size, dtype=torch.bool).index_fill_(0, target_ids, True)
+        from safetensors.torch import save_file
+
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, CONFIG_NAME), "w", encoding="utf-8") as file:
+            json.dump(fields, file, indent=2)
+        save_file(tensors, os.path.join(directory, WEIGHTS_NAMES[0]), metadata={"format": "pt"})
+        return os.fspath(directory)
+
+    # -- the model surface (what SlotCache and the loop read) --------------------------------------------------------
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed_tokens if self._borrowed.embed_tokens is None else self._borrowed.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        """The module whose rows are the logits' columns: the target's ``lm_head`` (EAGLE-1), the head's own when its
+        vocabulary is the target's; ``None`` for a reduced draft vocabulary (its ``Vd`` rows are scattered into
+        ``config.vocab_size`` columns)."""
+        if self.feature_kind == EAGLE1:
+            return self._borrowed.lm_head
+        return self.lm_head if self.target_ids is None else None
+
+    def with_features(self, target_features: torch.Tensor | None = None,
+                      draft_features: torch.Tensor | None = None) -> "EagleCall":
+        """The head with this block's features bound, for drivers that call a model with the standard arguments
+        only (:meth:`tetris_hf.kv.SlotCache.forward`)::
+
+            call = head.with_features(target_features=features)   # (B, L, F)
+            logits = slot_cache.forward(call, input_ids, input_mask)
+            next_features = call.outputs.features                  # (B, L, H)
+        """
+        return EagleCall(self, target_features, draft_features)
+
+    # -- forward -----------------------------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        target_features: torch.Tensor | None = None,
+        draft_features: torch.Tensor | None = None,
+        **kwargs,
+    ) -> EagleOutput:
+        """One block of head positions, batched (left padding, holes and per-row positions come in the mask and the
+        positions, as for any transformers model).
+
+        Args:
+            input_ids: ``(B, L)`` at head position ``j``, the token AFTER feature ``j``'s token (see the module
+                docstring's alignment).
+            attention_mask: a 2D ``(B, cached + L)`` mask of real tokens (1) and padding (0), or a prepared 4D mask
+                (used as given, e.g. SlotCache's); ``None``: every token real, causal.
+            position_ids: ``(B, L)`` the features' positions; ``None``: counting on from the cache's length.
+            past_key_values: the head's own cache (one layer), appended to; ``None``: no cache.
+            use_cache: ``False`` to not write ``past_key_values``.
+            logits_to_keep: logits for the last this-many positions only (0: all), or positions (as transformers'
+                ``slice_logits_to_keep`` reads them).
+            target_features: ``(B, L, F)`` the target's features at the block's positions (context and accepted
+                tokens).
+            draft_features: ``(B, L, H)`` the head's own output at the previous positions (drafted tokens): the
+                ``features`` of the forward that drafted them. Exactly one of the two.
+
+        Returns:
+            :class:`EagleOutput`: ``logits`` ``(B, K, V)`` over the target's vocabulary, ``features`` ``(B, L, H)``.
+        """
+        if (target_features is None) == (draft_features is None):
+            raise ValueError("pass exactly one of `target_features` (the target's, for context and accepted tokens) "
+                             "and `draft_features` (the head's own output, for drafted tokens)")
+        embedded = self.get_input_embeddings()(input_ids).to(self.dtype)  # (B, L, H)
+        if target_features is not None:
+            check_width("target_features", target_features, self.feature_size, input_ids)
+            features, real = target_features.to(self.dtype), True
+        else:
+            check_width("draft_features", draft_features, self.config.hidden_size, input_ids)
+            features, real = draft_features.to(self.dtype), False
+        if self.feature_kind == EAGLE1:  # every position: fc(cat(embedding, feature)); the layer has no input norm
+            h = self.fc(torch.cat([embedded, features], dim=-1))
+            attention_input = h
+        else:  # a real position: fc(cat3); a drafted one: the previous output as it is
+            h = self.fc(features) if real else features
+            layer = self.layer
+            attention_input = torch.cat([layer.input_layernorm(embedded), layer.hidden_norm(h)], dim=-1)  # (B, L, 2H)
+        cache = past_key_values if use_cache is not False else None
+        if position_ids is None:
+            start = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(start, start + input_ids.shape[1], device=h.device)[None].expand(
+                input_ids.shape[0], -1)
+        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=attention_mask,
+                                  past_key_values=cache, position_ids=position_ids)
+        position_embeddings = self.rotary_emb(h, position_ids)
+        attended, _ = self.layer.self_attn(hidden_states=attention_input, position_embeddings=position_embeddings,
+                                           attention_mask=mask, past_key_values=cache)
+        h1 = h + attended
+        out = h1 + self.layer.mlp(self.layer.post_attention_layernorm(h1))  # (B, L, H)
+        kept = slice_logits_to_keep(out, logits_to_keep)
+        return EagleOutput(logits=self.logits(kept), features=out, past_key_values=past_key_values)
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """``(..., H)`` head outputs -> ``(..., V)`` logits over the target's vocabulary."""
+        if self.feature_kind == EAGLE1:
+            return self._borrowed.lm_head(out)
+        draft = self.lm_head(self.norm(out))  # (..., Vd)
+        if self.target_ids is None:
+            return draft
+        # E.g. Vd 3, V 6, d2t [0, 2, 3]: target ids [0, 3, 5]; draft row [a b c] -> [a -inf -inf b -inf c].
+        full = draft.new_full((*draft.shape[:-1], self.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.target_ids, draft)
+
+    def tap(self, target: nn.Module) -> "FeatureTap":
+        """Hooks on ``target`` that keep, from each of its forwards, the features this head reads (see
+        :class:`FeatureTap`)."""
+        return FeatureTap(target, self.aux_layer_ids)
+
+
+class EagleCall:
+    """:meth:`EagleDraft.forward` with its features bound, callable with a model's standard arguments; keeps the last
+    :class:`EagleOutput` in ``outputs``. Has the head's ``config``, ``dtype`` and ``device`` (what SlotCache reads)."""
+
+    def __init__(self, head: EagleDraft, target_features: torch.Tensor | None,
+                 draft_features: torch.Tensor | None):
+        self.head = head
+        self.target_features, self.draft_features = target_features, draft_features
+        self.config, self.dtype, self.device = head.config, head.dtype, head.device
+        self.outputs: EagleOutput | None = None
+
+    def __call__(self, **kwargs) -> EagleOutput:
+        self.outputs = self.head(**kwargs, target_features=self.target_features, draft_features=self.draft_features)
+        return self.outputs
+
+
+class FeatureTap:
+    """Forward hooks on a target that keep the hidden states an EAGLE head reads, without ``output_hidden_states``
+    (which keeps every layer's): ``hs[i]`` for ``i < L`` is the input of decoder layer ``i`` (a pre-hook), ``hs[L]`` the
+    final norm's output (a hook). Nothing is copied: the tensors the target computed are kept until the next forward.
+
+    Use as a context manager, or call :meth:`remove`::
+
+        with head.tap(target) as tap:
+            target(input_ids, attention_mask=mask, past_key_values=cache, ...)
+            features = tap.features   # (B, T, F), positions as in that forward
+    """
+
+    def __init__(self, target: nn.Module, aux_layer_ids: tuple[int, ...]):
+        decoder = target.get_decoder()
+        layers = decoder.layers
+        self.aux_layer_ids = tuple(aux_layer_ids)
+        self.captured: dict[int, torch.Tensor] = {}
+        self.handles = []
+        for index in dict.fromkeys(self.aux_layer_ids):
+            if index < len(layers):
+                hook = self._layer_input_hook(index)
+                self.handles.append(layers[index].register_forward_pre_hook(hook, with_kwargs=True))
+            else:
+                hook = self._output_hook(index)
+                self.handles.append(decoder.norm.register_forward_hook(hook))
+
+    def _layer_input_hook(self, index: int):
+        def hook(module, args, kwargs):
+            self.captured[index] = args[0] if args else kwargs["hidden_states"]
+        return hook
+
+    def _output_hook(self, index: int):
+        def hook(module, args, output):
+            self.captured[index] = output
+        return hook
+
+    @property
+    def features(self) -> torch.Tensor:
+        """``(B, T, F)``: the kept hidden states, concatenated in ``aux_layer_ids`` order."""
+        parts = [self.captured[index] for index in self.aux_layer_ids]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def __enter__(self) -> "FeatureTap":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+# -- reading and validating checkpoints ------------------------------------------------------------------------------
+
+
+def read_checkpoint(path_or_repo_id, **hub) -> tuple[dict, dict[str, torch.Tensor], str]:
+    """``config.json`` as a dict, the tensors (on CPU, as stored) and a name for the weights file (for messages).
+
+    ``hub``: ``revision``, ``cache_dir``, ``local_files_only``, ``token`` (for a Hub repo id).
+    """
+    path_or_repo_id = os.fspath(path_or_repo_id)
+    config_path = cached_file(path_or_repo_id, CONFIG_NAME, _raise_exceptions_for_missing_entries=False, **hub)
+    if config_path is None:
+        raise ValueError(f"{path_or_repo_id}: no {CONFIG_NAME}; an EAGLE head folder holds {CONFIG_NAME} and one of "
+                         f"{', '.join(WEIGHTS_NAMES)}")
+    try:
+        with open(config_path, encoding="utf-8") as file:
+            config_dict = json.load(file)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{config_path} is not readable JSON ({error}); download it again") from error
+    for name in WEIGHTS_NAMES:
+        weights_path = cached_file(path_or_repo_id, name, _raise_exceptions_for_missing_entries=False, **hub)
+        if weights_path is not None:
+            return config_dict, load_tensors(weights_path), weights_path
+    raise ValueError(f"{path_or_repo_id}: no weights file; an EAGLE head folder holds one of "
+                     f"{', '.join(WEIGHTS_NAMES)}")
+
+
+def load_tensors(path: str) -> dict[str, torch.Tensor]:
+    """The tensors of a ``.safetensors`` or ``.bin`` file; a ``ValueError`` saying so for a truncated or corrupt one."""
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            tensors = load_file(path, device="cpu")
+        else:
+            tensors = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # safetensors, zip and unpickling errors have no common type
+        raise ValueError(f"cannot read the weights file {path}: it is truncated or corrupt ({type(error).__name__}: "
+                         f"{error}); download it again") from error
+    if not isinstance(tensors, dict) or not all(isinstance(value, torch.Tensor) for value in tensors.values()):
+        raise ValueError(f"the weights file {path} does not hold a flat {{name: tensor}} state dict")
+    return tensors
+
+
+def checkpoint_kind(tensors: dict[str, torch.Tensor], source: str) -> str:
+    """``"eagle3"`` (``midlayer.*`` tensors) or ``"eagle1"`` (``layers.0.*``)."""
+    if any(name.startswith(LAYER_PREFIXES[EAGLE3]) for name in tensors):
+        return EAGLE3
+    if any(name.startswith(LAYER_PREFIXES[EAGLE1]) for name in tensors):
+        extra = sorted({name.split(".")[1] for name in tensors if name.startswith("layers.")} - {"0"})
+        if extra:
+            raise ValueError(f"{source}: tensors of layers {extra} besides layer 0; tetris_hf reads one-layer EAGLE "
+                             "heads (`num_hidden_layers: 1`)")
+        return EAGLE1
+    raise ValueError(f"{source}: neither `midlayer.*` (EAGLE-3) nor `layers.0.*` (EAGLE-1) tensors, so this is not an "
+                     f"EAGLE head checkpoint (tensors: {sorted(tensors)[:8]}...)")
+
+
+def check_config(config_dict: dict, kind: str, target_hidden: int, target_vocab: int, source: str) -> None:
+    """The head's config.json against the target: sizes, vocabulary, one layer."""
+    for field in ("hidden_size", "num_attention_heads", "intermediate_size"):
+        if not isinstance(config_dict.get(field), int):
+            raise ValueError(f"{source}: config.json has no integer `{field}`; an EAGLE head's config is a Llama "
+                             "config (see the trainer's config.json)")
+    if config_dict.get("num_hidden_layers", 1) != 1:
+        raise ValueError(f"{source}: config.json says `num_hidden_layers: {config_dict['num_hidden_layers']}`; "
+                         "tetris_hf reads one-layer EAGLE heads, whose config says 1")
+    field = "target_hidden_size" if kind == EAGLE3 and "target_hidden_size" in config_dict else "hidden_size"
+    if config_dict[field] != target_hidden:
+        raise ValueError(f"{source}: the head's `{field}` ({config_dict[field]}) differs from the target's hidden "
+                         f"size ({target_hidden}): it was trained for another target; load the head made for this "
+                         "model")
+    vocab = config_dict.get("vocab_size")
+    if vocab != target_vocab:
+        raise ValueError(f"{source}: the head's `vocab_size` ({vocab}) differs from the target's vocabulary "
+                         f"({target_vocab} logits): it was trained for another tokenizer; load the head made for this "
+                         "model")
+
+
+def resolve_aux_layer_ids(config_dict: dict, explicit, num_layers: int, source: str) -> tuple[int, ...]:
+    """The EAGLE-3 head's target hidden states in ``hs`` indices (see the module docstring for the three readings);
+    each must be the input of one of the target's ``num_layers`` layers."""
+    if explicit is not None:
+        ids, field = tuple(int(index) for index in explicit), "aux_layer_ids"
+        shown = ids
+    else:
+        eagle_config = config_dict.get("eagle_config") or {}
+        if eagle_config.get("use_aux_hidden_state") is False:
+            raise ValueError(f"{source}: `eagle_config.use_aux_hidden_state` is false: this head reads the "
+                             "target's last hidden state only, a variant tetris_hf does not load (use an EAGLE-3 head "
+                             "that reads three layers, or an EAGLE-1 head)")
+        configured = eagle_config.get("eagle_aux_hidden_state_layer_ids")
+        if configured is not None:
+            field, shown = AUX_IDS_FIELD, tuple(configured)
+            ids = tuple(int(index) + 1 for index in configured)  # SpecForge/SGLang: output of layer k = hs[k + 1]
+        else:
+            field = "the default (2, L // 2, L - 3)"
+            ids = shown = (2, num_layers // 2, num_layers - 3)
+    if len(ids) != 3:
+        raise ValueError(f"{source}: {field} names {len(ids)} layers {shown}; an EAGLE-3 head reads 3 (its fc takes "
+                         "3 x hidden_size)")
+    bad = [index for index in ids if not 0 <= index < num_layers]
+    if bad:
+        raise ValueError(f"{source}: {field} {shown} needs hidden states hs{list(ids)} (layer inputs), but the target "
+                         f"has {num_layers} decoder layers (hs[0] .. hs[{num_layers - 1}] are layer inputs): this head "
+                         "was made for a deeper target; load the head made for this model, or pass `aux_layer_ids=`")
+    return ids
+
+
+def head_config(config_dict: dict, tensors: dict, kind: str, target_vocab: int, target_config,
+                source: str) -> LlamaConfig:
+    """The head's ``LlamaConfig``: config.json's fields (a missing ``rope_theta`` is Llama's 10000), one layer, the
+    target's vocabulary and attention implementation, and the head size the attention weights have."""
+    fields = {name: value for name, value in config_dict.items()
+              if not name.startswith("_") and name not in TARGET_ONLY_FIELDS}
+    fields.update(num_hidden_layers=1, vocab_size=target_vocab, attention_bias=False, mlp_bias=False)
+    q_name = LAYER_PREFIXES[kind] + "self_attn.q_proj.weight"
+    heads = config_dict["num_attention_heads"]
+    if q_name in tensors:
+        rows = int(tensors[q_name].shape[0])
+        if rows % heads:
+            raise ValueError(f"{source}: `{q_name}` has {rows} rows, not a multiple of `num_attention_heads` "
+                             f"({heads}); the config does not describe these weights")
+        fields["head_dim"] = rows // heads  # the reference uses hidden_size // heads; the weights say which
+    config = LlamaConfig(**fields)
+    implementation = getattr(target_config, "_attn_implementation", None) or "sdpa"
+    config._attn_implementation = implementation
+    return config
+
+
+def checkpoint_state(head: EagleDraft, tensors: dict[str, torch.Tensor], kind: str, source: str,
+                     bias_field: bool) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under the head's parameter names, every one present and of the right shape.
+
+    ``bias_field``: config.json has a ``bias`` key (else the reference code gives an EAGLE-1 fc a bias).
+    """
+    prefix = LAYER_PREFIXES[kind]
+    published = {(prefix + name[len("layer."):] if name.startswith("layer.") else name): name
+                 for name in head.state_dict()}  # published name -> head name
+    missing = [name for name in published if name not in tensors]
+    if missing:
+        hint = ""
+        if "fc.bias" in missing:
+            hint = (" (config.json has no `\"bias\": false`, and the reference code then gives fc a bias; set "
+                    "`\"bias\": false` if this head has none)" if not bias_field else
+                    " (config.json says `\"bias\": true`; set it to false if this head's fc has no bias)")
+        unexpected = sorted(set(tensors) - set(published) - {"d2t", "t2d"})
+        others = f"; it has tensors the {kind} format does not name: {unexpected[:8]}" if unexpected else ""
+        raise ValueError(f"{source}: missing tensors {missing}{hint}{others}")
+    own = head.state_dict()
+    state = {}
+    for name, head_name in published.items():
+        tensor = tensors[name]
+        if tuple(tensor.shape) != tuple(own[head_name].shape):
+            raise ValueError(f"{source}: `{name}` has shape {tuple(tensor.shape)}, expected "
+                             f"{tuple(own[head_name].shape)} from config.json and the target; the config does not "
+                             "describe these weights (or the head was made for another target)")
+        if not tensor.is_floating_point():
+            raise ValueError(f"{source}: `{name}` holds {tensor.dtype} values; weights are floating point")
+        state[head_name] = tensor
+    return state
+
+
+def draft_to_target(tensors: dict[str, torch.Tensor], draft_vocab: int, target_vocab: int,
+                    source: str) -> torch.Tensor | None:
+    """``(Vd,)`` the target id of each draft id (``i + d2t[i]``), or ``None`` when the draft vocabulary is the
+    target's (the reference then ignores ``d2t``); validated: in range, distinct, and agreeing with ``t2d``."""
+    if draft_vocab == target_vocab:
+        return None
+    if draft_vocab > target_vocab:
+        raise ValueError(f"{source}: `lm_head.weight` has {draft_vocab} rows, more than the target's {target_vocab} "
+                         "tokens; a draft vocabulary is a subset of the target's")
+    d2t = tensors.get("d2t")
+    if d2t is None:
+        raise ValueError(f"{source}: the draft vocabulary ({draft_vocab} rows of `lm_head.weight`) is smaller than the "
+                         f"target's ({target_vocab}) but there is no `d2t` tensor mapping draft ids to target ids")
+    if d2t.dim() != 1 or d2t.shape[0] != draft_vocab or d2t.is_floating_point() or d2t.dtype == torch.bool:
+        raise ValueError(f"{source}: `d2t` must be ({draft_vocab},) integers (one offset per draft id), got shape "
+                         f"{tuple(d2t.shape)} and dtype {d2t.dtype}")
+    target_ids = torch.arange(draft_vocab) + d2t.long()
+    outside = ((target_ids < 0) | (target_ids >= target_vocab)).nonzero().flatten()
+    if outside.numel():
+        first = int(outside[0])
+        raise ValueError(f"{source}: `d2t` maps {outside.numel()} draft ids outside the target's vocabulary of "
+                         f"{target_vocab} (e.g. draft id {first} + d2t {int(d2t[first])} = {int(target_ids[first])}); "
+                         "the head was made for another tokenizer")
+    if torch.unique(target_ids).numel() != draft_vocab:
+        raise ValueError(f"{source}: `d2t` maps several draft ids to one target id; the mapping is corrupt")
+    t2d = tensors.get("t2d")
+    if t2d is not None:
+        t2d = t2d.bool()
+        if t2d.shape != (target_vocab,) or int(t2d.sum()) != draft_vocab or not bool(t2d[target_ids].all()):
+            raise ValueError(f"{source}: `t2d` (which target ids are in the draft vocabulary) disagrees with `d2t`; "
+                             "the checkpoint is inconsistent")
+    return target_ids
+
+
+def output_vocab_size(model: nn.Module) -> int:
+    """The last dimension of the target's logits."""
+    head = model.get_output_embeddings()
+    if head is not None:
+        return int(head.weight.shape[0])
+    return int(model.config.get_text_config(decoder=True).vocab_size)
+
+
+def check_width(name: str, features: torch.Tensor, width: int, input_ids: torch.Tensor) -> None:
+    if features.shape != (*input_ids.shape, width):
+        raise ValueError(f"`{name}` has shape {tuple(features.shape)}, expected {(*input_ids.shape, width)} "
+                         "(input_ids' shape plus the feature width)")
+
+
+# -- writing checkpoints (EagleDraft.for_target, EagleDraft.save_pretrained) ----------------------------------------
+
+
+def _published_name(name: str, kind: str) -> str:
+    """A head parameter's name in the published checkpoint (``layer.*`` -> ``midlayer.*`` / ``layers.0.*``)."""
+    return LAYER_PREFIXES[kind] + name[len("layer."):] if name.startswith("layer.") else name
+
+
+def _rope_fields(rope: dict | None) -> dict:
+    """transformers' ``rope_parameters`` as published config.json keys: ``rope_theta``, and ``rope_scaling`` for a
+    scaled RoPE (the full-attention layers' for configs that hold one per layer type)."""
+    if not isinstance(rope, dict):
+        return {}
+    rope = rope.get("full_attention", rope)
+    fields = {"rope_theta": rope["rope_theta"]} if rope.get("rope_theta") is not None else {}
+    if rope.get("rope_type", "default") != "default":
+        fields["rope_scaling"] = {key: value for key, value in rope.items() if key != "rope_theta"}
+    return fields

@@ -1,0 +1,205 @@
+# Exported from tetris_hf/candidate_generators/prompt_lookup.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
+"""Prompt-lookup drafts for every row of a batch: no draft model, the row's own tokens are the draft.
+
+Each step, row ``i`` looks for its last ``n`` tokens earlier in its own prompt and output, for ``n`` from the longest
+allowed n-gram down to the shortest; the longest ``n`` that matches wins, and among its occurrences the latest one
+(the nearest to the end; a long generation that repeats itself repeats what it wrote last, and a prompt's nearest
+copy is the one the output is working through). The row drafts the tokens that followed that occurrence, up to
+``K``, never past its own end. A row without a match drafts nothing that step. Left padding is never matched.
+
+Every drafted cell gets a confidence TETRIS can rank across rows: the estimated probability that the target accepts
+it given that the cells before it were accepted, by the n-gram length ``n`` that matched and the cell's position
+``j``, learnt during the call from what the target accepted (:class:`LookupAcceptance`). A lookup draft is
+deterministic given the row, so when sampling its ``q`` is one-hot at the drafted token: a cell is accepted with
+probability ``p(x)`` and a rejection samples ``p`` without ``x``.
+
+Everything runs batched on the device (no loop over rows, no device reads).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .candidate_generators_drafter import Proposal, rows_after_fill
+
+DEFAULT_MAX_NGRAM_SIZE = 3  # ``max_matching_ngram_size`` when not given
+
+
+def check_lookup_sizes(num_tokens, max_ngram_size, min_ngram_size) -> None:
+    """Refuse impossible lookup settings (before anything runs), naming the argument."""
+    for name, value in (("prompt_lookup_num_tokens", num_tokens), ("max_matching_ngram_size", max_ngram_size),
+                        ("tetris_min_ngram_size", min_ngram_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"`{name}` must be an integer, got {value!r} ({type(value).__name__})")
+        if value < 1:
+            raise ValueError(f"`{name}` must be >= 1, got {value}")
+    if min_ngram_size > max_ngram_size:
+        raise ValueError(f"`tetris_min_ngram_size` ({min_ngram_size}) is above `max_matching_ngram_size` "
+                         f"({max_ngram_size}): lookup would try no n-gram size")
+
+
+def lookup_drafts(sequences: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, num_tokens: int,
+                  ngram_sizes: range, width: int | None = None,
+                  latest: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Batched prompt lookup: for every row, the tokens after the latest earlier occurrence of its longest matching
+    suffix n-gram.
+
+    E.g. a row ``[a b c d b c]`` (no padding), sizes 2..1, ``K = 3``: its last 2-gram ``b c`` occurs at 1, followed
+    by ``d b c``, but only up to the row's end: drafts ``[d b c]``, 3 cells, ``n = 2``.
+
+    Args:
+        sequences: ``(B, T)`` tokens; row ``i`` holds real tokens in ``[starts[i], lengths[i])``.
+        starts: ``(B,)`` first real column of each row (left padding before it is never matched).
+        lengths: ``(B,)``.
+        num_tokens: ``K``.
+        ngram_sizes: n-gram sizes to try, e.g. ``range(1, 4)``; the largest that matches wins.
+        width: a host bound on ``lengths.max()`` (columns past it are not searched), default ``T``.
+        latest: take the latest occurrence (else the earliest, as transformers' one-row lookup does; kept to measure
+            the choice, see ``examples/lookup_occurrence.py``).
+
+    Returns:
+        drafts ``(B, K)`` (filler past each row's count: its last real token), counts ``(B,)`` drafted cells,
+        ``ngram`` ``(B,)`` the n-gram size that matched (0: no match, nothing drafted).
+    """
+    batch, total = sequences.shape
+    width = total if width is None else min(width, total)
+    device = sequences.device
+    columns = torch.arange(width, device=device)
+    haystack = sequences[:, :width]
+    best_start = torch.full((batch,), -1, dtype=torch.long, device=device)  # where the continuation starts
+    ngram = torch.zeros(batch, dtype=torch.long, device=device)
+    for size in sorted(ngram_sizes, reverse=True):
+        if size >= width:
+            continue
+        suffix = haystack.gather(1, (lengths[:, None] - size + columns[:size]).clamp(min=0))  # (B, n)
+        windows = haystack.unfold(1, size, 1)  # (B, width - n + 1, n): window p is tokens p..p+n-1
+        matches = (windows == suffix[:, None, :]).all(dim=-1)
+        first = columns[: windows.shape[1]]
+        # an earlier occurrence inside the real tokens, followed by at least one token (which excludes the suffix)
+        matches &= (first[None, :] >= starts[:, None]) & (first[None, :] + size < lengths[:, None])
+        matches &= (lengths - size >= starts)[:, None]  # the suffix itself is real
+        if latest:
+            occurrence = torch.where(matches, first[None, :], -1).amax(dim=1)
+        else:
+            occurrence = torch.where(matches, first[None, :], width).amin(dim=1)
+            occurrence = torch.where(occurrence < width, occurrence, -1)
+        found = (occurrence >= 0) & (ngram == 0)
+        best_start = torch.where(found, occurrence + size, best_start)
+        ngram = torch.where(found, size, ngram)
+    counts = torch.where(ngram > 0, (lengths - best_start).clamp(max=num_tokens), 0)
+    positions = best_start[:, None] + columns.new_tensor(range(num_tokens))[None, :]
+    positions = torch.minimum(positions, (lengths - 1)[:, None]).clamp(min=0)  # filler: a real token, never verified
+    return sequences.gather(1, positions), counts, ngram
+
+
+class LookupAcceptance:
+    """Online estimate of how often a lookup cell is accepted, by matched n-gram size and cell position.
+
+    Cell ``j`` of a row that matched an ``n``-gram is accepted, given that cells ``1..j-1`` were, with probability
+    ``a[n, j]``, estimated as ``(accepted + s * prior[j]) / (tried + s)``: a Beta prior of strength ``s`` around
+    ``prior[j] = prior_first * prior_decay^j`` (later cells copy further from the match and drift more often), updated
+    by every verified cell the target reached (cells after a rejection tell nothing and are not counted). Counts
+    decay by ``memory`` per step, so the estimate follows the requests as they change.
+
+    Args:
+        max_ngram_size: largest n-gram size (rows are indexed by ``n``; 0 is unused).
+        num_cells: ``K``, cells per row.
+        device: where the counts live.
+    """
+
+    def __init__(self, max_ngram_size: int, num_cells: int, device: torch.device, prior_first: float = 0.5,
+                 prior_decay: float = 0.9, prior_strength: float = 4.0, memory: float = 0.99):
+        shape = (max_ngram_size + 1, num_cells)
+        self.num_cells = num_cells
+        self.prior = (prior_first * prior_decay ** torch.arange(num_cells, dtype=torch.float32, device=device))
+        self.prior_strength = prior_strength
+        self.memory = memory
+        self.tried = torch.zeros(shape, device=device)
+        self.accepted = torch.zeros(shape, device=device)
+
+    def log_probs(self, ngram: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """``(B, K)`` log acceptance of each cell of rows that matched ``ngram`` ``(B,)`` (``-inf`` where nothing
+        matched)."""
+        rate = (self.accepted + self.prior_strength * self.prior) / (self.tried + self.prior_strength)
+        scores = rate[ngram, :num_tokens].log()
+        return scores.masked_fill((ngram == 0)[:, None], float("-inf"))
+
+    def update(self, ngram: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """Count one step: rows matched ``ngram`` ``(B,)``, verified ``verify_lengths`` and accepted ``num_accepted``
+        cells (the target reached cells ``0..num_accepted``, those below ``verify_lengths``)."""
+        cells = torch.arange(self.num_cells, device=ngram.device)[None, :]
+        tried = (cells < verify_lengths[:, None]) & (cells <= num_accepted[:, None])
+        accepted = cells < num_accepted[:, None]
+        index = (ngram[:, None] * self.num_cells + cells).flatten()
+        self.tried.mul_(self.memory).view(-1).index_add_(0, index, tried.flatten().float())
+        self.accepted.mul_(self.memory).view(-1).index_add_(0, index, (accepted & tried).flatten().float())
+
+
+class BatchedPromptLookupCandidateGenerator:
+    """Prompt-lookup drafting for a batch whose rows advance independently: the batched counterpart of transformers'
+    ``PromptLookupCandidateGenerator`` (which serves one row), driven through :class:`~.drafter.Drafter`.
+
+    Args:
+        max_ngram_size: ``max_matching_ngram_size``, the longest suffix n-gram looked up.
+        min_ngram_size: the shortest (1: a single token may match).
+        max_tokens: the most cells any proposal drafts (sizes the acceptance table).
+    """
+
+    def __init__(self, max_ngram_size: int = DEFAULT_MAX_NGRAM_SIZE, min_ngram_size: int = 1, max_tokens: int = 8):
+        self.ngram_sizes = range(min_ngram_size, max_ngram_size + 1)
+        self.max_tokens = max_tokens
+        self.starts: torch.Tensor | None = None  # (B,) first real column of each row
+        self.width = 0  # a host bound on the rows' lengths
+        self.acceptance: LookupAcceptance | None = None
+        self._ngram: torch.Tensor | None = None  # (B,) what each row matched at the last proposal
+        self._last_num_drafted = 0
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, all_real: bool = False) -> None:
+        batch, length = input_ids.shape
+        self.starts = length - attention_mask.long().sum(dim=1)  # left-padded: padding comes first
+        self.width = length
+        self.acceptance = LookupAcceptance(max(self.ngram_sizes), self.max_tokens, input_ids.device)
+
+    def catch_up(self) -> None:
+        pass  # nothing is skipped during plain steps: lookup reads the sequence itself
+
+    def propose(self, sequences: torch.Tensor, lengths: torch.Tensor, num_tokens: int, rows: torch.Tensor,
+                confidences: bool = True) -> Proposal:
+        self._last_num_drafted = num_tokens
+        if num_tokens == 0:
+            empty = sequences.new_zeros(sequences.shape[0], 0)
+            self._ngram = None
+            return Proposal(empty, empty.float() if confidences else None, None, None)
+        if num_tokens > self.max_tokens:
+            raise ValueError(f"asked for {num_tokens} lookup cells, the table holds {self.max_tokens}")
+        drafts, counts, ngram = lookup_drafts(sequences, self.starts, lengths, num_tokens, self.ngram_sizes,
+                                              self.width)
+        sequences.scatter_(1, lengths[:, None] + torch.arange(num_tokens, device=lengths.device), drafts)
+        self._ngram = ngram
+        log_probs = self.acceptance.log_probs(ngram, num_tokens) if confidences else None
+        return Proposal(drafts, log_probs, None, counts)
+
+    def feature_tap(self, target: torch.nn.Module) -> None:
+        return None  # lookup reads tokens only
+
+    def accept(self, num_accepted: torch.Tensor, next_tokens: torch.Tensor, verify_lengths: torch.Tensor,
+               max_accepted: int | None = None, cached_longest: int | None = None, features=None) -> None:
+        drafted = self._last_num_drafted
+        self.width += (drafted if max_accepted is None else min(max_accepted, drafted)) + 1
+        if drafted > 0:
+            self.acceptance.update(self._ngram, verify_lengths, num_accepted)
+
+    def fill_rows(self, targets: torch.Tensor, sources: torch.Tensor, num_rows: int) -> None:
+        rows = rows_after_fill(targets, sources, num_rows)
+        self.starts = self.starts[rows]
+        if self._ngram is not None:
+            self._ngram = self._ngram[rows]
+
+    def live_lengths(self) -> None:
+        return None
+
+    def pending_width(self) -> None:
+        return None
+
+    def trim_pending(self, width: int) -> None:
+        pass
