@@ -32,16 +32,21 @@ it is cut (SIGALRM) and the script moves on, keeping the cells it finished (on a
 1. ``smol: load``.
 2. ``<pair>: eager``, per pair and batch size (``--batch-sizes``): plain ``generate()`` and ``tetris_strategy``
    ``fixed`` / ``tetris`` / ``adaptive``, one warm-up call each (``adaptive`` measures its cost profile there), then
-   one timed call of ``--new-tokens`` tokens between ``torch.cuda.synchronize()`` calls (never inside a step). Every
-   speculative output is compared with plain ``generate()`` on the same batch by ``tetris_hf.divergence``: identical,
-   or first differing at a near-tie that bf16 rounding explains, or a real difference.
+   one timed call of ``--new-tokens`` tokens between ``torch.cuda.synchronize()`` calls (never inside a step), whose
+   steps are also timed one by one with CUDA events (:class:`StepTimes`: recorded without a sync, read after the call;
+   the median from the third step on is the steady step time). Every speculative output is compared with plain
+   ``generate()`` on the same batch by ``tetris_hf.divergence``: identical, or first differing at a near-tie that bf16
+   rounding explains, or a real difference.
 3. ``<pair>: host reads``: device -> host reads per step (``examples/host_reads.py``) at batch 8.
 4. ``<target>: nf4`` / ``int8``: the target quantized by bitsandbytes on CUDA (``tetris_hf.quantization``), timed and
    compared as in 2 against the same quantized target's plain ``generate()``; the draft stays bf16. The target is
    ``smol`` when loaded (cheap to reload), else the random target saved once to ``--workdir``.
-5. ``<pair>: compiled``: plain ``generate(cache_implementation="static")`` (transformers compiles it by itself on
-   CUDA) and the three strategies with ``tetris_compile=True``; the warm-up call compiles and its time is reported.
-   Skipped, with the reason printed, on a CPU or where ``TetrisOptions`` has no ``tetris_compile`` field.
+5. ``<pair>: compiled``: plain ``generate(cache_implementation="static")`` (transformers compiles its forward by
+   itself on CUDA, ``mode="reduce-overhead"``) and the three strategies with ``tetris_compile=True`` (static shapes,
+   see ``tetris_hf.compiled``). Per mode: the warm-up call's seconds and the seconds torch.compile spent in it
+   (``compile_s``), the CUDA graphs cudagraph trees recorded (warm-up call / timed call) and replayed (timed call)
+   (:class:`GraphCounter`), and the steady step time next to the eager variant's. Skipped, with the reason printed,
+   on a CPU or where ``TetrisOptions`` has no ``tetris_compile`` field.
 
 On a CPU (``--device cpu``) parts 4 and 5 are skipped with the reason printed; models run in fp32 there, where
 speculative output must equal plain ``generate()`` exactly.
@@ -50,6 +55,7 @@ speculative output must equal plain ``generate()`` exactly.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -265,20 +271,139 @@ def new_token_counts(sequences: torch.Tensor, width: int, eos_ids: set[int]) -> 
     return counts
 
 
+# --------------------------------------------------------------------------------------------- step times, graphs
+class StepTimes:
+    """The wall time of every decoding step of one call: a mark per step, a CUDA event on a GPU (recorded without a
+    sync, read after the call), the host clock on a CPU. Plain ``generate()`` marks a step with a logits processor
+    (:meth:`logits_processor`, called once per token), the speculative loop after each of its steps
+    (:meth:`loop_steps`, around ``BatchedSpeculativeLoop.step``; a step callback would make the loop compute draft
+    confidences it does not otherwise need)."""
+
+    def __init__(self, device: str):
+        self.cuda = torch.device(device).type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def logits_processor(self):
+        from transformers import LogitsProcessor
+
+        times = self
+
+        class StepMarker(LogitsProcessor):
+            def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+                times.mark()
+                return scores
+
+        return StepMarker()
+
+    @contextlib.contextmanager
+    def loop_steps(self):
+        from tetris_hf.decoding import BatchedSpeculativeLoop
+
+        step = BatchedSpeculativeLoop.step
+
+        def marked(loop):
+            record = step(loop)
+            self.mark()
+            return record
+
+        BatchedSpeculativeLoop.step = marked
+        try:
+            yield self
+        finally:
+            BatchedSpeculativeLoop.step = step
+
+    def step_ms(self) -> list[float]:
+        """Milliseconds between consecutive marks: every step after the first (call after a sync)."""
+        if self.cuda:
+            return [start.elapsed_time(end) for start, end in zip(self.marks, self.marks[1:])]
+        return [1000 * (end - start) for start, end in zip(self.marks, self.marks[1:])]
+
+    def steady_ms(self) -> float | None:
+        """The median step from the third on (after the prompt and the first drafting step)."""
+        steps = sorted(self.step_ms()[1:])
+        return round(steps[len(steps) // 2], 3) if steps else None
+
+
+class GraphCounter:
+    """While active, counts the CUDA graphs torch's cudagraph trees (``mode="reduce-overhead"``) record and replay,
+    by wrapping ``CUDAGraphTreeManager.record_function`` and ``execute_node`` (private: where they are missing the
+    counts stay ``None``); and the seconds torch.compile spends compiling (``compilation_time_metrics``)."""
+
+    def __init__(self):
+        self.recorded: int | None = None
+        self.replayed: int | None = None
+        self.compile_s = 0.0
+        self._saved: dict = {}
+
+    @staticmethod
+    def _compile_seconds() -> float:
+        from torch._dynamo.utils import compilation_time_metrics
+
+        return sum(compilation_time_metrics.get("_compile.compile_inner", []))
+
+    def __enter__(self) -> "GraphCounter":
+        self._compile_start = self._compile_seconds()
+        try:
+            from torch._inductor.cudagraph_trees import CUDAGraphTreeManager
+        except ImportError:
+            return self
+        if not all(hasattr(CUDAGraphTreeManager, name) for name in ("record_function", "execute_node")):
+            return self
+        self.recorded = self.replayed = 0
+        counter = self
+        record, execute = CUDAGraphTreeManager.record_function, CUDAGraphTreeManager.execute_node
+        self._saved = {"record_function": record, "execute_node": execute}
+
+        def record_function(manager, *args, **kwargs):
+            counter.recorded += 1
+            return record(manager, *args, **kwargs)
+
+        def execute_node(manager, *args, **kwargs):
+            counter.replayed += 1
+            return execute(manager, *args, **kwargs)
+
+        CUDAGraphTreeManager.record_function = record_function
+        CUDAGraphTreeManager.execute_node = execute_node
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.compile_s = round(self._compile_seconds() - self._compile_start, 2)
+        if self._saved:
+            from torch._inductor.cudagraph_trees import CUDAGraphTreeManager
+
+            for name, original in self._saved.items():
+                setattr(CUDAGraphTreeManager, name, original)
+            self._saved.clear()
+
+
 # ------------------------------------------------------------------------------------------------- generate / check
-def generate(pair: Pair, input_ids, mask, new_tokens: int, mode: str, compiled: bool, args, **extra):
+def generate(pair: Pair, input_ids, mask, new_tokens: int, mode: str, compiled: bool, args, steps=None, **extra):
     """One greedy call: ``mode`` ``"plain"`` (``generate()``; ``compiled``: static cache, which transformers compiles
-    on CUDA) or a ``tetris_strategy`` (``compiled``: ``tetris_compile=True``). Returns ``(sequences, tetris_stats)``."""
+    on CUDA) or a ``tetris_strategy`` (``compiled``: ``tetris_compile=True``); ``steps``: a :class:`StepTimes` that
+    times its steps. Returns ``(sequences, tetris_stats)``."""
     kwargs = dict(attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, **extra)
     if mode == "plain":
         if compiled:
             kwargs["cache_implementation"] = "static"
+        if steps is not None:
+            from transformers import LogitsProcessorList
+
+            kwargs["logits_processor"] = LogitsProcessorList([steps.logits_processor()])
         return pair.target.generate(input_ids, **kwargs), None
     if compiled:
         kwargs["tetris_compile"] = True
-    out = pair.target.generate(input_ids, assistant_model=pair.draft, custom_generate="tetris", tetris_strategy=mode,
-                               num_assistant_tokens=args.k, tetris_extra_tokens=args.extra,
-                               return_dict_in_generate=True, **kwargs)
+    with steps.loop_steps() if steps is not None else contextlib.nullcontext():
+        out = pair.target.generate(input_ids, assistant_model=pair.draft, custom_generate="tetris",
+                                   tetris_strategy=mode, num_assistant_tokens=args.k, tetris_extra_tokens=args.extra,
+                                   return_dict_in_generate=True, **kwargs)
     return out.sequences, out.tetris_stats
 
 
@@ -318,14 +443,22 @@ def _time_modes(pair: Pair, input_ids, mask, cell: dict, outputs: dict, compiled
         try:
             started = time.perf_counter()
             # warm-up (adaptive: its cost profile; compiled: compiling, at the timed call's cache size)
-            generate(pair, input_ids, mask, args.new_tokens if compiled else min(8, args.new_tokens), mode, compiled,
-                     args)
-            synchronize(args.device)
+            with GraphCounter() as warmup_graphs:
+                generate(pair, input_ids, mask, args.new_tokens if compiled else min(8, args.new_tokens), mode,
+                         compiled, args)
+                synchronize(args.device)
             result["warmup_s"] = round(time.perf_counter() - started, 3)
-            started = time.perf_counter()
-            sequences, stats = generate(pair, input_ids, mask, args.new_tokens, mode, compiled, args)
-            synchronize(args.device)
-            seconds = time.perf_counter() - started
+            steps = StepTimes(args.device)
+            with GraphCounter() as graphs:
+                started = time.perf_counter()
+                sequences, stats = generate(pair, input_ids, mask, args.new_tokens, mode, compiled, args, steps)
+                synchronize(args.device)
+                seconds = time.perf_counter() - started
+            result["step_ms"] = steps.steady_ms()
+            if compiled:
+                result.update(compile_s=round(warmup_graphs.compile_s + graphs.compile_s, 2),
+                              graphs_recorded_warmup=warmup_graphs.recorded, graphs_recorded=graphs.recorded,
+                              graphs_replayed=graphs.replayed)
         except PartTimeout:
             raise
         except Exception as error:  # one mode failing (e.g. compile refused) leaves the others worth having
@@ -345,6 +478,9 @@ def _time_modes(pair: Pair, input_ids, mask, cell: dict, outputs: dict, compiled
             result["vs_plain"] = compare_rows(pair.target, outputs["plain"], sequences, input_ids, mask)
         print(f"    {pair.name} {variant} B={batch} {mode:<8} {result['tokens_per_s']:>8.1f} tok/s"
               + (f"  acceptance {result['acceptance_rate']:.2f}" if stats is not None else "")
+              + (f"  step {result['step_ms']:.2f} ms" if result["step_ms"] is not None else "")
+              + (f"  compile {result['compile_s']:.0f} s, CUDA graphs recorded {result['graphs_recorded_warmup']}"
+                 f" + {result['graphs_recorded']}, replayed {result['graphs_replayed']}" if compiled else "")
               + _verdict(result), flush=True)
 
 
@@ -623,6 +759,24 @@ def markdown(report: dict) -> str:
                                   for m in MODES)
                      + f" | {ratio('fixed')} | {ratio('tetris')} | {ratio('adaptive')} | {acceptance} "
                      f"| {near} / {real} |")
+    compiled = [cell for cell in report["timing"] if cell["variant"] == "compiled"]
+    if compiled:
+        eager = {(cell["pair"], cell["batch"]): cell for cell in report["timing"] if cell["variant"] == "eager"}
+        lines += ["", "Compiled calls: the warm-up call (s) and what torch.compile spent in it (s), CUDA graphs "
+                  "recorded (warm-up call + timed call) and replayed (timed call), steady step time (ms, CUDA "
+                  "events) eager -> compiled.", "",
+                  "| pair | B | mode | warm-up s | compile s | graphs recorded | replayed | step ms eager | "
+                  "step ms compiled |", "|---|---:|---|---:|---:|---|---:|---:|---:|"]
+        for cell in compiled:
+            for mode in MODES:
+                result = cell["modes"].get(mode, {})
+                if "tokens" not in result:
+                    continue
+                before = eager.get((cell["pair"], cell["batch"]), {}).get("modes", {}).get(mode, {}).get("step_ms")
+                lines.append(f"| {cell['pair']} | {cell['batch']} | {mode} | {result['warmup_s']} | "
+                             f"{result.get('compile_s', '-')} | {result.get('graphs_recorded_warmup')} + "
+                             f"{result.get('graphs_recorded')} | {result.get('graphs_replayed')} | "
+                             f"{before if before is not None else '-'} | {result.get('step_ms', '-')} |")
     if report["host_reads"]:
         lines += ["", "Device -> host reads per steady-state step (examples/host_reads.py).", "",
                   "| pair | mode | compiled | B | steps | median | max |", "|---|---|---|---:|---:|---:|---:|"]

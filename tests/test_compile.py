@@ -16,7 +16,8 @@ def test_blocks_are_padded_to_powers_of_two():
 
 
 def test_compiled_greedy_rows_equal_target_alone():
-    """One compilation (dynamic shapes) serves every step: rows retire, blocks change length, caches fill."""
+    """A graph per shape (static shapes, dynamic=False) serves every step: rows retire, blocks change length, caches
+    fill, and the shapes stay among the batch buckets x block widths."""
     target, draft = target_and_draft(64, seed=7, draft_kind="noisy", noise=0.3)
     prompts = random_prompts(4, 64, seed=7)
     eos = pick_eos(target, prompts)
@@ -28,8 +29,10 @@ def test_compiled_greedy_rows_equal_target_alone():
                     dict(tetris_budget=0)):  # plain steps: the last token alone, no mask built from positions
         stats = generate_checked(target, draft, input_ids, mask, references, eos, tetris_compile=True, **options)
         assert (stats.verified_tokens > 0) == (options.get("tetris_budget") != 0)
-    # the step forwards really ran compiled, and a handful of graphs (not one per step) served them all
-    assert 0 < counters["stats"]["unique_graphs"] <= 16, dict(counters["stats"])
+    # the step forwards really ran compiled, and a handful of graphs (not one per step) served them all: 4 rows are one
+    # batch bucket, the target's blocks 1, 2, 4 or 8 tokens, the draft's 1 or 2 (one KV width: every call's capacity
+    # rounds up to 256)
+    assert 0 < counters["stats"]["unique_graphs"] <= 4 + 2, dict(counters["stats"])
 
 
 def test_compiled_sampling_follows_the_target_distribution():

@@ -53,7 +53,8 @@ def test_export_holds_the_library_closure_and_no_tool(tmp_path):
     assert sorted(_files(tmp_path)) == sorted(str(path.relative_to(tmp_path)) for path in written)
 
 
-def test_exported_modules_import_each_other_relatively_and_only_torch_and_transformers(tmp_path):
+def test_exported_modules_import_each_other_relatively_and_only_torch_transformers_and_safetensors(tmp_path):
+    """safetensors (EAGLE checkpoints) is a dependency of transformers itself: nothing new to install."""
     export(tmp_path)
     code = tmp_path / "custom_generate"
     outside = set()
@@ -67,9 +68,9 @@ def test_exported_modules_import_each_other_relatively_and_only_torch_and_transf
             elif isinstance(node, ast.Import):
                 outside.update(alias.name.split(".")[0] for alias in node.names)
     assert "tetris_hf" not in outside
-    assert {name for name in outside if name not in sys.stdlib_module_names} == {"torch", "transformers"}
+    assert {name for name in outside if name not in sys.stdlib_module_names} == {"safetensors", "torch", "transformers"}
     requirements = (code / "requirements.txt").read_text().split()
-    assert requirements == [f"torch>={installed_version('torch')}", f"transformers>={installed_version('transformers')}"]
+    assert requirements == [f"{name}>={installed_version(name)}" for name in ("safetensors", "torch", "transformers")]
 
 
 def test_a_module_added_to_the_library_is_exported_without_changing_the_exporter(tmp_path, monkeypatch):

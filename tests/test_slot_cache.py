@@ -201,6 +201,17 @@ def test_compact_moves_real_slots_to_the_right_end_of_the_width_in_order_with_th
     assert cached_tokens(slots).tolist() == [[A, B, C, D], [-1, D, E, A]]
 
 
+def test_compact_takes_the_longest_row_as_an_argument():
+    _, slots = rows_with_a_hole(capacity=16, max_holes=0)
+    noted = copy.deepcopy(slots)
+    noted.note_longest(3)
+    noted.compact()
+    slots.compact(3)  # the same bound, passed rather than noted beforehand
+    assert slots.pointer == noted.pointer == 3
+    assert torch.equal(slots.slot_mask, noted.slot_mask) and torch.equal(slots.slot_positions, noted.slot_positions)
+    assert cached_tokens(slots).tolist() == cached_tokens(noted).tolist() == [[A, B, C], [-1, D, E]]
+
+
 def test_compact_without_a_tighter_bound_keeps_the_width_and_closes_holes_from_the_left():
     _, slots = rows_with_a_hole(capacity=16, max_holes=0)
     slots.compact(force=True)  # width = the pointer (4): [a b . c] -> [. a b c]

@@ -1,9 +1,25 @@
 """``tetris_compile=True``: the target's verify forward and the draft's one-token step through ``torch.compile``.
 
-Prompt reads and catch-ups stay eager (each has its own length, and runs once). The step forwards are compiled with
-dynamic shapes, so the batch shrinking and the caches filling up do not recompile; the target's block is padded to a
-power of two (masked filler), so on CUDA, where the mode is ``"reduce-overhead"`` (CUDA graphs), a step replays one of
-a few recorded graphs. The slot caches are allocated once, so their addresses stay put between steps.
+Prompt reads and catch-ups stay eager (each has its own length, and runs once). On CUDA the mode is
+``"reduce-overhead"``: CUDA graphs, which record one graph per distinct input shape. So the step forwards see a few
+shapes only (:class:`~tetris_hf.kv.SlotCache` in static mode):
+
+- the KV width: the cache's whole capacity, fixed for the call (:func:`static_capacity`), unwritten slots masked;
+- the block: the target's verify block padded to a power of two (:func:`bucket`, by the loop), the draft's 1 or 2;
+- the batch: padded with dummy rows to :func:`batch_bucket` (the call's batch size, then 16, 4: powers of four), so
+  rows retiring change the shape only when the batch drops a bucket.
+
+A call with batch ``B`` and blocks up to ``2^k`` gives the target at most ``(k + 1) * len(batch_buckets(B))`` shapes,
+however many tokens it generates (B = 16 drafting 3 tokens a row, blocks of up to 4: 3 x 2 = 6), and the draft at
+most ``2 * len(batch_buckets(B))``. Calls whose caches round to the same capacity, and batches that share buckets,
+reuse them.
+
+The forwards are compiled with ``dynamic=False`` (:data:`DYNAMIC`): each shape is one graph, specialised. Dynamic
+shapes would compile fewer graphs (0/1 specialisation still splits blocks of 1 from longer ones: 3 against 7 in a
+B = 16 call of a tiny Llama) for as many CUDA graphs, but on a CPU each compile took longer and the steps ran 3-7%
+slower (SmolLM2-135M, B = 16: 249 s for 5 graphs against 222 s for 7). Models that take the 2D mask of real slots
+(ALiBi, attention implementations other than sdpa and eager) keep the shapes as they come, compiled with dynamic
+shapes. The slot caches are allocated once, so their addresses stay put between steps.
 
 Refused where it cannot work: a quantized (bitsandbytes) model, whose kernels ``torch.compile`` does not trace, and a
 model offloaded to the CPU or disk by accelerate, whose hooks move weights inside the forward.
@@ -31,14 +47,22 @@ def check_compilable(model: torch.nn.Module, role: str) -> None:
                          "hooks move weights during the forward. Use tetris_compile=False or place it on one device")
 
 
+DYNAMIC = False  # static shapes: one specialised graph per shape (see the module docstring)
+CAPACITY_STEP = 256  # a static cache's capacity is a multiple of this
+BATCH_BUCKET_BASE = 4  # below the call's batch size, padded batches are powers of this (4, 16, 64, ...)
+
+
 def compiled_forward(model: torch.nn.Module) -> Callable:
     """``model.forward`` compiled for the loop's step forwards (one compilation per model, kept while it lives)."""
     if model not in _COMPILED:
+        from .kv import AttentionLayout
+
         # every transformers forward shares one decorator code object, whose compiled variants (target, draft, batch
         # sizes) count against one dynamo cache: 8 by default, past which it silently runs eager
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         on_cuda = next(model.parameters()).is_cuda
-        _COMPILED[model] = torch.compile(model.forward, dynamic=True,
+        static = AttentionLayout.of(model).prepared  # (else the 2D mask: shapes as they come, see kv.SlotCache)
+        _COMPILED[model] = torch.compile(model.forward, dynamic=DYNAMIC if static else True,
                                          mode="reduce-overhead" if on_cuda else None)
     return _COMPILED[model]
 
@@ -46,3 +70,27 @@ def compiled_forward(model: torch.nn.Module) -> Callable:
 def bucket(length: int) -> int:
     """The padded length of a block of ``length`` tokens: the next power of two (1, 2, 4, 8, ...)."""
     return 1 << max(length - 1, 0).bit_length()
+
+
+def batch_bucket(rows: int, batch_size: int) -> int:
+    """The padded batch of a compiled step with ``rows`` active rows in a call of ``batch_size`` rows: the least power
+    of four (4, 16, 64, ...) that holds them, at most ``batch_size``.
+
+    E.g. ``batch_size`` 16: 5..16 rows run as 16, 1..4 as 4. On a GPU a decoding forward reads the weights whatever
+    its batch, so a few padded rows cost little, and fewer buckets mean fewer graphs.
+    """
+    padded = BATCH_BUCKET_BASE
+    while padded < rows:
+        padded *= BATCH_BUCKET_BASE
+    return min(padded, batch_size)
+
+
+def batch_buckets(batch_size: int) -> list[int]:
+    """Every padded batch :func:`batch_bucket` gives in a call of ``batch_size`` rows, largest first."""
+    return sorted({batch_bucket(rows, batch_size) for rows in range(1, batch_size + 1)}, reverse=True)
+
+
+def static_capacity(slots: int) -> int:
+    """Slots per row of a cache whose steps are compiled: ``slots`` rounded up to a multiple of
+    :data:`CAPACITY_STEP`, so that calls of nearby lengths give the compiled forwards the same shapes."""
+    return -(-slots // CAPACITY_STEP) * CAPACITY_STEP

@@ -317,7 +317,7 @@ class BatchedSpeculativeLoop:
         if proposal.tokens.shape[1] == 0:
             # Nothing to verify: the target reads each row's last token (no read, no filler, no holes).
             block_length, width, block, real_lengths = 0, 1, self.last_tokens[:, None], None
-            drafter_longest = None
+            drafter_longest = target_bound = None  # nothing read: the caches keep their own bounds
         else:
             # The step's one read: the block length sizes the target's input; the caches' fill levels come along.
             drafter_lengths = self.drafter.live_lengths()
@@ -326,7 +326,7 @@ class BatchedSpeculativeLoop:
                 read.append(drafter_lengths)
             block_length, target_longest, self.longest, *drafter_longest = torch.stack(read).amax(dim=1).tolist()
             drafter_longest = drafter_longest[0] if drafter_longest else None
-            self.target_slots.note_longest(target_longest)
+            target_bound = target_longest + block_length + 1  # real slots any row can hold after this block
             # verify: [last emitted token, drafts 1..l_i] per row, padded to one length with masked drafts
             # (compiled: padded with masked filler to a power of two, so that block shapes repeat)
             width = bucket(block_length + 1) if self.compile else block_length + 1
@@ -345,7 +345,7 @@ class BatchedSpeculativeLoop:
         # roll back: the target keeps [last token, accepted drafts]; the drafter keeps its accepted drafts
         if real_lengths is not None:
             self.target_slots.keep_prefix(self.target_slots.length - width, num_accepted + 1)
-        self.target_slots.compact()
+        self.target_slots.compact(target_bound)
         self.drafter.accept(num_accepted, next_tokens, verify_lengths, max_accepted=block_length,
                             cached_longest=drafter_longest, features=self._target_features())
         clock.mark("verify_end")

@@ -16,6 +16,14 @@ do attention implementations other than sdpa and eager (which then cannot serve 
 :meth:`SlotCache.compact` repacks each row's real slots when holes pile up (or the buffers fill), which bounds the
 cache at the longest row's live tokens plus ``max_holes``; on a model whose every layer has a window, slots that fell
 out of every window become holes first, so the cache stays bounded however long the generation.
+
+**Static shapes** (a cache given a compiled :attr:`SlotCache.step_forward`, ``tetris_compile=True``): CUDA graphs
+record one graph per distinct input shape, so the step forwards see a few shapes only. The capacity is fixed for the
+call (rounded up, :func:`~tetris_hf.compiled.static_capacity`) and every step forward attends over all of it (masks
+``(B, 1, L, capacity)``, unwritten slots and holes masked out; keys and values are written at a slot index tensor, not
+a Python pointer); the batch is padded to a few sizes (:func:`~tetris_hf.compiled.batch_bucket`) with dummy rows
+that write into buffer rows nobody reads and whose logits are dropped; the block lengths come from the loop (powers of
+two). Prompt reads and catch-ups stay eager, with the tight shapes of the eager path.
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ from functools import cached_property
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .compiled import batch_bucket, static_capacity
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 MASK_IMPLEMENTATIONS = ("sdpa", "eager")  # attention implementations that take a prepared 4D mask
@@ -131,31 +141,66 @@ def position_masks(layout: AttentionLayout, key_positions: torch.Tensor, key_val
     return masks if layout.keyed else next(iter(masks.values()))
 
 
+def _standard_strides(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, copied if its strides are not those of a new tensor of its shape."""
+    strides, step = [], 1
+    for size in reversed(tensor.shape):
+        strides.append(step)
+        step *= size
+    if tensor.stride() == tuple(reversed(strides)):
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
+
+
 class SlotLayer(CacheLayerMixin):
     """One layer's keys and values, ``(B, H, capacity, D)`` allocated at its first write, written at the cache's
-    shared pointer. Returns the written prefix ``[:, :, :pointer + L]`` (a view, no copy)."""
+    shared pointer. Returns the written prefix ``[:, :, :pointer + L]`` (a view, no copy); in a static-shape forward
+    (:attr:`SlotCache.write_index` set) writes at that index and returns the whole capacity of the padded batch.
+
+    ``keys`` / ``values`` hold the active rows; a static cache's buffers (``static_keys`` / ``static_values``) keep
+    every row of the call (the active rows are their first rows), allocated once and marked static for CUDA graphs.
+    """
 
     is_sliding = False
 
     def __init__(self, owner: "SlotCache"):
         super().__init__()
         self.owner = owner  # a weak proxy (see SlotCache): no reference cycle keeps the buffers after the call
+        self.static_keys: torch.Tensor | None = None
+        self.static_values: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads = key_states.shape[:2]
-        capacity = self.owner.capacity
-        self.keys = key_states.new_zeros(batch, heads, capacity, key_states.shape[-1])
-        self.values = value_states.new_zeros(batch, heads, capacity, value_states.shape[-1])
-        if self.owner.step_forward is not None:  # compiled steps (CUDA graphs) need buffers that stay put
-            torch._dynamo.mark_static_address(self.keys)
-            torch._dynamo.mark_static_address(self.values)
+        owner = self.owner
+        rows = owner.batch_size if owner.static else batch  # static: room for the padded batches of later steps
+        keys = key_states.new_zeros(rows, heads, owner.capacity, key_states.shape[-1])
+        values = value_states.new_zeros(rows, heads, owner.capacity, value_states.shape[-1])
+        self.keys, self.values = keys[:batch], values[:batch]
+        if owner.static:
+            self._keep_static(keys, values)
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
+
+    def _keep_static(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Compiled steps (CUDA graphs) need buffers that stay put; their sizes are constants of the graphs (under
+        dynamic shapes too, where the batch would otherwise be tied to the buffers' rows while they are equal)."""
+        for buffer in (keys, values):
+            torch._dynamo.mark_static_address(buffer)
+            torch._dynamo.mark_static(buffer)
+        self.static_keys, self.static_values = keys, values
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        start = self.owner.pointer
+        owner = self.owner
+        if owner.write_index is not None:  # a static-shape step: the padded batch, every slot
+            rows = key_states.shape[0]
+            keys, values = self.static_keys[:rows], self.static_values[:rows]
+            index = owner.write_index.to(keys.device)
+            keys.index_copy_(2, index, key_states)
+            values.index_copy_(2, index, value_states)
+            return keys, values
+        start = owner.pointer
         end = start + key_states.shape[-2]
         self.keys[:, :, start:end] = key_states
         self.values[:, :, start:end] = value_states
@@ -172,8 +217,14 @@ class SlotLayer(CacheLayerMixin):
 
     def rebuild(self, transform) -> None:
         """Replace keys and values by ``transform(tensor)`` (growth)."""
-        if self.is_initialized:
+        if not self.is_initialized:
+            return
+        if self.static_keys is None:
             self.keys, self.values = transform(self.keys), transform(self.values)
+            return
+        rows = self.keys.shape[0]
+        self._keep_static(transform(self.static_keys), transform(self.static_values))
+        self.keys, self.values = self.static_keys[:rows], self.static_values[:rows]
 
     def repack(self, order: torch.Tensor, flat_index: dict) -> None:
         """Slot ``order[i, j]`` of row ``i`` moves to slot ``j`` (``order``: ``(B, width)``), in place.
@@ -212,23 +263,51 @@ class SlotCache:
         device: where the masks live (the model's input device).
         max_holes: repack once the cache is longer than its longest row's real tokens by more than this.
         capacity: slots to allocate per row (the buffers grow, by reallocation, if a forward would overflow them
-            even after repacking).
+            even after repacking; a static cache then compiles or records new graphs for the new width, which
+            :func:`slots_needed` sizes the cache never to need).
     """
 
     def __init__(self, batch_size: int, device: torch.device, max_holes: int = 32, capacity: int = 256):
+        # What the layers read comes first (a deep copy of the layers copies what was set before the cache).
         self.max_holes = max_holes
+        self.batch_size = batch_size
         self.capacity = max(int(capacity), 1)
         self.pointer = 0  # slots written per row, holes included (host-side: no device read needed)
+        self.static = False  # see step_forward
+        self.write_index: torch.Tensor | None = None  # (L,) the slots a static-shape forward writes, during it
         owner = weakref.proxy(self)  # layers that pointed back at the cache strongly would form a reference cycle,
         self.cache = Cache(layer_class_to_replicate=lambda: SlotLayer(owner))  # freed only by the cyclic GC
-        self.slot_mask = torch.zeros(batch_size, self.capacity, dtype=torch.bool, device=device)
-        self.slot_positions = torch.zeros(batch_size, self.capacity, dtype=torch.long, device=device)
+        self._allocate_masks(device)
         self.next_positions = torch.zeros(batch_size, dtype=torch.long, device=device)  # real tokens cached so far
-        self.offsets = torch.arange(self.capacity, device=device)
         self.causal: torch.Tensor | None = None  # see _causal
         self.layout: AttentionLayout | None = None
-        self.step_forward = None  # a compiled forward for the step forwards (see tetris_hf.compiled), else the model
+        self._step_forward = None
         self.longest_bound = 0  # an upper bound on any row's real slots (tightened by note_longest)
+
+    def _allocate_masks(self, device: torch.device) -> None:
+        self.slot_mask = torch.zeros(self.batch_size, self.capacity, dtype=torch.bool, device=device)
+        self.slot_positions = torch.zeros(self.batch_size, self.capacity, dtype=torch.long, device=device)
+        self.offsets = torch.arange(self.capacity, device=device)
+
+    @property
+    def step_forward(self):
+        """A compiled forward for the step forwards (see :mod:`tetris_hf.compiled`), else ``None`` (the model).
+
+        Setting one makes the cache static (:attr:`static`): its capacity is rounded up by
+        :func:`~tetris_hf.compiled.static_capacity` and fixed, its buffers hold every row of the call, and step
+        forwards on models that take prepared masks see static shapes (module docstring). Set it before the first
+        forward."""
+        return self._step_forward
+
+    @step_forward.setter
+    def step_forward(self, forward) -> None:
+        if forward is not None and not self.static:
+            if self.cache.layers or self.pointer:
+                raise RuntimeError("SlotCache.step_forward must be set before the cache's first forward")
+            self.capacity = static_capacity(self.capacity)
+            self._allocate_masks(self.slot_mask.device)
+            self.static = True
+        self._step_forward = forward
 
     @property
     def length(self) -> int:
@@ -269,6 +348,9 @@ class SlotCache:
             self.layout = AttentionLayout.of(model)
         block = input_ids.shape[1]
         self._make_room(block)
+        # static shapes: a compiled step on a model that takes prepared masks, once the buffers exist (the first
+        # forward allocates them, eagerly)
+        static = step and self.static and self.layout.prepared and bool(self.cache.layers)
         start, end = self.pointer, self.pointer + block
         if input_mask is None:  # positions go on from each row's cached tokens (filler's are never seen)
             position_ids = self.next_positions[:, None]
@@ -289,6 +371,13 @@ class SlotCache:
             self.slot_mask[:, start:end] = input_mask
             new_tokens = input_mask.sum(dim=1)
         self.slot_positions[:, start:end] = position_ids
+        if static:
+            next_positions = self.next_positions + new_tokens
+            logits = self._static_forward(input_ids, position_ids, start, end, model.dtype, logits_to_keep)
+            self.pointer = end
+            self.next_positions = next_positions
+            self.longest_bound += block
+            return logits
         if not self.layout.prepared:  # causality by slot index is causality by position: the 2D mask of real slots
             attention_mask = self.slot_mask[:, :end].long()
         elif input_mask is None and real_lengths is None and block == 1 and self.layout.plain_sdpa:
@@ -306,7 +395,8 @@ class SlotCache:
         # (worked out before the forward: the operations right after one run several times slower, on cold caches)
         next_positions = self.next_positions + new_tokens
         kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
-        run = self.step_forward if step and self.step_forward is not None else model
+        # (compiled, on the shapes as they come, for models that take the 2D mask; never the forward that allocates)
+        run = self._step_forward if step and self._step_forward is not None and self.cache.layers else model
         outputs = run(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -319,6 +409,37 @@ class SlotCache:
         self.next_positions = next_positions
         self.longest_bound += block
         return outputs.logits
+
+    def _static_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, start: int, end: int,
+                        dtype: torch.dtype, logits_to_keep: int) -> torch.Tensor:
+        """:attr:`step_forward` on static shapes: the batch padded to :func:`~tetris_hf.compiled.batch_bucket` rows,
+        masks over the whole capacity, keys and values written at ``write_index`` (slots ``start..end - 1``).
+
+        Dummy rows (after the real ones) see every slot of their buffer row (finite: written by real tokens, or
+        zeros), so no query attends to nothing, where some sdpa kernels give NaN; their logits are dropped, and what
+        they write lands in buffer rows no active row reads (rows only move down, into places below the active
+        count). Real rows always see some real token: their own, or one before it.
+        """
+        rows = input_ids.shape[0]
+        extra = batch_bucket(rows, self.batch_size) - rows
+        key_valid, key_positions = self.slot_mask, self.slot_positions
+        if extra:  # dummy rows: every slot real, at position 0, queried from position 0
+            pad = (0, 0, 0, extra)
+            input_ids = torch.nn.functional.pad(input_ids, pad)
+            position_ids = torch.nn.functional.pad(position_ids, pad)
+            key_valid = torch.nn.functional.pad(key_valid, pad, value=True)
+            key_positions = torch.nn.functional.pad(key_positions, pad)
+        # graphs are specialised on strides too: e.g. a (B, 1) column of a wider block has strides (T, 1), not (1, 1)
+        input_ids, position_ids = _standard_strides(input_ids), _standard_strides(position_ids)
+        attention_mask = position_masks(self.layout, key_positions, key_valid, position_ids, dtype)
+        kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
+        self.write_index = self.offsets[start:end]
+        try:
+            outputs = self._step_forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                         past_key_values=self.cache, use_cache=True, **kwargs)
+        finally:
+            self.write_index = None
+        return outputs.logits[:rows] if extra else outputs.logits
 
     def _causal(self, block: int) -> torch.Tensor:
         """``(block, block)`` bool, True on and below the diagonal (kept, and grown, across forwards)."""
@@ -391,7 +512,7 @@ class SlotCache:
         """What the most :meth:`live_lengths` was when last read: every row holds at most this many real slots now."""
         self.longest_bound = min(self.longest_bound, int(value))
 
-    def compact(self, force: bool = False) -> None:
+    def compact(self, longest: int | None = None, force: bool = False) -> None:
         """Repack each row's real slots to the right end of ``[0, width)``, in order, and move the pointer to
         ``width`` (an upper bound on any row's real slots, known without a device read).
 
@@ -399,7 +520,15 @@ class SlotCache:
         whose every layer has a window, slots no future query can see become holes first.
 
         E.g. rows ``[a b . c | . . d e]`` (``.`` a hole) with width 3 become ``[a b c | . d e]``.
+
+        Args:
+            longest: an upper bound on the real slots any row holds now, e.g. the most :meth:`live_lengths` read
+                after the last forward (or read before it, plus that forward's block length). Without it the bound
+                is the one the cache keeps: every block counted in full since :meth:`note_longest` last tightened it.
+            force: repack whatever the holes.
         """
+        if longest is not None:
+            self.longest_bound = min(self.longest_bound, int(longest))
         if self.pointer == 0:
             return
         reach = self.layout.reach if self.layout is not None else None
@@ -433,6 +562,7 @@ class SlotCache:
             return
         capacity = max(2 * self.capacity, self.pointer + block)
         extra = capacity - self.capacity
+        # (a static cache: new shapes for its compiled steps, so new graphs; slots_needed sizes it never to grow)
         self.slot_mask = torch.nn.functional.pad(self.slot_mask, (0, extra))
         self.slot_positions = torch.nn.functional.pad(self.slot_positions, (0, extra))
         for layer in self._layers():

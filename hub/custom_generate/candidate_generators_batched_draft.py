@@ -165,8 +165,6 @@ class BatchedDraftCandidateGenerator:
                 :meth:`live_lengths` (bounds what repacking keeps; ``None``: not read this step).
             features: the target's features (drafters with a :meth:`feature_tap` only).
         """
-        if cached_longest is not None:
-            self.slots.note_longest(cached_longest)
         drafted = self._last_num_drafted
         if self._ones is None:
             self._ones = torch.ones_like(next_tokens[:, None])
@@ -187,7 +185,7 @@ class BatchedDraftCandidateGenerator:
             self.pending_tokens = torch.cat([self._last_draft, next_tokens[:, None]], dim=1)
             self.pending_mask = torch.cat([all_accepted, ones], dim=1)
             self.pending_real = False
-        self.slots.compact()
+        self.slots.compact(cached_longest)
 
     def live_lengths(self) -> torch.Tensor:
         """``(B,)`` real tokens the draft's cache holds per row (see :meth:`~tetris_hf.kv.SlotCache.live_lengths`)."""

@@ -88,8 +88,6 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
         """
         if features is None:
             raise ValueError("an EAGLE head needs the target's features of every target forward")
-        if cached_longest is not None:
-            self.slots.note_longest(cached_longest)
         ones = torch.ones_like(next_tokens[:, None])
         if self._prompt is not None:  # the prompt's read: [x1 .. x_{T-1}, t] with [f0 .. f_{T-1}]
             input_ids, mask = self._prompt
@@ -120,7 +118,7 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
             1, source[..., None].expand(-1, -1, features.shape[-1]))
         self.pending_mask = real.long()
         self.pending_real = width == 1
-        self.slots.compact()
+        self.slots.compact(cached_longest)
 
     def trim_pending(self, width: int) -> None:
         if 0 < width < self.pending_tokens.shape[1]:
