@@ -230,7 +230,7 @@ class SlotLayer(CacheLayerMixin):
         """Slot ``order[i, j]`` of row ``i`` moves to slot ``j`` (``order``: ``(B, width)``), in place.
 
         Every (row, head, slot) holds ``D`` contiguous numbers, so the move is one ``index_select`` of whole slots
-        from a ``(B * H * capacity, D)`` view (several times faster than a ``gather`` along the slot axis);
+        from a ``(B * H * capacity, D)`` view (cheaper than a ``gather`` along the slot axis);
         ``flat_index`` caches those slot numbers by shape and device across layers.
         """
         batch, heads, capacity, head_dim = self.keys.shape
@@ -392,7 +392,7 @@ class SlotCache:
         else:
             attention_mask = position_masks(self.layout, self.slot_positions[:, :end], self.slot_mask[:, :end],
                                             position_ids, model.dtype)
-        # (worked out before the forward: the operations right after one run several times slower, on cold caches)
+        # (worked out before the forward: operations right after a forward run on cold caches)
         next_positions = self.next_positions + new_tokens
         kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
         # (compiled, on the shapes as they come, for models that take the 2D mask; never the forward that allocates)

@@ -16,9 +16,8 @@ most ``2 * len(batch_buckets(B))``. Calls whose caches round to the same capacit
 reuse them.
 
 The forwards are compiled with ``dynamic=False`` (:data:`DYNAMIC`): each shape is one graph, specialised. Dynamic
-shapes would compile fewer graphs (0/1 specialisation still splits blocks of 1 from longer ones: 3 against 7 in a
-B = 16 call of a tiny Llama) for as many CUDA graphs, but on a CPU each compile took longer and the steps ran 3-7%
-slower (SmolLM2-135M, B = 16: 249 s for 5 graphs against 222 s for 7). Models that take the 2D mask of real slots
+shapes would compile fewer graphs for as many CUDA graphs, but each compile takes longer and the steps run slower
+(measured in ``docs/gpu.md``). Models that take the 2D mask of real slots
 (ALiBi, attention implementations other than sdpa and eager) keep the shapes as they come, compiled with dynamic
 shapes. The slot caches are allocated once, so their addresses stay put between steps.
 
