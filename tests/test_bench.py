@@ -100,22 +100,8 @@ def test_lookup_plan_drafts_by_prompt_lookup_without_a_draft_model():
     assert bench.drafting(None) == {} and "assistant_model" in bench.drafting(object())
 
 
-def _library_drafts_by_lookup(target) -> str | None:
-    """None when ``custom_generate="tetris"`` takes ``prompt_lookup_num_tokens`` without an assistant_model, else why
-    not (the library part of prompt-lookup drafting has not landed)."""
-    try:
-        target.generate(torch.tensor([[2, 5, 6, 5, 6]]), max_new_tokens=2, do_sample=False, custom_generate="tetris",
-                        prompt_lookup_num_tokens=2, max_matching_ngram_size=2)
-    except (ValueError, TypeError) as error:
-        return f"tetris_hf.generate rejects prompt_lookup_num_tokens without assistant_model: {error}"
-    return None
-
-
 def test_lookup_drafting_runs_every_tetris_strategy_and_equals_generate(tiny_pair):
     target, _, tokenizer = tiny_pair
-    reason = _library_drafts_by_lookup(target)
-    if reason is not None:
-        pytest.skip(reason)
     config = bench.BenchConfig(batch_size=3, max_new_tokens=8, strategies=("generate", "fixed", "tetris", "adaptive"),
                                num_assistant_tokens=(2,), extra_tokens=(1,), lookup=True)
     report = bench.run_bench(target, None, tokenizer, SENTENCES[:5], config, show_progress=False)
@@ -170,10 +156,7 @@ def test_command_runs_humaneval_edit_with_hf_lookup(saved_target, tmp_path, caps
     assert "hf-lookup k=4 n=3" in capsys.readouterr().out
 
 
-def test_command_with_lookup_drafting(saved_target, prompt_file, tmp_path, capsys, tiny_pair):
-    reason = _library_drafts_by_lookup(tiny_pair[0])
-    if reason is not None:
-        pytest.skip(reason)
+def test_command_with_lookup_drafting(saved_target, prompt_file, tmp_path, capsys):
     output = tmp_path / "lookup"
     code = cli_main(["bench", "--target", str(saved_target), "--draft", "lookup", "--max-ngram", "2",
                      "--prompts", str(prompt_file), "--num-prompts", "4", "--batch-size", "2", "--max-new-tokens", "6",
