@@ -101,4 +101,6 @@ def test_space_copy_builds_its_page_and_runs_without_tetris_hf(tmp_path):
     assert result["differing"] == []
     # prompt lookup: no draft model, drafts copied from the prompt (needs a strategy/ export that has prompt lookup)
     assert result["lookup_states"] == ["done"] * 4, result["lookup_messages"]
-    assert result["lookup_differing"] == [] and min(result["lookup_drafted"]) > 0
+    # fixed and TETRIS always draft; adaptive may draft nothing when its timings say drafting does not pay
+    fixed_drafted, tetris_drafted, _ = result["lookup_drafted"]
+    assert result["lookup_differing"] == [] and fixed_drafted > 0 and tetris_drafted > 0
