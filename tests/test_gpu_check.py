@@ -52,13 +52,14 @@ def test_cpu_smoke_run_writes_every_part_and_exact_outputs(tmp_path):
     report = json.loads(report_path.read_text())
     parts = report["parts"]
     assert parts["smol: load"]["status"] == "skipped"
-    for name in ("tiny: build", "tiny+half: eager", "tiny+half: host reads", "tiny+1l: eager", "tiny+1l: host reads"):
+    for name in ("tiny: build", "tiny+half: eager", "tiny+half: host reads", "tiny+1l: eager", "tiny+1l: host reads",
+                 "tiny+eagle: eager", "tiny+eagle: host reads"):
         assert parts[name]["status"] == "done", (name, parts[name])
-    for name in ("tiny+1l: nf4", "tiny+1l: int8", "tiny+half: compiled", "tiny+1l: compiled"):
+    for name in ("tiny+1l: nf4", "tiny+1l: int8", "tiny+half: compiled", "tiny+1l: compiled", "tiny+eagle: compiled"):
         assert parts[name]["status"] == "skipped" and parts[name]["reason"], (name, parts[name])
 
     cells = {(cell["pair"], cell["batch"]): cell for cell in report["timing"]}
-    assert set(cells) == {(pair, batch) for pair in ("tiny+half", "tiny+1l") for batch in (1, 8, 32, 64)}
+    assert set(cells) == {(pair, batch) for pair in ("tiny+half", "tiny+1l", "tiny+eagle") for batch in (1, 8, 32, 64)}
     for cell in cells.values():
         assert cell["variant"] == "eager"
         for mode in ("plain", "fixed", "tetris", "adaptive"):
@@ -68,9 +69,10 @@ def test_cpu_smoke_run_writes_every_part_and_exact_outputs(tmp_path):
             assert check["identical"] == check["rows"] == cell["batch"], check
             assert 0 <= cell["modes"][mode]["acceptance_rate"] <= 1
     assert max(cell["modes"]["tetris"]["acceptance_rate"] for cell in cells.values()) > 0  # the drafts agree sometimes
+    assert cells[("tiny+eagle", 8)]["modes"]["tetris"]["draft_seconds"] > 0  # the head drafted
 
     reads = {(cell["pair"], cell["mode"]): cell for cell in report["host_reads"]}
-    assert set(reads) == {(pair, mode) for pair in ("tiny+half", "tiny+1l")
+    assert set(reads) == {(pair, mode) for pair in ("tiny+half", "tiny+1l", "tiny+eagle")
                           for mode in ("plain", "fixed", "tetris", "adaptive")}
     assert all(cell["steady_max"] is not None and len(cell["per_step"]) == cell["steps"] for cell in reads.values())
 

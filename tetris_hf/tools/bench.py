@@ -10,7 +10,8 @@ For one prompt set, batch size and ``max_new_tokens`` it runs, on the same promp
 - ``tetris``: TETRIS with each ``e`` at the fixed runs' budget ``C = k x B`` (or ``--budget``);
 - any other ``tetris_strategy`` name (e.g. ``adaptive``, ``dsd``) once per ``k``.
 
-The speculative runs draft with the draft model, or with ``--draft lookup`` by prompt lookup: each row drafts the
+The speculative runs draft with the draft model, with an EAGLE head (``--draft eagle``: the head shipped for the
+default target; ``eagle:PATH_OR_REPO``: a published one), or with ``--draft lookup`` by prompt lookup: each row drafts the
 tokens that followed the latest earlier occurrence of its last n-gram (n <= ``--max-ngram``) in its own prompt and
 output (``prompt_lookup_num_tokens=k, max_matching_ngram_size=n`` and no ``assistant_model``). Lookup pays on
 grounded prompts, whose answers copy the prompt: ``--prompts humaneval-edit`` or ``sharegpt-summarize``.
@@ -41,7 +42,10 @@ from .cli import UsageError, load_pair, load_prompt_set, number_list, prompt_tex
 from ..divergence import RowDivergence
 
 BASELINES = ("generate", "hf-assisted", "hf-lookup")
-ONE_AT_A_TIME = ("hf-assisted", "hf-lookup")  # transformers' speculative decoding serves one request per call
+ONE_AT_A_TIME = ("hf-assisted", "hf-lookup")
+DEFAULT_STRATEGIES = "generate,hf-assisted,fixed,tetris,adaptive"
+DEFAULT_STRATEGIES_LOOKUP = "generate,hf-lookup,fixed,tetris,adaptive"  # transformers' assisted generation needs a model
+DEFAULT_STRATEGIES_EAGLE = "generate,fixed,tetris,adaptive"  # transformers has no EAGLE  # transformers' speculative decoding serves one request per call
 
 
 @dataclasses.dataclass
@@ -85,6 +89,7 @@ class RunResult:
     outputs: list
     agreement: dict | None = None  # output_agreement with plain generate() (greedy runs)
     repeat_seconds: list[float] = dataclasses.field(default_factory=list)  # every repeat's time (this is the median)
+    position_counts: "PositionCounts | None" = None  # speculative runs: acceptance at each draft position
 
     def summary(self) -> dict:
         latencies = sorted(self.latencies)
@@ -109,7 +114,35 @@ class RunResult:
             "tokens_per_row_step": self.tokens / self.row_steps if self.row_steps else 0.0,
             "peak_memory_mb": self.peak_memory_mb,
             "agreement_with_generate": self.agreement,
+            "acceptance_by_position": self.position_counts.rates() if self.position_counts else None,
         }
+
+
+@dataclasses.dataclass
+class PositionCounts:
+    """Acceptance at each draft position: ``reached[i]`` row-steps whose draft position ``i + 1`` was verified with
+    every earlier position accepted, ``accepted[i]`` those that accepted it too. ``rates()[i]`` is the acceptance of
+    position ``i + 1`` given the ones before it were accepted (EAGLE's ``n-alpha``, measured on the real run)."""
+
+    reached: list[int] = dataclasses.field(default_factory=list)
+    accepted: list[int] = dataclasses.field(default_factory=list)
+
+    def add(self, verified_per_step: list[list[int]], accepted_per_step: list[list[int]]) -> None:
+        """Count one call's steps (:class:`~tetris_hf.outputs.TetrisStats` lists; ``-1``: a finished row)."""
+        for verified_row, accepted_row in zip(verified_per_step, accepted_per_step):
+            for verified, accepted in zip(verified_row, accepted_row):
+                if verified <= 0:
+                    continue
+                deepest = min(verified, accepted + 1)  # positions reached: up to the first rejection
+                while len(self.reached) < deepest:
+                    self.reached.append(0)
+                    self.accepted.append(0)
+                for position in range(deepest):
+                    self.reached[position] += 1
+                    self.accepted[position] += position < accepted
+
+    def rates(self) -> list[float | None]:
+        return [accepted / reached if reached else None for accepted, reached in zip(self.accepted, self.reached)]
 
 
 def _percentile(sorted_values: list[float], percent: float) -> float:
@@ -210,6 +243,7 @@ def run_strategy(
     common = dict(max_new_tokens=config.max_new_tokens, do_sample=config.do_sample, pad_token_id=tokenizer.pad_token_id)
     outputs, latencies = [], []
     drafted = verified = accepted = row_steps = 0
+    positions = None if strategy in BASELINES else PositionCounts()
     counter = ForwardCounter(target)
     torch.manual_seed(config.seed)
     try:
@@ -233,6 +267,7 @@ def run_strategy(
                     verified += stats.verified_tokens
                     accepted += stats.accepted_tokens
                     row_steps += sum(sum(v >= 0 for v in step) for step in stats.verified_per_step)
+                    positions.add(stats.verified_per_step, stats.accepted_per_step)
                 rows = generated_tokens(sequences, batch["input_ids"].shape[1], eos_ids)
                 if strategy == "generate":
                     row_steps += sum(map(len, rows))  # one token per row per step, by construction
@@ -260,6 +295,7 @@ def run_strategy(
         accepted=accepted,
         peak_memory_mb=memory.peak,
         outputs=outputs,
+        position_counts=positions,
     )
 
 
@@ -505,7 +541,16 @@ def _gather(result: RunResult, indices: list[int]) -> RunResult:
     merged["peak_memory_mb"] = max(part["peak_memory_mb"] for part, _ in parts)
     merged["latencies"] = [latency for part, _ in parts for latency in part["latencies"]]
     merged["outputs"] = [outputs[i] for i in sorted(outputs)]
+    if result.position_counts is not None:
+        depth = max(len(part["position_counts"]["reached"]) for part, _ in parts)
+        merged["position_counts"] = PositionCounts(
+            *([sum(_padded(part["position_counts"][key], depth)[i] for part, _ in parts) for i in range(depth)]
+              for key in ("reached", "accepted")))
     return RunResult(**merged)
+
+
+def _padded(values: list[int], length: int) -> list[int]:
+    return values + [0] * (length - len(values))
 
 
 def run_bench(
@@ -583,9 +628,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip prompts longer than this many tokens (ShareGPT has some very long ones)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--strategies", default="generate,hf-assisted,fixed,tetris,adaptive",
+    parser.add_argument("--strategies", default=None,
                         help="comma list: generate, hf-assisted, hf-lookup (transformers' prompt lookup, one request "
-                             "at a time, every prompt), fixed, tetris, or any other tetris_strategy")
+                             f"at a time, every prompt), fixed, tetris, or any other tetris_strategy (default "
+                             f"{DEFAULT_STRATEGIES}; with --draft lookup {DEFAULT_STRATEGIES_LOOKUP}; with an EAGLE "
+                             f"head {DEFAULT_STRATEGIES_EAGLE})")
     parser.add_argument("--num-assistant-tokens", type=number_list(int, 1), default=(4,), help="k (comma list)")
     parser.add_argument("--extra-tokens", type=number_list(int, 0), default=(1, 2, 3), help="TETRIS e (comma list)")
     parser.add_argument("--budget", type=int, default=None, help="C per step (default k x batch size)")
@@ -593,8 +640,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests for transformers' one-at-a-time assisted generation (it is slow)")
     parser.add_argument("--target", default=None, help="Hub id, local directory or .gguf (default: SmolLM2-135M)")
     parser.add_argument("--draft", default=None,
-                        help="Hub id, local directory, tetris-hf draft directory, early-exit:N, or 'lookup' (the "
-                             "speculative runs draft by prompt lookup, k = --num-assistant-tokens; default: shipped)")
+                        help="Hub id, local directory, tetris-hf draft directory, early-exit:N, 'eagle' (the EAGLE "
+                             "head shipped for the default target), eagle:PATH_OR_REPO (a published EAGLE-1/3 head), "
+                             "or 'lookup' (the speculative runs draft by prompt lookup, k = --num-assistant-tokens; "
+                             "default: the shipped draft model)")
     parser.add_argument("--max-ngram", type=int, default=3,
                         help="longest n-gram prompt lookup matches (max_matching_ngram_size), for --draft lookup and "
                              "hf-lookup (default 3)")
@@ -657,7 +706,12 @@ def config_from_args(args) -> BenchConfig:
             raise UsageError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     if args.budget is not None and args.budget < 0:
         raise UsageError(f"--budget must be >= 0, got {args.budget}")
-    strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
+    from .models import is_eagle_name
+
+    eagle = args.draft is not None and is_eagle_name(args.draft)
+    lookup = args.draft == "lookup"
+    default = DEFAULT_STRATEGIES_LOOKUP if lookup else DEFAULT_STRATEGIES_EAGLE if eagle else DEFAULT_STRATEGIES
+    strategies = tuple(s.strip() for s in (args.strategies or default).split(",") if s.strip())
     from ..strategies import STRATEGIES
 
     unknown = [s for s in strategies if s not in BASELINES and s not in STRATEGIES]
@@ -665,11 +719,16 @@ def config_from_args(args) -> BenchConfig:
         raise UsageError(f"unknown strategy {unknown}: choose from {', '.join(BASELINES + tuple(STRATEGIES))}")
     if args.max_ngram < 1:
         raise UsageError(f"--max-ngram must be at least 1, got {args.max_ngram}")
-    lookup = args.draft == "lookup"
     if lookup and "hf-assisted" in strategies:
         raise UsageError("hf-assisted needs a draft model, and --draft lookup has none: use hf-lookup")
     if lookup and args.draft_vocab != (None,):
         raise UsageError("--draft-vocab reduces a draft model's head, and --draft lookup has none")
+    if eagle:
+        if "hf-assisted" in strategies:
+            raise UsageError("hf-assisted cannot run an EAGLE head (transformers' assisted generation takes a draft "
+                             "model); leave hf-assisted out of --strategies with --draft eagle")
+        if args.draft_vocab != (None,):
+            raise UsageError("--draft-vocab reduces a draft model's head; an EAGLE head has its own draft vocabulary")
     return BenchConfig(
         batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens,

