@@ -316,10 +316,13 @@ def test_the_command_trains_resumes_to_the_same_weights_and_writes_a_loadable_he
         run(*common(material, whole), "--max-steps", "7", "--resume", "--ttt-steps", "4")
 
 
-def test_whole_chats_without_self_distillation(material, tmp_path):
-    assert run(*common(material, tmp_path), "--no-self-distill", "--tokens", "480") == 0
+@pytest.mark.parametrize("precision", ["--no-bf16", "--bf16"])
+def test_whole_chats_without_self_distillation(material, tmp_path, precision):
+    assert run(*common(material, tmp_path), "--no-self-distill", "--tokens", "480", precision) == 0
     record = json.loads((tmp_path / "PROVENANCE.json").read_text())
     assert record["data"]["self_distill"] is False and record["training"]["tokens_seen"] >= 480
+    assert record["training"]["bf16"] is (precision == "--bf16")
+    assert record["held_out"]["agreement"] >= 0.0  # evaluated (under the same autocast as training)
 
 
 @pytest.mark.parametrize("flags, message", [
