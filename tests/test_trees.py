@@ -348,6 +348,53 @@ def brute_force_block(tree, selected, roots, max_nodes, row):
     return tokens, offsets, parents, mask, nodes + [-1] * (max_nodes - len(nodes)), 1 + len(nodes)
 
 
+def brute_force_path(tree, row, node):
+    """Tokens from depth 1 down to ``node`` (walking up the parents)."""
+    path = []
+    while node >= 0:
+        path.append(int(tree.tokens[row, node]))
+        node = int(tree.parents[row, node])
+    return path[::-1]
+
+
+def test_path_tokens_and_path_products_equal_walking_up_the_tree():
+    generator = torch.Generator().manual_seed(12)
+    for _ in range(20):
+        rows, nodes = randint(generator, 1, 5), randint(generator, 1, 12)
+        tree = random_trees(generator, rows, nodes)
+        max_depth = int(tree.depths.max())
+        paths = trees.path_tokens(tree.tokens, tree.parents, tree.depths, max_depth, filler=-7)
+        values = torch.rand(rows, nodes, generator=generator, dtype=torch.float64)
+        products = trees.path_products(values, tree.parents)
+        for row in range(rows):
+            for node in range(nodes):
+                path = brute_force_path(tree, row, node)
+                assert paths[row, node].tolist() == path + [-7] * (max_depth - len(path))
+                expected, at = 1.0, node
+                while at >= 0:
+                    expected, at = expected * float(values[row, at]), int(tree.parents[row, at])
+                assert math.isclose(float(products[row, node]), expected)
+        # on a block, the root (depth 0) is on no path
+        selected = trees.select_tree_nodes(tree.log_scores, tree.valid, tree.parents, rows * nodes)
+        block = trees.tree_block(selected, tree.parents, tree.depths, tree.tokens, torch.full((rows,), 99), nodes)
+        block_paths = trees.path_tokens(block.tokens, block.parents, block.position_offsets, max_depth, filler=-7)
+        assert (block_paths[:, 0] == -7).all()
+        for row in range(rows):
+            for slot, node in enumerate(block.node_index[row].tolist(), start=1):
+                if node >= 0:
+                    assert block_paths[row, slot].tolist()[: int(tree.depths[row, node])] == \
+                        brute_force_path(tree, row, node)
+
+
+def test_conditional_log_probs_add_up_to_the_path_scores():
+    generator = torch.Generator().manual_seed(13)
+    tree = random_trees(generator, 4, 10, invalid=0.0)
+    conditional = trees.conditional_log_probs(tree)
+    torch.testing.assert_close(trees.path_products(conditional.exp(), tree.parents).log(), tree.log_scores)
+    invalid = tree._replace(valid=torch.zeros_like(tree.valid))
+    assert (trees.conditional_log_probs(invalid) == float("-inf")).all()
+
+
 def test_tree_block_matches_brute_force_layout():
     generator = torch.Generator().manual_seed(10)
     for trial in range(40):

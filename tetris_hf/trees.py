@@ -110,6 +110,9 @@ __all__ = [
     "compaction_order",
     "compact_block",
     "expected_accepted_tree",
+    "path_products",
+    "conditional_log_probs",
+    "path_tokens",
 ]
 
 
@@ -558,6 +561,33 @@ def tree_block(selected: Tensor, parents: Tensor, depths: Tensor, tokens: Tensor
     )
 
 
+def path_tokens(tokens: Tensor, parents: Tensor, depths: Tensor, max_depth: int, filler: int = 0) -> Tensor:
+    """The tokens on the path to every node, from depth 1 down to the node itself: ``(B, S, max_depth)``, column
+    ``d - 1`` the ancestor at depth ``d`` (the node at its own depth), ``filler`` past the node's depth.
+
+    Works on a tree's nodes (``parents`` -1 above depth 1) and on a :class:`TreeBlock` (``parents`` 0 above depth 1:
+    the root, at depth 0, is not on any path). What a logits processor that reads the tokens so far needs at a node:
+    the row's tokens, then these.
+
+    E.g. block tokens [r, the, cat, dog], parents [-1, 0, 1, 1], depths [0, 1, 2, 2], max_depth 2 ->
+    [[f, f], [the, f], [the, cat], [the, dog]].
+
+    Args:
+        tokens, parents, depths: ``(B, S)``.
+        max_depth: a host bound on ``depths``.
+    """
+    batch_size, slots = tokens.shape
+    out = torch.full((batch_size, slots, max_depth + 1), filler, dtype=tokens.dtype, device=tokens.device)
+    current = torch.arange(slots, device=tokens.device).expand(batch_size, slots)
+    for _ in range(max_depth):  # one level up per round; column max_depth catches what is above depth 1
+        at = current.clamp(min=0)
+        depth = torch.where(current >= 0, depths.gather(1, at), 0)
+        column = torch.where(depth >= 1, depth - 1, max_depth)
+        out.scatter_(2, column[..., None], tokens.gather(1, at)[..., None])
+        current = torch.where(current >= 0, parents.gather(1, at), -1)
+    return out[..., :max_depth]
+
+
 def ancestor_mask(block_parents: Tensor) -> Tensor:
     """``(B, S)`` block parents -> ``(B, S, S)`` bool, ``[b, i, j]``: slot ``j`` is slot ``i`` or an ancestor of it.
 
@@ -771,6 +801,19 @@ def compact_block(cache: Tensor, block_start: Tensor, order: Tensor) -> Tensor:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def path_products(values: Tensor, parents: Tensor) -> Tensor:
+    """``(B, N)`` each node's value times all its ancestors' (e.g. conditional acceptances -> the probability that the
+    whole path to the node is accepted)."""
+    return _path_reduce(values, parents, torch.mul)
+
+
+def conditional_log_probs(tree: DraftTree) -> Tensor:
+    """``(B, N)`` each node's own confidence, its score minus its parent's (the root's children: their score);
+    ``-inf`` for an invalid node."""
+    parent_scores = torch.where(tree.parents >= 0, tree.log_scores.gather(1, tree.parents.clamp(min=0)), 0.0)
+    return torch.where(tree.valid, tree.log_scores - parent_scores, float("-inf"))
+
+
 def expected_accepted_tree(accept_probs: Tensor, parents: Tensor, selected: Tensor) -> Tensor:
     """Expected accepted drafts per row and step of a selected subtree: the sum over its nodes of the probability
     that the whole path to the node is accepted (a row emits one more token, the target's).
@@ -788,5 +831,4 @@ def expected_accepted_tree(accept_probs: Tensor, parents: Tensor, selected: Tens
     Returns:
         ``(B,)``.
     """
-    path_probs = _path_reduce(accept_probs, parents, torch.mul)
-    return (path_probs * selected).sum(dim=1)
+    return (path_products(accept_probs, parents) * selected).sum(dim=1)

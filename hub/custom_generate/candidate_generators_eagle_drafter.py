@@ -42,6 +42,7 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
         self._prompt: tuple[torch.Tensor, torch.Tensor] | None = None  # (input_ids, mask) until the prompt's features
         self._drafts: torch.Tensor | None = None  # (B, K) the last proposal's tokens
         self._out: torch.Tensor | None = None  # (B, 1, H) the head's output at its last position
+        self._tree_out: torch.Tensor | None = None  # (B, 1 + N, H) while a tree grows: at the root and its nodes
 
     def feature_tap(self, target: torch.nn.Module):
         return self.head.tap(target)
@@ -70,6 +71,53 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
         logits = self.slots.forward(call, tokens, mask, logits_to_keep=1, step=True)
         self._out = call.outputs.features[:, -1:]
         return logits
+
+    def propose_tree(self, sequences, lengths, depth, width, rows):
+        self._tree_out = None  # (B, 1 + nodes so far, H) the head's output at the root and each expanded node
+        grown = super().propose_tree(sequences, lengths, depth, width, rows)
+        self._tree_out = None
+        return grown
+
+    def _node_forward(self, tokens: torch.Tensor, parents: torch.Tensor, position_ids: torch.Tensor,
+                      visibility: torch.Tensor) -> torch.Tensor:
+        """A tree depth: each node with the head's output at its parent (the position that drafted it)."""
+        if self._tree_out is None:
+            self._tree_out = self._out  # the root's, from the pending block's forward
+        out = self._tree_out
+        draft_features = out.gather(1, (parents + 1)[..., None].expand(-1, -1, out.shape[-1]))
+        call = self.head.with_features(draft_features=draft_features)
+        logits = self.slots.forward(call, tokens, None, step=True, position_ids=position_ids, visibility=visibility)
+        self._tree_out = torch.cat([out, call.outputs.features], dim=1)
+        return logits
+
+    def accept_tree(self, path_nodes: torch.Tensor, path_slots: torch.Tensor, num_accepted: torch.Tensor,
+                    next_tokens: torch.Tensor, max_accepted: int, cached_longest: int | None = None,
+                    features: torch.Tensor | None = None) -> None:
+        """Drop every drafted node and queue the accepted path and the target's token with the target's features at
+        the root and the path's nodes (as :meth:`accept` does for a chain's accepted prefix)."""
+        if features is None:
+            raise ValueError("an EAGLE head needs the target's features of every target forward")
+        root_slot, depth, _, tokens = self._tree
+        self._tree = None
+        keep = torch.zeros_like(self.slots.slot_mask[:, root_slot : self.slots.length])
+        keep[:, 0] = True  # the pending block's last token, read with the target's feature
+        self.slots.keep_slots(root_slot, keep)
+        # Queue [x1 .. xa, t] with the features at block slots [0, path 1 .. a], left-padded as in accept.
+        width = min(max_accepted, depth) + 1
+        path_tokens = tokens.gather(1, path_nodes[:, : width - 1].clamp(min=0))
+        final = torch.cat([path_tokens, next_tokens[:, None]], dim=1)
+        final = final.scatter(1, num_accepted[:, None], next_tokens[:, None])  # t right after the accepted path
+        feature_slots = torch.cat([torch.zeros_like(path_slots[:, :1]), path_slots[:, : width - 1].clamp(min=0)], 1)
+        columns = torch.arange(width, device=num_accepted.device)
+        source = columns[None, :] - (width - 1 - num_accepted)[:, None]  # (B, W): the final token each column holds
+        real = source >= 0
+        source = source.clamp(min=0)
+        self.pending_tokens = final.gather(1, source)
+        self.pending_features = features.gather(
+            1, feature_slots.gather(1, source)[..., None].expand(-1, -1, features.shape[-1]))
+        self.pending_mask = real.long()
+        self.pending_real = width == 1
+        self.slots.compact(cached_longest)
 
     def propose(self, sequences, lengths, num_tokens, rows=None, confidences=True):
         proposal = super().propose(sequences, lengths, num_tokens, rows, confidences)

@@ -57,6 +57,10 @@ class StepStrategy(Protocol):
             plan: this step's plan.
         """
 
+    def select_tree(self, tree, plan: DraftPlan) -> torch.Tensor:
+        """``tetris_tree_width > 1``: the nodes each row verifies, ``(B, N)`` bool, an ancestor-closed subtree of every
+        row's valid nodes (:class:`~tetris_hf.trees.DraftTree` ``tree``); changes nothing the strategy has learnt."""
+
     def observe(self, token_log_probs: torch.Tensor | None, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
                 seconds: StepSeconds | None = None, num_drafted: int | None = None) -> None:
         """What the step did: ``(B, K)`` confidences (``None`` when the plan did not need them), ``(B,)`` verified and

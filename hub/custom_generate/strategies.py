@@ -30,6 +30,7 @@ from .candidate_generators_reduced_vocab import check_draft_vocab_spec
 from .cost_model import AcceptanceCalibrator, CostProfile, StepCostModel, cost_model_for, load_profile
 from .selection import cumulative_log_probs, select_fixed, select_tetris
 from .step_strategy import DraftPlan, StepSeconds
+from .trees import DraftTree, conditional_log_probs, path_products, select_tree_fixed, select_tree_nodes
 
 STRATEGIES = ("tetris", "fixed", "adaptive", "dsd")
 
@@ -67,6 +68,10 @@ class TetrisOptions:
             :mod:`tetris_hf.candidate_generators.reduced_vocab`.
         tetris_compile: run the target's verify forward and the draft's step through ``torch.compile`` (CUDA graphs
             on CUDA), see :mod:`tetris_hf.compiled`.
+        tetris_tree_width: ``w``, children per expanded draft node (``>= 1``). ``1`` drafts chains; ``w > 1`` grows
+            a tree per row (EAGLE-2: the ``w`` best children of each of a depth's ``w`` best nodes, ``K`` depths) and
+            the strategy selects nodes instead of cells (:mod:`tetris_hf.tree_step`). With a draft model or an EAGLE
+            head (not prompt lookup), not with ``tetris_compile``.
         prompt_lookup_num_tokens: draft by prompt lookup instead of a draft model (no ``assistant_model``): each row
             copies up to this many tokens that followed the latest earlier occurrence of its last n-gram in its own
             prompt and output; it is ``k`` (``num_assistant_tokens`` follows it). See
@@ -84,6 +89,7 @@ class TetrisOptions:
     tetris_cost_profile: str | os.PathLike | Mapping | CostProfile | None = None
     tetris_draft_vocab: int | torch.Tensor | None = None
     tetris_compile: bool = False
+    tetris_tree_width: int = 1
     prompt_lookup_num_tokens: int | None = None
     max_matching_ngram_size: int | None = None
     tetris_min_ngram_size: int = 1
@@ -98,6 +104,7 @@ class TetrisOptions:
         if self.tetris_budget is not None:
             _check_count("tetris_budget", self.tetris_budget, 0)
         _check_count("tetris_max_holes", self.tetris_max_holes, 0)
+        self._check_tree()
         if self.tetris_step_callback is not None and not callable(self.tetris_step_callback):
             raise TypeError(f"`tetris_step_callback` must be callable, got {type(self.tetris_step_callback).__name__}")
         if self.tetris_strategy not in STRATEGIES:
@@ -112,6 +119,19 @@ class TetrisOptions:
                 if not Path(path).is_file() and not Path(path.split(":")[0]).is_file():
                     raise ValueError(f"`tetris_cost_profile` file {path!r} does not exist")
 
+
+    def _check_tree(self) -> None:
+        width = self.tetris_tree_width
+        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+            raise ValueError(f"`tetris_tree_width` must be an int >= 1 (1: draft chains), got {width!r}")
+        if width == 1:
+            return
+        if self.prompt_lookup_num_tokens is not None:
+            raise ValueError("`tetris_tree_width` > 1 grows trees with a draft model: prompt lookup drafts one "
+                             "continuation per row; use tetris_tree_width=1")
+        if self.tetris_compile:
+            raise ValueError("`tetris_tree_width` > 1 with tetris_compile=True is not supported yet (tree forwards "
+                             "take shapes and masks the compiled step does not); use tetris_compile=False")
 
     def _check_lookup(self) -> None:
         lookup = self.prompt_lookup_num_tokens
@@ -142,6 +162,11 @@ class FixedWindow:
     def select(self, token_log_probs: torch.Tensor | None, max_lengths: torch.Tensor, plan: DraftPlan) -> torch.Tensor:
         return max_lengths  # every cell a row may verify: it drafted at most k (select_fixed's cap holds already)
 
+    def select_tree(self, tree: DraftTree, plan: DraftPlan) -> torch.Tensor:
+        """Draft trees: ``(B, N)`` bool, the nodes each row verifies (a subtree); ``tree.valid`` marks the candidates.
+        Fixed: each row's ``k`` best nodes."""
+        return select_tree_fixed(tree.log_scores, tree.valid, tree.parents, self.k)
+
     def observe(self, token_log_probs: torch.Tensor | None, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
                 seconds: StepSeconds | None = None, num_drafted: int | None = None):
         pass
@@ -168,6 +193,11 @@ class TetrisSelection(FixedWindow):
         if not plan.needs_confidences:  # one row, or every cell: each row's first min(C, K) cells it may verify
             return select_fixed(max_lengths, min(plan.budget, plan.num_draft_tokens))
         return select_tetris(cumulative_log_probs(token_log_probs), max_lengths, plan.budget)
+
+    def select_tree(self, tree: DraftTree, plan: DraftPlan) -> torch.Tensor:
+        """TETRIS over trees: the batch's ``C`` best nodes by path score
+        (:func:`~tetris_hf.trees.select_tree_nodes`)."""
+        return select_tree_nodes(tree.log_scores, tree.valid, tree.parents, plan.budget)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -223,6 +253,41 @@ def best_budget(survival: torch.Tensor, max_lengths: torch.Tensor, fixed_seconds
     budget = rate.argmax(dim=1)  # first maximum: the smallest budget among ties
     index = budget[:, None]
     return BudgetChoice(budget, tokens.gather(1, index)[:, 0], seconds.gather(1, index)[:, 0])
+
+
+def best_tree_budget(survival: torch.Tensor, candidate: torch.Tensor, fixed_seconds: float,
+                     verify_seconds: torch.Tensor, max_budget: int | None = None) -> int:
+    """:func:`best_budget` over draft trees: the ``C`` maximising expected emitted tokens per second when the ``C``
+    best nodes of the batch are verified.
+
+    Nodes are taken in :func:`~tetris_hf.trees.select_tree_nodes`' order for scores ``log survival`` (survival
+    descending, ties to the lower row, then the lower node). Verifying the first ``c`` emits in expectation ``B`` plus
+    their survivals and costs ``fixed_seconds + verify_seconds[n]``, ``n`` the most nodes one row verifies among them
+    (every row's block is padded to it).
+
+    Args:
+        survival: ``(B, N)`` probability that the whole path to a node is accepted (never above its parent's).
+        candidate: ``(B, N)`` bool, ancestor-closed.
+        fixed_seconds: the step's seconds whatever ``C`` is.
+        verify_seconds: ``(N + 1,)`` entry ``n``: a verification forward whose widest row checks ``n`` nodes.
+        max_budget: cap on ``C``.
+
+    Returns:
+        ``C`` (ties go to the smaller).
+    """
+    num_rows, num_nodes = survival.shape
+    ranked = torch.where(candidate, survival.double(), torch.full_like(survival, -1.0, dtype=torch.float64))
+    values, order = torch.sort(ranked.flatten(), descending=True, stable=True)
+    zero = values.new_zeros(1)
+    tokens = num_rows + torch.cat([zero, values.clamp(min=0).cumsum(dim=0)])
+    # E.g. rows of the ordered nodes [0, 1, 0] -> per-row counts [[1 0], [1 1], [2 1]] -> widest [0, 1, 1, 2]
+    counts = torch.nn.functional.one_hot(order // num_nodes, num_rows).cumsum(dim=0)
+    widest = torch.cat([zero.long(), counts.amax(dim=1)])
+    rate = tokens / (fixed_seconds + verify_seconds.double()[widest])
+    allowed = torch.arange(rate.numel()) <= int(candidate.sum())
+    if max_budget is not None:
+        allowed &= torch.arange(rate.numel()) <= max_budget
+    return int(torch.where(allowed, rate, torch.full_like(rate, -1.0)).argmax())
 
 
 class GoodputPlan(NamedTuple):
@@ -521,6 +586,7 @@ class AdaptiveBudget(_CostAware):
         self._planned: tuple[int, GoodputPlan, bool] | None = None  # (rows, plan, could_pay)
         self._plan_age = 0
         self._host_log_probs: tuple[torch.Tensor, torch.Tensor] | None = None  # (device tensor, its host copy)
+        self._tree_host_copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # the same, read by select_tree
 
     def _learn(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """Calibrate on the step's verified cells and add its drafted rows to the planning pool."""
@@ -533,6 +599,9 @@ class AdaptiveBudget(_CostAware):
         reading) read now, in the read that learning makes anyway."""
         if self._host_log_probs is not None and self._host_log_probs[0] is token_log_probs:
             return self._host_log_probs[1]
+        for device_copy, host_copy in self._tree_host_copies:  # read with a tree selection
+            if device_copy is token_log_probs:
+                return host_copy
         return token_log_probs.detach().double().cpu()
 
     def remember(self, token_log_probs: torch.Tensor) -> None:
@@ -621,6 +690,34 @@ class AdaptiveBudget(_CostAware):
                              cost.verify_seconds_by_length(num_rows, num_drafted), self.max_budget)
         return select_tetris(scores, max_lengths, int(choice.budget[0]))
 
+    def select_tree(self, tree: DraftTree, plan: DraftPlan) -> torch.Tensor:
+        """Draft trees. Greedy: as :meth:`select` for chains, ``C`` re-chosen from the drafted nodes
+        (:func:`best_tree_budget`, a node's acceptance its confidence through the calibrator, its survival the product
+        along its path), then the ``C`` best nodes by survival. Sampling: the plan's ``C`` (fixed before drafting) over
+        the best nodes by path score. A probe verifies each row's best node."""
+        budget = plan.budget if self.max_budget is None else min(plan.budget, self.max_budget)
+        if plan.probe or self.sampling:
+            return select_tree_nodes(tree.log_scores, tree.valid, tree.parents, budget,
+                                     max_per_row=1 if plan.probe else None)
+        num_rows, num_nodes = tree.tokens.shape
+        conditional = conditional_log_probs(tree)
+        pending = [step.token_log_probs for step in self._pending if step.token_log_probs is not None]
+        # the strategy's one read; the pending steps' confidences come along, for observe to learn from
+        host_conditional, valid, parents, *pending_host = self._read(conditional, tree.valid, tree.parents, *pending)
+        self._tree_host_copies = list(zip(pending, pending_host))
+        calibrator = self.calibrator
+        if self._read_steps:
+            calibrator = copy.deepcopy(calibrator)
+            for step in self._read_steps:
+                calibrator.update(self._host_copy(step.token_log_probs), step.verify_lengths, step.num_accepted)
+        survival = path_products(calibrator.predict(host_conditional.exp()), parents.long())
+        cost = self.cost
+        # (drafting is already paid; the plan's K, which a row near its length limit may have cut short)
+        fixed_seconds = plan.num_draft_tokens * cost.draft_seconds(num_rows) + cost.step_overhead
+        choice = best_tree_budget(survival, valid.bool(), fixed_seconds,
+                                  cost.verify_seconds_by_length(num_rows, num_nodes), self.max_budget)
+        return select_tree_nodes(survival.log().to(tree.log_scores.device), tree.valid, tree.parents, choice)
+
 
 def select_fixed_budget(lengths: torch.Tensor, budget: int, longest: int) -> torch.Tensor:
     """Trim ``lengths`` ``(B,)`` (each at most ``longest``) so they sum to at most ``budget``, longest rows first (of
@@ -663,6 +760,10 @@ class DynamicWindow(_CostAware):
 
     def select(self, token_log_probs: torch.Tensor | None, max_lengths: torch.Tensor, plan: DraftPlan) -> torch.Tensor:
         return select_fixed(max_lengths, plan.num_draft_tokens)
+
+    def select_tree(self, tree: DraftTree, plan: DraftPlan) -> torch.Tensor:
+        """Draft trees: each row's ``k`` best nodes, ``k`` the window chosen for the batch."""
+        return select_tree_fixed(tree.log_scores, tree.valid, tree.parents, plan.num_draft_tokens)
 
     def _learn(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor) -> None:
         accepted = int(num_accepted.sum())

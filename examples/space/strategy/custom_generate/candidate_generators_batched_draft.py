@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import torch
 
+from .trees import DraftTree, GrownTree, ancestor_mask, grow_tree, path_tokens
 from .kv import SlotCache
 from .logits import PositionwiseLogitsProcessor, sample_tokens, vocab_argmax
+from .tree_logits import process_at_nodes
 from .candidate_generators_drafter import Proposal
 
 
@@ -52,6 +54,7 @@ class BatchedDraftCandidateGenerator:
         self._last_draft: torch.Tensor | None = None  # (B, 1) the K-th draft of the last proposal (never fed)
         self._last_num_drafted = 0
         self._ones: torch.Tensor | None = None  # (B, 1) ones, the pending mask of the target's token (rows only leave)
+        self._tree: tuple[int, int, int, torch.Tensor] | None = None  # the last tree: root slot, depth, width, tokens
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, all_real: bool = False) -> None:
         """Start on a left-padded prompt batch: an empty cache, the whole prompt pending (read at the first proposal
@@ -140,6 +143,94 @@ class BatchedDraftCandidateGenerator:
             torch.cat(token_log_probs, dim=1) if confidences else None,
             torch.cat(draft_probs, dim=1) if self.do_sample else None,
         )
+
+    def propose_tree(self, sequences: torch.Tensor, lengths: torch.Tensor, depth: int, width: int,
+                     rows: torch.Tensor) -> GrownTree:
+        """Draft a tree of ``depth`` levels after each row (EAGLE-2's expansion, :func:`~tetris_hf.trees.grow_tree`):
+        the ``width`` best (greedy) or drawn (sampling) children of each of a depth's ``width`` best nodes.
+
+        ``depth`` forwards, as a chain of ``depth`` drafts: the pending block (which ends with the root, the row's last
+        token), then each depth's nodes but the last, ``width`` per row, into the draft's cache at the root's position
+        plus their depth, each seeing the row's cached tokens and its ancestors only. The draft's distribution at a node
+        is processed on that node's own prefix (the row's tokens, then the path to it). Nothing is written into
+        ``sequences``.
+
+        Args:
+            sequences: ``(B, T)`` the rows' tokens, valid up to ``lengths`` ``(B,)``; ``T >= lengths.max() + depth``.
+            depth: ``K >= 1``.
+            width: ``w >= 1``.
+            rows: ``(B,)`` original batch indices.
+
+        Returns:
+            :class:`~tetris_hf.trees.GrownTree` of ``w K`` nodes per row; :meth:`accept_tree` rolls it back.
+        """
+        slots, processor = self.slots, self.logits_processor
+        self._last_num_drafted = depth
+        # every slot the tree writes, made room for now: repacking in the middle would move the nodes' ancestors
+        slots.reserve(self.pending_tokens.shape[1] + (depth - 1) * width)
+        logits = self._draft_forward(0, self.pending_tokens, None if self.pending_real else self.pending_mask)
+        root_slot = slots.length - 1
+        root_positions = slots.slot_positions[:, root_slot]
+        root_log_probs = processor(sequences, lengths, logits, rows)[:, 0].log_softmax(dim=-1)
+
+        def next_log_probs(tree: DraftTree, frontier: slice) -> torch.Tensor:
+            # the frontier is the newest depth (nodes frontier.start .. frontier.stop - 1, the tree's last ones): they
+            # go to slots root_slot + 1 + node, after their ancestors
+            visibility = ancestor_mask(tree.parents)[:, frontier]  # (B, F, nodes so far)
+            depths = tree.depths[:, frontier]
+            node_logits = self._node_forward(tree.tokens[:, frontier], tree.parents[:, frontier],
+                                             root_positions[:, None] + depths, visibility)
+            paths = None if processor.prefix_free else \
+                path_tokens(tree.tokens, tree.parents, tree.depths, depth)[:, frontier]
+            return process_at_nodes(processor, sequences, lengths, rows, node_logits, paths, depths).log_softmax(-1)
+
+        grown = grow_tree(root_log_probs, next_log_probs, depth, width, sample=self.do_sample,
+                                generator=self.generator)
+        self._tree = (root_slot, depth, width, grown.tree.tokens)
+        return grown
+
+    def _node_forward(self, tokens: torch.Tensor, parents: torch.Tensor, position_ids: torch.Tensor,
+                      visibility: torch.Tensor) -> torch.Tensor:
+        """A tree depth's forward: ``(B, F)`` frontier nodes (``parents``: their parents' node indices, -1 for the
+        root) at ``position_ids`` ``(B, F)``, seeing ``visibility`` ``(B, F, nodes so far)``; ``(B, F, V)`` logits."""
+        return self.slots.forward(self.assistant_model, tokens, None, step=True, position_ids=position_ids,
+                                  visibility=visibility)
+
+    def accept_tree(self, path_nodes: torch.Tensor, path_slots: torch.Tensor, num_accepted: torch.Tensor,
+                    next_tokens: torch.Tensor, max_accepted: int, cached_longest: int | None = None,
+                    features: torch.Tensor | None = None) -> None:
+        """Roll the draft's cache back to the accepted path of the last :meth:`propose_tree` and queue what it has not
+        read: as :meth:`accept` does for a chain, with the kept nodes where they are (holes between them).
+
+        Args:
+            path_nodes: ``(B, D)`` tree nodes of the accepted path from depth 1 down, -1 after it.
+            path_slots: ``(B, D)`` their slots in the target's block (``TreeAcceptance.path``; the root is slot 0).
+            num_accepted: ``(B,)`` the path's length.
+            next_tokens: ``(B,)`` the target's token after it.
+            max_accepted: a host bound on ``num_accepted``.
+            cached_longest: as in :meth:`accept`.
+            features: the target's features over its block (drafters with a :meth:`feature_tap` only).
+        """
+        root_slot, depth, width, tokens = self._tree
+        self._tree = None
+        cached = (depth - 1) * width  # nodes in the cache: every depth but the last
+        # E.g. width 2, depth 3 (nodes 0-3 cached at root_slot + 1 ..), path [1, 2, 5] -> keep [T, F, T, T, F]
+        dump = cached + 1
+        columns = torch.where((path_nodes >= 0) & (path_nodes < cached), path_nodes + 1, dump)
+        keep = torch.zeros(path_nodes.shape[0], cached + 2, dtype=torch.bool, device=path_nodes.device)
+        keep[:, 0] = True
+        keep.scatter_(1, columns, True)
+        self.slots.keep_slots(root_slot, keep[:, : cached + 1])
+        ones = torch.ones_like(next_tokens[:, None])
+        if max_accepted < depth:  # no row accepted a node of the last depth: only the target's token waits
+            self.pending_tokens, self.pending_mask, self.pending_real = next_tokens[:, None], ones, True
+        else:  # [last node, target token], the node masked where the path ends above it
+            last = path_nodes[:, depth - 1]
+            last_token = tokens.gather(1, last.clamp(min=0)[:, None])
+            self.pending_tokens = torch.cat([last_token, next_tokens[:, None]], dim=1)
+            self.pending_mask = torch.cat([(last >= 0).long()[:, None], ones], dim=1)
+            self.pending_real = False
+        self.slots.compact(cached_longest)
 
     def _draft_forward(self, step: int, tokens: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Draft step ``step``'s forward: the pending block (step 0) or the last draft, ``(B, P or 1)``; returns the

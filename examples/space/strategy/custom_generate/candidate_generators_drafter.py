@@ -1,7 +1,8 @@
 # Exported from tetris_hf/candidate_generators/drafter.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
 """What the loop needs of a drafter, whatever drafts: a draft model, a reduced-vocabulary draft, prompt lookup.
 
-The loop talks to a drafter through :class:`Drafter` alone and reads what it proposed from a :class:`Proposal`.
+The loop talks to a drafter through :class:`Drafter` alone and reads what it proposed from a :class:`Proposal`; with
+draft trees (``tetris_tree_width > 1``) through :class:`TreeDrafter`.
 """
 
 from __future__ import annotations
@@ -70,6 +71,23 @@ class Drafter(Protocol):
 
     def trim_pending(self, width: int) -> None:
         """What :meth:`pending_width` was, read."""
+
+
+class TreeDrafter(Drafter, Protocol):
+    """A drafter that also grows draft trees (``tetris_tree_width > 1``, :mod:`tetris_hf.tree_step`): a draft model
+    or an EAGLE head."""
+
+    def propose_tree(self, sequences: torch.Tensor, lengths: torch.Tensor, depth: int, width: int,
+                     rows: torch.Tensor):
+        """Grow a :class:`~tetris_hf.trees.GrownTree` of ``depth`` levels after each row (``width`` children per
+        expanded node), writing nothing into ``sequences``."""
+
+    def accept_tree(self, path_nodes: torch.Tensor, path_slots: torch.Tensor, num_accepted: torch.Tensor,
+                    next_tokens: torch.Tensor, max_accepted: int, cached_longest: int | None = None,
+                    features: torch.Tensor | None = None) -> None:
+        """What the target did with the last tree: ``(B, D)`` the accepted path's nodes and their slots in the
+        target's block (-1 after it), ``(B,)`` its length and the target's token after it; the rest as in
+        :meth:`Drafter.accept`."""
 
 
 def rows_after_fill(targets: torch.Tensor, sources: torch.Tensor, num_rows: int) -> torch.Tensor:

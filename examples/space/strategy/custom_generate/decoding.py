@@ -4,7 +4,8 @@
 Rows advance independently. Each step, every active row drafts ``K`` tokens; a strategy picks how many of them each
 row verifies (TETRIS: the top-``C`` cells of the batch); the target reads every row's block in one forward; each row
 keeps its accepted prefix plus one target token; both KV caches drop what was rejected. Finished rows leave the batch,
-so they cost nothing afterwards.
+so they cost nothing afterwards. With ``tetris_tree_width > 1`` every row drafts a tree instead of a chain, and a step
+is :func:`~tetris_hf.tree_step.tree_step`.
 """
 
 from __future__ import annotations
@@ -26,13 +27,14 @@ from .candidate_generators_prompt_lookup import DEFAULT_MAX_NGRAM_SIZE, BatchedP
 from .candidate_generators_reduced_vocab import reduced_vocab_draft
 from .compiled import bucket, check_compilable, compiled_forward
 from .families import check_supported
-from .kv import AttentionLayout, SlotCache, slots_needed
+from .kv import AttentionLayout, SlotCache, check_tree_layout, slots_needed
 from .logits import PositionwiseLogitsProcessor, verify_greedy, verify_sampling
 from .outputs import TetrisGenerateOutput, TetrisStats
 from .step_strategy import StepSeconds, run_step
 from .stopping import RowStopper
 from .strategies import TetrisOptions, make_strategy
 from .timing import StepClock
+from .tree_step import tree_step
 
 
 def output_vocab_size(model: torch.nn.Module) -> int:
@@ -207,6 +209,14 @@ class BatchedSpeculativeLoop:
         self.max_draft = options.num_assistant_tokens + options.tetris_extra_tokens
         capacity = self.max_length + self.max_draft + 1
         block = bucket(self.max_draft + 1) if options.tetris_compile else self.max_draft + 1
+        self.tree_width = options.tetris_tree_width
+        if self.tree_width > 1:  # a tree writes up to w K nodes (the target's block) and reads ancestor masks
+            block = 1 + self.tree_width * self.max_draft
+            if assistant_model is None:
+                raise ValueError("tetris_tree_width > 1 grows trees with a draft model or an EAGLE head "
+                                 "(assistant_model=): prompt lookup drafts chains only, use tetris_tree_width=1")
+            for layout_model in (model, assistant_model):
+                check_tree_layout(AttentionLayout.of(layout_model), layout_model)
 
         def cache_capacity(layout_model: torch.nn.Module) -> int:  # (its layout also refuses what it cannot mask)
             return slots_needed(AttentionLayout.of(layout_model), prompt_length, self.max_length, block,
@@ -270,6 +280,12 @@ class BatchedSpeculativeLoop:
         if not self.prompt_read:
             return self._read_prompt()
         self.clock.mark("start")
+        if self.tree_width > 1:  # draft trees: tree_step.py
+            tree = tree_step(self, self.tree_width)
+            record = StepRecord(self.rows, tree.num_drafted, tree.budget, tree.token_log_probs, tree.verify_lengths,
+                                tree.num_accepted, tree.emitted, tree.seconds or StepSeconds(0.0, 0.0, 0.0),
+                                tree.proposed)
+            return self._finish(record, tree.stopped)
         room = max(self.max_length - self.shortest - 1, 0)  # no row may verify more than this
         drafted: list[Proposal] = []  # the draft phase's proposal, for the verify phase
         verified: list[StepVerdict] = []

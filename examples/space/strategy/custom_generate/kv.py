@@ -18,6 +18,10 @@ do attention implementations other than sdpa and eager (which then cannot serve 
 cache at the longest row's live tokens plus ``max_holes``; on a model whose every layer has a window, slots that fell
 out of every window become holes first, so the cache stays bounded however long the generation.
 
+**Draft trees** (``tetris_tree_width > 1``): a forward may be given each token's position and which of the latest
+slots it sees (its ancestors, :meth:`SlotCache.forward`'s ``visibility``), and :meth:`SlotCache.keep_slots` keeps an
+accepted path that is not a prefix of its block. Models on the 2D mask cannot say "ancestors only" and are refused.
+
 **Static shapes** (a cache given a compiled :attr:`SlotCache.step_forward`, ``tetris_compile=True``): CUDA graphs
 record one graph per distinct input shape, so the step forwards see a few shapes only. The capacity is fixed for the
 call (rounded up, :func:`~tetris_hf.compiled.static_capacity`) and every step forward attends over all of it (masks
@@ -105,6 +109,18 @@ class AttentionLayout:
         return None if any(window is None for window in windows) else max(windows)
 
 
+def check_tree_layout(layout: AttentionLayout, model: torch.nn.Module) -> None:
+    """Refuse draft trees (``tetris_tree_width > 1``) on a model that cannot take a prepared 4D mask: a tree's nodes
+    see only their ancestors, which a 2D mask of real slots cannot say."""
+    if not layout.prepared:
+        config = model.config.get_text_config(decoder=True)
+        why = ("its ALiBi biases come from the 2D attention mask" if config.model_type in ALIBI_FAMILIES
+               or getattr(config, "alibi", False) else
+               f"attn_implementation={layout.implementation!r} takes no prepared 4D mask (use 'sdpa' or 'eager')")
+        raise ValueError(f"tetris_tree_width > 1 needs a 4D ancestor mask, which {config.model_type} cannot take: "
+                         f"{why}; use tetris_tree_width=1 (draft chains)")
+
+
 def slots_needed(layout: AttentionLayout, prompt_length: int, max_length: int, block: int, max_holes: int) -> int:
     """Slots per row a cache needs for a whole call: every token up to ``max_length`` plus a block and the holes
     allowed; on a model whose every layer has a window, the prompt or the window (what outlives it is dropped), plus
@@ -116,7 +132,7 @@ def slots_needed(layout: AttentionLayout, prompt_length: int, max_length: int, b
 
 
 def position_masks(layout: AttentionLayout, key_positions: torch.Tensor, key_valid: torch.Tensor,
-                   query_positions: torch.Tensor, dtype: torch.dtype):
+                   query_positions: torch.Tensor, dtype: torch.dtype, visibility: torch.Tensor | None = None):
     """Prepared 4D masks in which query ``i`` sees key ``j`` iff slot ``j`` holds a real token, ``pos_j <= pos_i``
     and, on sliding layers, ``pos_i - pos_j < window``.
 
@@ -124,6 +140,9 @@ def position_masks(layout: AttentionLayout, key_positions: torch.Tensor, key_val
         key_positions, key_valid: ``(B, S)`` every slot's position, and whether it holds a real token.
         query_positions: ``(B, L)``.
         dtype: the model's dtype (eager attention adds the mask to its scores).
+        visibility: ``(B, L, W)`` bool or ``None``: for the last ``W`` slots (a draft tree's), query ``i`` sees slot
+            ``S - W + j`` iff ``visibility[:, i, j]`` (its ancestors and itself) and the slot is real, in place of
+            ``pos_j <= pos_i``; windows still count real positions.
 
     Returns:
         ``(B, 1, L, S)``: boolean (True = attend) for sdpa, additive float for eager; a dict of them keyed by layer
@@ -131,6 +150,10 @@ def position_masks(layout: AttentionLayout, key_positions: torch.Tensor, key_val
     """
     distance = query_positions[:, :, None] - key_positions[:, None, :]  # (B, L, S)
     visible = key_valid[:, None, :] & (distance >= 0)
+    if visibility is not None:
+        tree = visibility.shape[-1]
+        visible = torch.cat([visible[..., : visible.shape[-1] - tree],
+                             visibility & key_valid[:, None, key_valid.shape[1] - tree :]], dim=-1)
     masks = {}
     for kind, window in layout.windows.items():
         allowed = visible if window is None else visible & (distance < window)
@@ -323,6 +346,8 @@ class SlotCache:
         logits_to_keep: int = 0,
         step: bool = False,
         real_lengths: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        visibility: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run ``model`` on a block appended to every row, and cache it.
 
@@ -341,6 +366,12 @@ class SlotCache:
                 (a verified block): row ``i``'s first ``real_lengths[i]`` tokens are real, filler after them. Positions
                 simply count on (filler's are never seen) and, on plain sdpa layouts, the mask is each row's real
                 cached slots followed by causality within the block, both known without comparing positions.
+            position_ids: ``(B, L)`` each token's position, in place of counting on from the cached ones (a draft
+                tree's nodes: the root's position plus their depth). ``next_positions`` still advances by the real
+                tokens written, a bound until :meth:`keep_slots` sets it.
+            visibility: ``(B, L, W)`` bool, ``W >= L``: which of the last ``W`` slots (the ``L`` being written and the
+                ``W - L`` before them) each token sees, in place of causality (a tree's ancestor mask; the slots before
+                them are seen by position as usual). Needs a layout that takes prepared masks.
 
         Returns:
             ``(B, L or logits_to_keep, V)`` logits.
@@ -348,16 +379,21 @@ class SlotCache:
         if self.layout is None:
             self.layout = AttentionLayout.of(model)
         block = input_ids.shape[1]
+        if visibility is not None:
+            check_tree_layout(self.layout, model)
+            if visibility.shape[-1] > block and self.pointer + block > self.capacity:  # repacking would move them
+                raise RuntimeError("a forward that sees slots written before it must fit the buffers: "
+                                   "SlotCache.reserve before the first of them")
         self._make_room(block)
         # static shapes: a compiled step on a model that takes prepared masks, once the buffers exist (the first
         # forward allocates them, eagerly)
-        static = step and self.static and self.layout.prepared and bool(self.cache.layers)
+        static = step and self.static and self.layout.prepared and bool(self.cache.layers) and visibility is None
         start, end = self.pointer, self.pointer + block
-        if input_mask is None:  # positions go on from each row's cached tokens (filler's are never seen)
+        if position_ids is None and input_mask is None:  # positions go on from each row's cached tokens
             position_ids = self.next_positions[:, None]
             if block > 1:
                 position_ids = position_ids + self.offsets[:block]
-        else:
+        elif position_ids is None:  # (filler's positions are never seen; given ones: a tree's nodes)
             # E.g. next_positions [5, 2] and mask [[0 1 1], [1 1 0]]: cumsum - 1 = [[-1 0 1], [0 1 1]], clamped at 0,
             # so positions [[5 5 6], [2 3 3]]: left filler takes the first real token's position, right filler the
             # last's.
@@ -379,7 +415,10 @@ class SlotCache:
             self.next_positions = next_positions
             self.longest_bound += block
             return logits
-        if not self.layout.prepared:  # causality by slot index is causality by position: the 2D mask of real slots
+        if visibility is not None:
+            attention_mask = position_masks(self.layout, self.slot_positions[:, :end], self.slot_mask[:, :end],
+                                            position_ids, model.dtype, visibility)
+        elif not self.layout.prepared:  # causality by slot index is causality by position: the 2D mask of real slots
             attention_mask = self.slot_mask[:, :end].long()
         elif input_mask is None and real_lengths is None and block == 1 and self.layout.plain_sdpa:
             # One real token after every cached one: it sees exactly the real slots.
@@ -480,6 +519,28 @@ class SlotCache:
             return
         self.slot_mask[:, start : self.pointer] = self.offsets[: self.pointer - start] < keep[:, None]
         self.next_positions = self.slot_positions[:, start] + keep
+
+    def keep_slots(self, start: int, keep: torch.Tensor) -> None:
+        """Roll back a draft tree: of the slots from ``start`` on, row ``i`` keeps those where ``keep[i]`` is True,
+        the others become holes. Slot ``start`` must be real and kept in every row (a tree's root), and the kept
+        slots must hold consecutive positions from it (the root, then the accepted path), so each row's next position
+        is the root's plus what it kept.
+
+        E.g. a tree written from slot 5 as ``[r a b c]`` (positions 7 8 8 9) with keep ``[T, F, T, T]`` leaves
+        ``[r . b c]``: next position 7 + 3 = 10.
+
+        Args:
+            start: slot of the root.
+            keep: ``(B, pointer - start)`` bool.
+        """
+        kept = self.slot_mask[:, start : self.pointer]  # a view: changed in place
+        kept &= keep
+        self.next_positions = self.slot_positions[:, start] + kept.sum(dim=1)
+
+    def reserve(self, slots: int) -> None:
+        """Make room now for ``slots`` more slots per row (repacking or growing), so that the forwards writing them
+        (a draft tree's, whose slot indices must not move) do not."""
+        self._make_room(slots)
 
     def fill_rows(self, targets: torch.Tensor, sources: torch.Tensor, num_rows: int) -> torch.Tensor:
         """Keep the first ``num_rows`` rows, row ``sources[i]`` taking the place of row ``targets[i]``: how finished
