@@ -388,7 +388,7 @@ def test_eagle_tree_nodes_see_their_parents_output(tmp_path, monkeypatch):
     from test_eagle_loop import load_pair, prompts_for
 
     target, head = load_pair(tmp_path, "llama", "eagle3", dtype=torch.float64)
-    monkeypatch.setattr(tree_step.trees, "accept_tree_greedy", accept_two_levels)
+    monkeypatch.setattr(tree_step, "accept_tree_greedy", accept_two_levels)
     grown_trees = []
     real_propose = EagleCandidateGenerator.propose_tree
 
