@@ -34,6 +34,10 @@ demo = app.build_app(target, draft, tokenizer, description=description + "  \\n*
 runs = {strategy: tetris_runs.LiveRun(strategy) for strategy in tetris_runs.STRATEGIES}
 tetris_runs.run_all(target, trained, tokenizer, ["the quick brown fox", "hello how are you today ?"],
                     tetris_runs.Settings(k=2, extra=1, max_new_tokens=6), runs, threading.Event())
+eagle, eagle_description = space_models.load_draft(target, "eagle:" + EAGLE)
+eagle_runs = {strategy: tetris_runs.LiveRun(strategy) for strategy in tetris_runs.STRATEGIES}
+tetris_runs.run_all(target, eagle, tokenizer, ["the quick brown fox", "hello how are you today ?"],
+                    tetris_runs.Settings(k=2, extra=1, max_new_tokens=6), eagle_runs, threading.Event())
 lookup = {strategy: tetris_runs.LiveRun(strategy) for strategy in tetris_runs.STRATEGIES}
 tetris_runs.run_all(target, None, tokenizer, ["the quick brown fox the quick brown", "hello how are you today ?"],
                     tetris_runs.Settings(draft=tetris_runs.LOOKUP, k=2, extra=1, max_new_tokens=8), lookup,
@@ -48,6 +52,13 @@ report({
     "states": [runs[s].state for s in tetris_runs.STRATEGIES],
     "messages": [runs[s].message for s in tetris_runs.STRATEGIES],
     "differing": tetris_runs.greedy_agreement(runs),
+    "eagle_description": eagle_description,
+    "eagle_choices": app.draft_choices(eagle),
+    "eagle_states": [eagle_runs[s].state for s in tetris_runs.STRATEGIES],
+    "eagle_messages": [eagle_runs[s].message for s in tetris_runs.STRATEGIES],
+    "eagle_differing": tetris_runs.greedy_agreement(eagle_runs),
+    "eagle_drafted": [eagle_runs[s].stats.drafted_tokens if eagle_runs[s].stats else 0
+                      for s in tetris_runs.SPECULATIVE],
     "lookup_states": [lookup[s].state for s in tetris_runs.STRATEGIES],
     "lookup_messages": [lookup[s].message for s in tetris_runs.STRATEGIES],
     "lookup_differing": tetris_runs.greedy_agreement(lookup),
@@ -56,6 +67,16 @@ report({
     "tetris_hf_loaded": sorted(name for name in sys.modules if name.split(".")[0] == "tetris_hf"),
 })
 '''
+
+
+def _save_eagle_head(target, folder: Path) -> None:
+    """A random EAGLE-3 head for the 2-layer target, in the published format (written by tetris_hf, in this process)."""
+    import torch
+
+    from tetris_hf.candidate_generators.eagle import EagleDraft
+
+    torch.manual_seed(9)
+    EagleDraft.for_target(target, aux_layer_ids=(0, 1, 1)).save_pretrained(folder)
 
 
 def _save_tetris_draft(target, folder: Path) -> None:
@@ -88,7 +109,9 @@ def test_space_copy_builds_its_page_and_runs_without_tetris_hf(tmp_path):
     noisy_copy(target, 0.15).save_pretrained(tmp_path / "model-draft")
     _save_tetris_draft(target, tmp_path / "tetris-draft")
 
-    result = run_isolated(f"SPACE = {str(space)!r}\n" + SCRIPT, tmp_path)
+    _save_eagle_head(target, tmp_path / "eagle-head")
+
+    result = run_isolated(f"SPACE = {str(space)!r}\nEAGLE = {str(tmp_path / 'eagle-head')!r}\n" + SCRIPT, tmp_path)
 
     assert result["tetris_hf_loaded"] == []
     assert result["blocks"] and {"on_run", "on_stop", "on_preset"} <= set(result["handlers"])
@@ -99,6 +122,10 @@ def test_space_copy_builds_its_page_and_runs_without_tetris_hf(tmp_path):
     assert result["model_draft_layers"] == 2
     assert result["states"] == ["done"] * 4, result["messages"]
     assert result["differing"] == []
+    # an EAGLE head, loaded by the strategy copy's EagleDraft and recognised by the strategy transformers loads
+    assert "EAGLE-3 head" in result["eagle_description"] and result["eagle_choices"][0][0].startswith("EAGLE head")
+    assert result["eagle_states"] == ["done"] * 4, result["eagle_messages"]
+    assert result["eagle_differing"] == [] and min(result["eagle_drafted"][:2]) > 0
     # prompt lookup: no draft model, drafts copied from the prompt (needs a strategy/ export that has prompt lookup)
     assert result["lookup_states"] == ["done"] * 4, result["lookup_messages"]
     # fixed and TETRIS always draft; adaptive may draft nothing when its timings say drafting does not pay

@@ -20,7 +20,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from .candidate_generators import BatchedDraftCandidateGenerator
 from .candidate_generators.drafter import Drafter, Proposal
-from .candidate_generators.eagle import EagleDraft
+from .candidate_generators.eagle import is_eagle_head
 from .candidate_generators.eagle_drafter import EagleCandidateGenerator
 from .candidate_generators.prompt_lookup import DEFAULT_MAX_NGRAM_SIZE, BatchedPromptLookupCandidateGenerator
 from .candidate_generators.reduced_vocab import reduced_vocab_draft
@@ -228,7 +228,7 @@ class BatchedSpeculativeLoop:
                 DEFAULT_MAX_NGRAM_SIZE if max_ngram is None else max_ngram, options.tetris_min_ngram_size,
                 max_tokens=max(self.max_draft, 1))
         else:
-            drafter_class = EagleCandidateGenerator if isinstance(assistant_model, EagleDraft) else \
+            drafter_class = EagleCandidateGenerator if is_eagle_head(assistant_model) else \
                 BatchedDraftCandidateGenerator
             self.drafter = drafter_class(
                 assistant_model, self.logits_processor, self.do_sample, max_holes=options.tetris_max_holes,
@@ -241,7 +241,7 @@ class BatchedSpeculativeLoop:
         self.drafter.prefill(input_ids, attention_mask, all_real=bool(attention_mask.all()))
         self.compile = options.tetris_compile
         if self.compile:
-            if isinstance(assistant_model, EagleDraft):
+            if is_eagle_head(assistant_model):
                 raise ValueError("tetris_compile=True with an EAGLE head is not supported yet: the head reads the "
                                  "target's hidden states through hooks, which a compiled forward does not run; use "
                                  "tetris_compile=False")

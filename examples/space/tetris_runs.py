@@ -323,8 +323,13 @@ def warm_up(target, draft, batch: dict) -> None:
     ``draft`` ``None``: the target only (prompt lookup)."""
     for model in (target, draft):
         if model is not None and id(model) not in _warm:
+            input_ids = batch["input_ids"][:, -2:]
+            extra = {}
+            if getattr(model, "feature_kind", None) is not None:  # an EAGLE head reads features too: its own, zeros
+                extra["draft_features"] = torch.zeros(*input_ids.shape, model.config.hidden_size, dtype=model.dtype,
+                                                      device=input_ids.device)
             with torch.inference_mode():
-                model(input_ids=batch["input_ids"][:, -2:], attention_mask=batch["attention_mask"][:, -2:])
+                model(input_ids=input_ids, attention_mask=batch["attention_mask"][:, -2:], **extra)
             _warm.add(id(model))
 
 

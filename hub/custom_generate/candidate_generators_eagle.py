@@ -739,6 +739,12 @@ def draft_to_target(tensors: dict[str, torch.Tensor], draft_vocab: int, target_v
     return target_ids
 
 
+def is_eagle_head(model: nn.Module) -> bool:
+    """Whether ``model`` is an :class:`EagleDraft`, whichever copy of this module defined its class (the package's,
+    the Hub folder's that transformers loads, a Space's): told by the ``feature_kind`` every head carries."""
+    return getattr(model, "feature_kind", None) in (EAGLE1, EAGLE3) and hasattr(model, "aux_layer_ids")
+
+
 def output_vocab_size(model: nn.Module) -> int:
     """The last dimension of the target's logits."""
     head = model.get_output_embeddings()
