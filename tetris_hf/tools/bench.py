@@ -16,9 +16,16 @@ tokens that followed the latest earlier occurrence of its last n-gram (n <= ``--
 output (``prompt_lookup_num_tokens=k, max_matching_ngram_size=n`` and no ``assistant_model``). Lookup pays on
 grounded prompts, whose answers copy the prompt: ``--prompts humaneval-edit`` or ``sharegpt-summarize``.
 
+``--tree-width 1,2,3`` repeats every speculative run with draft trees (``tetris_tree_width=w``, named ``... w=W``) at
+the same ``k``, ``e`` and budget ``C``: each row drafts ``K = k + e`` levels of ``w`` children of the ``w`` best
+nodes (the same ``K`` draft forwards, over ``w`` nodes a row instead of one), and the strategy verifies ``C`` nodes.
+The speculative runs' per-step counts (nodes verified and drafts accepted per row) go to ``step-traces.jsonl``, which
+``tetris-hf simulate replay-steps`` replays on forward-time curves.
+
 Per run it reports output tokens/s, per-request latency (all requests arrive at time 0 and batches run one after
 the other, so a request's latency is when its batch returned), acceptance rate, VSR, target forwards per generated
-token, tokens emitted per row-step, and peak memory; it prints a table, writes ``results.json`` and ``bench.png``, and
+token, tokens emitted per row-step, tokens per verified node (output tokens / verified draft tokens or nodes), and peak
+memory; it prints a table, writes ``results.json`` and ``bench.png``, and
 fails (exit 1) when a greedy speculative output differs from plain ``generate()`` (in bf16/fp16: where the target's
 choice was clear, not at a near-tie; see :mod:`tetris_hf.divergence`).
 """
@@ -67,6 +74,7 @@ class BenchConfig:
     draft_vocabs: tuple[int | None, ...] = (None,)  # tetris_draft_vocab of the speculative runs (None: full)
     lookup: bool = False
     max_ngram: int = 3
+    tree_widths: tuple[int, ...] = (1,)  # tetris_tree_width of the speculative runs (1: chains)
 
 
 @dataclasses.dataclass
@@ -90,6 +98,9 @@ class RunResult:
     agreement: dict | None = None  # output_agreement with plain generate() (greedy runs)
     repeat_seconds: list[float] = dataclasses.field(default_factory=list)  # every repeat's time (this is the median)
     position_counts: "PositionCounts | None" = None  # speculative runs: acceptance at each draft position
+    steps: list | None = None  # speculative runs: per generate() call, per step [K, verified per row, accepted per row]
+    draft_seconds: float = 0.0  # speculative runs: the loop's own draft and verify time (TetrisStats)
+    verify_seconds: float = 0.0
 
     def summary(self) -> dict:
         latencies = sorted(self.latencies)
@@ -112,9 +123,14 @@ class RunResult:
             "accepted_tokens": self.accepted,
             "target_forwards_per_token": self.target_forwards / self.tokens if self.tokens else 0.0,
             "tokens_per_row_step": self.tokens / self.row_steps if self.row_steps else 0.0,
+            # output tokens (accepted drafts + the target's token of every row-step) per draft token or tree node the
+            # target verified: what a verified node buys; None when nothing was verified
+            "tokens_per_verified_node": self.tokens / self.verified if self.verified else None,
             "peak_memory_mb": self.peak_memory_mb,
             "agreement_with_generate": self.agreement,
             "acceptance_by_position": self.position_counts.rates() if self.position_counts else None,
+            "draft_seconds": self.draft_seconds,
+            "verify_seconds": self.verify_seconds,
         }
 
 
@@ -243,7 +259,9 @@ def run_strategy(
     common = dict(max_new_tokens=config.max_new_tokens, do_sample=config.do_sample, pad_token_id=tokenizer.pad_token_id)
     outputs, latencies = [], []
     drafted = verified = accepted = row_steps = 0
+    draft_seconds = verify_seconds = 0.0
     positions = None if strategy in BASELINES else PositionCounts()
+    steps = None if strategy in BASELINES else []
     counter = ForwardCounter(target)
     torch.manual_seed(config.seed)
     try:
@@ -266,8 +284,12 @@ def run_strategy(
                     drafted += stats.drafted_tokens
                     verified += stats.verified_tokens
                     accepted += stats.accepted_tokens
+                    draft_seconds += stats.draft_seconds
+                    verify_seconds += stats.verify_seconds
                     row_steps += sum(sum(v >= 0 for v in step) for step in stats.verified_per_step)
                     positions.add(stats.verified_per_step, stats.accepted_per_step)
+                    steps.append([[drafted, verified_row, accepted_row] for drafted, verified_row, accepted_row in zip(
+                        stats.num_drafted_per_step, stats.verified_per_step, stats.accepted_per_step)])
                 rows = generated_tokens(sequences, batch["input_ids"].shape[1], eos_ids)
                 if strategy == "generate":
                     row_steps += sum(map(len, rows))  # one token per row per step, by construction
@@ -296,6 +318,9 @@ def run_strategy(
         peak_memory_mb=memory.peak,
         outputs=outputs,
         position_counts=positions,
+        steps=steps,
+        draft_seconds=draft_seconds,
+        verify_seconds=verify_seconds,
     )
 
 
@@ -313,7 +338,8 @@ def lookup_options(k: int, config: BenchConfig) -> dict:
 def plan_runs(config: BenchConfig, num_rows: int) -> list[tuple[str, str, dict]]:
     """``(name, strategy, generate options)`` for every run, baselines first (``hf-lookup`` once per ``k``); the
     speculative runs once per ``config.draft_vocabs`` entry (named ``... N=8192`` when the draft's head is reduced;
-    ``... n=3`` when they draft by prompt lookup)."""
+    ``... n=3`` when they draft by prompt lookup), and each of those once per ``config.tree_widths`` entry (named
+    ``... w=3`` for draft trees of width 3)."""
     runs = []
     for strategy in BASELINES:
         if strategy not in config.strategies:
@@ -323,6 +349,9 @@ def plan_runs(config: BenchConfig, num_rows: int) -> list[tuple[str, str, dict]]
                      for k in config.num_assistant_tokens]
         else:
             runs.append((strategy, strategy, {}))
+    if config.lookup and config.tree_widths != (1,):
+        raise ValueError("draft trees (tree_widths > 1) need a draft model or an EAGLE head: prompt lookup drafts "
+                         "chains only")
     if config.lookup:
         for name, strategy, options in _speculative_runs(config, num_rows):
             k = options.pop("num_assistant_tokens")
@@ -332,7 +361,11 @@ def plan_runs(config: BenchConfig, num_rows: int) -> list[tuple[str, str, dict]]
         for name, strategy, options in _speculative_runs(config, num_rows):
             if vocab is not None:
                 name, options = f"{name} N={vocab}", {**options, "tetris_draft_vocab": vocab}
-            runs.append((name, strategy, options))
+            for width in config.tree_widths:
+                if width == 1:
+                    runs.append((name, strategy, options))
+                else:
+                    runs.append((f"{name} w={width}", strategy, {**options, "tetris_tree_width": width}))
     return runs
 
 
@@ -453,18 +486,19 @@ def check_greedy_outputs(results: list[RunResult], target, tokenizer, texts: lis
 def format_table(summaries: list[dict], reference_name: str | None) -> str:
     reference = next((s for s in summaries if s["name"] == reference_name), None)
     spread = any(len(s.get("tokens_per_second_repeats", [])) > 1 for s in summaries)
-    header = (f"{'strategy':<26} {'tok/s':>7} {'x plain':>7} {'lat mean':>8} {'p50':>6} {'p99':>6} "
-              f"{'accept':>6} {'VSR':>5} {'fwd/tok':>7} {'tok/step':>8} {'peak MB':>8}"
+    width = max([26] + [len(s["name"]) for s in summaries])
+    header = (f"{'strategy':<{width}} {'tok/s':>7} {'x plain':>7} {'lat mean':>8} {'p50':>6} {'p99':>6} "
+              f"{'accept':>6} {'VSR':>5} {'fwd/tok':>7} {'tok/step':>8} {'tok/node':>8} {'peak MB':>8}"
               + (f" {'tok/s min-max':>14}" if spread else ""))
     lines = [header, "-" * len(header)]
     for s in summaries:
         ratio = s["tokens_per_second"] / reference["tokens_per_second"] if reference else float("nan")
         fmt = lambda value: f"{value:.2f}" if value is not None else "-"  # noqa: E731
         lines.append(
-            f"{s['name']:<26} {s['tokens_per_second']:>7.1f} {ratio:>7.2f} {s['latency_mean_s']:>8.1f} "
+            f"{s['name']:<{width}} {s['tokens_per_second']:>7.1f} {ratio:>7.2f} {s['latency_mean_s']:>8.1f} "
             f"{s['latency_p50_s']:>6.1f} {s['latency_p99_s']:>6.1f} {fmt(s['acceptance_rate']):>6} "
             f"{fmt(s['vsr']):>5} {s['target_forwards_per_token']:>7.3f} {s['tokens_per_row_step']:>8.2f} "
-            f"{s['peak_memory_mb']:>8.0f}" + (f" {_range(s['tokens_per_second_repeats']):>14}" if spread else "")
+            f"{fmt(s.get('tokens_per_verified_node')):>8} {s['peak_memory_mb']:>8.0f}" + (f" {_range(s['tokens_per_second_repeats']):>14}" if spread else "")
         )
     return "\n".join(lines)
 
@@ -535,7 +569,8 @@ def _gather(result: RunResult, indices: list[int]) -> RunResult:
     outputs = {}
     for part, part_indices in parts:
         outputs.update(zip(part_indices, part["outputs"]))
-    for key in ("requests", "tokens", "target_forwards", "row_steps", "drafted", "verified", "accepted"):
+    for key in ("requests", "tokens", "target_forwards", "row_steps", "drafted", "verified", "accepted",
+                "draft_seconds", "verify_seconds"):
         merged[key] = sum(part[key] for part, _ in parts)
     merged["seconds"] = max(part["seconds"] for part, _ in parts)
     merged["peak_memory_mb"] = max(part["peak_memory_mb"] for part, _ in parts)
@@ -546,6 +581,8 @@ def _gather(result: RunResult, indices: list[int]) -> RunResult:
         merged["position_counts"] = PositionCounts(
             *([sum(_padded(part["position_counts"][key], depth)[i] for part, _ in parts) for i in range(depth)]
               for key in ("reached", "accepted")))
+    if result.steps is not None:  # each process's steps, its own rows (their numbering restarts per process)
+        merged["steps"] = [step for part, _ in parts for step in part["steps"]]
     return RunResult(**merged)
 
 
@@ -610,9 +647,13 @@ def run_bench(
                 repeats[name].append(result)
     results = [median_run(repeats[name]) for name, _, _ in runs]
     mismatches = check_greedy_outputs(results, target, tokenizer, all_texts) if not config.do_sample else []
+    step_traces = [{"run": r.name, "strategy": r.strategy, "options": r.options,
+                    "tree_width": r.options.get("tetris_tree_width", 1), "batch_size": config.batch_size,
+                    "calls": r.steps} for r in results if r.steps is not None]
     return {"config": dataclasses.asdict(config), "runs": [result.summary() for result in results],
             "mismatches": mismatches, "cost_profile_seconds": profile_seconds, "draft_cost": draft_costs,
-            "is_main_process": is_main, "num_processes": 1 if state is None else state.num_processes}
+            "is_main_process": is_main, "num_processes": 1 if state is None else state.num_processes,
+            "step_traces": step_traces}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -658,6 +699,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-vocab", type=draft_vocab_list, default=(None,),
                         help="comma list of draft head sizes: 'full' or N (the draft's N most frequent tokens, "
                              "tetris_draft_vocab=N); every speculative run is repeated for each (default: full)")
+    parser.add_argument("--tree-width", type=number_list(int, 1), default=(1,),
+                        help="comma list of draft tree widths (tetris_tree_width): every speculative run is repeated "
+                             "for each width > 1, named '... w=W', at the same k, e and budget (default 1: chains)")
     parser.add_argument("--no-progress", action="store_true")
 
 
@@ -723,6 +767,9 @@ def config_from_args(args) -> BenchConfig:
         raise UsageError("hf-assisted needs a draft model, and --draft lookup has none: use hf-lookup")
     if lookup and args.draft_vocab != (None,):
         raise UsageError("--draft-vocab reduces a draft model's head, and --draft lookup has none")
+    if lookup and args.tree_width != (1,):
+        raise UsageError("--tree-width grows draft trees with a draft model or an EAGLE head; --draft lookup drafts "
+                         "one continuation per row (use --tree-width 1)")
     if eagle:
         if "hf-assisted" in strategies:
             raise UsageError("hf-assisted cannot run an EAGLE head (transformers' assisted generation takes a draft "
@@ -743,7 +790,26 @@ def config_from_args(args) -> BenchConfig:
         draft_vocabs=args.draft_vocab,
         lookup=lookup,
         max_ngram=args.max_ngram,
+        tree_widths=tuple(dict.fromkeys(args.tree_width)),
     )
+
+
+STEP_TRACE_FORMAT = "tetris-hf-step-trace"
+STEP_TRACE_VERSION = 1
+
+
+def write_step_traces(path: Path, runs: list[dict], header: dict) -> Path:
+    """JSONL: a header line ``{"format": "tetris-hf-step-trace", ...}``, then one line per speculative run:
+    ``{"run", "strategy", "options", "tree_width", "batch_size", "calls"}``, ``calls[c][s] = [K, verified,
+    accepted]``: step ``s`` of ``generate()`` call ``c`` drafted ``K`` levels, and row ``r`` verified ``verified[r]``
+    draft tokens (tree nodes) and accepted ``accepted[r]`` of them (``-1``: the row had finished; a call's first step
+    reads the prompt, ``K = 0``).
+    :func:`tetris_hf.tools.simulate.read_step_traces` reads it."""
+    with path.open("w") as out:
+        out.write(json.dumps({"format": STEP_TRACE_FORMAT, "version": STEP_TRACE_VERSION, **header}) + "\n")
+        for run in runs:
+            out.write(json.dumps(run, separators=(",", ":")) + "\n")
+    return path
 
 
 def load_lookup_target(name: str | None, device, quantization, max_ngram: int):
@@ -793,7 +859,11 @@ def main(args) -> int:
                   argv=sys.argv)
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
+    step_traces = report.pop("step_traces")
     (output / "results.json").write_text(json.dumps(report, indent=2))
+    write_step_traces(output / "step-traces.jsonl", step_traces,
+                      {"target": info.target, "draft": info.draft, "prompts": args.prompts, "num_prompts": len(texts),
+                       "max_new_tokens": config.max_new_tokens, "do_sample": config.do_sample, "device": str(device)})
     title = (f"{args.prompts} x{len(texts)}, batch {config.batch_size}, {config.max_new_tokens} new tokens, "
              f"{device} — draft: {info.draft_kind}")
     plot(report["runs"], output / "bench.png", title)
@@ -806,7 +876,7 @@ def main(args) -> int:
     if report["cost_profile_seconds"] is not None:
         print(f"cost profile for adaptive/dsd: {report['cost_profile_seconds']:.1f} s before the timed runs (measured "
               "once per pair, device, dtype and thread count, then read from the cache)")
-    print(f"wrote {output / 'results.json'} and {output / 'bench.png'}")
+    print(f"wrote {output / 'results.json'}, {output / 'bench.png'} and {output / 'step-traces.jsonl'}")
     for run in report["runs"]:
         for divergence in (run["agreement_with_generate"] or {}).get("divergences", []):
             print(f"{run['name']}: {RowDivergence(**divergence).describe()}")

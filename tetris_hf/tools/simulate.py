@@ -29,6 +29,25 @@ Assumptions of the replay (what the projection is, and is not):
 - **Strategies.** fixed-``k`` and TETRIS (``C = k x B``, ``K = k + e``) are shown at their best ``k`` per batch size
   (chosen in hindsight); DSD and ``adaptive`` choose ``K <= K_recorded`` online, starting cold (``adaptive`` learns
   its acceptance calibration during the replay) and use the curve as their cost model.
+
+``tetris-hf simulate replay-steps`` replays what real runs did instead, chains and draft trees alike: the step traces
+``tetris-hf bench`` writes (``step-traces.jsonl``: per step, per row, the draft tokens or tree nodes the target verified
+and how many it accepted, under the run's own strategy and budget). No strategy is re-run; a recorded row-step is
+replayed as it happened. Its assumptions (see :func:`step_seconds` and :func:`replay_steps`):
+
+- **Row-steps are independent draws.** A simulated step of ``B`` rows takes ``B`` row-steps drawn uniformly with
+  replacement from the run's recorded ones (the call's first step, the prompt's forward, left out), each with its
+  nodes verified ``n`` and drafts accepted ``a``; the step emits ``sum (a + 1)`` tokens. Which nodes a row verified
+  was decided at the recorded batch size (TETRIS shares ``C = k x B`` across the recorded rows), so the projection is
+  the recorded run's at the recorded ``B``; at larger ``B`` it assumes the per-row distribution stays the same.
+- **The target verifies a block.** A step verifying ``n_1 .. n_B`` nodes costs one target forward over
+  ``B x (1 + max n)`` tokens (every row's block padded to the widest; a tree's nodes cost what a chain's tokens cost).
+- **The draft grows a tree of ``K`` levels in ``K`` forwards:** the first over ``B`` rows x 1 token (the root), each
+  of the other ``K - 1`` over the ``w`` frontier nodes of every row, timed as the curve's draft forward over ``B x w``
+  rows x 1 token (``w = 1``: ``K`` forwards over ``B`` rows, as for a chain). ``K`` is the step's most levels among
+  its rows. A plain step (``K = 0``) costs one target forward over ``B x 1``.
+- **Plain decoding** emits ``B`` tokens per target forward over ``B x 1``; the ratio is tokens per second against it
+  at the same ``B``. Prefill, sampling, scheduling, KV growth and per-step overhead are left out, as above.
 """
 
 from __future__ import annotations
@@ -42,6 +61,7 @@ from pathlib import Path
 
 import torch
 
+from .bench import STEP_TRACE_FORMAT, STEP_TRACE_VERSION
 from .cli import UsageError, load_pair, load_prompt_set, number_list, prompt_texts, resolve_device
 from ..cost_model import CostProfile, StepCostModel, load_profile
 from ..step_strategy import run_step
@@ -331,6 +351,136 @@ def plot(curves: list[dict], path: Path) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Step traces: what real runs (chains and draft trees) did, replayed on a curve
+
+
+@dataclass
+class StepTrace:
+    """One bench run's recorded row-steps (the prompt's forward of every call left out), each ``(S,)`` long:
+    ``drafted`` (the step's ``K``: draft levels), ``verified`` (draft tokens or tree nodes the target checked) and
+    ``accepted`` (drafts accepted). ``tree_width`` ``w`` (1: chains), ``batch_size`` the recorded ``B``."""
+
+    run: str
+    tree_width: int
+    batch_size: int
+    drafted: torch.Tensor
+    verified: torch.Tensor
+    accepted: torch.Tensor
+    header: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_row_step(self) -> float:
+        return float((self.accepted + 1).sum()) / len(self.accepted)
+
+    @property
+    def tokens_per_verified_node(self) -> float | None:
+        verified = int(self.verified.sum())
+        return float((self.accepted + 1).sum()) / verified if verified else None
+
+
+def step_traces_from_run(run: dict, header: dict | None = None) -> StepTrace:
+    """A :class:`StepTrace` from one run line of ``step-traces.jsonl`` (:func:`tetris_hf.tools.bench.write_step_traces`):
+    every row that had not finished, in every step but each call's first."""
+    drafted, verified, accepted = [], [], []
+    for call in run["calls"]:
+        for num_drafted, verified_row, accepted_row in call[1:]:
+            for v, a in zip(verified_row, accepted_row):
+                if v >= 0:
+                    drafted.append(num_drafted)
+                    verified.append(v)
+                    accepted.append(a)
+    if not verified:
+        raise ValueError(f"run {run['run']!r} recorded no step after the prompt's")
+    long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
+    return StepTrace(run["run"], int(run.get("tree_width", 1)), int(run["batch_size"]), long(drafted),
+                     long(verified), long(accepted), dict(header or {}))
+
+
+def read_step_traces(path: str | os.PathLike) -> list[StepTrace]:
+    """Every run of a ``step-traces.jsonl`` file that ``tetris-hf bench`` wrote."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as error:
+        raise ValueError(f"cannot read step trace file {path}: {error}") from error
+    if not lines:
+        raise ValueError(f"step trace file {path} is empty")
+    header = json.loads(lines[0])
+    if not isinstance(header, dict) or header.get("format") != STEP_TRACE_FORMAT \
+            or header.get("version") != STEP_TRACE_VERSION:
+        raise ValueError(f"{path} is not a {STEP_TRACE_FORMAT} v{STEP_TRACE_VERSION} file (tetris-hf bench writes "
+                         "step-traces.jsonl)")
+    return [step_traces_from_run(json.loads(line), header) for line in lines[1:] if line.strip()]
+
+
+def step_seconds(cost: StepCostModel, rows: int, num_drafted: int, max_verified: int, tree_width: int = 1) -> float:
+    """One step of ``rows`` rows on the curve: ``K = num_drafted`` draft forwards (the first over ``rows`` x 1 token,
+    the others over ``rows x tree_width`` frontier nodes, timed as that many rows x 1 token) and one target forward
+    over ``rows x (1 + max_verified)``. ``K = 0``: a plain step, the target's forward alone.
+
+    E.g. ``rows = 16, K = 6, w = 3, max_verified = 9``: ``draft(16) + 5 draft(48) + target(16, 10)``.
+    """
+    draft = 0.0
+    if num_drafted > 0:
+        draft = cost.draft_seconds(rows) + (num_drafted - 1) * cost.draft_seconds(rows * tree_width)
+    return draft + cost.verify_seconds(rows, max_verified + 1) + cost.step_overhead
+
+
+def replay_steps(trace: StepTrace, cost: StepCostModel, batch_size: int, steps: int, seed: int = 0) -> ReplayResult:
+    """``steps`` steps of ``batch_size`` row-steps drawn from ``trace`` (uniform, with replacement), each timed by
+    :func:`step_seconds` with the step's largest ``K`` and ``verified``; a row emits its accepted drafts plus one
+    target token."""
+    generator = torch.Generator().manual_seed(seed)
+    picks = torch.randint(len(trace.accepted), (steps, batch_size), generator=generator)
+    drafted, verified, accepted = trace.drafted[picks], trace.verified[picks], trace.accepted[picks]  # (steps, B)
+    step_drafted = drafted.amax(dim=1).tolist()
+    step_verified = verified.amax(dim=1).tolist()
+    seconds = sum(step_seconds(cost, batch_size, k, n, trace.tree_width) for k, n in zip(step_drafted, step_verified))
+    total_accepted = int(accepted.sum())
+    drafted_nodes = sum(k * batch_size * trace.tree_width for k in step_drafted)  # levels x w (upper bound on nodes)
+    return ReplayResult(batch_size, steps, steps * batch_size + total_accepted, seconds, drafted_nodes,
+                        int(verified.sum()), total_accepted)
+
+
+def plain_tokens_per_second(cost: StepCostModel, batch_size: int) -> float:
+    """Plain decoding on the curve: ``B`` tokens per target forward over ``B x 1``."""
+    return batch_size / step_seconds(cost, batch_size, 0, 0)
+
+
+def simulate_steps(traces: list[StepTrace], cost: StepCostModel, batch_sizes, row_steps: int = 4096,
+                   min_steps: int = 64, seed: int = 0) -> list[dict]:
+    """Every run at every batch size: ``[{run, tree_width, recorded_batch_size, recorded tokens per row-step and per
+    verified node, by_batch: [{batch_size, plain_tokens_per_second, ratio, ...ReplayResult}]}]``."""
+    results = []
+    for trace in traces:
+        by_batch = []
+        for batch_size in batch_sizes:
+            result = replay_steps(trace, cost, batch_size, steps_for(batch_size, row_steps, min_steps), seed)
+            plain = plain_tokens_per_second(cost, batch_size)
+            by_batch.append({**result.to_dict(), "plain_tokens_per_second": plain,
+                             "ratio": result.tokens_per_second / plain})
+        results.append({"run": trace.run, "tree_width": trace.tree_width, "recorded_batch_size": trace.batch_size,
+                        "recorded_row_steps": len(trace.accepted),
+                        "tokens_per_row_step": trace.tokens_per_row_step,
+                        "tokens_per_verified_node": trace.tokens_per_verified_node, "by_batch": by_batch})
+    return results
+
+
+def format_steps_table(results: list[dict]) -> str:
+    """One line per run: recorded tokens per row-step and per verified node, then the projected ratio to plain
+    decoding at each batch size."""
+    sizes = [entry["batch_size"] for entry in results[0]["by_batch"]] if results else []
+    width = max([10] + [len(r["run"]) for r in results])
+    header = f"{'run':<{width}} {'tok/step':>8} {'tok/node':>8} " + " ".join(f"{f'B={b}':>7}" for b in sizes)
+    lines = [header, "-" * len(header)]
+    for result in results:
+        node = result["tokens_per_verified_node"]
+        lines.append(f"{result['run']:<{width}} {result['tokens_per_row_step']:>8.2f} "
+                     f"{'-' if node is None else f'{node:.2f}':>8} "
+                     + " ".join(f"{entry['ratio']:>6.2f}x" for entry in result["by_batch"]))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Command line
 
 
@@ -367,6 +517,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                help="time a draft forward over B rows as this fraction of the curve's target forward "
                                     "over B x 1 tokens (e.g. the draft's measured CPU ratio) instead of the curve's "
                                     "draft entry")
+    steps_parser = sub.add_parser("replay-steps", help="replay the step traces of tetris-hf bench runs (chains and "
+                                                       "draft trees) under cost curves")
+    steps_parser.add_argument("--traces", action="append", required=True,
+                              help="a step-traces.jsonl that tetris-hf bench wrote (repeatable)")
+    steps_parser.add_argument("--curve", action="append", default=None,
+                              help="as for replay (default: the shared H200 8B, H200 smol and CPU curves)")
+    steps_parser.add_argument("--batch-sizes", type=number_list(int, 1), default=None,
+                              help="default: the recorded batch size and the larger of 16, 32, ..., 256")
+    steps_parser.add_argument("--row-steps", type=int, default=4096, help="simulated row-steps per batch size")
+    steps_parser.add_argument("--min-steps", type=int, default=64, help="at least this many steps per batch size")
+    steps_parser.add_argument("--draft-cost-ratio", type=float, default=None, help="as for replay")
+    steps_parser.add_argument("--output", default="simulate-out", help="directory for simulate-steps.json")
+    steps_parser.add_argument("--seed", type=int, default=0)
 
 
 def default_curves() -> list[str]:
@@ -431,6 +594,59 @@ def run_record(args) -> int:
     return 0
 
 
+def _load_curves(sources: list[str], draft_cost_ratio: float | None) -> list[tuple[str, StepCostModel]]:
+    if draft_cost_ratio is not None and not draft_cost_ratio > 0:
+        raise UsageError(f"--draft-cost-ratio must be positive, got {draft_cost_ratio}")
+    curves = []
+    for source in sources:
+        try:
+            profile = load_profile(source)
+        except (ValueError, TypeError, KeyError) as error:
+            raise UsageError(f"bad --curve {source}: {error}") from None
+        if draft_cost_ratio is not None:
+            profile = draft_as_ratio(profile, draft_cost_ratio)
+        curves.append((source, StepCostModel(profile)))
+    return curves
+
+
+def run_replay_steps(args) -> int:
+    if args.row_steps < 1 or args.min_steps < 1:
+        raise UsageError("--row-steps and --min-steps must be >= 1")
+    traces = []
+    for path in args.traces:
+        try:
+            runs = read_step_traces(path)
+        except (ValueError, KeyError, TypeError, json.JSONDecodeError) as error:
+            raise UsageError(f"bad step traces: {error}") from None
+        if len(args.traces) > 1:  # runs of several files (prompt sets) in one table: named by their set
+            for trace in runs:
+                trace.run = f"{trace.header.get('prompts') or Path(path).parent.name}: {trace.run}"
+        traces += runs
+    if not traces:
+        raise UsageError("the step traces hold no speculative run")
+    sources = args.curve or default_curves()
+    if not sources:
+        raise UsageError("no --curve given and no shared/data curves found beside this checkout")
+    curves = _load_curves(sources, args.draft_cost_ratio)
+    recorded = max(trace.batch_size for trace in traces)
+    batch_sizes = args.batch_sizes or (recorded, *(b for b in DEFAULT_BATCH_SIZES if b > max(recorded, 8)))
+    assumptions = __doc__.split(":func:`replay_steps`):")[1].strip()
+    report = {"traces": [{"file": path} for path in args.traces], "batch_sizes": list(batch_sizes),
+              "assumptions": assumptions, "curves": []}
+    for source, cost in curves:
+        name = _curve_name(source, cost)
+        results = simulate_steps(traces, cost, batch_sizes, args.row_steps, args.min_steps, args.seed)
+        print(f"\n{name}  (projected tokens/s against plain decoding at each B; tok/step and tok/node as recorded)")
+        print(format_steps_table(results))
+        report["curves"].append({"name": name, "source": source, "profile": cost.profile.to_dict(),
+                                 "results": results})
+    output = Path(args.output)
+    output.mkdir(parents=True, exist_ok=True)
+    (output / "simulate-steps.json").write_text(json.dumps(report, indent=1))
+    print(f"\nwrote {output / 'simulate-steps.json'}")
+    return 0
+
+
 def run_replay(args) -> int:
     if args.extra < 0 or args.row_steps < 1 or args.min_steps < 1:
         raise UsageError("--extra must be >= 0, --row-steps and --min-steps >= 1")
@@ -441,17 +657,7 @@ def run_replay(args) -> int:
     sources = args.curve or default_curves()
     if not sources:
         raise UsageError("no --curve given and no shared/data curves found beside this checkout")
-    if args.draft_cost_ratio is not None and not args.draft_cost_ratio > 0:
-        raise UsageError(f"--draft-cost-ratio must be positive, got {args.draft_cost_ratio}")
-    curves = []
-    for source in sources:
-        try:
-            profile = load_profile(source)
-        except (ValueError, TypeError, KeyError) as error:
-            raise UsageError(f"bad --curve {source}: {error}") from None
-        if args.draft_cost_ratio is not None:
-            profile = draft_as_ratio(profile, args.draft_cost_ratio)
-        curves.append((source, StepCostModel(profile)))
+    curves = _load_curves(sources, args.draft_cost_ratio)
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     rates = traces.acceptance_by_position()
@@ -459,7 +665,8 @@ def run_replay(args) -> int:
           f"acceptance by position: {', '.join(f'{r:.2f}' for r in rates)}")
     report = {"traces": {"files": list(args.traces), "headers": traces.headers, "requests": len(traces.requests),
                          "row_steps": traces.num_steps, "acceptance_by_position": rates},
-              "assumptions": __doc__.split("(what the projection is, and is not):")[1].strip(),
+              "assumptions": __doc__.split("(what the projection is, and is not):")[1].split("``tetris-hf simulate "
+                                                                                           "replay-steps``")[0].strip(),
               "curves": []}
     for source, cost in curves:
         name = _curve_name(source, cost)
@@ -480,4 +687,5 @@ def run_replay(args) -> int:
 
 
 def main(args) -> int:
-    return run_record(args) if args.action == "record" else run_replay(args)
+    actions = {"record": run_record, "replay": run_replay, "replay-steps": run_replay_steps}
+    return actions[args.action](args)

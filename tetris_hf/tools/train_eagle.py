@@ -808,7 +808,9 @@ def _write_provenance(directory: Path, record: dict) -> None:
         f"- draft vocabulary: {record['draft_vocabulary']}",
         f"- data: {record['data']['source']}", f"- held out: {record['data']['held_out']}",
         f"- training rows: {record['data']['training']}",
-        f"- loss: {training['loss']}; AdamW lr {training['lr']} decaying linearly to a tenth over the token budget",
+        f"- loss: {training['loss']}; AdamW lr {training['lr']} decaying linearly to a tenth over the token budget; "
+        + ("the target in bfloat16, the head's matmuls under bfloat16 autocast (weights float32)"
+           if training.get("bf16") else "float32"),
         f"- {training['steps']} steps of {training['batch_size']} rows, {training['tokens_seen']:,} tokens seen "
         f"({training['scored_positions_seen']:,} scored positions, {training['epochs']} epochs), "
         f"{training['wall_seconds']:.0f} s wall ({training['generation_seconds']:.0f} s generating), "
