@@ -18,7 +18,7 @@ from tetris_board import (  # noqa: E402
     ACCEPTED, FINISHED, LABEL_WIDTH, LOOKUP, NOT_DRAFTED, NOT_SELECTED, PITCH, REJECTED, BoardTrace, RowTree,
     board_cells, render_board, short_probability, step_summary, token_label,
 )
-from tetris_runs import TreeCapture, row_trees, step_cells  # noqa: E402
+from tetris_runs import row_trees, step_cells, step_trees  # noqa: E402
 from tiny_models import left_pad, noisy_copy, random_prompts, sharpen, tiny_llama  # noqa: E402
 
 
@@ -266,16 +266,15 @@ def test_token_labels_show_spaces_and_newlines_and_fit_a_node(text, label):
 
 
 def test_trees_captured_from_a_real_tree_loop_add_up_to_its_stats():
-    """TreeCapture on the library's own loop (``tetris_tree_width=2``): every drafting step's trees, verified and
-    accepted nodes per row as the stats count them, and greedy output equal to the target alone."""
+    """The trees step records carry in the library's own loop (``tetris_tree_width=2``): every drafting step's trees,
+    verified and accepted nodes per row as the stats count them, and greedy output equal to the target alone."""
     target = sharpen(tiny_llama(seed=0), 6.0)
     draft = noisy_copy(target, 0.15)
     input_ids, mask = left_pad(random_prompts(4, 64, seed=3))
-    capture, trees = TreeCapture(), []
+    trees = []
 
     def on_step(record, loop):
-        trees.append(capture.take(record, loop.batch_size))
-        capture.install(loop)
+        trees.append(step_trees(record, loop.batch_size))
 
     out = target.generate(input_ids, attention_mask=mask, assistant_model=draft, custom_generate="tetris",
                           num_assistant_tokens=3, tetris_extra_tokens=2, tetris_tree_width=2, max_new_tokens=16,

@@ -37,6 +37,24 @@ from .step_strategy import StepSeconds
 from .tree_logits import process_at_nodes
 
 
+class StepTree(NamedTuple):
+    """One tree step's trees, for step callbacks that show them (``StepRecord.tree``; the Space's board). Rows are the
+    step's active rows (``StepRecord.rows``).
+
+    ``tree``: the drafted :class:`~tetris_hf.trees.DraftTree` (``(B, N)`` per node); ``selected``: ``(B, N)`` bool,
+    the verified nodes; ``roots``: ``(B,)`` each row's last token before the step; ``path_nodes``: ``(B, D)`` the
+    accepted path's node indices (``-1`` past it); ``num_accepted``: ``(B,)``; ``next_tokens``: ``(B,)`` the target's
+    token after the path.
+    """
+
+    tree: DraftTree
+    selected: torch.Tensor
+    roots: torch.Tensor
+    path_nodes: torch.Tensor
+    num_accepted: torch.Tensor
+    next_tokens: torch.Tensor
+
+
 class TreeOutcome(NamedTuple):
     """What a tree step did (``(B_active,)`` tensors), for the loop's :class:`~tetris_hf.decoding.StepRecord`.
 
@@ -53,6 +71,7 @@ class TreeOutcome(NamedTuple):
     stopped: torch.Tensor
     seconds: StepSeconds | None
     proposed: torch.Tensor | None
+    trees: StepTree | None = None  # (None: a plain step)
 
 
 def tree_step(loop, width: int) -> TreeOutcome:
@@ -78,6 +97,8 @@ def tree_step(loop, width: int) -> TreeOutcome:
     grown = drafter.propose_tree(loop.sequences, lengths, depth, width, loop.rows)
     clock.mark("draft_end")
     tree = grown.tree
+
+    roots = loop.last_tokens.clone()  # (for StepTree: the loop overwrites them when it emits)
 
     # 2. select (a target token always follows the accepted path: rows near their limit take shallower nodes only)
     if loop.longest + depth >= loop.max_length:
@@ -132,7 +153,9 @@ def tree_step(loop, width: int) -> TreeOutcome:
     chain_log_probs, chain_verified = observed_chain(tree, selected, path_nodes, acceptance.num_accepted, depth)
     strategy.observe(chain_log_probs, chain_verified, acceptance.num_accepted, seconds, depth)
     return TreeOutcome(depth, plan.budget, chain_log_probs, verified, acceptance.num_accepted, emitted, stopped,
-                       seconds, grown.tree.valid.sum(dim=1))
+                       seconds, grown.tree.valid.sum(dim=1),
+                       StepTree(grown.tree, selected, roots, path_nodes, acceptance.num_accepted,
+                                acceptance.next_tokens))
 
 
 def observed_chain(tree: DraftTree, selected: torch.Tensor, path_nodes: torch.Tensor,

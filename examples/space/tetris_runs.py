@@ -7,8 +7,8 @@
   trust_remote_code=True``; ``tetris_step_callback`` copies every row's tokens and the step's board cells after
   each step. The drafts come from the draft model (``assistant_model``) or, with ``Settings(draft=LOOKUP)``, from
   each row's own prompt and output (``prompt_lookup_num_tokens=k``, no draft model). With
-  ``Settings(tree_width=w > 1)`` the draft model grows trees (``tetris_tree_width=w``) and :class:`TreeCapture`
-  keeps each step's trees for the board.
+  ``Settings(tree_width=w > 1)`` the draft model grows trees (``tetris_tree_width=w``) and :func:`step_trees`
+  keeps each step's trees (the step record's ``tree``) for the board.
 - :func:`run_all`: the four in turn on one worker thread (one at a time, so each gets the whole CPU/GPU and its
   tokens/s is its own); :func:`stream_runs` runs them and yields copies of their progress, which is what the page
   calls (through ZeroGPU's decorator on a ZeroGPU Space, where it runs in another process).
@@ -339,60 +339,20 @@ def row_trees(tokens: torch.Tensor, parents: torch.Tensor, log_scores: torch.Ten
     return rows
 
 
-class TreeCapture:
-    """Keeps each tree step's trees for the board, from the loop the step callback is handed.
-
-    The strategy's step record says how many nodes each row drafted, verified and accepted, not which: the tree
-    lives inside the step (``tree_step``) and is gone when the callback runs. So, at the first callback (the prompt
-    step, before any tree step), :meth:`install` wraps two methods of that call's own objects (never their classes:
-    other calls are untouched): the strategy's ``select_tree(tree, plan)`` (the drafted tree, the selection, and the
-    roots, the rows' last tokens) and the drafter's ``accept_tree(path_nodes, path_slots, num_accepted,
-    next_tokens, ...)`` (the accepted path and the target's next token). They only keep references (clones, no
-    device read inside the step); :meth:`take`, called in the step callback, turns them into :func:`row_trees` by
-    original row. A strategy whose step record carried the step's tree would make the wrapping unnecessary
-    (``take`` is the only place that reads it).
-    """
-
-    def __init__(self):
-        self.installed = False
-        self._selection = None  # (tree, selected, roots) of the step in progress
-        self._acceptance = None  # (path_nodes, num_accepted, next_tokens)
-
-    def install(self, loop) -> None:
-        if self.installed:
-            return
-        self.installed = True
-        strategy, drafter = loop.strategy, loop.drafter
-        select_tree, accept_tree = strategy.select_tree, getattr(drafter, "accept_tree", None)
-
-        def selecting(tree, plan):
-            selected = select_tree(tree, plan)
-            self._selection = (tree, selected.clone(), loop.last_tokens.clone())
-            return selected
-
-        def accepting(path_nodes, path_slots, num_accepted, next_tokens, *args, **kwargs):
-            self._acceptance = (path_nodes.clone(), num_accepted.clone(), next_tokens.clone())
-            return accept_tree(path_nodes, path_slots, num_accepted, next_tokens, *args, **kwargs)
-
-        strategy.select_tree = selecting
-        if accept_tree is not None:
-            drafter.accept_tree = accepting
-
-    def take(self, record, batch_size: int) -> list[RowTree | None] | None:
-        """The trees of the step ``record`` reports, by original row (``None`` for rows no longer active); ``None``
-        when the step grew no tree (the prompt step, a plain step)."""
-        selection, acceptance = self._selection, self._acceptance
-        self._selection = self._acceptance = None
-        if selection is None or acceptance is None:
-            return None
-        tree, selected, roots = selection
-        path_nodes, num_accepted, next_tokens = acceptance
-        trees = row_trees(tree.tokens, tree.parents, tree.log_scores, tree.valid, selected, path_nodes, num_accepted,
-                          roots, next_tokens)
-        by_row: list[RowTree | None] = [None] * batch_size
-        for row, row_tree in zip(record.rows.tolist(), trees):
-            by_row[row] = row_tree
-        return by_row
+def step_trees(record, batch_size: int) -> list[RowTree | None] | None:
+    """The trees of the step ``record`` reports (``record.tree``: the drafted tree, the selection and the accepted
+    paths, filled by the strategy's tree step), by original row (``None`` for rows no longer active); ``None`` when
+    the step grew no tree (the prompt step, a plain step)."""
+    step = getattr(record, "tree", None)
+    if step is None:
+        return None
+    tree = step.tree
+    trees = row_trees(tree.tokens, tree.parents, tree.log_scores, tree.valid, step.selected, step.path_nodes,
+                      step.num_accepted, step.roots, step.next_tokens)
+    by_row: list[RowTree | None] = [None] * batch_size
+    for row, row_tree in zip(record.rows.tolist(), trees):
+        by_row[row] = row_tree
+    return by_row
 
 
 def run_speculative(target, draft, tokenizer, batch: dict, settings: Settings, strategy: str, live: LiveRun,
@@ -407,15 +367,13 @@ def run_speculative(target, draft, tokenizer, batch: dict, settings: Settings, s
     width = batch["input_ids"].shape[1]
     live.draft = settings.draft
     live.tree_width = settings.tree_width if settings.trees else 1
-    capture = TreeCapture() if settings.trees else None
 
     def on_step(record, loop) -> None:
         survival, drafted = step_cells(record, loop.batch_size)
         live.survival.append(survival)
         live.drafted.append(drafted)
-        if capture is not None:
-            live.trees.append(capture.take(record, loop.batch_size))
-            capture.install(loop)  # at the prompt step: every later step's tree is kept
+        if settings.trees:
+            live.trees.append(step_trees(record, loop.batch_size))
         live.stats = RunStats.copy_of(loop.stats)
         live.rows = [tokens[width:] for tokens in loop.partial_outputs()]
         if stop.is_set():

@@ -34,7 +34,7 @@ from .step_strategy import StepSeconds, run_step
 from .stopping import RowStopper
 from .strategies import TetrisOptions, make_strategy
 from .timing import StepClock
-from .tree_step import tree_step
+from .tree_step import StepTree, tree_step
 
 
 def output_vocab_size(model: torch.nn.Module) -> int:
@@ -142,6 +142,7 @@ class StepRecord:
     emitted: torch.Tensor
     seconds: StepSeconds = StepSeconds(0.0, 0.0, 0.0)
     proposed: torch.Tensor | None = None  # (B_active,) cells each row drafted, where fewer than num_drafted
+    tree: StepTree | None = None  # tetris_tree_width > 1: the step's trees, selection and accepted paths
 
     @property
     def drafted_lengths(self) -> torch.Tensor:
@@ -284,7 +285,7 @@ class BatchedSpeculativeLoop:
             tree = tree_step(self, self.tree_width)
             record = StepRecord(self.rows, tree.num_drafted, tree.budget, tree.token_log_probs, tree.verify_lengths,
                                 tree.num_accepted, tree.emitted, tree.seconds or StepSeconds(0.0, 0.0, 0.0),
-                                tree.proposed)
+                                tree.proposed, tree.trees)
             return self._finish(record, tree.stopped)
         room = max(self.max_length - self.shortest - 1, 0)  # no row may verify more than this
         drafted: list[Proposal] = []  # the draft phase's proposal, for the verify phase

@@ -25,9 +25,9 @@ The speculative runs' per-step counts (nodes verified and drafts accepted per ro
 Per run it reports output tokens/s, per-request latency (all requests arrive at time 0 and batches run one after
 the other, so a request's latency is when its batch returned), acceptance rate, VSR, target forwards per generated
 token, tokens emitted per row-step, tokens per verified node (output tokens / verified draft tokens or nodes), and peak
-memory; it prints a table, writes ``results.json`` and ``bench.png``, and
-fails (exit 1) when a greedy speculative output differs from plain ``generate()`` (in bf16/fp16: where the target's
-choice was clear, not at a near-tie; see :mod:`tetris_hf.divergence`).
+memory; it prints a table, writes ``results.json``, ``bench.png`` and ``step-traces.jsonl``, and fails (exit 1) when a
+greedy speculative output differs from plain ``generate()`` (in bf16/fp16: where the target's choice was clear, not at
+a near-tie; see :mod:`tetris_hf.divergence`).
 """
 
 from __future__ import annotations
@@ -260,7 +260,9 @@ def run_strategy(
     outputs, latencies = [], []
     drafted = verified = accepted = row_steps = 0
     draft_seconds = verify_seconds = 0.0
-    positions = None if strategy in BASELINES else PositionCounts()
+    # acceptance by draft position needs chains: a tree row's verified count mixes depths and siblings
+    trees = options.get("tetris_tree_width", 1) > 1
+    positions = None if strategy in BASELINES or trees else PositionCounts()
     steps = None if strategy in BASELINES else []
     counter = ForwardCounter(target)
     torch.manual_seed(config.seed)
@@ -287,8 +289,9 @@ def run_strategy(
                     draft_seconds += stats.draft_seconds
                     verify_seconds += stats.verify_seconds
                     row_steps += sum(sum(v >= 0 for v in step) for step in stats.verified_per_step)
-                    positions.add(stats.verified_per_step, stats.accepted_per_step)
-                    steps.append([[drafted, verified_row, accepted_row] for drafted, verified_row, accepted_row in zip(
+                    if positions is not None:
+                        positions.add(stats.verified_per_step, stats.accepted_per_step)
+                    steps.append([[k, verified_row, accepted_row] for k, verified_row, accepted_row in zip(
                         stats.num_drafted_per_step, stats.verified_per_step, stats.accepted_per_step)])
                 rows = generated_tokens(sequences, batch["input_ids"].shape[1], eos_ids)
                 if strategy == "generate":
@@ -498,7 +501,8 @@ def format_table(summaries: list[dict], reference_name: str | None) -> str:
             f"{s['name']:<{width}} {s['tokens_per_second']:>7.1f} {ratio:>7.2f} {s['latency_mean_s']:>8.1f} "
             f"{s['latency_p50_s']:>6.1f} {s['latency_p99_s']:>6.1f} {fmt(s['acceptance_rate']):>6} "
             f"{fmt(s['vsr']):>5} {s['target_forwards_per_token']:>7.3f} {s['tokens_per_row_step']:>8.2f} "
-            f"{fmt(s.get('tokens_per_verified_node')):>8} {s['peak_memory_mb']:>8.0f}" + (f" {_range(s['tokens_per_second_repeats']):>14}" if spread else "")
+            f"{fmt(s.get('tokens_per_verified_node')):>8} {s['peak_memory_mb']:>8.0f}"
+            + (f" {_range(s['tokens_per_second_repeats']):>14}" if spread else "")
         )
     return "\n".join(lines)
 

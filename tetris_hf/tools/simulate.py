@@ -151,25 +151,31 @@ class TraceSet:
         return rates
 
 
+def _read_jsonl(path: str | os.PathLike, what: str, kind: str, version: int, hint: str = "") -> tuple[dict, list[str]]:
+    """A JSONL file's header (checked to be ``{"format": kind, "version": version, ...}``) and its other lines."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as error:
+        raise ValueError(f"cannot read {what} file {path}: {error}") from error
+    if not lines:
+        raise ValueError(f"{what} file {path} is empty")
+    header = json.loads(lines[0])
+    if not isinstance(header, dict) or header.get("format") != kind or header.get("version") != version:
+        raise ValueError(f"{path} is not a {kind} v{version} file{hint}")
+    return header, lines[1:]
+
+
 def read_traces(paths: list[str | os.PathLike]) -> TraceSet:
     """Read one or more trace files (their ``K`` must agree; request numbers are kept apart per file)."""
     by_request: dict[tuple[int, int], list[tuple[int, list[float], int]]] = {}
     num_draft, headers = None, []
     for file_index, path in enumerate(paths):
-        try:
-            lines = Path(path).read_text().splitlines()
-        except OSError as error:
-            raise ValueError(f"cannot read trace file {path}: {error}") from error
-        if not lines:
-            raise ValueError(f"trace file {path} is empty")
-        header = json.loads(lines[0])
-        if header.get("format") != TRACE_FORMAT or header.get("version") != TRACE_VERSION:
-            raise ValueError(f"{path} is not a {TRACE_FORMAT} v{TRACE_VERSION} file")
+        header, lines = _read_jsonl(path, "trace", TRACE_FORMAT, TRACE_VERSION)
         if num_draft is not None and header["num_draft_tokens"] != num_draft:
             raise ValueError(f"{path} has K={header['num_draft_tokens']}, earlier files K={num_draft}")
         num_draft = int(header["num_draft_tokens"])
         headers.append(header)
-        for line in lines[1:]:
+        for line in lines:
             row = json.loads(line)
             if row["verified"] == num_draft and len(row["log_probs"]) == num_draft:
                 by_request.setdefault((file_index, row["request"]), []).append(
@@ -379,8 +385,9 @@ class StepTrace:
 
 
 def step_traces_from_run(run: dict, header: dict | None = None) -> StepTrace:
-    """A :class:`StepTrace` from one run line of ``step-traces.jsonl`` (:func:`tetris_hf.tools.bench.write_step_traces`):
-    every row that had not finished, in every step but each call's first."""
+    """A :class:`StepTrace` from one run line of ``step-traces.jsonl``
+    (:func:`tetris_hf.tools.bench.write_step_traces`): every row that had not finished, in every step but each call's
+    first."""
     drafted, verified, accepted = [], [], []
     for call in run["calls"]:
         for num_drafted, verified_row, accepted_row in call[1:]:
@@ -398,18 +405,9 @@ def step_traces_from_run(run: dict, header: dict | None = None) -> StepTrace:
 
 def read_step_traces(path: str | os.PathLike) -> list[StepTrace]:
     """Every run of a ``step-traces.jsonl`` file that ``tetris-hf bench`` wrote."""
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as error:
-        raise ValueError(f"cannot read step trace file {path}: {error}") from error
-    if not lines:
-        raise ValueError(f"step trace file {path} is empty")
-    header = json.loads(lines[0])
-    if not isinstance(header, dict) or header.get("format") != STEP_TRACE_FORMAT \
-            or header.get("version") != STEP_TRACE_VERSION:
-        raise ValueError(f"{path} is not a {STEP_TRACE_FORMAT} v{STEP_TRACE_VERSION} file (tetris-hf bench writes "
-                         "step-traces.jsonl)")
-    return [step_traces_from_run(json.loads(line), header) for line in lines[1:] if line.strip()]
+    header, lines = _read_jsonl(path, "step trace", STEP_TRACE_FORMAT, STEP_TRACE_VERSION,
+                                " (tetris-hf bench writes step-traces.jsonl)")
+    return [step_traces_from_run(json.loads(line), header) for line in lines if line.strip()]
 
 
 def step_seconds(cost: StepCostModel, rows: int, num_drafted: int, max_verified: int, tree_width: int = 1) -> float:
