@@ -109,8 +109,9 @@ def test_lookup_drafting_runs_every_tetris_strategy_and_equals_generate(tiny_pai
                                                        "adaptive k=2 e=1 n=3"]
     assert report["mismatches"] == [] and report["draft_cost"] == []
     assert report["cost_profile_seconds"] >= 0  # adaptive's target-only profile, before the timed runs
-    for run in report["runs"][1:]:
-        assert run["agreement_with_generate"]["exact_match"] == 1.0 and run["drafted_tokens"] > 0
+    for run in report["runs"][1:]:  # adaptive may draft nothing when its timings say drafting does not pay
+        assert run["agreement_with_generate"]["exact_match"] == 1.0
+        assert run["drafted_tokens"] > 0 or run["strategy"] == "adaptive"
     with pytest.raises(ValueError, match="draft=None with config.lookup"):
         bench.run_bench(target, None, tokenizer, SENTENCES[:2], bench.BenchConfig(), show_progress=False)
 

@@ -255,7 +255,7 @@ def test_outputs_stream_and_stop_cancels_the_run_with_a_message(app_url, browser
           30, "plain generate()'s outputs to stream")
     assert "running" in _text(browser, "#metrics-generate")
     browser.find_element(By.CSS_SELECTOR, "#stop").click()
-    _wait(browser, lambda d: "cancelled" in _text(d, "#status"), 60, "the cancel message")
+    _wait(browser, lambda d: "cancelled" in _text(d, "#status"), 120, "the cancel message")  # (a loaded machine)
     assert "Run cancelled" in _text(browser, "#status")
 
 
