@@ -107,7 +107,8 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
         path_tokens = tokens.gather(1, path_nodes[:, : width - 1].clamp(min=0))
         final = torch.cat([path_tokens, next_tokens[:, None]], dim=1)
         final = final.scatter(1, num_accepted[:, None], next_tokens[:, None])  # t right after the accepted path
-        feature_slots = torch.cat([torch.zeros_like(path_slots[:, :1]), path_slots[:, : width - 1].clamp(min=0)], 1)
+        root = torch.zeros((path_slots.shape[0], 1), dtype=path_slots.dtype, device=path_slots.device)  # block slot 0
+        feature_slots = torch.cat([root, path_slots[:, : width - 1].clamp(min=0)], 1)  # (path_slots may be (B, 0))
         columns = torch.arange(width, device=num_accepted.device)
         source = columns[None, :] - (width - 1 - num_accepted)[:, None]  # (B, W): the final token each column holds
         real = source >= 0
