@@ -440,6 +440,26 @@ def test_eagle_tree_rows_equal_the_target_alone(tmp_path, head_format, batch_siz
     assert_rows_equal(out.sequences, input_ids, mask, references)
 
 
+@pytest.mark.parametrize("drafter", ["model", "eagle"])
+def test_a_tree_step_that_selects_no_node_still_emits_the_targets_token(tmp_path, monkeypatch, drafter):
+    """Every tree drafted, none of it selected (a strategy may do that): each row verifies only its root, accepts
+    nothing and emits the target's token; both caches stay exact. (With an EAGLE head this once read an empty path.)"""
+    from tetris_hf.strategies import TetrisSelection
+    from test_eagle_loop import load_pair, prompts_for
+
+    target, head = load_pair(tmp_path, "llama", "eagle3")
+    assistant = head if drafter == "eagle" else noisy_copy(target, 0.2, seed=5)
+    monkeypatch.setattr(TetrisSelection, "select_tree", lambda self, tree, plan: torch.zeros_like(tree.valid))
+    prompts = prompts_for(3, seed=3)
+    references = target_alone(target, prompts, EOS)
+    input_ids, mask = left_pad(prompts)
+    out = target.generate(input_ids, attention_mask=mask, assistant_model=assistant, custom_generate="tetris",
+                          do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=EOS, pad_token_id=PAD,
+                          return_dict_in_generate=True, tetris_tree_width=2)
+    assert_rows_equal(out.sequences, input_ids, mask, references)
+    assert out.tetris_stats.verified_tokens == 0 and out.tetris_stats.drafted_tokens > 0
+
+
 def test_eagle_sampled_trees_follow_the_target_distribution(tmp_path):
     """The second token is the first drafted one (siblings tried in turn): its law is the target's, under a partial
     budget."""
