@@ -584,8 +584,8 @@ class AdaptiveBudget(_CostAware):
             self._add_rows(self.memory.pool)
         self._planned: tuple[int, GoodputPlan, bool] | None = None  # (rows, plan, could_pay)
         self._plan_age = 0
-        self._host_log_probs: tuple[torch.Tensor, torch.Tensor] | None = None  # (device tensor, its host copy)
-        self._tree_host_copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # the same, read by select_tree
+        # (device tensor, its host copy) of the confidences a selection read, kept until the step is learnt
+        self._host_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def _learn(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """Calibrate on the step's verified cells and add its drafted rows to the planning pool."""
@@ -596,12 +596,26 @@ class AdaptiveBudget(_CostAware):
     def _host_copy(self, token_log_probs: torch.Tensor) -> torch.Tensor:
         """``token_log_probs`` on the host: the copy :meth:`select` read, else (a probe, which selects without
         reading) read now, in the read that learning makes anyway."""
-        if self._host_log_probs is not None and self._host_log_probs[0] is token_log_probs:
-            return self._host_log_probs[1]
-        for device_copy, host_copy in self._tree_host_copies:  # read with a tree selection
+        for device_copy, host_copy in self._host_copies:
             if device_copy is token_log_probs:
                 return host_copy
         return token_log_probs.detach().double().cpu()
+
+    def _keep_host_copies(self, *read: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Keep the host copies the steps read but not yet learnt need (:meth:`_read` just moved them to
+        ``_read_steps``; their confidences were read by an earlier selection), and the ``read`` ones."""
+        needed = [step.token_log_probs for step in self._read_steps]
+        self._host_copies = [pair for pair in self._host_copies if any(pair[0] is t for t in needed)] + list(read)
+
+    def _calibrator_after_read_steps(self) -> AcceptanceCalibrator:
+        """The calibrator as if the steps just read had been learnt (:meth:`observe` learns them): what a selection
+        predicts with."""
+        if not self._read_steps:
+            return self.calibrator
+        calibrator = copy.deepcopy(self.calibrator)
+        for step in self._read_steps:
+            calibrator.update(self._host_copy(step.token_log_probs), step.verify_lengths, step.num_accepted)
+        return calibrator
 
     def remember(self, token_log_probs: torch.Tensor) -> None:
         """Add drafted rows ``(B, K)`` (on the host) to the planning pool."""
@@ -673,13 +687,8 @@ class AdaptiveBudget(_CostAware):
             lengths = max_lengths.clamp(max=num_drafted)
             return lengths if self.max_budget is None else select_fixed_budget(lengths, self.max_budget, num_drafted)
         host_log_probs, host_max_lengths = self._read(token_log_probs, max_lengths)  # the strategy's one read
-        self._host_log_probs = (token_log_probs, host_log_probs)  # (a read: observe learns from it)
-        calibrator = self.calibrator
-        if self._read_steps:  # predict as if the steps just read had been learnt (observe learns them)
-            calibrator = copy.deepcopy(calibrator)
-            for step in self._read_steps:
-                calibrator.update(self._host_copy(step.token_log_probs), step.verify_lengths, step.num_accepted)
-        survival = calibrator.predict(host_log_probs.exp()).cumprod(dim=1)
+        self._keep_host_copies((token_log_probs, host_log_probs))  # (a read: observe learns from it)
+        survival = self._calibrator_after_read_steps().predict(host_log_probs.exp()).cumprod(dim=1)
         scores = survival.log().to(token_log_probs.device)
         if self.sampling:
             return select_tetris(scores, max_lengths, plan.budget)
@@ -703,13 +712,8 @@ class AdaptiveBudget(_CostAware):
         pending = [step.token_log_probs for step in self._pending if step.token_log_probs is not None]
         # the strategy's one read; the pending steps' confidences come along, for observe to learn from
         host_conditional, valid, parents, *pending_host = self._read(conditional, tree.valid, tree.parents, *pending)
-        self._tree_host_copies = list(zip(pending, pending_host))
-        calibrator = self.calibrator
-        if self._read_steps:
-            calibrator = copy.deepcopy(calibrator)
-            for step in self._read_steps:
-                calibrator.update(self._host_copy(step.token_log_probs), step.verify_lengths, step.num_accepted)
-        survival = path_products(calibrator.predict(host_conditional.exp()), parents.long())
+        self._keep_host_copies(*zip(pending, pending_host))
+        survival = path_products(self._calibrator_after_read_steps().predict(host_conditional.exp()), parents.long())
         cost = self.cost
         # (drafting is already paid; the plan's K, which a row near its length limit may have cut short)
         fixed_seconds = plan.num_draft_tokens * cost.draft_seconds(num_rows) + cost.step_overhead
