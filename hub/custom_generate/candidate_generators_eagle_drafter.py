@@ -102,23 +102,13 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
         keep = torch.zeros_like(self.slots.slot_mask[:, root_slot : self.slots.length])
         keep[:, 0] = True  # the pending block's last token, read with the target's feature
         self.slots.keep_slots(root_slot, keep)
-        # Queue [x1 .. xa, t] with the features at block slots [0, path 1 .. a], left-padded as in accept.
+        # Queue the path's tokens and t with the target's features at block slots [0, path 1 .. a].
         width = min(max_accepted, depth) + 1
         path_tokens = tokens.gather(1, path_nodes[:, : width - 1].clamp(min=0))
-        final = torch.cat([path_tokens, next_tokens[:, None]], dim=1)
-        final = final.scatter(1, num_accepted[:, None], next_tokens[:, None])  # t right after the accepted path
         root = torch.zeros((path_slots.shape[0], 1), dtype=path_slots.dtype, device=path_slots.device)  # block slot 0
         feature_slots = torch.cat([root, path_slots[:, : width - 1].clamp(min=0)], 1)  # (path_slots may be (B, 0))
-        columns = torch.arange(width, device=num_accepted.device)
-        source = columns[None, :] - (width - 1 - num_accepted)[:, None]  # (B, W): the final token each column holds
-        real = source >= 0
-        source = source.clamp(min=0)
-        self.pending_tokens = final.gather(1, source)
-        self.pending_features = features.gather(
-            1, feature_slots.gather(1, source)[..., None].expand(-1, -1, features.shape[-1]))
-        self.pending_mask = real.long()
-        self.pending_real = width == 1
-        self.slots.compact(cached_longest)
+        path_features = features.gather(1, feature_slots[..., None].expand(-1, -1, features.shape[-1]))
+        self._queue_final(path_tokens, next_tokens, num_accepted, path_features, cached_longest)
 
     def propose(self, sequences, lengths, num_tokens, rows=None, confidences=True):
         proposal = super().propose(sequences, lengths, num_tokens, rows, confidences)
@@ -153,18 +143,28 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
         # The cache holds the old pending block, then drafts 1..K-1 (read with the head's own features): drop those.
         if drafted > 1:
             self.slots.keep_prefix(self.slots.length - (drafted - 1), torch.zeros_like(num_accepted))
-        # Queue [d1 .. da, t] with [f_n .. f_{n+a}], left-padded to the longest verified block.
-        # E.g. width 3, a = [0, 2]: rows [. . t] and [d1 d2 t], features [. . f] and [f f f].
+        # Queue [d1 .. da, t] with [f_n .. f_{n+a}].
         width = (drafted if max_accepted is None else min(max_accepted, drafted)) + 1
-        final = torch.cat([self._drafts[:, : width - 1], next_tokens[:, None]], dim=1)
-        final = final.scatter(1, num_accepted[:, None], next_tokens[:, None])  # t right after the accepted drafts
+        self._queue_final(self._drafts[:, : width - 1], next_tokens, num_accepted, features[:, :width],
+                          cached_longest)
+
+    def _queue_final(self, candidates: torch.Tensor, next_tokens: torch.Tensor, num_accepted: torch.Tensor,
+                     features: torch.Tensor, cached_longest: int | None) -> None:
+        """Queue what the target made final, ``[x1 .. xa, t]`` (``a = num_accepted``: the first ``a`` of
+        ``candidates`` ``(B, W - 1)``, then the target's token ``t``), each with its column of ``features``
+        ``(B, W, F)``, left-padded to the ``W`` of the longest; then compact the cache.
+
+        E.g. W = 3, a = [0, 2]: rows [. . t] and [x1 x2 t], features [. . f0] and [f0 f1 f2].
+        """
+        width = candidates.shape[1] + 1
+        final = torch.cat([candidates, next_tokens[:, None]], dim=1)
+        final = final.scatter(1, num_accepted[:, None], next_tokens[:, None])  # t right after the accepted ones
         columns = torch.arange(width, device=num_accepted.device)
         source = columns[None, :] - (width - 1 - num_accepted)[:, None]  # (B, W): the final token each column holds
         real = source >= 0
         source = source.clamp(min=0)
         self.pending_tokens = final.gather(1, source)
-        self.pending_features = features[:, :width].gather(
-            1, source[..., None].expand(-1, -1, features.shape[-1]))
+        self.pending_features = features.gather(1, source[..., None].expand(-1, -1, features.shape[-1]))
         self.pending_mask = real.long()
         self.pending_real = width == 1
         self.slots.compact(cached_longest)
