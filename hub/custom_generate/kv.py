@@ -306,7 +306,7 @@ class SlotCache:
         self.causal: torch.Tensor | None = None  # see _causal
         self.layout: AttentionLayout | None = None
         self._step_forward = None
-        self.longest_bound = 0  # an upper bound on any row's real slots (tightened by note_longest)
+        self.longest_bound = 0  # an upper bound on any row's real slots (tightened by compact(longest))
 
     def _allocate_masks(self, device: torch.device) -> None:
         self.slot_mask = torch.zeros(self.batch_size, self.capacity, dtype=torch.bool, device=device)
@@ -567,11 +567,12 @@ class SlotCache:
     def live_lengths(self) -> torch.Tensor:
         """``(B,)`` real tokens cached per row (the next token's position). Their maximum bounds every row's real
         slots (equal to them but on windowed models, whose expired slots became holes): the loop reads it with its
-        other numbers and hands it back through :meth:`note_longest`, so that repacking needs no read of its own."""
+        other numbers and hands it back to :meth:`compact`, so that repacking needs no read of its own."""
         return self.next_positions
 
     def note_longest(self, value: int) -> None:
-        """What the most :meth:`live_lengths` was when last read: every row holds at most this many real slots now."""
+        """What the most :meth:`live_lengths` was when last read: every row holds at most this many real slots now
+        (a bound for the repacking a later forward may do; :meth:`compact` takes it as its argument)."""
         self.longest_bound = min(self.longest_bound, int(value))
 
     def compact(self, longest: int | None = None, force: bool = False) -> None:
