@@ -33,6 +33,20 @@ def next_logits_fresh(model, tokens):
     return model(torch.tensor([tokens])).logits[0, -1]
 
 
+def assert_caches_match_fresh(loop, target, draft, padding) -> None:
+    """Both caches of a running loop give, for every active row, the next-token logits of a fresh forward over the
+    row's unpadded tokens (``padding``: each original row's left padding)."""
+    rows = loop.rows.tolist()
+    last = loop.sequences[torch.arange(len(rows)), loop.lengths - 1][:, None]
+    target_next = next_logits_from_cache(loop.target_slots, target, last, torch.ones_like(last))
+    drafter = loop.drafter
+    draft_next = next_logits_from_cache(drafter.slots, draft, drafter.pending_tokens, drafter.pending_mask)
+    for index, row in enumerate(rows):
+        text = loop.sequences[index, int(padding[row]) : int(loop.lengths[index])].tolist()
+        torch.testing.assert_close(target_next[index], next_logits_fresh(target, text), atol=1e-4, rtol=0)
+        torch.testing.assert_close(draft_next[index], next_logits_fresh(draft, text), atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("strategy,extra", [("tetris", 2), ("fixed", 0), ("tetris", 0)])
 def test_caches_match_fresh_forward_after_every_step(strategy, extra):
     target = tiny_llama(97, num_layers=2, seed=31)
@@ -46,15 +60,7 @@ def test_caches_match_fresh_forward_after_every_step(strategy, extra):
             loop.step()
             if loop.done:
                 break
-            rows = loop.rows.tolist()
-            last = loop.sequences[torch.arange(len(rows)), loop.lengths - 1][:, None]
-            target_next = next_logits_from_cache(loop.target_slots, target, last, torch.ones_like(last))
-            drafter = loop.drafter
-            draft_next = next_logits_from_cache(drafter.slots, draft, drafter.pending_tokens, drafter.pending_mask)
-            for index, row in enumerate(rows):
-                text = loop.sequences[index, int(padding[row]) : int(loop.lengths[index])].tolist()
-                torch.testing.assert_close(target_next[index], next_logits_fresh(target, text), atol=1e-4, rtol=0)
-                torch.testing.assert_close(draft_next[index], next_logits_fresh(draft, text), atol=1e-4, rtol=0)
+            assert_caches_match_fresh(loop, target, draft, padding)
             steps_checked += 1
     assert steps_checked >= 5
     assert loop.stats.accepted_tokens > 0

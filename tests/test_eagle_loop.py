@@ -118,6 +118,15 @@ def test_every_proposal_equals_the_head_run_from_scratch(tmp_path, monkeypatch, 
     ("dsd", {"tetris_cost_profile": CHEAP_VERIFY}),
 ])
 def test_greedy_rows_equal_the_target_alone(tmp_path, family, head_format, batch_size, strategy, options):
+    out, references = assert_greedy_rows_equal_the_target_alone(tmp_path, family, head_format, batch_size,
+                                                                tetris_strategy=strategy, **options)
+    assert out.tetris_stats.emitted_tokens == sum(len(reference) for reference in references)
+
+
+def assert_greedy_rows_equal_the_target_alone(tmp_path, family: str, head_format: str, batch_size: int, **options):
+    """A random head of ``head_format`` for a tiny ``family`` target, ``batch_size`` left-padded rows (an EOS the
+    rows reach when there are several): greedy rows with ``options`` equal the target alone. Returns the output
+    and the references."""
     target, head = load_pair(tmp_path, family, head_format)
     prompts = prompts_for(batch_size, seed=batch_size)
     eos = pick_eos(target, prompts) if batch_size > 1 else EOS
@@ -125,9 +134,9 @@ def test_greedy_rows_equal_the_target_alone(tmp_path, family, head_format, batch
     input_ids, mask = left_pad(prompts)
     out = target.generate(input_ids, attention_mask=mask, assistant_model=head, custom_generate="tetris",
                           do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=PAD,
-                          return_dict_in_generate=True, tetris_strategy=strategy, **options)
+                          return_dict_in_generate=True, **options)
     assert_rows_equal(out.sequences, input_ids, mask, references)
-    assert out.tetris_stats.emitted_tokens == sum(len(reference) for reference in references)
+    return out, references
     assert not target._forward_pre_hooks and not any(layer._forward_pre_hooks for layer in target.model.layers), \
         "the head's hooks outlived the call"
 

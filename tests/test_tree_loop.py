@@ -11,7 +11,7 @@ import tetris_hf.trees as trees
 from tetris_hf.candidate_generators import BatchedDraftCandidateGenerator
 from tetris_hf.strategies import TetrisOptions
 from test_architectures import SLIDING_WINDOW, assert_exact, early_exit_draft, tiny, windows
-from test_caches import make_loop, next_logits_fresh, next_logits_from_cache
+from test_caches import assert_caches_match_fresh, make_loop, next_logits_fresh
 from test_greedy_exactness import assert_rows_equal, pick_eos, target_alone
 from test_host_reads import PREFIX_READERS, reads_per_step
 from test_sampling_distribution import CHEAP_VERIFY, ROWS, chi_square_p_value, exact_joint, sampled_joint
@@ -139,15 +139,7 @@ def test_caches_match_fresh_forward_after_every_tree_step():
                                                    rtol=0)
             if loop.done:
                 break
-            rows = loop.rows.tolist()
-            last = loop.sequences[torch.arange(len(rows)), loop.lengths - 1][:, None]
-            target_next = next_logits_from_cache(loop.target_slots, target, last, torch.ones_like(last))
-            drafter = loop.drafter
-            draft_next = next_logits_from_cache(drafter.slots, draft, drafter.pending_tokens, drafter.pending_mask)
-            for index, row in enumerate(rows):
-                text = loop.sequences[index, int(padding[row]) : int(loop.lengths[index])].tolist()
-                torch.testing.assert_close(target_next[index], next_logits_fresh(target, text), atol=1e-4, rtol=0)
-                torch.testing.assert_close(draft_next[index], next_logits_fresh(draft, text), atol=1e-4, rtol=0)
+            assert_caches_match_fresh(loop, target, draft, padding)
             steps_checked += 1
     assert steps_checked >= 5
     assert 0 < loop.stats.accepted_tokens < loop.stats.verified_tokens
@@ -427,17 +419,9 @@ def test_eagle_tree_nodes_see_their_parents_output(tmp_path, monkeypatch):
     ("eagle3", 1, dict(tetris_tree_width=2, tetris_strategy="fixed")),
 ])
 def test_eagle_tree_rows_equal_the_target_alone(tmp_path, head_format, batch_size, options):
-    from test_eagle_loop import load_pair, prompts_for
+    from test_eagle_loop import assert_greedy_rows_equal_the_target_alone
 
-    target, head = load_pair(tmp_path, "llama", head_format)
-    prompts = prompts_for(batch_size, seed=batch_size)
-    eos = pick_eos(target, prompts) if batch_size > 1 else EOS
-    references = target_alone(target, prompts, eos)
-    input_ids, mask = left_pad(prompts)
-    out = target.generate(input_ids, attention_mask=mask, assistant_model=head, custom_generate="tetris",
-                          do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=PAD,
-                          return_dict_in_generate=True, **options)
-    assert_rows_equal(out.sequences, input_ids, mask, references)
+    assert_greedy_rows_equal_the_target_alone(tmp_path, "llama", head_format, batch_size, **options)
 
 
 @pytest.mark.parametrize("drafter", ["model", "eagle"])
