@@ -5,14 +5,18 @@ import torch
 from torch._dynamo.utils import counters
 
 import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
-from tetris_hf.compiled import bucket, check_compilable
+from tetris_hf.compiled import block_width, bucket, check_compilable
 from test_greedy_exactness import generate_checked, pick_eos, target_alone
 from test_sampling_distribution import VOCAB, chi_square_p_value, exact_joint, sampled_joint
 from tiny_models import left_pad, random_prompts, sharpen, target_and_draft, tiny_llama
 
 
-def test_blocks_are_padded_to_powers_of_two():
+def test_blocks_are_padded_to_powers_of_two_only_where_cuda_graphs_are_recorded():
     assert [bucket(length) for length in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, 16]
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert [block_width(length, True, cuda) for length in (1, 3, 5)] == [1, 4, 8]
+    assert [block_width(length, True, cpu) for length in (1, 3, 5)] == [1, 3, 5]  # inductor: a graph per width
+    assert [block_width(length, False, cuda) for length in (1, 3, 5)] == [1, 3, 5]  # eager
 
 
 def test_compiled_greedy_rows_equal_target_alone():
@@ -30,8 +34,8 @@ def test_compiled_greedy_rows_equal_target_alone():
         stats = generate_checked(target, draft, input_ids, mask, references, eos, tetris_compile=True, **options)
         assert (stats.verified_tokens > 0) == (options.get("tetris_budget") != 0)
     # the step forwards really ran compiled, and a handful of graphs (not one per step) served them all: 4 rows are one
-    # batch bucket, the target's blocks 1, 2, 4 or 8 tokens, the draft's 1 or 2 (one KV width: every call's capacity
-    # rounds up to 256)
+    # batch bucket, the target's blocks take their exact widths on the CPU (the few each call needs), the draft's 1 or
+    # 2 (one KV width: every call's capacity rounds up to 256)
     assert 0 < counters["stats"]["unique_graphs"] <= 4 + 2, dict(counters["stats"])
 
 

@@ -54,3 +54,24 @@ def test_another_checkout_runs_side_by_side_and_its_tokens_are_compared(loop_ove
 def test_compare_with_a_folder_without_the_package_is_refused(loop_overhead, tmp_path):
     with pytest.raises(SystemExit, match="no tetris_hf/__init__.py"):
         loop_overhead.load_other_checkout(tmp_path)
+
+
+def test_compiled_runs_are_timed_by_their_steps(loop_overhead, monkeypatch):
+    # (torch.compile stands aside here: what is checked is that the runs pass tetris_compile=True and are timed)
+    import tetris_hf.compiled as compiled
+
+    compiled_models = []
+    monkeypatch.setattr(compiled, "_COMPILED", __import__("weakref").WeakKeyDictionary())
+    monkeypatch.setattr(compiled.torch, "compile",
+                        lambda forward, **options: compiled_models.append(forward.__self__) or forward)
+    target = tiny_llama(64, seed=77)
+    draft = noisy_copy(target, 0.3, seed=78)
+    input_ids, mask = left_pad(random_prompts(2, 64, seed=79))
+    summary = loop_overhead.measure(target, draft, {"input_ids": input_ids, "attention_mask": mask}, 8, PAD,
+                                    repeats=1, compiled=True)
+    assert set(compiled_models) == {target, draft}
+    assert summary["plain generate()"]["step"] is None
+    for name in ("fixed k=2", "tetris k=2 e=2"):
+        ours = summary[name + loop_overhead.COMPILED]
+        assert ours["same"] and ours["step"] > 0 and summary[name]["step"] > 0
+        assert ours["calls"] < summary[name]["calls"]  # the compiled step forwards bypass the timing hooks

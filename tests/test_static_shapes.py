@@ -1,6 +1,7 @@
 """``tetris_compile=True`` feeds the compiled step forwards a few static shapes, however long the call: the KV width is
-the cache's fixed capacity, blocks are powers of two, and the batch is padded to a few buckets as rows finish. CUDA
-graphs record one graph per shape, so this bounds them. The shape tests replace ``torch.compile`` by a recorder around
+the cache's fixed capacity, blocks are powers of two where CUDA graphs are recorded (else their exact widths, at most
+k + e + 1 of them), and the batch is padded to a few buckets as rows finish. CUDA graphs record one graph per shape,
+so this bounds them; the shape tests run both block policies on the CPU. The shape tests replace ``torch.compile`` by a recorder around
 the eager forward (fast, and the static shapes are then checked for exactness without compiling); one test compiles
 for real (inductor on the CPU) and counts graphs."""
 
@@ -66,6 +67,15 @@ def recorder(monkeypatch):
     monkeypatch.setattr(compiled, "_COMPILED", weakref.WeakKeyDictionary())  # compile afresh, through the recorder
     monkeypatch.setattr(compiled.torch, "compile", recorder)
     return recorder
+
+
+@pytest.fixture(params=["cuda graphs", "cpu"])
+def block_widths(request, monkeypatch):
+    """The widths a target block of up to ``n`` tokens may take, per policy: powers of two where graphs are recorded
+    (the CUDA policy, played on the CPU), else exact."""
+    graphs = request.param == "cuda graphs"
+    monkeypatch.setattr(compiled, "records_graphs", lambda device: graphs)
+    return lambda n: {bucket(length) if graphs else length for length in range(1, n + 1)}
 
 
 def alone(target, prompts, eos, new_tokens):
@@ -177,9 +187,10 @@ def test_a_static_cache_that_must_grow_moves_its_buffers_and_stays_exact():
     torch.testing.assert_close(logits[1][1, :2], logits[0][1, :2])
 
 
-def test_draft_and_target_see_a_few_shapes_however_long_the_call(recorder):
+def test_draft_and_target_see_a_few_shapes_however_long_the_call(recorder, block_widths):
     """B = 16, rows stopping at their EOS from 4 to 160 tokens. Before static shapes the target's compiled forward
-    saw 32 shapes in 48 tokens and 104 in 160, the draft's 150 and 367."""
+    saw 32 shapes in 48 tokens and 104 in 160, the draft's 150 and 367. Now at most 8 (CUDA: 4 block widths x 2 batch
+    buckets), or 12 on the CPU (6 exact widths x 2)."""
     target, draft = target_and_draft(64, seed=7, draft_kind="noisy", noise=0.3)
     prompts = random_prompts(BATCH, 64, seed=7)
     references = alone(target, prompts, EOS, LONG)
@@ -191,15 +202,17 @@ def test_draft_and_target_see_a_few_shapes_however_long_the_call(recorder):
         compiled_call(target, prompts, references, new_tokens, assistant_model=draft, num_assistant_tokens=DRAFTED,
                       tetris_extra_tokens=EXTRA)
         target_shapes, draft_shapes = recorder.of(target), recorder.of(draft)
-        assert_static(target_shapes, {bucket(length) for length in range(1, DRAFTED + EXTRA + 2)}, BATCH)
+        widths = block_widths(DRAFTED + EXTRA + 1)
+        assert_static(target_shapes, widths, BATCH)
         assert_static(draft_shapes, {1, 2}, BATCH)  # the pending block (target token, and a last draft), then 1
-        assert len(target_shapes) <= 8 and len(draft_shapes) <= 4
+        assert len(target_shapes) <= len(widths) * len(batch_buckets(BATCH)) and len(draft_shapes) <= 4
+        assert len(widths) == (4 if compiled.records_graphs(None) else 6)
         counts[new_tokens] = len(target_shapes), len(draft_shapes)
     # the same here; which widths a call needs varies a little with its rows, never past the bound
     assert counts[SHORT] == counts[LONG], counts
 
 
-def test_prompt_lookup_target_sees_a_few_shapes_however_long_the_call(recorder):
+def test_prompt_lookup_target_sees_a_few_shapes_however_long_the_call(recorder, block_widths):
     """Prompt lookup has no draft model: only the target is compiled. Before static shapes it saw 28 shapes in 48
     tokens and 32 in 160."""
     target = sharpen(tiny_llama(vocab_size=24, num_layers=2, seed=3), 6.0)
@@ -212,9 +225,10 @@ def test_prompt_lookup_target_sees_a_few_shapes_however_long_the_call(recorder):
         stats = compiled_call(target, prompts, references, new_tokens, prompt_lookup_num_tokens=DRAFTED)
         assert stats.accepted_tokens > 0
         assert list(recorder.shapes) == [target]  # nothing else compiled
-        assert_static(recorder.of(target), {1, 2, 4, 8}, BATCH)
+        widths = block_widths(DRAFTED + 2 + 1)  # (e = 2 by default)
+        assert_static(recorder.of(target), widths, BATCH)
         counts.append(len(recorder.of(target)))
-    assert counts[0] == counts[1] <= 8, counts
+    assert counts[0] == counts[1] <= len(widths) * len(batch_buckets(BATCH)), counts
 
 
 def test_real_compile_builds_a_bounded_set_of_graphs_and_no_more_for_longer_calls(monkeypatch):
