@@ -6,12 +6,14 @@ Prompt reads and catch-ups stay eager (each has its own length, and runs once). 
 shapes only (:class:`~tetris_hf.kv.SlotCache` in static mode):
 
 - the KV width: the cache's whole capacity, fixed for the call (:func:`static_capacity`), unwritten slots masked;
-- the block: the target's verify block padded to a power of two (:func:`bucket`, by the loop), the draft's 1 or 2;
+- the block: the target's verify block padded to a power of two on CUDA (:func:`block_width`, by the loop; a CPU
+  compiles each of its at most ``k + e + 1`` widths), the draft's 1 or 2;
 - the batch: padded with dummy rows to :func:`batch_bucket` (the call's batch size, then 16, 4: powers of four), so
   rows retiring change the shape only when the batch drops a bucket.
 
-A call with batch ``B`` and blocks up to ``2^k`` gives the target at most ``(k + 1) * len(batch_buckets(B))`` shapes,
-however many tokens it generates (B = 16 drafting 3 tokens a row, blocks of up to 4: 3 x 2 = 6), and the draft at
+On CUDA a call with batch ``B`` and blocks up to ``2^j`` gives the target at most ``(j + 1) * len(batch_buckets(B))``
+shapes, however many tokens it generates (B = 16 drafting up to 5 tokens a row, blocks of up to 8: 4 x 2 = 8); on a
+CPU, with ``K = k + e`` drafts a row, at most ``(K + 1) * len(batch_buckets(B))`` (6 x 2 = 12). The draft sees at
 most ``2 * len(batch_buckets(B))``. Calls whose caches round to the same capacity, and batches that share buckets,
 reuse them.
 
@@ -62,14 +64,33 @@ def compiled_forward(model: torch.nn.Module) -> Callable:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         on_cuda = next(model.parameters()).is_cuda
         static = AttentionLayout.of(model).prepared  # (else the 2D mask: shapes as they come, see kv.SlotCache)
+        # a CPU: inductor's freezing folds the weights into the graph as constants, prepacked for its matmuls
         _COMPILED[model] = torch.compile(model.forward, dynamic=DYNAMIC if static else True,
-                                         mode="reduce-overhead" if on_cuda else None)
+                                         mode="reduce-overhead" if on_cuda else None,
+                                         options=None if on_cuda else {"freezing": True})
     return _COMPILED[model]
 
 
 def bucket(length: int) -> int:
     """The padded length of a block of ``length`` tokens: the next power of two (1, 2, 4, 8, ...)."""
     return 1 << max(length - 1, 0).bit_length()
+
+
+def records_graphs(device: torch.device) -> bool:
+    """Whether compiled forwards on ``device`` run as CUDA graphs (``mode="reduce-overhead"``, see
+    :func:`compiled_forward`), which record one graph per shape: then blocks are padded to :func:`bucket` widths."""
+    return device.type == "cuda"
+
+
+def block_width(length: int, compiled: bool, device: torch.device) -> int:
+    """The width of a step's target block of ``length`` tokens: padded to a power of two where compiled forwards
+    record CUDA graphs (few shapes matter more than the filler's cost, which a GPU hardly notices), else ``length``.
+
+    Elsewhere (inductor on a CPU) each width is compiled once, and a block has at most ``k + e + 1`` widths however
+    long the call, while filler tokens cost what real ones cost: padding a fixed ``k = 2`` block of 3 to 4 would add a
+    third to every verify forward.
+    """
+    return bucket(length) if compiled and records_graphs(device) else length
 
 
 def batch_bucket(rows: int, batch_size: int) -> int:

@@ -25,7 +25,7 @@ from .candidate_generators_eagle import is_eagle_head
 from .candidate_generators_eagle_drafter import EagleCandidateGenerator
 from .candidate_generators_prompt_lookup import DEFAULT_MAX_NGRAM_SIZE, BatchedPromptLookupCandidateGenerator
 from .candidate_generators_reduced_vocab import reduced_vocab_draft
-from .compiled import bucket, check_compilable, compiled_forward
+from .compiled import block_width, check_compilable, compiled_forward
 from .families import check_supported
 from .kv import AttentionLayout, SlotCache, check_tree_layout, slots_needed
 from .logits import PositionwiseLogitsProcessor, verify_greedy, verify_sampling
@@ -209,7 +209,7 @@ class BatchedSpeculativeLoop:
         # Drafts are written past each row's end (scratch that accepted tokens overwrite): room for the longest block.
         self.max_draft = options.num_assistant_tokens + options.tetris_extra_tokens
         capacity = self.max_length + self.max_draft + 1
-        block = bucket(self.max_draft + 1) if options.tetris_compile else self.max_draft + 1
+        block = block_width(self.max_draft + 1, options.tetris_compile, device)
         self.tree_width = options.tetris_tree_width
         if self.tree_width > 1:  # a tree writes up to w K nodes (the target's block) and reads ancestor masks
             block = 1 + self.tree_width * self.max_draft
@@ -346,8 +346,8 @@ class BatchedSpeculativeLoop:
             drafter_longest = drafter_longest[0] if drafter_longest else None
             target_bound = target_longest + block_length + 1  # real slots any row can hold after this block
             # verify: [last emitted token, drafts 1..l_i] per row, padded to one length with masked drafts
-            # (compiled: padded with masked filler to a power of two, so that block shapes repeat)
-            width = bucket(block_length + 1) if self.compile else block_length + 1
+            # (compiled on CUDA: padded with masked filler to a power of two, so that block shapes repeat)
+            width = block_width(block_length + 1, self.compile, self.lengths.device)
             block = torch.cat([self.last_tokens[:, None], proposal.tokens[:, :block_length]], dim=1)
             if width > block_length + 1:
                 block = torch.nn.functional.pad(block, (0, width - block_length - 1), value=self.pad_value)
