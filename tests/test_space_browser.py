@@ -1,6 +1,7 @@
 """The Space demo (examples/space/app.py) driven in headless Chromium: a 4-prompt batch, the four outputs, their
 metrics, the device, the board and its step slider, the greedy check mark, the empty-prompt and cancel messages; a
-screenshot; and a prompt-lookup batch on Code edit presets (which needs a strategy/ export that has prompt lookup).
+screenshot; the same batch with draft trees of width 3 (the board's trees and their accepted paths; a screenshot);
+and a prompt-lookup batch on Code edit presets (which needs a strategy/ export that has prompt lookup).
 
 Runs on tiny random models and the tiny tokenizer (seconds). With ``TETRIS_SPACE_REAL=1`` it uses the offline
 default pair of this checkout instead (``app.load_models(offline=True)``; about two minutes on a CPU;
@@ -9,9 +10,15 @@ default pair of this checkout instead (``app.load_models(offline=True)``; about 
     TETRIS_SPACE_REAL=1 TETRIS_SPACE_SCREENSHOT=examples/space/screenshot.png TETRIS_SPACE_SCREENSHOT_STEP=16 \\
         python -m pytest -q tests/test_space_browser.py -k four_prompt
 
+and ``examples/space/screenshot-trees.png``::
+
+    TETRIS_SPACE_REAL=1 TETRIS_SPACE_TREE_SCREENSHOT=examples/space/screenshot-trees.png \\
+        TETRIS_SPACE_SCREENSHOT_STEP=14 python -m pytest -q tests/test_space_browser.py -k tree_width
+
 (``TETRIS_SPACE_SCREENSHOT_STEP`` scrubs the board to that step before the screenshot is taken.)
 
-The screenshot goes to ``$TETRIS_SPACE_SCREENSHOT`` when set, else to pytest's temporary folder (path printed).
+The screenshots go to ``$TETRIS_SPACE_SCREENSHOT`` and ``$TETRIS_SPACE_TREE_SCREENSHOT`` when set, else to pytest's
+temporary folder (paths printed).
 Needs Debian's ``chromium`` and ``chromium-driver`` (skipped, with that reason, where they are absent) and the
 ``gradio`` and ``selenium`` Python packages (examples/space/requirements.txt, tests' setup).
 """
@@ -230,6 +237,71 @@ def test_four_prompt_batch_shows_outputs_metrics_and_board(app_url, browser, tmp
     browser.find_element(By.XPATH, "//*[@id='board-run']//label[contains(., 'fixed-k')]").click()
     _wait(browser, lambda d: "fixed-k" in _text(d, "#board .board-heading"), 20, "the fixed-k board")
     assert "step 1 of" in _text(browser, "#board .board-heading")
+
+
+def test_tree_width_3_batch_draws_each_rows_tree_with_one_accepted_path(app_url, browser, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    started = time.perf_counter()
+    _open(browser, app_url)
+    if not REAL:
+        _set_prompts(browser, PROMPTS)
+    _set_number(browser, "max-new-tokens", 32 if REAL else 24)
+    _set_number(browser, "tree-width", 3)
+    browser.find_element(By.CSS_SELECTOR, "#run").click()
+    _wait(browser, lambda d: "✓" in _text(d, "#greedy-check") or "✗" in _text(d, "#greedy-check"),
+          RUN_TIMEOUT, "the greedy check after the four tree runs")
+
+    assert "✓" in _text(browser, "#greedy-check"), _text(browser, "#greedy-check")
+    assert "as trees of width 3" in _text(browser, "#status"), _text(browser, "#status")
+    texts = {s: [li.text for li in browser.find_elements(By.CSS_SELECTOR, f"#outputs-{s} ol.run-outputs li")]
+             for s in ("generate", "fixed", "tetris", "adaptive")}
+    assert len(texts["generate"]) == 4 and all(text.strip() for text in texts["generate"]), texts["generate"]
+    assert texts["generate"] == texts["fixed"] == texts["tetris"] == texts["adaptive"]
+
+    # step 1 of TETRIS: 4 trees (a root per request), no grid; depth K = k + e = 6, C = k x rows = 16
+    assert browser.find_elements(By.CSS_SELECTOR, "#board svg.board-trees")
+    assert not browser.find_elements(By.CSS_SELECTOR, "#board rect.board-cell")
+    heading = _text(browser, "#board .board-heading")
+    assert "trees of width w = 3, depth K = 6" in heading and "C = 16" in heading, heading
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#board g.tree-root")) == 4
+    nodes = [{name: node.get_attribute(f"data-{name}") for name in ("row", "node", "parent", "depth")}
+             | {"kind": node.get_attribute("class").split()[-1]}
+             for node in browser.find_elements(By.CSS_SELECTOR, "#board g.tree-node")]
+    kinds = {node["kind"] for node in nodes}
+    assert kinds <= {"accepted", "rejected", "not-selected"}, kinds
+    assert "not-selected" in kinds  # a width-3 tree of depth 6 drafts far more than the C nodes verified
+    verified = [node for node in nodes if node["kind"] in ("accepted", "rejected")]
+    assert len(verified) == 16 and "verified 16 " in heading, (len(verified), heading)  # TETRIS: the C best nodes
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#board line.tree-edge")) == len(nodes)  # one per node
+    assert max(int(node["depth"]) for node in nodes) == 6
+    for row in "0123":
+        depths = [int(node["depth"]) for node in nodes if node["row"] == row]
+        assert max(depths.count(depth) for depth in depths) > 1, f"request {int(row) + 1} drew a chain: {depths}"
+        # the accepted nodes are one path from the root: depths 1, 2, ..., each the previous one's child
+        accepted = sorted((node for node in nodes if node["row"] == row and node["kind"] == "accepted"),
+                          key=lambda node: int(node["depth"]))
+        assert [int(node["depth"]) for node in accepted] == list(range(1, len(accepted) + 1))
+        assert [node["parent"] for node in accepted] == ["-1", *(node["node"] for node in accepted)][:len(accepted)]
+    on_path = browser.find_elements(By.CSS_SELECTOR, "#board line.tree-edge.on-path")
+    assert len(on_path) == sum(node["kind"] == "accepted" for node in nodes)
+
+    shown_step = os.environ.get("TETRIS_SPACE_SCREENSHOT_STEP")  # e.g. a step where a row accepted a path
+    if shown_step:
+        _set_number(browser, "step", int(shown_step))
+        _wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, "#board .tetris-board").get_attribute("data-step")
+              == shown_step, 20, f"the board to show step {shown_step}")
+    path = Path(os.environ.get("TETRIS_SPACE_TREE_SCREENSHOT") or tmp_path / "space-trees.png")
+    _screenshot(browser, path)
+    assert path.stat().st_size > 10_000
+    print(f"screenshot: {path}  ({time.perf_counter() - started:.1f} s)")
+
+    # scrub to step 2: still trees, a new heading
+    _set_number(browser, "step", 2)
+    _wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, "#board .tetris-board").get_attribute("data-step") == "2",
+          20, "the board to show step 2")
+    assert "step 2 of" in _text(browser, "#board .board-heading")
+    assert browser.find_elements(By.CSS_SELECTOR, "#board svg.board-trees g.tree-node")
 
 
 def test_empty_prompt_line_is_refused_with_a_message(app_url, browser):
