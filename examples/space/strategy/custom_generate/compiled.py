@@ -64,10 +64,8 @@ def compiled_forward(model: torch.nn.Module) -> Callable:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         on_cuda = next(model.parameters()).is_cuda
         static = AttentionLayout.of(model).prepared  # (else the 2D mask: shapes as they come, see kv.SlotCache)
-        # a CPU: inductor's freezing folds the weights into the graph as constants, prepacked for its matmuls
         _COMPILED[model] = torch.compile(model.forward, dynamic=DYNAMIC if static else True,
-                                         mode="reduce-overhead" if on_cuda else None,
-                                         options=None if on_cuda else {"freezing": True})
+                                         mode="reduce-overhead" if on_cuda else None)
     return _COMPILED[model]
 
 
