@@ -181,17 +181,46 @@ def _screenshot(driver, path: Path) -> None:
     path.write_bytes(base64.b64decode(shot["data"]))
 
 
+def _run_four_prompt_batch(browser, url: str, what: str, tree_width: int = 1) -> None:
+    """The default (real) or tiny prompts, a few new tokens, the given tree width; waits for the greedy check."""
+    from selenium.webdriver.common.by import By
+
+    _open(browser, url)
+    if not REAL:
+        _set_prompts(browser, PROMPTS)
+    _set_number(browser, "max-new-tokens", 32 if REAL else 24)
+    if tree_width > 1:
+        _set_number(browser, "tree-width", tree_width)
+    browser.find_element(By.CSS_SELECTOR, "#run").click()
+    _wait(browser, lambda d: "✓" in _text(d, "#greedy-check") or "✗" in _text(d, "#greedy-check"),
+          RUN_TIMEOUT, f"the greedy check after {what}")
+
+
+def _show_step(browser, step: int | str) -> None:
+    """Scrub the board to ``step`` and wait until it shows it."""
+    from selenium.webdriver.common.by import By
+
+    _set_number(browser, "step", int(step))
+    _wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, "#board .tetris-board").get_attribute("data-step")
+          == str(step), 20, f"the board to show step {step}")
+
+
+def _save_screenshot(browser, variable: str, default: Path, started: float) -> None:
+    """The page, scrubbed first to ``$TETRIS_SPACE_SCREENSHOT_STEP`` when set, to ``$variable`` (else ``default``)."""
+    shown_step = os.environ.get("TETRIS_SPACE_SCREENSHOT_STEP")  # e.g. a step where a draft was accepted
+    if shown_step:
+        _show_step(browser, shown_step)
+    path = Path(os.environ.get(variable) or default)
+    _screenshot(browser, path)
+    assert path.stat().st_size > 10_000
+    print(f"screenshot: {path}  ({time.perf_counter() - started:.1f} s)")
+
+
 def test_four_prompt_batch_shows_outputs_metrics_and_board(app_url, browser, tmp_path):
     from selenium.webdriver.common.by import By
 
     started = time.perf_counter()
-    _open(browser, app_url)
-    if not REAL:
-        _set_prompts(browser, PROMPTS)
-    _set_number(browser, "max-new-tokens", 32 if REAL else 24)
-    browser.find_element(By.CSS_SELECTOR, "#run").click()
-    _wait(browser, lambda d: "✓" in _text(d, "#greedy-check") or "✗" in _text(d, "#greedy-check"),
-          RUN_TIMEOUT, "the greedy check after the four runs")
+    _run_four_prompt_batch(browser, app_url, "the four runs")
 
     assert "✓" in _text(browser, "#greedy-check"), _text(browser, "#greedy-check")
     assert "Done" in _text(browser, "#status") and " on CPU (" in _text(browser, "#status")
@@ -220,20 +249,10 @@ def test_four_prompt_batch_shows_outputs_metrics_and_board(app_url, browser, tmp
     steps = int(board.get_attribute("data-steps"))
     assert steps >= 2 and board.get_attribute("data-step") == "1"
 
-    shown_step = os.environ.get("TETRIS_SPACE_SCREENSHOT_STEP")  # e.g. a step where a draft token was accepted
-    if shown_step:
-        _set_number(browser, "step", int(shown_step))
-        _wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, "#board .tetris-board").get_attribute("data-step")
-              == shown_step, 20, f"the board to show step {shown_step}")
-    path = Path(os.environ.get("TETRIS_SPACE_SCREENSHOT") or tmp_path / "space.png")
-    _screenshot(browser, path)
-    assert path.stat().st_size > 10_000
-    print(f"screenshot: {path}  ({time.perf_counter() - started:.1f} s)")
+    _save_screenshot(browser, "TETRIS_SPACE_SCREENSHOT", tmp_path / "space.png", started)
 
     # scrub to step 2, then switch the board to the fixed-k run
-    _set_number(browser, "step", 2)
-    _wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, "#board .tetris-board").get_attribute("data-step") == "2",
-          20, "the board to show step 2")
+    _show_step(browser, 2)
     browser.find_element(By.XPATH, "//*[@id='board-run']//label[contains(., 'fixed-k')]").click()
     _wait(browser, lambda d: "fixed-k" in _text(d, "#board .board-heading"), 20, "the fixed-k board")
     assert "step 1 of" in _text(browser, "#board .board-heading")
@@ -243,14 +262,7 @@ def test_tree_width_3_batch_draws_each_rows_tree_with_one_accepted_path(app_url,
     from selenium.webdriver.common.by import By
 
     started = time.perf_counter()
-    _open(browser, app_url)
-    if not REAL:
-        _set_prompts(browser, PROMPTS)
-    _set_number(browser, "max-new-tokens", 32 if REAL else 24)
-    _set_number(browser, "tree-width", 3)
-    browser.find_element(By.CSS_SELECTOR, "#run").click()
-    _wait(browser, lambda d: "✓" in _text(d, "#greedy-check") or "✗" in _text(d, "#greedy-check"),
-          RUN_TIMEOUT, "the greedy check after the four tree runs")
+    _run_four_prompt_batch(browser, app_url, "the four tree runs", tree_width=3)
 
     assert "✓" in _text(browser, "#greedy-check"), _text(browser, "#greedy-check")
     assert "as trees of width 3" in _text(browser, "#status"), _text(browser, "#status")
@@ -286,20 +298,10 @@ def test_tree_width_3_batch_draws_each_rows_tree_with_one_accepted_path(app_url,
     on_path = browser.find_elements(By.CSS_SELECTOR, "#board line.tree-edge.on-path")
     assert len(on_path) == sum(node["kind"] == "accepted" for node in nodes)
 
-    shown_step = os.environ.get("TETRIS_SPACE_SCREENSHOT_STEP")  # e.g. a step where a row accepted a path
-    if shown_step:
-        _set_number(browser, "step", int(shown_step))
-        _wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, "#board .tetris-board").get_attribute("data-step")
-              == shown_step, 20, f"the board to show step {shown_step}")
-    path = Path(os.environ.get("TETRIS_SPACE_TREE_SCREENSHOT") or tmp_path / "space-trees.png")
-    _screenshot(browser, path)
-    assert path.stat().st_size > 10_000
-    print(f"screenshot: {path}  ({time.perf_counter() - started:.1f} s)")
+    _save_screenshot(browser, "TETRIS_SPACE_TREE_SCREENSHOT", tmp_path / "space-trees.png", started)
 
     # scrub to step 2: still trees, a new heading
-    _set_number(browser, "step", 2)
-    _wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, "#board .tetris-board").get_attribute("data-step") == "2",
-          20, "the board to show step 2")
+    _show_step(browser, 2)
     assert "step 2 of" in _text(browser, "#board .board-heading")
     assert browser.find_elements(By.CSS_SELECTOR, "#board svg.board-trees g.tree-node")
 
