@@ -7,7 +7,7 @@ Runs on tiny random models and the tiny tokenizer (seconds). With ``TETRIS_SPACE
 default pair of this checkout instead (``app.load_models(offline=True)``; about two minutes on a CPU;
 ``TETRIS_SPACE_DRAFT=early-exit:24`` picks another draft): that is how ``examples/space/screenshot.png`` is made::
 
-    TETRIS_SPACE_REAL=1 TETRIS_SPACE_SCREENSHOT=examples/space/screenshot.png TETRIS_SPACE_SCREENSHOT_STEP=16 \\
+    TETRIS_SPACE_REAL=1 TETRIS_SPACE_SCREENSHOT=examples/space/screenshot.png TETRIS_SPACE_SCREENSHOT_STEP=8 \\
         python -m pytest -q tests/test_space_browser.py -k four_prompt
 
 and ``examples/space/screenshot-trees.png``::
