@@ -279,6 +279,12 @@ class SlotLayer(CacheLayerMixin):
             setattr(self, name, tensor[:num_rows])
 
 
+def rows_after_fill(targets: torch.Tensor, sources: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``(num_rows,)`` each remaining row's former index after a ``fill_rows(targets, sources, num_rows)`` (of a
+    :class:`SlotCache` or a drafter): row ``sources[i]`` takes the place of row ``targets[i]``."""
+    return torch.arange(num_rows, device=targets.device).index_copy(0, targets, sources)
+
+
 class SlotCache:
     """Preallocated KV buffers + per-slot ``slot_mask`` (True = real token) and ``slot_positions`` for one model.
 
@@ -557,7 +563,7 @@ class SlotCache:
         Returns:
             ``(num_rows,)`` each remaining row's former index.
         """
-        rows = torch.arange(num_rows, device=self.slot_mask.device).index_copy(0, targets, sources)
+        rows = rows_after_fill(targets, sources, num_rows)
         self.slot_mask, self.slot_positions = self.slot_mask[rows], self.slot_positions[rows]
         self.next_positions = self.next_positions[rows]
         for layer in self._layers():  # layers may sit on different devices (a model split by accelerate)

@@ -87,8 +87,3 @@ class TreeDrafter(Drafter, Protocol):
         """What the target did with the last tree: ``(B, D)`` the accepted path's nodes and their slots in the
         target's block (-1 after it), ``(B,)`` its length and the target's token after it; the rest as in
         :meth:`Drafter.accept`."""
-
-
-def rows_after_fill(targets: torch.Tensor, sources: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """``(num_rows,)`` each remaining row's former index after :meth:`Drafter.fill_rows`."""
-    return torch.arange(num_rows, device=targets.device).index_copy(0, targets, sources)

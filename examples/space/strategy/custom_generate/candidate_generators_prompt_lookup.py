@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from .candidate_generators_drafter import Proposal, rows_after_fill
+from .kv import rows_after_fill
+from .candidate_generators_drafter import Proposal
 
 DEFAULT_MAX_NGRAM_SIZE = 3  # ``max_matching_ngram_size`` when not given
 
