@@ -27,6 +27,7 @@ from tetris_hf.tools.data import (
     package_file,
     render_prompts,
     scan_json_array,
+    sharegpt_fitting_chats,
 )
 
 
@@ -77,6 +78,20 @@ def test_truncated_copy_recovers_complete_records_and_reports_break_point(tmp_pa
     assert prompts[0].messages == ({"role": "user", "content": "Héllo ✓ there"},)
     assert "recovered 4 complete records" in prompts.note and f"{starts[4]:,}" in prompts.note
     assert prompts.note in caplog.text
+
+
+def test_the_fitting_side_is_the_last_reserved_chats_in_file_order(tmp_path, monkeypatch):
+    import tetris_hf.tools.data as data
+
+    path = tmp_path / "chats.json"
+    write_sharegpt(path, sharegpt_records())
+    everything = [chat.id for chat in data.load_sharegpt_chats(path)]
+    assert len(everything) >= 2
+    monkeypatch.setattr(data, "SHAREGPT_RESERVED_TAIL", 1)
+    tail, note = sharegpt_fitting_chats(path)
+    assert [chat.id for chat in tail] == everything[-1:] and "the last 1 human-first chats" in note
+    monkeypatch.setattr(data, "SHAREGPT_RESERVED_TAIL", 1000)  # a smaller file: all of it
+    assert [chat.id for chat in sharegpt_fitting_chats(path)[0]] == everything
 
 
 def test_complete_file_reports_no_break(tmp_path):

@@ -240,9 +240,28 @@ def test_distill_command_trains_and_saves_a_loadable_draft(tmp_path, capsys):
     config = json.loads((tmp_path / "draft" / models.DRAFT_CONFIG_NAME).read_text())
     meta = config["metadata"]
     assert meta["tokens"] == 1024 and meta["overlap"] > meta["early_exit_overlap"]
+    assert "the last 39 human-first chats (the side reserved for fitting" in meta["data"]  # (the 40th is cut)
     target, _ = models.load_target(model_dir)
     draft = load_draft(target, tmp_path / "draft")
     assert same_storage(draft.lm_head.weight, target.lm_head.weight)
+
+
+def test_distill_fits_to_the_reserved_side_unless_told_all(tmp_path, monkeypatch, capsys):
+    import tetris_hf.tools.data as data
+
+    monkeypatch.setattr(data, "SHAREGPT_RESERVED_TAIL", 30)  # of the 39 whole chats, the last 30 are for fitting
+    model_dir = tiny_model_dir(tmp_path / "model")
+    data_file = tiny_sharegpt(tmp_path / "chats.json")
+    common = ("--target", model_dir, "--data", data_file, "--layers", "1", "--tokens", "256", "--batch-size", "4",
+              "--seq-len", "16", "--eval-tokens", "64", "--device", "cpu")
+    notes = {}
+    for side in ("fitting", "all"):
+        assert distill.main(distill_args(*common, "--data-side", side, "--output", str(tmp_path / side))) == 0
+        config = json.loads((tmp_path / side / models.DRAFT_CONFIG_NAME).read_text())
+        notes[side] = config["metadata"]["data"]
+        assert f"distill: data: {notes[side]}" in capsys.readouterr().out
+    assert "the last 30 human-first chats" in notes["fitting"]
+    assert "every human-first chat (--data-side all)" in notes["all"]
 
 
 @pytest.mark.parametrize(

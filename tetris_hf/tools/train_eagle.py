@@ -81,19 +81,17 @@ class Sample:
 def fitting_chats(path: str | None, seed: int) -> tuple[list, str]:
     """The chats this command may fit to: the last ``SHAREGPT_RESERVED_TAIL`` human-first chats of the ShareGPT file
     (all of a smaller one), shuffled with ``seed``; and a one-line note on where they came from."""
-    from tetris_hf.tools.data import SHAREGPT_RESERVED_TAIL, load_sharegpt_chats
+    from tetris_hf.tools.data import sharegpt_fitting_chats
 
     try:
-        chats = load_sharegpt_chats(path)
+        tail, note = sharegpt_fitting_chats(path)
     except (ValueError, FileNotFoundError) as error:
         raise UsageError(str(error)) from None
-    if len(chats) == 0:
-        raise UsageError(f"{chats.source} holds no chat that starts with a human turn: nothing to train on")
-    tail = list(chats)[-SHAREGPT_RESERVED_TAIL:]
+    if not tail:
+        raise UsageError(f"{path or 'the ShareGPT file'} holds no chat that starts with a human turn: nothing to "
+                         "train on")
     random.Random(seed).shuffle(tail)
-    note = (f"{chats.note}; the last {len(tail):,} human-first chats (the side reserved for fitting, "
-            f"data.SHAREGPT_RESERVED_TAIL = {SHAREGPT_RESERVED_TAIL:,}), shuffled with seed {seed}")
-    return tail, note
+    return tail, f"{note}, shuffled with seed {seed}"
 
 
 def prompt_ids(chats: list, tokenizer, max_tokens: int) -> tuple[list[list[int]], int]:
