@@ -246,3 +246,25 @@ def test_real_compile_builds_a_bounded_set_of_graphs_and_no_more_for_longer_call
         graphs.append(counters["stats"]["unique_graphs"])
         assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert 0 < graphs[0] <= 2 and graphs[1] == 0, graphs
+
+
+def test_static_steps_read_each_key_value_head_in_place(recorder, monkeypatch):
+    """A static step on an sdpa model with grouped heads (the tiny Llama: 4 query heads, 2 key-value heads) passes
+    SDPA ``enable_gqa`` instead of expanding the cache's whole capacity to every head (what transformers does with a
+    mask); the rows still equal the target alone, and the model's attention setting is back to sdpa after."""
+    flags = []
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        flags.append(kwargs.get("enable_gqa", False))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    target, draft = target_and_draft(64, seed=9, draft_kind="noisy", noise=0.3)
+    assert target.config._attn_implementation == "sdpa" and target.config.num_key_value_heads < 4
+    prompts = random_prompts(4, 64, seed=9)
+    references = alone(target, prompts, EOS, 12)
+    flags.clear()
+    compiled_call(target, prompts, references, 12, assistant_model=draft, num_assistant_tokens=2)
+    assert True in flags and False in flags  # static steps in place; the eager prompt reads as transformers does
+    assert target.config._attn_implementation == draft.config._attn_implementation == "sdpa"

@@ -28,8 +28,9 @@ model offloaded to the CPU or disk by accelerate, whose hooks move weights insid
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -112,3 +113,47 @@ def static_capacity(slots: int) -> int:
     """Slots per row of a cache whose steps are compiled: ``slots`` rounded up to a multiple of
     :data:`CAPACITY_STEP`, so that calls of nearby lengths give the compiled forwards the same shapes."""
     return -(-slots // CAPACITY_STEP) * CAPACITY_STEP
+
+
+GROUPED_SDPA = "tetris_grouped_sdpa"  # the attention the static step runs on sdpa models (see grouped_attention)
+
+
+def grouped_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                           is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' sdpa attention, but a key-value head is read in place by its group of query heads
+    (``enable_gqa``). transformers does that only without a mask; with one it expands the keys and values to every
+    query head first, which over a static cache's whole capacity is most of a compiled CPU step's generated work
+    (docs/gpu.md). ``query`` ``(B, H, L, D)``, ``key``/``value`` ``(B, H_kv, W, D)``; returns ``(B, L, H, D)``."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    unusual = any(kwargs.get(name) is not None for name in ("softcap", "position_bias", "s_aux", "sinks"))
+    if getattr(module, "num_key_value_groups", 1) == 1 or unusual or attention_mask is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    if attention_mask.dim() == 4:
+        attention_mask = attention_mask[:, :, :, : key.shape[-2]]
+    output = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                              dropout_p=dropout, scale=scaling, enable_gqa=True)
+    return output.transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def grouped_attention(model: torch.nn.Module) -> Iterator[None]:
+    """While a static step's compiled forward runs: a model on transformers' ``"sdpa"`` attention runs
+    :func:`grouped_sdpa_attention` instead (registered under :data:`GROUPED_SDPA`, with sdpa's masks); others as
+    they are. The model's setting is restored after, so its eager forwards are untouched."""
+    config = model.config
+    if config._attn_implementation != "sdpa":
+        yield
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)
+    AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
+    config._attn_implementation = GROUPED_SDPA
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"

@@ -39,7 +39,7 @@ from functools import cached_property
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .compiled import batch_bucket, static_capacity
+from .compiled import batch_bucket, grouped_attention, static_capacity
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 MASK_IMPLEMENTATIONS = ("sdpa", "eager")  # attention implementations that take a prepared 4D mask
@@ -415,7 +415,8 @@ class SlotCache:
         self.slot_positions[:, start:end] = position_ids
         if static:
             next_positions = self.next_positions + new_tokens
-            logits = self._static_forward(input_ids, position_ids, start, end, model.dtype, logits_to_keep)
+            with grouped_attention(model):
+                logits = self._static_forward(input_ids, position_ids, start, end, model.dtype, logits_to_keep)
             self.pointer = end
             self.next_positions = next_positions
             self.longest_bound += block
