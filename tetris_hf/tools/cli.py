@@ -81,6 +81,30 @@ def load_prompt_set(name: str):
         raise UsageError(str(error)) from None
 
 
+def training_chats(path: str | None, seed: int, side: str = "fitting") -> tuple[list, str]:
+    """``--data`` for the training commands: the ShareGPT chats to fit to, shuffled with ``seed``, and a one-line note
+    on where they came from. ``side`` ``"fitting"``: the fitting side of the split
+    (:func:`tetris_hf.tools.data.sharegpt_fitting_chats`, which no prompt set for measurement reads); ``"all"``: every
+    human-first chat. A missing, broken or empty file is a one-line :class:`UsageError`."""
+    import random
+
+    from .data import load_sharegpt_chats, sharegpt_fitting_chats
+
+    try:
+        if side == "fitting":
+            chats, note = sharegpt_fitting_chats(path)
+        else:
+            everything = load_sharegpt_chats(path)
+            chats, note = list(everything), f"{everything.note}; every human-first chat (--data-side all)"
+    except (ValueError, FileNotFoundError) as error:
+        raise UsageError(str(error)) from None
+    if not chats:
+        raise UsageError(f"{path or 'the ShareGPT file'} holds no chat that starts with a human turn: nothing to "
+                         "train on")
+    random.Random(seed).shuffle(chats)
+    return chats, f"{note}, shuffled with seed {seed}"
+
+
 def prompt_texts(prompt_set, limit: int, tokenizer, max_prompt_tokens: int | None = None) -> tuple[list[str], str]:
     """The first ``limit`` non-empty prompts of the set (of at most ``max_prompt_tokens`` tokens), rendered for
     ``tokenizer`` (chats through its chat template); and a one-line note on where they came from."""

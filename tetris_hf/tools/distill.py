@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import random
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from tetris_hf.tools.cli import UsageError, number_list, resolve_device
+from tetris_hf.tools.cli import UsageError, number_list, resolve_device, training_chats
 
 # ---------------------------------------------------------------------------------------------------------------
 # Data: ShareGPT chats -> one token stream -> fixed-length windows
@@ -245,7 +244,6 @@ def report_reduced_vocab(draft, target, held_out, hidden, sizes, micro: int) -> 
 def main(args) -> int:
     from tqdm.auto import tqdm
 
-    from tetris_hf.tools.data import load_sharegpt_chats, sharegpt_fitting_chats
     from tetris_hf.tools.models import ModelNotFoundError, early_exit_draft, load_target, save_draft
 
     device = _check_args(args)
@@ -264,19 +262,8 @@ def main(args) -> int:
                          "vocabulary")
     target.requires_grad_(False)
 
-    try:
-        if args.data_side == "fitting":
-            chats, data_note = sharegpt_fitting_chats(args.data)
-        else:
-            everything = load_sharegpt_chats(args.data)
-            chats, data_note = list(everything), f"{everything.note}; every human-first chat (--data-side all)"
-    except (ValueError, FileNotFoundError) as error:
-        raise UsageError(str(error)) from None
-    if not chats:
-        raise UsageError(f"{args.data or 'the ShareGPT file'} holds no chat that starts with a human turn: nothing "
-                         "to train on")
-    random.Random(args.seed).shuffle(chats)
-    print(f"distill: data: {data_note}, shuffled with seed {args.seed}")
+    chats, data_note = training_chats(args.data, args.seed, args.data_side)
+    print(f"distill: data: {data_note}")
     held_stream, used = tokenize_chats(chats, tokenizer, max_tokens=args.eval_tokens)
     held_out = windows(held_stream, args.seq_len)
     if held_out.shape[0] == 0:
@@ -346,7 +333,7 @@ def main(args) -> int:
         "steps": step,
         "seconds": round(time.perf_counter() - began, 1),
         "device": str(device),
-        "data": f"{data_note}, shuffled with seed {args.seed}",
+        "data": data_note,
     }
     out = save_draft(draft, target, Path(args.output), metadata=metadata)
     if args.draft_vocab is not None:

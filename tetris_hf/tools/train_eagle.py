@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tetris_hf.tools.cli import UsageError, resolve_device
+from tetris_hf.tools.cli import UsageError, resolve_device, training_chats
 from tetris_hf.tools.distill import count_tokens, tokenize_chats, windows
 
 STEP_WEIGHT = 0.8  # loss weight of draft step s: STEP_WEIGHT ** (s - 1)
@@ -76,22 +76,6 @@ class Sample:
 
     ids: list[int]
     loss_from: int = 0
-
-
-def fitting_chats(path: str | None, seed: int) -> tuple[list, str]:
-    """The chats this command may fit to: the last ``SHAREGPT_RESERVED_TAIL`` human-first chats of the ShareGPT file
-    (all of a smaller one), shuffled with ``seed``; and a one-line note on where they came from."""
-    from tetris_hf.tools.data import sharegpt_fitting_chats
-
-    try:
-        tail, note = sharegpt_fitting_chats(path)
-    except (ValueError, FileNotFoundError) as error:
-        raise UsageError(str(error)) from None
-    if not tail:
-        raise UsageError(f"{path or 'the ShareGPT file'} holds no chat that starts with a human turn: nothing to "
-                         "train on")
-    random.Random(seed).shuffle(tail)
-    return tail, f"{note}, shuffled with seed {seed}"
 
 
 def prompt_ids(chats: list, tokenizer, max_tokens: int) -> tuple[list[list[int]], int]:
@@ -557,7 +541,7 @@ def main(args) -> int:
         raise UsageError("the target's tokenizer has neither a pad nor an EOS token to pad rows with")
 
     # -- data: the fitting side of the split; held-out chats first --
-    chats, data_note = fitting_chats(args.data, args.seed)
+    chats, data_note = training_chats(args.data, args.seed)
     held_chats, train_chats = chats[: args.eval_samples], chats[args.eval_samples :]
     if not train_chats:
         raise UsageError(f"the data holds {len(chats)} usable chats, all taken by --eval-samples {args.eval_samples}: "
