@@ -29,6 +29,7 @@ model offloaded to the CPU or disk by accelerate, whose hooks move weights insid
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable, Iterator
 
@@ -138,6 +139,16 @@ def grouped_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: to
     return output.transpose(1, 2).contiguous(), None
 
 
+@functools.cache
+def _register_grouped_sdpa() -> None:
+    """Register :func:`grouped_sdpa_attention` (and sdpa's masks) under :data:`GROUPED_SDPA`, once."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)
+    AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
+
+
 @contextlib.contextmanager
 def grouped_attention(model: torch.nn.Module) -> Iterator[None]:
     """While a static step's compiled forward runs: a model on transformers' ``"sdpa"`` attention runs
@@ -147,11 +158,7 @@ def grouped_attention(model: torch.nn.Module) -> Iterator[None]:
     if config._attn_implementation != "sdpa":
         yield
         return
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)
-    AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
+    _register_grouped_sdpa()
     config._attn_implementation = GROUPED_SDPA
     try:
         yield
