@@ -133,8 +133,9 @@ def measure(target, draft, batch: dict, max_new_tokens: int, pad_token_id: int, 
             call(name)
             measured[name].append((time.perf_counter() - started, target_timer.seconds, target_timer.first_seconds,
                                    draft_timer.seconds, target_timer.calls))
-            if steady_step() is not None:
-                steps[name].append(steady_step())
+            step = steady_step()
+            if step is not None:
+                steps[name].append(step)
     median = statistics.median
     summary = {}
     for name, rows in measured.items():

@@ -1,9 +1,9 @@
 """``tetris_compile=True`` feeds the compiled step forwards a few static shapes, however long the call: the KV width is
 the cache's fixed capacity, blocks are powers of two where CUDA graphs are recorded (else their exact widths, at most
 k + e + 1 of them), and the batch is padded to a few buckets as rows finish. CUDA graphs record one graph per shape,
-so this bounds them; the shape tests run both block policies on the CPU. The shape tests replace ``torch.compile`` by a recorder around
-the eager forward (fast, and the static shapes are then checked for exactness without compiling); one test compiles
-for real (inductor on the CPU) and counts graphs."""
+so this bounds them. The shape tests run both block policies on the CPU and replace ``torch.compile`` by a recorder
+around the eager forward (fast, and the static shapes are then checked for exactness without compiling); one test
+compiles for real (inductor on the CPU) and counts graphs."""
 
 import weakref
 
