@@ -19,6 +19,15 @@ and ``examples/space/screenshot-trees.png``::
 
 The screenshots go to ``$TETRIS_SPACE_SCREENSHOT`` and ``$TETRIS_SPACE_TREE_SCREENSHOT`` when set, else to pytest's
 temporary folder (paths printed).
+What flaked here until 2026-12-02 (about one whole-file run in three beside busy processes, and once on a quiet CI
+machine): the page's status stayed "Running adaptive (4/4)…", or "Running plain generate() (1/4)…" after Stop, until
+the wait timed out. The page had received every message; the server's last one itself said "running". The Space's
+stream read whether its worker thread was alive *after* taking each snapshot, so a worker that ended in between gave
+a last snapshot with the run still going (``tetris_runs.stream_runs`` now reads it before;
+``tests/test_space_runs.py`` forces that interleaving). The waits' bounds (120 s for a run of the tiny models, which
+takes a few seconds) only absorb a loaded machine; a timeout's message says what the page showed and received, and
+what the server still held.
+
 Needs Debian's ``chromium`` and ``chromium-driver`` (skipped, with that reason, where they are absent) and the
 ``gradio`` and ``selenium`` Python packages (examples/space/requirements.txt, tests' setup).
 """
@@ -62,6 +71,23 @@ REAL = os.environ.get("TETRIS_SPACE_REAL") == "1"
 RUN_TIMEOUT = 900 if REAL else 120
 
 
+_SERVER: list = []  # the served demo, for the server's side of a timeout's message
+
+
+def _server_state() -> str:
+    """What the Gradio queue holds and which threads live: said when a wait times out."""
+    import threading
+
+    if not _SERVER:
+        return "no server"
+    queue = _SERVER[0]._queue
+    pending = {session: sorted(ids) for session, ids in queue.pending_event_ids_session.items()}
+    messages = {session: q.qsize() for session, q in queue.pending_messages_per_session.items()}
+    active = sum(job is not None for job in queue.active_jobs)
+    threads = sorted(thread.name for thread in threading.enumerate())
+    return f"pending events {pending}; queued messages {messages}; active jobs {active}; threads {threads}"
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -94,6 +120,7 @@ def app_url():
     demo = app.build_app(target, draft, tokenizer, description=description, default_prompts=prompts)
     port = _free_port()
     app.serve(demo, "127.0.0.1", port, prevent_thread_lock=True, quiet=True)
+    _SERVER[:] = [demo]
     yield f"http://127.0.0.1:{port}/"
     demo.close()
 
@@ -110,11 +137,40 @@ def browser():
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
                  f"--user-data-dir={profile}", "--window-size=1500,1200"):
         options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     driver.set_page_load_timeout(60)
+    driver.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": SSE_TAP})
     yield driver
     driver.quit()
     shutil.rmtree(profile, ignore_errors=True)
+
+
+# Keeps the last server-sent messages the page received (the queue's /queue/data stream, each chunk's message kinds
+# and its start), for a timeout's message; installed before Gradio's own scripts, so its client fetches through it.
+SSE_TAP = """
+window.__sse = [];
+const plainFetch = window.fetch.bind(window);
+window.fetch = async (...args) => {
+  const response = await plainFetch(...args);
+  const url = String(args[0] && args[0].url || args[0]);
+  if (!url.includes("/queue/data") || !response.body) return response;
+  const [mine, theirs] = response.body.tee();
+  (async () => {
+    const reader = mine.getReader(), decoder = new TextDecoder();
+    for (;;) {
+      const {done, value} = await reader.read();
+      if (done) { window.__sse.push(performance.now().toFixed(0) + " <end of stream>"); break; }
+      const text = decoder.decode(value);
+      const kinds = [...text.matchAll(/"msg":"([a-z_]+)"/g)].map(match => match[1]).join(",");
+      window.__sse.push(performance.now().toFixed(0) + " [" + kinds + "] " + text.slice(0, 160));
+      window.__sse = window.__sse.slice(-40);
+    }
+  })();
+  return new Response(theirs, {status: response.status, statusText: response.statusText,
+                               headers: response.headers});
+};
+"""
 
 
 def _wait(driver, condition, timeout: float, what: str):
@@ -126,8 +182,26 @@ def _wait(driver, condition, timeout: float, what: str):
             lambda d: condition(d)
         )
     except Exception as error:
-        status = _text(driver, "#status")
-        raise AssertionError(f"timed out after {timeout} s waiting for {what}; status: {status!r}") from error
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}; {_what_was_seen(driver)}") from error
+
+
+def _what_was_seen(driver) -> str:
+    """A timeout's evidence: the page's status and run metrics, the last server-sent messages the page received
+    (``SSE_TAP``), the browser console and what the server's queue still holds. (This is how the stale "Running
+    adaptive (4/4)" status was traced to the final message itself, see ``tetris_runs.stream_runs``.)"""
+    from selenium.webdriver.common.by import By
+
+    try:
+        console = [entry["message"] for entry in driver.get_log("browser")][-10:]
+    except Exception as log_error:
+        console = [f"(no console log: {log_error})"]
+    shown = driver.execute_script(
+        "return ['generate', 'fixed', 'tetris', 'adaptive'].map(s => s + ': ' + "
+        "((document.getElementById('metrics-' + s) || {}).innerText || ''))")
+    received = driver.execute_script("return (window.__sse || []).slice(-8)")
+    toasts = [toast.text for toast in driver.find_elements(By.CSS_SELECTOR, ".toast-body")]
+    return (f"status: {_text(driver, '#status')!r}; runs shown: {shown!r}; toasts: {toasts!r}; "
+            f"console: {console!r}; last messages received: {received!r}; server: {_server_state()}")
 
 
 def _text(driver, selector: str) -> str:
@@ -316,7 +390,6 @@ def test_empty_prompt_line_is_refused_with_a_message(app_url, browser):
     assert "line 2" in _text(browser, "#status")
 
 
-@pytest.mark.skipif(REAL, reason="cancelling is checked on tiny models")
 def _streaming(driver, strategy: str) -> bool:
     """Whether ``strategy``'s outputs show partial text with a cursor and its metrics say running, at one moment."""
     outputs, metrics = driver.execute_script(
@@ -325,6 +398,7 @@ def _streaming(driver, strategy: str) -> bool:
     return "▌" in outputs and len(outputs) > 8 and "running" in metrics
 
 
+@pytest.mark.skipif(REAL, reason="cancelling is checked on tiny models")
 def test_outputs_stream_and_stop_cancels_the_run_with_a_message(app_url, browser):
     from selenium.webdriver.common.by import By
 

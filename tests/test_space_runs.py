@@ -257,6 +257,36 @@ def test_stream_yields_picklable_snapshots_until_the_runs_end(pair):
     assert snapshots[0] is not snapshots[-1] and snapshots[0][PLAIN] is not snapshots[-1][PLAIN]
 
 
+def test_last_snapshot_is_taken_after_the_runs_end_even_if_they_end_while_it_is_taken(monkeypatch):
+    """The Space's browser flake, made deterministic: the worker ends between a snapshot and the stream's check that
+    it is alive. The stream must still yield one more snapshot, with every run's final state; otherwise the page's
+    last update says "Running adaptive (4/4)" (or "Running plain generate()" after Stop) for ever."""
+    release, ended = threading.Event(), threading.Event()
+
+    def run_all(target, draft, tokenizer, prompts, settings, runs, stop, strategy_source):
+        for live in runs.values():
+            live.state = "running"
+        release.wait(10)
+        for live in runs.values():
+            live.state = "done"
+        ended.set()
+
+    plain_snapshot = LiveRun.snapshot
+
+    def snapshot_then_let_the_worker_end(live):
+        copy = plain_snapshot(live)
+        if live.strategy == STRATEGIES[-1] and not release.is_set():  # the first round taken: the worker ends now
+            release.set()
+            assert ended.wait(10)
+        return copy
+
+    monkeypatch.setattr(tetris_runs, "run_all", run_all)
+    monkeypatch.setattr(LiveRun, "snapshot", snapshot_then_let_the_worker_end)
+    snapshots = list(stream_runs(None, None, None, PROMPTS, Settings(), threading.Event(), every=0.01))
+    assert snapshots[0][PLAIN].state == "running"
+    assert [snapshots[-1][s].state for s in STRATEGIES] == ["done"] * 4
+
+
 def test_closing_the_stream_stops_the_run_in_progress(pair):
     target, draft, tokenizer = pair
     stop = threading.Event()

@@ -445,7 +445,11 @@ def run_all(target, draft, tokenizer, prompts: list[str], settings: Settings, ru
 def stream_runs(target, draft, tokenizer, prompts: list[str], settings: Settings, stop: threading.Event,
                 strategy_source: str = STRATEGY_SOURCE, every: float = 0.3) -> Iterator[dict[str, LiveRun]]:
     """:func:`run_all` on a worker thread; yields snapshots of the four runs every ``every`` seconds and once at
-    the end. Closing the generator (the page went away, or ZeroGPU's caller stopped reading) stops the runs."""
+    the end. Closing the generator (the page went away, or ZeroGPU's caller stopped reading) stops the runs.
+
+    The last snapshot is taken after the worker has ended: whether it has is read *before* each snapshot. (Read
+    after it, a worker that ended in between left its runs "running" in the page's last update for ever: the
+    Space's browser test flaked on that under load.)"""
     runs = {strategy: LiveRun(strategy) for strategy in STRATEGIES}
     worker = threading.Thread(target=run_all, args=(target, draft, tokenizer, prompts, settings, runs, stop,
                                                     strategy_source), name="tetris-space-run", daemon=True)
@@ -453,8 +457,9 @@ def stream_runs(target, draft, tokenizer, prompts: list[str], settings: Settings
     try:
         while True:
             worker.join(timeout=every)
+            ended = not worker.is_alive()
             yield {strategy: live.snapshot() for strategy, live in runs.items()}
-            if not worker.is_alive():
+            if ended:
                 break
     finally:
         stop.set()  # the worker stops at its next token or step
