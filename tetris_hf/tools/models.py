@@ -17,12 +17,12 @@ hidden states) is the third kind: ``eagle`` loads the head shipped for the defau
 ``tetris_hf/tools/assets/eagle-smollm2-135m`` (trained here, see its ``PROVENANCE.md``), ``eagle:PATH_OR_REPO`` any
 published EAGLE-1 or EAGLE-3 head.
 
-:func:`load_draft` uses the trained draft shipped in ``tetris_hf/tools/assets/draft-smollm2-135m`` (2 layers distilled on one
-H200, see its ``PROVENANCE.md``). The shipped drafts are part of the package (the wheel and the sdist carry them): one
-that is missing is a :class:`ModelNotFoundError` naming the file, never a silent fallback to an untrained draft; an
-early-exit draft is used only when asked for by name (``early-exit:N``). ``tetris_hf/tools/assets/draft-smollm2-135m-cpu``
-is the earlier draft distilled on one CPU thread for 82k tokens (the command is in its ``draft_config.json``); pass its
-path as the draft to compare.
+:func:`load_draft` uses the trained draft shipped in ``tetris_hf/tools/assets/draft-smollm2-135m`` (2 layers
+distilled on one H200, see its ``PROVENANCE.md``). The shipped drafts are part of the package (the wheel and the sdist
+carry them): one that is missing is a :class:`ModelNotFoundError` naming the file, never a silent fallback to an
+untrained draft; an early-exit draft is used only when asked for by name (``early-exit:N``).
+``tetris_hf/tools/assets/draft-smollm2-135m-cpu`` is the earlier draft distilled on one CPU thread for 82k tokens (the
+command is in its ``draft_config.json``); pass its path as the draft to compare.
 """
 
 from __future__ import annotations
