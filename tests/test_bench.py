@@ -204,6 +204,18 @@ def test_bad_input_is_one_line_and_exit_code_2(arguments, message, saved_target,
     assert "Traceback" not in err and sum("error" in line for line in err.splitlines()) == 1, err
 
 
+def test_a_missing_shipped_metric_stops_the_bench_before_any_model_loads(tmp_path, monkeypatch, capsys):
+    """The greedy outputs are checked by the shipped metric after the runs; an install without it fails at once, in
+    one line naming the file (here before the absent target is even looked at)."""
+    from tetris_hf.tools import metrics
+
+    monkeypatch.setattr(metrics, "OUTPUT_AGREEMENT", str(tmp_path / "output_agreement.py"))
+    code = cli_main(["bench", "--target", str(tmp_path / "no-target"), "--device", "cpu", "--no-progress",
+                     "--output", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and str(tmp_path / "output_agreement.py") in err and len(err.splitlines()) == 1, err
+
+
 def test_data_parallel_under_accelerate_launch(saved_target, prompt_file, tmp_path):
     """Two CPU processes split the prompts; the main process writes the gathered results."""
     import os

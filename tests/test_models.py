@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 
 import pytest
 import torch
@@ -120,13 +119,41 @@ def test_check_same_vocabulary_names_both_sizes(target):
     check_same_vocabulary(target, early_exit_draft(target, 1))
 
 
-def test_default_draft_falls_back_to_early_exit_and_says_so(target, tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(models, "DEFAULT_DRAFT_DIR", tmp_path / "absent")
-    with caplog.at_level(logging.WARNING, logger="tetris_hf.tools.models"):
-        draft = load_draft(target)
-    assert draft.config.num_hidden_layers == models.EARLY_EXIT_LAYERS
-    assert "no trained draft shipped" in draft.tetris_description
-    assert "no trained draft shipped" in caplog.text
+@pytest.mark.parametrize("missing", models.SHIPPED_DRAFT_FILES)
+def test_a_missing_shipped_draft_file_is_a_one_line_error_naming_it(missing, target, tmp_path, monkeypatch):
+    """No silent fallback to an untrained draft: an install without the shipped draft says which file is missing and
+    how to get it."""
+    for name in models.SHIPPED_DRAFT_FILES:
+        if name != missing:
+            (tmp_path / name).write_text("")
+    monkeypatch.setattr(models, "DEFAULT_DRAFT_DIR", tmp_path)
+    with pytest.raises(models.ModelNotFoundError) as error:
+        load_draft(target)
+    message = str(error.value)
+    assert str(tmp_path / missing) in message and "pip install -e ." in message and "\n" not in message
+
+
+def test_a_missing_shipped_eagle_head_is_a_one_line_error_naming_it(target, tmp_path, monkeypatch):
+    monkeypatch.setattr(models, "DEFAULT_EAGLE_DIR", tmp_path / "absent")
+    with pytest.raises(models.ModelNotFoundError) as error:
+        load_draft(target, "eagle")
+    message = str(error.value)
+    assert str(tmp_path / "absent" / "config.json") in message and "wheel or sdist" in message and "\n" not in message
+
+
+def test_a_missing_shipped_metric_is_a_one_line_error_naming_it(tmp_path, monkeypatch):
+    from tetris_hf.tools import metrics
+
+    monkeypatch.setattr(metrics, "OUTPUT_AGREEMENT", str(tmp_path / "output_agreement.py"))
+    with pytest.raises(FileNotFoundError) as error:
+        metrics.load_output_agreement()
+    message = str(error.value)
+    assert str(tmp_path / "output_agreement.py") in message and "pip install -e ." in message and "\n" not in message
+
+
+def test_early_exit_runs_only_when_named(target):
+    draft = load_draft(target, "early-exit:2")
+    assert draft.config.num_hidden_layers == 2 and draft.tetris_description.startswith("early-exit 2/4 layers")
 
 
 def test_missing_model_is_a_clear_error(target, tmp_path):
@@ -295,7 +322,7 @@ def test_default_pair_loads_offline():
     target, draft, tokenizer, info = load_default_pair()
     assert target.config.num_hidden_layers == 30 and target.config.vocab_size == 49152
     assert same_storage(draft.lm_head.weight, target.lm_head.weight)
-    assert info.draft_kind in ("trained", "early-exit") and "SmolLM2-135M-Instruct" in info.target
+    assert info.draft_kind == "trained" and "SmolLM2-135M-Instruct" in info.target
     assert str(info).startswith("target: ")
     text = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}], tokenize=False,
                                          add_generation_prompt=True)

@@ -833,6 +833,13 @@ def load_lookup_target(name: str | None, device, quantization, max_ngram: int):
 
 def main(args) -> int:
     config = config_from_args(args)
+    if not config.do_sample:  # greedy outputs are checked by the shipped metric after the runs: a missing one fails now
+        from .metrics import output_agreement_path
+
+        try:
+            output_agreement_path()
+        except FileNotFoundError as error:
+            raise UsageError(str(error)) from None
     device = resolve_device(args.device)
     prompt_set = load_prompt_set(args.prompts)
     state = distributed_state(device)

