@@ -241,7 +241,7 @@ def test_data_parallel_under_accelerate_launch(saved_target, prompt_file, tmp_pa
 
 @pytest.mark.parametrize("flag", ["--load-in-4bit", "--load-in-8bit"])
 def test_bench_with_a_quantized_target(flag, prompt_file, tmp_path, capsys):
-    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is absent: pip install -e '.[test]' (scripts/setup.sh)")
     tokenizer = tiny_tokenizer()
     target_dir = tmp_path / "target"
     tiny_llama(len(tokenizer), num_layers=2, seed=63, hidden_size=64).save_pretrained(target_dir)

@@ -11,7 +11,8 @@ import tetris_hf  # noqa: F401
 from tetris_hf.quantization import QuantizationUnavailableError, quantization_config
 from tiny_models import PAD, left_pad, noisy_copy, random_prompts, sharpen, tiny_llama
 
-bitsandbytes = pytest.importorskip("bitsandbytes")
+bitsandbytes = pytest.importorskip("bitsandbytes",
+                                   reason="bitsandbytes is absent: pip install -e '.[test]' (scripts/setup.sh)")
 
 VOCAB = 96
 
