@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from tetris_hf.kv import FULL, SLIDING, AttentionLayout, SlotCache, position_masks, slots_needed
+from tetris_hf.attention import FULL, SLIDING, AttentionLayout, position_masks
+from tetris_hf.kv import SlotCache, slots_needed
 from tiny_models import tiny_llama
 
 HEADS, HEAD_DIM, LAYERS = 2, 3, 2

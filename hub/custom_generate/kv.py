@@ -5,14 +5,9 @@ Every row writes the same number of slots per forward (blocks are padded to one 
 pointer, into buffers allocated once (``(B, H, capacity, D)`` per layer). Per row and slot the cache knows whether
 the slot holds a real token and that token's position in its row. Rejected drafts and block filler become holes.
 Keys are cached after RoPE and every forward gets each row's true ``position_ids``, so holes and moved slots change
-nothing the model computes, provided its attention mask is built from those positions. The cache builds, for each
-forward, the prepared 4D mask in which a query sees a key iff the key's slot holds a real token, the key's position
-is not after the query's and, on sliding-window layers, is within the window; hybrid models (Gemma 2/3, Qwen2, ...)
-get one such mask per layer type (``"full_attention"``, ``"sliding_attention"``). transformers would measure windows
-in slots, which holes and left padding stretch, and a prepared mask also spares it a device read per forward.
-Models that derive ALiBi biases from the 2D mask (BLOOM, MPT, Falcon with ``alibi``) get the 2D ``(B, slots)`` mask
-of real slots instead (transformers adds causality by slot index, which is the order of positions within a row), as
-do attention implementations other than sdpa and eager (which then cannot serve a sliding window).
+nothing the model computes, provided its attention mask is built from those positions: the cache hands each forward
+the mask :mod:`tetris_hf.attention` builds from them (a prepared 4D mask, one per layer type on hybrid models, or the
+2D mask of real slots for models that take no prepared mask).
 
 :meth:`SlotCache.compact` repacks each row's real slots when holes pile up (or the buffers fill), which bounds the
 cache at the longest row's live tokens plus ``max_holes``; on a model whose every layer has a window, slots that fell
@@ -24,101 +19,22 @@ accepted path that is not a prefix of its block. Models on the 2D mask cannot sa
 
 **Static shapes** (a cache given a compiled :attr:`SlotCache.step_forward`, ``tetris_compile=True``): CUDA graphs
 record one graph per distinct input shape, so the step forwards see a few shapes only. The capacity is fixed for the
-call (rounded up, :func:`~tetris_hf.compiled.static_capacity`) and every step forward attends over all of it (masks
-``(B, 1, L, capacity)``, unwritten slots and holes masked out; keys and values are written at a slot index tensor, not
-a Python pointer); the batch is padded to a few sizes (:func:`~tetris_hf.compiled.batch_bucket`) with dummy rows
-that write into buffer rows nobody reads and whose logits are dropped; the block lengths come from the loop (powers of
-two). Prompt reads and catch-ups stay eager, with the tight shapes of the eager path.
+call (rounded up, :func:`~tetris_hf.static_shapes.static_capacity`) and every step forward attends over all of it
+(masks ``(B, 1, L, capacity)``, unwritten slots and holes masked out; keys and values are written at a slot index
+tensor, not a Python pointer); the batch is padded to a few sizes (:func:`~tetris_hf.static_shapes.batch_bucket`) with
+dummy rows that write into buffer rows nobody reads and whose logits are dropped; the block lengths come from the loop
+(powers of two). Prompt reads and catch-ups stay eager, with the tight shapes of the eager path.
 """
 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .compiled import batch_bucket, grouped_attention, static_capacity
-
-FULL, SLIDING = "full_attention", "sliding_attention"
-MASK_IMPLEMENTATIONS = ("sdpa", "eager")  # attention implementations that take a prepared 4D mask
-ALIBI_FAMILIES = ("bloom", "mpt")  # their ALiBi biases come from the 2D mask's cumulative sum
-
-
-@dataclass(frozen=True)
-class AttentionLayout:
-    """Which attention a model's layers use, and how to hand it masks.
-
-    Args:
-        windows: ``{layer type: window}``, ``None`` for full attention.
-        keyed: the model's forward takes a dict of masks keyed by layer type (hybrid models: ``config.layer_types``).
-        implementation: ``config._attn_implementation``.
-        prepared: the cache hands the model prepared 4D masks (else the 2D mask of real slots).
-    """
-
-    windows: dict
-    keyed: bool
-    implementation: str
-    prepared: bool
-
-    @classmethod
-    def of(cls, model: torch.nn.Module) -> "AttentionLayout":
-        config = model.config.get_text_config(decoder=True)
-        window = getattr(config, "sliding_window", None)
-        window = window if isinstance(window, int) and window > 0 else None
-        layer_types = getattr(config, "layer_types", None)
-        implementation = config._attn_implementation or "eager"
-        alibi = config.model_type in ALIBI_FAMILIES or bool(getattr(config, "alibi", False))
-        prepared = implementation in MASK_IMPLEMENTATIONS and not alibi
-        if isinstance(layer_types, (list, tuple)) and layer_types:
-            windows = {kind: (window if kind == SLIDING else None) for kind in dict.fromkeys(layer_types)}
-            layout = cls(windows, True, implementation, prepared)
-        else:
-            layout = cls({FULL if window is None else SLIDING: window}, False, implementation, prepared)
-        if layout.windowed:
-            unknown = [kind for kind in layout.windows if kind not in (FULL, SLIDING)]
-            if unknown:
-                raise ValueError(f"{config.model_type}: layer types {unknown} are not supported by tetris_hf (it can "
-                                 f"build masks for {FULL!r} and {SLIDING!r} layers)")
-            if SLIDING in layout.windows and layout.windows[SLIDING] is None:
-                raise ValueError(f"{config.model_type}: sliding-attention layers without a `sliding_window` size")
-            if not prepared:
-                raise ValueError(
-                    f"{config.model_type} with attn_implementation={implementation!r}: tetris_hf builds sliding-window "
-                    f"masks from real positions, which needs one of {MASK_IMPLEMENTATIONS}; load the model with "
-                    "attn_implementation='sdpa'"
-                )
-        return layout
-
-    @cached_property  # (properties of a frozen layout, asked for at every forward)
-    def windowed(self) -> bool:
-        """Some layer attends through a sliding window (masks must come from real positions)."""
-        return any(window is not None for window in self.windows.values())
-
-    @cached_property
-    def plain_sdpa(self) -> bool:
-        """One boolean 4D mask for every layer, no window (the mask of a single new token is its row's real slots)."""
-        return self.implementation == "sdpa" and self.prepared and not self.keyed and not self.windowed
-
-    @cached_property
-    def reach(self) -> int | None:
-        """How far back any layer sees (``None``: unbounded). Older slots are never read again."""
-        windows = list(self.windows.values())
-        return None if any(window is None for window in windows) else max(windows)
-
-
-def check_tree_layout(layout: AttentionLayout, model: torch.nn.Module) -> None:
-    """Refuse draft trees (``tetris_tree_width > 1``) on a model that cannot take a prepared 4D mask: a tree's nodes
-    see only their ancestors, which a 2D mask of real slots cannot say."""
-    if not layout.prepared:
-        config = model.config.get_text_config(decoder=True)
-        why = ("its ALiBi biases come from the 2D attention mask" if config.model_type in ALIBI_FAMILIES
-               or getattr(config, "alibi", False) else
-               f"attn_implementation={layout.implementation!r} takes no prepared 4D mask (use 'sdpa' or 'eager')")
-        raise ValueError(f"tetris_tree_width > 1 needs a 4D ancestor mask, which {config.model_type} cannot take: "
-                         f"{why}; use tetris_tree_width=1 (draft chains)")
+from .attention import AttentionLayout, check_tree_layout, grouped_attention, position_masks
+from .static_shapes import batch_bucket, static_capacity
 
 
 def slots_needed(layout: AttentionLayout, prompt_length: int, max_length: int, block: int, max_holes: int) -> int:
@@ -129,40 +45,6 @@ def slots_needed(layout: AttentionLayout, prompt_length: int, max_length: int, b
     if layout.reach is None:
         return max_length + margin
     return min(max_length, max(prompt_length, layout.reach)) + margin
-
-
-def position_masks(layout: AttentionLayout, key_positions: torch.Tensor, key_valid: torch.Tensor,
-                   query_positions: torch.Tensor, dtype: torch.dtype, visibility: torch.Tensor | None = None):
-    """Prepared 4D masks in which query ``i`` sees key ``j`` iff slot ``j`` holds a real token, ``pos_j <= pos_i``
-    and, on sliding layers, ``pos_i - pos_j < window``.
-
-    Args:
-        key_positions, key_valid: ``(B, S)`` every slot's position, and whether it holds a real token.
-        query_positions: ``(B, L)``.
-        dtype: the model's dtype (eager attention adds the mask to its scores).
-        visibility: ``(B, L, W)`` bool or ``None``: for the last ``W`` slots (a draft tree's), query ``i`` sees slot
-            ``S - W + j`` iff ``visibility[:, i, j]`` (its ancestors and itself) and the slot is real, in place of
-            ``pos_j <= pos_i``; windows still count real positions.
-
-    Returns:
-        ``(B, 1, L, S)``: boolean (True = attend) for sdpa, additive float for eager; a dict of them keyed by layer
-        type when ``layout.keyed``.
-    """
-    distance = query_positions[:, :, None] - key_positions[:, None, :]  # (B, L, S)
-    visible = key_valid[:, None, :] & (distance >= 0)
-    if visibility is not None:
-        tree = visibility.shape[-1]
-        visible = torch.cat([visible[..., : visible.shape[-1] - tree],
-                             visibility & key_valid[:, None, key_valid.shape[1] - tree :]], dim=-1)
-    masks = {}
-    for kind, window in layout.windows.items():
-        allowed = visible if window is None else visible & (distance < window)
-        allowed = allowed[:, None]
-        if layout.implementation == "eager":
-            allowed = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
-                ~allowed, torch.finfo(dtype).min)
-        masks[kind] = allowed
-    return masks if layout.keyed else next(iter(masks.values()))
 
 
 def _standard_strides(tensor: torch.Tensor) -> torch.Tensor:
@@ -324,7 +206,7 @@ class SlotCache:
         """A compiled forward for the step forwards (see :mod:`tetris_hf.compiled`), else ``None`` (the model).
 
         Setting one makes the cache static (:attr:`static`): its capacity is rounded up by
-        :func:`~tetris_hf.compiled.static_capacity` and fixed, its buffers hold every row of the call, and step
+        :func:`~tetris_hf.static_shapes.static_capacity` and fixed, its buffers hold every row of the call, and step
         forwards on models that take prepared masks see static shapes (module docstring). Set it before the first
         forward."""
         return self._step_forward
@@ -459,7 +341,7 @@ class SlotCache:
 
     def _static_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, start: int, end: int,
                         dtype: torch.dtype, logits_to_keep: int) -> torch.Tensor:
-        """:attr:`step_forward` on static shapes: the batch padded to :func:`~tetris_hf.compiled.batch_bucket` rows,
+        """:attr:`step_forward` on static shapes: the batch padded to :func:`~tetris_hf.static_shapes.batch_bucket` rows,
         masks over the whole capacity, keys and values written at ``write_index`` (slots ``start..end - 1``).
 
         Dummy rows (after the real ones) see every slot of their buffer row (finite: written by real tokens, or
