@@ -137,6 +137,24 @@ def position_masks(layout: AttentionLayout, key_positions: torch.Tensor, key_val
     return masks if layout.keyed else next(iter(masks.values()))
 
 
+def real_prefix_mask(cached_valid: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
+    """The mask of a block whose real tokens come first in every row, on a plain sdpa layout
+    (:attr:`AttentionLayout.plain_sdpa`): a real token sees the real cached slots and the block up to itself (all real
+    before it); what filler sees does not matter. No positions are compared.
+
+    Args:
+        cached_valid: ``(B, S)`` whether each cached slot holds a real token.
+        causal: ``(L, L)`` bool, True on and below the diagonal.
+
+    Returns:
+        ``(B, 1, L, S + L)`` bool (True = attend).
+    """
+    batch, cached = cached_valid.shape
+    block = causal.shape[0]
+    return torch.cat([cached_valid[:, None, None, :].expand(batch, 1, block, cached),
+                      causal.expand(batch, 1, block, block)], dim=-1)
+
+
 GROUPED_SDPA = "tetris_grouped_sdpa"  # the attention the static step runs on sdpa models (see grouped_attention)
 
 

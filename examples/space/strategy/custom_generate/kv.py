@@ -33,7 +33,7 @@ import weakref
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .attention import AttentionLayout, check_tree_layout, grouped_attention, position_masks
+from .attention import AttentionLayout, check_tree_layout, grouped_attention, position_masks, real_prefix_mask
 from .static_shapes import batch_bucket, static_capacity
 
 
@@ -273,10 +273,36 @@ class SlotCache:
                 raise RuntimeError("a forward that sees slots written before it must fit the buffers: "
                                    "SlotCache.reserve before the first of them")
         self._make_room(block)
-        # static shapes: a compiled step on a model that takes prepared masks, once the buffers exist (the first
-        # forward allocates them, eagerly)
-        static = step and self.static and self.layout.prepared and bool(self.cache.layers) and visibility is None
         start, end = self.pointer, self.pointer + block
+        position_ids, new_tokens = self._mark_slots(start, end, input_mask, real_lengths, position_ids)
+        # (worked out before the forward: operations right after a forward run on cold caches)
+        next_positions = self.next_positions + new_tokens
+        if step and self.static and self.layout.prepared and self.cache.layers and visibility is None:
+            # static shapes: a compiled step on a model that takes prepared masks, once the buffers exist (the first
+            # forward allocates them, eagerly)
+            with grouped_attention(model):
+                logits = self._static_forward(input_ids, position_ids, start, end, model.dtype, logits_to_keep)
+        else:
+            attention_mask = self._attention_mask(position_ids, start, end, model.dtype, real_prefix=input_mask is None,
+                                                  all_real=input_mask is None and real_lengths is None,
+                                                  visibility=visibility)
+            # (compiled, on the shapes as they come, for models that take the 2D mask; never the forward that allocates)
+            run = self._step_forward if step and self._step_forward is not None and self.cache.layers else model
+            logits = self._run(run, input_ids, attention_mask, position_ids, logits_to_keep)
+        self.pointer = end
+        self.next_positions = next_positions
+        self.longest_bound += block
+        return logits
+
+    def _mark_slots(self, start: int, end: int, input_mask: torch.Tensor | None, real_lengths: torch.Tensor | None,
+                    position_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | int]:
+        """Record which of slots ``start..end - 1`` hold real tokens, and their positions (arguments as in
+        :meth:`forward`).
+
+        Returns:
+            ``(B, L)`` the block's positions, and the real tokens it adds per row: ``(B,)``, or ``L`` when all are real.
+        """
+        block = end - start
         if position_ids is None and input_mask is None:  # positions go on from each row's cached tokens
             position_ids = self.next_positions[:, None]
             if block > 1:
@@ -296,53 +322,42 @@ class SlotCache:
             self.slot_mask[:, start:end] = input_mask
             new_tokens = input_mask.sum(dim=1)
         self.slot_positions[:, start:end] = position_ids
-        if static:
-            next_positions = self.next_positions + new_tokens
-            with grouped_attention(model):
-                logits = self._static_forward(input_ids, position_ids, start, end, model.dtype, logits_to_keep)
-            self.pointer = end
-            self.next_positions = next_positions
-            self.longest_bound += block
-            return logits
-        if visibility is not None:
-            attention_mask = position_masks(self.layout, self.slot_positions[:, :end], self.slot_mask[:, :end],
-                                            position_ids, model.dtype, visibility)
-        elif not self.layout.prepared:  # causality by slot index is causality by position: the 2D mask of real slots
-            attention_mask = self.slot_mask[:, :end].long()
-        elif input_mask is None and real_lengths is None and block == 1 and self.layout.plain_sdpa:
-            # One real token after every cached one: it sees exactly the real slots.
-            attention_mask = self.slot_mask[:, None, None, :end]
-        elif input_mask is None and self.layout.plain_sdpa:
-            # A real token sees the real cached slots and the block up to itself (all real before it); what filler
-            # sees does not matter.
-            batch = input_ids.shape[0]
-            attention_mask = torch.cat([self.slot_mask[:, None, None, :start].expand(batch, 1, block, start),
-                                        self._causal(block).expand(batch, 1, block, block)], dim=-1)
-        else:
-            attention_mask = position_masks(self.layout, self.slot_positions[:, :end], self.slot_mask[:, :end],
-                                            position_ids, model.dtype)
-        # (worked out before the forward: operations right after a forward run on cold caches)
-        next_positions = self.next_positions + new_tokens
+        return position_ids, new_tokens
+
+    def _attention_mask(self, position_ids: torch.Tensor, start: int, end: int, dtype: torch.dtype, real_prefix: bool,
+                        all_real: bool, visibility: torch.Tensor | None):
+        """The mask of a forward on the shapes as they come, writing slots ``start..end - 1``: one kind per layout
+        and block, the cheapest that is exact (see :mod:`tetris_hf.attention`).
+
+        Args:
+            position_ids: ``(B, L)`` the block's positions.
+            dtype: the model's dtype.
+            real_prefix: every row's real tokens come first in the block (all real, or passed as ``real_lengths``).
+            all_real: every token of the block is real.
+            visibility: a draft tree's ancestor mask (see :meth:`forward`), or ``None``.
+        """
+        layout, real = self.layout, self.slot_mask[:, :end]
+        if visibility is not None:  # a draft tree: each node sees the slots before the tree and its ancestors
+            return position_masks(layout, self.slot_positions[:, :end], real, position_ids, dtype, visibility)
+        if not layout.prepared:  # causality by slot index is causality by position: the 2D mask of real slots
+            return real.long()
+        if layout.plain_sdpa and all_real and end - start == 1:  # one real token after every cached one: the real slots
+            return real[:, None, None, :]
+        if layout.plain_sdpa and real_prefix:  # the real cached slots, then causality within the block
+            return real_prefix_mask(self.slot_mask[:, :start], self._causal(end - start))
+        return position_masks(layout, self.slot_positions[:, :end], real, position_ids, dtype)
+
+    def _run(self, forward, input_ids: torch.Tensor, attention_mask, position_ids: torch.Tensor,
+             logits_to_keep: int) -> torch.Tensor:
+        """``forward`` (the model's, or a compiled one) on the block, writing into this cache: its logits."""
         kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
-        # (compiled, on the shapes as they come, for models that take the 2D mask; never the forward that allocates)
-        run = self._step_forward if step and self._step_forward is not None and self.cache.layers else model
-        outputs = run(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=self.cache,
-            use_cache=True,
-            **kwargs,
-        )
-        self.pointer = end
-        self.next_positions = next_positions
-        self.longest_bound += block
-        return outputs.logits
+        return forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       past_key_values=self.cache, use_cache=True, **kwargs).logits
 
     def _static_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, start: int, end: int,
                         dtype: torch.dtype, logits_to_keep: int) -> torch.Tensor:
-        """:attr:`step_forward` on static shapes: the batch padded to :func:`~tetris_hf.static_shapes.batch_bucket` rows,
-        masks over the whole capacity, keys and values written at ``write_index`` (slots ``start..end - 1``).
+        """:attr:`step_forward` on static shapes: the batch padded to :func:`~tetris_hf.static_shapes.batch_bucket`
+        rows, masks over the whole capacity, keys and values written at ``write_index`` (slots ``start..end - 1``).
 
         Dummy rows (after the real ones) see every slot of their buffer row (finite: written by real tokens, or
         zeros), so no query attends to nothing, where some sdpa kernels give NaN; their logits are dropped, and what
@@ -361,14 +376,12 @@ class SlotCache:
         # graphs are specialised on strides too: e.g. a (B, 1) column of a wider block has strides (T, 1), not (1, 1)
         input_ids, position_ids = _standard_strides(input_ids), _standard_strides(position_ids)
         attention_mask = position_masks(self.layout, key_positions, key_valid, position_ids, dtype)
-        kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
         self.write_index = self.offsets[start:end]
         try:
-            outputs = self._step_forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                         past_key_values=self.cache, use_cache=True, **kwargs)
+            logits = self._run(self._step_forward, input_ids, attention_mask, position_ids, logits_to_keep)
         finally:
             self.write_index = None
-        return outputs.logits[:rows] if extra else outputs.logits
+        return logits[:rows] if extra else logits
 
     def _causal(self, block: int) -> torch.Tensor:
         """``(block, block)`` bool, True on and below the diagonal (kept, and grown, across forwards)."""

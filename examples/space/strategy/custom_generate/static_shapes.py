@@ -32,7 +32,8 @@ def bucket(length: int) -> int:
 
 def records_graphs(device: torch.device) -> bool:
     """Whether compiled forwards on ``device`` run as CUDA graphs (``mode="reduce-overhead"``, see
-    :func:`~tetris_hf.compiled.compiled_forward`), which record one graph per shape: then blocks are padded to :func:`bucket` widths."""
+    :func:`~tetris_hf.compiled.compiled_forward`), which record one graph per shape: then blocks are padded to
+    :func:`bucket` widths."""
     return device.type == "cuda"
 
 
