@@ -69,3 +69,15 @@ def static_capacity(slots: int) -> int:
     """Slots per row of a cache whose steps are compiled: ``slots`` rounded up to a multiple of
     :data:`CAPACITY_STEP`, so that calls of nearby lengths give the compiled forwards the same shapes."""
     return -(-slots // CAPACITY_STEP) * CAPACITY_STEP
+
+
+def standard_strides(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, copied if its strides are not those of a new tensor of its shape: graphs are specialised on
+    strides too (e.g. a ``(B, 1)`` column of a wider block has strides ``(T, 1)``, not ``(1, 1)``)."""
+    strides, step = [], 1
+    for size in reversed(tensor.shape):
+        strides.append(step)
+        step *= size
+    if tensor.stride() == tuple(reversed(strides)):
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)

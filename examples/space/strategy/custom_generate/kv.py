@@ -34,7 +34,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .attention import AttentionLayout, check_tree_layout, grouped_attention, position_masks, real_prefix_mask
-from .static_shapes import batch_bucket, static_capacity
+from .static_shapes import batch_bucket, standard_strides, static_capacity
 
 
 def slots_needed(layout: AttentionLayout, prompt_length: int, max_length: int, block: int, max_holes: int) -> int:
@@ -45,17 +45,6 @@ def slots_needed(layout: AttentionLayout, prompt_length: int, max_length: int, b
     if layout.reach is None:
         return max_length + margin
     return min(max_length, max(prompt_length, layout.reach)) + margin
-
-
-def _standard_strides(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``, copied if its strides are not those of a new tensor of its shape."""
-    strides, step = [], 1
-    for size in reversed(tensor.shape):
-        strides.append(step)
-        step *= size
-    if tensor.stride() == tuple(reversed(strides)):
-        return tensor
-    return tensor.clone(memory_format=torch.contiguous_format)
 
 
 class SlotLayer(CacheLayerMixin):
@@ -373,8 +362,7 @@ class SlotCache:
             position_ids = torch.nn.functional.pad(position_ids, pad)
             key_valid = torch.nn.functional.pad(key_valid, pad, value=True)
             key_positions = torch.nn.functional.pad(key_positions, pad)
-        # graphs are specialised on strides too: e.g. a (B, 1) column of a wider block has strides (T, 1), not (1, 1)
-        input_ids, position_ids = _standard_strides(input_ids), _standard_strides(position_ids)
+        input_ids, position_ids = standard_strides(input_ids), standard_strides(position_ids)
         attention_mask = position_masks(self.layout, key_positions, key_valid, position_ids, dtype)
         self.write_index = self.offsets[start:end]
         try:
@@ -395,24 +383,10 @@ class SlotCache:
         if input_ids.shape[1] > 1:
             self.forward(model, input_ids[:, :-1], attention_mask[:, :-1], logits_to_keep=1)
 
-    def drop_slots(self, start: int, keep: torch.Tensor) -> None:
-        """Turn slots ``start + keep[i]`` onwards of row ``i`` into holes (rejected drafts, block filler).
-
-        Args:
-            start: first slot of the block this applies to.
-            keep: ``(B,)`` how many slots of the block row ``i`` keeps.
-        """
-        # E.g. block mask [[0 1 1 1], [1 1 1 1]] (row 0 left-padded) with keep [2, 3] -> [[0 1 . .], [1 1 1 .]]:
-        # keep counts slots, filler included; next_positions drops by the real slots removed, [2, 1].
-        block = self.slot_mask[:, start : self.pointer]  # a view: changed in place
-        dropped = self.offsets[: block.shape[1]] >= keep[:, None]
-        dropped &= block
-        self.next_positions = self.next_positions - dropped.sum(dim=1)
-        block.masked_fill_(dropped, False)
-
     def keep_prefix(self, start: int, keep: torch.Tensor) -> None:
-        """:meth:`drop_slots` for a block written at ``start`` whose real tokens come first in every row (one passed
-        as ``real_lengths``, or all real): row ``i`` keeps its first ``keep[i]`` slots, at most its real ones.
+        """Roll back a block written at ``start`` whose real tokens come first in every row (one passed as
+        ``real_lengths``, or all real): row ``i`` keeps its first ``keep[i]`` slots, at most its real ones, and the
+        rest (rejected drafts, filler) become holes.
 
         E.g. a block [[a b c], [d e .]] from slot 5 with keep [1, 2] -> [[a . .], [d e .]]; each row's next position is
         its block's first position plus what it kept.
@@ -472,11 +446,6 @@ class SlotCache:
         other numbers and hands it back to :meth:`compact`, so that repacking needs no read of its own."""
         return self.next_positions
 
-    def note_longest(self, value: int) -> None:
-        """What the most :meth:`live_lengths` was when last read: every row holds at most this many real slots now
-        (a bound for the repacking a later forward may do; :meth:`compact` takes it as its argument)."""
-        self.longest_bound = min(self.longest_bound, int(value))
-
     def compact(self, longest: int | None = None, force: bool = False) -> None:
         """Repack each row's real slots to the right end of ``[0, width)``, in order, and move the pointer to
         ``width`` (an upper bound on any row's real slots, known without a device read).
@@ -489,7 +458,7 @@ class SlotCache:
         Args:
             longest: an upper bound on the real slots any row holds now, e.g. the most :meth:`live_lengths` read
                 after the last forward (or read before it, plus that forward's block length). Without it the bound
-                is the one the cache keeps: every block counted in full since :meth:`note_longest` last tightened it.
+                is the one the cache keeps: every block counted in full since a ``longest`` last tightened it.
             force: repack whatever the holes.
         """
         if longest is not None:
