@@ -143,16 +143,15 @@ def real_prefix_mask(cached_valid: torch.Tensor, causal: torch.Tensor) -> torch.
     before it); what filler sees does not matter. No positions are compared.
 
     Args:
-        cached_valid: ``(B, S)`` whether each cached slot holds a real token.
+        cached_valid: ``(B, 1, 1, S)`` whether each cached slot holds a real token.
         causal: ``(L, L)`` bool, True on and below the diagonal.
 
     Returns:
         ``(B, 1, L, S + L)`` bool (True = attend).
     """
-    batch, cached = cached_valid.shape
+    batch, cached = cached_valid.shape[0], cached_valid.shape[-1]
     block = causal.shape[0]
-    return torch.cat([cached_valid[:, None, None, :].expand(batch, 1, block, cached),
-                      causal.expand(batch, 1, block, block)], dim=-1)
+    return torch.cat([cached_valid.expand(batch, 1, block, cached), causal.expand(batch, 1, block, block)], dim=-1)
 
 
 GROUPED_SDPA = "tetris_grouped_sdpa"  # the attention the static step runs on sdpa models (see grouped_attention)

@@ -325,16 +325,16 @@ class SlotCache:
             all_real: every token of the block is real.
             visibility: a draft tree's ancestor mask (see :meth:`forward`), or ``None``.
         """
-        layout, real = self.layout, self.slot_mask[:, :end]
+        layout, real = self.layout, self.slot_mask  # (each kind slices it once: a forward's overhead counts)
         if visibility is not None:  # a draft tree: each node sees the slots before the tree and its ancestors
-            return position_masks(layout, self.slot_positions[:, :end], real, position_ids, dtype, visibility)
+            return position_masks(layout, self.slot_positions[:, :end], real[:, :end], position_ids, dtype, visibility)
         if not layout.prepared:  # causality by slot index is causality by position: the 2D mask of real slots
-            return real.long()
+            return real[:, :end].long()
         if layout.plain_sdpa and all_real and end - start == 1:  # one real token after every cached one: the real slots
-            return real[:, None, None, :]
+            return real[:, None, None, :end]
         if layout.plain_sdpa and real_prefix:  # the real cached slots, then causality within the block
-            return real_prefix_mask(self.slot_mask[:, :start], self._causal(end - start))
-        return position_masks(layout, self.slot_positions[:, :end], real, position_ids, dtype)
+            return real_prefix_mask(real[:, None, None, :start], self._causal(end - start))
+        return position_masks(layout, self.slot_positions[:, :end], real[:, :end], position_ids, dtype)
 
     def _run(self, forward, input_ids: torch.Tensor, attention_mask, position_ids: torch.Tensor,
              logits_to_keep: int) -> torch.Tensor:
