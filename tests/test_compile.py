@@ -5,7 +5,8 @@ import torch
 from torch._dynamo.utils import counters
 
 import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
-from tetris_hf.compiled import block_width, bucket, check_compilable
+from tetris_hf.compiled import check_compilable
+from tetris_hf.static_shapes import block_width, bucket
 from test_greedy_exactness import generate_checked, pick_eos, target_alone
 from test_sampling_distribution import VOCAB, chi_square_p_value, exact_joint, sampled_joint
 from tiny_models import left_pad, random_prompts, sharpen, target_and_draft, tiny_llama

@@ -122,8 +122,8 @@ def test_a_step_without_drafts_appends_the_targets_token_to_the_pending_block():
 
 def test_rolled_back_holes_are_repacked_once_they_exceed_max_holes():
     drafter, _ = drafter_after_proposal(3, max_holes=0)
-    drafter.slots.note_longest(4)  # a bound the loop knows for after this roll back: row 1 keeps 4 real slots
-    drafter.accept(torch.tensor([0, 1, 2, 0]), torch.tensor([20, 21, 22, 23]))
+    # with a bound the loop knows for after this roll back: row 1 keeps 4 real slots
+    drafter.accept(torch.tensor([0, 1, 2, 0]), torch.tensor([20, 21, 22, 23]), cached_longest=4)
     # [_ 3 4 . . | 5 6 7 8 . | _ _ 8 9 10 | 9 10 11 . .] -> width 4, each row's real slots right-aligned
     assert drafter.slots.pointer == 4
     assert cached_tokens(drafter.slots).tolist() == [[-1, -1, 3, 4], [5, 6, 7, 8], [-1, 8, 9, 10], [-1, 9, 10, 11]]

@@ -18,8 +18,9 @@ import torch
 from transformers import DynamicCache
 
 from eagle_checkpoints import HIDDEN, VOCAB, eagle1_checkpoint, eagle3_checkpoint, tiny_target, write_checkpoint
+from tetris_hf.attention import AttentionLayout
 from tetris_hf.candidate_generators.eagle import EagleDraft
-from tetris_hf.kv import AttentionLayout, SlotCache
+from tetris_hf.kv import SlotCache
 from tiny_models import left_pad, random_prompts
 
 LAYERS = 8  # default EAGLE-3 layers (2, L // 2, L - 3) = hs[2], hs[4], hs[5], all distinct

@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from tetris_hf.kv import FULL, SLIDING, AttentionLayout, SlotCache, position_masks, slots_needed
+from tetris_hf.attention import FULL, SLIDING, AttentionLayout, position_masks
+from tetris_hf.kv import SlotCache, slots_needed
 from tiny_models import tiny_llama
 
 HEADS, HEAD_DIM, LAYERS = 2, 3, 2
@@ -45,6 +46,18 @@ def new_cache(batch_size, layout=FULL_SDPA, **kwargs):
 
 def feed(slots, model, tokens, mask):
     slots.forward(model, torch.tensor(tokens), torch.tensor(mask))
+
+
+def drop_slots(slots, start, keep):
+    """Turn slots ``start + keep[i]`` onwards of row ``i`` into holes, filler counted: a left-padded block's rolled
+    back tail (how these tests make holes, and the reference for ``keep_prefix``).
+
+    E.g. block mask [[0 1 1 1], [1 1 1 1]] (row 0 left-padded) with keep [2, 3] -> [[0 1 . .], [1 1 1 .]];
+    next_positions drops by the real slots removed, [2, 1]."""
+    block = slots.slot_mask[:, start : slots.pointer]  # a view: changed in place
+    dropped = (torch.arange(block.shape[1]) >= keep[:, None]) & block
+    slots.next_positions = slots.next_positions - dropped.sum(dim=1)
+    block.masked_fill_(dropped, False)
 
 
 def cached_tokens(slots, layer=0):
@@ -88,7 +101,7 @@ def test_a_block_of_real_tokens_passed_without_a_mask_is_cached_as_with_a_mask_o
     def run(mask):
         model, slots = RecordingModel(), new_cache(2, layout=layout, capacity=16)
         feed(slots, model, [[PAD, A, B, C, D], [A, B, C, D, E]], [[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
-        slots.drop_slots(0, torch.tensor([3, 5]))  # [_ a b . .]: row 0 now has holes
+        drop_slots(slots, 0, torch.tensor([3, 5]))  # [_ a b . .]: row 0 now has holes
         tokens = torch.tensor([[X] * block, [E] * block])
         slots.forward(model, tokens, mask if mask is None else torch.ones_like(tokens))
         return model.calls[-1], slots
@@ -117,11 +130,11 @@ def test_a_block_of_real_tokens_passed_without_a_mask_is_cached_as_with_a_mask_o
 def test_a_verified_block_passed_as_a_real_prefix_is_seen_as_with_its_mask(layout, real):
     # A verified block: each row's last token and its verified drafts, then filler. What a real token sees, where it
     # sits and what is cached must not depend on passing real_lengths in place of the mask; nor must rolling it back
-    # by keep_prefix in place of drop_slots.
+    # by keep_prefix in place of dropping the block's tail.
     def run(prefix):
         model, slots = RecordingModel(), new_cache(2, layout=layout, capacity=16)
         feed(slots, model, [[PAD, A, B, C, D], [A, B, C, D, E]], [[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
-        slots.drop_slots(0, torch.tensor([3, 5]))  # [_ a b . .]: row 0 now has holes
+        drop_slots(slots, 0, torch.tensor([3, 5]))  # [_ a b . .]: row 0 now has holes
         mask = torch.arange(4)[None, :] < torch.tensor(real)[:, None]
         block = torch.tensor([[X, A, B, C], [E, D, C, B]])
         if prefix:
@@ -131,7 +144,10 @@ def test_a_verified_block_passed_as_a_real_prefix_is_seen_as_with_its_mask(layou
         rolled_back = []
         for keep in (torch.zeros(2, dtype=torch.long), (torch.tensor(real) - 2).clamp(min=0), torch.tensor(real)):
             after = copy.deepcopy(slots)
-            (after.keep_prefix if prefix else after.drop_slots)(5, keep)
+            if prefix:
+                after.keep_prefix(5, keep)
+            else:
+                drop_slots(after, 5, keep)
             rolled_back.append(after)
         return model.calls[-1], slots, mask, rolled_back
 
@@ -154,28 +170,12 @@ def test_a_verified_block_passed_as_a_real_prefix_is_seen_as_with_its_mask(layou
     assert torch.equal(slots.slot_positions[slots.slot_mask], reference.slot_positions[reference.slot_mask])
 
 
-def test_drop_slots_turns_the_tail_of_each_rows_block_into_holes_and_rewinds_its_positions():
-    model, slots = RecordingModel(), new_cache(3, capacity=16)
-    feed(slots, model, [[A, B], [A, B], [A, B]], [[1, 1]] * 3)
-    feed(slots, model, [[PAD, C, D], [C, D, E], [C, D, E]], [[0, 1, 1], [1, 1, 1], [1, 1, 1]])
-    # Block = slots 2..4. Row 0 keeps 2 slots: its filler and c (d dropped); row 1 keeps 0; row 2 keeps more than
-    # the block holds.
-    slots.drop_slots(2, torch.tensor([2, 0, 5]))
-    assert slots.slot_mask[:, :5].tolist() == [[1, 1, 0, 1, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]
-    assert slots.next_positions.tolist() == [3, 2, 5]
-    assert slots.pointer == 5  # holes stay in place until repacking
-    # The next token reuses the dropped positions.
-    feed(slots, model, [[E], [E], [E]], [[1]] * 3)
-    assert slots.slot_positions[:, 5].tolist() == [3, 2, 5]
-    assert slots.next_positions.tolist() == [4, 3, 6]
-
-
 def rows_with_a_hole(**kwargs):
     """Rows ``[a b . c | _ _ d e]``: x was drafted into slot 2 of row 0 and dropped."""
     model, slots = RecordingModel(), new_cache(2, **kwargs)
     feed(slots, model, [[A, B], [PAD, PAD]], [[1, 1], [0, 0]])
     feed(slots, model, [[X], [D]], [[1], [1]])
-    slots.drop_slots(2, torch.tensor([0, 1]))
+    drop_slots(slots, 2, torch.tensor([0, 1]))
     feed(slots, model, [[C], [E]], [[1], [1]])
     assert cached_tokens(slots).tolist() == [[A, B, -1, C], [-1, -1, D, E]]
     assert slots.slot_positions[:, :4].tolist() == [[0, 1, 2, 2], [0, 0, 0, 1]]
@@ -184,8 +184,7 @@ def rows_with_a_hole(**kwargs):
 
 def test_compact_moves_real_slots_to_the_right_end_of_the_width_in_order_with_their_keys_and_values():
     model, slots = rows_with_a_hole(capacity=16, max_holes=0)
-    slots.note_longest(3)  # the loop read that no row holds more than 3 real slots
-    slots.compact()
+    slots.compact(3)  # the loop read that no row holds more than 3 real slots
     # [a b . c | _ _ d e] -> [a b c | . d e]
     assert slots.pointer == 3
     assert slots.slot_mask[:, :5].tolist() == [[1, 1, 1, 0, 0], [0, 1, 1, 0, 0]]
@@ -201,17 +200,6 @@ def test_compact_moves_real_slots_to_the_right_end_of_the_width_in_order_with_th
     assert cached_tokens(slots).tolist() == [[A, B, C, D], [-1, D, E, A]]
 
 
-def test_compact_takes_the_longest_row_as_an_argument():
-    _, slots = rows_with_a_hole(capacity=16, max_holes=0)
-    noted = copy.deepcopy(slots)
-    noted.note_longest(3)
-    noted.compact()
-    slots.compact(3)  # the same bound, passed rather than noted beforehand
-    assert slots.pointer == noted.pointer == 3
-    assert torch.equal(slots.slot_mask, noted.slot_mask) and torch.equal(slots.slot_positions, noted.slot_positions)
-    assert cached_tokens(slots).tolist() == cached_tokens(noted).tolist() == [[A, B, C], [-1, D, E]]
-
-
 def test_compact_without_a_tighter_bound_keeps_the_width_and_closes_holes_from_the_left():
     _, slots = rows_with_a_hole(capacity=16, max_holes=0)
     slots.compact(force=True)  # width = the pointer (4): [a b . c] -> [. a b c]
@@ -223,9 +211,8 @@ def test_compact_without_a_tighter_bound_keeps_the_width_and_closes_holes_from_t
 
 def test_compact_waits_until_holes_exceed_max_holes():
     _, slots = rows_with_a_hole(capacity=16, max_holes=1)
-    slots.note_longest(3)
     before = (slots.slot_mask.clone(), slots.slot_positions.clone(), slots.cache.layers[0].keys.clone())
-    slots.compact()  # 4 slots, at most 3 real: 1 hole, allowed
+    slots.compact(3)  # 4 slots, at most 3 real: 1 hole, allowed
     assert slots.pointer == 4
     assert torch.equal(slots.slot_mask, before[0]) and torch.equal(slots.slot_positions, before[1])
     assert torch.equal(slots.cache.layers[0].keys, before[2])
@@ -248,7 +235,7 @@ def test_compact_on_a_windowed_model_drops_slots_out_of_every_window():
 def test_fill_rows_moves_rows_from_the_end_into_finished_rows_places_in_place():
     model, slots = RecordingModel(), new_cache(4, capacity=8)
     feed(slots, model, [[A, B], [PAD, C], [D, E], [PAD, X]], [[1, 1], [0, 1], [1, 1], [0, 1]])
-    slots.drop_slots(0, torch.tensor([2, 2, 1, 2]))
+    drop_slots(slots, 0, torch.tensor([2, 2, 1, 2]))
     buffers = [layer.keys.data_ptr() for layer in slots.cache.layers]
     # rows 1 and 2 finished: row 3 takes row 1's place, 2 rows remain
     rows = slots.fill_rows(torch.tensor([1]), torch.tensor([3]), 2)
@@ -277,8 +264,8 @@ def test_fill_rows_pairs_that_name_the_same_row_move_nothing():
 def test_a_full_buffer_repacks_then_grows():
     model, slots = RecordingModel(), new_cache(1, capacity=4, max_holes=100)
     feed(slots, model, [[A, B, C]], [[1, 1, 1]])
-    slots.drop_slots(1, torch.tensor([0]))  # [a . .]
-    slots.note_longest(1)
+    drop_slots(slots, 1, torch.tensor([0]))  # [a . .]
+    slots.compact(1)  # the bound the loop read; 2 holes are allowed, so nothing moves yet
     feed(slots, model, [[D, E]], [[1, 1]])  # does not fit: repacked to [a] first, then written
     assert slots.capacity == 4 and slots.pointer == 3
     assert cached_tokens(slots).tolist() == [[A, D, E]]
@@ -349,10 +336,9 @@ def test_repacking_changes_nothing_a_real_model_computes():
     with torch.no_grad():
         slots.forward(model, torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10]]), torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]))
         slots.forward(model, torch.tensor([[11, 12], [13, 14]]), torch.tensor([[1, 1], [1, 1]]))
-        slots.drop_slots(4, torch.tensor([1, 0]))  # [_ _ a b c .] and [a b c d . .]
-        slots.note_longest(4)
+        drop_slots(slots, 4, torch.tensor([1, 0]))  # [_ _ a b c .] and [a b c d . .]
         with_holes = copy.deepcopy(slots).forward(model, torch.tensor([[15], [16]]), torch.ones(2, 1, dtype=torch.long))
-        slots.compact()
+        slots.compact(4)
         assert slots.pointer == 4 and slots.slot_mask[:, :4].tolist() == [[0, 1, 1, 1], [1, 1, 1, 1]]
         repacked = slots.forward(model, torch.tensor([[15], [16]]), torch.ones(2, 1, dtype=torch.long))
         fresh = [model(torch.tensor([text])).logits[0, -1] for text in ([5, 6, 11, 15], [7, 8, 9, 10, 16])]

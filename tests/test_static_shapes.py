@@ -13,7 +13,8 @@ from torch._dynamo.utils import counters
 
 import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
 import tetris_hf.compiled as compiled
-from tetris_hf.compiled import batch_bucket, batch_buckets, bucket, static_capacity
+import tetris_hf.static_shapes as static_shapes
+from tetris_hf.static_shapes import batch_bucket, batch_buckets, bucket, static_capacity
 from tetris_hf.kv import SlotCache
 from test_greedy_exactness import assert_rows_equal
 from test_prompt_lookup import repetitive_prompts
@@ -74,7 +75,7 @@ def block_widths(request, monkeypatch):
     """The widths a target block of up to ``n`` tokens may take, per policy: powers of two where graphs are recorded
     (the CUDA policy, played on the CPU), else exact."""
     graphs = request.param == "cuda graphs"
-    monkeypatch.setattr(compiled, "records_graphs", lambda device: graphs)
+    monkeypatch.setattr(static_shapes, "records_graphs", lambda device: graphs)
     return lambda n: {bucket(length) if graphs else length for length in range(1, n + 1)}
 
 
@@ -206,7 +207,7 @@ def test_draft_and_target_see_a_few_shapes_however_long_the_call(recorder, block
         assert_static(target_shapes, widths, BATCH)
         assert_static(draft_shapes, {1, 2}, BATCH)  # the pending block (target token, and a last draft), then 1
         assert len(target_shapes) <= len(widths) * len(batch_buckets(BATCH)) and len(draft_shapes) <= 4
-        assert len(widths) == (4 if compiled.records_graphs(None) else 6)
+        assert len(widths) == (4 if static_shapes.records_graphs(None) else 6)
         counts[new_tokens] = len(target_shapes), len(draft_shapes)
     # the same here; which widths a call needs varies a little with its rows, never past the bound
     assert counts[SHORT] == counts[LONG], counts

@@ -611,9 +611,9 @@ def test_scores_by_the_drawn_tokens_probability_bias_sampling():
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def test_compacted_cache_holds_the_accepted_path_as_a_chain_would():
+def test_kept_slots_hold_the_root_and_the_accepted_path_in_position_order():
     generator = torch.Generator().manual_seed(15)
-    vocab, rows, heads, head_dim = 4, 5, 2, 3
+    vocab, rows = 4, 5
     tree = random_trees(generator, rows, 10, vocab=vocab, invalid=0.0)
     selected = trees.select_tree_nodes(tree.log_scores, tree.valid, tree.parents, 25)
     roots = torch.randint(vocab, (rows,), generator=generator)
@@ -626,27 +626,13 @@ def test_compacted_cache_holds_the_accepted_path_as_a_chain_would():
                 target_argmax[row, slot] = block.tokens[row, children[0]]
     out = trees.accept_tree_greedy(block.tokens, block.parents, target_argmax)
     assert out.num_accepted.max() >= 2
-
-    def kv(tokens, positions):  # a toy key: a function of the token and its position
-        return (tokens * 100 + positions).double()[:, None, :, None].expand(-1, heads, -1, head_dim)
-
-    starts = torch.tensor([3, 0, 7, 5, 1])  # each row's length before the block (contiguous per-row caches)
-    capacity = 20
-    cache = torch.randn(rows, heads, capacity, head_dim, generator=generator, dtype=torch.float64)
-    prefix = cache.clone()
     slots = block.tokens.shape[1]
-    write = starts[:, None] + torch.arange(slots)
-    cache.scatter_(2, write[:, None, :, None].expand(-1, heads, -1, head_dim),
-                   kv(block.tokens, starts[:, None] + block.position_offsets))  # block written at its positions
     keep = trees.kept_slots(out.path, slots)
     assert keep.sum(dim=1).tolist() == (1 + out.num_accepted).tolist()
-    trees.compact_block(cache, starts, trees.compaction_order(keep))
     for row in range(rows):
-        length, count = int(starts[row]), int(out.num_accepted[row])
-        chain = torch.tensor([int(roots[row])] + block.tokens[row, out.path[row, :count]].tolist())
-        torch.testing.assert_close(cache[row, :, length:length + 1 + count],
-                                   kv(chain[None], length + torch.arange(1 + count)[None])[0])
-        torch.testing.assert_close(cache[row, :, :length], prefix[row, :, :length])  # the prefix is untouched
+        count = int(out.num_accepted[row])
+        chain = [int(roots[row])] + block.tokens[row, out.path[row, :count]].tolist()
+        assert block.tokens[row][keep[row]].tolist() == chain  # the tokens a chain would have kept
         kept_positions = block.position_offsets[row][keep[row]]
         assert kept_positions.tolist() == list(range(1 + count))  # in place, kept slots are in position order
 
@@ -667,13 +653,10 @@ def conditional_acceptances(generator, tree):
     return accept
 
 
-def test_expected_accepted_on_a_chain_is_the_tetris_objective():
-    accept = torch.tensor([[0.9, 0.7, 0.5, 0.2], [0.3, 0.9, 0.9, 0.9]], dtype=torch.float64)
-    parents = torch.arange(-1, 3).expand(2, -1)
-    selected = torch.tensor([[True, True, True, False], [True, True, False, False]])
-    expected = [0.9 + 0.63 + 0.315, 0.3 + 0.27]
-    torch.testing.assert_close(trees.expected_accepted_tree(accept, parents, selected),
-                               torch.tensor(expected, dtype=torch.float64))
+def expected_accepted(accept_probs, parents, selected):
+    """``(B,)`` expected accepted drafts per row of a selected subtree, given each node's acceptance given its
+    parent's: the sum over its nodes of the probability that the whole path to the node is accepted."""
+    return (trees.path_products(accept_probs, parents) * selected).sum(dim=1)
 
 
 def test_top_c_by_path_probability_maximises_expected_accepted_over_subtrees():
@@ -685,13 +668,13 @@ def test_top_c_by_path_probability_maximises_expected_accepted_over_subtrees():
         path = trees._path_reduce(accept, tree.parents, torch.mul)
         for budget in range(9):
             selected = trees.select_tree_nodes(path.log(), tree.valid, tree.parents, budget)
-            value = float(trees.expected_accepted_tree(accept, tree.parents, selected))
+            value = float(expected_accepted(accept, tree.parents, selected))
             best = 0.0
             for subset in itertools.combinations(range(8), budget):
                 chosen = torch.zeros(1, 8, dtype=torch.bool)
                 chosen[0, list(subset)] = True
                 if is_ancestor_closed(chosen, tree.parents):
-                    best = max(best, float(trees.expected_accepted_tree(accept, tree.parents, chosen)))
+                    best = max(best, float(expected_accepted(accept, tree.parents, chosen)))
             assert value == pytest.approx(best)
 
 
@@ -716,7 +699,7 @@ def test_expected_accepted_matches_simulated_greedy_acceptance():
         law[0, slot, others] = (1 - law[0, slot].sum()) / len(others)
     target_argmax = sample_tokens(law.expand(rows, -1, -1), generator)
     out = trees.accept_tree_greedy(block.tokens.expand(rows, -1), block.parents.expand(rows, -1), target_argmax)
-    expected = float(trees.expected_accepted_tree(accept, tree.parents, selected))
+    expected = float(expected_accepted(accept, tree.parents, selected))
     assert float(out.num_accepted.double().mean()) == pytest.approx(expected, abs=4 * 1.5 / math.sqrt(rows))
 
 
@@ -737,7 +720,5 @@ def test_a_tree_step_reads_nothing_from_the_device():
                 q = trees.block_draft_log_probs(grown.expanded_log_probs, grown.expanded_of_node, block.node_index)
                 out = trees.accept_tree_sampling(block.tokens, block.parents, target_probs, q.exp(), 3, 2, generator)
                 out = trees.accept_tree_greedy(block.tokens, block.parents, target_probs.argmax(-1), 3)
-                order = trees.compaction_order(trees.kept_slots(out.path, block.tokens.shape[1]))
-                trees.compact_block(torch.zeros(4, 1, 20, 2), torch.tensor([0, 3, 5, 1]), order)
-                trees.expected_accepted_tree(tree.valid.double(), tree.parents, selected)
+                trees.kept_slots(out.path, block.tokens.shape[1])
     assert reads.count == 0

@@ -129,7 +129,8 @@ class EagleDraft(nn.Module):
             ``i < L`` the input of decoder layer ``i``, ``L`` the final norm's output), concatenated in this order.
         feature_size: F, the last dimension of ``target_features``.
         config: a ``LlamaConfig`` of the head (``vocab_size`` the target's ``V``, ``draft_vocab_size`` the head's,
-            ``_attn_implementation`` the target's), so :class:`tetris_hf.kv.AttentionLayout` reads it like a model's.
+            ``_attn_implementation`` the target's), so :class:`tetris_hf.attention.AttentionLayout` reads it like a
+            model's.
     """
 
     def __init__(self, config: LlamaConfig, kind: str, aux_layer_ids: tuple[int, ...], feature_size: int,

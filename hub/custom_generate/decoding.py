@@ -19,17 +19,19 @@ from transformers.cache_utils import StaticCache
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
+from .attention import AttentionLayout, check_tree_layout
 from .candidate_generators import BatchedDraftCandidateGenerator
 from .candidate_generators_drafter import Drafter, Proposal
 from .candidate_generators_eagle import is_eagle_head
 from .candidate_generators_eagle_drafter import EagleCandidateGenerator
 from .candidate_generators_prompt_lookup import DEFAULT_MAX_NGRAM_SIZE, BatchedPromptLookupCandidateGenerator
 from .candidate_generators_reduced_vocab import reduced_vocab_draft
-from .compiled import block_width, check_compilable, compiled_forward
+from .compiled import check_compilable, compiled_forward
 from .families import check_supported
-from .kv import AttentionLayout, SlotCache, check_tree_layout, slots_needed
+from .kv import SlotCache, slots_needed
 from .logits import PositionwiseLogitsProcessor, verify_greedy, verify_sampling
 from .outputs import TetrisGenerateOutput, TetrisStats
+from .static_shapes import block_width
 from .step_strategy import StepSeconds, run_step
 from .stopping import RowStopper
 from .strategies import TetrisOptions, make_strategy

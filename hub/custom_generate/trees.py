@@ -16,10 +16,7 @@ host integers the caller knows):
    best ``n`` nodes);
 3. verify: :func:`tree_block`, the target's input (tokens, positions, ancestor mask) for one forward;
 4. accept: :func:`accept_tree_greedy` or :func:`accept_tree_sampling` (lossless, see below);
-5. roll back: :func:`kept_slots` (which block slots a cache keeps) and :func:`compaction_order` /
-   :func:`compact_block` (for a cache whose kept slots must be contiguous).
-
-:func:`expected_accepted_tree` compares trees and chains at equal budget for measurements.
+5. roll back: :func:`kept_slots` (which block slots a cache keeps).
 
 **Representation.** ``B`` rows, each a tree of at most ``N`` nodes. The root is the row's last emitted token (not yet
 verified, not a node); nodes are numbered in creation order, depth by depth, and within a depth by descending score,
@@ -43,7 +40,7 @@ Worked example (one row, width 2, depth 2, two nodes kept per depth)::
     tree_block -> tokens [r, the, cat, dog], offsets [0, 1, 2, 2], parents [-1, 0, 1, 1],
                   mask   r: r | the: r the | cat: r the cat | dog: r the dog
     target argmax at r = the, at the = dog -> accepted path slots [1, 3], 2 accepted, next token = argmax at "dog"
-    kept_slots -> [T, T, F, T]; compaction_order -> [0, 1, 3, 2]
+    kept_slots -> [T, T, F, T]
 
 **Sampling, and why it stays lossless.** :func:`accept_tree_sampling` runs recursive rejection sampling without
 replacement (RRS-wor; SpecInfer's multi-draft rule, with the draft law updated for distinct siblings) at each node of
@@ -108,9 +105,6 @@ __all__ = [
     "accept_tree_greedy",
     "accept_tree_sampling",
     "kept_slots",
-    "compaction_order",
-    "compact_block",
-    "expected_accepted_tree",
     "path_products",
     "conditional_log_probs",
     "path_tokens",
@@ -755,8 +749,7 @@ def kept_slots(path: Tensor, slots: int) -> Tensor:
     """The block slots a KV cache keeps after acceptance, ``(B, S)`` bool: the root and the accepted nodes.
 
     They are non-contiguous in general (E.g. path [1, 3] of a 4-slot block -> [T, T, F, T]) but in position order:
-    a cache with holes (``SlotCache``) keeps them where they are; a contiguous cache moves them with
-    :func:`compaction_order`.
+    a cache with holes (``SlotCache``) keeps them where they are.
 
     Args:
         path: ``(B, D)`` :attr:`TreeAcceptance.path` (-1 padded).
@@ -767,34 +760,6 @@ def kept_slots(path: Tensor, slots: int) -> Tensor:
     keep[:, 0] = True
     keep.scatter_(1, torch.where(path >= 0, path, slots), True)
     return keep[:, :slots]
-
-
-def compaction_order(keep: Tensor) -> Tensor:
-    """``(B, S)`` gather order that moves a block's kept slots to its front, in slot order, the rest after:
-    ``compacted[:, j] = block[:, order[:, j]]`` (E.g. keep [T, T, F, T] -> [0, 1, 3, 2]). The root then sits at slot
-    0 and the accepted path at ``1 .. num_accepted``, where a chain would have written them."""
-    return torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices
-
-
-def compact_block(cache: Tensor, block_start: Tensor, order: Tensor) -> Tensor:
-    """Apply :func:`compaction_order` in place to one layer's keys or values, each row's block at its own offset.
-
-    ``cache[b, :, block_start[b] + j] = cache[b, :, block_start[b] + order[b, j]]`` for ``j < S``.
-
-    Args:
-        cache: ``(B, H, T, Dh)``.
-        block_start: ``(B,)`` slot of each row's root.
-        order: ``(B, S)``.
-
-    Returns:
-        ``cache`` (changed in place). A contiguous cache then drops slots from ``block_start + 1 + num_accepted``.
-    """
-    batch_size, heads, _, head_dim = cache.shape
-    slots = order.shape[1]
-    source = (block_start[:, None] + order)[:, None, :, None].expand(batch_size, heads, slots, head_dim)
-    target = (block_start[:, None] + torch.arange(slots, device=order.device))[:, None, :, None]
-    moved = cache.gather(2, source)
-    return cache.scatter_(2, target.expand(batch_size, heads, slots, head_dim), moved)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -813,23 +778,3 @@ def conditional_log_probs(tree: DraftTree) -> Tensor:
     ``-inf`` for an invalid node."""
     parent_scores = torch.where(tree.parents >= 0, tree.log_scores.gather(1, tree.parents.clamp(min=0)), 0.0)
     return torch.where(tree.valid, tree.log_scores - parent_scores, float("-inf"))
-
-
-def expected_accepted_tree(accept_probs: Tensor, parents: Tensor, selected: Tensor) -> Tensor:
-    """Expected accepted drafts per row and step of a selected subtree: the sum over its nodes of the probability
-    that the whole path to the node is accepted (a row emits one more token, the target's).
-
-    With ``accept_probs`` the conditional acceptance of each node given its parent's (for greedy verification: the
-    probability that the target's argmax at the parent is the node's token), the path probability is their product
-    along the path. For a chain this is TETRIS's objective ``sum_j prod_{t <= j} a_t``, so trees and chains compare
-    at equal budget; ranking nodes by it and taking the best ``C`` maximises it over subtrees of ``C`` nodes.
-
-    Args:
-        accept_probs: ``(B, N)`` in ``[0, 1]``.
-        parents: ``(B, N)``.
-        selected: ``(B, N)`` bool, ancestor-closed.
-
-    Returns:
-        ``(B,)``.
-    """
-    return (path_products(accept_probs, parents) * selected).sum(dim=1)

@@ -5,14 +5,9 @@ Every row writes the same number of slots per forward (blocks are padded to one 
 pointer, into buffers allocated once (``(B, H, capacity, D)`` per layer). Per row and slot the cache knows whether
 the slot holds a real token and that token's position in its row. Rejected drafts and block filler become holes.
 Keys are cached after RoPE and every forward gets each row's true ``position_ids``, so holes and moved slots change
-nothing the model computes, provided its attention mask is built from those positions. The cache builds, for each
-forward, the prepared 4D mask in which a query sees a key iff the key's slot holds a real token, the key's position
-is not after the query's and, on sliding-window layers, is within the window; hybrid models (Gemma 2/3, Qwen2, ...)
-get one such mask per layer type (``"full_attention"``, ``"sliding_attention"``). transformers would measure windows
-in slots, which holes and left padding stretch, and a prepared mask also spares it a device read per forward.
-Models that derive ALiBi biases from the 2D mask (BLOOM, MPT, Falcon with ``alibi``) get the 2D ``(B, slots)`` mask
-of real slots instead (transformers adds causality by slot index, which is the order of positions within a row), as
-do attention implementations other than sdpa and eager (which then cannot serve a sliding window).
+nothing the model computes, provided its attention mask is built from those positions: the cache hands each forward
+the mask :mod:`tetris_hf.attention` builds from them (a prepared 4D mask, one per layer type on hybrid models, or the
+2D mask of real slots for models that take no prepared mask).
 
 :meth:`SlotCache.compact` repacks each row's real slots when holes pile up (or the buffers fill), which bounds the
 cache at the longest row's live tokens plus ``max_holes``; on a model whose every layer has a window, slots that fell
@@ -24,101 +19,22 @@ accepted path that is not a prefix of its block. Models on the 2D mask cannot sa
 
 **Static shapes** (a cache given a compiled :attr:`SlotCache.step_forward`, ``tetris_compile=True``): CUDA graphs
 record one graph per distinct input shape, so the step forwards see a few shapes only. The capacity is fixed for the
-call (rounded up, :func:`~tetris_hf.compiled.static_capacity`) and every step forward attends over all of it (masks
-``(B, 1, L, capacity)``, unwritten slots and holes masked out; keys and values are written at a slot index tensor, not
-a Python pointer); the batch is padded to a few sizes (:func:`~tetris_hf.compiled.batch_bucket`) with dummy rows
-that write into buffer rows nobody reads and whose logits are dropped; the block lengths come from the loop (powers of
-two). Prompt reads and catch-ups stay eager, with the tight shapes of the eager path.
+call (rounded up, :func:`~tetris_hf.static_shapes.static_capacity`) and every step forward attends over all of it
+(masks ``(B, 1, L, capacity)``, unwritten slots and holes masked out; keys and values are written at a slot index
+tensor, not a Python pointer); the batch is padded to a few sizes (:func:`~tetris_hf.static_shapes.batch_bucket`) with
+dummy rows that write into buffer rows nobody reads and whose logits are dropped; the block lengths come from the loop
+(powers of two). Prompt reads and catch-ups stay eager, with the tight shapes of the eager path.
 """
 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .compiled import batch_bucket, grouped_attention, static_capacity
-
-FULL, SLIDING = "full_attention", "sliding_attention"
-MASK_IMPLEMENTATIONS = ("sdpa", "eager")  # attention implementations that take a prepared 4D mask
-ALIBI_FAMILIES = ("bloom", "mpt")  # their ALiBi biases come from the 2D mask's cumulative sum
-
-
-@dataclass(frozen=True)
-class AttentionLayout:
-    """Which attention a model's layers use, and how to hand it masks.
-
-    Args:
-        windows: ``{layer type: window}``, ``None`` for full attention.
-        keyed: the model's forward takes a dict of masks keyed by layer type (hybrid models: ``config.layer_types``).
-        implementation: ``config._attn_implementation``.
-        prepared: the cache hands the model prepared 4D masks (else the 2D mask of real slots).
-    """
-
-    windows: dict
-    keyed: bool
-    implementation: str
-    prepared: bool
-
-    @classmethod
-    def of(cls, model: torch.nn.Module) -> "AttentionLayout":
-        config = model.config.get_text_config(decoder=True)
-        window = getattr(config, "sliding_window", None)
-        window = window if isinstance(window, int) and window > 0 else None
-        layer_types = getattr(config, "layer_types", None)
-        implementation = config._attn_implementation or "eager"
-        alibi = config.model_type in ALIBI_FAMILIES or bool(getattr(config, "alibi", False))
-        prepared = implementation in MASK_IMPLEMENTATIONS and not alibi
-        if isinstance(layer_types, (list, tuple)) and layer_types:
-            windows = {kind: (window if kind == SLIDING else None) for kind in dict.fromkeys(layer_types)}
-            layout = cls(windows, True, implementation, prepared)
-        else:
-            layout = cls({FULL if window is None else SLIDING: window}, False, implementation, prepared)
-        if layout.windowed:
-            unknown = [kind for kind in layout.windows if kind not in (FULL, SLIDING)]
-            if unknown:
-                raise ValueError(f"{config.model_type}: layer types {unknown} are not supported by tetris_hf (it can "
-                                 f"build masks for {FULL!r} and {SLIDING!r} layers)")
-            if SLIDING in layout.windows and layout.windows[SLIDING] is None:
-                raise ValueError(f"{config.model_type}: sliding-attention layers without a `sliding_window` size")
-            if not prepared:
-                raise ValueError(
-                    f"{config.model_type} with attn_implementation={implementation!r}: tetris_hf builds sliding-window "
-                    f"masks from real positions, which needs one of {MASK_IMPLEMENTATIONS}; load the model with "
-                    "attn_implementation='sdpa'"
-                )
-        return layout
-
-    @cached_property  # (properties of a frozen layout, asked for at every forward)
-    def windowed(self) -> bool:
-        """Some layer attends through a sliding window (masks must come from real positions)."""
-        return any(window is not None for window in self.windows.values())
-
-    @cached_property
-    def plain_sdpa(self) -> bool:
-        """One boolean 4D mask for every layer, no window (the mask of a single new token is its row's real slots)."""
-        return self.implementation == "sdpa" and self.prepared and not self.keyed and not self.windowed
-
-    @cached_property
-    def reach(self) -> int | None:
-        """How far back any layer sees (``None``: unbounded). Older slots are never read again."""
-        windows = list(self.windows.values())
-        return None if any(window is None for window in windows) else max(windows)
-
-
-def check_tree_layout(layout: AttentionLayout, model: torch.nn.Module) -> None:
-    """Refuse draft trees (``tetris_tree_width > 1``) on a model that cannot take a prepared 4D mask: a tree's nodes
-    see only their ancestors, which a 2D mask of real slots cannot say."""
-    if not layout.prepared:
-        config = model.config.get_text_config(decoder=True)
-        why = ("its ALiBi biases come from the 2D attention mask" if config.model_type in ALIBI_FAMILIES
-               or getattr(config, "alibi", False) else
-               f"attn_implementation={layout.implementation!r} takes no prepared 4D mask (use 'sdpa' or 'eager')")
-        raise ValueError(f"tetris_tree_width > 1 needs a 4D ancestor mask, which {config.model_type} cannot take: "
-                         f"{why}; use tetris_tree_width=1 (draft chains)")
+from .attention import AttentionLayout, check_tree_layout, grouped_attention, position_masks, real_prefix_mask
+from .static_shapes import batch_bucket, standard_strides, static_capacity
 
 
 def slots_needed(layout: AttentionLayout, prompt_length: int, max_length: int, block: int, max_holes: int) -> int:
@@ -129,51 +45,6 @@ def slots_needed(layout: AttentionLayout, prompt_length: int, max_length: int, b
     if layout.reach is None:
         return max_length + margin
     return min(max_length, max(prompt_length, layout.reach)) + margin
-
-
-def position_masks(layout: AttentionLayout, key_positions: torch.Tensor, key_valid: torch.Tensor,
-                   query_positions: torch.Tensor, dtype: torch.dtype, visibility: torch.Tensor | None = None):
-    """Prepared 4D masks in which query ``i`` sees key ``j`` iff slot ``j`` holds a real token, ``pos_j <= pos_i``
-    and, on sliding layers, ``pos_i - pos_j < window``.
-
-    Args:
-        key_positions, key_valid: ``(B, S)`` every slot's position, and whether it holds a real token.
-        query_positions: ``(B, L)``.
-        dtype: the model's dtype (eager attention adds the mask to its scores).
-        visibility: ``(B, L, W)`` bool or ``None``: for the last ``W`` slots (a draft tree's), query ``i`` sees slot
-            ``S - W + j`` iff ``visibility[:, i, j]`` (its ancestors and itself) and the slot is real, in place of
-            ``pos_j <= pos_i``; windows still count real positions.
-
-    Returns:
-        ``(B, 1, L, S)``: boolean (True = attend) for sdpa, additive float for eager; a dict of them keyed by layer
-        type when ``layout.keyed``.
-    """
-    distance = query_positions[:, :, None] - key_positions[:, None, :]  # (B, L, S)
-    visible = key_valid[:, None, :] & (distance >= 0)
-    if visibility is not None:
-        tree = visibility.shape[-1]
-        visible = torch.cat([visible[..., : visible.shape[-1] - tree],
-                             visibility & key_valid[:, None, key_valid.shape[1] - tree :]], dim=-1)
-    masks = {}
-    for kind, window in layout.windows.items():
-        allowed = visible if window is None else visible & (distance < window)
-        allowed = allowed[:, None]
-        if layout.implementation == "eager":
-            allowed = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
-                ~allowed, torch.finfo(dtype).min)
-        masks[kind] = allowed
-    return masks if layout.keyed else next(iter(masks.values()))
-
-
-def _standard_strides(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``, copied if its strides are not those of a new tensor of its shape."""
-    strides, step = [], 1
-    for size in reversed(tensor.shape):
-        strides.append(step)
-        step *= size
-    if tensor.stride() == tuple(reversed(strides)):
-        return tensor
-    return tensor.clone(memory_format=torch.contiguous_format)
 
 
 class SlotLayer(CacheLayerMixin):
@@ -324,7 +195,7 @@ class SlotCache:
         """A compiled forward for the step forwards (see :mod:`tetris_hf.compiled`), else ``None`` (the model).
 
         Setting one makes the cache static (:attr:`static`): its capacity is rounded up by
-        :func:`~tetris_hf.compiled.static_capacity` and fixed, its buffers hold every row of the call, and step
+        :func:`~tetris_hf.static_shapes.static_capacity` and fixed, its buffers hold every row of the call, and step
         forwards on models that take prepared masks see static shapes (module docstring). Set it before the first
         forward."""
         return self._step_forward
@@ -391,10 +262,36 @@ class SlotCache:
                 raise RuntimeError("a forward that sees slots written before it must fit the buffers: "
                                    "SlotCache.reserve before the first of them")
         self._make_room(block)
-        # static shapes: a compiled step on a model that takes prepared masks, once the buffers exist (the first
-        # forward allocates them, eagerly)
-        static = step and self.static and self.layout.prepared and bool(self.cache.layers) and visibility is None
         start, end = self.pointer, self.pointer + block
+        position_ids, new_tokens = self._mark_slots(start, end, input_mask, real_lengths, position_ids)
+        # (worked out before the forward: operations right after a forward run on cold caches)
+        next_positions = self.next_positions + new_tokens
+        if step and self.static and self.layout.prepared and self.cache.layers and visibility is None:
+            # static shapes: a compiled step on a model that takes prepared masks, once the buffers exist (the first
+            # forward allocates them, eagerly)
+            with grouped_attention(model):
+                logits = self._static_forward(input_ids, position_ids, start, end, model.dtype, logits_to_keep)
+        else:
+            attention_mask = self._attention_mask(position_ids, start, end, model.dtype, real_prefix=input_mask is None,
+                                                  all_real=input_mask is None and real_lengths is None,
+                                                  visibility=visibility)
+            # (compiled, on the shapes as they come, for models that take the 2D mask; never the forward that allocates)
+            run = self._step_forward if step and self._step_forward is not None and self.cache.layers else model
+            logits = self._run(run, input_ids, attention_mask, position_ids, logits_to_keep)
+        self.pointer = end
+        self.next_positions = next_positions
+        self.longest_bound += block
+        return logits
+
+    def _mark_slots(self, start: int, end: int, input_mask: torch.Tensor | None, real_lengths: torch.Tensor | None,
+                    position_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | int]:
+        """Record which of slots ``start..end - 1`` hold real tokens, and their positions (arguments as in
+        :meth:`forward`).
+
+        Returns:
+            ``(B, L)`` the block's positions, and the real tokens it adds per row: ``(B,)``, or ``L`` when all are real.
+        """
+        block = end - start
         if position_ids is None and input_mask is None:  # positions go on from each row's cached tokens
             position_ids = self.next_positions[:, None]
             if block > 1:
@@ -414,53 +311,42 @@ class SlotCache:
             self.slot_mask[:, start:end] = input_mask
             new_tokens = input_mask.sum(dim=1)
         self.slot_positions[:, start:end] = position_ids
-        if static:
-            next_positions = self.next_positions + new_tokens
-            with grouped_attention(model):
-                logits = self._static_forward(input_ids, position_ids, start, end, model.dtype, logits_to_keep)
-            self.pointer = end
-            self.next_positions = next_positions
-            self.longest_bound += block
-            return logits
-        if visibility is not None:
-            attention_mask = position_masks(self.layout, self.slot_positions[:, :end], self.slot_mask[:, :end],
-                                            position_ids, model.dtype, visibility)
-        elif not self.layout.prepared:  # causality by slot index is causality by position: the 2D mask of real slots
-            attention_mask = self.slot_mask[:, :end].long()
-        elif input_mask is None and real_lengths is None and block == 1 and self.layout.plain_sdpa:
-            # One real token after every cached one: it sees exactly the real slots.
-            attention_mask = self.slot_mask[:, None, None, :end]
-        elif input_mask is None and self.layout.plain_sdpa:
-            # A real token sees the real cached slots and the block up to itself (all real before it); what filler
-            # sees does not matter.
-            batch = input_ids.shape[0]
-            attention_mask = torch.cat([self.slot_mask[:, None, None, :start].expand(batch, 1, block, start),
-                                        self._causal(block).expand(batch, 1, block, block)], dim=-1)
-        else:
-            attention_mask = position_masks(self.layout, self.slot_positions[:, :end], self.slot_mask[:, :end],
-                                            position_ids, model.dtype)
-        # (worked out before the forward: operations right after a forward run on cold caches)
-        next_positions = self.next_positions + new_tokens
+        return position_ids, new_tokens
+
+    def _attention_mask(self, position_ids: torch.Tensor, start: int, end: int, dtype: torch.dtype, real_prefix: bool,
+                        all_real: bool, visibility: torch.Tensor | None):
+        """The mask of a forward on the shapes as they come, writing slots ``start..end - 1``: one kind per layout
+        and block, the cheapest that is exact (see :mod:`tetris_hf.attention`).
+
+        Args:
+            position_ids: ``(B, L)`` the block's positions.
+            dtype: the model's dtype.
+            real_prefix: every row's real tokens come first in the block (all real, or passed as ``real_lengths``).
+            all_real: every token of the block is real.
+            visibility: a draft tree's ancestor mask (see :meth:`forward`), or ``None``.
+        """
+        layout, real = self.layout, self.slot_mask  # (each kind slices it once: a forward's overhead counts)
+        if visibility is not None:  # a draft tree: each node sees the slots before the tree and its ancestors
+            return position_masks(layout, self.slot_positions[:, :end], real[:, :end], position_ids, dtype, visibility)
+        if not layout.prepared:  # causality by slot index is causality by position: the 2D mask of real slots
+            return real[:, :end].long()
+        if layout.plain_sdpa and all_real and end - start == 1:  # one real token after every cached one: the real slots
+            return real[:, None, None, :end]
+        if layout.plain_sdpa and real_prefix:  # the real cached slots, then causality within the block
+            return real_prefix_mask(real[:, None, None, :start], self._causal(end - start))
+        return position_masks(layout, self.slot_positions[:, :end], real[:, :end], position_ids, dtype)
+
+    def _run(self, forward, input_ids: torch.Tensor, attention_mask, position_ids: torch.Tensor,
+             logits_to_keep: int) -> torch.Tensor:
+        """``forward`` (the model's, or a compiled one) on the block, writing into this cache: its logits."""
         kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
-        # (compiled, on the shapes as they come, for models that take the 2D mask; never the forward that allocates)
-        run = self._step_forward if step and self._step_forward is not None and self.cache.layers else model
-        outputs = run(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=self.cache,
-            use_cache=True,
-            **kwargs,
-        )
-        self.pointer = end
-        self.next_positions = next_positions
-        self.longest_bound += block
-        return outputs.logits
+        return forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       past_key_values=self.cache, use_cache=True, **kwargs).logits
 
     def _static_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, start: int, end: int,
                         dtype: torch.dtype, logits_to_keep: int) -> torch.Tensor:
-        """:attr:`step_forward` on static shapes: the batch padded to :func:`~tetris_hf.compiled.batch_bucket` rows,
-        masks over the whole capacity, keys and values written at ``write_index`` (slots ``start..end - 1``).
+        """:attr:`step_forward` on static shapes: the batch padded to :func:`~tetris_hf.static_shapes.batch_bucket`
+        rows, masks over the whole capacity, keys and values written at ``write_index`` (slots ``start..end - 1``).
 
         Dummy rows (after the real ones) see every slot of their buffer row (finite: written by real tokens, or
         zeros), so no query attends to nothing, where some sdpa kernels give NaN; their logits are dropped, and what
@@ -476,17 +362,14 @@ class SlotCache:
             position_ids = torch.nn.functional.pad(position_ids, pad)
             key_valid = torch.nn.functional.pad(key_valid, pad, value=True)
             key_positions = torch.nn.functional.pad(key_positions, pad)
-        # graphs are specialised on strides too: e.g. a (B, 1) column of a wider block has strides (T, 1), not (1, 1)
-        input_ids, position_ids = _standard_strides(input_ids), _standard_strides(position_ids)
+        input_ids, position_ids = standard_strides(input_ids), standard_strides(position_ids)
         attention_mask = position_masks(self.layout, key_positions, key_valid, position_ids, dtype)
-        kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
         self.write_index = self.offsets[start:end]
         try:
-            outputs = self._step_forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                         past_key_values=self.cache, use_cache=True, **kwargs)
+            logits = self._run(self._step_forward, input_ids, attention_mask, position_ids, logits_to_keep)
         finally:
             self.write_index = None
-        return outputs.logits[:rows] if extra else outputs.logits
+        return logits[:rows] if extra else logits
 
     def _causal(self, block: int) -> torch.Tensor:
         """``(block, block)`` bool, True on and below the diagonal (kept, and grown, across forwards)."""
@@ -500,24 +383,10 @@ class SlotCache:
         if input_ids.shape[1] > 1:
             self.forward(model, input_ids[:, :-1], attention_mask[:, :-1], logits_to_keep=1)
 
-    def drop_slots(self, start: int, keep: torch.Tensor) -> None:
-        """Turn slots ``start + keep[i]`` onwards of row ``i`` into holes (rejected drafts, block filler).
-
-        Args:
-            start: first slot of the block this applies to.
-            keep: ``(B,)`` how many slots of the block row ``i`` keeps.
-        """
-        # E.g. block mask [[0 1 1 1], [1 1 1 1]] (row 0 left-padded) with keep [2, 3] -> [[0 1 . .], [1 1 1 .]]:
-        # keep counts slots, filler included; next_positions drops by the real slots removed, [2, 1].
-        block = self.slot_mask[:, start : self.pointer]  # a view: changed in place
-        dropped = self.offsets[: block.shape[1]] >= keep[:, None]
-        dropped &= block
-        self.next_positions = self.next_positions - dropped.sum(dim=1)
-        block.masked_fill_(dropped, False)
-
     def keep_prefix(self, start: int, keep: torch.Tensor) -> None:
-        """:meth:`drop_slots` for a block written at ``start`` whose real tokens come first in every row (one passed
-        as ``real_lengths``, or all real): row ``i`` keeps its first ``keep[i]`` slots, at most its real ones.
+        """Roll back a block written at ``start`` whose real tokens come first in every row (one passed as
+        ``real_lengths``, or all real): row ``i`` keeps its first ``keep[i]`` slots, at most its real ones, and the
+        rest (rejected drafts, filler) become holes.
 
         E.g. a block [[a b c], [d e .]] from slot 5 with keep [1, 2] -> [[a . .], [d e .]]; each row's next position is
         its block's first position plus what it kept.
@@ -577,11 +446,6 @@ class SlotCache:
         other numbers and hands it back to :meth:`compact`, so that repacking needs no read of its own."""
         return self.next_positions
 
-    def note_longest(self, value: int) -> None:
-        """What the most :meth:`live_lengths` was when last read: every row holds at most this many real slots now
-        (a bound for the repacking a later forward may do; :meth:`compact` takes it as its argument)."""
-        self.longest_bound = min(self.longest_bound, int(value))
-
     def compact(self, longest: int | None = None, force: bool = False) -> None:
         """Repack each row's real slots to the right end of ``[0, width)``, in order, and move the pointer to
         ``width`` (an upper bound on any row's real slots, known without a device read).
@@ -594,7 +458,7 @@ class SlotCache:
         Args:
             longest: an upper bound on the real slots any row holds now, e.g. the most :meth:`live_lengths` read
                 after the last forward (or read before it, plus that forward's block length). Without it the bound
-                is the one the cache keeps: every block counted in full since :meth:`note_longest` last tightened it.
+                is the one the cache keeps: every block counted in full since a ``longest`` last tightened it.
             force: repack whatever the holes.
         """
         if longest is not None:
