@@ -9,10 +9,10 @@ import torch
 import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
 from tetris_hf import cost_model
 from tetris_hf.cost_model import CostProfile, StepCostModel
+from tetris_hf.options import TetrisOptions
 from tetris_hf.strategies import (
     AdaptiveBudget,
     DynamicWindow,
-    TetrisOptions,
     best_budget,
     dsd_window,
     expected_tokens_geometric,

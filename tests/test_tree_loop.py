@@ -9,7 +9,7 @@ import torch
 import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
 import tetris_hf.trees as trees
 from tetris_hf.candidate_generators import BatchedDraftCandidateGenerator
-from tetris_hf.strategies import TetrisOptions
+from tetris_hf.options import TetrisOptions
 from test_architectures import SLIDING_WINDOW, assert_exact, early_exit_draft, tiny, windows
 from test_caches import assert_caches_match_fresh, make_loop, next_logits_fresh
 from test_greedy_exactness import assert_rows_equal, pick_eos, target_alone

@@ -32,7 +32,8 @@ from .logits import PositionwiseLogitsProcessor, verify_greedy, verify_sampling
 from .outputs import TetrisGenerateOutput, TetrisStats
 from .step_strategy import StepSeconds, run_step
 from .stopping import RowStopper
-from .strategies import TetrisOptions, make_strategy
+from .options import TetrisOptions
+from .strategies import make_strategy
 from .timing import StepClock
 from .tree_step import StepTree, tree_step
 
@@ -168,7 +169,7 @@ class BatchedSpeculativeLoop:
         input_ids: ``(B, T)`` left-padded prompts.
         attention_mask: ``(B, T)`` 0 on left padding.
         logits_processor, stopping_criteria, generation_config: as ``generate()`` prepared them.
-        options: :class:`~tetris_hf.strategies.TetrisOptions`.
+        options: :class:`~tetris_hf.options.TetrisOptions`.
         streamer: optional ``BaseStreamer`` (batch size 1 only).
     """
 
@@ -520,7 +521,7 @@ def tetris_decoding(
         input_ids: ``(B, T)`` left-padded prompts (expanded for ``num_return_sequences``).
         logits_processor, stopping_criteria, generation_config: as ``generate()`` prepared them.
         assistant_model: the draft causal LM (same vocabulary), or ``None`` with ``options.prompt_lookup_num_tokens``.
-        options: :class:`~tetris_hf.strategies.TetrisOptions`.
+        options: :class:`~tetris_hf.options.TetrisOptions`.
         streamer: optional ``BaseStreamer`` (batch size 1 only).
         model_kwargs: ``attention_mask`` ``(B, T)`` or ``None`` (no padding); the cache ``generate()`` prepared is
             not used (both models get their own :class:`~tetris_hf.kv.SlotCache`).

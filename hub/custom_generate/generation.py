@@ -20,7 +20,7 @@ from transformers.generation.utils import GenerationMixin
 import torch
 
 from .decoding import check_pair, check_prompt_mask, tetris_decoding
-from .strategies import TetrisOptions
+from .options import TetrisOptions
 
 STRATEGY_NAME = "tetris"
 OPTION_NAMES = tuple(option.name for option in dataclasses.fields(TetrisOptions))
@@ -73,7 +73,7 @@ def generate(model, *args, **kwargs):
             default k x active rows), ``tetris_strategy`` (``"tetris"``, ``"fixed"``, ``"adaptive"`` or ``"dsd"``),
             ``tetris_cost_profile``, ``tetris_step_callback``, ``tetris_max_holes``, ``tetris_draft_vocab``,
             ``tetris_compile``, ``tetris_tree_width`` (draft trees, see :mod:`tetris_hf.tree_step`) (see
-            :class:`~tetris_hf.strategies.TetrisOptions`).
+            :class:`~tetris_hf.options.TetrisOptions`).
 
     Returns:
         What ``generate()`` returns: ``(B, T)`` sequences, or with ``return_dict_in_generate=True`` a

@@ -760,7 +760,7 @@ def config_from_args(args) -> BenchConfig:
     lookup = args.draft == "lookup"
     default = DEFAULT_STRATEGIES_LOOKUP if lookup else DEFAULT_STRATEGIES_EAGLE if eagle else DEFAULT_STRATEGIES
     strategies = tuple(s.strip() for s in (args.strategies or default).split(",") if s.strip())
-    from ..strategies import STRATEGIES
+    from ..options import STRATEGIES
 
     unknown = [s for s in strategies if s not in BASELINES and s not in STRATEGIES]
     if unknown or not strategies:
