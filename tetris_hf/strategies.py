@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import copy
 import math
-import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -25,6 +23,7 @@ import torch
 from .cost_model import AcceptanceCalibrator, StepCostModel, cost_model_for, load_profile
 from .goodput import GoodputPlan, best_budget, best_tree_budget, dsd_window, plan_step
 from .options import TetrisOptions
+from .pair_memory import PairMemory, pair_memory
 from .selection import cumulative_log_probs, select_fixed, select_tetris
 from .step_strategy import DraftPlan, StepSeconds
 from .trees import DraftTree, conditional_log_probs, path_products, select_tree_fixed, select_tree_nodes
@@ -85,43 +84,6 @@ class TetrisSelection(FixedWindow):
 # Strategies that choose per step
 
 
-@dataclass
-class PairMemory:
-    """What ``adaptive`` and ``dsd`` learnt about one target/draft pair, kept between ``generate()`` calls.
-
-    ``calibrator``: acceptance by draft probability; ``pool``: ``(P, W)`` log q of recently drafted rows, newest
-    first; ``dsd_acceptance``: DSD's running acceptance rate; ``plain_streak`` and ``probe_interval``: the probe
-    schedule (so that a pair known not to pay is probed ever more rarely, call after call).
-    """
-
-    calibrator: AcceptanceCalibrator = field(default_factory=AcceptanceCalibrator)
-    pool: torch.Tensor | None = None
-    dsd_acceptance: float | None = None
-    plain_streak: int = 0
-    probe_interval: int = 8
-
-
-# draft -> target -> {sampling: PairMemory}
-_PAIR_MEMORY: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakKeyDictionary]" = weakref.WeakKeyDictionary()
-
-
-class _PromptLookup:
-    """Stands for prompt lookup, which has no draft model, as a key of :data:`_PAIR_MEMORY`."""
-
-
-_PROMPT_LOOKUP = _PromptLookup()
-
-
-def pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module | None, sampling: bool = False) -> PairMemory:
-    """The :class:`PairMemory` of these two model objects (in memory, forgotten with the models), one for greedy
-    calls and one for sampled calls: a draft is accepted by exact match in one and with probability
-    ``min(1, p/q)`` in the other, so what is learnt about one says little about the other. ``assistant_model=None``:
-    prompt lookup on this target."""
-    draft_key = _PROMPT_LOOKUP if assistant_model is None else assistant_model
-    by_target = _PAIR_MEMORY.setdefault(draft_key, weakref.WeakKeyDictionary())
-    return by_target.setdefault(model, {}).setdefault(sampling, PairMemory())
-
-
 class _CostAware:
     """Shared by ``adaptive`` and ``dsd``: the cost model (resolved at the first step, when the batch size is known),
     online corrections of it from the loop's measured :class:`StepSeconds`, and probing after long runs of plain
@@ -135,10 +97,11 @@ class _CostAware:
     ``probe_interval``-th step drafts one token per row and verifies them all. The interval starts at 8 steps, or
     more where a probe is dear (enough that probes add at most ``probe_overhead`` of the time: at 256 rows on the
     8B H200 curve a probe costs 1.5 plain steps), doubles after every probe that does not change the decision (up to
-    ``max_probe_interval``) and resets once drafting pays; the schedule lives in the pair's :class:`PairMemory`, so it
-    carries over between calls. A pair with nothing learnt yet starts with a probe. Once drafting would not pay even
-    at an optimistic acceptance (``could_pay=False``, see :class:`AdaptiveBudget`), a probe could not change the plan:
-    probes then come only every ``max_probe_interval`` steps, to notice requests that have become easier.
+    ``max_probe_interval``) and resets once drafting pays; the schedule lives in the pair's
+    :class:`~tetris_hf.pair_memory.PairMemory`, so it carries over between calls. A pair with nothing learnt yet
+    starts with a probe. Once drafting would not pay even at an optimistic acceptance (``could_pay=False``, see
+    :class:`AdaptiveBudget`), a probe could not change the plan: probes then come only every ``max_probe_interval``
+    steps, to notice requests that have become easier.
     """
 
     probe_interval_start = 8
@@ -286,7 +249,7 @@ class AdaptiveBudget(_CostAware):
         options: ``K <= num_assistant_tokens + tetris_extra_tokens``; ``tetris_budget`` caps ``C``.
         cost: a :class:`StepCostModel`, or ``(num_rows, max_tokens) -> StepCostModel`` called at the first step.
         learn_costs: correct the cost model from the loop's measured steps (see :class:`_CostAware`).
-        memory: a :class:`PairMemory` to start from and learn into (default: a fresh one).
+        memory: a :class:`~tetris_hf.pair_memory.PairMemory` to start from and learn into (default: a fresh one).
         pool_rows: recently drafted rows kept to plan with.
         sampling: the loop samples (``C`` is then fixed before drafting).
     """
@@ -504,7 +467,8 @@ def make_strategy(options: TetrisOptions, model: torch.nn.Module | None = None,
     """The strategy ``options`` name. ``adaptive`` and ``dsd`` need ``options.tetris_cost_profile`` (used as given) or
     the two models (profiled at the first step, see :func:`~tetris_hf.cost_model.cost_model_for`, then corrected
     online from the loop's own step times). With the models, what they learn about acceptance carries over to the
-    next call on the same pair (:func:`pair_memory`). ``sampling``: the loop samples (see :class:`AdaptiveBudget`)."""
+    next call on the same pair (:func:`~tetris_hf.pair_memory.pair_memory`). ``sampling``: the loop samples (see
+    :class:`AdaptiveBudget`)."""
     if options.tetris_strategy == "tetris":
         return TetrisSelection(options)
     if options.tetris_strategy == "fixed":
