@@ -25,7 +25,7 @@ from .cost_model import AcceptanceCalibrator, StepCostModel, cost_model_for, loa
 from .goodput import GoodputPlan, best_budget, best_tree_budget, dsd_window, plan_step
 from .options import TetrisOptions
 from .pair_memory import PairMemory, pair_memory
-from .selection import cumulative_log_probs, select_fixed, select_tetris
+from .selection import cumulative_log_probs, select_fixed, select_fixed_budget, select_tetris
 from .step_strategy import DraftPlan, StepSeconds
 from .trees import DraftTree, conditional_log_probs, path_products, select_tree_fixed, select_tree_nodes
 
@@ -404,24 +404,6 @@ class AdaptiveBudget(_CostAware):
         choice = best_tree_budget(survival, valid.bool(), fixed_seconds,
                                   cost.verify_seconds_by_length(num_rows, num_nodes), self.max_budget)
         return select_tree_nodes(survival.log().to(tree.log_scores.device), tree.valid, tree.parents, choice)
-
-
-def select_fixed_budget(lengths: torch.Tensor, budget: int, longest: int) -> torch.Tensor:
-    """Trim ``lengths`` ``(B,)`` (each at most ``longest``) so they sum to at most ``budget``, longest rows first (of
-    equal rows, the earlier row first), without reading the device.
-
-    Trimming one cell at a time from the longest row ends with every row cut to a level ``t`` or, for the last
-    ``r`` rows that were longer than ``t``, ``t + 1``: ``t`` is the largest level whose cut fits the budget and ``r``
-    what the budget has left. E.g. ``[3, 3, 3]`` with budget 7: ``t = 2``, ``r = 1`` -> ``[2, 2, 3]``.
-    """
-    levels = torch.arange(longest + 1, device=lengths.device)
-    cut = torch.minimum(lengths[:, None], levels[None, :]).sum(dim=0)  # (levels,) total at each level
-    level = (cut <= budget).sum() - 1  # cut is non-decreasing and 0 at level 0
-    trimmed = torch.minimum(lengths, level)
-    left = budget - trimmed.sum()
-    longer = lengths > level
-    from_end = longer.flip(0).cumsum(dim=0).flip(0)  # longer rows at or after each row
-    return torch.where(longer & (from_end <= left), level + 1, trimmed)
 
 
 class DynamicWindow(_CostAware):
