@@ -18,7 +18,8 @@ from transformers.generation.utils import GenerationMixin
 
 import torch
 
-from .decoding import check_pair, check_prompt_mask, tetris_decoding
+from .checks import check_pair, check_prompt_mask
+from .decoding import tetris_decoding
 from .options import TetrisOptions
 
 STRATEGY_NAME = "tetris"
@@ -82,7 +83,7 @@ def generate(model, *args, **kwargs):
     streamer = kwargs.pop("streamer", None)
     kwargs.pop("custom_generate", None)
     options = _pop_options(kwargs)
-    check_pair(model, assistant_model, options)
+    check_pair(model, assistant_model, prompt_lookup=options.prompt_lookup_num_tokens is not None)
     prompt = args[0] if args else kwargs.get("inputs")
     if prompt is None:  # generate(input_ids=...) reaches a custom_generate folder as inputs=None, input_ids=...
         prompt = kwargs.get("input_ids")

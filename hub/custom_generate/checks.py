@@ -1,0 +1,86 @@
+# Exported from tetris_hf/checks.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
+"""The refusals of a ``generate()`` call's inputs (the draft, its vocabulary, the prompt's mask, the generation
+config), before any model runs a forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import StaticCache
+
+from .families import check_supported
+
+
+def output_vocab_size(model: torch.nn.Module) -> int:
+    """Rows of the model's output head (what its logits' last dimension will be)."""
+    head = model.get_output_embeddings()
+    return int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
+
+
+def check_pair(model: torch.nn.Module, assistant_model: torch.nn.Module | None, prompt_lookup: bool = False) -> None:
+    """Refuse a missing draft (unless ``prompt_lookup``, which needs none, and then refuse a draft), one whose
+    vocabulary differs from the target's, and models the loop cannot serve
+    (:func:`~tetris_hf.families.check_supported`)."""
+    if prompt_lookup:
+        if assistant_model is not None:
+            raise ValueError("prompt lookup drafts from the rows' own tokens: pass either `prompt_lookup_num_tokens=` "
+                             "or `assistant_model=`, not both")
+        check_supported(model, "target")
+        return
+    if assistant_model is None:
+        raise ValueError(
+            "custom_generate='tetris' needs a draft: pass `assistant_model=` (a small causal LM with the target's "
+            "tokenizer) or `prompt_lookup_num_tokens=` (drafts copied from each row's own prompt and output)"
+        )
+    if not hasattr(assistant_model, "get_output_embeddings"):
+        raise TypeError(f"`assistant_model` must be a transformers causal LM, got {type(assistant_model).__name__}")
+    check_same_vocabulary(model, assistant_model)
+    check_supported(model, "target")
+    check_supported(assistant_model, "draft")
+
+
+def check_same_vocabulary(model: torch.nn.Module, assistant_model: torch.nn.Module) -> None:
+    """Refuse a draft whose output head scores another vocabulary than the target's (a ``ValueError`` naming both
+    sizes)."""
+    target_vocab, draft_vocab = output_vocab_size(model), output_vocab_size(assistant_model)
+    if target_vocab != draft_vocab:
+        raise ValueError(
+            f"draft and target vocabularies differ (target {target_vocab} tokens, draft {draft_vocab}): tetris_hf "
+            "needs a draft that shares the target's tokenizer"
+        )
+
+
+def check_prompt_mask(attention_mask: torch.Tensor) -> None:
+    """Every row must be left-padded (zeros only before its first real token) and hold at least one real token."""
+    if attention_mask.shape[1] == 0:
+        raise ValueError("the prompt is empty: every row needs at least one token")
+    empty = (attention_mask.sum(dim=1) == 0).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(f"row(s) {empty} of attention_mask are all padding: every row needs at least one token")
+    not_left_padded = (attention_mask[:, 1:] < attention_mask[:, :-1]).any(dim=1).nonzero().flatten().tolist()
+    if not_left_padded:
+        raise ValueError(
+            f"attention_mask row(s) {not_left_padded} have padding after a real token (right padding?): "
+            "tetris_hf needs a left-padded batch, e.g. tokenizer.padding_side = 'left'"
+        )
+
+
+def check_generation_config(generation_config, model_kwargs: dict) -> None:
+    """Refuse what this loop does not do, before anything runs."""
+    if generation_config.num_beams != 1:
+        raise ValueError(f"tetris_hf does not do beam search (num_beams={generation_config.num_beams}); use num_beams=1")
+    for flag in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
+        if getattr(generation_config, flag, False):
+            raise ValueError(f"`{flag}=True` is not supported by tetris_hf; `return_dict_in_generate=True` gives "
+                             "`.sequences` and `.tetris_stats`")
+    if generation_config.use_cache is False:
+        raise ValueError("tetris_hf needs the KV cache: do not pass use_cache=False")
+    cache = model_kwargs.get("past_key_values")
+    implementation = generation_config.cache_implementation
+    if isinstance(cache, StaticCache) or implementation not in (None, "dynamic"):
+        raise ValueError(
+            f"unsupported cache (cache_implementation={implementation!r}, past_key_values={type(cache).__name__}): "
+            "tetris_hf rolls rows back independently and needs the default dynamic cache"
+        )
+    if cache is not None and cache.get_seq_length() > 0:
+        raise ValueError("tetris_hf starts from the prompt: passing a pre-filled `past_key_values` is not supported")
