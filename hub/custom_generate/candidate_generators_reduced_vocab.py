@@ -25,6 +25,8 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
 
+from .checks import output_vocab_size
+
 TOKEN_COUNTS_ATTRIBUTE = "tetris_token_counts"  # (V,) int64 on the draft model: how often each token was seen
 TOKEN_COUNTS_SOURCE_ATTRIBUTE = "tetris_token_counts_source"  # one line saying what was counted
 _WRAPPERS_ATTRIBUTE = "_tetris_reduced_vocab_drafts"  # {subset digest: ReducedVocabDraft} cached on the draft
@@ -77,7 +79,7 @@ def attach_token_counts(model: nn.Module, counts: torch.Tensor, source: str) -> 
         counts: ``(V,)`` non-negative counts, ``V`` the model's output vocabulary.
         source: what was counted (shown in descriptions and stored with the draft).
     """
-    vocab = output_rows(model)
+    vocab = output_vocab_size(model)
     if counts.dim() != 1 or counts.shape[0] != vocab:
         raise ValueError(f"token counts must have shape ({vocab},) for this model, got {tuple(counts.shape)}")
     setattr(model, TOKEN_COUNTS_ATTRIBUTE, counts.detach().to("cpu", torch.long))
@@ -91,12 +93,6 @@ def most_frequent(counts: torch.Tensor, size: int) -> torch.Tensor:
     return order[:size].sort().values
 
 
-def output_rows(model: nn.Module) -> int:
-    """Rows of the model's output head: the last dimension of its logits."""
-    head = model.get_output_embeddings()
-    return int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
-
-
 def resolve_token_ids(model: nn.Module, spec) -> torch.Tensor:
     """The token ids ``spec`` (``tetris_draft_vocab``) names for ``model``: ``(N,)`` int64, sorted, on CPU.
 
@@ -104,7 +100,7 @@ def resolve_token_ids(model: nn.Module, spec) -> torch.Tensor:
     ``N`` for a draft that carries no frequency table.
     """
     check_draft_vocab_spec(spec)
-    vocab = output_rows(model)
+    vocab = output_vocab_size(model)
     if isinstance(spec, torch.Tensor):
         if int(spec.max()) >= vocab:
             raise ValueError(f"`tetris_draft_vocab` holds token id {int(spec.max())}, out of range for the draft's "
@@ -158,7 +154,7 @@ class ReducedVocabDraft(nn.Module):
     def __init__(self, model: nn.Module, token_ids: torch.Tensor, source: str = "given token ids"):
         super().__init__()
         self.model = model
-        self.vocab_size = output_rows(model)
+        self.vocab_size = output_vocab_size(model)
         head = model.get_output_embeddings()
         self.register_buffer("token_ids", token_ids.to(head.weight.device, torch.long), persistent=False)
         self._head_version = None

@@ -12,9 +12,13 @@ from .families import check_supported
 
 
 def output_vocab_size(model: torch.nn.Module) -> int:
-    """Rows of the model's output head (what its logits' last dimension will be)."""
+    """The last dimension of the model's logits: the rows of its output head, else (no head, e.g. an EAGLE-3 head
+    whose reduced vocabulary is scattered into the target's) its text config's ``vocab_size`` (a multimodal config
+    has none of its own)."""
     head = model.get_output_embeddings()
-    return int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
+    if head is not None:
+        return int(head.weight.shape[0])
+    return int(model.config.get_text_config(decoder=True).vocab_size)
 
 
 def check_pair(model: torch.nn.Module, assistant_model: torch.nn.Module | None, prompt_lookup: bool = False) -> None:
