@@ -1,5 +1,19 @@
-"""The refusals of a ``generate()`` call's inputs (the draft, its vocabulary, the prompt's mask, the generation
-config), before any model runs a forward.
+"""The refusals of a ``generate()`` call's inputs, each made once, before any model runs a forward.
+
+Where each runs:
+
+- :func:`~tetris_hf.generation.generate`, before transformers' own preparation reads the prompt:
+  :func:`check_pair` (the draft, its vocabulary, the families served) and :func:`check_prompt_shape` (a 2-D,
+  non-empty prompt; transformers would index an empty one).
+- :class:`~tetris_hf.options.TetrisOptions`, when it is built: every option's value, and the combinations of options
+  that cannot run together (a tree drafted by prompt lookup, trees with ``tetris_compile``).
+- :func:`~tetris_hf.decoding.tetris_decoding`, on what transformers prepared: :func:`check_generation_config`,
+  :func:`check_prompt_mask` (the mask the loop reads, which transformers may have inferred from padding) and
+  :func:`check_streamer` (the batch after ``num_return_sequences`` expanded it).
+
+What a model's layout or placement cannot serve is refused where the layout is read: :mod:`tetris_hf.families`,
+:mod:`tetris_hf.kv` (cache and tree masks), :mod:`tetris_hf.compiled` (``tetris_compile``) and
+:mod:`tetris_hf.candidate_generators.reduced_vocab` (``tetris_draft_vocab``).
 """
 
 from __future__ import annotations
@@ -53,10 +67,19 @@ def check_same_vocabulary(model: torch.nn.Module, assistant_model: torch.nn.Modu
         )
 
 
+def check_prompt_shape(input_ids) -> None:
+    """A prompt of token ids must be ``(batch_size, length)`` with ``length >= 1`` (other inputs, such as
+    ``inputs_embeds``, are ``generate()``'s to validate)."""
+    if not isinstance(input_ids, torch.Tensor):
+        return
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must have shape (batch_size, length), got {tuple(input_ids.shape)}")
+    if input_ids.shape[1] == 0:
+        raise ValueError("the prompt is empty: every row needs at least one token")
+
+
 def check_prompt_mask(attention_mask: torch.Tensor) -> None:
     """Every row must be left-padded (zeros only before its first real token) and hold at least one real token."""
-    if attention_mask.shape[1] == 0:
-        raise ValueError("the prompt is empty: every row needs at least one token")
     empty = (attention_mask.sum(dim=1) == 0).nonzero().flatten().tolist()
     if empty:
         raise ValueError(f"row(s) {empty} of attention_mask are all padding: every row needs at least one token")
@@ -87,3 +110,9 @@ def check_generation_config(generation_config, model_kwargs: dict) -> None:
         )
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError("tetris_hf starts from the prompt: passing a pre-filled `past_key_values` is not supported")
+
+
+def check_streamer(streamer, num_rows: int) -> None:
+    """A streamer takes one row's tokens: refuse it with more rows (counted after ``num_return_sequences``)."""
+    if streamer is not None and num_rows > 1:
+        raise ValueError(f"a streamer needs batch size 1, got {num_rows} rows")

@@ -24,7 +24,7 @@ from .candidate_generators_eagle import is_eagle_head
 from .candidate_generators_eagle_drafter import EagleCandidateGenerator
 from .candidate_generators_prompt_lookup import DEFAULT_MAX_NGRAM_SIZE, BatchedPromptLookupCandidateGenerator
 from .candidate_generators_reduced_vocab import reduced_vocab_draft
-from .checks import check_generation_config, check_pair, check_prompt_mask
+from .checks import check_generation_config, check_prompt_mask, check_streamer
 from .compiled import block_width, check_compilable, compiled_forward
 from .kv import AttentionLayout, SlotCache, check_tree_layout, slots_needed
 from .logits import PositionwiseLogitsProcessor, verify_greedy, verify_sampling
@@ -93,7 +93,8 @@ class BatchedSpeculativeLoop:
         attention_mask: ``(B, T)`` 0 on left padding.
         logits_processor, stopping_criteria, generation_config: as ``generate()`` prepared them.
         options: :class:`~tetris_hf.options.TetrisOptions`.
-        streamer: optional ``BaseStreamer`` (batch size 1 only).
+        streamer: optional ``BaseStreamer`` (batch size 1, see :func:`~tetris_hf.checks.check_streamer`): the loop puts
+            each step's new tokens.
     """
 
     def __init__(
@@ -109,8 +110,6 @@ class BatchedSpeculativeLoop:
         streamer=None,
     ):
         batch_size, prompt_length = input_ids.shape
-        if streamer is not None and batch_size > 1:
-            raise ValueError(f"a streamer needs batch size 1, got {batch_size} rows")
         self.model = model
         self.logits_processor = PositionwiseLogitsProcessor(logits_processor)
         # generate()'s length limit (also a criterion, which a stopper applies with any other given)
@@ -137,9 +136,6 @@ class BatchedSpeculativeLoop:
         self.tree_width = options.tetris_tree_width
         if self.tree_width > 1:  # a tree writes up to w K nodes (the target's block) and reads ancestor masks
             block = 1 + self.tree_width * self.max_draft
-            if assistant_model is None:
-                raise ValueError("tetris_tree_width > 1 grows trees with a draft model or an EAGLE head "
-                                 "(assistant_model=): prompt lookup drafts chains only, use tetris_tree_width=1")
             for layout_model in (model, assistant_model):
                 check_tree_layout(AttentionLayout.of(layout_model), layout_model)
 
@@ -443,9 +439,10 @@ def tetris_decoding(
         model: the target causal LM.
         input_ids: ``(B, T)`` left-padded prompts (expanded for ``num_return_sequences``).
         logits_processor, stopping_criteria, generation_config: as ``generate()`` prepared them.
-        assistant_model: the draft causal LM (same vocabulary), or ``None`` with ``options.prompt_lookup_num_tokens``.
+        assistant_model: the draft causal LM (same vocabulary: :func:`~tetris_hf.generation.generate` checked the pair),
+            or ``None`` with ``options.prompt_lookup_num_tokens``.
         options: :class:`~tetris_hf.options.TetrisOptions`.
-        streamer: optional ``BaseStreamer`` (batch size 1 only).
+        streamer: optional ``BaseStreamer`` (batch size 1 only): gets the prompt, then each step's new tokens.
         model_kwargs: ``attention_mask`` ``(B, T)`` or ``None`` (no padding); the cache ``generate()`` prepared is
             not used (both models get their own :class:`~tetris_hf.kv.SlotCache`).
 
@@ -453,12 +450,14 @@ def tetris_decoding(
         ``(B, T + new)`` sequences, finished rows right-padded with the pad token, or a
         :class:`~tetris_hf.outputs.TetrisGenerateOutput` when ``return_dict_in_generate=True``.
     """
-    check_pair(model, assistant_model, prompt_lookup=options.prompt_lookup_num_tokens is not None)
     check_generation_config(generation_config, model_kwargs)
     attention_mask = model_kwargs.get("attention_mask")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    check_prompt_mask(attention_mask)
+    check_prompt_mask(attention_mask)  # the mask the loop reads: transformers may have inferred it from padding
+    check_streamer(streamer, input_ids.shape[0])
+    if streamer is not None:
+        streamer.put(input_ids.cpu())  # the prompt first, as generate() streams it
     loop = BatchedSpeculativeLoop(
         model, assistant_model, input_ids, attention_mask, logits_processor, stopping_criteria,
         generation_config, options, streamer,
