@@ -13,11 +13,10 @@ from typing import Mapping
 
 import torch
 
-from .candidate_generators_prompt_lookup import DEFAULT_MAX_NGRAM_SIZE, check_lookup_sizes
-from .candidate_generators_reduced_vocab import check_draft_vocab_spec
 from .cost_model import CostProfile
 
 STRATEGIES = ("tetris", "fixed", "adaptive", "dsd")
+DEFAULT_MAX_NGRAM_SIZE = 3  # ``max_matching_ngram_size`` when not given
 
 
 def _check_count(name: str, value, minimum: int) -> None:
@@ -25,6 +24,45 @@ def _check_count(name: str, value, minimum: int) -> None:
         raise TypeError(f"`{name}` must be an integer, got {value!r} ({type(value).__name__})")
     if value < minimum:
         raise ValueError(f"`{name}` must be >= {minimum}, got {value}")
+
+
+def check_lookup_sizes(num_tokens, max_ngram_size, min_ngram_size) -> None:
+    """Refuse impossible lookup settings (before anything runs), naming the argument."""
+    for name, value in (("prompt_lookup_num_tokens", num_tokens), ("max_matching_ngram_size", max_ngram_size),
+                        ("tetris_min_ngram_size", min_ngram_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"`{name}` must be an integer, got {value!r} ({type(value).__name__})")
+        if value < 1:
+            raise ValueError(f"`{name}` must be >= 1, got {value}")
+    if min_ngram_size > max_ngram_size:
+        raise ValueError(f"`tetris_min_ngram_size` ({min_ngram_size}) is above `max_matching_ngram_size` "
+                         f"({max_ngram_size}): lookup would try no n-gram size")
+
+
+def check_draft_vocab_spec(spec) -> None:
+    """Validate ``tetris_draft_vocab`` on its own (before the draft's vocabulary size is known).
+
+    Accepts ``None``, an int ``N >= 1``, or a non-empty 1-D integer tensor of distinct non-negative token ids.
+    """
+    if spec is None:
+        return
+    if isinstance(spec, torch.Tensor):
+        if spec.dim() != 1 or spec.dtype.is_floating_point or spec.dtype.is_complex or spec.dtype == torch.bool:
+            raise TypeError(f"`tetris_draft_vocab` as a tensor must be 1-D token ids (an integer dtype), got shape "
+                            f"{tuple(spec.shape)} and dtype {spec.dtype}")
+        if spec.numel() == 0:
+            raise ValueError("`tetris_draft_vocab` is an empty tensor: the draft needs at least one token to propose")
+        if int(spec.min()) < 0:
+            raise ValueError(f"`tetris_draft_vocab` holds a negative token id ({int(spec.min())})")
+        if torch.unique(spec).numel() != spec.numel():
+            raise ValueError(f"`tetris_draft_vocab` holds duplicate token ids ({spec.numel() - torch.unique(spec).numel()} "
+                             "repeats): give each token once")
+        return
+    if isinstance(spec, bool) or not isinstance(spec, int):
+        raise TypeError(f"`tetris_draft_vocab` must be an int N (the N most frequent tokens) or a 1-D tensor of token "
+                        f"ids, got {type(spec).__name__}")
+    if spec < 1:
+        raise ValueError(f"`tetris_draft_vocab` must be >= 1 tokens, got {spec}")
 
 
 @dataclass(frozen=True)

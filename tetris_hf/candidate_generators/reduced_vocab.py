@@ -25,36 +25,11 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
 
 from ..checks import output_vocab_size
+from ..options import check_draft_vocab_spec
 
 TOKEN_COUNTS_ATTRIBUTE = "tetris_token_counts"  # (V,) int64 on the draft model: how often each token was seen
 TOKEN_COUNTS_SOURCE_ATTRIBUTE = "tetris_token_counts_source"  # one line saying what was counted
 _WRAPPERS_ATTRIBUTE = "_tetris_reduced_vocab_drafts"  # {subset digest: ReducedVocabDraft} cached on the draft
-
-
-def check_draft_vocab_spec(spec) -> None:
-    """Validate ``tetris_draft_vocab`` on its own (before the draft's vocabulary size is known).
-
-    Accepts ``None``, an int ``N >= 1``, or a non-empty 1-D integer tensor of distinct non-negative token ids.
-    """
-    if spec is None:
-        return
-    if isinstance(spec, torch.Tensor):
-        if spec.dim() != 1 or spec.dtype.is_floating_point or spec.dtype.is_complex or spec.dtype == torch.bool:
-            raise TypeError(f"`tetris_draft_vocab` as a tensor must be 1-D token ids (an integer dtype), got shape "
-                            f"{tuple(spec.shape)} and dtype {spec.dtype}")
-        if spec.numel() == 0:
-            raise ValueError("`tetris_draft_vocab` is an empty tensor: the draft needs at least one token to propose")
-        if int(spec.min()) < 0:
-            raise ValueError(f"`tetris_draft_vocab` holds a negative token id ({int(spec.min())})")
-        if torch.unique(spec).numel() != spec.numel():
-            raise ValueError(f"`tetris_draft_vocab` holds duplicate token ids ({spec.numel() - torch.unique(spec).numel()} "
-                             "repeats): give each token once")
-        return
-    if isinstance(spec, bool) or not isinstance(spec, int):
-        raise TypeError(f"`tetris_draft_vocab` must be an int N (the N most frequent tokens) or a 1-D tensor of token "
-                        f"ids, got {type(spec).__name__}")
-    if spec < 1:
-        raise ValueError(f"`tetris_draft_vocab` must be >= 1 tokens, got {spec}")
 
 
 def token_counts(tokenizer, texts, vocab_size: int) -> torch.Tensor:

@@ -22,13 +22,13 @@ from .candidate_generators import BatchedDraftCandidateGenerator
 from .candidate_generators_drafter import Drafter, Proposal
 from .candidate_generators_eagle import is_eagle_head
 from .candidate_generators_eagle_drafter import EagleCandidateGenerator
-from .candidate_generators_prompt_lookup import DEFAULT_MAX_NGRAM_SIZE, BatchedPromptLookupCandidateGenerator
+from .candidate_generators_prompt_lookup import BatchedPromptLookupCandidateGenerator
 from .candidate_generators_reduced_vocab import reduced_vocab_draft
 from .checks import check_generation_config, check_prompt_mask, check_streamer
 from .compiled import block_width, check_compilable, compiled_forward
 from .kv import AttentionLayout, SlotCache, check_tree_layout, slots_needed
 from .logits import PositionwiseLogitsProcessor, verify_greedy, verify_sampling
-from .options import TetrisOptions
+from .options import DEFAULT_MAX_NGRAM_SIZE, TetrisOptions
 from .outputs import TetrisGenerateOutput, TetrisStats
 from .step_strategy import StepSeconds, run_step
 from .stopping import RowStopper
