@@ -18,17 +18,13 @@ import torch
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
-from .candidate_generators import BatchedDraftCandidateGenerator
-from .candidate_generators_drafter import Drafter, Proposal
-from .candidate_generators_eagle import is_eagle_head
-from .candidate_generators_eagle_drafter import EagleCandidateGenerator
-from .candidate_generators_prompt_lookup import BatchedPromptLookupCandidateGenerator
-from .candidate_generators_reduced_vocab import reduced_vocab_draft
+from .candidate_generators import build_drafter
+from .candidate_generators_drafter import Proposal
 from .checks import check_generation_config, check_prompt_mask, check_streamer
 from .compiled import block_width, check_compilable, compiled_forward
 from .kv import AttentionLayout, SlotCache, check_tree_layout, slots_needed
 from .logits import PositionwiseLogitsProcessor, verify_greedy, verify_sampling
-from .options import DEFAULT_MAX_NGRAM_SIZE, TetrisOptions
+from .options import TetrisOptions
 from .outputs import TetrisGenerateOutput, TetrisStats
 from .step_strategy import StepSeconds, run_step
 from .stopping import RowStopper
@@ -117,9 +113,6 @@ class BatchedSpeculativeLoop:
         self.max_length = self.stopper.max_length
         self.do_sample = bool(generation_config.do_sample)
         self.streamer = streamer
-        if assistant_model is not None:
-            assistant_model = reduced_vocab_draft(assistant_model, options.tetris_draft_vocab)  # profiled too
-        self.strategy = make_strategy(options, model, assistant_model, sampling=self.do_sample)
         self.step_callback = options.tetris_step_callback
         self.batch_size = batch_size
         self.input_ids = input_ids
@@ -136,26 +129,15 @@ class BatchedSpeculativeLoop:
         self.tree_width = options.tetris_tree_width
         if self.tree_width > 1:  # a tree writes up to w K nodes (the target's block) and reads ancestor masks
             block = 1 + self.tree_width * self.max_draft
-            for layout_model in (model, assistant_model):
-                check_tree_layout(AttentionLayout.of(layout_model), layout_model)
+            check_tree_layout(AttentionLayout.of(model), model)
 
         def cache_capacity(layout_model: torch.nn.Module) -> int:  # (its layout also refuses what it cannot mask)
             return slots_needed(AttentionLayout.of(layout_model), prompt_length, self.max_length, block,
                                 options.tetris_max_holes)
 
-        self.drafter: Drafter
-        if assistant_model is None:  # prompt lookup: the rows' own tokens are the draft
-            max_ngram = options.max_matching_ngram_size
-            self.drafter = BatchedPromptLookupCandidateGenerator(
-                DEFAULT_MAX_NGRAM_SIZE if max_ngram is None else max_ngram, options.tetris_min_ngram_size,
-                max_tokens=max(self.max_draft, 1))
-        else:
-            drafter_class = EagleCandidateGenerator if is_eagle_head(assistant_model) else \
-                BatchedDraftCandidateGenerator
-            self.drafter = drafter_class(
-                assistant_model, self.logits_processor, self.do_sample, max_holes=options.tetris_max_holes,
-                capacity=cache_capacity(assistant_model),
-            )
+        self.drafter, draft_model = build_drafter(assistant_model, options, self.logits_processor, self.do_sample,
+                                                  cache_capacity)
+        self.strategy = make_strategy(options, model, draft_model, sampling=self.do_sample)  # profiles draft_model
         self.target_slots = SlotCache(batch_size, device, options.tetris_max_holes, capacity=cache_capacity(model))
         self.prompt_mask = attention_mask
         self.prompt_read = False  # the first step reads the prompt and emits the first token, as generate() does
@@ -163,15 +145,11 @@ class BatchedSpeculativeLoop:
         self.drafter.prefill(input_ids, attention_mask, all_real=bool(attention_mask.all()))
         self.compile = options.tetris_compile
         if self.compile:
-            if is_eagle_head(assistant_model):
-                raise ValueError("tetris_compile=True with an EAGLE head is not supported yet: the head reads the "
-                                 "target's hidden states through hooks, which a compiled forward does not run; use "
-                                 "tetris_compile=False")
             check_compilable(model, "target")
             self.target_slots.step_forward = compiled_forward(model)
-            if assistant_model is not None:
-                check_compilable(assistant_model, "draft")
-                self.drafter.slots.step_forward = compiled_forward(assistant_model)
+            if draft_model is not None:
+                check_compilable(draft_model, "draft")
+                self.drafter.slots.step_forward = compiled_forward(draft_model)
         self.feature_tap = self.drafter.feature_tap(model)  # hooks on the target: what an EAGLE head reads (last)
 
         self.sequences = input_ids.new_full((batch_size, capacity), self.pad_value)
