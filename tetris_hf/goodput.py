@@ -1,9 +1,9 @@
 """Goodput: the draft length ``K`` and verify budget ``C`` that maximise expected emitted tokens per second.
 
 Pure functions of tensors and a :class:`~tetris_hf.cost_model.StepCostModel`, used by the ``adaptive`` and ``dsd``
-strategies (:mod:`tetris_hf.strategies`) and the simulator: :func:`best_budget` (``C`` over drafted chains),
-:func:`best_tree_budget` (``C`` over drafted trees), :func:`plan_step` (``K`` and ``C`` before drafting) and
-:func:`dsd_window` (one ``k`` for the batch under a geometric acceptance model).
+strategies (:mod:`tetris_hf.strategies`): :func:`best_budget` (``C`` over drafted chains), :func:`best_tree_budget`
+(``C`` over drafted trees), :func:`plan_step` (``K`` and ``C`` before drafting) and :func:`dsd_window` (one ``k`` for
+the batch under a geometric acceptance model).
 """
 
 from __future__ import annotations
