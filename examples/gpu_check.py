@@ -552,7 +552,7 @@ def _alarm(signum, frame):
 
 def tetris_compile_missing(device: str) -> str | None:
     """Why the compiled parts cannot run here, or ``None``."""
-    from tetris_hf.strategies import TetrisOptions
+    from tetris_hf.options import TetrisOptions
 
     if torch.device(device).type != "cuda":
         return ("compiled runs are a CUDA matter (transformers compiles static-cache generate() on CUDA only; on CPU "

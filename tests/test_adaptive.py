@@ -9,17 +9,10 @@ import torch
 import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
 from tetris_hf import cost_model
 from tetris_hf.cost_model import CostProfile, StepCostModel
-from tetris_hf.strategies import (
-    AdaptiveBudget,
-    DynamicWindow,
-    TetrisOptions,
-    best_budget,
-    dsd_window,
-    expected_tokens_geometric,
-    make_strategy,
-    plan_step,
-    select_fixed_budget,
-)
+from tetris_hf.goodput import best_budget, dsd_window, expected_tokens_geometric, plan_step
+from tetris_hf.options import TetrisOptions
+from tetris_hf.selection import select_fixed_budget
+from tetris_hf.strategies import AdaptiveBudget, DynamicWindow, make_strategy
 from tetris_hf.step_strategy import DraftPlan, StepSeconds, run_step
 from test_greedy_exactness import generate_checked, pick_eos, target_alone
 from tiny_models import target_and_draft, PAD, left_pad, noisy_copy, random_prompts, tiny_llama

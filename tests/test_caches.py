@@ -9,8 +9,9 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
 
 from tetris_hf.decoding import BatchedSpeculativeLoop
+from tetris_hf.options import TetrisOptions
 from tetris_hf.step_strategy import DraftPlan
-from tetris_hf.strategies import FixedWindow, TetrisOptions
+from tetris_hf.strategies import FixedWindow
 from tiny_models import PAD, left_pad, noisy_copy, random_prompts, tiny_llama
 
 

@@ -100,7 +100,7 @@ def test_cost_aware_strategies_read_the_device_once_per_step_besides_the_loop(mo
         target = tiny_llama(64, num_layers=2, seed=0)
         draft = noisy_copy(target, 0.3)
         input_ids, mask = left_pad(random_prompts(8, 64, seed=1))
-        with host_reads.HostReads(host_files=("strategies.py", "cost_model.py")) as reads:
+        with host_reads.HostReads(host_files=("strategies.py", "goodput.py", "cost_model.py")) as reads:
 
             def transfer(tensors):
                 reads.count += 1

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from tetris_hf.checks import check_same_vocabulary
 from tetris_hf.tools import distill, models
-from tetris_hf.decoding import check_same_vocabulary
 from tetris_hf.tools.cli import UsageError
 from tetris_hf.tools.models import (
     early_exit_draft,

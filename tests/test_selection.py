@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from tetris_hf.selection import cumulative_log_probs, select_fixed, select_tetris
-from tetris_hf.strategies import TetrisOptions, TetrisSelection
+from tetris_hf.options import TetrisOptions
+from tetris_hf.strategies import TetrisSelection
 
 
 def heap_greedy(scores: torch.Tensor, max_lengths: torch.Tensor, budget: int) -> list[int]:

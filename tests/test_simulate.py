@@ -9,7 +9,9 @@ import torch
 from tetris_hf.tools import simulate
 from tetris_hf.tools.cli import UsageError
 from tetris_hf.cost_model import CostProfile, StepCostModel
-from tetris_hf.strategies import FixedWindow, TetrisOptions, expected_tokens_geometric
+from tetris_hf.goodput import expected_tokens_geometric
+from tetris_hf.options import TetrisOptions
+from tetris_hf.strategies import FixedWindow
 from test_greedy_exactness import pick_eos, target_alone
 from tiny_models import PAD, left_pad, noisy_copy, random_prompts, tiny_llama
 

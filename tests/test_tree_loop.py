@@ -9,7 +9,7 @@ import torch
 import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
 import tetris_hf.trees as trees
 from tetris_hf.candidate_generators import BatchedDraftCandidateGenerator
-from tetris_hf.strategies import TetrisOptions
+from tetris_hf.options import TetrisOptions
 from test_architectures import SLIDING_WINDOW, assert_exact, early_exit_draft, tiny, windows
 from test_caches import assert_caches_match_fresh, make_loop, next_logits_fresh
 from test_greedy_exactness import assert_rows_equal, pick_eos, target_alone
@@ -189,7 +189,7 @@ def test_cost_aware_strategies_read_the_device_once_per_tree_step_besides_the_lo
     draft = noisy_copy(target, 0.3)
     input_ids, mask = left_pad(random_prompts(8, 64, seed=1))
     for strategy in ("adaptive", "dsd"):
-        with host_reads.HostReads(host_files=("strategies.py", "cost_model.py")) as reads:
+        with host_reads.HostReads(host_files=("strategies.py", "goodput.py", "cost_model.py")) as reads:
 
             def transfer(tensors):
                 reads.count += 1
@@ -210,7 +210,7 @@ def test_best_tree_budget_maximises_expected_tokens_per_second_as_brute_force():
     """``adaptive``'s ``C`` over trees: for every ``C``, select the ``C`` best nodes by survival, count the expected
     tokens and the widest row's block, and take the best rate (the smallest ``C`` on ties)."""
     from test_trees import random_trees
-    from tetris_hf.strategies import best_tree_budget
+    from tetris_hf.goodput import best_tree_budget
 
     generator = torch.Generator().manual_seed(5)
     for trial in range(30):

@@ -8,7 +8,7 @@ After ``import tetris_hf``::
 from .candidate_generators.eagle import EagleDraft
 from .generation import generate, register
 from .outputs import TetrisGenerateOutput, TetrisStats
-from .strategies import TetrisOptions
+from .options import TetrisOptions
 
 __version__ = "0.1.0"
 __all__ = ["EagleDraft", "TetrisGenerateOutput", "TetrisOptions", "TetrisStats", "generate", "register"]

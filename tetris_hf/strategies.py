@@ -15,137 +15,18 @@ from __future__ import annotations
 
 import copy
 import math
-import os
-import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Mapping, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-from .candidate_generators.prompt_lookup import DEFAULT_MAX_NGRAM_SIZE, check_lookup_sizes
-from .candidate_generators.reduced_vocab import check_draft_vocab_spec
-from .cost_model import AcceptanceCalibrator, CostProfile, StepCostModel, cost_model_for, load_profile
-from .selection import cumulative_log_probs, select_fixed, select_tetris
+from .cost_model import AcceptanceCalibrator, StepCostModel, cost_model_for, load_profile
+from .goodput import GoodputPlan, best_budget, best_tree_budget, dsd_window, plan_step
+from .options import TetrisOptions
+from .pair_memory import PairMemory, pair_memory
+from .selection import cumulative_log_probs, select_fixed, select_fixed_budget, select_tetris
 from .step_strategy import DraftPlan, StepSeconds
 from .trees import DraftTree, conditional_log_probs, path_products, select_tree_fixed, select_tree_nodes
-
-STRATEGIES = ("tetris", "fixed", "adaptive", "dsd")
-
-
-def _check_count(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"`{name}` must be an integer, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"`{name}` must be >= {minimum}, got {value}")
-
-
-@dataclass(frozen=True)
-class TetrisOptions:
-    """The ``generate()`` keyword arguments of tetris_hf, validated.
-
-    Args:
-        num_assistant_tokens: ``k``, the base draft window per row (``>= 1``).
-        tetris_extra_tokens: ``e``, extra proposals per row: TETRIS drafts ``K = k + e`` (``>= 0``).
-        tetris_budget: ``C``, draft tokens verified per step across the batch (``>= 0``); ``None`` = ``k`` x active
-            rows.
-        tetris_strategy: ``"tetris"`` (select the top-``C`` cells), ``"fixed"`` (every row verifies its first ``k``),
-            ``"adaptive"`` (``C`` and ``K <= k + e`` chosen per step from a cost model; ``tetris_budget`` caps ``C``)
-            or ``"dsd"`` (one ``k <= k + e`` for the batch, chosen per step).
-        tetris_max_holes: cache slots a row may waste to rejected drafts before the cache is repacked.
-        tetris_step_callback: called as ``fn(record, loop)`` after every step with the
-            :class:`~tetris_hf.decoding.StepRecord` and the :class:`~tetris_hf.decoding.BatchedSpeculativeLoop`
-            (``loop.partial_outputs()`` gives every row's tokens so far): live views, progress, demos.
-        tetris_cost_profile: for ``adaptive`` and ``dsd``: ``None`` (measure this pair at first use, cached in memory
-            and under ``$TETRIS_HF_CACHE``), a saved profile (JSON path or dict, see
-            :class:`~tetris_hf.cost_model.CostProfile`), a curve file (``"curve.json"`` or
-            ``"curve.json:TARGET:DRAFT"``) or a :class:`~tetris_hf.cost_model.CostProfile`.
-        tetris_draft_vocab: ``None`` (the draft scores the whole vocabulary), an int ``N`` (its head scores only the
-            ``N`` most frequent tokens of the frequency table the draft carries) or a 1-D tensor of token ids; every
-            other token gets no draft probability. Lossless (the target verifies as before). See
-            :mod:`tetris_hf.candidate_generators.reduced_vocab`.
-        tetris_compile: run the target's verify forward and the draft's step through ``torch.compile`` (CUDA graphs
-            on CUDA), see :mod:`tetris_hf.compiled`.
-        tetris_tree_width: ``w``, children per expanded draft node (``>= 1``). ``1`` drafts chains; ``w > 1`` grows
-            a tree per row (EAGLE-2: the ``w`` best children of each of a depth's ``w`` best nodes, ``K`` depths) and
-            the strategy selects nodes instead of cells (:mod:`tetris_hf.tree_step`). With a draft model or an EAGLE
-            head (not prompt lookup), not with ``tetris_compile``.
-        prompt_lookup_num_tokens: draft by prompt lookup instead of a draft model (no ``assistant_model``): each row
-            copies up to this many tokens that followed the latest earlier occurrence of its last n-gram in its own
-            prompt and output; it is ``k`` (``num_assistant_tokens`` follows it). See
-            :mod:`tetris_hf.candidate_generators.prompt_lookup`.
-        max_matching_ngram_size: the longest n-gram prompt lookup matches (default 3).
-        tetris_min_ngram_size: the shortest n-gram prompt lookup matches (default 1).
-    """
-
-    num_assistant_tokens: int = 4
-    tetris_extra_tokens: int = 2
-    tetris_budget: int | None = None
-    tetris_strategy: str = "tetris"
-    tetris_max_holes: int = 32
-    tetris_step_callback: Callable | None = None
-    tetris_cost_profile: str | os.PathLike | Mapping | CostProfile | None = None
-    tetris_draft_vocab: int | torch.Tensor | None = None
-    tetris_compile: bool = False
-    tetris_tree_width: int = 1
-    prompt_lookup_num_tokens: int | None = None
-    max_matching_ngram_size: int | None = None
-    tetris_min_ngram_size: int = 1
-
-    def __post_init__(self):
-        self._check_lookup()
-        check_draft_vocab_spec(self.tetris_draft_vocab)
-        if not isinstance(self.tetris_compile, bool):
-            raise TypeError(f"`tetris_compile` must be True or False, got {self.tetris_compile!r}")
-        _check_count("num_assistant_tokens", self.num_assistant_tokens, 1)
-        _check_count("tetris_extra_tokens", self.tetris_extra_tokens, 0)
-        if self.tetris_budget is not None:
-            _check_count("tetris_budget", self.tetris_budget, 0)
-        _check_count("tetris_max_holes", self.tetris_max_holes, 0)
-        self._check_tree()
-        if self.tetris_step_callback is not None and not callable(self.tetris_step_callback):
-            raise TypeError(f"`tetris_step_callback` must be callable, got {type(self.tetris_step_callback).__name__}")
-        if self.tetris_strategy not in STRATEGIES:
-            raise ValueError(f"`tetris_strategy` must be one of {STRATEGIES}, got {self.tetris_strategy!r}")
-        profile = self.tetris_cost_profile
-        if profile is not None:
-            if not isinstance(profile, (str, os.PathLike, Mapping, CostProfile)):
-                raise TypeError(f"`tetris_cost_profile` must be a JSON path, a dict or a CostProfile, got "
-                                f"{type(profile).__name__}")
-            if isinstance(profile, (str, os.PathLike)):
-                path = os.fspath(profile)
-                if not Path(path).is_file() and not Path(path.split(":")[0]).is_file():
-                    raise ValueError(f"`tetris_cost_profile` file {path!r} does not exist")
-
-
-    def _check_tree(self) -> None:
-        width = self.tetris_tree_width
-        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
-            raise ValueError(f"`tetris_tree_width` must be an int >= 1 (1: draft chains), got {width!r}")
-        if width == 1:
-            return
-        if self.prompt_lookup_num_tokens is not None:
-            raise ValueError("`tetris_tree_width` > 1 grows trees with a draft model: prompt lookup drafts one "
-                             "continuation per row; use tetris_tree_width=1")
-        if self.tetris_compile:
-            raise ValueError("`tetris_tree_width` > 1 with tetris_compile=True is not supported yet (tree forwards "
-                             "take shapes and masks the compiled step does not); use tetris_compile=False")
-
-    def _check_lookup(self) -> None:
-        lookup = self.prompt_lookup_num_tokens
-        if lookup is None:
-            if self.max_matching_ngram_size is not None or self.tetris_min_ngram_size != 1:
-                raise ValueError("`max_matching_ngram_size` and `tetris_min_ngram_size` apply to prompt lookup: pass "
-                                 "`prompt_lookup_num_tokens=` too")
-            return
-        max_ngram = DEFAULT_MAX_NGRAM_SIZE if self.max_matching_ngram_size is None else self.max_matching_ngram_size
-        check_lookup_sizes(lookup, max_ngram, self.tetris_min_ngram_size)
-        if self.num_assistant_tokens != lookup:
-            raise ValueError(f"`prompt_lookup_num_tokens` ({lookup}) is the window k: drop `num_assistant_tokens` "
-                             f"({self.num_assistant_tokens}) or make them equal")
-        if self.tetris_draft_vocab is not None:
-            raise ValueError("`tetris_draft_vocab` shapes a draft model's head: prompt lookup has none, drop it")
 
 
 class FixedWindow:
@@ -200,206 +81,7 @@ class TetrisSelection(FixedWindow):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Goodput optimisation: pure functions of tensors and a cost model
-
-
-class BudgetChoice(NamedTuple):
-    """What :func:`best_budget` picked for each batch: ``budget`` ``(N,)`` cells to verify, ``tokens`` ``(N,)``
-    expected emitted tokens, ``seconds`` ``(N,)`` predicted step time."""
-
-    budget: torch.Tensor
-    tokens: torch.Tensor
-    seconds: torch.Tensor
-
-
-def best_budget(survival: torch.Tensor, max_lengths: torch.Tensor, fixed_seconds: float,
-                verify_seconds: torch.Tensor, max_budget: int | None = None) -> BudgetChoice:
-    """The TETRIS budget ``C`` that maximises expected emitted tokens per second, for one or more batches.
-
-    Cells are taken in TETRIS greedy order (highest survival first, ties to the lower row then the earlier position,
-    as :func:`~tetris_hf.selection.select_tetris`). Verifying the first ``c`` cells of that order emits in
-    expectation ``B + sum of their survivals`` tokens (each row its accepted prefix plus one target token) and costs
-    ``fixed_seconds + verify_seconds[l]``, ``l`` the deepest position among them (every row's block is padded to it).
-
-    Args:
-        survival: ``(B, K)`` or ``(N, B, K)``: probability that cells ``1..j`` of a row are all accepted
-            (non-increasing along rows).
-        max_lengths: ``(B,)`` or ``(N, B)``: cells of a row that may be verified.
-        fixed_seconds: seconds of the step whatever ``C`` is (drafting, overhead).
-        verify_seconds: ``(K + 1,)``: entry ``l`` is a verification forward whose longest row checks ``l`` drafts.
-        max_budget: cap on ``C`` (``None``: every candidate cell).
-
-    Returns:
-        :class:`BudgetChoice` with ``(N,)`` tensors (``N = 1`` for a single batch); ties go to the smaller ``C``.
-    """
-    if survival.dim() == 2:
-        survival, max_lengths = survival[None], max_lengths[None]
-    num_batches, num_rows, num_cells = survival.shape
-    positions = torch.arange(num_cells, device=survival.device)
-    candidate = positions[None, None, :] < max_lengths[..., None]
-    ranked = torch.where(candidate, survival.double(), torch.full_like(survival, -1.0, dtype=torch.float64))
-    values, order = torch.sort(ranked.flatten(1), dim=1, descending=True, stable=True)
-    values = values.clamp(min=0)  # non-candidates sort last and add nothing
-    zeros = values.new_zeros(num_batches, 1)
-    tokens = num_rows + torch.cat([zeros, values.cumsum(dim=1)], dim=1)
-    depth = torch.cat([zeros.long(), ((order % num_cells) + 1).cummax(dim=1).values], dim=1)
-    seconds = fixed_seconds + verify_seconds.to(survival.device, torch.float64)[depth]
-    rate = tokens / seconds
-    allowed = torch.arange(rate.shape[1], device=rate.device)[None, :] <= candidate.flatten(1).sum(dim=1, keepdim=True)
-    if max_budget is not None:
-        allowed &= torch.arange(rate.shape[1], device=rate.device)[None, :] <= max_budget
-    rate = torch.where(allowed, rate, torch.full_like(rate, -1.0))
-    budget = rate.argmax(dim=1)  # first maximum: the smallest budget among ties
-    index = budget[:, None]
-    return BudgetChoice(budget, tokens.gather(1, index)[:, 0], seconds.gather(1, index)[:, 0])
-
-
-def best_tree_budget(survival: torch.Tensor, candidate: torch.Tensor, fixed_seconds: float,
-                     verify_seconds: torch.Tensor, max_budget: int | None = None) -> int:
-    """:func:`best_budget` over draft trees: the ``C`` maximising expected emitted tokens per second when the ``C``
-    best nodes of the batch are verified.
-
-    Nodes are taken in :func:`~tetris_hf.trees.select_tree_nodes`' order for scores ``log survival`` (survival
-    descending, ties to the lower row, then the lower node). Verifying the first ``c`` emits in expectation ``B`` plus
-    their survivals and costs ``fixed_seconds + verify_seconds[n]``, ``n`` the most nodes one row verifies among them
-    (every row's block is padded to it).
-
-    Args:
-        survival: ``(B, N)`` probability that the whole path to a node is accepted (never above its parent's).
-        candidate: ``(B, N)`` bool, ancestor-closed.
-        fixed_seconds: the step's seconds whatever ``C`` is.
-        verify_seconds: ``(N + 1,)`` entry ``n``: a verification forward whose widest row checks ``n`` nodes.
-        max_budget: cap on ``C``.
-
-    Returns:
-        ``C`` (ties go to the smaller).
-    """
-    num_rows, num_nodes = survival.shape
-    ranked = torch.where(candidate, survival.double(), torch.full_like(survival, -1.0, dtype=torch.float64))
-    values, order = torch.sort(ranked.flatten(), descending=True, stable=True)
-    zero = values.new_zeros(1)
-    tokens = num_rows + torch.cat([zero, values.clamp(min=0).cumsum(dim=0)])
-    # E.g. rows of the ordered nodes [0, 1, 0] -> per-row counts [[1 0], [1 1], [2 1]] -> widest [0, 1, 1, 2]
-    counts = torch.nn.functional.one_hot(order // num_nodes, num_rows).cumsum(dim=0)
-    widest = torch.cat([zero.long(), counts.amax(dim=1)])
-    rate = tokens / (fixed_seconds + verify_seconds.double()[widest])
-    allowed = torch.arange(rate.numel()) <= int(candidate.sum())
-    if max_budget is not None:
-        allowed &= torch.arange(rate.numel()) <= max_budget
-    return int(torch.where(allowed, rate, torch.full_like(rate, -1.0)).argmax())
-
-
-class GoodputPlan(NamedTuple):
-    """What :func:`plan_step` expects of a plan: draft ``num_draft_tokens`` per row (0 = plain decoding), verify about ``budget`` cells,
-    expecting ``tokens`` emitted in ``seconds``."""
-
-    num_draft_tokens: int
-    budget: int
-    tokens: float
-    seconds: float
-
-    @property
-    def rate(self) -> float:
-        return self.tokens / self.seconds
-
-
-def plan_step(acceptance: torch.Tensor, num_rows: int, max_draft: int, cost: StepCostModel,
-              max_budget: int | None = None) -> GoodputPlan:
-    """Choose ``K`` (0 = no drafting) and ``C`` for a batch of ``num_rows`` before drafting.
-
-    Args:
-        acceptance: ``(P, max_draft)`` conditional acceptance probabilities of recently drafted rows (``P >= 0``),
-            standing in for the rows about to be drafted. They are cut into batches of ``num_rows`` rows (rows
-            repeated when ``P < num_rows``); each batch gets its best ``C`` (:func:`best_budget`) and each ``K`` is
-            scored by total expected tokens over total seconds.
-        num_rows: ``B``.
-        max_draft: largest ``K`` considered.
-        cost: the step cost model.
-        max_budget: cap on ``C``.
-
-    Returns:
-        The best :class:`GoodputPlan`; plain decoding unless drafting is expected to be faster.
-    """
-    plain_seconds = cost.verify_seconds(num_rows, 1) + cost.step_overhead
-    best = GoodputPlan(0, 0, float(num_rows), plain_seconds)
-    pool_rows = acceptance.shape[0]
-    if pool_rows == 0 or max_draft == 0 or max_budget == 0:
-        return best
-    num_batches = max(1, pool_rows // num_rows)
-    index = torch.arange(num_batches * num_rows) % pool_rows
-    batches = acceptance[index].view(num_batches, num_rows, -1).double()
-    verify = cost.verify_seconds_by_length(num_rows, max_draft)
-    draft_seconds = cost.draft_seconds(num_rows)
-    for num_draft in range(1, max_draft + 1):
-        survival = batches[..., :num_draft].cumprod(dim=-1)
-        lengths = torch.full((num_batches, num_rows), num_draft, dtype=torch.long)
-        choice = best_budget(survival, lengths, num_draft * draft_seconds + cost.step_overhead,
-                             verify[: num_draft + 1], max_budget)
-        plan = GoodputPlan(num_draft, max(1, round(float(choice.budget.double().mean()))),
-                        float(choice.tokens.mean()), float(choice.seconds.mean()))
-        if plan.rate > best.rate:
-            best = plan
-    return best
-
-
-def expected_tokens_geometric(acceptance: float, num_draft: int) -> float:
-    """Expected tokens a row emits verifying ``k`` drafts, each accepted with probability ``a`` independently
-    (prefix semantics): ``(1 - a^(k+1)) / (1 - a)``."""
-    if acceptance >= 1.0:
-        return float(num_draft + 1)
-    return (1.0 - acceptance ** (num_draft + 1)) / (1.0 - acceptance)
-
-
-def dsd_window(acceptance: float, num_rows: int, max_draft: int, cost: StepCostModel) -> int:
-    """DSD: the one ``k`` in ``0..max_draft`` for the whole batch maximising
-    ``B (1 - a^(k+1)) / (1 - a)`` over the step's seconds (``k = 0``: plain decoding)."""
-    best_k, best_rate = 0, num_rows / (cost.verify_seconds(num_rows, 1) + cost.step_overhead)
-    for k in range(1, max_draft + 1):
-        rate = num_rows * expected_tokens_geometric(acceptance, k) / cost.step_seconds(num_rows, k, k)
-        if rate > best_rate:
-            best_k, best_rate = k, rate
-    return best_k
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # Strategies that choose per step
-
-
-@dataclass
-class PairMemory:
-    """What ``adaptive`` and ``dsd`` learnt about one target/draft pair, kept between ``generate()`` calls.
-
-    ``calibrator``: acceptance by draft probability; ``pool``: ``(P, W)`` log q of recently drafted rows, newest
-    first; ``dsd_acceptance``: DSD's running acceptance rate; ``plain_streak`` and ``probe_interval``: the probe
-    schedule (so that a pair known not to pay is probed ever more rarely, call after call).
-    """
-
-    calibrator: AcceptanceCalibrator = field(default_factory=AcceptanceCalibrator)
-    pool: torch.Tensor | None = None
-    dsd_acceptance: float | None = None
-    plain_streak: int = 0
-    probe_interval: int = 8
-
-
-# draft -> target -> {sampling: PairMemory}
-_PAIR_MEMORY: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakKeyDictionary]" = weakref.WeakKeyDictionary()
-
-
-class _PromptLookup:
-    """Stands for prompt lookup, which has no draft model, as a key of :data:`_PAIR_MEMORY`."""
-
-
-_PROMPT_LOOKUP = _PromptLookup()
-
-
-def pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module | None, sampling: bool = False) -> PairMemory:
-    """The :class:`PairMemory` of these two model objects (in memory, forgotten with the models), one for greedy
-    calls and one for sampled calls: a draft is accepted by exact match in one and with probability
-    ``min(1, p/q)`` in the other, so what is learnt about one says little about the other. ``assistant_model=None``:
-    prompt lookup on this target."""
-    draft_key = _PROMPT_LOOKUP if assistant_model is None else assistant_model
-    by_target = _PAIR_MEMORY.setdefault(draft_key, weakref.WeakKeyDictionary())
-    return by_target.setdefault(model, {}).setdefault(sampling, PairMemory())
 
 
 class _CostAware:
@@ -415,10 +97,11 @@ class _CostAware:
     ``probe_interval``-th step drafts one token per row and verifies them all. The interval starts at 8 steps, or
     more where a probe is dear (enough that probes add at most ``probe_overhead`` of the time: at 256 rows on the
     8B H200 curve a probe costs 1.5 plain steps), doubles after every probe that does not change the decision (up to
-    ``max_probe_interval``) and resets once drafting pays; the schedule lives in the pair's :class:`PairMemory`, so it
-    carries over between calls. A pair with nothing learnt yet starts with a probe. Once drafting would not pay even
-    at an optimistic acceptance (``could_pay=False``, see :class:`AdaptiveBudget`), a probe could not change the plan:
-    probes then come only every ``max_probe_interval`` steps, to notice requests that have become easier.
+    ``max_probe_interval``) and resets once drafting pays; the schedule lives in the pair's
+    :class:`~tetris_hf.pair_memory.PairMemory`, so it carries over between calls. A pair with nothing learnt yet
+    starts with a probe. Once drafting would not pay even at an optimistic acceptance (``could_pay=False``, see
+    :class:`AdaptiveBudget`), a probe could not change the plan: probes then come only every ``max_probe_interval``
+    steps, to notice requests that have become easier.
     """
 
     probe_interval_start = 8
@@ -551,9 +234,9 @@ class AdaptiveBudget(_CostAware):
     """``adaptive``: each step, ``K`` and ``C`` that maximise expected emitted tokens per second, then TETRIS.
 
     Acceptance of a cell is its draft probability mapped through an online :class:`AcceptanceCalibrator`; a row's
-    survival is the running product along it. Before drafting, :func:`plan_step` picks ``K`` (0: plain decoding)
-    from the calibrated rows of recent steps; after drafting, :func:`best_budget` picks ``C`` from this step's cells
-    and :func:`~tetris_hf.selection.select_tetris` takes the top ``C`` by survival.
+    survival is the running product along it. Before drafting, :func:`~tetris_hf.goodput.plan_step` picks ``K`` (0:
+    plain decoding) from the calibrated rows of recent steps; after drafting, :func:`~tetris_hf.goodput.best_budget`
+    picks ``C`` from this step's cells and :func:`~tetris_hf.selection.select_tetris` takes the top ``C`` by survival.
 
     While the plan is plain decoding, a second, optimistic plan (every cell's acceptance at its calibrator's upper
     confidence bound, ``optimism`` standard deviations above the mean) says whether a probe could change it.
@@ -566,7 +249,7 @@ class AdaptiveBudget(_CostAware):
         options: ``K <= num_assistant_tokens + tetris_extra_tokens``; ``tetris_budget`` caps ``C``.
         cost: a :class:`StepCostModel`, or ``(num_rows, max_tokens) -> StepCostModel`` called at the first step.
         learn_costs: correct the cost model from the loop's measured steps (see :class:`_CostAware`).
-        memory: a :class:`PairMemory` to start from and learn into (default: a fresh one).
+        memory: a :class:`~tetris_hf.pair_memory.PairMemory` to start from and learn into (default: a fresh one).
         pool_rows: recently drafted rows kept to plan with.
         sampling: the loop samples (``C`` is then fixed before drafting).
     """
@@ -700,9 +383,9 @@ class AdaptiveBudget(_CostAware):
 
     def select_tree(self, tree: DraftTree, plan: DraftPlan) -> torch.Tensor:
         """Draft trees. Greedy: as :meth:`select` for chains, ``C`` re-chosen from the drafted nodes
-        (:func:`best_tree_budget`, a node's acceptance its confidence through the calibrator, its survival the product
-        along its path), then the ``C`` best nodes by survival. Sampling: the plan's ``C`` (fixed before drafting) over
-        the best nodes by path score. A probe verifies each row's best node."""
+        (:func:`~tetris_hf.goodput.best_tree_budget`, a node's acceptance its confidence through the calibrator, its
+        survival the product along its path), then the ``C`` best nodes by survival. Sampling: the plan's ``C`` (fixed
+        before drafting) over the best nodes by path score. A probe verifies each row's best node."""
         budget = plan.budget if self.max_budget is None else min(plan.budget, self.max_budget)
         if plan.probe or self.sampling:
             return select_tree_nodes(tree.log_scores, tree.valid, tree.parents, budget,
@@ -720,24 +403,6 @@ class AdaptiveBudget(_CostAware):
         choice = best_tree_budget(survival, valid.bool(), fixed_seconds,
                                   cost.verify_seconds_by_length(num_rows, num_nodes), self.max_budget)
         return select_tree_nodes(survival.log().to(tree.log_scores.device), tree.valid, tree.parents, choice)
-
-
-def select_fixed_budget(lengths: torch.Tensor, budget: int, longest: int) -> torch.Tensor:
-    """Trim ``lengths`` ``(B,)`` (each at most ``longest``) so they sum to at most ``budget``, longest rows first (of
-    equal rows, the earlier row first), without reading the device.
-
-    Trimming one cell at a time from the longest row ends with every row cut to a level ``t`` or, for the last
-    ``r`` rows that were longer than ``t``, ``t + 1``: ``t`` is the largest level whose cut fits the budget and ``r``
-    what the budget has left. E.g. ``[3, 3, 3]`` with budget 7: ``t = 2``, ``r = 1`` -> ``[2, 2, 3]``.
-    """
-    levels = torch.arange(longest + 1, device=lengths.device)
-    cut = torch.minimum(lengths[:, None], levels[None, :]).sum(dim=0)  # (levels,) total at each level
-    level = (cut <= budget).sum() - 1  # cut is non-decreasing and 0 at level 0
-    trimmed = torch.minimum(lengths, level)
-    left = budget - trimmed.sum()
-    longer = lengths > level
-    from_end = longer.flip(0).cumsum(dim=0).flip(0)  # longer rows at or after each row
-    return torch.where(longer & (from_end <= left), level + 1, trimmed)
 
 
 class DynamicWindow(_CostAware):
@@ -784,7 +449,8 @@ def make_strategy(options: TetrisOptions, model: torch.nn.Module | None = None,
     """The strategy ``options`` name. ``adaptive`` and ``dsd`` need ``options.tetris_cost_profile`` (used as given) or
     the two models (profiled at the first step, see :func:`~tetris_hf.cost_model.cost_model_for`, then corrected
     online from the loop's own step times). With the models, what they learn about acceptance carries over to the
-    next call on the same pair (:func:`pair_memory`). ``sampling``: the loop samples (see :class:`AdaptiveBudget`)."""
+    next call on the same pair (:func:`~tetris_hf.pair_memory.pair_memory`). ``sampling``: the loop samples (see
+    :class:`AdaptiveBudget`)."""
     if options.tetris_strategy == "tetris":
         return TetrisSelection(options)
     if options.tetris_strategy == "fixed":

@@ -82,6 +82,8 @@ from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 from transformers.utils import ModelOutput, cached_file
 
+from .checks import output_vocab_size
+
 EAGLE1, EAGLE3 = "eagle1", "eagle3"
 CONFIG_NAME = "config.json"
 WEIGHTS_NAMES = ("model.safetensors", "pytorch_model.bin")
@@ -744,14 +746,6 @@ def is_eagle_head(model: nn.Module) -> bool:
     """Whether ``model`` is an :class:`EagleDraft`, whichever copy of this module defined its class (the package's,
     the Hub folder's that transformers loads, a Space's): told by the ``feature_kind`` every head carries."""
     return getattr(model, "feature_kind", None) in (EAGLE1, EAGLE3) and hasattr(model, "aux_layer_ids")
-
-
-def output_vocab_size(model: nn.Module) -> int:
-    """The last dimension of the target's logits."""
-    head = model.get_output_embeddings()
-    if head is not None:
-        return int(head.weight.shape[0])
-    return int(model.config.get_text_config(decoder=True).vocab_size)
 
 
 def check_width(name: str, features: torch.Tensor, width: int, input_ids: torch.Tensor) -> None:

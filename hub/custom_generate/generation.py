@@ -1,10 +1,10 @@
 # Exported from tetris_hf/generation.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
 """The ``custom_generate`` entry point: ``model.generate(..., assistant_model=draft, custom_generate="tetris")``.
 
-``generate(model, ...)`` takes exactly what ``GenerationMixin.generate`` takes. It peels off the draft model and the
-TETRIS options, then calls ``model.generate`` with the batched loop as a callable ``custom_generate``, so that
-transformers' own preparation (generation config, logits processors, stopping criteria, padding checks, max length)
-runs unchanged and the loop receives what plain decoding would.
+``generate(model, ...)`` takes exactly what ``GenerationMixin.generate`` takes. It peels off the draft model, the
+streamer and the TETRIS options, then calls ``model.generate`` with the batched loop as a callable
+``custom_generate``, so that transformers' own preparation (generation config, logits processors, stopping criteria,
+padding checks, max length) runs unchanged and the loop receives what plain decoding would.
 """
 
 from __future__ import annotations
@@ -17,10 +17,9 @@ import os
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerationMixin
 
-import torch
-
-from .decoding import check_pair, check_prompt_mask, tetris_decoding
-from .strategies import TetrisOptions
+from .checks import check_pair, check_prompt_shape
+from .decoding import tetris_decoding
+from .options import TetrisOptions
 
 STRATEGY_NAME = "tetris"
 OPTION_NAMES = tuple(option.name for option in dataclasses.fields(TetrisOptions))
@@ -50,17 +49,6 @@ def _pop_options(kwargs: dict) -> TetrisOptions:
     return TetrisOptions(**values)
 
 
-def _check_inputs(input_ids, attention_mask, streamer) -> None:
-    """Shape and padding checks that must come before transformers' own preparation touches the prompt."""
-    if not isinstance(input_ids, torch.Tensor):
-        return  # inputs_embeds or other inputs: generate() validates them
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must have shape (batch_size, length), got {tuple(input_ids.shape)}")
-    check_prompt_mask(attention_mask if attention_mask is not None else torch.ones_like(input_ids))
-    if streamer is not None and input_ids.shape[0] > 1:
-        raise ValueError(f"a streamer needs batch size 1, got {input_ids.shape[0]} rows")
-
-
 def generate(model, *args, **kwargs):
     """Batched speculative decoding with TETRIS selection; the function ``custom_generate="tetris"`` runs.
 
@@ -73,23 +61,23 @@ def generate(model, *args, **kwargs):
             default k x active rows), ``tetris_strategy`` (``"tetris"``, ``"fixed"``, ``"adaptive"`` or ``"dsd"``),
             ``tetris_cost_profile``, ``tetris_step_callback``, ``tetris_max_holes``, ``tetris_draft_vocab``,
             ``tetris_compile``, ``tetris_tree_width`` (draft trees, see :mod:`tetris_hf.tree_step`) (see
-            :class:`~tetris_hf.strategies.TetrisOptions`).
+            :class:`~tetris_hf.options.TetrisOptions`).
 
     Returns:
         What ``generate()`` returns: ``(B, T)`` sequences, or with ``return_dict_in_generate=True`` a
         :class:`~tetris_hf.outputs.TetrisGenerateOutput` with ``.sequences`` and ``.tetris_stats``.
     """
     assistant_model = kwargs.pop("assistant_model", None)
-    streamer = kwargs.pop("streamer", None)
+    streamer = kwargs.pop("streamer", None)  # the loop streams the prompt too, once it knows the batch is one row
     kwargs.pop("custom_generate", None)
     options = _pop_options(kwargs)
-    check_pair(model, assistant_model, options)
+    check_pair(model, assistant_model, prompt_lookup=options.prompt_lookup_num_tokens is not None)
     prompt = args[0] if args else kwargs.get("inputs")
     if prompt is None:  # generate(input_ids=...) reaches a custom_generate folder as inputs=None, input_ids=...
         prompt = kwargs.get("input_ids")
-    _check_inputs(prompt, kwargs.get("attention_mask"), streamer)
+    check_prompt_shape(prompt)  # before transformers' preparation indexes it
     decoding = functools.partial(tetris_decoding, assistant_model=assistant_model, options=options, streamer=streamer)
-    return GenerationMixin.generate(model, *args, custom_generate=decoding, streamer=streamer, **kwargs)
+    return GenerationMixin.generate(model, *args, custom_generate=decoding, **kwargs)
 
 
 _original_load_custom_generate = GenerationMixin.load_custom_generate

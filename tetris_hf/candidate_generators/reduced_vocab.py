@@ -24,35 +24,12 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
 
+from ..checks import output_vocab_size
+from ..options import check_draft_vocab_spec
+
 TOKEN_COUNTS_ATTRIBUTE = "tetris_token_counts"  # (V,) int64 on the draft model: how often each token was seen
 TOKEN_COUNTS_SOURCE_ATTRIBUTE = "tetris_token_counts_source"  # one line saying what was counted
 _WRAPPERS_ATTRIBUTE = "_tetris_reduced_vocab_drafts"  # {subset digest: ReducedVocabDraft} cached on the draft
-
-
-def check_draft_vocab_spec(spec) -> None:
-    """Validate ``tetris_draft_vocab`` on its own (before the draft's vocabulary size is known).
-
-    Accepts ``None``, an int ``N >= 1``, or a non-empty 1-D integer tensor of distinct non-negative token ids.
-    """
-    if spec is None:
-        return
-    if isinstance(spec, torch.Tensor):
-        if spec.dim() != 1 or spec.dtype.is_floating_point or spec.dtype.is_complex or spec.dtype == torch.bool:
-            raise TypeError(f"`tetris_draft_vocab` as a tensor must be 1-D token ids (an integer dtype), got shape "
-                            f"{tuple(spec.shape)} and dtype {spec.dtype}")
-        if spec.numel() == 0:
-            raise ValueError("`tetris_draft_vocab` is an empty tensor: the draft needs at least one token to propose")
-        if int(spec.min()) < 0:
-            raise ValueError(f"`tetris_draft_vocab` holds a negative token id ({int(spec.min())})")
-        if torch.unique(spec).numel() != spec.numel():
-            raise ValueError(f"`tetris_draft_vocab` holds duplicate token ids ({spec.numel() - torch.unique(spec).numel()} "
-                             "repeats): give each token once")
-        return
-    if isinstance(spec, bool) or not isinstance(spec, int):
-        raise TypeError(f"`tetris_draft_vocab` must be an int N (the N most frequent tokens) or a 1-D tensor of token "
-                        f"ids, got {type(spec).__name__}")
-    if spec < 1:
-        raise ValueError(f"`tetris_draft_vocab` must be >= 1 tokens, got {spec}")
 
 
 def token_counts(tokenizer, texts, vocab_size: int) -> torch.Tensor:
@@ -76,7 +53,7 @@ def attach_token_counts(model: nn.Module, counts: torch.Tensor, source: str) -> 
         counts: ``(V,)`` non-negative counts, ``V`` the model's output vocabulary.
         source: what was counted (shown in descriptions and stored with the draft).
     """
-    vocab = output_rows(model)
+    vocab = output_vocab_size(model)
     if counts.dim() != 1 or counts.shape[0] != vocab:
         raise ValueError(f"token counts must have shape ({vocab},) for this model, got {tuple(counts.shape)}")
     setattr(model, TOKEN_COUNTS_ATTRIBUTE, counts.detach().to("cpu", torch.long))
@@ -90,12 +67,6 @@ def most_frequent(counts: torch.Tensor, size: int) -> torch.Tensor:
     return order[:size].sort().values
 
 
-def output_rows(model: nn.Module) -> int:
-    """Rows of the model's output head: the last dimension of its logits."""
-    head = model.get_output_embeddings()
-    return int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
-
-
 def resolve_token_ids(model: nn.Module, spec) -> torch.Tensor:
     """The token ids ``spec`` (``tetris_draft_vocab``) names for ``model``: ``(N,)`` int64, sorted, on CPU.
 
@@ -103,7 +74,7 @@ def resolve_token_ids(model: nn.Module, spec) -> torch.Tensor:
     ``N`` for a draft that carries no frequency table.
     """
     check_draft_vocab_spec(spec)
-    vocab = output_rows(model)
+    vocab = output_vocab_size(model)
     if isinstance(spec, torch.Tensor):
         if int(spec.max()) >= vocab:
             raise ValueError(f"`tetris_draft_vocab` holds token id {int(spec.max())}, out of range for the draft's "
@@ -157,7 +128,7 @@ class ReducedVocabDraft(nn.Module):
     def __init__(self, model: nn.Module, token_ids: torch.Tensor, source: str = "given token ids"):
         super().__init__()
         self.model = model
-        self.vocab_size = output_rows(model)
+        self.vocab_size = output_vocab_size(model)
         head = model.get_output_embeddings()
         self.register_buffer("token_ids", token_ids.to(head.weight.device, torch.long), persistent=False)
         self._head_version = None

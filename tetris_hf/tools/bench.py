@@ -729,8 +729,9 @@ def ensure_token_counts(draft, tokenizer, vocabs) -> str | None:
     last 2,000 ShareGPT chats (``data.SHAREGPT_RESERVED_TAIL``: no prompt set for measurement reads them). Returns
     where the table came from."""
     from ..candidate_generators.reduced_vocab import (
-        TOKEN_COUNTS_ATTRIBUTE, TOKEN_COUNTS_SOURCE_ATTRIBUTE, attach_token_counts, output_rows, token_counts,
+        TOKEN_COUNTS_ATTRIBUTE, TOKEN_COUNTS_SOURCE_ATTRIBUTE, attach_token_counts, token_counts,
     )
+    from ..checks import output_vocab_size
 
     if all(vocab is None for vocab in vocabs):
         return None
@@ -739,12 +740,13 @@ def ensure_token_counts(draft, tokenizer, vocabs) -> str | None:
 
         chats, _ = sharegpt_fitting_chats()
         texts = [tokenizer.apply_chat_template(list(chat.messages), tokenize=False) for chat in chats]
-        counts = token_counts(tokenizer, texts, output_rows(draft))
+        counts = token_counts(tokenizer, texts, output_vocab_size(draft))
         attach_token_counts(draft, counts, f"{int(counts.sum()):,} tokens of the last {len(chats)} ShareGPT chats "
                                            "(counted by the bench: the draft ships no table)")
-    too_big = [v for v in vocabs if v is not None and v > output_rows(draft)]
+    vocab = output_vocab_size(draft)
+    too_big = [v for v in vocabs if v is not None and v > vocab]
     if too_big:
-        raise UsageError(f"--draft-vocab {too_big[0]} is larger than the draft's {output_rows(draft)}-token vocabulary")
+        raise UsageError(f"--draft-vocab {too_big[0]} is larger than the draft's {vocab}-token vocabulary")
     return getattr(draft, TOKEN_COUNTS_SOURCE_ATTRIBUTE)
 
 
@@ -760,7 +762,7 @@ def config_from_args(args) -> BenchConfig:
     lookup = args.draft == "lookup"
     default = DEFAULT_STRATEGIES_LOOKUP if lookup else DEFAULT_STRATEGIES_EAGLE if eagle else DEFAULT_STRATEGIES
     strategies = tuple(s.strip() for s in (args.strategies or default).split(",") if s.strip())
-    from ..strategies import STRATEGIES
+    from ..options import STRATEGIES
 
     unknown = [s for s in strategies if s not in BASELINES and s not in STRATEGIES]
     if unknown or not strategies:

@@ -32,7 +32,7 @@ from packaging.version import Version
 
 from .. import __version__
 from ..outputs import TetrisStats
-from ..strategies import TetrisOptions
+from ..options import TetrisOptions
 
 DISTRIBUTION = "tetris-hf"
 PACKAGE = "tetris_hf"

@@ -40,8 +40,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..checks import check_same_vocabulary
 from ..cost_model import cache_dir
-from ..decoding import check_same_vocabulary
 
 logger = logging.getLogger(__name__)
 

@@ -65,7 +65,8 @@ from .bench import STEP_TRACE_FORMAT, STEP_TRACE_VERSION
 from .cli import UsageError, load_pair, load_prompt_set, number_list, prompt_texts, resolve_device
 from ..cost_model import CostProfile, StepCostModel, load_profile
 from ..step_strategy import run_step
-from ..strategies import AdaptiveBudget, DynamicWindow, FixedWindow, TetrisOptions, TetrisSelection
+from ..options import TetrisOptions
+from ..strategies import AdaptiveBudget, DynamicWindow, FixedWindow, TetrisSelection
 
 TRACE_FORMAT = "tetris-hf-trace"
 TRACE_VERSION = 1

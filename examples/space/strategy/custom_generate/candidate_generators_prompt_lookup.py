@@ -21,22 +21,8 @@ from __future__ import annotations
 import torch
 
 from .kv import rows_after_fill
+from .options import DEFAULT_MAX_NGRAM_SIZE
 from .candidate_generators_drafter import Proposal
-
-DEFAULT_MAX_NGRAM_SIZE = 3  # ``max_matching_ngram_size`` when not given
-
-
-def check_lookup_sizes(num_tokens, max_ngram_size, min_ngram_size) -> None:
-    """Refuse impossible lookup settings (before anything runs), naming the argument."""
-    for name, value in (("prompt_lookup_num_tokens", num_tokens), ("max_matching_ngram_size", max_ngram_size),
-                        ("tetris_min_ngram_size", min_ngram_size)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"`{name}` must be an integer, got {value!r} ({type(value).__name__})")
-        if value < 1:
-            raise ValueError(f"`{name}` must be >= 1, got {value}")
-    if min_ngram_size > max_ngram_size:
-        raise ValueError(f"`tetris_min_ngram_size` ({min_ngram_size}) is above `max_matching_ngram_size` "
-                         f"({max_ngram_size}): lookup would try no n-gram size")
 
 
 def lookup_drafts(sequences: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, num_tokens: int,

@@ -15,104 +15,24 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-from transformers.cache_utils import StaticCache
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from .attention import AttentionLayout, check_tree_layout
-from .candidate_generators import BatchedDraftCandidateGenerator
-from .candidate_generators_drafter import Drafter, Proposal
-from .candidate_generators_eagle import is_eagle_head
-from .candidate_generators_eagle_drafter import EagleCandidateGenerator
-from .candidate_generators_prompt_lookup import DEFAULT_MAX_NGRAM_SIZE, BatchedPromptLookupCandidateGenerator
-from .candidate_generators_reduced_vocab import reduced_vocab_draft
+from .candidate_generators import build_drafter
+from .candidate_generators_drafter import Proposal
+from .checks import check_generation_config, check_prompt_mask, check_streamer
 from .compiled import check_compilable, compiled_forward
-from .families import check_supported
 from .kv import SlotCache, slots_needed
 from .logits import PositionwiseLogitsProcessor, verify_greedy, verify_sampling
+from .options import TetrisOptions
 from .outputs import TetrisGenerateOutput, TetrisStats
 from .static_shapes import block_width
 from .step_strategy import StepSeconds, run_step
 from .stopping import RowStopper
-from .strategies import TetrisOptions, make_strategy
+from .strategies import make_strategy
 from .timing import StepClock
 from .tree_step import StepTree, tree_step
-
-
-def output_vocab_size(model: torch.nn.Module) -> int:
-    """Rows of the model's output head (what its logits' last dimension will be)."""
-    head = model.get_output_embeddings()
-    return int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
-
-
-def check_pair(model: torch.nn.Module, assistant_model: torch.nn.Module | None, options: TetrisOptions | None = None
-               ) -> None:
-    """Refuse a missing draft (unless ``options`` ask for prompt lookup, which needs none, and then refuse a draft),
-    one whose vocabulary differs from the target's, and models the loop cannot serve
-    (:func:`~tetris_hf.families.check_supported`)."""
-    if options is not None and options.prompt_lookup_num_tokens is not None:
-        if assistant_model is not None:
-            raise ValueError("prompt lookup drafts from the rows' own tokens: pass either `prompt_lookup_num_tokens=` "
-                             "or `assistant_model=`, not both")
-        check_supported(model, "target")
-        return
-    if assistant_model is None:
-        raise ValueError(
-            "custom_generate='tetris' needs a draft: pass `assistant_model=` (a small causal LM with the target's "
-            "tokenizer) or `prompt_lookup_num_tokens=` (drafts copied from each row's own prompt and output)"
-        )
-    if not hasattr(assistant_model, "get_output_embeddings"):
-        raise TypeError(f"`assistant_model` must be a transformers causal LM, got {type(assistant_model).__name__}")
-    check_same_vocabulary(model, assistant_model)
-    check_supported(model, "target")
-    check_supported(assistant_model, "draft")
-
-
-def check_same_vocabulary(model: torch.nn.Module, assistant_model: torch.nn.Module) -> None:
-    """Refuse a draft whose output head scores another vocabulary than the target's (a ``ValueError`` naming both
-    sizes)."""
-    target_vocab, draft_vocab = output_vocab_size(model), output_vocab_size(assistant_model)
-    if target_vocab != draft_vocab:
-        raise ValueError(
-            f"draft and target vocabularies differ (target {target_vocab} tokens, draft {draft_vocab}): tetris_hf "
-            "needs a draft that shares the target's tokenizer"
-        )
-
-
-def check_prompt_mask(attention_mask: torch.Tensor) -> None:
-    """Every row must be left-padded (zeros only before its first real token) and hold at least one real token."""
-    if attention_mask.shape[1] == 0:
-        raise ValueError("the prompt is empty: every row needs at least one token")
-    empty = (attention_mask.sum(dim=1) == 0).nonzero().flatten().tolist()
-    if empty:
-        raise ValueError(f"row(s) {empty} of attention_mask are all padding: every row needs at least one token")
-    not_left_padded = (attention_mask[:, 1:] < attention_mask[:, :-1]).any(dim=1).nonzero().flatten().tolist()
-    if not_left_padded:
-        raise ValueError(
-            f"attention_mask row(s) {not_left_padded} have padding after a real token (right padding?): "
-            "tetris_hf needs a left-padded batch, e.g. tokenizer.padding_side = 'left'"
-        )
-
-
-def check_generation_config(generation_config, model_kwargs: dict) -> None:
-    """Refuse what this loop does not do, before anything runs."""
-    if generation_config.num_beams != 1:
-        raise ValueError(f"tetris_hf does not do beam search (num_beams={generation_config.num_beams}); use num_beams=1")
-    for flag in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
-        if getattr(generation_config, flag, False):
-            raise ValueError(f"`{flag}=True` is not supported by tetris_hf; `return_dict_in_generate=True` gives "
-                             "`.sequences` and `.tetris_stats`")
-    if generation_config.use_cache is False:
-        raise ValueError("tetris_hf needs the KV cache: do not pass use_cache=False")
-    cache = model_kwargs.get("past_key_values")
-    implementation = generation_config.cache_implementation
-    if isinstance(cache, StaticCache) or implementation not in (None, "dynamic"):
-        raise ValueError(
-            f"unsupported cache (cache_implementation={implementation!r}, past_key_values={type(cache).__name__}): "
-            "tetris_hf rolls rows back independently and needs the default dynamic cache"
-        )
-    if cache is not None and cache.get_seq_length() > 0:
-        raise ValueError("tetris_hf starts from the prompt: passing a pre-filled `past_key_values` is not supported")
 
 
 class StepVerdict(NamedTuple):
@@ -170,8 +90,9 @@ class BatchedSpeculativeLoop:
         input_ids: ``(B, T)`` left-padded prompts.
         attention_mask: ``(B, T)`` 0 on left padding.
         logits_processor, stopping_criteria, generation_config: as ``generate()`` prepared them.
-        options: :class:`~tetris_hf.strategies.TetrisOptions`.
-        streamer: optional ``BaseStreamer`` (batch size 1 only).
+        options: :class:`~tetris_hf.options.TetrisOptions`.
+        streamer: optional ``BaseStreamer`` (batch size 1, see :func:`~tetris_hf.checks.check_streamer`): the loop puts
+            each step's new tokens.
     """
 
     def __init__(
@@ -187,8 +108,6 @@ class BatchedSpeculativeLoop:
         streamer=None,
     ):
         batch_size, prompt_length = input_ids.shape
-        if streamer is not None and batch_size > 1:
-            raise ValueError(f"a streamer needs batch size 1, got {batch_size} rows")
         self.model = model
         self.logits_processor = PositionwiseLogitsProcessor(logits_processor)
         # generate()'s length limit (also a criterion, which a stopper applies with any other given)
@@ -196,9 +115,6 @@ class BatchedSpeculativeLoop:
         self.max_length = self.stopper.max_length
         self.do_sample = bool(generation_config.do_sample)
         self.streamer = streamer
-        if assistant_model is not None:
-            assistant_model = reduced_vocab_draft(assistant_model, options.tetris_draft_vocab)  # profiled too
-        self.strategy = make_strategy(options, model, assistant_model, sampling=self.do_sample)
         self.step_callback = options.tetris_step_callback
         self.batch_size = batch_size
         self.input_ids = input_ids
@@ -215,29 +131,15 @@ class BatchedSpeculativeLoop:
         self.tree_width = options.tetris_tree_width
         if self.tree_width > 1:  # a tree writes up to w K nodes (the target's block) and reads ancestor masks
             block = 1 + self.tree_width * self.max_draft
-            if assistant_model is None:
-                raise ValueError("tetris_tree_width > 1 grows trees with a draft model or an EAGLE head "
-                                 "(assistant_model=): prompt lookup drafts chains only, use tetris_tree_width=1")
-            for layout_model in (model, assistant_model):
-                check_tree_layout(AttentionLayout.of(layout_model), layout_model)
+            check_tree_layout(AttentionLayout.of(model), model)
 
         def cache_capacity(layout_model: torch.nn.Module) -> int:  # (its layout also refuses what it cannot mask)
             return slots_needed(AttentionLayout.of(layout_model), prompt_length, self.max_length, block,
                                 options.tetris_max_holes)
 
-        self.drafter: Drafter
-        if assistant_model is None:  # prompt lookup: the rows' own tokens are the draft
-            max_ngram = options.max_matching_ngram_size
-            self.drafter = BatchedPromptLookupCandidateGenerator(
-                DEFAULT_MAX_NGRAM_SIZE if max_ngram is None else max_ngram, options.tetris_min_ngram_size,
-                max_tokens=max(self.max_draft, 1))
-        else:
-            drafter_class = EagleCandidateGenerator if is_eagle_head(assistant_model) else \
-                BatchedDraftCandidateGenerator
-            self.drafter = drafter_class(
-                assistant_model, self.logits_processor, self.do_sample, max_holes=options.tetris_max_holes,
-                capacity=cache_capacity(assistant_model),
-            )
+        self.drafter, draft_model = build_drafter(assistant_model, options, self.logits_processor, self.do_sample,
+                                                  cache_capacity)
+        self.strategy = make_strategy(options, model, draft_model, sampling=self.do_sample)  # profiles draft_model
         self.target_slots = SlotCache(batch_size, device, options.tetris_max_holes, capacity=cache_capacity(model))
         self.prompt_mask = attention_mask
         self.prompt_read = False  # the first step reads the prompt and emits the first token, as generate() does
@@ -245,15 +147,11 @@ class BatchedSpeculativeLoop:
         self.drafter.prefill(input_ids, attention_mask, all_real=bool(attention_mask.all()))
         self.compile = options.tetris_compile
         if self.compile:
-            if is_eagle_head(assistant_model):
-                raise ValueError("tetris_compile=True with an EAGLE head is not supported yet: the head reads the "
-                                 "target's hidden states through hooks, which a compiled forward does not run; use "
-                                 "tetris_compile=False")
             check_compilable(model, "target")
             self.target_slots.step_forward = compiled_forward(model)
-            if assistant_model is not None:
-                check_compilable(assistant_model, "draft")
-                self.drafter.slots.step_forward = compiled_forward(assistant_model)
+            if draft_model is not None:
+                check_compilable(draft_model, "draft")
+                self.drafter.slots.step_forward = compiled_forward(draft_model)
         self.feature_tap = self.drafter.feature_tap(model)  # hooks on the target: what an EAGLE head reads (last)
 
         self.sequences = input_ids.new_full((batch_size, capacity), self.pad_value)
@@ -521,9 +419,10 @@ def tetris_decoding(
         model: the target causal LM.
         input_ids: ``(B, T)`` left-padded prompts (expanded for ``num_return_sequences``).
         logits_processor, stopping_criteria, generation_config: as ``generate()`` prepared them.
-        assistant_model: the draft causal LM (same vocabulary), or ``None`` with ``options.prompt_lookup_num_tokens``.
-        options: :class:`~tetris_hf.strategies.TetrisOptions`.
-        streamer: optional ``BaseStreamer`` (batch size 1 only).
+        assistant_model: the draft causal LM (same vocabulary: :func:`~tetris_hf.generation.generate` checked the pair),
+            or ``None`` with ``options.prompt_lookup_num_tokens``.
+        options: :class:`~tetris_hf.options.TetrisOptions`.
+        streamer: optional ``BaseStreamer`` (batch size 1 only): gets the prompt, then each step's new tokens.
         model_kwargs: ``attention_mask`` ``(B, T)`` or ``None`` (no padding); the cache ``generate()`` prepared is
             not used (both models get their own :class:`~tetris_hf.kv.SlotCache`).
 
@@ -531,12 +430,14 @@ def tetris_decoding(
         ``(B, T + new)`` sequences, finished rows right-padded with the pad token, or a
         :class:`~tetris_hf.outputs.TetrisGenerateOutput` when ``return_dict_in_generate=True``.
     """
-    check_pair(model, assistant_model, options)
     check_generation_config(generation_config, model_kwargs)
     attention_mask = model_kwargs.get("attention_mask")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    check_prompt_mask(attention_mask)
+    check_prompt_mask(attention_mask)  # the mask the loop reads: transformers may have inferred it from padding
+    check_streamer(streamer, input_ids.shape[0])
+    if streamer is not None:
+        streamer.put(input_ids.cpu())  # the prompt first, as generate() streams it
     loop = BatchedSpeculativeLoop(
         model, assistant_model, input_ids, attention_mask, logits_processor, stopping_criteria,
         generation_config, options, streamer,

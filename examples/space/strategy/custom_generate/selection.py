@@ -72,3 +72,21 @@ def select_fixed(max_lengths: torch.Tensor, num_tokens: int) -> torch.Tensor:
         ``(B,)`` verified lengths, ``min(k, max_lengths)``.
     """
     return max_lengths.clamp(max=num_tokens)
+
+
+def select_fixed_budget(lengths: torch.Tensor, budget: int, longest: int) -> torch.Tensor:
+    """Trim ``lengths`` ``(B,)`` (each at most ``longest``) so they sum to at most ``budget``, longest rows first (of
+    equal rows, the earlier row first), without reading the device.
+
+    Trimming one cell at a time from the longest row ends with every row cut to a level ``t`` or, for the last
+    ``r`` rows that were longer than ``t``, ``t + 1``: ``t`` is the largest level whose cut fits the budget and ``r``
+    what the budget has left. E.g. ``[3, 3, 3]`` with budget 7: ``t = 2``, ``r = 1`` -> ``[2, 2, 3]``.
+    """
+    levels = torch.arange(longest + 1, device=lengths.device)
+    cut = torch.minimum(lengths[:, None], levels[None, :]).sum(dim=0)  # (levels,) total at each level
+    level = (cut <= budget).sum() - 1  # cut is non-decreasing and 0 at level 0
+    trimmed = torch.minimum(lengths, level)
+    left = budget - trimmed.sum()
+    longer = lengths > level
+    from_end = longer.flip(0).cumsum(dim=0).flip(0)  # longer rows at or after each row
+    return torch.where(longer & (from_end <= left), level + 1, trimmed)

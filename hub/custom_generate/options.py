@@ -1,0 +1,171 @@
+# Exported from tetris_hf/options.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
+"""tetris_hf's ``generate()`` options: :class:`TetrisOptions`, each value checked when it is built, before any model
+runs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from .cost_model import CostProfile
+
+STRATEGIES = ("tetris", "fixed", "adaptive", "dsd")
+DEFAULT_MAX_NGRAM_SIZE = 3  # ``max_matching_ngram_size`` when not given
+
+
+def _check_count(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"`{name}` must be an integer, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"`{name}` must be >= {minimum}, got {value}")
+
+
+def check_lookup_sizes(num_tokens, max_ngram_size, min_ngram_size) -> None:
+    """Refuse impossible lookup settings (before anything runs), naming the argument."""
+    for name, value in (("prompt_lookup_num_tokens", num_tokens), ("max_matching_ngram_size", max_ngram_size),
+                        ("tetris_min_ngram_size", min_ngram_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"`{name}` must be an integer, got {value!r} ({type(value).__name__})")
+        if value < 1:
+            raise ValueError(f"`{name}` must be >= 1, got {value}")
+    if min_ngram_size > max_ngram_size:
+        raise ValueError(f"`tetris_min_ngram_size` ({min_ngram_size}) is above `max_matching_ngram_size` "
+                         f"({max_ngram_size}): lookup would try no n-gram size")
+
+
+def check_draft_vocab_spec(spec) -> None:
+    """Validate ``tetris_draft_vocab`` on its own (before the draft's vocabulary size is known).
+
+    Accepts ``None``, an int ``N >= 1``, or a non-empty 1-D integer tensor of distinct non-negative token ids.
+    """
+    if spec is None:
+        return
+    if isinstance(spec, torch.Tensor):
+        if spec.dim() != 1 or spec.dtype.is_floating_point or spec.dtype.is_complex or spec.dtype == torch.bool:
+            raise TypeError(f"`tetris_draft_vocab` as a tensor must be 1-D token ids (an integer dtype), got shape "
+                            f"{tuple(spec.shape)} and dtype {spec.dtype}")
+        if spec.numel() == 0:
+            raise ValueError("`tetris_draft_vocab` is an empty tensor: the draft needs at least one token to propose")
+        if int(spec.min()) < 0:
+            raise ValueError(f"`tetris_draft_vocab` holds a negative token id ({int(spec.min())})")
+        if torch.unique(spec).numel() != spec.numel():
+            raise ValueError(f"`tetris_draft_vocab` holds duplicate token ids ({spec.numel() - torch.unique(spec).numel()} "
+                             "repeats): give each token once")
+        return
+    if isinstance(spec, bool) or not isinstance(spec, int):
+        raise TypeError(f"`tetris_draft_vocab` must be an int N (the N most frequent tokens) or a 1-D tensor of token "
+                        f"ids, got {type(spec).__name__}")
+    if spec < 1:
+        raise ValueError(f"`tetris_draft_vocab` must be >= 1 tokens, got {spec}")
+
+
+@dataclass(frozen=True)
+class TetrisOptions:
+    """The ``generate()`` keyword arguments of tetris_hf, validated.
+
+    Args:
+        num_assistant_tokens: ``k``, the base draft window per row (``>= 1``).
+        tetris_extra_tokens: ``e``, extra proposals per row: TETRIS drafts ``K = k + e`` (``>= 0``).
+        tetris_budget: ``C``, draft tokens verified per step across the batch (``>= 0``); ``None`` = ``k`` x active
+            rows.
+        tetris_strategy: ``"tetris"`` (select the top-``C`` cells), ``"fixed"`` (every row verifies its first ``k``),
+            ``"adaptive"`` (``C`` and ``K <= k + e`` chosen per step from a cost model; ``tetris_budget`` caps ``C``)
+            or ``"dsd"`` (one ``k <= k + e`` for the batch, chosen per step).
+        tetris_max_holes: cache slots a row may waste to rejected drafts before the cache is repacked.
+        tetris_step_callback: called as ``fn(record, loop)`` after every step with the
+            :class:`~tetris_hf.decoding.StepRecord` and the :class:`~tetris_hf.decoding.BatchedSpeculativeLoop`
+            (``loop.partial_outputs()`` gives every row's tokens so far): live views, progress, demos.
+        tetris_cost_profile: for ``adaptive`` and ``dsd``: ``None`` (measure this pair at first use, cached in memory
+            and under ``$TETRIS_HF_CACHE``), a saved profile (JSON path or dict, see
+            :class:`~tetris_hf.cost_model.CostProfile`), a curve file (``"curve.json"`` or
+            ``"curve.json:TARGET:DRAFT"``) or a :class:`~tetris_hf.cost_model.CostProfile`.
+        tetris_draft_vocab: ``None`` (the draft scores the whole vocabulary), an int ``N`` (its head scores only the
+            ``N`` most frequent tokens of the frequency table the draft carries) or a 1-D tensor of token ids; every
+            other token gets no draft probability. Lossless (the target verifies as before). See
+            :mod:`tetris_hf.candidate_generators.reduced_vocab`.
+        tetris_compile: run the target's verify forward and the draft's step through ``torch.compile`` (CUDA graphs
+            on CUDA), see :mod:`tetris_hf.compiled`.
+        tetris_tree_width: ``w``, children per expanded draft node (``>= 1``). ``1`` drafts chains; ``w > 1`` grows
+            a tree per row (EAGLE-2: the ``w`` best children of each of a depth's ``w`` best nodes, ``K`` depths) and
+            the strategy selects nodes instead of cells (:mod:`tetris_hf.tree_step`). With a draft model or an EAGLE
+            head (not prompt lookup), not with ``tetris_compile``.
+        prompt_lookup_num_tokens: draft by prompt lookup instead of a draft model (no ``assistant_model``): each row
+            copies up to this many tokens that followed the latest earlier occurrence of its last n-gram in its own
+            prompt and output; it is ``k`` (``num_assistant_tokens`` follows it). See
+            :mod:`tetris_hf.candidate_generators.prompt_lookup`.
+        max_matching_ngram_size: the longest n-gram prompt lookup matches (default 3).
+        tetris_min_ngram_size: the shortest n-gram prompt lookup matches (default 1).
+    """
+
+    num_assistant_tokens: int = 4
+    tetris_extra_tokens: int = 2
+    tetris_budget: int | None = None
+    tetris_strategy: str = "tetris"
+    tetris_max_holes: int = 32
+    tetris_step_callback: Callable | None = None
+    tetris_cost_profile: str | os.PathLike | Mapping | CostProfile | None = None
+    tetris_draft_vocab: int | torch.Tensor | None = None
+    tetris_compile: bool = False
+    tetris_tree_width: int = 1
+    prompt_lookup_num_tokens: int | None = None
+    max_matching_ngram_size: int | None = None
+    tetris_min_ngram_size: int = 1
+
+    def __post_init__(self):
+        self._check_lookup()
+        check_draft_vocab_spec(self.tetris_draft_vocab)
+        if not isinstance(self.tetris_compile, bool):
+            raise TypeError(f"`tetris_compile` must be True or False, got {self.tetris_compile!r}")
+        _check_count("num_assistant_tokens", self.num_assistant_tokens, 1)
+        _check_count("tetris_extra_tokens", self.tetris_extra_tokens, 0)
+        if self.tetris_budget is not None:
+            _check_count("tetris_budget", self.tetris_budget, 0)
+        _check_count("tetris_max_holes", self.tetris_max_holes, 0)
+        self._check_tree()
+        if self.tetris_step_callback is not None and not callable(self.tetris_step_callback):
+            raise TypeError(f"`tetris_step_callback` must be callable, got {type(self.tetris_step_callback).__name__}")
+        if self.tetris_strategy not in STRATEGIES:
+            raise ValueError(f"`tetris_strategy` must be one of {STRATEGIES}, got {self.tetris_strategy!r}")
+        profile = self.tetris_cost_profile
+        if profile is not None:
+            if not isinstance(profile, (str, os.PathLike, Mapping, CostProfile)):
+                raise TypeError(f"`tetris_cost_profile` must be a JSON path, a dict or a CostProfile, got "
+                                f"{type(profile).__name__}")
+            if isinstance(profile, (str, os.PathLike)):
+                path = os.fspath(profile)
+                if not Path(path).is_file() and not Path(path.split(":")[0]).is_file():
+                    raise ValueError(f"`tetris_cost_profile` file {path!r} does not exist")
+
+    def _check_tree(self) -> None:
+        width = self.tetris_tree_width
+        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+            raise ValueError(f"`tetris_tree_width` must be an int >= 1 (1: draft chains), got {width!r}")
+        if width == 1:
+            return
+        if self.prompt_lookup_num_tokens is not None:
+            raise ValueError("`tetris_tree_width` > 1 grows trees with a draft model: prompt lookup drafts one "
+                             "continuation per row; use tetris_tree_width=1")
+        if self.tetris_compile:
+            raise ValueError("`tetris_tree_width` > 1 with tetris_compile=True is not supported yet (tree forwards "
+                             "take shapes and masks the compiled step does not); use tetris_compile=False")
+
+    def _check_lookup(self) -> None:
+        lookup = self.prompt_lookup_num_tokens
+        if lookup is None:
+            if self.max_matching_ngram_size is not None or self.tetris_min_ngram_size != 1:
+                raise ValueError("`max_matching_ngram_size` and `tetris_min_ngram_size` apply to prompt lookup: pass "
+                                 "`prompt_lookup_num_tokens=` too")
+            return
+        max_ngram = DEFAULT_MAX_NGRAM_SIZE if self.max_matching_ngram_size is None else self.max_matching_ngram_size
+        check_lookup_sizes(lookup, max_ngram, self.tetris_min_ngram_size)
+        if self.num_assistant_tokens != lookup:
+            raise ValueError(f"`prompt_lookup_num_tokens` ({lookup}) is the window k: drop `num_assistant_tokens` "
+                             f"({self.num_assistant_tokens}) or make them equal")
+        if self.tetris_draft_vocab is not None:
+            raise ValueError("`tetris_draft_vocab` shapes a draft model's head: prompt lookup has none, drop it")

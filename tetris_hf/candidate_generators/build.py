@@ -1,0 +1,64 @@
+"""Which drafter a call gets: the one place that decides between prompt lookup, an EAGLE head and a draft model (its
+head reduced to ``tetris_draft_vocab`` or not), and refuses what the chosen one cannot do."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..attention import AttentionLayout, check_tree_layout
+from ..logits import PositionwiseLogitsProcessor
+from ..options import DEFAULT_MAX_NGRAM_SIZE, TetrisOptions
+from .batched_draft import BatchedDraftCandidateGenerator
+from .drafter import Drafter
+from .eagle import is_eagle_head
+from .eagle_drafter import EagleCandidateGenerator
+from .prompt_lookup import BatchedPromptLookupCandidateGenerator
+from .reduced_vocab import reduced_vocab_draft
+
+
+def build_drafter(assistant_model: torch.nn.Module | None, options: TetrisOptions,
+                  logits_processor: PositionwiseLogitsProcessor, do_sample: bool,
+                  cache_capacity: Callable[[torch.nn.Module], int]) -> tuple[Drafter, torch.nn.Module | None]:
+    """The drafter ``assistant_model`` and ``options`` ask for, and the model it drafts with.
+
+    - no ``assistant_model``: prompt lookup (:class:`~.prompt_lookup.BatchedPromptLookupCandidateGenerator`), drafting
+      up to ``k + e`` tokens after n-grams of ``tetris_min_ngram_size..max_matching_ngram_size`` tokens;
+    - an EAGLE head (:func:`~.eagle.is_eagle_head`): :class:`~.eagle_drafter.EagleCandidateGenerator` (not with
+      ``tetris_compile``: the head reads the target's hidden states through hooks);
+    - any other causal LM: :class:`~.batched_draft.BatchedDraftCandidateGenerator`, on the model's
+      :class:`~.reduced_vocab.ReducedVocabDraft` when ``tetris_draft_vocab`` is set.
+
+    With ``tetris_tree_width > 1`` the draft model's layout must take tree masks
+    (:func:`~tetris_hf.kv.check_tree_layout`). Everything is refused before any forward.
+
+    Args:
+        assistant_model: the draft causal LM or EAGLE head, or ``None`` for prompt lookup.
+        options: the call's options.
+        logits_processor, do_sample: what a draft model samples with (the loop's).
+        cache_capacity: the slots a model's cache needs for this call (its layout refuses what it cannot mask).
+
+    Returns:
+        ``(drafter, draft_model)``: ``draft_model`` is what drafts (the reduced-vocabulary draft where there is one,
+        which the cost-aware strategies profile), ``None`` for prompt lookup.
+    """
+    max_draft = options.num_assistant_tokens + options.tetris_extra_tokens
+    if assistant_model is None:  # prompt lookup: the rows' own tokens are the draft
+        max_ngram = options.max_matching_ngram_size
+        lookup = BatchedPromptLookupCandidateGenerator(
+            DEFAULT_MAX_NGRAM_SIZE if max_ngram is None else max_ngram, options.tetris_min_ngram_size,
+            max_tokens=max(max_draft, 1))
+        return lookup, None
+    draft_model = reduced_vocab_draft(assistant_model, options.tetris_draft_vocab)
+    if options.tetris_tree_width > 1:  # a tree's nodes read ancestor masks
+        check_tree_layout(AttentionLayout.of(draft_model), draft_model)
+    eagle = is_eagle_head(draft_model)
+    if eagle and options.tetris_compile:
+        raise ValueError("tetris_compile=True with an EAGLE head is not supported yet: the head reads the "
+                         "target's hidden states through hooks, which a compiled forward does not run; use "
+                         "tetris_compile=False")
+    drafter_class = EagleCandidateGenerator if eagle else BatchedDraftCandidateGenerator
+    drafter = drafter_class(draft_model, logits_processor, do_sample, max_holes=options.tetris_max_holes,
+                            capacity=cache_capacity(draft_model))
+    return drafter, draft_model
