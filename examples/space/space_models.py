@@ -33,6 +33,7 @@ DRAFT_WEIGHTS_NAME = "draft.safetensors"
 DRAFT_FORMAT = "tetris-hf-draft"
 EAGLE_PREFIX = "eagle:"
 EAGLE_MODULE = Path(__file__).resolve().parent / "strategy" / "custom_generate" / "candidate_generators_eagle.py"
+STRATEGY_PACKAGE = "space_strategy"  # the strategy copy's folder, as a package (see _strategy_module)
 
 
 def load_target(name_or_path: str, device: str):
@@ -117,13 +118,19 @@ def load_tetris_draft(target, folder: Path):
 def load_eagle_head(target, name_or_path: str):
     """A published EAGLE head for ``target`` (folder or Hub id), through the strategy copy's ``EagleDraft`` (which
     refuses, before any forward, a head that does not fit the target)."""
-    module = sys.modules.get("space_eagle")
-    if module is None:
-        spec = importlib.util.spec_from_file_location("space_eagle", EAGLE_MODULE)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["space_eagle"] = module  # its dataclasses look their module up there
-        spec.loader.exec_module(module)
-    return module.EagleDraft.from_pretrained(name_or_path, target=target)
+    return _strategy_module(EAGLE_MODULE.stem).EagleDraft.from_pretrained(name_or_path, target=target)
+
+
+def _strategy_module(name: str):
+    """Module ``name`` of the strategy copy's folder, imported as part of a package (``space_strategy``), so that
+    its relative imports (``from .checks import ...``) find their siblings there and not in an installed tetris_hf."""
+    package = sys.modules.get(STRATEGY_PACKAGE)
+    if package is None:
+        spec = importlib.util.spec_from_file_location(STRATEGY_PACKAGE, EAGLE_MODULE.parent / "__init__.py",
+                                                      submodule_search_locations=[str(EAGLE_MODULE.parent)])
+        package = importlib.util.module_from_spec(spec)
+        sys.modules[STRATEGY_PACKAGE] = package  # (the folder has no __init__.py: an empty package)
+    return importlib.import_module(f"{STRATEGY_PACKAGE}.{name}")
 
 
 def load_draft(target, name_or_path: str) -> tuple[torch.nn.Module, str]:
