@@ -19,14 +19,9 @@ and ``examples/space/screenshot-trees.png``::
 
 The screenshots go to ``$TETRIS_SPACE_SCREENSHOT`` and ``$TETRIS_SPACE_TREE_SCREENSHOT`` when set, else to pytest's
 temporary folder (paths printed).
-What flaked here until 2026-12-02 (about one whole-file run in three beside busy processes, and once on a quiet CI
-machine): the page's status stayed "Running adaptive (4/4)…", or "Running plain generate() (1/4)…" after Stop, until
-the wait timed out. The page had received every message; the server's last one itself said "running". The Space's
-stream read whether its worker thread was alive *after* taking each snapshot, so a worker that ended in between gave
-a last snapshot with the run still going (``tetris_runs.stream_runs`` now reads it before;
-``tests/test_space_runs.py`` forces that interleaving). The waits' bounds (120 s for a run of the tiny models, which
-takes a few seconds) only absorb a loaded machine; a timeout's message says what the page showed and received, and
-what the server still held.
+A timeout's message says what the page showed and received (``SSE_TAP``) and what the server still held; the waits'
+bounds (120 s for a run of the tiny models) only absorb a loaded machine. The stale-status flake this traced, and its
+fix, are in docs/development.md#ci.
 
 Needs Debian's ``chromium`` and ``chromium-driver`` (skipped, with that reason, where they are absent) and the
 ``gradio`` and ``selenium`` Python packages (examples/space/requirements.txt, tests' setup).

@@ -447,9 +447,8 @@ def stream_runs(target, draft, tokenizer, prompts: list[str], settings: Settings
     """:func:`run_all` on a worker thread; yields snapshots of the four runs every ``every`` seconds and once at
     the end. Closing the generator (the page went away, or ZeroGPU's caller stopped reading) stops the runs.
 
-    The last snapshot is taken after the worker has ended: whether it has is read *before* each snapshot. (Read
-    after it, a worker that ended in between left its runs "running" in the page's last update for ever: the
-    Space's browser test flaked on that under load.)"""
+    The last snapshot is taken after the worker has ended: whether it has is read *before* each snapshot (read
+    after it, a worker that ended in between would leave its runs "running" in the page's last update)."""
     runs = {strategy: LiveRun(strategy) for strategy in STRATEGIES}
     worker = threading.Thread(target=run_all, args=(target, draft, tokenizer, prompts, settings, runs, stop,
                                                     strategy_source), name="tetris-space-run", daemon=True)
