@@ -12,7 +12,7 @@ Where each runs:
   :func:`check_streamer` (the batch after ``num_return_sequences`` expanded it).
 
 What a model's layout or placement cannot serve is refused where the layout is read: :mod:`tetris_hf.families`,
-:mod:`tetris_hf.kv` (cache and tree masks), :mod:`tetris_hf.compiled` (``tetris_compile``),
+:mod:`tetris_hf.attention` (cache layouts and tree masks), :mod:`tetris_hf.compiled` (``tetris_compile``),
 :func:`~tetris_hf.candidate_generators.build_drafter` (what the chosen drafter cannot do) and
 :mod:`tetris_hf.candidate_generators.reduced_vocab` (a ``tetris_draft_vocab`` the draft cannot take; its
 ``reduced_vocab_draft``, public, checks the value again for callers that built no options).

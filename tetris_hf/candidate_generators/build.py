@@ -31,7 +31,7 @@ def build_drafter(assistant_model: torch.nn.Module | None, options: TetrisOption
       :class:`~.reduced_vocab.ReducedVocabDraft` when ``tetris_draft_vocab`` is set.
 
     With ``tetris_tree_width > 1`` the draft model's layout must take tree masks
-    (:func:`~tetris_hf.kv.check_tree_layout`). Everything is refused before any forward.
+    (:func:`~tetris_hf.attention.check_tree_layout`). Everything is refused before any forward.
 
     Args:
         assistant_model: the draft causal LM or EAGLE head, or ``None`` for prompt lookup.
