@@ -13,7 +13,9 @@ from tetris_hf.goodput import best_budget, dsd_window, expected_tokens_geometric
 from tetris_hf.options import TetrisOptions
 from tetris_hf.selection import select_fixed_budget
 from tetris_hf.strategies import AdaptiveBudget, DynamicWindow, make_strategy
-from tetris_hf.step_strategy import DraftPlan, StepSeconds, run_step
+from tetris_hf.step import run_step
+from tetris_hf.step_strategy import DraftPlan, StepSeconds
+from tetris_hf.tools.simulate import ReplayStep
 from test_greedy_exactness import generate_checked, pick_eos, target_alone
 from tiny_models import target_and_draft, PAD, left_pad, noisy_copy, random_prompts, tiny_llama
 
@@ -103,17 +105,26 @@ def test_cost_model_follows_the_loops_measured_step_times(learn_costs):
     assert scales == expected
 
 
+class RejectedRows:
+    """Recorded rows (for :class:`~tetris_hf.tools.simulate.ReplayStep`) whose every draft has probability ``q`` and
+    was rejected."""
+
+    def __init__(self, q: float, num_rows: int, max_draft: int):
+        self.position = torch.zeros(num_rows, dtype=torch.long)
+        self.log_probs = torch.full((num_rows, max_draft), math.log(q))
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.log_probs, torch.zeros_like(self.position)
+
+
 def probe_steps(cost_profile: CostProfile, q: float, num_rows: int = 4, steps: int = 300) -> list[int]:
     """Steps at which ``adaptive`` drafts when every draft has probability ``q`` and is rejected."""
     strategy = AdaptiveBudget(TetrisOptions(tetris_strategy="adaptive"), StepCostModel(cost_profile))
+    phases = ReplayStep(RejectedRows(q, num_rows, strategy.max_draft))
     drafted = []
     for step in range(steps):
-        outcome = run_step(
-            strategy, num_rows, strategy.max_draft,
-            draft=lambda k, _: (torch.full((num_rows, k), math.log(q)), torch.full((num_rows,), k)),
-            verify=lambda lengths: (torch.zeros(num_rows, dtype=torch.long), None),
-        )
-        if outcome.num_drafted:
+        phases.next_step()
+        if run_step(strategy, phases, num_rows, strategy.max_draft).num_drafted:
             drafted.append(step)
     return drafted
 

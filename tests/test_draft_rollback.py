@@ -11,10 +11,17 @@ from transformers.generation.logits_process import LogitsProcessorList
 
 from tetris_hf.candidate_generators.batched_draft import BatchedDraftCandidateGenerator
 from tetris_hf.logits import PositionwiseLogitsProcessor
+from tetris_hf.step import ReadHints, Verdict
 from test_slot_cache import RecordingModel, cached_tokens
 from tiny_models import left_pad
 
 PROMPTS = [[3, 4], [5, 6, 7], [8], [9, 10, 11]]  # left-padded to [_ 3 4], [5 6 7], [_ _ 8], [9 10 11]
+
+
+def verdict(accepted, max_accepted: int | None = None, cached_longest: int | None = None) -> Verdict:
+    """The target's verdict on the last proposal: ``accepted`` drafts per row, then its tokens 20, 21, 22, 23."""
+    accepted = torch.as_tensor(accepted)
+    return Verdict(accepted, torch.tensor([20, 21, 22, 23]), accepted, hints=ReadHints(max_accepted, cached_longest))
 
 
 def drafter_after_proposal(num_tokens: int, max_holes: int = 100):
@@ -58,7 +65,7 @@ ROLLBACK_CASES = [
 def test_accept_keeps_accepted_drafts_and_queues_what_the_draft_has_not_read(name, accepted, cached, next_positions,
                                                                              pending, pending_mask):
     drafter, _ = drafter_after_proposal(3)
-    drafter.accept(torch.tensor(accepted), torch.tensor([20, 21, 22, 23]))
+    drafter.accept(verdict(accepted))
     assert drafter.slots.pointer == 5
     assert cached_tokens(drafter.slots).tolist() == cached
     assert drafter.slots.slot_mask[:, :5].tolist() == [[int(token >= 0) for token in row] for row in cached]
@@ -69,7 +76,7 @@ def test_accept_keeps_accepted_drafts_and_queues_what_the_draft_has_not_read(nam
 
 def test_the_next_proposal_reads_the_pending_block_at_the_rolled_back_positions():
     drafter, _ = drafter_after_proposal(3)
-    drafter.accept(torch.tensor([0, 1, 2, 3]), torch.tensor([20, 21, 22, 23]))
+    drafter.accept(verdict([0, 1, 2, 3]))
     sequences = torch.zeros(4, 16, dtype=torch.long)
     drafts = drafter.propose(sequences, torch.full((4,), 6), 2).tokens
     assert drafts.tolist() == [[21, 22], [22, 23], [23, 24], [24, 25]]
@@ -81,7 +88,7 @@ def test_the_next_proposal_reads_the_pending_block_at_the_rolled_back_positions(
 def test_a_host_bound_below_k_queues_only_the_targets_token():
     """No row verified all K drafts (the longest verified block was 2 < 3): the pending block is one column wide."""
     drafter, _ = drafter_after_proposal(3)
-    drafter.accept(torch.tensor([0, 1, 2, 0]), torch.tensor([20, 21, 22, 23]), max_accepted=2)
+    drafter.accept(verdict([0, 1, 2, 0], max_accepted=2))
     assert cached_tokens(drafter.slots).tolist() == [[-1, 3, 4, -1, -1], [5, 6, 7, 8, -1], [-1, -1, 8, 9, 10],
                                                      [9, 10, 11, -1, -1]]
     assert drafter.pending_tokens.tolist() == [[20], [21], [22], [23]]
@@ -91,7 +98,7 @@ def test_a_host_bound_below_k_queues_only_the_targets_token():
 @pytest.mark.parametrize("accepted,width", [([0, 1, 2, 0], 1), ([0, 1, 2, 3], 2)])
 def test_pending_width_trims_columns_that_are_filler_in_every_row(accepted, width):
     drafter, _ = drafter_after_proposal(3)
-    drafter.accept(torch.tensor(accepted), torch.tensor([20, 21, 22, 23]))  # no host bound: two columns
+    drafter.accept(verdict(accepted))  # no host bound: two columns
     assert drafter.pending_tokens.shape[1] == 2
     assert int(drafter.pending_width()) == width
     drafter.trim_pending(width)
@@ -105,7 +112,7 @@ def test_a_single_draft_leaves_the_cache_alone_and_queues_it_only_if_accepted():
     drafter, drafts = drafter_after_proposal(1)
     assert drafts.tolist() == [[5], [8], [9], [12]]
     before = drafter.slots.slot_mask.clone()
-    drafter.accept(torch.tensor([0, 1, 0, 1]), torch.tensor([20, 21, 22, 23]))
+    drafter.accept(verdict([0, 1, 0, 1]))
     assert torch.equal(drafter.slots.slot_mask, before)
     assert drafter.slots.next_positions.tolist() == [2, 3, 1, 3]
     assert drafter.pending_tokens.tolist() == [[5, 20], [8, 21], [9, 22], [12, 23]]
@@ -115,7 +122,7 @@ def test_a_single_draft_leaves_the_cache_alone_and_queues_it_only_if_accepted():
 def test_a_step_without_drafts_appends_the_targets_token_to_the_pending_block():
     drafter, _ = drafter_after_proposal(0)
     assert drafter.slots.pointer == 0  # nothing read yet
-    drafter.accept(torch.zeros(4, dtype=torch.long), torch.tensor([20, 21, 22, 23]))
+    drafter.accept(verdict([0, 0, 0, 0]))
     assert drafter.pending_tokens.tolist() == [[0, 3, 4, 20], [5, 6, 7, 21], [0, 0, 8, 22], [9, 10, 11, 23]]
     assert drafter.pending_mask.tolist() == [[0, 1, 1, 1], [1, 1, 1, 1], [0, 0, 1, 1], [1, 1, 1, 1]]
 
@@ -123,7 +130,7 @@ def test_a_step_without_drafts_appends_the_targets_token_to_the_pending_block():
 def test_rolled_back_holes_are_repacked_once_they_exceed_max_holes():
     drafter, _ = drafter_after_proposal(3, max_holes=0)
     # with a bound the loop knows for after this roll back: row 1 keeps 4 real slots
-    drafter.accept(torch.tensor([0, 1, 2, 0]), torch.tensor([20, 21, 22, 23]), cached_longest=4)
+    drafter.accept(verdict([0, 1, 2, 0], cached_longest=4))
     # [_ 3 4 . . | 5 6 7 8 . | _ _ 8 9 10 | 9 10 11 . .] -> width 4, each row's real slots right-aligned
     assert drafter.slots.pointer == 4
     assert cached_tokens(drafter.slots).tolist() == [[-1, -1, 3, 4], [5, 6, 7, 8], [-1, 8, 9, 10], [-1, 9, 10, 11]]
@@ -133,7 +140,7 @@ def test_rolled_back_holes_are_repacked_once_they_exceed_max_holes():
 
 def test_fill_rows_moves_pending_blocks_with_their_rows():
     drafter, _ = drafter_after_proposal(3)
-    drafter.accept(torch.tensor([0, 1, 2, 3]), torch.tensor([20, 21, 22, 23]))
+    drafter.accept(verdict([0, 1, 2, 3]))
     drafter.fill_rows(torch.tensor([1]), torch.tensor([3]), 2)  # rows 1 and 2 finished: row 3 takes row 1's place
     assert drafter.pending_tokens.tolist() == [[7, 20], [14, 23]]
     assert drafter.pending_mask.tolist() == [[0, 1], [1, 1]]

@@ -8,7 +8,7 @@ prefix; with sampling, one draw of the rejection sampler).
 ``tetris-hf simulate replay`` projects the throughput of no speculation, fixed-``k``, DSD, TETRIS and ``adaptive`` for
 batch sizes 1-256 under a forward-time curve (a measured :class:`~tetris_hf.cost_model.CostProfile`, or a curve file
 such as ``shared/data/h200_curve_8b.json``), driving the real strategy objects of :mod:`tetris_hf.strategies` through
-the loop's seam (:func:`~tetris_hf.step_strategy.run_step`: plan, select, observe) on rows resampled from the traces.
+the loop's own step (:func:`~tetris_hf.step.run_step`: plan, select, observe) on rows resampled from the traces.
 
 Assumptions of the replay (what the projection is, and is not):
 
@@ -64,7 +64,7 @@ import torch
 from .bench import STEP_TRACE_FORMAT, STEP_TRACE_VERSION
 from .cli import UsageError, load_pair, load_prompt_set, number_list, prompt_texts, resolve_device
 from ..cost_model import CostProfile, StepCostModel, load_profile
-from ..step_strategy import run_step
+from ..step import Emission, Observation, Proposal, StepPhases, Verdict, run_step
 from ..options import TetrisOptions
 from ..strategies import AdaptiveBudget, DynamicWindow, FixedWindow, TetrisSelection
 
@@ -224,6 +224,41 @@ class RowSampler:
         return log_probs, accepted
 
 
+class ReplayStep(StepPhases):
+    """A step's phases on recorded rows: the draft is the recorded confidences, the target accepts what it accepted
+    when they were recorded (at most what is verified), and nothing runs on a model."""
+
+    def __init__(self, sampler: RowSampler):
+        self.sampler = sampler
+        self.rows = torch.arange(len(sampler.position))
+        self.log_probs: torch.Tensor | None = None  # (B, K) this step's recorded confidences
+        self.recorded: torch.Tensor | None = None  # (B,) and accepted prefixes
+
+    def next_step(self) -> None:
+        """Move every row on to its next recorded step."""
+        self.log_probs, self.recorded = self.sampler.next()
+
+    def draft(self, num_drafted: int, confidences: bool) -> Proposal:
+        log_probs = self.log_probs[:, :num_drafted]
+        return Proposal(torch.zeros(log_probs.shape, dtype=torch.long), log_probs, None)
+
+    def select(self, strategy, proposal: Proposal, plan) -> torch.Tensor:
+        num_drafted = proposal.tokens.shape[1]
+        if num_drafted == 0:
+            return torch.zeros(len(self.rows), dtype=torch.long)
+        return strategy.select(proposal.log_probs, torch.full((len(self.rows),), num_drafted), plan)
+
+    def verify(self, proposal: Proposal, verify_lengths: torch.Tensor) -> tuple[Verdict, None]:
+        num_accepted = torch.minimum(verify_lengths, self.recorded)
+        return Verdict(num_accepted, torch.zeros_like(num_accepted), verify_lengths), None
+
+    def emit(self, verdict: Verdict) -> Emission:
+        return Emission(verdict.num_accepted + 1, torch.zeros_like(verdict.num_accepted, dtype=torch.bool))
+
+    def observation(self, proposal: Proposal, selection: torch.Tensor, verdict: Verdict) -> Observation:
+        return Observation(proposal.log_probs, selection)
+
+
 @dataclass
 class ReplayResult:
     """Totals of one replay: ``tokens`` emitted (accepted drafts + one target token per row and step)."""
@@ -251,23 +286,17 @@ def replay(strategy, traces: TraceSet, cost: StepCostModel, batch_size: int, ste
 
     Returns totals; ``tokens`` counts every row's accepted drafts plus its target token, each step.
     """
-    sampler = RowSampler(traces, batch_size, seed)
+    phases = ReplayStep(RowSampler(traces, batch_size, seed))
     total = ReplayResult(batch_size, steps, 0, 0.0, 0, 0, 0)
     for _ in range(steps):
-        log_probs, recorded = sampler.next()
-
-        def draft(num_drafted: int, needs_confidences: bool) -> tuple[torch.Tensor, torch.Tensor]:
-            return log_probs[:, :num_drafted], torch.full((batch_size,), num_drafted)
-
-        def verify(verify_lengths: torch.Tensor) -> tuple[torch.Tensor, None]:
-            return torch.minimum(verify_lengths, recorded), None
-
-        outcome = run_step(strategy, batch_size, traces.num_draft_tokens, draft, verify)
-        accepted = int(outcome.num_accepted.sum())
+        phases.next_step()
+        step = run_step(strategy, phases, batch_size, traces.num_draft_tokens)
+        verify_lengths = step.verdict.verify_lengths
+        accepted = int(step.verdict.num_accepted.sum())
         total.tokens += batch_size + accepted
-        total.seconds += cost.step_seconds(batch_size, outcome.num_drafted, int(outcome.verify_lengths.max()))
-        total.drafted += outcome.num_drafted * batch_size
-        total.verified += int(outcome.verify_lengths.sum())
+        total.seconds += cost.step_seconds(batch_size, step.num_drafted, int(verify_lengths.max()))
+        total.drafted += step.num_drafted * batch_size
+        total.verified += int(verify_lengths.sum())
         total.accepted += accepted
     return total
 

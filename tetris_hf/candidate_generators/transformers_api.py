@@ -1,0 +1,5 @@
+from transformers.generation.candidate_generator import CandidateGenerator
+
+
+class CandidateGeneratorAPI(CandidateGenerator):
+    pass
