@@ -123,7 +123,6 @@ class BatchedSpeculativeLoop:
             self.target_slots.step_forward = compiled_forward(model)
             self.drafter.compile()
         self.drafter.attach(model)  # hooks on the target, if it reads its forwards (an EAGLE head); the last setup
-        self.phases = ChainStep(self) if self.tree_width == 1 else TreeStep(self, self.tree_width)
 
         self.sequences = input_ids.new_full((batch_size, capacity), self.pad_value)
         self.sequences[:, :prompt_length] = input_ids
@@ -151,8 +150,13 @@ class BatchedSpeculativeLoop:
         if not self.prompt_read:
             return self._read_prompt()
         room = max(self.max_length - self.shortest - 1, 0)  # no row may verify more than this
-        step = run_step(self.strategy, self.phases, self.num_rows, min(room, self.max_draft), self.clock)
+        step = run_step(self.strategy, self.phases(), self.num_rows, min(room, self.max_draft), self.clock)
         return self._finish(step.record, step.emission.stopped)
+
+    def phases(self) -> ChainStep | TreeStep:
+        """This step's phases: every row drafts a chain, or a tree. Made for each step: they refer to the loop, and
+        the loop keeping them would make a cycle that only the garbage collector frees (with the caches in it)."""
+        return ChainStep(self) if self.tree_width == 1 else TreeStep(self, self.tree_width)
 
     def read_step(self, verified: torch.Tensor) -> StepRead:
         """A drafting step's one device read: ``verified`` ``(B,)`` cells each row verifies (their maximum sizes the

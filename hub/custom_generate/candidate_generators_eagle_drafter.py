@@ -21,7 +21,8 @@ import torch
 from .kv import SlotCache
 from .logits import PositionwiseLogitsProcessor
 from .candidate_generators_batched_draft import BatchedDraftCandidateGenerator
-from .candidate_generators_eagle import EagleDraft
+from .candidate_generators_drafter import Verdict
+from .candidate_generators_eagle import EagleDraft, FeatureTap
 
 
 class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
@@ -43,9 +44,21 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
         self._drafts: torch.Tensor | None = None  # (B, K) the last proposal's tokens
         self._out: torch.Tensor | None = None  # (B, 1, H) the head's output at its last position
         self._tree_out: torch.Tensor | None = None  # (B, 1 + N, H) while a tree grows: at the root and its nodes
+        self.tap: FeatureTap | None = None  # hooks on the target (attach): its features at every position it reads
 
-    def feature_tap(self, target: torch.nn.Module):
-        return self.head.tap(target)
+    def attach(self, target: torch.nn.Module) -> None:
+        self.tap = self.head.tap(target)
+
+    def detach(self) -> None:
+        if self.tap is not None:
+            self.tap.remove()
+            self.tap = None
+
+    def _target_features(self) -> torch.Tensor:
+        """``(B, W, F)`` the target's features over the block its last forward read."""
+        if self.tap is None:
+            raise ValueError("an EAGLE head needs the target's features of every target forward: attach() it first")
+        return self.tap.features
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, all_real: bool = False) -> None:
         """Wait for the prompt's features (the target's prompt forward, handed to the first :meth:`accept`)."""
@@ -90,13 +103,11 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
         self._tree_out = torch.cat([out, call.outputs.features], dim=1)
         return logits
 
-    def accept_tree(self, path_nodes: torch.Tensor, path_slots: torch.Tensor, num_accepted: torch.Tensor,
-                    next_tokens: torch.Tensor, max_accepted: int, cached_longest: int | None = None,
-                    features: torch.Tensor | None = None) -> None:
+    def _accept_tree(self, verdict: Verdict) -> None:
         """Drop every drafted node and queue the accepted path and the target's token with the target's features at
         the root and the path's nodes (as :meth:`accept` does for a chain's accepted prefix)."""
-        if features is None:
-            raise ValueError("an EAGLE head needs the target's features of every target forward")
+        features, path_nodes, path_slots = self._target_features(), verdict.tree.path_nodes, verdict.tree.path_slots
+        max_accepted = verdict.hints.max_accepted
         root_slot, depth, _, tokens = self._tree
         self._tree = None
         keep = torch.zeros_like(self.slots.slot_mask[:, root_slot : self.slots.length])
@@ -108,25 +119,23 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
         root = torch.zeros((path_slots.shape[0], 1), dtype=path_slots.dtype, device=path_slots.device)  # block slot 0
         feature_slots = torch.cat([root, path_slots[:, : width - 1].clamp(min=0)], 1)  # (path_slots may be (B, 0))
         path_features = features.gather(1, feature_slots[..., None].expand(-1, -1, features.shape[-1]))
-        self._queue_final(path_tokens, next_tokens, num_accepted, path_features, cached_longest)
+        self._queue_final(path_tokens, verdict.next_tokens, verdict.num_accepted, path_features,
+                          verdict.hints.cached_longest)
 
     def propose(self, sequences, lengths, num_tokens, rows=None, confidences=True):
         proposal = super().propose(sequences, lengths, num_tokens, rows, confidences)
         self._drafts = proposal.tokens
         return proposal
 
-    def accept(self, num_accepted: torch.Tensor, next_tokens: torch.Tensor, verify_lengths: torch.Tensor | None = None,
-               max_accepted: int | None = None, cached_longest: int | None = None,
-               features: torch.Tensor | None = None) -> None:
-        """Drop the drafted entries and queue what the target made final with its features.
-
-        Args:
-            num_accepted, next_tokens, verify_lengths, max_accepted, cached_longest: see the base class.
-            features: ``(B, W, F)`` the target's features over the block it just read: the prompt (first call), the
-                row's last token and its verified drafts, or the last token alone (a plain step).
-        """
-        if features is None:
-            raise ValueError("an EAGLE head needs the target's features of every target forward")
+    def accept(self, verdict: Verdict) -> None:
+        """Drop the drafted entries and queue what the target made final with its features over the block it just
+        read: the prompt (first call), the row's last token and its verified drafts, or the last token alone (a plain
+        step)."""
+        if verdict.tree is not None:
+            self._accept_tree(verdict)
+            return
+        features, num_accepted, next_tokens = self._target_features(), verdict.num_accepted, verdict.next_tokens
+        max_accepted, cached_longest = verdict.hints
         ones = torch.ones_like(next_tokens[:, None])
         if self._prompt is not None:  # the prompt's read: [x1 .. x_{T-1}, t] with [f0 .. f_{T-1}]
             input_ids, mask = self._prompt

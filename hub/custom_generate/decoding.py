@@ -1,17 +1,18 @@
 # Exported from tetris_hf/decoding.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
-"""The batched speculative loop: draft -> select -> verify -> accept -> roll back, until every row stops.
+"""The batched speculative loop: the state of one ``generate()`` call, stepped until every row stops.
 
 Rows advance independently. Each step, every active row drafts ``K`` tokens; a strategy picks how many of them each
 row verifies (TETRIS: the top-``C`` cells of the batch); the target reads every row's block in one forward; each row
 keeps its accepted prefix plus one target token; both KV caches drop what was rejected. Finished rows leave the batch,
-so they cost nothing afterwards. With ``tetris_tree_width > 1`` every row drafts a tree instead of a chain, and a step
-is :func:`~tetris_hf.tree_step.tree_step`.
+so they cost nothing afterwards. The step itself is :func:`~tetris_hf.step.run_step`, through the phases of
+:class:`~tetris_hf.chain_step.ChainStep` (or, with ``tetris_tree_width > 1``, :class:`~tetris_hf.tree_step.TreeStep`,
+every row drafting a tree); this module holds what they share: the rows, the caches, the step's device read, the
+acceptance rule, emission and retiring rows.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -20,7 +21,6 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from .attention import AttentionLayout, check_tree_layout
 from .candidate_generators import build_drafter
-from .candidate_generators_drafter import Proposal
 from .checks import check_generation_config, check_prompt_mask, check_streamer
 from .compiled import check_compilable, compiled_forward
 from .kv import SlotCache, slots_needed
@@ -28,58 +28,31 @@ from .logits import PositionwiseLogitsProcessor, verify_greedy, verify_sampling
 from .options import TetrisOptions
 from .outputs import TetrisGenerateOutput, TetrisStats
 from .static_shapes import block_width
-from .step_strategy import StepSeconds, run_step
+from .chain_step import ChainStep
+from .step import Emission, ReadHints, StepRecord, Verdict, run_step
 from .stopping import RowStopper
 from .strategies import make_strategy
-from .timing import StepClock
-from .tree_step import StepTree, tree_step
+from .timing import StepClock, StepSeconds
+from .tree_step import TreeStep
 
 
-class StepVerdict(NamedTuple):
-    """What the target's side of a step did, per active row (``(B_active,)``): drafts accepted, tokens kept
-    (accepted + the target's, fewer where a row stopped), rows now finished; and the step's measured seconds."""
+class StepRead(NamedTuple):
+    """What a drafting step's one device read gave (host ints): the most cells any row verifies, and the most real
+    tokens any row holds in the target's and the drafter's caches (``None``: the drafter keeps no cache)."""
 
-    num_accepted: torch.Tensor
-    emitted: torch.Tensor
-    stopped: torch.Tensor
-    seconds: StepSeconds | None
-
-
-@dataclass
-class StepRecord:
-    """What one step did, per active row (shapes ``(B_active,)``; ``rows`` are original batch indices).
-
-    ``seconds``: the step's measured draft, target and other time (:class:`~tetris_hf.timing.StepClock`; on CUDA
-    the previous step's, read once this step has synchronised it, and zeros at the first drafting step). The draft
-    reading tokens it skipped while the loop decoded plainly is in none of them: it is a one-off catch-up, not a cost
-    of drafting.
-    """
-
-    rows: torch.Tensor
-    num_drafted: int
-    budget: int
-    token_log_probs: torch.Tensor | None  # (B_active, K) the draft's confidences (None: nothing needed them)
-    verify_lengths: torch.Tensor
-    num_accepted: torch.Tensor
-    emitted: torch.Tensor
-    seconds: StepSeconds = StepSeconds(0.0, 0.0, 0.0)
-    proposed: torch.Tensor | None = None  # (B_active,) cells each row drafted, where fewer than num_drafted
-    tree: StepTree | None = None  # tetris_tree_width > 1: the step's trees, selection and accepted paths
-
-    @property
-    def drafted_lengths(self) -> torch.Tensor:
-        """``(B_active,)`` cells each row drafted."""
-        if self.proposed is not None:
-            return self.proposed
-        return torch.full_like(self.verify_lengths, self.num_drafted)
+    block_length: int
+    target_longest: int
+    drafter_longest: int | None
 
 
 class BatchedSpeculativeLoop:
-    """State of one batched speculative ``generate()`` call; :meth:`step` runs draft -> select -> verify -> accept.
+    """State of one batched speculative ``generate()`` call; :meth:`step` runs one step (draft -> select -> verify ->
+    roll back -> emit).
 
-    The step reads the device once to size the target's block (the longest verified prefix, read together with the
-    caches' fill levels and the longest row's length), and once more only when a row may have stopped (an EOS or another criterion than the length
-    limit, or a row near that limit), which also tells the draft how wide its next block must be. Everything else it
+    The step reads the device once to size the target's block (:meth:`read_step`: the longest verified prefix, read
+    together with the caches' fill levels and the longest row's length), and once more only when a row may have
+    stopped (an EOS or another criterion than the length limit, or a row near that limit), which also tells the draft
+    how wide its next block must be. Everything else it
     needs on the host is an upper bound it keeps itself: every active row grows by at least one and at most
     ``block + 1`` tokens a step, and no row accepted more drafts than the longest verified block. Counts stay on the
     device until :attr:`stats` turns them into a :class:`~tetris_hf.outputs.TetrisStats`.
@@ -149,10 +122,8 @@ class BatchedSpeculativeLoop:
         if self.compile:
             check_compilable(model, "target")
             self.target_slots.step_forward = compiled_forward(model)
-            if draft_model is not None:
-                check_compilable(draft_model, "draft")
-                self.drafter.slots.step_forward = compiled_forward(draft_model)
-        self.feature_tap = self.drafter.feature_tap(model)  # hooks on the target: what an EAGLE head reads (last)
+            self.drafter.compile()
+        self.drafter.attach(model)  # hooks on the target, if it reads its forwards (an EAGLE head); the last setup
 
         self.sequences = input_ids.new_full((batch_size, capacity), self.pad_value)
         self.sequences[:, :prompt_length] = input_ids
@@ -175,102 +146,28 @@ class BatchedSpeculativeLoop:
         """One speculative step for every active row; finished rows leave the batch.
 
         The first step reads the prompt into the target's cache and emits the token after it (no drafts), as
-        ``generate()``'s own first forward does; every later step drafts, selects, verifies, accepts and rolls back
-        (the order is :func:`~tetris_hf.step_strategy.run_step`'s).
+        ``generate()``'s own first forward does; every later step is :func:`~tetris_hf.step.run_step`.
         """
         if not self.prompt_read:
             return self._read_prompt()
-        self.clock.mark("start")
-        if self.tree_width > 1:  # draft trees: tree_step.py
-            tree = tree_step(self, self.tree_width)
-            record = StepRecord(self.rows, tree.num_drafted, tree.budget, tree.token_log_probs, tree.verify_lengths,
-                                tree.num_accepted, tree.emitted, tree.seconds or StepSeconds(0.0, 0.0, 0.0),
-                                tree.proposed, tree.trees)
-            return self._finish(record, tree.stopped)
         room = max(self.max_length - self.shortest - 1, 0)  # no row may verify more than this
-        drafted: list[Proposal] = []  # the draft phase's proposal, for the verify phase
-        verified: list[StepVerdict] = []
+        step = run_step(self.strategy, self.phases(), self.num_rows, min(room, self.max_draft), self.clock)
+        return self._finish(step.record, step.emission.stopped)
 
-        def draft(num_drafted: int, needs_confidences: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
-            proposal, max_lengths = self._draft(num_drafted, needs_confidences)
-            drafted.append(proposal)
-            return proposal.log_probs, max_lengths
+    def phases(self) -> ChainStep | TreeStep:
+        """This step's phases: every row drafts a chain, or a tree. Made for each step: they refer to the loop, and
+        the loop keeping them would make a cycle that only the garbage collector frees (with the caches in it)."""
+        return ChainStep(self) if self.tree_width == 1 else TreeStep(self, self.tree_width)
 
-        def verify(verify_lengths: torch.Tensor) -> tuple[torch.Tensor, StepSeconds | None]:
-            verified.append(self._verify(drafted[0], verify_lengths))
-            return verified[0].num_accepted, verified[0].seconds
-
-        outcome = run_step(self.strategy, self.num_rows, min(room, self.max_draft), draft, verify)
-        verdict = verified[0]
-        record = StepRecord(self.rows, outcome.num_drafted, outcome.plan.budget, drafted[0].log_probs,
-                            outcome.verify_lengths, outcome.num_accepted, verdict.emitted,
-                            verdict.seconds or StepSeconds(0.0, 0.0, 0.0), drafted[0].lengths)
-        return self._finish(record, verdict.stopped)
-
-    def _draft(self, num_drafted: int, needs_confidences: bool) -> tuple[Proposal, torch.Tensor]:
-        """Draft ``K = num_drafted`` cells per row; returns the proposal and ``(B,)`` cells each row may verify."""
-        clock, lengths = self.clock, self.lengths
-        if num_drafted > 0:
-            clock.mark("catch_up_start")
-            self.drafter.catch_up()  # what it skipped during plain steps: a one-off, kept out of the timings
-            clock.mark("catch_up_end")
-        clock.mark("draft_start")
-        # Confidences may cost a softmax per draft token: only for plans and callbacks that read them.
-        proposal = self.drafter.propose(self.sequences, lengths, num_drafted, self.rows,
-                                        needs_confidences or self.step_callback is not None)
-        clock.mark("draft_end")
-        if num_drafted == 0:  # a plain step: no row may verify anything
-            max_lengths = torch.zeros_like(lengths)
-        elif self.longest + num_drafted < self.max_length:  # no row is near its limit
-            max_lengths = torch.full_like(lengths, num_drafted)
-        else:  # a target token is always added
-            max_lengths = (self.max_length - 1 - lengths).clamp_(min=0, max=num_drafted)
-        if proposal.lengths is not None:  # rows that drafted fewer cells
-            max_lengths = torch.minimum(max_lengths, proposal.lengths)
-        return proposal, max_lengths
-
-    def _verify(self, proposal: Proposal, verify_lengths: torch.Tensor) -> "StepVerdict":
-        """The target's side of a step: one forward over every row's block, acceptance, roll back, emission."""
-        clock, lengths = self.clock, self.lengths
-        if proposal.tokens.shape[1] == 0:
-            # Nothing to verify: the target reads each row's last token (no read, no filler, no holes).
-            block_length, width, block, real_lengths = 0, 1, self.last_tokens[:, None], None
-            drafter_longest = target_bound = None  # nothing read: the caches keep their own bounds
-        else:
-            # The step's one read: the block length sizes the target's input; the caches' fill levels come along.
-            drafter_lengths = self.drafter.live_lengths()
-            read = [verify_lengths, self.target_slots.live_lengths(), lengths]
-            if drafter_lengths is not None:
-                read.append(drafter_lengths)
-            block_length, target_longest, self.longest, *drafter_longest = torch.stack(read).amax(dim=1).tolist()
-            drafter_longest = drafter_longest[0] if drafter_longest else None
-            target_bound = target_longest + block_length + 1  # real slots any row can hold after this block
-            # verify: [last emitted token, drafts 1..l_i] per row, padded to one length with masked drafts
-            # (compiled on CUDA: padded with masked filler to a power of two, so that block shapes repeat)
-            width = block_width(block_length + 1, self.compile, self.lengths.device)
-            block = torch.cat([self.last_tokens[:, None], proposal.tokens[:, :block_length]], dim=1)
-            if width > block_length + 1:
-                block = torch.nn.functional.pad(block, (0, width - block_length - 1), value=self.pad_value)
-            real_lengths = verify_lengths + 1  # [last token, verified drafts], then filler
-        verified_drafts = block[:, 1 : block_length + 1]
-        logits = self.target_slots.forward(self.model, block, None, step=True, real_lengths=real_lengths)
-        if width > block_length + 1:
-            logits = logits[:, : block_length + 1]
-        target_scores = self.logits_processor(self.sequences, lengths, logits, self.rows)
-
-        num_accepted, next_tokens = self._accept(verified_drafts, verify_lengths, target_scores, proposal.probs)
-
-        # roll back: the target keeps [last token, accepted drafts]; the drafter keeps its accepted drafts
-        if real_lengths is not None:
-            self.target_slots.keep_prefix(self.target_slots.length - width, num_accepted + 1)
-        self.target_slots.compact(target_bound)
-        self.drafter.accept(num_accepted, next_tokens, verify_lengths, max_accepted=block_length,
-                            cached_longest=drafter_longest, features=self._target_features())
-        clock.mark("verify_end")
-
-        emitted, stopped = self._emit(num_accepted, next_tokens, block_length + 1)
-        clock.mark("end")
-        return StepVerdict(num_accepted, emitted, stopped, clock.finish_step())  # on CUDA the previous step's
+    def read_step(self, verified: torch.Tensor) -> StepRead:
+        """A drafting step's one device read: ``verified`` ``(B,)`` cells each row verifies (their maximum sizes the
+        target's block), with the caches' fill levels and the rows' lengths (which tighten :attr:`longest`)."""
+        drafter_lengths = self.drafter.live_lengths()
+        read = [verified, self.target_slots.live_lengths(), self.lengths]
+        if drafter_lengths is not None:
+            read.append(drafter_lengths)
+        block_length, target_longest, self.longest, *drafter_longest = torch.stack(read).amax(dim=1).tolist()
+        return StepRead(block_length, target_longest, drafter_longest[0] if drafter_longest else None)
 
     def _read_prompt(self) -> StepRecord:
         """The first step: the target reads every prompt (its cache had nothing) and adds one token per row."""
@@ -280,26 +177,21 @@ class BatchedSpeculativeLoop:
         target_scores = self.logits_processor(self.sequences, self.lengths, logits, self.rows)
         no_drafts = self.input_ids.new_zeros(num_rows, 0)
         verify_lengths = torch.zeros(num_rows, dtype=torch.long, device=self.lengths.device)
-        num_accepted, next_tokens = self._accept(no_drafts, verify_lengths, target_scores, None)
-        self.drafter.accept(num_accepted, next_tokens, verify_lengths, features=self._target_features())
+        num_accepted, next_tokens = self.acceptance(no_drafts, verify_lengths, target_scores, None)
+        verdict = Verdict(num_accepted, next_tokens, verify_lengths, hints=ReadHints(max_accepted=0))
+        self.drafter.accept(verdict)
         self.prompt_read = True
-        emitted, stopped = self._emit(num_accepted, next_tokens, 1)
+        emission = self.emit(verdict)
         no_log_probs = target_scores.new_zeros(num_rows, 0)
-        record = StepRecord(self.rows, 0, 0, no_log_probs, verify_lengths, num_accepted, emitted,
+        record = StepRecord(self.rows, 0, 0, no_log_probs, verify_lengths, num_accepted, emission.emitted,
                             StepSeconds(0.0, time.perf_counter() - started, 0.0))
-        return self._finish(record, stopped)
-
-    def _target_features(self) -> torch.Tensor | None:
-        """``(B, W, F)`` what the drafter's tap kept of the target's last forward (``None``: it has no tap)."""
-        return None if self.feature_tap is None else self.feature_tap.features
+        return self._finish(record, emission.stopped)
 
     def close(self) -> None:
-        """Remove the hooks the drafter put on the target (the call is over)."""
-        if self.feature_tap is not None:
-            self.feature_tap.remove()
-            self.feature_tap = None
+        """Remove what the drafter put on the target (the call is over)."""
+        self.drafter.detach()
 
-    def _accept(self, drafts: torch.Tensor, verify_lengths: torch.Tensor, target_scores: torch.Tensor,
+    def acceptance(self, drafts: torch.Tensor, verify_lengths: torch.Tensor, target_scores: torch.Tensor,
                 draft_probs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Verification (greedy or rejection sampling): ``(num_accepted, next_tokens)``, both ``(B_active,)``."""
         if not self.do_sample:
@@ -308,18 +200,16 @@ class BatchedSpeculativeLoop:
             draft_probs = draft_probs[:, : drafts.shape[1]]
         return verify_sampling(drafts, verify_lengths, target_scores, draft_probs)
 
-    def _emit(self, num_accepted: torch.Tensor, next_tokens: torch.Tensor,
-              max_new: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write each row's target token after its accepted drafts (those already sit in place: they were drafted
-        into the scratch space past the row's end), apply the stopping criteria, advance ``lengths``.
-
-        Args:
-            num_accepted, next_tokens: ``(B_active,)``.
-            max_new: a bound on the tokens any row emits (known without a device sync).
+    def emit(self, verdict: Verdict) -> Emission:
+        """Write each row's target token after its accepted drafts (those already sit in place past the row's end),
+        apply the stopping criteria, advance ``lengths``. ``verdict.hints.max_accepted + 1`` bounds the tokens any
+        row emits (known without a device sync).
 
         Returns:
-            ``emitted`` ``(B_active,)`` tokens kept per row and ``stopped`` ``(B_active,)`` rows now finished.
+            :class:`~tetris_hf.step.Emission`: ``(B_active,)`` tokens kept per row, rows now finished.
         """
+        num_accepted, next_tokens = verdict.num_accepted, verdict.next_tokens
+        max_new = verdict.hints.max_accepted + 1
         lengths = self.lengths
         self.sequences.scatter_(1, (lengths + num_accepted)[:, None], next_tokens[:, None])
         self.last_tokens = next_tokens  # a row that stops here leaves the batch: its last token is not needed
@@ -329,7 +219,7 @@ class BatchedSpeculativeLoop:
         self.lengths = lengths + kept
         self.shortest = min(self.shortest + 1, self.max_length)
         self.longest = min(self.longest + max_new, self.max_length)
-        return kept, stopped
+        return Emission(kept, stopped)
 
     def _finish(self, record: StepRecord, stopped: torch.Tensor) -> StepRecord:
         """Keep the step's record, retire the rows that ``stopped`` ``(B_active,)``, call the user's step callback."""

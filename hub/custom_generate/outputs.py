@@ -52,7 +52,7 @@ class TetrisStats:
         """Totals and per-step lists from the loop's step records (their tensors read from the device in one go).
 
         Args:
-            records: :class:`~tetris_hf.decoding.StepRecord` s, one per step; ``rows``, ``verify_lengths``,
+            records: :class:`~tetris_hf.step.StepRecord` s, one per step; ``rows``, ``verify_lengths``,
                 ``num_accepted``, ``emitted`` and ``drafted_lengths`` are ``(B_active,)`` tensors.
             batch_size: rows of the ``generate()`` call.
         """

@@ -1,27 +1,21 @@
 # Exported from tetris_hf/step_strategy.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
-"""The contract between the loop and a strategy, and the one place that runs it in order.
+"""The contract between the loop and a strategy.
 
 Each step the loop asks once for a :class:`DraftPlan` (``K`` drafts per row, a budget of ``C`` cells), drafts,
 asks which cells to verify (a pure function of the drafts, the plan and what the strategy has learnt), verifies, then
-tells the strategy what happened. :func:`run_step` is that sequence; the loop and the simulator's replay both call it,
-with their own ways of drafting and verifying.
+tells the strategy what happened. :func:`~tetris_hf.step.run_step` is that sequence; the loop and the simulator's
+replay both call it, with their own phases.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 import torch
 
+from .timing import StepSeconds
 
-class StepSeconds(NamedTuple):
-    """Time of one loop step, as the loop measured it: the ``K`` draft forwards, the target side (selection,
-    verification forward, acceptance, roll back), and the rest (planning, emitting, stopping)."""
-
-    draft: float
-    verify: float
-    other: float
+__all__ = ["DraftPlan", "StepSeconds", "StepStrategy"]
 
 
 class DraftPlan(NamedTuple):
@@ -65,45 +59,3 @@ class StepStrategy(Protocol):
                 seconds: StepSeconds | None = None, num_drafted: int | None = None) -> None:
         """What the step did: ``(B, K)`` confidences (``None`` when the plan did not need them), ``(B,)`` verified and
         accepted drafts, the measured time and ``K``. Where a strategy learns."""
-
-
-class StepOutcome(NamedTuple):
-    """What :func:`run_step` did: the plan, ``K`` drafted, and ``(B,)`` verified and accepted drafts per row."""
-
-    plan: DraftPlan
-    num_drafted: int
-    verify_lengths: torch.Tensor
-    num_accepted: torch.Tensor
-
-
-def run_step(
-    strategy: StepStrategy,
-    num_rows: int,
-    max_draft: int,
-    draft: Callable[[int, bool], tuple[torch.Tensor | None, torch.Tensor]],
-    verify: Callable[[torch.Tensor], tuple[torch.Tensor, StepSeconds | None]],
-) -> StepOutcome:
-    """plan -> draft -> select -> verify -> observe, once.
-
-    Args:
-        strategy: the step strategy.
-        num_rows: ``B`` active rows.
-        max_draft: at most this many drafts per row this step (length limits, recorded traces).
-        draft: ``draft(K, needs_confidences) -> (token_log_probs (B, K) or None, max_lengths (B,))``: drafts ``K``
-            tokens per row (with the draft's confidences when the plan needs them) and says how many of them each row
-            may verify (at most ``K``).
-        verify: ``verify(verify_lengths (B,)) -> (num_accepted (B,), seconds)``: the target's side.
-
-    Returns:
-        :class:`StepOutcome`.
-    """
-    plan = strategy.plan(num_rows)
-    num_drafted = min(plan.num_draft_tokens, max_draft) if plan.budget > 0 else 0
-    token_log_probs, max_lengths = draft(num_drafted, plan.needs_confidences)
-    if num_drafted > 0:
-        verify_lengths = strategy.select(token_log_probs, max_lengths, plan)
-    else:
-        verify_lengths = torch.zeros(num_rows, dtype=torch.long, device=max_lengths.device)
-    num_accepted, seconds = verify(verify_lengths)
-    strategy.observe(token_log_probs, verify_lengths, num_accepted, seconds, num_drafted)
-    return StepOutcome(plan, num_drafted, verify_lengths, num_accepted)

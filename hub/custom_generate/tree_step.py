@@ -1,9 +1,10 @@
 # Exported from tetris_hf/tree_step.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
-"""The loop's side of a draft-tree step (``tetris_tree_width=w > 1``): every row drafts a tree, the strategy selects
-nodes, the target verifies every selected node in one forward, each row accepts one path, both caches roll back.
+"""A step's phases when every row drafts a tree (``tetris_tree_width=w > 1``): the strategy selects nodes, the target
+verifies every selected node in one forward, each row accepts one path, both caches roll back.
 
-The maths is :mod:`tetris_hf.trees`; this module runs it on the loop's models and caches, in
-:func:`~tetris_hf.step_strategy.run_step`'s order (plan -> draft -> select -> verify -> observe):
+The maths is :mod:`tetris_hf.trees`; :class:`TreeStep` runs it on the loop's models and caches, in
+:func:`~tetris_hf.step.run_step`'s order. Only drafting, selection, verification and what rolls back differ from a
+chain step:
 
 1. **Draft:** the draft model grows ``w K`` nodes per row, ``K`` the plan's drafts
    (:meth:`~tetris_hf.candidate_generators.BatchedDraftCandidateGenerator.propose_tree`; an EAGLE head's nodes
@@ -14,149 +15,135 @@ The maths is :mod:`tetris_hf.trees`; this module runs it on the loop's models an
 3. **Verify:** one target forward over ``[root, selected nodes, filler]`` per row (:func:`~tetris_hf.trees.tree_block`),
    a node seeing the row's cached tokens and its ancestors, at the root's position plus its depth; the processors run
    at every node on its own prefix. The step's one device read sizes the block (the most nodes a row selected), with
-   the caches' fill levels, as a chain step's does.
-4. **Accept:** greedy, the deepest selected path the target's argmax follows; sampling, recursive rejection sampling
-   over siblings (lossless, :mod:`tetris_hf.trees`).
-5. **Roll back:** both caches keep the root and the accepted path where they are (holes elsewhere), the accepted tokens
-   go into the rows, and the loop emits as after a chain.
+   the caches' fill levels, as a chain step's does. Then acceptance: greedy, the deepest selected path the target's
+   argmax follows; sampling, recursive rejection sampling over siblings (lossless, :mod:`tetris_hf.trees`).
+4. **Roll back:** both caches keep the root and the accepted path where they are (holes elsewhere).
+5. **Emit:** the accepted tokens go into the rows, and the loop emits as after a chain.
 
 The strategy observes a chain per row (:func:`observed_chain`): the accepted path, then down the best children.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from .trees import (
-    DraftTree, accept_tree_greedy, accept_tree_sampling, block_draft_log_probs, conditional_log_probs, kept_slots,
-    path_tokens, tree_block,
-)
+from .chain_step import ChainStep
 from .logits_argmax import vocab_argmax
-from .step_strategy import StepSeconds
+from .step import Emission, Observation, ReadHints, StepPhases, StepTree, TargetBlock, Verdict
+from .step_strategy import DraftPlan, StepStrategy
 from .tree_logits import process_at_nodes
+from .trees import (
+    DraftTree, GrownTree, accept_tree_greedy, accept_tree_sampling, block_draft_log_probs, conditional_log_probs,
+    kept_slots, path_tokens, tree_block,
+)
+
+if TYPE_CHECKING:
+    from .decoding import BatchedSpeculativeLoop
 
 
-class StepTree(NamedTuple):
-    """One tree step's trees, for step callbacks that show them (``StepRecord.tree``; the Space's board). Rows are the
-    step's active rows (``StepRecord.rows``).
+class TreeSelection(NamedTuple):
+    """What a tree step selected: ``candidates``, the drafted tree with the nodes no row may take marked invalid
+    (deeper than a row may still grow); ``nodes`` ``(B, N)`` bool, the verified nodes (an ancestor-closed subtree per
+    row); ``depth``: the tree's levels, ``K``."""
 
-    ``tree``: the drafted :class:`~tetris_hf.trees.DraftTree` (``(B, N)`` per node); ``selected``: ``(B, N)`` bool,
-    the verified nodes; ``roots``: ``(B,)`` each row's last token before the step; ``path_nodes``: ``(B, D)`` the
-    accepted path's node indices (``-1`` past it); ``num_accepted``: ``(B,)``; ``next_tokens``: ``(B,)`` the target's
-    token after the path.
-    """
-
-    tree: DraftTree
-    selected: torch.Tensor
-    roots: torch.Tensor
-    path_nodes: torch.Tensor
-    num_accepted: torch.Tensor
-    next_tokens: torch.Tensor
+    candidates: DraftTree
+    nodes: torch.Tensor
+    depth: int
 
 
-class TreeOutcome(NamedTuple):
-    """What a tree step did (``(B_active,)`` tensors), for the loop's :class:`~tetris_hf.decoding.StepRecord`.
+class TreeStep(StepPhases):
+    """A step's phases when every row drafts a tree of ``width`` children per expanded node. A step that drafts
+    nothing goes through :class:`~tetris_hf.chain_step.ChainStep` (:attr:`plain`). Reads and writes the loop's public
+    state."""
 
-    ``num_drafted``: ``K``, the tree's depth (0: a plain step). ``token_log_probs``: ``(B, K)`` the observed chain's
-    confidences (:func:`observed_chain`). ``verify_lengths``: nodes verified. ``proposed``: nodes drafted (valid ones).
-    """
+    def __init__(self, loop: BatchedSpeculativeLoop, width: int):
+        self.loop, self.width = loop, width
+        self.depth = 0  # this step's K, the tree's levels (set when it drafts)
+        self._plain = ChainStep(loop)
 
-    num_drafted: int
-    budget: int
-    token_log_probs: torch.Tensor | None
-    verify_lengths: torch.Tensor
-    num_accepted: torch.Tensor
-    emitted: torch.Tensor
-    stopped: torch.Tensor
-    seconds: StepSeconds | None
-    proposed: torch.Tensor | None
-    trees: StepTree | None = None  # (None: a plain step)
+    @property
+    def plain(self) -> ChainStep:
+        return self._plain
 
+    @property
+    def rows(self) -> torch.Tensor:
+        return self.loop.rows
 
-def tree_step(loop, width: int) -> TreeOutcome:
-    """One step of :class:`~tetris_hf.decoding.BatchedSpeculativeLoop` with draft trees of ``width`` children."""
-    strategy, clock = loop.strategy, loop.clock
-    room = max(loop.max_length - loop.shortest - 1, 0)  # no row may verify deeper than this
-    plan = strategy.plan(loop.num_rows)
-    depth = min(plan.num_draft_tokens, room, loop.max_draft) if plan.budget > 0 else 0
-    if depth == 0:  # a plain step, as a chain loop takes it
-        proposal, max_lengths = loop._draft(0, False)
-        verify_lengths = torch.zeros_like(max_lengths)
-        verdict = loop._verify(proposal, verify_lengths)
-        strategy.observe(proposal.log_probs, verify_lengths, verdict.num_accepted, verdict.seconds, 0)
-        return TreeOutcome(0, plan.budget, proposal.log_probs, verify_lengths, verdict.num_accepted, verdict.emitted,
-                           verdict.stopped, verdict.seconds, None)
+    def catch_up(self) -> None:
+        self.loop.drafter.catch_up()
 
-    # 1. draft
-    drafter, lengths = loop.drafter, loop.lengths
-    clock.mark("catch_up_start")
-    drafter.catch_up()  # a one-off, kept out of the timings
-    clock.mark("catch_up_end")
-    clock.mark("draft_start")
-    grown = drafter.propose_tree(loop.sequences, lengths, depth, width, loop.rows)
-    clock.mark("draft_end")
-    tree = grown.tree
+    def draft(self, depth: int, confidences: bool) -> GrownTree:
+        loop, self.depth = self.loop, depth
+        return loop.drafter.propose_tree(loop.sequences, loop.lengths, depth, self.width, loop.rows)
 
-    roots = loop.last_tokens.clone()  # (for StepTree: the loop overwrites them when it emits)
+    def select(self, strategy: StepStrategy, grown: GrownTree, plan: DraftPlan) -> TreeSelection:
+        """The strategy's ``select_tree``; a target token always follows the accepted path, so rows near their limit
+        take shallower nodes only."""
+        loop, tree, depth = self.loop, grown.tree, self.depth
+        if loop.longest + depth >= loop.max_length:
+            max_depths = (loop.max_length - 1 - loop.lengths).clamp(min=0, max=depth)
+            tree = tree._replace(valid=tree.valid & (tree.depths <= max_depths[:, None]))
+        return TreeSelection(tree, strategy.select_tree(tree, plan), depth)
 
-    # 2. select (a target token always follows the accepted path: rows near their limit take shallower nodes only)
-    if loop.longest + depth >= loop.max_length:
-        max_depths = (loop.max_length - 1 - lengths).clamp(min=0, max=depth)
-        tree = tree._replace(valid=tree.valid & (tree.depths <= max_depths[:, None]))
-    selected = strategy.select_tree(tree, plan)
+    def verify(self, grown: GrownTree, selection: TreeSelection) -> tuple[Verdict, TargetBlock]:
+        """One target forward over ``[root, selected nodes, filler]`` per row, each node seeing the row's cached tokens
+        and its ancestors at the root's position plus its depth; then one path accepted per row."""
+        loop, tree, selected, depth = self.loop, selection.candidates, selection.nodes, selection.depth
+        target, verified = loop.target_slots, selected.sum(dim=1)
+        read = loop.read_step(verified)  # the widest selection sizes the block
+        block = tree_block(selected, tree.parents, tree.depths, tree.tokens, loop.last_tokens, read.block_length,
+                           loop.pad_value)
+        slots = block.tokens.shape[1]
+        visibility = block.ancestor_mask.clone()
+        visibility[:, :, 0] = True  # filler sees the root too (a query that sees nothing gives NaN in some kernels)
+        logits = target.forward(loop.model, block.tokens, None, step=True, real_lengths=block.lengths,
+                                position_ids=target.next_positions[:, None] + block.position_offsets,
+                                visibility=visibility)
+        max_depth = min(depth, read.block_length)  # a host bound on the accepted path
+        paths = None if loop.logits_processor.prefix_free else \
+            path_tokens(block.tokens, block.parents, block.position_offsets, max_depth)
+        scores = process_at_nodes(loop.logits_processor, loop.sequences, loop.lengths, loop.rows, logits, paths,
+                                  block.position_offsets)
+        if loop.do_sample:
+            draft_probs = block_draft_log_probs(grown.expanded_log_probs, grown.expanded_of_node,
+                                                block.node_index).exp()
+            acceptance = accept_tree_sampling(block.tokens, block.parents, scores.softmax(dim=-1), draft_probs,
+                                              max_depth, self.width)
+        else:
+            acceptance = accept_tree_greedy(block.tokens, block.parents, vocab_argmax(scores), max_depth)
+        path = acceptance.path
+        path_nodes = torch.where(path >= 0, block.node_index.gather(1, (path - 1).clamp(min=0)), -1)
+        trees = StepTree(grown.tree, selected, loop.last_tokens, path_nodes, acceptance.num_accepted,
+                         acceptance.next_tokens, path)
+        verdict = Verdict(acceptance.num_accepted, acceptance.next_tokens, verified, trees,
+                          ReadHints(max_depth, read.drafter_longest))
+        return verdict, TargetBlock(target.length - slots, slots, read.target_longest + slots)
 
-    # 3. verify. The step's one read: the widest selection sizes the block; the caches' fill levels come along.
-    target, verified = loop.target_slots, selected.sum(dim=1)
-    read = [verified, target.live_lengths(), lengths, drafter.live_lengths()]
-    max_nodes, target_longest, loop.longest, drafter_longest = torch.stack(read).amax(dim=1).tolist()
-    block = tree_block(selected, tree.parents, tree.depths, tree.tokens, loop.last_tokens, max_nodes,
-                             loop.pad_value)
-    slots = block.tokens.shape[1]
-    visibility = block.ancestor_mask.clone()
-    visibility[:, :, 0] = True  # filler sees the root too (a query that sees nothing gives NaN in some kernels)
-    logits = target.forward(loop.model, block.tokens, None, step=True, real_lengths=block.lengths,
-                            position_ids=target.next_positions[:, None] + block.position_offsets,
-                            visibility=visibility)
-    max_depth = min(depth, max_nodes)  # a host bound on the accepted path
-    paths = None if loop.logits_processor.prefix_free else \
-        path_tokens(block.tokens, block.parents, block.position_offsets, max_depth)
-    scores = process_at_nodes(loop.logits_processor, loop.sequences, lengths, loop.rows, logits, paths,
-                              block.position_offsets)
+    def roll_back(self, grown: GrownTree, verdict: Verdict, block: TargetBlock) -> None:
+        """Each cache keeps the root and the accepted path where they are (holes elsewhere)."""
+        target = self.loop.target_slots
+        target.keep_slots(block.first_slot, kept_slots(verdict.tree.path_slots, block.width))
+        target.compact(block.longest)
+        self.loop.drafter.accept(verdict)
 
-    # 4. accept
-    if loop.do_sample:
-        draft_probs = block_draft_log_probs(grown.expanded_log_probs, grown.expanded_of_node,
-                                                  block.node_index).exp()
-        acceptance = accept_tree_sampling(block.tokens, block.parents, scores.softmax(dim=-1), draft_probs,
-                                                max_depth, width)
-    else:
-        acceptance = accept_tree_greedy(block.tokens, block.parents, vocab_argmax(scores), max_depth)
+    def emit(self, verdict: Verdict) -> Emission:
+        """The accepted path's tokens go after each row's end (columns past the path are scratch that the target's
+        token or nothing overwrites), then the loop emits as after a chain."""
+        loop, trees = self.loop, verdict.tree
+        max_depth = verdict.hints.max_accepted
+        path_tokens = torch.where(trees.path_nodes >= 0, trees.tree.tokens.gather(1, trees.path_nodes.clamp(min=0)),
+                                  trees.roots[:, None])
+        columns = loop.lengths[:, None] + torch.arange(max_depth, device=loop.lengths.device)
+        loop.sequences.scatter_(1, columns, path_tokens[:, :max_depth])
+        return loop.emit(verdict)
 
-    # 5. roll back: each cache keeps the root and the accepted path
-    target.keep_slots(target.length - slots, kept_slots(acceptance.path, slots))
-    target.compact(target_longest + slots)
-    path = acceptance.path
-    path_nodes = torch.where(path >= 0, block.node_index.gather(1, (path - 1).clamp(min=0)), -1)
-    drafter.accept_tree(path_nodes, path, acceptance.num_accepted, acceptance.next_tokens, max_depth, drafter_longest,
-                        features=loop._target_features())
-    clock.mark("verify_end")
-
-    # the accepted tokens go after each row's end (columns past the path are scratch the target token or nothing
-    # overwrites), then the loop emits as after a chain
-    columns = lengths[:, None] + torch.arange(max_depth, device=lengths.device)
-    loop.sequences.scatter_(1, columns, block.tokens.gather(1, path.clamp(min=0)))
-    emitted, stopped = loop._emit(acceptance.num_accepted, acceptance.next_tokens, max_depth + 1)
-    clock.mark("end")
-    seconds = clock.finish_step()
-
-    chain_log_probs, chain_verified = observed_chain(tree, selected, path_nodes, acceptance.num_accepted, depth)
-    strategy.observe(chain_log_probs, chain_verified, acceptance.num_accepted, seconds, depth)
-    return TreeOutcome(depth, plan.budget, chain_log_probs, verified, acceptance.num_accepted, emitted, stopped,
-                       seconds, grown.tree.valid.sum(dim=1),
-                       StepTree(grown.tree, selected, roots, path_nodes, acceptance.num_accepted,
-                                acceptance.next_tokens))
+    def observation(self, grown: GrownTree, selection: TreeSelection, verdict: Verdict) -> Observation:
+        """The strategy observes a chain per row (:func:`observed_chain`); the nodes each row drafted (valid ones)."""
+        log_probs, verified = observed_chain(selection.candidates, selection.nodes, verdict.tree.path_nodes,
+                                             verdict.num_accepted, selection.depth)
+        return Observation(log_probs, verified, grown.tree.valid.sum(dim=1))
 
 
 def observed_chain(tree: DraftTree, selected: torch.Tensor, path_nodes: torch.Tensor,

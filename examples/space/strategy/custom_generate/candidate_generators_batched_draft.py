@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import torch
 
-from .trees import DraftTree, GrownTree, ancestor_mask, grow_tree, path_tokens
+from .compiled import check_compilable, compiled_forward
 from .kv import SlotCache
 from .logits import PositionwiseLogitsProcessor, sample_tokens, vocab_argmax
 from .tree_logits import process_at_nodes
-from .candidate_generators_drafter import Proposal
+from .trees import DraftTree, GrownTree, ancestor_mask, grow_tree, path_tokens
+from .candidate_generators_drafter import Drafter, Proposal, Verdict
 
 
-class BatchedDraftCandidateGenerator:
+class BatchedDraftCandidateGenerator(Drafter):
     """Proposes draft tokens for a batch whose rows advance independently: the batched counterpart of transformers'
     ``AssistedCandidateGenerator`` (which serves one row), driven by the loop through :meth:`propose`,
-    :meth:`accept` and :meth:`fill_rows` rather than ``get_candidates``.
+    :meth:`accept` and :meth:`fill_rows` (and by transformers' own assisted decoding through ``get_candidates``).
 
     Args:
         assistant_model: the draft model (same vocabulary as the target).
@@ -67,6 +68,11 @@ class BatchedDraftCandidateGenerator:
         self.slots = SlotCache(input_ids.shape[0], input_ids.device, self.max_holes, self.capacity)
         self.pending_tokens, self.pending_mask = input_ids, attention_mask.long()
         self.pending_real = all_real
+
+    def compile(self) -> None:
+        """The draft's step forwards through ``torch.compile`` (after :meth:`prefill`, which made the cache)."""
+        check_compilable(self.assistant_model, "draft")
+        self.slots.step_forward = compiled_forward(self.assistant_model)
 
     def catch_up(self) -> None:
         """Read the pending tokens into the cache but the last column (which opens the next proposal): one forward.
@@ -162,7 +168,7 @@ class BatchedDraftCandidateGenerator:
             rows: ``(B,)`` original batch indices.
 
         Returns:
-            :class:`~tetris_hf.trees.GrownTree` of ``w K`` nodes per row; :meth:`accept_tree` rolls it back.
+            :class:`~tetris_hf.trees.GrownTree` of ``w K`` nodes per row; :meth:`accept` rolls it back (a verdict with a ``tree``).
         """
         slots, processor = self.slots, self.logits_processor
         self._last_num_drafted = depth
@@ -196,21 +202,12 @@ class BatchedDraftCandidateGenerator:
         return self.slots.forward(self.assistant_model, tokens, None, step=True, position_ids=position_ids,
                                   visibility=visibility)
 
-    def accept_tree(self, path_nodes: torch.Tensor, path_slots: torch.Tensor, num_accepted: torch.Tensor,
-                    next_tokens: torch.Tensor, max_accepted: int, cached_longest: int | None = None,
-                    features: torch.Tensor | None = None) -> None:
+    def _accept_tree(self, verdict: Verdict) -> None:
         """Roll the draft's cache back to the accepted path of the last :meth:`propose_tree` and queue what it has not
         read: as :meth:`accept` does for a chain, with the kept nodes where they are (holes between them).
-
-        Args:
-            path_nodes: ``(B, D)`` tree nodes of the accepted path from depth 1 down, -1 after it.
-            path_slots: ``(B, D)`` their slots in the target's block (``TreeAcceptance.path``; the root is slot 0).
-            num_accepted: ``(B,)`` the path's length.
-            next_tokens: ``(B,)`` the target's token after it.
-            max_accepted: a host bound on ``num_accepted``.
-            cached_longest: as in :meth:`accept`.
-            features: the target's features over its block (drafters with a :meth:`feature_tap` only).
-        """
+        ``verdict.tree.path_nodes`` ``(B, D)``: the path's tree nodes from depth 1 down, -1 after it."""
+        path_nodes, next_tokens = verdict.tree.path_nodes, verdict.next_tokens
+        max_accepted, cached_longest = verdict.hints
         root_slot, depth, width, tokens = self._tree
         self._tree = None
         cached = (depth - 1) * width  # nodes in the cache: every depth but the last
@@ -237,25 +234,21 @@ class BatchedDraftCandidateGenerator:
         ``(B, 1, V)`` logits after the block's last token."""
         return self.slots.forward(self.assistant_model, tokens, mask, logits_to_keep=1, step=True)
 
-    def feature_tap(self, target: torch.nn.Module) -> None:
-        """A draft model reads tokens only: nothing of the target's forwards."""
-        return None
-
-    def accept(self, num_accepted: torch.Tensor, next_tokens: torch.Tensor, verify_lengths: torch.Tensor | None = None,
-               max_accepted: int | None = None, cached_longest: int | None = None, features=None) -> None:
+    def accept(self, verdict: Verdict) -> None:
         """Roll the draft cache back to what the target accepted, and queue the tokens the draft has not read.
 
         Args:
-            num_accepted: ``(B,)`` drafts of the last proposal the target accepted.
-            next_tokens: ``(B,)`` the target's token after them.
-            verify_lengths: ``(B,)`` cells the target verified (not needed here: the accepted ones say it all).
-            max_accepted: an upper bound on ``num_accepted`` known on the host (the longest verified block), if any:
-                below ``K`` no row accepted its last draft, so only the target's token waits (a one-column block,
-                no device read).
-            cached_longest: the most real tokens any row held in the cache when the loop last read
-                :meth:`live_lengths` (bounds what repacking keeps; ``None``: not read this step).
-            features: the target's features (drafters with a :meth:`feature_tap` only).
+            verdict: ``num_accepted`` ``(B,)`` drafts of the last proposal the target accepted and ``next_tokens``
+                ``(B,)`` its token after them (``verify_lengths`` is not needed: the accepted drafts say it all);
+                ``tree`` after a tree. Its hints: ``max_accepted`` below ``K`` means no row accepted its last draft,
+                so only the target's token waits (a one-column block, no device read); ``cached_longest`` bounds what
+                repacking keeps.
         """
+        if verdict.tree is not None:
+            self._accept_tree(verdict)
+            return
+        num_accepted, next_tokens = verdict.num_accepted, verdict.next_tokens
+        max_accepted, cached_longest = verdict.hints
         drafted = self._last_num_drafted
         if self._ones is None:
             self._ones = torch.ones_like(next_tokens[:, None])

@@ -22,7 +22,7 @@ import torch
 
 from .kv import rows_after_fill
 from .options import DEFAULT_MAX_NGRAM_SIZE
-from .candidate_generators_drafter import Proposal
+from .candidate_generators_drafter import Drafter, Proposal, Verdict
 
 
 def lookup_drafts(sequences: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, num_tokens: int,
@@ -122,7 +122,7 @@ class LookupAcceptance:
         self.accepted.mul_(self.memory).view(-1).index_add_(0, index, (accepted & tried).flatten().float())
 
 
-class BatchedPromptLookupCandidateGenerator:
+class BatchedPromptLookupCandidateGenerator(Drafter):
     """Prompt-lookup drafting for a batch whose rows advance independently: the batched counterpart of transformers'
     ``PromptLookupCandidateGenerator`` (which serves one row), driven through :class:`~.drafter.Drafter`.
 
@@ -147,11 +147,8 @@ class BatchedPromptLookupCandidateGenerator:
         self.width = length
         self.acceptance = LookupAcceptance(max(self.ngram_sizes), self.max_tokens, input_ids.device)
 
-    def catch_up(self) -> None:
-        pass  # nothing is skipped during plain steps: lookup reads the sequence itself
-
-    def propose(self, sequences: torch.Tensor, lengths: torch.Tensor, num_tokens: int, rows: torch.Tensor,
-                confidences: bool = True) -> Proposal:
+    def propose(self, sequences: torch.Tensor, lengths: torch.Tensor, num_tokens: int,
+                rows: torch.Tensor | None = None, confidences: bool = True) -> Proposal:
         self._last_num_drafted = num_tokens
         if num_tokens == 0:
             empty = sequences.new_zeros(sequences.shape[0], 0)
@@ -166,27 +163,15 @@ class BatchedPromptLookupCandidateGenerator:
         log_probs = self.acceptance.log_probs(ngram, num_tokens) if confidences else None
         return Proposal(drafts, log_probs, None, counts)
 
-    def feature_tap(self, target: torch.nn.Module) -> None:
-        return None  # lookup reads tokens only
-
-    def accept(self, num_accepted: torch.Tensor, next_tokens: torch.Tensor, verify_lengths: torch.Tensor,
-               max_accepted: int | None = None, cached_longest: int | None = None, features=None) -> None:
+    def accept(self, verdict: Verdict) -> None:
         drafted = self._last_num_drafted
+        max_accepted = verdict.hints.max_accepted
         self.width += (drafted if max_accepted is None else min(max_accepted, drafted)) + 1
         if drafted > 0:
-            self.acceptance.update(self._ngram, verify_lengths, num_accepted)
+            self.acceptance.update(self._ngram, verdict.verify_lengths, verdict.num_accepted)
 
     def fill_rows(self, targets: torch.Tensor, sources: torch.Tensor, num_rows: int) -> None:
         rows = rows_after_fill(targets, sources, num_rows)
         self.starts = self.starts[rows]
         if self._ngram is not None:
             self._ngram = self._ngram[rows]
-
-    def live_lengths(self) -> None:
-        return None
-
-    def pending_width(self) -> None:
-        return None
-
-    def trim_pending(self, width: int) -> None:
-        pass

@@ -10,17 +10,42 @@ synchronised them (reading an event that has completed does not stall).
 from __future__ import annotations
 
 import time
+from enum import StrEnum
+from typing import NamedTuple
 
 import torch
 
-from .step_strategy import StepSeconds
 
-PHASES = ("start", "catch_up_start", "catch_up_end", "draft_start", "draft_end", "verify_end", "end")
+class StepSeconds(NamedTuple):
+    """Time of one loop step, as the loop measured it: the ``K`` draft forwards, the target side (selection,
+    verification forward, acceptance, roll back), and the rest (planning, emitting, stopping)."""
+
+    draft: float
+    verify: float
+    other: float
+
+
+NO_SECONDS = StepSeconds(0.0, 0.0, 0.0)
+
+
+class Mark(StrEnum):
+    """A step's phase boundaries, in the order :func:`~tetris_hf.step.run_step` marks them (the catch-up pair only
+    in steps that draft)."""
+
+    START = "start"
+    CATCH_UP_START = "catch_up_start"
+    CATCH_UP_END = "catch_up_end"
+    DRAFT_START = "draft_start"
+    DRAFT_END = "draft_end"
+    VERIFY_END = "verify_end"
+    END = "end"
+
+
+PHASES = tuple(Mark)
 
 
 class StepClock:
-    """Marks a step's phase boundaries (:data:`PHASES`; the catch-up pair is optional) and turns them into
-    :class:`~tetris_hf.step_strategy.StepSeconds`.
+    """Marks a step's phase boundaries (:class:`Mark`) and turns them into :class:`StepSeconds`.
 
     Args:
         device: the target's input device (CUDA events there, the host clock elsewhere).
@@ -28,10 +53,10 @@ class StepClock:
 
     def __init__(self, device: torch.device):
         self.on_cuda = torch.device(device).type == "cuda"
-        self.points: dict[str, object] = {}
-        self._waiting: dict[str, object] | None = None  # CUDA: the last step's events, read at the next step
+        self.points: dict[Mark, object] = {}
+        self._waiting: dict[Mark, object] | None = None  # CUDA: the last step's events, read at the next step
 
-    def mark(self, phase: str) -> None:
+    def mark(self, phase: Mark) -> None:
         if self.on_cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -40,8 +65,8 @@ class StepClock:
             self.points[phase] = time.perf_counter()
 
     def finish_step(self) -> StepSeconds | None:
-        """Close the step (after ``"end"``): on the CPU its seconds; on CUDA the previous step's (``None`` at the
-        first), whose events the current step's device read has completed."""
+        """Close the step (after :attr:`Mark.END`): on the CPU its seconds; on CUDA the previous step's (``None`` at
+        the first), whose events the current step's device read has completed."""
         points, self.points = self.points, {}
         if not self.on_cuda:
             return _step_seconds(points, lambda a, b: b - a)
@@ -51,11 +76,21 @@ class StepClock:
         return _step_seconds(waiting, lambda a, b: a.elapsed_time(b) / 1000.0)
 
 
+class NoClock:
+    """A clock for steps that are not run on models (the simulator's replay): marks nothing, measures nothing."""
+
+    def mark(self, phase: Mark) -> None:
+        pass
+
+    def finish_step(self) -> None:
+        return None
+
+
 def _step_seconds(points: dict, interval) -> StepSeconds:
     """Draft, verify and other seconds from the marked points; a catch-up counts in none of them."""
-    draft = interval(points["draft_start"], points["draft_end"])
-    verify = interval(points["draft_end"], points["verify_end"])
-    total = interval(points["start"], points["end"])
-    if "catch_up_start" in points:
-        total -= interval(points["catch_up_start"], points["catch_up_end"])
+    draft = interval(points[Mark.DRAFT_START], points[Mark.DRAFT_END])
+    verify = interval(points[Mark.DRAFT_END], points[Mark.VERIFY_END])
+    total = interval(points[Mark.START], points[Mark.END])
+    if Mark.CATCH_UP_START in points:
+        total -= interval(points[Mark.CATCH_UP_START], points[Mark.CATCH_UP_END])
     return StepSeconds(draft, verify, total - draft - verify)

@@ -1,0 +1,240 @@
+# Exported from tetris_hf/step.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
+"""One speculative step, top to bottom, and what each of its phases produces.
+
+:func:`run_step` is the whole step: plan -> draft -> select -> verify -> roll back -> emit -> observe. It calls the
+phases of a :class:`StepPhases` (a chain of drafts per row, :class:`~tetris_hf.decoding.ChainStep`; a draft tree,
+:class:`~tetris_hf.tree_step.TreeStep`; or the simulator's replay of recorded steps) and hands each phase's product to
+the next:
+
+- **draft** -> a :class:`Proposal` (a chain) or a :class:`~tetris_hf.trees.GrownTree`;
+- **select** -> the cells to verify: ``(B,)`` lengths (a prefix per row) or ``(B, N)`` nodes;
+- **verify** (the target's forward and acceptance) -> a :class:`Verdict`, which the drafter also gets;
+- **roll back**: both caches drop what was rejected (nothing produced);
+- **emit** -> an :class:`Emission`: tokens kept per row, rows now finished;
+- **observe**: the strategy learns from an :class:`Observation`.
+
+The step's record (:class:`StepRecord`) is assembled from those products; :class:`Step` carries them all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from .step_strategy import DraftPlan, StepStrategy
+from .timing import NO_SECONDS, Mark, NoClock, StepClock, StepSeconds
+
+if TYPE_CHECKING:
+    from .trees import DraftTree, GrownTree
+
+
+class Proposal(NamedTuple):
+    """What a drafter proposed for every active row (``B`` rows, ``K`` cells).
+
+    ``tokens``: ``(B, K)`` drafted tokens; they are also written into the loop's ``sequences`` past each row's end.
+    ``log_probs``: ``(B, K)`` confidences TETRIS ranks cells by (``None`` when not asked for): the log of how likely
+    the drafter thinks the cell is right, a number that must not depend on a random draw at that cell.
+    ``probs``: ``(B, K, V)`` the distributions sampled drafts were drawn from (``None``: the drafts are deterministic,
+    ``q`` is one-hot at the drafted token, or the loop is greedy).
+    ``lengths``: ``(B,)`` cells each row really drafted (``None``: all ``K``); cells past it are filler.
+    """
+
+    tokens: torch.Tensor
+    log_probs: torch.Tensor | None
+    probs: torch.Tensor | None
+    lengths: torch.Tensor | None = None
+
+
+class StepTree(NamedTuple):
+    """A tree step's trees and what the target made of them (rows: the step's active rows).
+
+    ``tree``: the drafted :class:`~tetris_hf.trees.DraftTree` (``(B, N)`` per node); ``selected``: ``(B, N)`` bool,
+    the verified nodes; ``roots``: ``(B,)`` each row's last token before the step; ``path_nodes``: ``(B, D)`` the
+    accepted path's node indices (``-1`` past it); ``num_accepted``: ``(B,)``; ``next_tokens``: ``(B,)`` the target's
+    token after the path; ``path_slots``: ``(B, D)`` the path's slots in the target's block (the root is slot 0, -1
+    past the path).
+    """
+
+    tree: DraftTree
+    selected: torch.Tensor
+    roots: torch.Tensor
+    path_nodes: torch.Tensor
+    num_accepted: torch.Tensor
+    next_tokens: torch.Tensor
+    path_slots: torch.Tensor | None = None
+
+
+class ReadHints(NamedTuple):
+    """Host numbers the step's one device read gave, which spare a drafter reads of its own (``None``: unknown).
+
+    ``max_accepted``: no row accepted more drafts (the longest verified block, or the deepest path that could be
+    accepted). ``cached_longest``: the most real tokens any row held in the drafter's cache when the loop read its
+    :meth:`~tetris_hf.candidate_generators.drafter.Drafter.live_lengths` this step.
+    """
+
+    max_accepted: int | None = None
+    cached_longest: int | None = None
+
+
+class Verdict(NamedTuple):
+    """What the target decided about a proposal, per active row (``(B,)``): drafts accepted, the target's token after
+    them, and cells verified. ``tree``: the tree step's trees and accepted paths (``None`` for a chain). ``hints``:
+    host bounds from the step's read (none by default). What the drafter rolls back by
+    (:meth:`~tetris_hf.candidate_generators.drafter.Drafter.accept`)."""
+
+    num_accepted: torch.Tensor
+    next_tokens: torch.Tensor
+    verify_lengths: torch.Tensor
+    tree: StepTree | None = None
+    hints: ReadHints = ReadHints()
+
+
+class TargetBlock(NamedTuple):
+    """Where the target's verification block went in its cache: the first slot and the width (host ints), and a host
+    bound on the real slots any row holds after it (``None``: the step read nothing, the block holds no drafts)."""
+
+    first_slot: int
+    width: int
+    longest: int | None
+
+
+class Emission(NamedTuple):
+    """What emitting did, per active row (``(B,)``): tokens kept (accepted + the target's, fewer where a row
+    stopped) and rows now finished."""
+
+    emitted: torch.Tensor
+    stopped: torch.Tensor
+
+
+class Observation(NamedTuple):
+    """What a strategy learns from, per active row, as a chain: ``(B, K)`` confidences (``None`` when nothing asked
+    for them), ``(B,)`` how many of the chain's first cells were verified, and ``(B,)`` cells drafted (``None``: all
+    ``K``)."""
+
+    log_probs: torch.Tensor | None
+    verified: torch.Tensor
+    drafted: torch.Tensor | None = None
+
+
+@dataclass
+class StepRecord:
+    """What one step did, per active row (shapes ``(B_active,)``; ``rows`` are original batch indices).
+
+    ``seconds``: the step's measured draft, target and other time (:class:`~tetris_hf.timing.StepClock`; on CUDA
+    the previous step's, read once this step has synchronised it, and zeros at the first drafting step). The draft
+    reading tokens it skipped while the loop decoded plainly is in none of them: it is a one-off catch-up, not a cost
+    of drafting.
+    """
+
+    rows: torch.Tensor
+    num_drafted: int
+    budget: int
+    token_log_probs: torch.Tensor | None  # (B_active, K) the draft's confidences (None: nothing needed them)
+    verify_lengths: torch.Tensor
+    num_accepted: torch.Tensor
+    emitted: torch.Tensor
+    seconds: StepSeconds = NO_SECONDS
+    proposed: torch.Tensor | None = None  # (B_active,) cells each row drafted, where fewer than num_drafted
+    tree: StepTree | None = None  # tetris_tree_width > 1: the step's trees, selection and accepted paths
+
+    @property
+    def drafted_lengths(self) -> torch.Tensor:
+        """``(B_active,)`` cells each row drafted."""
+        if self.proposed is not None:
+            return self.proposed
+        return torch.full_like(self.verify_lengths, self.num_drafted)
+
+
+class Step(NamedTuple):
+    """Everything one step produced: the plan, ``K`` drafted, each phase's product and the step's record."""
+
+    plan: DraftPlan
+    num_drafted: int
+    proposal: Proposal | GrownTree
+    selection: torch.Tensor
+    verdict: Verdict
+    emission: Emission
+    record: StepRecord
+
+
+class StepPhases:
+    """The phases :func:`run_step` calls, in order. ``rows``: ``(B,)`` the active rows' original indices.
+
+    Subclasses implement :meth:`draft`, :meth:`select`, :meth:`verify`, :meth:`emit` and :meth:`observation`;
+    :meth:`catch_up` and :meth:`roll_back` do nothing unless overridden. :attr:`plain` is the phases a step that
+    drafts nothing goes through (itself here; a tree step's are a chain's).
+    """
+
+    rows: torch.Tensor
+
+    @property
+    def plain(self) -> StepPhases:
+        return self
+
+    def catch_up(self) -> None:
+        """One-off work the drafter skipped while the loop decoded plainly (kept out of the step's timings)."""
+
+    def draft(self, num_drafted: int, confidences: bool) -> Proposal | GrownTree:
+        """``K = num_drafted`` cells per row (0: a plain step), with confidences when ``confidences``."""
+        raise NotImplementedError
+
+    def select(self, strategy: StepStrategy, proposal, plan: DraftPlan) -> torch.Tensor:
+        """The cells the target verifies, as ``strategy`` picks them under ``plan``."""
+        raise NotImplementedError
+
+    def verify(self, proposal, selection: torch.Tensor) -> tuple[Verdict, TargetBlock | None]:
+        """The target's forward over the selected cells and acceptance: the verdict, and where the block went."""
+        raise NotImplementedError
+
+    def roll_back(self, proposal, verdict: Verdict, block: TargetBlock | None) -> None:
+        """Both caches drop what was rejected."""
+
+    def emit(self, verdict: Verdict) -> Emission:
+        """The accepted tokens and the target's token join the rows; stopping criteria apply."""
+        raise NotImplementedError
+
+    def observation(self, proposal, selection: torch.Tensor, verdict: Verdict) -> Observation:
+        """What the strategy learns from this step."""
+        raise NotImplementedError
+
+
+def run_step(strategy: StepStrategy, phases: StepPhases, num_rows: int, max_draft: int,
+             clock: StepClock | NoClock = NoClock()) -> Step:
+    """One step: plan -> draft -> select -> verify -> roll back -> emit -> observe.
+
+    Args:
+        strategy: the step strategy (its plan, selection and learning).
+        phases: how this step drafts, verifies, rolls back and emits.
+        num_rows: ``B`` active rows.
+        max_draft: at most this many drafts per row this step (length limits, recorded traces).
+        clock: marks the phase boundaries (the loop's :class:`~tetris_hf.timing.StepClock`).
+
+    Returns:
+        :class:`Step`.
+    """
+    clock.mark(Mark.START)
+    plan = strategy.plan(num_rows)
+    num_drafted = min(plan.num_draft_tokens, max_draft) if plan.budget > 0 else 0
+    if num_drafted == 0:
+        phases = phases.plain
+    else:
+        clock.mark(Mark.CATCH_UP_START)
+        phases.catch_up()
+        clock.mark(Mark.CATCH_UP_END)
+    clock.mark(Mark.DRAFT_START)
+    proposal = phases.draft(num_drafted, plan.needs_confidences)
+    clock.mark(Mark.DRAFT_END)
+    selection = phases.select(strategy, proposal, plan)
+    verdict, block = phases.verify(proposal, selection)
+    phases.roll_back(proposal, verdict, block)
+    clock.mark(Mark.VERIFY_END)
+    emission = phases.emit(verdict)
+    clock.mark(Mark.END)
+    seconds = clock.finish_step()  # on CUDA the previous step's
+    observed = phases.observation(proposal, selection, verdict)
+    strategy.observe(observed.log_probs, observed.verified, verdict.num_accepted, seconds, num_drafted)
+    record = StepRecord(phases.rows, num_drafted, plan.budget, observed.log_probs, verdict.verify_lengths,
+                        verdict.num_accepted, emission.emitted, seconds or NO_SECONDS, observed.drafted, verdict.tree)
+    return Step(plan, num_drafted, proposal, selection, verdict, emission, record)

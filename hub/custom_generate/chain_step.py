@@ -1,0 +1,95 @@
+# Exported from tetris_hf/chain_step.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
+"""A step's phases when every row drafts a chain: ``K`` drafts per row, a verified prefix of each, one target forward
+over ``[last token, verified drafts]`` per row, each row keeping its accepted prefix plus the target's token."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .static_shapes import block_width
+from .step import Emission, Observation, Proposal, ReadHints, StepPhases, TargetBlock, Verdict
+from .step_strategy import DraftPlan, StepStrategy
+
+if TYPE_CHECKING:
+    from .decoding import BatchedSpeculativeLoop
+
+
+class ChainStep(StepPhases):
+    """A step's phases when every row drafts a chain: ``K`` drafts, a verified prefix of each, one target forward over
+    ``[last token, verified drafts]`` per row (:func:`~tetris_hf.step.run_step` calls them in order). Reads and writes
+    the loop's public state."""
+
+    def __init__(self, loop: BatchedSpeculativeLoop):
+        self.loop = loop
+
+    @property
+    def rows(self) -> torch.Tensor:
+        return self.loop.rows
+
+    def catch_up(self) -> None:
+        self.loop.drafter.catch_up()
+
+    def draft(self, num_drafted: int, confidences: bool) -> Proposal:
+        loop = self.loop
+        # Confidences may cost a softmax per draft token: only for plans and callbacks that read them.
+        return loop.drafter.propose(loop.sequences, loop.lengths, num_drafted, loop.rows,
+                                    confidences or loop.step_callback is not None)
+
+    def select(self, strategy: StepStrategy, proposal: Proposal, plan: DraftPlan) -> torch.Tensor:
+        """``(B,)`` drafts each row verifies: the strategy's pick, within what each row may verify (a target token
+        always follows: rows near the length limit verify fewer; rows that drafted fewer cells, at most those)."""
+        loop, num_drafted = self.loop, proposal.tokens.shape[1]
+        if num_drafted == 0:  # a plain step: no row verifies anything
+            return torch.zeros_like(loop.lengths)
+        if loop.longest + num_drafted < loop.max_length:  # no row is near its limit
+            max_lengths = torch.full_like(loop.lengths, num_drafted)
+        else:
+            max_lengths = (loop.max_length - 1 - loop.lengths).clamp_(min=0, max=num_drafted)
+        if proposal.lengths is not None:
+            max_lengths = torch.minimum(max_lengths, proposal.lengths)
+        return strategy.select(proposal.log_probs, max_lengths, plan)
+
+    def verify(self, proposal: Proposal, verify_lengths: torch.Tensor) -> tuple[Verdict, TargetBlock]:
+        """One target forward over every row's ``[last token, verified drafts]``, then acceptance."""
+        loop = self.loop
+        if proposal.tokens.shape[1] == 0:
+            # Nothing to verify: the target reads each row's last token (no read, no filler, no holes).
+            read, block_length, width, block, real_lengths = None, 0, 1, loop.last_tokens[:, None], None
+        else:
+            read = loop.read_step(verify_lengths)  # the block length sizes the target's input
+            block_length = read.block_length
+            # [last emitted token, drafts 1..l_i] per row, padded to one length with masked drafts (compiled on CUDA:
+            # padded with masked filler to a power of two, so that block shapes repeat)
+            width = block_width(block_length + 1, loop.compile, loop.lengths.device)
+            block = torch.cat([loop.last_tokens[:, None], proposal.tokens[:, :block_length]], dim=1)
+            if width > block_length + 1:
+                block = torch.nn.functional.pad(block, (0, width - block_length - 1), value=loop.pad_value)
+            real_lengths = verify_lengths + 1  # [last token, verified drafts], then filler
+        target = loop.target_slots
+        logits = target.forward(loop.model, block, None, step=True, real_lengths=real_lengths)
+        if width > block_length + 1:
+            logits = logits[:, : block_length + 1]
+        target_scores = loop.logits_processor(loop.sequences, loop.lengths, logits, loop.rows)
+        num_accepted, next_tokens = loop.acceptance(block[:, 1 : block_length + 1], verify_lengths, target_scores,
+                                                    proposal.probs)
+        hints = ReadHints(block_length, None if read is None else read.drafter_longest)
+        # after the block, no row holds more real slots than its longest row held plus the block
+        longest = None if read is None else read.target_longest + block_length + 1
+        return Verdict(num_accepted, next_tokens, verify_lengths, hints=hints), \
+            TargetBlock(target.length - width, width, longest)
+
+    def roll_back(self, proposal: Proposal, verdict: Verdict, block: TargetBlock) -> None:
+        """The target keeps ``[last token, accepted drafts]`` of its block; the drafter keeps its accepted drafts."""
+        target = self.loop.target_slots
+        if block.longest is not None:  # drafts were verified
+            target.keep_prefix(block.first_slot, verdict.num_accepted + 1)
+        target.compact(block.longest)
+        self.loop.drafter.accept(verdict)
+
+    def emit(self, verdict: Verdict) -> Emission:
+        return self.loop.emit(verdict)  # the accepted drafts already sit in place: they were drafted there
+
+    def observation(self, proposal: Proposal, selection: torch.Tensor, verdict: Verdict) -> Observation:
+        return Observation(proposal.log_probs, selection, proposal.lengths)
