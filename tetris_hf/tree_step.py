@@ -30,7 +30,7 @@ import torch
 
 from .chain_step import ChainStep
 from .logits.argmax import vocab_argmax
-from .step import Emission, Observation, ReadHints, StepPhases, StepTree, TargetBlock, Verdict
+from .step import Emission, Observation, ReadHints, StepTree, TargetBlock, Verdict
 from .step_strategy import DraftPlan, StepStrategy
 from .tree_logits import process_at_nodes
 from .trees import (
@@ -52,26 +52,19 @@ class TreeSelection(NamedTuple):
     depth: int
 
 
-class TreeStep(StepPhases):
-    """A step's phases when every row drafts a tree of ``width`` children per expanded node. A step that drafts
-    nothing goes through :class:`~tetris_hf.chain_step.ChainStep` (:attr:`plain`). Reads and writes the loop's public
-    state."""
+class TreeStep(ChainStep):
+    """A step's phases when every row drafts a tree of ``width`` children per expanded node: a chain step's but for
+    drafting, selection, verification, roll back and where the accepted tokens come from. A step that drafts nothing
+    is a chain step (:attr:`plain`). Reads and writes the loop's public state."""
 
     def __init__(self, loop: BatchedSpeculativeLoop, width: int):
-        self.loop, self.width = loop, width
+        super().__init__(loop)
+        self.width = width
         self.depth = 0  # this step's K, the tree's levels (set when it drafts)
-        self._plain = ChainStep(loop)
 
     @property
     def plain(self) -> ChainStep:
-        return self._plain
-
-    @property
-    def rows(self) -> torch.Tensor:
-        return self.loop.rows
-
-    def catch_up(self) -> None:
-        self.loop.drafter.catch_up()
+        return ChainStep(self.loop)
 
     def draft(self, depth: int, confidences: bool) -> GrownTree:
         loop, self.depth = self.loop, depth
@@ -136,7 +129,7 @@ class TreeStep(StepPhases):
                                   trees.roots[:, None])
         columns = loop.lengths[:, None] + torch.arange(max_depth, device=loop.lengths.device)
         loop.sequences.scatter_(1, columns, path_tokens[:, :max_depth])
-        return loop.emit(verdict)
+        return super().emit(verdict)
 
     def observation(self, grown: GrownTree, selection: TreeSelection, verdict: Verdict) -> Observation:
         """The strategy observes a chain per row (:func:`observed_chain`); the nodes each row drafted (valid ones)."""
