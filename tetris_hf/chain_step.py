@@ -67,7 +67,8 @@ class ChainStep(StepPhases):
                 block = torch.nn.functional.pad(block, (0, width - block_length - 1), value=loop.pad_value)
             real_lengths = verify_lengths + 1  # [last token, verified drafts], then filler
         target = loop.target_slots
-        logits = target.forward(loop.model, block, None, step=True, real_lengths=real_lengths)
+        num_real = None if read is None else read.num_verified + loop.num_rows  # (packed where the target can be)
+        logits = target.forward(loop.model, block, None, step=True, real_lengths=real_lengths, num_real=num_real)
         if width > block_length + 1:
             logits = logits[:, : block_length + 1]
         target_scores = loop.logits_processor(loop.sequences, loop.lengths, logits, loop.rows)

@@ -36,9 +36,11 @@ from .tree_step import TreeStep
 
 
 class StepRead(NamedTuple):
-    """What a drafting step's one device read gave (host ints): the most cells any row verifies, and the most real
-    tokens any row holds in the target's and the drafter's caches (``None``: the drafter keeps no cache)."""
+    """What a drafting step's one device read gave (host ints): the cells verified over all rows, the most any row
+    verifies, and the most real tokens any row holds in the target's and the drafter's caches (``None``: the drafter
+    keeps no cache)."""
 
+    num_verified: int
     block_length: int
     target_longest: int
     drafter_longest: int | None
@@ -165,8 +167,10 @@ class BatchedSpeculativeLoop:
         read = [verified, self.target_slots.live_lengths(), self.lengths]
         if drafter_lengths is not None:
             read.append(drafter_lengths)
-        block_length, target_longest, self.longest, *drafter_longest = torch.stack(read).amax(dim=1).tolist()
-        return StepRead(block_length, target_longest, drafter_longest[0] if drafter_longest else None)
+        maxima = torch.stack(read).amax(dim=1)
+        num_verified, block_length, target_longest, self.longest, *drafter_longest = \
+            torch.cat([verified.sum()[None], maxima]).tolist()
+        return StepRead(num_verified, block_length, target_longest, drafter_longest[0] if drafter_longest else None)
 
     def _read_prompt(self) -> StepRecord:
         """The first step: the target reads every prompt (its cache had nothing) and adds one token per row."""

@@ -92,7 +92,7 @@ class TreeStep(ChainStep):
         visibility[:, :, 0] = True  # filler sees the root too (a query that sees nothing gives NaN in some kernels)
         logits = target.forward(loop.model, block.tokens, None, step=True, real_lengths=block.lengths,
                                 position_ids=target.next_positions[:, None] + block.position_offsets,
-                                visibility=visibility)
+                                visibility=visibility, num_real=read.num_verified + loop.num_rows)
         max_depth = min(depth, read.block_length)  # a host bound on the accepted path
         paths = None if loop.logits_processor.prefix_free else \
             path_tokens(block.tokens, block.parents, block.position_offsets, max_depth)

@@ -1,0 +1,116 @@
+"""Packed forwards: the model reads only the real tokens of a block, as one sequence, and attention puts each back
+in its row.
+
+A verified block is ``(B, L)``: row ``i`` holds its last token and the drafts selected for it, ``real_lengths[i]``
+tokens, then filler up to the longest row's. Padded, the target computes all ``B x L`` positions; packed, it reads the
+``N = sum(real_lengths)`` real tokens as a ``(1, N)`` sequence, with each token's own position (so RoPE is right), so
+every linear layer and the head compute ``N`` tokens only. The cache writes each token's keys and values in its row, at
+its slot (:class:`~tetris_hf.kv.SlotLayer`), and attention (:func:`packed_sdpa_attention`, registered in transformers'
+``AttentionInterface``) unpacks the queries to their rows, attends with the row-layout mask the padded forward would
+use (a token sees its row's cache and the earlier tokens of its own block), and packs the output again. Attention is
+the small part of a step; the padding it still computes on is what the mask hides anyway.
+
+E.g. real lengths ``[3, 1, 2]`` (``L = 3``): the model reads ``[a0 a1 a2 b0 c0 c1]``; ``rows = [0 0 0 1 2 2]``,
+``columns = [0 1 2 0 0 1]``.
+
+Which models: those on transformers' ``"sdpa"`` attention that take prepared masks
+(:attr:`~tetris_hf.attention.AttentionLayout.plain_sdpa` and hybrid or windowed ones alike), whose attention layers go
+through the interface. :func:`packs_exactly` checks a model once, on a probe, against the padded forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from functools import cache
+from typing import NamedTuple
+
+import torch
+
+PACKED_SDPA = "tetris_packed_sdpa"  # the attention a packed forward runs (see packed_attention)
+
+
+class Packing(NamedTuple):
+    """Where each of a packed forward's ``N`` tokens sits in the ``(B, L)`` block: ``rows`` and ``columns``, ``(N,)``
+    each, in row order."""
+
+    rows: torch.Tensor
+    columns: torch.Tensor
+    batch_size: int
+    width: int
+
+    @classmethod
+    def of(cls, real_lengths: torch.Tensor, num_tokens: int, width: int) -> Packing:
+        """The packing of a block whose row ``i`` has its first ``real_lengths[i]`` ``(B,)`` tokens real;
+        ``num_tokens``: their sum, known on the host (no device read here); ``width``: ``L``."""
+        ends = real_lengths.cumsum(dim=0)
+        tokens = torch.arange(num_tokens, device=real_lengths.device)
+        rows = torch.searchsorted(ends, tokens, right=True)
+        columns = tokens - (ends - real_lengths)[rows]
+        return cls(rows, columns, real_lengths.shape[0], width)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.rows.shape[0]
+
+    def pack(self, block: torch.Tensor) -> torch.Tensor:
+        """``(B, L, ...)`` -> ``(N, ...)``: the real tokens, in row order."""
+        return block[self.rows, self.columns]
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """``(N, ...)`` -> ``(B, L, ...)``, zeros at filler."""
+        rows = packed.new_zeros((self.batch_size, self.width, *packed.shape[1:]))
+        rows[self.rows, self.columns] = packed
+        return rows
+
+
+_current: contextvars.ContextVar[Packing | None] = contextvars.ContextVar("tetris_packing", default=None)
+
+
+def current_packing() -> Packing | None:
+    """The packing of the forward running now in this thread (``None``: none is packed)."""
+    return _current.get()
+
+
+def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """transformers' sdpa attention for a packed forward: ``query`` ``(1, H, N, D)`` is unpacked to its rows
+    ``(B, H, L, D)``, attends to ``key``/``value`` ``(B, H_kv, S, D)`` (each row's cache, the block written in it)
+    under the row-layout ``attention_mask`` ``(B, 1, L, S)``, and the output is packed again: ``(1, N, H, D)``."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    packing = _current.get()
+    if packing is None:  # a forward that is not packed (the model's setting is restored after a packed one)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    batch, heads, head_dim = packing.batch_size, query.shape[1], query.shape[-1]
+    queries = query.new_zeros(batch, heads, packing.width, head_dim)
+    queries[packing.rows, :, packing.columns] = query[0].transpose(0, 1)
+    output, weights = sdpa_attention_forward(module, queries, key, value, attention_mask, **kwargs)  # (B, L, H, D)
+    return packing.pack(output)[None], weights
+
+
+@cache
+def _register_packed_sdpa() -> None:
+    """Register :func:`packed_sdpa_attention` (and sdpa's masks) under :data:`PACKED_SDPA`, once."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
+    AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)
+
+
+@contextlib.contextmanager
+def packed_attention(model: torch.nn.Module, packing: Packing) -> Iterator[None]:
+    """While a packed forward of ``model`` (on ``"sdpa"`` attention) runs: its attention is
+    :func:`packed_sdpa_attention` with ``packing``; the setting is restored after."""
+    _register_packed_sdpa()
+    config = model.config.get_text_config(decoder=True)
+    implementation = config._attn_implementation
+    config._attn_implementation = PACKED_SDPA
+    token = _current.set(packing)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+        config._attn_implementation = implementation
