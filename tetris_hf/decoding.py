@@ -25,6 +25,7 @@ from .compiled import check_compilable, compiled_forward
 from .kv import SlotCache, slots_needed
 from .logits import PositionwiseLogitsProcessor, verify_greedy, verify_sampling
 from .options import TetrisOptions
+from .packed_probe import packs_exactly
 from .outputs import TetrisGenerateOutput, TetrisStats
 from .static_shapes import block_width
 from .chain_step import ChainStep
@@ -115,6 +116,7 @@ class BatchedSpeculativeLoop:
                                                   cache_capacity)
         self.strategy = make_strategy(options, model, draft_model, sampling=self.do_sample)  # profiles draft_model
         self.target_slots = SlotCache(batch_size, device, options.tetris_max_holes, capacity=cache_capacity(model))
+        self.target_slots.pack = packs_exactly(model)  # verify blocks packed: only the selected tokens are computed
         self.prompt_mask = attention_mask
         self.prompt_read = False  # the first step reads the prompt and emits the first token, as generate() does
         # lazy: a draft model reads the prompt when it first drafts

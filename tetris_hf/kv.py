@@ -183,6 +183,7 @@ class SlotCache:
         self.pointer = 0  # slots written per row, holes included (host-side: no device read needed)
         self.static = False  # see step_forward
         self.write_index: torch.Tensor | None = None  # (L,) the slots a static-shape forward writes, during it
+        self.pack = False  # read blocks with filler packed (see packs); set by whoever checked the model can be
         self.packing: Packing | None = None  # where a packed forward's tokens go, during it
         owner = weakref.proxy(self)  # layers that pointed back at the cache strongly would form a reference cycle,
         self.cache = Cache(layer_class_to_replicate=lambda: SlotLayer(owner))  # freed only by the cyclic GC
@@ -361,9 +362,9 @@ class SlotCache:
 
     @property
     def packs(self) -> bool:
-        """Blocks with filler are read packed (:mod:`tetris_hf.packing`): the model is on sdpa attention with
-        prepared masks and its cache is not static."""
-        return self.layout.implementation == "sdpa" and self.layout.prepared and not self.static
+        """Blocks with filler are read packed (:mod:`tetris_hf.packing`): asked for (:attr:`pack`, which
+        :func:`~tetris_hf.packed_probe.packs_exactly` decides for a model) and the cache is not static."""
+        return self.pack and not self.static
 
     def _packed_run(self, forward, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask,
                     position_ids: torch.Tensor, packing: Packing) -> torch.Tensor:
