@@ -78,7 +78,7 @@ class ChainStep(StepPhases):
         # after the block, no row holds more real slots than its longest row held plus the block
         longest = None if read is None else read.target_longest + block_length + 1
         return Verdict(num_accepted, next_tokens, verify_lengths, hints=hints), \
-            TargetBlock(target.length - width, width, longest)
+            TargetBlock(target.length - width, width, longest, target.tokens_read)
 
     def roll_back(self, proposal: Proposal, verdict: Verdict, block: TargetBlock) -> None:
         """The target keeps ``[last token, accepted drafts]`` of its block; the drafter keeps its accepted drafts."""

@@ -185,6 +185,7 @@ class SlotCache:
         self.write_index: torch.Tensor | None = None  # (L,) the slots a static-shape forward writes, during it
         self.pack = False  # read blocks with filler packed (see packs); set by whoever checked the model can be
         self.packing: Packing | None = None  # where a packed forward's tokens go, during it
+        self.tokens_read = 0  # tokens the model's last forward read (packed: the real ones only)
         owner = weakref.proxy(self)  # layers that pointed back at the cache strongly would form a reference cycle,
         self.cache = Cache(layer_class_to_replicate=lambda: SlotLayer(owner))  # freed only by the cyclic GC
         self._allocate_masks(device)
@@ -284,6 +285,7 @@ class SlotCache:
             # forward allocates them, eagerly)
             with grouped_attention(model):
                 logits = self._static_forward(input_ids, position_ids, start, end, model.dtype, logits_to_keep)
+            self.tokens_read = batch_bucket(input_ids.shape[0], self.batch_size) * block
         else:
             attention_mask = self._attention_mask(position_ids, start, end, model.dtype, real_prefix=input_mask is None,
                                                   all_real=input_mask is None and real_lengths is None,
@@ -293,8 +295,10 @@ class SlotCache:
             if num_real is not None and self.packs and self.cache.layers and not logits_to_keep:
                 logits = self._packed_run(run, model, input_ids, attention_mask, position_ids,
                                           Packing.of(real_lengths, num_real, block))
+                self.tokens_read = num_real
             else:
                 logits = self._run(run, input_ids, attention_mask, position_ids, logits_to_keep)
+                self.tokens_read = input_ids.numel()
         self.pointer = end
         self.next_positions = next_positions
         self.longest_bound += block

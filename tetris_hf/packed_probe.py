@@ -1,8 +1,8 @@
 """Whether a model reads packed blocks exactly: a probe, once per model.
 
 Packing (:mod:`tetris_hf.packing`) needs a model whose every attention layer goes through transformers'
-``AttentionInterface`` on ``"sdpa"``, with prepared masks. Most families do; some compute attention inline (Falcon),
-and the ALiBi families take only the 2D mask. Rather than keep a list, :func:`packs_exactly` reads a short block both
+``AttentionInterface`` (on ``"sdpa"``, or ``"eager"`` with its family's ``eager_attention_forward``), with prepared
+masks. Most families do; some compute attention inline (Falcon), and the ALiBi families take only the 2D mask. Rather than keep a list, :func:`packs_exactly` reads a short block both
 ways on the model itself, at its first use: packed, and padded as before, and packs only where the logits agree. The
 answer is kept for the model's life.
 """
@@ -29,7 +29,7 @@ def packs_exactly(model: torch.nn.Module) -> bool:
     if model in _answers:
         return _answers[model]
     layout = AttentionLayout.of(model)
-    answer = layout.implementation == "sdpa" and layout.prepared and _probe(model)
+    answer = layout.prepared and _probe(model)
     _answers[model] = answer
     return answer
 

@@ -111,7 +111,7 @@ class TreeStep(ChainStep):
                          acceptance.next_tokens, path)
         verdict = Verdict(acceptance.num_accepted, acceptance.next_tokens, verified, trees,
                           ReadHints(max_depth, read.drafter_longest))
-        return verdict, TargetBlock(target.length - slots, slots, read.target_longest + slots)
+        return verdict, TargetBlock(target.length - slots, slots, read.target_longest + slots, target.tokens_read)
 
     def roll_back(self, grown: GrownTree, verdict: Verdict, block: TargetBlock) -> None:
         """Each cache keeps the root and the accepted path where they are (holes elsewhere)."""
