@@ -116,7 +116,8 @@ class BatchedSpeculativeLoop:
                                                   cache_capacity)
         self.strategy = make_strategy(options, model, draft_model, sampling=self.do_sample)  # profiles draft_model
         self.target_slots = SlotCache(batch_size, device, options.tetris_max_holes, capacity=cache_capacity(model))
-        self.target_slots.pack = packs_exactly(model)  # verify blocks packed: only the selected tokens are computed
+        # verify blocks packed: the target computes only the selected tokens
+        self.target_slots.pack = options.tetris_pack and packs_exactly(model)
         self.prompt_mask = attention_mask
         self.prompt_read = False  # the first step reads the prompt and emits the first token, as generate() does
         # lazy: a draft model reads the prompt when it first drafts

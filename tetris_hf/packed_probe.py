@@ -2,9 +2,9 @@
 
 Packing (:mod:`tetris_hf.packing`) needs a model whose every attention layer goes through transformers'
 ``AttentionInterface`` (on ``"sdpa"``, or ``"eager"`` with its family's ``eager_attention_forward``), with prepared
-masks. Most families do; some compute attention inline (Falcon), and the ALiBi families take only the 2D mask. Rather than keep a list, :func:`packs_exactly` reads a short block both
-ways on the model itself, at its first use: packed, and padded as before, and packs only where the logits agree. The
-answer is kept for the model's life.
+masks. Most families do; some compute attention inline (Falcon), and the ALiBi families take only the 2D mask. Rather
+than keep a list, :func:`packs_exactly` reads a short block both ways on the model itself, at its first use: packed,
+and padded as before, and packs only where the logits agree. The answer is kept for the model's life.
 """
 
 from __future__ import annotations

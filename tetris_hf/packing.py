@@ -1,21 +1,21 @@
-"""Packed forwards: the model reads only the real tokens of a block, as one sequence, and attention puts each back
-in its row.
+"""Packed forwards: the model reads only the real tokens of a block, as one sequence, and attention puts each back in its
+row.
 
 A verified block is ``(B, L)``: row ``i`` holds its last token and the drafts selected for it, ``real_lengths[i]``
 tokens, then filler up to the longest row's. Padded, the target computes all ``B x L`` positions; packed, it reads the
 ``N = sum(real_lengths)`` real tokens as a ``(1, N)`` sequence, with each token's own position (so RoPE is right), so
-every linear layer and the head compute ``N`` tokens only. The cache writes each token's keys and values in its row, at
-its slot (:class:`~tetris_hf.kv.SlotLayer`), and attention (:func:`packed_attention_forward`, registered in
-transformers' ``AttentionInterface``) unpacks the queries to their rows, attends with the row-layout mask the padded forward would
-use (a token sees its row's cache and the earlier tokens of its own block), and packs the output again. Attention is
-the small part of a step; the padding it still computes on is what the mask hides anyway.
+every linear layer and the head compute ``N`` tokens only. The cache writes each token's keys and values in its row,
+at its slot (:class:`~tetris_hf.kv.SlotLayer`), and attention (:func:`packed_attention_forward`, registered in
+transformers' ``AttentionInterface``) unpacks the queries to their rows, attends with the row-layout mask the padded
+forward would use (a token sees its row's cache and the earlier tokens of its own block), and packs the output again.
+Attention is the small part of a step; the padding it still computes on is what the mask hides anyway.
 
 E.g. real lengths ``[3, 1, 2]`` (``L = 3``): the model reads ``[a0 a1 a2 b0 c0 c1]``; ``rows = [0 0 0 1 2 2]``,
 ``columns = [0 1 2 0 0 1]``.
 
-Which models: those that take prepared masks (``"sdpa"`` or ``"eager"`` attention, no ALiBi), hybrid and windowed
-ones alike, whose attention layers go through the interface;
-:func:`~tetris_hf.packed_probe.packs_exactly` checks a model once, on a probe, against the padded forward.
+Which models: those that take prepared masks (``"sdpa"`` or ``"eager"`` attention, no ALiBi), hybrid and windowed ones
+alike, whose attention layers go through the interface; :func:`~tetris_hf.packed_probe.packs_exactly` checks a model
+once, on a probe, against the padded forward.
 """
 
 from __future__ import annotations

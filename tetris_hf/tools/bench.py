@@ -75,6 +75,7 @@ class BenchConfig:
     lookup: bool = False
     max_ngram: int = 3
     tree_widths: tuple[int, ...] = (1,)  # tetris_tree_width of the speculative runs (1: chains)
+    padded: bool = False  # also run every speculative run with tetris_pack=False, named "... padded"
 
 
 @dataclasses.dataclass
@@ -101,6 +102,8 @@ class RunResult:
     steps: list | None = None  # speculative runs: per generate() call, per step [K, verified per row, accepted per row]
     draft_seconds: float = 0.0  # speculative runs: the loop's own draft and verify time (TetrisStats)
     verify_seconds: float = 0.0
+    target_tokens: int = 0  # speculative runs: tokens the target's step forwards computed, and those selected
+    selected_tokens: int = 0
 
     def summary(self) -> dict:
         latencies = sorted(self.latencies)
@@ -131,6 +134,8 @@ class RunResult:
             "acceptance_by_position": self.position_counts.rates() if self.position_counts else None,
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
+            # tokens the target computed per token selected (1.0: packed, no padding); None for baselines
+            "computed_per_selected": self.target_tokens / self.selected_tokens if self.selected_tokens else None,
         }
 
 
@@ -260,6 +265,7 @@ def run_strategy(
     outputs, latencies = [], []
     drafted = verified = accepted = row_steps = 0
     draft_seconds = verify_seconds = 0.0
+    target_tokens = selected_tokens = 0
     # acceptance by draft position needs chains: a tree row's verified count mixes depths and siblings
     trees = options.get("tetris_tree_width", 1) > 1
     positions = None if strategy in BASELINES or trees else PositionCounts()
@@ -288,6 +294,8 @@ def run_strategy(
                     accepted += stats.accepted_tokens
                     draft_seconds += stats.draft_seconds
                     verify_seconds += stats.verify_seconds
+                    target_tokens += stats.target_tokens
+                    selected_tokens += stats.selected_tokens
                     row_steps += sum(sum(v >= 0 for v in step) for step in stats.verified_per_step)
                     if positions is not None:
                         positions.add(stats.verified_per_step, stats.accepted_per_step)
@@ -324,6 +332,8 @@ def run_strategy(
         steps=steps,
         draft_seconds=draft_seconds,
         verify_seconds=verify_seconds,
+        target_tokens=target_tokens,
+        selected_tokens=selected_tokens,
     )
 
 
@@ -393,6 +403,8 @@ def _speculative_runs(config: BenchConfig, num_rows: int) -> list[tuple[str, str
                 if config.budget is not None:
                     options["tetris_budget"] = config.budget
                 runs.append((f"{strategy} k={k} e={extra}", strategy, options))
+    if config.padded:  # the same runs on the padded verify block, to compare
+        runs += [(f"{name} padded", strategy, {**options, "tetris_pack": False}) for name, strategy, options in runs]
     return runs
 
 
@@ -491,7 +503,8 @@ def format_table(summaries: list[dict], reference_name: str | None) -> str:
     spread = any(len(s.get("tokens_per_second_repeats", [])) > 1 for s in summaries)
     width = max([26] + [len(s["name"]) for s in summaries])
     header = (f"{'strategy':<{width}} {'tok/s':>7} {'x plain':>7} {'lat mean':>8} {'p50':>6} {'p99':>6} "
-              f"{'accept':>6} {'VSR':>5} {'fwd/tok':>7} {'tok/step':>8} {'tok/node':>8} {'peak MB':>8}"
+              f"{'accept':>6} {'VSR':>5} {'fwd/tok':>7} {'tok/step':>8} {'tok/node':>8} {'comp/sel':>8} "
+              f"{'peak MB':>8}"
               + (f" {'tok/s min-max':>14}" if spread else ""))
     lines = [header, "-" * len(header)]
     for s in summaries:
@@ -501,7 +514,8 @@ def format_table(summaries: list[dict], reference_name: str | None) -> str:
             f"{s['name']:<{width}} {s['tokens_per_second']:>7.1f} {ratio:>7.2f} {s['latency_mean_s']:>8.1f} "
             f"{s['latency_p50_s']:>6.1f} {s['latency_p99_s']:>6.1f} {fmt(s['acceptance_rate']):>6} "
             f"{fmt(s['vsr']):>5} {s['target_forwards_per_token']:>7.3f} {s['tokens_per_row_step']:>8.2f} "
-            f"{fmt(s.get('tokens_per_verified_node')):>8} {s['peak_memory_mb']:>8.0f}"
+            f"{fmt(s.get('tokens_per_verified_node')):>8} {fmt(s.get('computed_per_selected')):>8} "
+            f"{s['peak_memory_mb']:>8.0f}"
             + (f" {_range(s['tokens_per_second_repeats']):>14}" if spread else "")
         )
     return "\n".join(lines)
@@ -574,7 +588,7 @@ def _gather(result: RunResult, indices: list[int]) -> RunResult:
     for part, part_indices in parts:
         outputs.update(zip(part_indices, part["outputs"]))
     for key in ("requests", "tokens", "target_forwards", "row_steps", "drafted", "verified", "accepted",
-                "draft_seconds", "verify_seconds"):
+                "draft_seconds", "verify_seconds", "target_tokens", "selected_tokens"):
         merged[key] = sum(part[key] for part, _ in parts)
     merged["seconds"] = max(part["seconds"] for part, _ in parts)
     merged["peak_memory_mb"] = max(part["peak_memory_mb"] for part, _ in parts)
@@ -681,6 +695,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-assistant-tokens", type=number_list(int, 1), default=(4,), help="k (comma list)")
     parser.add_argument("--extra-tokens", type=number_list(int, 0), default=(1, 2, 3), help="TETRIS e (comma list)")
     parser.add_argument("--budget", type=int, default=None, help="C per step (default k x batch size)")
+    parser.add_argument("--padded", action="store_true",
+                        help="also run every speculative run with the padded verify block (tetris_pack=False), to "
+                             "compare with the packed one")
     parser.add_argument("--hf-assisted-prompts", type=int, default=4,
                         help="requests for transformers' one-at-a-time assisted generation (it is slow)")
     parser.add_argument("--target", default=None, help="Hub id, local directory or .gguf (default: SmolLM2-135M)")
@@ -797,6 +814,7 @@ def config_from_args(args) -> BenchConfig:
         lookup=lookup,
         max_ngram=args.max_ngram,
         tree_widths=tuple(dict.fromkeys(args.tree_width)),
+        padded=args.padded,
     )
 
 
