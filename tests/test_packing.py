@@ -6,6 +6,8 @@ import torch
 
 import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
 from tetris_hf import decoding
+from tetris_hf.cost_model import CostProfile, StepCostModel
+from tetris_hf.goodput import best_budget
 from tetris_hf.packed_probe import packs_exactly
 from tetris_hf.packing import Packing
 from test_architectures import FULL_ATTENTION, SLIDING_WINDOW, tiny
@@ -84,3 +86,55 @@ def test_greedy_rows_equal_the_target_alone_on_both_paths(pack, strategy, batch,
         generate_checked(target, draft, input_ids, mask, target_alone(target, prompts, eos), eos,
                          tetris_strategy=strategy, num_assistant_tokens=2, tetris_extra_tokens=2,
                          tetris_budget=2 * batch + 1)
+
+
+def linear_cost(packed: bool) -> StepCostModel:
+    """A target forward over ``r x t`` tokens costs ``10 + r t`` ms; a draft forward 1 ms."""
+    rows, tokens = (1, 4, 16), (1, 2, 4, 8)
+    return StepCostModel(CostProfile({(r, t): 10.0 + r * t for r in rows for t in tokens}, {r: 1.0 for r in rows}),
+                         packed=packed)
+
+
+def test_packed_prices_charge_the_tokens_computed_not_the_deepest_row():
+    packed, padded = linear_cost(True), linear_cost(False)
+    # 4 rows verifying [3, 1, 1, 1] drafts: packed 4 + 6 = 10 tokens, padded 4 x (1 + 3) = 16
+    assert packed.verify_step_seconds(4, 3, 6) == pytest.approx((10 + 10) / 1000)
+    assert padded.verify_step_seconds(4, 3, 6) == pytest.approx((10 + 16) / 1000)
+    assert packed.verify_prices(4, 2).tolist() == pytest.approx([(10 + 4 + c) / 1000 for c in range(9)])
+    assert padded.verify_prices(4, 2).tolist() == pytest.approx([(10 + 4 * (1 + l)) / 1000 for l in range(3)])
+    assert packed.step_seconds(4, 2, 3, 6) == pytest.approx(2 / 1000 + (10 + 10) / 1000)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_packed_best_budget_is_the_brute_force_best(seed):
+    """Every budget ``c`` priced by its own cells, checked against ranking the cells by hand."""
+    generator = torch.Generator().manual_seed(seed)
+    rows, cells = 4, 3
+    survival = torch.rand(rows, cells, generator=generator).cumprod(dim=1)
+    max_lengths = torch.randint(0, cells + 1, (rows,), generator=generator)
+    cost = linear_cost(True)
+    prices = cost.verify_prices(rows, cells)
+    choice = best_budget(survival, max_lengths, 0.002, prices, packed=True)
+    candidates = sorted(((float(survival[r, j]), -r, -j) for r in range(rows) for j in range(cells)
+                         if j < max_lengths[r]), reverse=True)
+    rates = [(rows + sum(value for value, _, _ in candidates[:c])) / (0.002 + float(prices[c]))
+             for c in range(len(candidates) + 1)]
+    assert int(choice.budget) == max(range(len(rates)), key=lambda c: (rates[c], -c))
+
+
+def test_adaptive_prices_packed_steps_when_the_loop_packs(monkeypatch):
+    seen = []
+    real = decoding.make_strategy
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("packed"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decoding, "make_strategy", spy)
+    target, draft = target_and_draft(64, seed=5, draft_kind="noisy", noise=0.4)
+    input_ids, mask = left_pad(random_prompts(2, 64, seed=6))
+    for pack in (True, False):
+        target.generate(input_ids, attention_mask=mask, assistant_model=draft, custom_generate="tetris",
+                        max_new_tokens=4, tetris_strategy="adaptive", tetris_pack=pack, pad_token_id=PAD,
+                        tetris_cost_profile=linear_cost(False).profile)
+    assert seen == [True, False]

@@ -114,10 +114,11 @@ class BatchedSpeculativeLoop:
 
         self.drafter, draft_model = build_drafter(assistant_model, options, self.logits_processor, self.do_sample,
                                                   cache_capacity)
-        self.strategy = make_strategy(options, model, draft_model, sampling=self.do_sample)  # profiles draft_model
+        # verify blocks packed: the target computes only the selected tokens (priced so by the cost-aware strategies)
+        pack = options.tetris_pack and not options.tetris_compile and packs_exactly(model)
+        self.strategy = make_strategy(options, model, draft_model, sampling=self.do_sample, packed=pack)
         self.target_slots = SlotCache(batch_size, device, options.tetris_max_holes, capacity=cache_capacity(model))
-        # verify blocks packed: the target computes only the selected tokens
-        self.target_slots.pack = options.tetris_pack and packs_exactly(model)
+        self.target_slots.pack = pack
         self.prompt_mask = attention_mask
         self.prompt_read = False  # the first step reads the prompt and emits the first token, as generate() does
         # lazy: a draft model reads the prompt when it first drafts

@@ -1,5 +1,5 @@
-"""Packed forwards: the model reads only the real tokens of a block, as one sequence, and attention puts each back in its
-row.
+"""Packed forwards: the model reads only the real tokens of a block, as one sequence, and attention puts each back
+in its row.
 
 A verified block is ``(B, L)``: row ``i`` holds its last token and the drafts selected for it, ``real_lengths[i]``
 tokens, then filler up to the longest row's. Padded, the target computes all ``B x L`` positions; packed, it reads the

@@ -294,7 +294,8 @@ def replay(strategy, traces: TraceSet, cost: StepCostModel, batch_size: int, ste
         verify_lengths = step.verdict.verify_lengths
         accepted = int(step.verdict.num_accepted.sum())
         total.tokens += batch_size + accepted
-        total.seconds += cost.step_seconds(batch_size, step.num_drafted, int(verify_lengths.max()))
+        total.seconds += cost.step_seconds(batch_size, step.num_drafted, int(verify_lengths.max()),
+                                           int(verify_lengths.sum()))
         total.drafted += step.num_drafted * batch_size
         total.verified += int(verify_lengths.sum())
         total.accepted += accepted
@@ -440,29 +441,33 @@ def read_step_traces(path: str | os.PathLike) -> list[StepTrace]:
     return [step_traces_from_run(json.loads(line), header) for line in lines if line.strip()]
 
 
-def step_seconds(cost: StepCostModel, rows: int, num_drafted: int, max_verified: int, tree_width: int = 1) -> float:
+def step_seconds(cost: StepCostModel, rows: int, num_drafted: int, max_verified: int, tree_width: int = 1,
+                 total_verified: int | None = None) -> float:
     """One step of ``rows`` rows on the curve: ``K = num_drafted`` draft forwards (the first over ``rows`` x 1 token,
     the others over ``rows x tree_width`` frontier nodes, timed as that many rows x 1 token) and one target forward
-    over ``rows x (1 + max_verified)``. ``K = 0``: a plain step, the target's forward alone.
+    over ``rows x (1 + max_verified)`` padded, or ``rows + total_verified`` tokens packed (``cost.packed``; every row
+    ``max_verified`` when ``total_verified`` is not given). ``K = 0``: a plain step, the target's forward alone.
 
-    E.g. ``rows = 16, K = 6, w = 3, max_verified = 9``: ``draft(16) + 5 draft(48) + target(16, 10)``.
+    E.g. ``rows = 16, K = 6, w = 3, max_verified = 9``: ``draft(16) + 5 draft(48) + target(16, 10)`` padded.
     """
     draft = 0.0
     if num_drafted > 0:
         draft = cost.draft_seconds(rows) + (num_drafted - 1) * cost.draft_seconds(rows * tree_width)
-    return draft + cost.verify_seconds(rows, max_verified + 1) + cost.step_overhead
+    total = rows * max_verified if total_verified is None else total_verified
+    return draft + cost.verify_step_seconds(rows, max_verified, total) + cost.step_overhead
 
 
 def replay_steps(trace: StepTrace, cost: StepCostModel, batch_size: int, steps: int, seed: int = 0) -> ReplayResult:
     """``steps`` steps of ``batch_size`` row-steps drawn from ``trace`` (uniform, with replacement), each timed by
-    :func:`step_seconds` with the step's largest ``K`` and ``verified``; a row emits its accepted drafts plus one
+    :func:`step_seconds` with the step's largest ``K`` and ``verified`` (and, packed, its total); a row emits its accepted drafts plus one
     target token."""
     generator = torch.Generator().manual_seed(seed)
     picks = torch.randint(len(trace.accepted), (steps, batch_size), generator=generator)
     drafted, verified, accepted = trace.drafted[picks], trace.verified[picks], trace.accepted[picks]  # (steps, B)
     step_drafted = drafted.amax(dim=1).tolist()
-    step_verified = verified.amax(dim=1).tolist()
-    seconds = sum(step_seconds(cost, batch_size, k, n, trace.tree_width) for k, n in zip(step_drafted, step_verified))
+    step_verified, step_total = verified.amax(dim=1).tolist(), verified.sum(dim=1).tolist()
+    seconds = sum(step_seconds(cost, batch_size, k, n, trace.tree_width, total)
+                  for k, n, total in zip(step_drafted, step_verified, step_total))
     total_accepted = int(accepted.sum())
     drafted_nodes = sum(k * batch_size * trace.tree_width for k in step_drafted)  # levels x w (upper bound on nodes)
     return ReplayResult(batch_size, steps, steps * batch_size + total_accepted, seconds, drafted_nodes,
@@ -541,6 +546,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     replay_parser.add_argument("--min-steps", type=int, default=64, help="at least this many steps per batch size")
     replay_parser.add_argument("--output", default="simulate-out", help="directory for simulate.json and simulate.png")
     replay_parser.add_argument("--seed", type=int, default=0)
+    replay_parser.add_argument("--padded", action="store_true",
+                               help="price verify forwards as padded rectangles (tetris_pack=False), not by the "
+                                    "tokens a packed forward computes")
     replay_parser.add_argument("--draft-cost-ratio", type=float, default=None,
                                help="time a draft forward over B rows as this fraction of the curve's target forward "
                                     "over B x 1 tokens (e.g. the draft's measured CPU ratio) instead of the curve's "
@@ -558,6 +566,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     steps_parser.add_argument("--draft-cost-ratio", type=float, default=None, help="as for replay")
     steps_parser.add_argument("--output", default="simulate-out", help="directory for simulate-steps.json")
     steps_parser.add_argument("--seed", type=int, default=0)
+    steps_parser.add_argument("--padded", action="store_true",
+                              help="price verify forwards as padded rectangles (tetris_pack=False), not by the "
+                                   "tokens a packed forward computes")
 
 
 def default_curves() -> list[str]:
@@ -622,7 +633,8 @@ def run_record(args) -> int:
     return 0
 
 
-def _load_curves(sources: list[str], draft_cost_ratio: float | None) -> list[tuple[str, StepCostModel]]:
+def _load_curves(sources: list[str], draft_cost_ratio: float | None,
+                 packed: bool = True) -> list[tuple[str, StepCostModel]]:
     if draft_cost_ratio is not None and not draft_cost_ratio > 0:
         raise UsageError(f"--draft-cost-ratio must be positive, got {draft_cost_ratio}")
     curves = []
@@ -633,7 +645,7 @@ def _load_curves(sources: list[str], draft_cost_ratio: float | None) -> list[tup
             raise UsageError(f"bad --curve {source}: {error}") from None
         if draft_cost_ratio is not None:
             profile = draft_as_ratio(profile, draft_cost_ratio)
-        curves.append((source, StepCostModel(profile)))
+        curves.append((source, StepCostModel(profile, packed=packed)))
     return curves
 
 
@@ -655,7 +667,7 @@ def run_replay_steps(args) -> int:
     sources = args.curve or default_curves()
     if not sources:
         raise UsageError("no --curve given and no shared/data curves found beside this checkout")
-    curves = _load_curves(sources, args.draft_cost_ratio)
+    curves = _load_curves(sources, args.draft_cost_ratio, packed=not args.padded)
     recorded = max(trace.batch_size for trace in traces)
     batch_sizes = args.batch_sizes or (recorded, *(b for b in DEFAULT_BATCH_SIZES if b > max(recorded, 8)))
     assumptions = __doc__.split(":func:`replay_steps`):")[1].strip()
@@ -685,7 +697,7 @@ def run_replay(args) -> int:
     sources = args.curve or default_curves()
     if not sources:
         raise UsageError("no --curve given and no shared/data curves found beside this checkout")
-    curves = _load_curves(sources, args.draft_cost_ratio)
+    curves = _load_curves(sources, args.draft_cost_ratio, packed=not args.padded)
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     rates = traces.acceptance_by_position()
