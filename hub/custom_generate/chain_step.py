@@ -68,7 +68,8 @@ class ChainStep(StepPhases):
                 block = torch.nn.functional.pad(block, (0, width - block_length - 1), value=loop.pad_value)
             real_lengths = verify_lengths + 1  # [last token, verified drafts], then filler
         target = loop.target_slots
-        logits = target.forward(loop.model, block, None, step=True, real_lengths=real_lengths)
+        num_real = None if read is None else read.num_verified + loop.num_rows  # (packed where the target can be)
+        logits = target.forward(loop.model, block, None, step=True, real_lengths=real_lengths, num_real=num_real)
         if width > block_length + 1:
             logits = logits[:, : block_length + 1]
         target_scores = loop.logits_processor(loop.sequences, loop.lengths, logits, loop.rows)
@@ -78,7 +79,7 @@ class ChainStep(StepPhases):
         # after the block, no row holds more real slots than its longest row held plus the block
         longest = None if read is None else read.target_longest + block_length + 1
         return Verdict(num_accepted, next_tokens, verify_lengths, hints=hints), \
-            TargetBlock(target.length - width, width, longest)
+            TargetBlock(target.length - width, width, longest, target.tokens_read)
 
     def roll_back(self, proposal: Proposal, verdict: Verdict, block: TargetBlock) -> None:
         """The target keeps ``[last token, accepted drafts]`` of its block; the drafter keeps its accepted drafts."""

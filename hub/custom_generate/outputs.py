@@ -18,11 +18,14 @@ class TetrisStats:
     prompt-lookup row without a match drafts none),
     ``verified_tokens`` (drafts the target checked), ``accepted_tokens`` (verified drafts accepted before the first
     rejection), ``emitted_tokens`` (tokens added to the outputs, after stopping criteria). ``draft_seconds`` and
-    ``verify_seconds``: wall time of the draft and of the target side of the loop.
+    ``verify_seconds``: wall time of the draft and of the target side of the loop. ``target_tokens``: tokens the
+    target's forwards computed after the prompt's (packed, each active row's last token and its verified drafts;
+    padded, every row to the longest block); ``selected_tokens``: what a packed read computes, the verified drafts plus
+    one token per active row, over the same steps.
 
     Per step ``s`` (lists of length ``steps``): ``num_drafted_per_step[s]`` (``K`` that step), ``budget_per_step[s]``,
-    and per original batch row ``r``: ``verified_per_step[s][r]`` and ``accepted_per_step[s][r]`` (``-1`` for rows
-    that had already finished).
+    ``target_tokens_per_step[s]`` (0 at the prompt's step), and per original batch row ``r``:
+    ``verified_per_step[s][r]`` and ``accepted_per_step[s][r]`` (``-1`` for rows that had already finished).
     """
 
     steps: int = 0
@@ -32,10 +35,13 @@ class TetrisStats:
     emitted_tokens: int = 0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    target_tokens: int = 0
+    selected_tokens: int = 0
     num_drafted_per_step: list[int] = field(default_factory=list)
     budget_per_step: list[int] = field(default_factory=list)
     verified_per_step: list[list[int]] = field(default_factory=list)
     accepted_per_step: list[list[int]] = field(default_factory=list)
+    target_tokens_per_step: list[int] = field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:
@@ -46,6 +52,11 @@ class TetrisStats:
     def verification_success_rate(self) -> float:
         """VSR: accepted / verified draft tokens."""
         return self.accepted_tokens / self.verified_tokens if self.verified_tokens else 0.0
+
+    @property
+    def computed_per_selected(self) -> float:
+        """Tokens the target computed per token selected (1.0: no padding)."""
+        return self.target_tokens / self.selected_tokens if self.selected_tokens else 0.0
 
     @classmethod
     def from_steps(cls, records, batch_size: int) -> "TetrisStats":
@@ -67,6 +78,9 @@ class TetrisStats:
         stats.verified_tokens, stats.accepted_tokens, stats.emitted_tokens = sum(verified), sum(accepted), sum(emitted)
         stats.draft_seconds = sum(record.seconds.draft for record in records)
         stats.verify_seconds = sum(record.seconds.verify for record in records)
+        stats.target_tokens_per_step = [record.target_tokens for record in records]
+        stats.target_tokens = sum(stats.target_tokens_per_step)
+        stats.selected_tokens = stats.verified_tokens + sum(sizes[1:])  # (the prompt's step verifies nothing)
         stats.num_drafted_per_step = [record.num_drafted for record in records]
         stats.budget_per_step = [record.budget for record in records]
         start = 0
@@ -84,6 +98,7 @@ class TetrisStats:
             **asdict(self),
             "acceptance_rate": self.acceptance_rate,
             "verification_success_rate": self.verification_success_rate,
+            "computed_per_selected": self.computed_per_selected,
         }
 
 

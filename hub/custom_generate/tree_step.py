@@ -31,7 +31,7 @@ import torch
 
 from .chain_step import ChainStep
 from .logits_argmax import vocab_argmax
-from .step import Emission, Observation, ReadHints, StepPhases, StepTree, TargetBlock, Verdict
+from .step import Emission, Observation, ReadHints, StepTree, TargetBlock, Verdict
 from .step_strategy import DraftPlan, StepStrategy
 from .tree_logits import process_at_nodes
 from .trees import (
@@ -53,26 +53,19 @@ class TreeSelection(NamedTuple):
     depth: int
 
 
-class TreeStep(StepPhases):
-    """A step's phases when every row drafts a tree of ``width`` children per expanded node. A step that drafts
-    nothing goes through :class:`~tetris_hf.chain_step.ChainStep` (:attr:`plain`). Reads and writes the loop's public
-    state."""
+class TreeStep(ChainStep):
+    """A step's phases when every row drafts a tree of ``width`` children per expanded node: a chain step's but for
+    drafting, selection, verification, roll back and where the accepted tokens come from. A step that drafts nothing
+    is a chain step (:attr:`plain`). Reads and writes the loop's public state."""
 
     def __init__(self, loop: BatchedSpeculativeLoop, width: int):
-        self.loop, self.width = loop, width
+        super().__init__(loop)
+        self.width = width
         self.depth = 0  # this step's K, the tree's levels (set when it drafts)
-        self._plain = ChainStep(loop)
 
     @property
     def plain(self) -> ChainStep:
-        return self._plain
-
-    @property
-    def rows(self) -> torch.Tensor:
-        return self.loop.rows
-
-    def catch_up(self) -> None:
-        self.loop.drafter.catch_up()
+        return ChainStep(self.loop)
 
     def draft(self, depth: int, confidences: bool) -> GrownTree:
         loop, self.depth = self.loop, depth
@@ -100,7 +93,7 @@ class TreeStep(StepPhases):
         visibility[:, :, 0] = True  # filler sees the root too (a query that sees nothing gives NaN in some kernels)
         logits = target.forward(loop.model, block.tokens, None, step=True, real_lengths=block.lengths,
                                 position_ids=target.next_positions[:, None] + block.position_offsets,
-                                visibility=visibility)
+                                visibility=visibility, num_real=read.num_verified + loop.num_rows)
         max_depth = min(depth, read.block_length)  # a host bound on the accepted path
         paths = None if loop.logits_processor.prefix_free else \
             path_tokens(block.tokens, block.parents, block.position_offsets, max_depth)
@@ -119,7 +112,7 @@ class TreeStep(StepPhases):
                          acceptance.next_tokens, path)
         verdict = Verdict(acceptance.num_accepted, acceptance.next_tokens, verified, trees,
                           ReadHints(max_depth, read.drafter_longest))
-        return verdict, TargetBlock(target.length - slots, slots, read.target_longest + slots)
+        return verdict, TargetBlock(target.length - slots, slots, read.target_longest + slots, target.tokens_read)
 
     def roll_back(self, grown: GrownTree, verdict: Verdict, block: TargetBlock) -> None:
         """Each cache keeps the root and the accepted path where they are (holes elsewhere)."""
@@ -137,7 +130,7 @@ class TreeStep(StepPhases):
                                   trees.roots[:, None])
         columns = loop.lengths[:, None] + torch.arange(max_depth, device=loop.lengths.device)
         loop.sequences.scatter_(1, columns, path_tokens[:, :max_depth])
-        return loop.emit(verdict)
+        return super().emit(verdict)
 
     def observation(self, grown: GrownTree, selection: TreeSelection, verdict: Verdict) -> Observation:
         """The strategy observes a chain per row (:func:`observed_chain`); the nodes each row drafted (valid ones)."""

@@ -83,6 +83,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 from transformers.utils import ModelOutput, cached_file
 
 from .checks import output_vocab_size
+from .packing import Packing, current_packing
 
 EAGLE1, EAGLE3 = "eagle1", "eagle3"
 CONFIG_NAME = "config.json"
@@ -509,6 +510,7 @@ class FeatureTap:
         layers = decoder.layers
         self.aux_layer_ids = tuple(aux_layer_ids)
         self.captured: dict[int, torch.Tensor] = {}
+        self.packing: Packing | None = None  # the packing of the forward captured (its hidden states are (1, N, F))
         self.handles = []
         for index in dict.fromkeys(self.aux_layer_ids):
             if index < len(layers):
@@ -521,18 +523,22 @@ class FeatureTap:
     def _layer_input_hook(self, index: int):
         def hook(module, args, kwargs):
             self.captured[index] = args[0] if args else kwargs["hidden_states"]
+            self.packing = current_packing()
         return hook
 
     def _output_hook(self, index: int):
         def hook(module, args, output):
             self.captured[index] = output
+            self.packing = current_packing()
         return hook
 
     @property
     def features(self) -> torch.Tensor:
-        """``(B, T, F)``: the kept hidden states, concatenated in ``aux_layer_ids`` order."""
+        """``(B, T, F)``: the kept hidden states, concatenated in ``aux_layer_ids`` order (a packed forward's put back
+        in their rows, zeros at filler)."""
         parts = [self.captured[index] for index in self.aux_layer_ids]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        features = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        return features if self.packing is None else self.packing.unpack(features[0])
 
     def remove(self) -> None:
         for handle in self.handles:

@@ -4,8 +4,9 @@
 Two pieces feed the ``adaptive`` and ``dsd`` strategies:
 
 - :class:`StepCostModel`: seconds of one draft forward per proposed token as a function of the rows ``B``, and of one
-  target verification forward as a function of ``(B, L)``, ``L`` the block length per row (1 = plain decoding; the
-  loop pads every row's block to the longest, so ``L = 1 + max verified drafts``). It interpolates a
+  target verification forward as a function of ``(B, L)``, ``L`` the block length per row (1 = plain decoding). A
+  padded block is ``L = 1 + max verified drafts`` per row; a packed one (:mod:`tetris_hf.packing`) computes
+  ``B + total verified`` tokens, priced as the same tokens spread evenly over the rows (the same context read). It interpolates a
   :class:`CostProfile`: forward times measured on the real models at first use (:func:`measure_profile`, a few
   seconds), cached in memory and on disk per model pair, device, dtype and thread count (:func:`cost_model_for`), or
   read from a saved profile (:func:`load_profile`: a JSON file or a dict), or built from a curve file such as the
@@ -239,11 +240,15 @@ class StepCostModel:
         draft_scale, target_scale: multiply the profile's times (online corrections; plain attributes that a
             strategy updates as it measures its own steps).
         step_overhead: seconds added to every step (what the loop spends outside the two forwards).
+        packed: the loop reads verify blocks packed: a verification is priced by the tokens it computes (every row's
+            last token and the cells verified), not by a rectangle padded to the deepest row.
     """
 
     def __init__(self, profile: CostProfile, *, draft_scale: float = 1.0, target_scale: float = 1.0,
-                 step_overhead: float = 0.0):
+                 step_overhead: float = 0.0, packed: bool = False):
         self.profile = profile
+        self.packed = packed
+        self._packed_ms: dict[tuple[int, int], torch.Tensor] = {}  # verify_prices' tables, by rows and drafts
         self.draft_scale, self.target_scale, self.step_overhead = draft_scale, target_scale, step_overhead
         self.rows = sorted({r for r, _ in profile.target})
         self.tokens = sorted({t for _, t in profile.target})
@@ -265,19 +270,43 @@ class StepCostModel:
         """One draft forward over ``rows`` x 1 token: the cost of drafting one more token in every row."""
         return self.draft_scale * _interpolate(self.draft_rows, self._draft_ms, rows) / 1000.0
 
-    def verify_seconds(self, rows: int, tokens: int) -> float:
+    def verify_seconds(self, rows: int, tokens: float) -> float:
         """One target forward over ``rows`` x ``tokens`` (``tokens = 1 + max verified drafts``; 1 = plain step)."""
+        return self.target_scale * self._target_ms(rows, tokens) / 1000.0
+
+    def _target_ms(self, rows: int, tokens: float) -> float:
         per_row = [_interpolate(self.tokens, line, tokens) for line in self._target_grid]
-        return self.target_scale * _interpolate(self.rows, per_row, rows) / 1000.0
+        return _interpolate(self.rows, per_row, rows)
 
     def verify_seconds_by_length(self, rows: int, max_drafts: int) -> torch.Tensor:
-        """``(max_drafts + 1,)``: entry ``l`` is a verification forward where the longest row checks ``l`` drafts."""
+        """``(max_drafts + 1,)``: entry ``l`` is a padded verification forward where the longest row checks ``l``
+        drafts."""
         return torch.tensor([self.verify_seconds(rows, l + 1) for l in range(max_drafts + 1)], dtype=torch.float64)
 
-    def step_seconds(self, rows: int, num_drafted: int, max_verified: int) -> float:
-        """A whole step: ``num_drafted`` draft forwards, one verification, the per-step overhead."""
-        return (num_drafted * self.draft_seconds(rows) + self.verify_seconds(rows, max_verified + 1)
-                + self.step_overhead)
+    def verify_prices(self, rows: int, max_drafts: int) -> torch.Tensor:
+        """A verification's seconds as the goodput optimisers index them (:mod:`tetris_hf.goodput`): packed,
+        ``(rows x max_drafts + 1,)`` by the cells verified over all rows; padded, ``(max_drafts + 1,)`` by the most
+        one row verifies (:meth:`verify_seconds_by_length`)."""
+        if not self.packed:
+            return self.verify_seconds_by_length(rows, max_drafts)
+        key = (rows, max_drafts)
+        if key not in self._packed_ms:  # (asked for at every step: kept, the learnt scale applied after)
+            self._packed_ms[key] = torch.tensor([self._target_ms(rows, 1 + cells / rows)
+                                                 for cells in range(rows * max_drafts + 1)], dtype=torch.float64)
+        return self.target_scale * self._packed_ms[key] / 1000.0
+
+    def verify_step_seconds(self, rows: int, max_verified: int, total_verified: int) -> float:
+        """One verification forward that checks ``total_verified`` cells over ``rows`` rows, at most ``max_verified``
+        in one row: packed, ``rows + total_verified`` tokens; padded, ``rows x (1 + max_verified)``."""
+        tokens = 1 + total_verified / rows if self.packed else max_verified + 1
+        return self.verify_seconds(rows, tokens)
+
+    def step_seconds(self, rows: int, num_drafted: int, max_verified: int, total_verified: int | None = None) -> float:
+        """A whole step: ``num_drafted`` draft forwards, one verification (``total_verified`` cells, every row
+        ``max_verified`` when not given), the per-step overhead."""
+        total = rows * max_verified if total_verified is None else total_verified
+        return num_drafted * self.draft_seconds(rows) + self.verify_step_seconds(rows, max_verified, total) + \
+            self.step_overhead
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -420,15 +449,16 @@ _MEMORY_CACHE: dict[str, CostProfile] = {}
 
 def cost_model_for(model: torch.nn.Module, assistant_model: torch.nn.Module | None, *, num_rows: int, max_tokens: int,
                    source: "str | os.PathLike | Mapping | CostProfile | None" = None,
-                   use_disk: bool = True) -> StepCostModel:
-    """The cost model of this pair: from ``source`` when given, else measured once and cached.
+                   use_disk: bool = True, packed: bool = False) -> StepCostModel:
+    """The cost model of this pair (``packed``: see :class:`StepCostModel`): from ``source`` when given, else measured
+    once and cached.
 
     Measured profiles are kept in memory and, with ``use_disk``, in :func:`profile_cache_dir` under
     :func:`profile_key`. A cached profile that does not reach ``num_rows`` rows or ``max_tokens`` tokens is extended
     by measuring only the missing cells.
     """
     if source is not None:
-        return StepCostModel(load_profile(source))
+        return StepCostModel(load_profile(source), packed=packed)
     key = profile_key(model, assistant_model)
     profile = _MEMORY_CACHE.get(key)
     disk_path = profile_cache_dir() / f"{key}.json"
@@ -451,7 +481,7 @@ def cost_model_for(model: torch.nn.Module, assistant_model: torch.nn.Module | No
             except OSError:
                 pass  # a read-only home: the memory cache still holds it
     _MEMORY_CACHE[key] = profile
-    return StepCostModel(profile)
+    return StepCostModel(profile, packed=packed)
 
 
 def clear_memory_cache() -> None:

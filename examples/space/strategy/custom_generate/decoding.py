@@ -26,6 +26,7 @@ from .compiled import check_compilable, compiled_forward
 from .kv import SlotCache, slots_needed
 from .logits import PositionwiseLogitsProcessor, verify_greedy, verify_sampling
 from .options import TetrisOptions
+from .packed_probe import packs_exactly
 from .outputs import TetrisGenerateOutput, TetrisStats
 from .static_shapes import block_width
 from .chain_step import ChainStep
@@ -37,9 +38,11 @@ from .tree_step import TreeStep
 
 
 class StepRead(NamedTuple):
-    """What a drafting step's one device read gave (host ints): the most cells any row verifies, and the most real
-    tokens any row holds in the target's and the drafter's caches (``None``: the drafter keeps no cache)."""
+    """What a drafting step's one device read gave (host ints): the cells verified over all rows, the most any row
+    verifies, and the most real tokens any row holds in the target's and the drafter's caches (``None``: the drafter
+    keeps no cache)."""
 
+    num_verified: int
     block_length: int
     target_longest: int
     drafter_longest: int | None
@@ -112,8 +115,11 @@ class BatchedSpeculativeLoop:
 
         self.drafter, draft_model = build_drafter(assistant_model, options, self.logits_processor, self.do_sample,
                                                   cache_capacity)
-        self.strategy = make_strategy(options, model, draft_model, sampling=self.do_sample)  # profiles draft_model
+        # verify blocks packed: the target computes only the selected tokens (priced so by the cost-aware strategies)
+        pack = options.tetris_pack and not options.tetris_compile and packs_exactly(model)
+        self.strategy = make_strategy(options, model, draft_model, sampling=self.do_sample, packed=pack)
         self.target_slots = SlotCache(batch_size, device, options.tetris_max_holes, capacity=cache_capacity(model))
+        self.target_slots.pack = pack
         self.prompt_mask = attention_mask
         self.prompt_read = False  # the first step reads the prompt and emits the first token, as generate() does
         # lazy: a draft model reads the prompt when it first drafts
@@ -166,8 +172,10 @@ class BatchedSpeculativeLoop:
         read = [verified, self.target_slots.live_lengths(), self.lengths]
         if drafter_lengths is not None:
             read.append(drafter_lengths)
-        block_length, target_longest, self.longest, *drafter_longest = torch.stack(read).amax(dim=1).tolist()
-        return StepRead(block_length, target_longest, drafter_longest[0] if drafter_longest else None)
+        maxima = torch.stack(read).amax(dim=1)
+        num_verified, block_length, target_longest, self.longest, *drafter_longest = \
+            torch.cat([verified.sum()[None], maxima]).tolist()
+        return StepRead(num_verified, block_length, target_longest, drafter_longest[0] if drafter_longest else None)
 
     def _read_prompt(self) -> StepRecord:
         """The first step: the target reads every prompt (its cache had nothing) and adds one token per row."""

@@ -26,21 +26,25 @@ class BudgetChoice(NamedTuple):
 
 
 def best_budget(survival: torch.Tensor, max_lengths: torch.Tensor, fixed_seconds: float,
-                verify_seconds: torch.Tensor, max_budget: int | None = None) -> BudgetChoice:
+                verify_seconds: torch.Tensor, max_budget: int | None = None, packed: bool = False) -> BudgetChoice:
     """The TETRIS budget ``C`` that maximises expected emitted tokens per second, for one or more batches.
 
     Cells are taken in TETRIS greedy order (highest survival first, ties to the lower row then the earlier position,
     as :func:`~tetris_hf.selection.select_tetris`). Verifying the first ``c`` cells of that order emits in
     expectation ``B + sum of their survivals`` tokens (each row its accepted prefix plus one target token) and costs
-    ``fixed_seconds + verify_seconds[l]``, ``l`` the deepest position among them (every row's block is padded to it).
+    ``fixed_seconds + verify_seconds[c]`` when the target reads them packed, or ``fixed_seconds + verify_seconds[l]``,
+    ``l`` the deepest position among them, when every row's block is padded to it.
 
     Args:
         survival: ``(B, K)`` or ``(N, B, K)``: probability that cells ``1..j`` of a row are all accepted
             (non-increasing along rows).
         max_lengths: ``(B,)`` or ``(N, B)``: cells of a row that may be verified.
         fixed_seconds: seconds of the step whatever ``C`` is (drafting, overhead).
-        verify_seconds: ``(K + 1,)``: entry ``l`` is a verification forward whose longest row checks ``l`` drafts.
+        verify_seconds: padded, ``(K + 1,)``: entry ``l`` is a verification forward whose longest row checks ``l``
+            drafts; ``packed``, ``(B K + 1,)``: entry ``c`` one that checks ``c`` cells in all
+            (:meth:`~tetris_hf.cost_model.StepCostModel.verify_prices`).
         max_budget: cap on ``C`` (``None``: every candidate cell).
+        packed: how ``verify_seconds`` is indexed.
 
     Returns:
         :class:`BudgetChoice` with ``(N,)`` tensors (``N = 1`` for a single batch); ties go to the smaller ``C``.
@@ -55,8 +59,11 @@ def best_budget(survival: torch.Tensor, max_lengths: torch.Tensor, fixed_seconds
     values = values.clamp(min=0)  # non-candidates sort last and add nothing
     zeros = values.new_zeros(num_batches, 1)
     tokens = num_rows + torch.cat([zeros, values.cumsum(dim=1)], dim=1)
-    depth = torch.cat([zeros.long(), ((order % num_cells) + 1).cummax(dim=1).values], dim=1)
-    seconds = fixed_seconds + verify_seconds.to(survival.device, torch.float64)[depth]
+    if packed:  # c cells cost what c cells cost, wherever they are
+        price_index = torch.arange(tokens.shape[1], device=survival.device).expand(num_batches, -1)
+    else:  # the deepest cell so far sets every row's block
+        price_index = torch.cat([zeros.long(), ((order % num_cells) + 1).cummax(dim=1).values], dim=1)
+    seconds = fixed_seconds + verify_seconds.to(survival.device, torch.float64)[price_index]
     rate = tokens / seconds
     allowed = torch.arange(rate.shape[1], device=rate.device)[None, :] <= candidate.flatten(1).sum(dim=1, keepdim=True)
     if max_budget is not None:
@@ -68,21 +75,23 @@ def best_budget(survival: torch.Tensor, max_lengths: torch.Tensor, fixed_seconds
 
 
 def best_tree_budget(survival: torch.Tensor, candidate: torch.Tensor, fixed_seconds: float,
-                     verify_seconds: torch.Tensor, max_budget: int | None = None) -> int:
+                     verify_seconds: torch.Tensor, max_budget: int | None = None, packed: bool = False) -> int:
     """:func:`best_budget` over draft trees: the ``C`` maximising expected emitted tokens per second when the ``C``
     best nodes of the batch are verified.
 
     Nodes are taken in :func:`~tetris_hf.trees.select_tree_nodes`' order for scores ``log survival`` (survival
     descending, ties to the lower row, then the lower node). Verifying the first ``c`` emits in expectation ``B`` plus
-    their survivals and costs ``fixed_seconds + verify_seconds[n]``, ``n`` the most nodes one row verifies among them
-    (every row's block is padded to it).
+    their survivals and costs ``fixed_seconds + verify_seconds[c]`` read packed, or ``fixed_seconds +
+    verify_seconds[n]``, ``n`` the most nodes one row verifies among them, padded.
 
     Args:
         survival: ``(B, N)`` probability that the whole path to a node is accepted (never above its parent's).
         candidate: ``(B, N)`` bool, ancestor-closed.
         fixed_seconds: the step's seconds whatever ``C`` is.
-        verify_seconds: ``(N + 1,)`` entry ``n``: a verification forward whose widest row checks ``n`` nodes.
+        verify_seconds: padded, ``(N + 1,)`` entry ``n``: a verification forward whose widest row checks ``n``
+            nodes; ``packed``, ``(B N + 1,)`` entry ``c``: one that checks ``c`` nodes in all.
         max_budget: cap on ``C``.
+        packed: how ``verify_seconds`` is indexed.
 
     Returns:
         ``C`` (ties go to the smaller).
@@ -94,8 +103,8 @@ def best_tree_budget(survival: torch.Tensor, candidate: torch.Tensor, fixed_seco
     tokens = num_rows + torch.cat([zero, values.clamp(min=0).cumsum(dim=0)])
     # E.g. rows of the ordered nodes [0, 1, 0] -> per-row counts [[1 0], [1 1], [2 1]] -> widest [0, 1, 1, 2]
     counts = torch.nn.functional.one_hot(order // num_nodes, num_rows).cumsum(dim=0)
-    widest = torch.cat([zero.long(), counts.amax(dim=1)])
-    rate = tokens / (fixed_seconds + verify_seconds.double()[widest])
+    price_index = torch.arange(tokens.numel()) if packed else torch.cat([zero.long(), counts.amax(dim=1)])
+    rate = tokens / (fixed_seconds + verify_seconds.double()[price_index])
     allowed = torch.arange(rate.numel()) <= int(candidate.sum())
     if max_budget is not None:
         allowed &= torch.arange(rate.numel()) <= max_budget
@@ -141,13 +150,14 @@ def plan_step(acceptance: torch.Tensor, num_rows: int, max_draft: int, cost: Ste
     num_batches = max(1, pool_rows // num_rows)
     index = torch.arange(num_batches * num_rows) % pool_rows
     batches = acceptance[index].view(num_batches, num_rows, -1).double()
-    verify = cost.verify_seconds_by_length(num_rows, max_draft)
+    verify = cost.verify_prices(num_rows, max_draft)
     draft_seconds = cost.draft_seconds(num_rows)
     for num_draft in range(1, max_draft + 1):
         survival = batches[..., :num_draft].cumprod(dim=-1)
         lengths = torch.full((num_batches, num_rows), num_draft, dtype=torch.long)
-        choice = best_budget(survival, lengths, num_draft * draft_seconds + cost.step_overhead,
-                             verify[: num_draft + 1], max_budget)
+        prices = verify[: num_rows * num_draft + 1] if cost.packed else verify[: num_draft + 1]
+        choice = best_budget(survival, lengths, num_draft * draft_seconds + cost.step_overhead, prices, max_budget,
+                             cost.packed)
         plan = GoodputPlan(num_draft, max(1, round(float(choice.budget.double().mean()))),
                         float(choice.tokens.mean()), float(choice.seconds.mean()))
         if plan.rate > best.rate:

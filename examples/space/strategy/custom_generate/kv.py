@@ -34,6 +34,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .attention import AttentionLayout, check_tree_layout, grouped_attention, position_masks, real_prefix_mask
+from .packing import Packing, packed_attention
 from .static_shapes import batch_bucket, standard_strides, static_capacity
 
 
@@ -88,6 +89,13 @@ class SlotLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         owner = self.owner
+        if owner.packing is not None:  # a packed forward: (1, H, N, D), each token into its row at its slot
+            packing, start = owner.packing, owner.pointer
+            slots = start + packing.columns
+            self.keys[packing.rows, :, slots] = key_states[0].transpose(0, 1)
+            self.values[packing.rows, :, slots] = value_states[0].transpose(0, 1)
+            end = start + packing.width
+            return self.keys[:, :, :end], self.values[:, :, :end]
         if owner.write_index is not None:  # a static-shape step: the padded batch, every slot
             rows = key_states.shape[0]
             keys, values = self.static_keys[:rows], self.static_values[:rows]
@@ -176,6 +184,9 @@ class SlotCache:
         self.pointer = 0  # slots written per row, holes included (host-side: no device read needed)
         self.static = False  # see step_forward
         self.write_index: torch.Tensor | None = None  # (L,) the slots a static-shape forward writes, during it
+        self.pack = False  # read blocks with filler packed (see packs); set by whoever checked the model can be
+        self.packing: Packing | None = None  # where a packed forward's tokens go, during it
+        self.tokens_read = 0  # tokens the model's last forward read (packed: the real ones only)
         owner = weakref.proxy(self)  # layers that pointed back at the cache strongly would form a reference cycle,
         self.cache = Cache(layer_class_to_replicate=lambda: SlotLayer(owner))  # freed only by the cyclic GC
         self._allocate_masks(device)
@@ -225,6 +236,7 @@ class SlotCache:
         real_lengths: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         visibility: torch.Tensor | None = None,
+        num_real: int | None = None,
     ) -> torch.Tensor:
         """Run ``model`` on a block appended to every row, and cache it.
 
@@ -249,6 +261,9 @@ class SlotCache:
             visibility: ``(B, L, W)`` bool, ``W >= L``: which of the last ``W`` slots (the ``L`` being written and the
                 ``W - L`` before them) each token sees, in place of causality (a tree's ancestor mask; the slots before
                 them are seen by position as usual). Needs a layout that takes prepared masks.
+            num_real: with ``real_lengths``, their sum (a host int): the forward is packed where the model can be
+                (:attr:`packs`), the model reading only the real tokens (:mod:`tetris_hf.packing`); filler's logits
+                are then zeros.
 
         Returns:
             ``(B, L or logits_to_keep, V)`` logits.
@@ -271,13 +286,20 @@ class SlotCache:
             # forward allocates them, eagerly)
             with grouped_attention(model):
                 logits = self._static_forward(input_ids, position_ids, start, end, model.dtype, logits_to_keep)
+            self.tokens_read = batch_bucket(input_ids.shape[0], self.batch_size) * block
         else:
             attention_mask = self._attention_mask(position_ids, start, end, model.dtype, real_prefix=input_mask is None,
                                                   all_real=input_mask is None and real_lengths is None,
                                                   visibility=visibility)
             # (compiled, on the shapes as they come, for models that take the 2D mask; never the forward that allocates)
             run = self._step_forward if step and self._step_forward is not None and self.cache.layers else model
-            logits = self._run(run, input_ids, attention_mask, position_ids, logits_to_keep)
+            if num_real is not None and self.packs and self.cache.layers and not logits_to_keep:
+                logits = self._packed_run(run, model, input_ids, attention_mask, position_ids,
+                                          Packing.of(real_lengths, num_real, block))
+                self.tokens_read = num_real
+            else:
+                logits = self._run(run, input_ids, attention_mask, position_ids, logits_to_keep)
+                self.tokens_read = input_ids.numel()
         self.pointer = end
         self.next_positions = next_positions
         self.longest_bound += block
@@ -342,6 +364,24 @@ class SlotCache:
         kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
         return forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                        past_key_values=self.cache, use_cache=True, **kwargs).logits
+
+    @property
+    def packs(self) -> bool:
+        """Blocks with filler are read packed (:mod:`tetris_hf.packing`): asked for (:attr:`pack`, which
+        :func:`~tetris_hf.packed_probe.packs_exactly` decides for a model) and the cache is not static."""
+        return self.pack and not self.static
+
+    def _packed_run(self, forward, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask,
+                    position_ids: torch.Tensor, packing: Packing) -> torch.Tensor:
+        """``forward`` on the block's real tokens only, ``(1, N)``; its logits unpacked to ``(B, L, V)``."""
+        self.packing = packing
+        try:
+            with packed_attention(model, packing):
+                logits = self._run(forward, packing.pack(input_ids)[None], attention_mask,
+                                   packing.pack(position_ids)[None], 0)
+        finally:
+            self.packing = None
+        return packing.unpack(logits[0])
 
     def _static_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, start: int, end: int,
                         dtype: torch.dtype, logits_to_keep: int) -> torch.Tensor:

@@ -95,6 +95,10 @@ class TetrisOptions:
             a tree per row (EAGLE-2: the ``w`` best children of each of a depth's ``w`` best nodes, ``K`` depths) and
             the strategy selects nodes instead of cells (:mod:`tetris_hf.tree_step`). With a draft model or an EAGLE
             head (not prompt lookup), not with ``tetris_compile``.
+        tetris_pack: read each verify block packed where the target can be (:mod:`tetris_hf.packing`): the target
+            computes only every row's last token and the drafts selected for it, not a rectangle padded to the longest
+            row. ``False`` keeps the padded block (to compare). Families whose attention does not go through
+            transformers' ``AttentionInterface`` are read padded either way.
         prompt_lookup_num_tokens: draft by prompt lookup instead of a draft model (no ``assistant_model``): each row
             copies up to this many tokens that followed the latest earlier occurrence of its last n-gram in its own
             prompt and output; it is ``k`` (``num_assistant_tokens`` follows it). See
@@ -113,6 +117,7 @@ class TetrisOptions:
     tetris_draft_vocab: int | torch.Tensor | None = None
     tetris_compile: bool = False
     tetris_tree_width: int = 1
+    tetris_pack: bool = True
     prompt_lookup_num_tokens: int | None = None
     max_matching_ngram_size: int | None = None
     tetris_min_ngram_size: int = 1
@@ -120,8 +125,9 @@ class TetrisOptions:
     def __post_init__(self):
         self._check_lookup()
         check_draft_vocab_spec(self.tetris_draft_vocab)
-        if not isinstance(self.tetris_compile, bool):
-            raise TypeError(f"`tetris_compile` must be True or False, got {self.tetris_compile!r}")
+        for name in ("tetris_compile", "tetris_pack"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"`{name}` must be True or False, got {getattr(self, name)!r}")
         _check_count("num_assistant_tokens", self.num_assistant_tokens, 1)
         _check_count("tetris_extra_tokens", self.tetris_extra_tokens, 0)
         if self.tetris_budget is not None:

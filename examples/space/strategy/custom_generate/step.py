@@ -92,12 +92,14 @@ class Verdict(NamedTuple):
 
 
 class TargetBlock(NamedTuple):
-    """Where the target's verification block went in its cache: the first slot and the width (host ints), and a host
-    bound on the real slots any row holds after it (``None``: the step read nothing, the block holds no drafts)."""
+    """Where the target's verification block went in its cache: the first slot and the width (host ints), a host
+    bound on the real slots any row holds after it (``None``: the step read nothing, the block holds no drafts), and
+    the tokens the target's forward computed (packed: the real ones; padded: every row to the width)."""
 
     first_slot: int
     width: int
     longest: int | None
+    computed: int
 
 
 class Emission(NamedTuple):
@@ -138,6 +140,7 @@ class StepRecord:
     seconds: StepSeconds = NO_SECONDS
     proposed: torch.Tensor | None = None  # (B_active,) cells each row drafted, where fewer than num_drafted
     tree: StepTree | None = None  # tetris_tree_width > 1: the step's trees, selection and accepted paths
+    target_tokens: int = 0  # tokens the target's forward computed (the prompt's read: not counted)
 
     @property
     def drafted_lengths(self) -> torch.Tensor:
@@ -236,5 +239,6 @@ def run_step(strategy: StepStrategy, phases: StepPhases, num_rows: int, max_draf
     observed = phases.observation(proposal, selection, verdict)
     strategy.observe(observed.log_probs, observed.verified, verdict.num_accepted, seconds, num_drafted)
     record = StepRecord(phases.rows, num_drafted, plan.budget, observed.log_probs, verdict.verify_lengths,
-                        verdict.num_accepted, emission.emitted, seconds or NO_SECONDS, observed.drafted, verdict.tree)
+                        verdict.num_accepted, emission.emitted, seconds or NO_SECONDS, observed.drafted, verdict.tree,
+                        0 if block is None else block.computed)
     return Step(plan, num_drafted, proposal, selection, verdict, emission, record)

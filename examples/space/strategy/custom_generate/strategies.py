@@ -146,7 +146,7 @@ class _CostAware:
         steps, self._read_steps = self._read_steps, []
         for step in steps:
             self._correct_costs(step.verify_lengths.numel(), step.num_drafted, _longest(step.verify_lengths),
-                                step.seconds)
+                                int(step.verify_lengths.sum()), step.seconds)
             self._learn(step.token_log_probs, step.verify_lengths, step.num_accepted)
 
     def _flush(self) -> None:
@@ -162,15 +162,17 @@ class _CostAware:
             self.cost = self._cost_source(num_rows, self.max_draft + 1)
         return self.cost
 
-    def _correct_costs(self, num_rows: int, num_drafted: int, max_verified: int, seconds: StepSeconds | None) -> None:
-        """Move the cost model towards one measured step (``max_verified``: the longest row's verified drafts)."""
+    def _correct_costs(self, num_rows: int, num_drafted: int, max_verified: int, total_verified: int,
+                       seconds: StepSeconds | None) -> None:
+        """Move the cost model towards one measured step (``max_verified``: the longest row's verified drafts;
+        ``total_verified``: all rows')."""
         if not self.learn_costs or seconds is None or self.cost is None or num_rows == 0:
             return
         cost = self.cost
         if num_drafted > 0:
             predicted = num_drafted * cost.draft_seconds(num_rows) / cost.draft_scale
             cost.draft_scale = self._smooth(cost.draft_scale, _ratio(seconds.draft, predicted))
-        predicted = cost.verify_seconds(num_rows, max_verified + 1) / cost.target_scale
+        predicted = cost.verify_step_seconds(num_rows, max_verified, total_verified) / cost.target_scale
         cost.target_scale = self._smooth(cost.target_scale, _ratio(seconds.verify, predicted))
         cost.step_overhead = self._smooth(cost.step_overhead, max(seconds.other, 0.0))
 
@@ -379,7 +381,7 @@ class AdaptiveBudget(_CostAware):
         cost = self.cost
         fixed_seconds = num_drafted * cost.draft_seconds(num_rows) + cost.step_overhead  # drafting is already paid
         choice = best_budget(survival, host_max_lengths.long(), fixed_seconds,
-                             cost.verify_seconds_by_length(num_rows, num_drafted), self.max_budget)
+                             cost.verify_prices(num_rows, num_drafted), self.max_budget, cost.packed)
         return select_tetris(scores, max_lengths, int(choice.budget[0]))
 
     def select_tree(self, tree: DraftTree, plan: DraftPlan) -> torch.Tensor:
@@ -401,8 +403,8 @@ class AdaptiveBudget(_CostAware):
         cost = self.cost
         # (drafting is already paid; the plan's K, which a row near its length limit may have cut short)
         fixed_seconds = plan.num_draft_tokens * cost.draft_seconds(num_rows) + cost.step_overhead
-        choice = best_tree_budget(survival, valid.bool(), fixed_seconds,
-                                  cost.verify_seconds_by_length(num_rows, num_nodes), self.max_budget)
+        choice = best_tree_budget(survival, valid.bool(), fixed_seconds, cost.verify_prices(num_rows, num_nodes),
+                                  self.max_budget, cost.packed)
         return select_tree_nodes(survival.log().to(tree.log_scores.device), tree.valid, tree.parents, choice)
 
 
@@ -445,26 +447,27 @@ class DynamicWindow(_CostAware):
 
 
 def make_strategy(options: TetrisOptions, model: torch.nn.Module | None = None,
-                  assistant_model: torch.nn.Module | None = None,
-                  sampling: bool = False) -> FixedWindow | AdaptiveBudget | DynamicWindow:
+                  assistant_model: torch.nn.Module | None = None, sampling: bool = False,
+                  packed: bool = False) -> FixedWindow | AdaptiveBudget | DynamicWindow:
     """The strategy ``options`` name. ``adaptive`` and ``dsd`` need ``options.tetris_cost_profile`` (used as given) or
     the two models (profiled at the first step, see :func:`~tetris_hf.cost_model.cost_model_for`, then corrected
     online from the loop's own step times). With the models, what they learn about acceptance carries over to the
     next call on the same pair (:func:`~tetris_hf.pair_memory.pair_memory`). ``sampling``: the loop samples (see
-    :class:`AdaptiveBudget`)."""
+    :class:`AdaptiveBudget`). ``packed``: the loop reads verify blocks packed, and the cost model prices them so
+    (:class:`~tetris_hf.cost_model.StepCostModel`)."""
     if options.tetris_strategy == "tetris":
         return TetrisSelection(options)
     if options.tetris_strategy == "fixed":
         return FixedWindow(options)
     source, learn_costs = options.tetris_cost_profile, True
     if source is not None:
-        cost, learn_costs = StepCostModel(load_profile(source)), False  # a given profile is taken as it is
+        cost, learn_costs = StepCostModel(load_profile(source), packed=packed), False  # taken as it is
     elif model is None or (assistant_model is None and options.prompt_lookup_num_tokens is None):
         raise ValueError(f"tetris_strategy={options.tetris_strategy!r} needs `tetris_cost_profile=` or the target and "
                          "draft models to profile")
     else:
         def cost(num_rows: int, max_tokens: int) -> StepCostModel:
-            return cost_model_for(model, assistant_model, num_rows=num_rows, max_tokens=max_tokens)
+            return cost_model_for(model, assistant_model, num_rows=num_rows, max_tokens=max_tokens, packed=packed)
     memory = pair_memory(model, assistant_model, sampling) if model is not None else None
     if options.tetris_strategy == "adaptive":
         return AdaptiveBudget(options, cost, learn_costs=learn_costs, memory=memory, sampling=sampling)

@@ -1,0 +1,139 @@
+# Exported from tetris_hf/packing.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
+"""Packed forwards: the model reads only the real tokens of a block, as one sequence, and attention puts each back
+in its row.
+
+A verified block is ``(B, L)``: row ``i`` holds its last token and the drafts selected for it, ``real_lengths[i]``
+tokens, then filler up to the longest row's. Padded, the target computes all ``B x L`` positions; packed, it reads the
+``N = sum(real_lengths)`` real tokens as a ``(1, N)`` sequence, with each token's own position (so RoPE is right), so
+every linear layer and the head compute ``N`` tokens only. The cache writes each token's keys and values in its row,
+at its slot (:class:`~tetris_hf.kv.SlotLayer`), and attention (:func:`packed_attention_forward`, registered in
+transformers' ``AttentionInterface``) unpacks the queries to their rows, attends with the row-layout mask the padded
+forward would use (a token sees its row's cache and the earlier tokens of its own block), and packs the output again.
+Attention is the small part of a step; the padding it still computes on is what the mask hides anyway.
+
+E.g. real lengths ``[3, 1, 2]`` (``L = 3``): the model reads ``[a0 a1 a2 b0 c0 c1]``; ``rows = [0 0 0 1 2 2]``,
+``columns = [0 1 2 0 0 1]``.
+
+Which models: those that take prepared masks (``"sdpa"`` or ``"eager"`` attention, no ALiBi), hybrid and windowed ones
+alike, whose attention layers go through the interface; :func:`~tetris_hf.packed_probe.packs_exactly` checks a model
+once, on a probe, against the padded forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import sys
+from collections.abc import Iterator
+from functools import cache
+from typing import NamedTuple
+
+import torch
+
+PACKED = "tetris_packed"  # the attention a packed forward runs (see packed_attention)
+
+
+class Packing(NamedTuple):
+    """Where each of a packed forward's ``N`` tokens sits in the ``(B, L)`` block: ``rows`` and ``columns``, ``(N,)``
+    each, in row order."""
+
+    rows: torch.Tensor
+    columns: torch.Tensor
+    batch_size: int
+    width: int
+
+    @classmethod
+    def of(cls, real_lengths: torch.Tensor, num_tokens: int, width: int) -> Packing:
+        """The packing of a block whose row ``i`` has its first ``real_lengths[i]`` ``(B,)`` tokens real;
+        ``num_tokens``: their sum, known on the host (no device read here); ``width``: ``L``."""
+        ends = real_lengths.cumsum(dim=0)
+        tokens = torch.arange(num_tokens, device=real_lengths.device)
+        rows = torch.searchsorted(ends, tokens, right=True)
+        columns = tokens - (ends - real_lengths)[rows]
+        return cls(rows, columns, real_lengths.shape[0], width)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.rows.shape[0]
+
+    def pack(self, block: torch.Tensor) -> torch.Tensor:
+        """``(B, L, ...)`` -> ``(N, ...)``: the real tokens, in row order."""
+        return block[self.rows, self.columns]
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """``(N, ...)`` -> ``(B, L, ...)``, zeros at filler."""
+        rows = packed.new_zeros((self.batch_size, self.width, *packed.shape[1:]))
+        rows[self.rows, self.columns] = packed
+        return rows
+
+
+class PackedCall(NamedTuple):
+    """A packed forward running: its packing, and the attention implementation the model was on."""
+
+    packing: Packing
+    implementation: str
+
+
+_current: contextvars.ContextVar[PackedCall | None] = contextvars.ContextVar("tetris_packing", default=None)
+
+
+def current_packing() -> Packing | None:
+    """The packing of the forward running now in this thread (``None``: none is packed)."""
+    call = _current.get()
+    return None if call is None else call.packing
+
+
+def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The model's own attention (sdpa, or its family's eager attention) for a packed forward: ``query``
+    ``(1, H, N, D)`` is unpacked to its rows ``(B, H, L, D)``, attends to ``key``/``value`` ``(B, H_kv, S, D)`` (each
+    row's cache, the block written in it) under the row-layout ``attention_mask`` ``(B, 1, L, S)``, and the output is
+    packed again: ``(1, N, H, D)``."""
+    call = _current.get()
+    attention = row_attention(module, "sdpa" if call is None else call.implementation)
+    if call is None:  # not a packed forward
+        return attention(module, query, key, value, attention_mask, **kwargs)
+    packing = call.packing
+    queries = query.new_zeros(packing.batch_size, query.shape[1], packing.width, query.shape[-1])
+    queries[packing.rows, :, packing.columns] = query[0].transpose(0, 1)
+    output, weights = attention(module, queries, key, value, attention_mask, **kwargs)  # (B, L, H, D)
+    return packing.pack(output)[None], weights
+
+
+def row_attention(module: torch.nn.Module, implementation: str):
+    """The attention function ``module`` runs on ``implementation``: transformers' sdpa, or its family's eager
+    attention (``eager_attention_forward`` of its modeling module)."""
+    if implementation == "sdpa":
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if implementation != "eager" or eager is None:
+        raise ValueError(f"{type(module).__name__} on {implementation!r} attention cannot be read packed")
+    return eager
+
+
+@cache
+def _register_packed() -> None:
+    """Register :func:`packed_attention_forward` (and sdpa's masks) under :data:`PACKED`, once."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(PACKED, packed_attention_forward)
+    AttentionMaskInterface.register(PACKED, sdpa_mask)
+
+
+@contextlib.contextmanager
+def packed_attention(model: torch.nn.Module, packing: Packing) -> Iterator[None]:
+    """While a packed forward of ``model`` (on ``"sdpa"`` or ``"eager"`` attention) runs: its attention is
+    :func:`packed_attention_forward` with ``packing``; the setting is restored after."""
+    _register_packed()
+    config = model.config.get_text_config(decoder=True)
+    implementation = config._attn_implementation
+    config._attn_implementation = PACKED
+    token = _current.set(PackedCall(packing, implementation))
+    try:
+        yield
+    finally:
+        _current.reset(token)
+        config._attn_implementation = implementation

@@ -1,0 +1,57 @@
+# Exported from tetris_hf/packed_probe.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
+"""Whether a model reads packed blocks exactly: a probe, once per model.
+
+Packing (:mod:`tetris_hf.packing`) needs a model whose every attention layer goes through transformers'
+``AttentionInterface`` (on ``"sdpa"``, or ``"eager"`` with its family's ``eager_attention_forward``), with prepared
+masks. Most families do; some compute attention inline (Falcon), and the ALiBi families take only the 2D mask. Rather
+than keep a list, :func:`packs_exactly` reads a short block both ways on the model itself, at its first use: packed,
+and padded as before, and packs only where the logits agree. The answer is kept for the model's life.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .attention import AttentionLayout
+from .kv import SlotCache
+
+_answers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> bool
+
+PROMPT = [[1, 2], [3, 4]]
+BLOCK, REAL_LENGTHS = [[5, 6, 7], [8, 1, 1]], [3, 1]  # row 1: one real token, then filler
+
+
+def packs_exactly(model: torch.nn.Module) -> bool:
+    """``model`` reads packed blocks (``(1, N)``, :mod:`tetris_hf.packing`) with the logits of a padded read: checked
+    once on a probe of two rows (a 2-token prompt each, then blocks of 3 and 1 real tokens), to ``1e-4`` of the logits'
+    scale in fp32 and ``5e-2`` in half precision; any error in the packed read is a no."""
+    if model in _answers:
+        return _answers[model]
+    layout = AttentionLayout.of(model)
+    answer = layout.prepared and _probe(model)
+    _answers[model] = answer
+    return answer
+
+
+@torch.no_grad()
+def _probe(model: torch.nn.Module) -> bool:
+    device = model.get_input_embeddings().weight.device
+    prompt, block = torch.tensor(PROMPT, device=device), torch.tensor(BLOCK, device=device)
+    real_lengths = torch.tensor(REAL_LENGTHS, device=device)
+    logits = []
+    for pack in (False, True):
+        cache = SlotCache(2, device, capacity=8)
+        cache.pack = pack
+        cache.forward(model, prompt, None)
+        try:
+            logits.append(cache.forward(model, block, None, step=True, real_lengths=real_lengths,
+                                        num_real=int(sum(REAL_LENGTHS))))
+        except (RuntimeError, ValueError, IndexError):  # e.g. attention computed inline on mismatched shapes
+            return False
+    padded, packed = (part.float() for part in logits)
+    real = torch.arange(block.shape[1], device=device)[None, :] < real_lengths[:, None]
+    scale = padded[real].abs().max().clamp(min=1.0)
+    tolerance = (1e-4 if model.dtype == torch.float32 else 5e-2) * scale
+    return bool((padded[real] - packed[real]).abs().max() <= tolerance)
