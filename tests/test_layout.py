@@ -91,3 +91,45 @@ def test_the_check_lets_library_imports_through(tmp_path, monkeypatch):
     assert tool_imports(module) == []
     assert [m for _, m in imported_modules(module.read_text(), "tetris_hf.logits.verification", False)][:2] == [
         "tetris_hf.kv", "tetris_hf.kv.SlotCache"]
+
+
+def import_graph(files: list[Path]) -> dict[str, set[str]]:
+    """Library module -> the library modules it imports, anywhere in its source (type-checking blocks included)."""
+    names = {module_name(path) for path in files}
+    graph = {}
+    for path in files:
+        name = module_name(path)
+        imports = imported_modules(path.read_text(), name, path.name == "__init__.py")
+        graph[name] = {module for _, module in imports if module in names and module != name}
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every circle a depth-first walk of ``graph`` meets, as the modules along it."""
+    state, path, circles = {}, [], []
+
+    def visit(module: str) -> None:
+        state[module] = "open"
+        path.append(module)
+        for imported in sorted(graph[module]):
+            if state.get(imported) == "open":
+                circles.append(path[path.index(imported):] + [imported])
+            elif imported not in state:
+                visit(imported)
+        path.pop()
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+    return circles
+
+
+def test_no_library_module_imports_one_that_imports_it_back():
+    assert import_circles(import_graph(library_files())) == []
+
+
+def test_the_circle_check_finds_a_circle_through_a_function_level_import():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_circles(graph) == [["a", "b", "c", "a"]]
+    assert import_circles({"a": {"b"}, "b": set()}) == []
