@@ -37,7 +37,8 @@ it is cut (SIGALRM) and the script moves on, keeping the cells it finished (on a
    ``fixed`` / ``tetris`` / ``adaptive``, one warm-up call each (``adaptive`` measures its cost profile there), then
    one timed call of ``--new-tokens`` tokens between ``torch.cuda.synchronize()`` calls (never inside a step), whose
    steps are also timed one by one with CUDA events (:class:`StepTimes`: recorded without a sync, read after the call;
-   the median from the third step on is the steady step time). Every speculative output is compared with plain
+   the median from the third step on is the steady step time), and TETRIS once more on the padded verify block
+   (``tetris-padded``: ``tetris_pack=False``), to time packing. Every speculative output is compared with plain
    ``generate()`` on the same batch by ``tetris_hf.divergence``: identical, or first differing at a near-tie that bf16
    rounding explains, or a real difference.
 3. ``<pair>: host reads``: device -> host reads per step (``examples/host_reads.py``) at batch 8.
@@ -80,6 +81,7 @@ from host_reads import HostReads  # noqa: E402
 STARTED = time.perf_counter()
 PAD = 0
 MODES = ("plain", "fixed", "tetris", "adaptive")
+PADDED = "tetris-padded"  # eager only: TETRIS on the padded verify block (tetris_pack=False), beside the packed one
 SHAPES = {
     # target: Llama-3.1-8B. narrow: Llama-3.2-1B's parameter shapes (q 2048x2048, k/v 512x2048, MLP 8192) as 16 heads
     # of 128 with 4 kv heads, so that its heads are target heads (same head_dim, same 4 query heads per kv head).
@@ -417,6 +419,8 @@ def generate(pair: Pair, input_ids, mask, new_tokens: int, mode: str, compiled: 
         return pair.target.generate(input_ids, **kwargs), None
     if compiled:
         kwargs["tetris_compile"] = True
+    if mode == PADDED:
+        mode, kwargs["tetris_pack"] = "tetris", False
     with steps.loop_steps() if steps is not None else contextlib.nullcontext():
         out = pair.target.generate(input_ids, assistant_model=pair.draft, custom_generate="tetris",
                                    tetris_strategy=mode, num_assistant_tokens=args.k, tetris_extra_tokens=args.extra,
@@ -455,7 +459,7 @@ def time_cell(pair: Pair, batch: int, variant: str, compiled: bool, args, record
 def _time_modes(pair: Pair, input_ids, mask, cell: dict, outputs: dict, compiled: bool, args, reference) -> None:
     width = input_ids.shape[1]
     batch, variant = cell["batch"], cell["variant"]
-    for mode in MODES:
+    for mode in MODES + (() if compiled else (PADDED,)):
         result = cell["modes"][mode] = {}
         try:
             started = time.perf_counter()
@@ -488,7 +492,8 @@ def _time_modes(pair: Pair, input_ids, mask, cell: dict, outputs: dict, compiled
         if stats is not None:
             result["acceptance_rate"] = round(stats.acceptance_rate, 3)
             result["verification_success_rate"] = round(stats.verification_success_rate, 3)
-            result.update(draft_seconds=round(stats.draft_seconds, 4), verify_seconds=round(stats.verify_seconds, 4))
+            result.update(draft_seconds=round(stats.draft_seconds, 4), verify_seconds=round(stats.verify_seconds, 4),
+                          computed_per_selected=round(stats.computed_per_selected, 3))
         if mode == "plain":
             if reference is not None:
                 result["vs_eager_plain"] = compare_rows(pair.target, reference, sequences, input_ids, mask)
@@ -795,6 +800,18 @@ def markdown(report: dict) -> str:
                                   for m in MODES)
                      + f" | {ratio('fixed')} | {ratio('tetris')} | {ratio('adaptive')} | {acceptance} "
                      f"| {near} / {real} |")
+    packed = [cell for cell in report["timing"] if "tokens_per_s" in cell["modes"].get(PADDED, {})]
+    if packed:
+        lines += ["", "Packed against padded verify blocks (eager TETRIS): tokens/s, and tokens the target computed "
+                  "per token selected.", "",
+                  "| pair | B | TETRIS packed | TETRIS padded | packed/padded | computed/selected packed / padded |",
+                  "|---|---:|---:|---:|---:|---|"]
+        for cell in packed:
+            fast, slow = cell["modes"]["tetris"], cell["modes"][PADDED]
+            lines.append(f"| {cell['pair']} | {cell['batch']} | {fast.get('tokens_per_s', '-')} | "
+                         f"{slow['tokens_per_s']} | "
+                         + (f"{fast['tokens_per_s'] / slow['tokens_per_s']:.2f}" if "tokens_per_s" in fast else "-")
+                         + f" | {fast.get('computed_per_selected', '-')} / {slow.get('computed_per_selected', '-')} |")
     compiled = [cell for cell in report["timing"] if cell["variant"] == "compiled"]
     if compiled:
         eager = {(cell["pair"], cell["batch"]): cell for cell in report["timing"] if cell["variant"] == "eager"}

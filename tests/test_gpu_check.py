@@ -64,7 +64,7 @@ def test_cpu_smoke_run_writes_every_part_and_exact_outputs(tmp_path):
         assert cell["variant"] == "eager"
         for mode in ("plain", "fixed", "tetris", "adaptive"):
             assert cell["modes"][mode]["tokens"] > 0 and cell["modes"][mode]["tokens_per_s"] > 0
-        for mode in ("fixed", "tetris", "adaptive"):  # fp32 on a CPU: identical to plain generate(), every row
+        for mode in ("fixed", "tetris", "adaptive", "tetris-padded"):  # fp32 on a CPU: identical to plain, every row
             check = cell["modes"][mode]["vs_plain"]
             assert check["identical"] == check["rows"] == cell["batch"], check
             assert 0 <= cell["modes"][mode]["acceptance_rate"] <= 1
@@ -76,5 +76,9 @@ def test_cpu_smoke_run_writes_every_part_and_exact_outputs(tmp_path):
                           for mode in ("plain", "fixed", "tetris", "adaptive")}
     assert all(cell["steady_max"] is not None and len(cell["per_step"]) == cell["steps"] for cell in reads.values())
 
+    assert max(cell["modes"]["tetris-padded"]["computed_per_selected"] for cell in cells.values()) > 1.0
+    assert all(cell["modes"]["tetris"]["computed_per_selected"] == 1.0 for cell in cells.values())
+
     table = report_path.with_suffix(".md").read_text()
+    assert "Packed against padded" in table
     assert "| tiny+1l | eager | 64 |" in table and "| tiny+half | tetris | no | 8 |" in table

@@ -3,7 +3,7 @@ sends a step that drafts nothing through the plain phases without a catch-up."""
 
 import torch
 
-from tetris_hf.step import Emission, Observation, Proposal, StepPhases, Verdict, run_step
+from tetris_hf.step import Emission, Observation, Proposal, StepPhases, TargetBlock, Verdict, run_step
 from tetris_hf.step_strategy import DraftPlan
 from tetris_hf.timing import Mark, StepSeconds
 
@@ -40,10 +40,10 @@ class RecordingPhases(StepPhases):
     def verify(self, proposal: Proposal, selection: torch.Tensor):
         self.journal.append(f"{self.name}.verify({selection.tolist()})")
         accepted = selection // 2
-        return Verdict(accepted, torch.full((ROWS,), 7), selection), "block"
+        return Verdict(accepted, torch.full((ROWS,), 7), selection), TargetBlock(10, 4, None, 5)
 
-    def roll_back(self, proposal, verdict: Verdict, block) -> None:
-        self.journal.append(f"{self.name}.roll_back({block})")
+    def roll_back(self, proposal, verdict: Verdict, block: TargetBlock) -> None:
+        self.journal.append(f"{self.name}.roll_back({block.first_slot})")
 
     def emit(self, verdict: Verdict) -> Emission:
         self.journal.append(f"{self.name}.emit")
@@ -84,7 +84,7 @@ def test_a_drafting_step_runs_every_phase_in_order_and_records_their_products():
     step = run_step(strategy, RecordingPhases(journal), ROWS, max_draft=3, clock=RecordingClock(journal))
     assert journal == [
         Mark.START, "plan", Mark.CATCH_UP_START, "catch_up", Mark.CATCH_UP_END, Mark.DRAFT_START,
-        "chain.draft(3, False)", Mark.DRAFT_END, "chain.select", "chain.verify([3, 3, 3])", "chain.roll_back(block)",
+        "chain.draft(3, False)", Mark.DRAFT_END, "chain.select", "chain.verify([3, 3, 3])", "chain.roll_back(10)",
         Mark.VERIFY_END, "chain.emit", Mark.END, "finish_step", "chain.observation",
         "observe([3, 3, 3], [1, 1, 1], StepSeconds(draft=1.0, verify=2.0, other=3.0), 3)",
     ]
@@ -95,6 +95,7 @@ def test_a_drafting_step_runs_every_phase_in_order_and_records_their_products():
     assert record.rows.tolist() == [0, 1, 2] and record.emitted.tolist() == [2, 2, 2]
     assert record.verify_lengths is step.verdict.verify_lengths
     assert record.seconds == StepSeconds(1.0, 2.0, 3.0)
+    assert record.target_tokens == 5  # what the target's forward computed, from the verify phase's block
 
 
 def test_a_step_that_drafts_nothing_takes_the_plain_phases_without_a_catch_up():
@@ -103,6 +104,6 @@ def test_a_step_that_drafts_nothing_takes_the_plain_phases_without_a_catch_up():
     strategy = RecordingStrategy(journal, DraftPlan(num_draft_tokens=4, budget=0))
     step = run_step(strategy, RecordingPhases(journal, "tree", plain=plain), ROWS, max_draft=3)
     assert journal == ["plan", "plain.draft(0, True)", "plain.select", "plain.verify([0, 0, 0])",
-                       "plain.roll_back(block)", "plain.emit", "plain.observation",
+                       "plain.roll_back(10)", "plain.emit", "plain.observation",
                        "observe([0, 0, 0], [0, 0, 0], None, 0)"]
     assert step.num_drafted == 0 and step.record.seconds == StepSeconds(0.0, 0.0, 0.0)

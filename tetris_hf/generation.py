@@ -59,8 +59,8 @@ def generate(model, *args, **kwargs):
             ``num_assistant_tokens`` (k, default 4), ``tetris_extra_tokens`` (e, default 2), ``tetris_budget`` (C,
             default k x active rows), ``tetris_strategy`` (``"tetris"``, ``"fixed"``, ``"adaptive"`` or ``"dsd"``),
             ``tetris_cost_profile``, ``tetris_step_callback``, ``tetris_max_holes``, ``tetris_draft_vocab``,
-            ``tetris_compile``, ``tetris_tree_width`` (draft trees, see :mod:`tetris_hf.tree_step`) (see
-            :class:`~tetris_hf.options.TetrisOptions`).
+            ``tetris_compile``, ``tetris_tree_width`` (draft trees, see :mod:`tetris_hf.tree_step`), ``tetris_pack``
+            (packed verify steps, see :mod:`tetris_hf.packing`) (see :class:`~tetris_hf.options.TetrisOptions`).
 
     Returns:
         What ``generate()`` returns: ``(B, T)`` sequences, or with ``return_dict_in_generate=True`` a

@@ -35,6 +35,8 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
         logits_processor, do_sample, generator, max_holes, capacity: as for the base class.
     """
 
+    reads_target_features = True
+
     def __init__(self, head: EagleDraft, logits_processor: PositionwiseLogitsProcessor, do_sample: bool,
                  generator: torch.Generator | None = None, max_holes: int = 32, capacity: int = 256):
         super().__init__(head, logits_processor, do_sample, generator, max_holes, capacity)

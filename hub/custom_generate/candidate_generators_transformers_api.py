@@ -56,6 +56,7 @@ class CandidateGeneratorAPI(CandidateGenerator):
 
     num_assistant_tokens: int = TetrisOptions.num_assistant_tokens
     max_length: int | None = None
+    reads_target_features = False  # drafts from the target's hidden states (an EAGLE head): not through this API
     _candidates: _Candidates | None = None  # the answer the target has not ruled on
     _seen: torch.Tensor | None = None  # (1, T) the sequence the drafter stands at, no candidates pending
 
@@ -106,9 +107,7 @@ class CandidateGeneratorAPI(CandidateGenerator):
 
     def _check_usable(self, input_ids: torch.Tensor) -> None:
         """Refuse what transformers' one-row loop cannot drive, before anything runs."""
-        from .candidate_generators_eagle_drafter import EagleCandidateGenerator  # not at the top: it imports drafter.py, which imports us
-
-        if isinstance(self, EagleCandidateGenerator):
+        if self.reads_target_features:
             raise ValueError("an EAGLE head drafts from the target's hidden states at every position it reads, which "
                              "transformers' assisted decoding does not hand a candidate generator: use "
                              "`target.generate(..., assistant_model=head, custom_generate=\"tetris\")`")

@@ -13,7 +13,6 @@ acceptance rule, emission and retiring rows.
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
 
 import torch
 from transformers.generation.logits_process import LogitsProcessorList
@@ -29,23 +28,12 @@ from .options import TetrisOptions
 from .packed_probe import packs_exactly
 from .outputs import TetrisGenerateOutput, TetrisStats
 from .static_shapes import block_width
-from .chain_step import ChainStep
+from .chain_step import ChainStep, StepRead
 from .step import Emission, ReadHints, StepRecord, Verdict, run_step
 from .stopping import RowStopper
 from .strategies import make_strategy
 from .timing import StepClock, StepSeconds
 from .tree_step import TreeStep
-
-
-class StepRead(NamedTuple):
-    """What a drafting step's one device read gave (host ints): the cells verified over all rows, the most any row
-    verifies, and the most real tokens any row holds in the target's and the drafter's caches (``None``: the drafter
-    keeps no cache)."""
-
-    num_verified: int
-    block_length: int
-    target_longest: int
-    drafter_longest: int | None
 
 
 class BatchedSpeculativeLoop:

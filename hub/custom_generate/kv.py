@@ -261,9 +261,9 @@ class SlotCache:
             visibility: ``(B, L, W)`` bool, ``W >= L``: which of the last ``W`` slots (the ``L`` being written and the
                 ``W - L`` before them) each token sees, in place of causality (a tree's ancestor mask; the slots before
                 them are seen by position as usual). Needs a layout that takes prepared masks.
-            num_real: with ``real_lengths``, their sum (a host int): the forward is packed where the model can be
-                (:attr:`packs`), the model reading only the real tokens (:mod:`tetris_hf.packing`); filler's logits
-                are then zeros.
+            num_real: with ``real_lengths``, their sum (a host int): a block with filler is read packed where the
+                model can be (:attr:`packs`), the model reading only the real tokens (:mod:`tetris_hf.packing`);
+                filler's logits are then zeros.
 
         Returns:
             ``(B, L or logits_to_keep, V)`` logits.
@@ -293,7 +293,8 @@ class SlotCache:
                                                   visibility=visibility)
             # (compiled, on the shapes as they come, for models that take the 2D mask; never the forward that allocates)
             run = self._step_forward if step and self._step_forward is not None and self.cache.layers else model
-            if num_real is not None and self.packs and self.cache.layers and not logits_to_keep:
+            if (num_real is not None and num_real < input_ids.numel() and self.packs and self.cache.layers
+                    and not logits_to_keep):  # (a block without filler is already packed)
                 logits = self._packed_run(run, model, input_ids, attention_mask, position_ids,
                                           Packing.of(real_lengths, num_real, block))
                 self.tokens_read = num_real

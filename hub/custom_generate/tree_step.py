@@ -25,11 +25,11 @@ The strategy observes a chain per row (:func:`observed_chain`): the accepted pat
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-from .chain_step import ChainStep
+from .chain_step import ChainStep, LoopState
 from .logits_argmax import vocab_argmax
 from .step import Emission, Observation, ReadHints, StepTree, TargetBlock, Verdict
 from .step_strategy import DraftPlan, StepStrategy
@@ -38,9 +38,6 @@ from .trees import (
     DraftTree, GrownTree, accept_tree_greedy, accept_tree_sampling, block_draft_log_probs, conditional_log_probs,
     kept_slots, path_tokens, tree_block,
 )
-
-if TYPE_CHECKING:
-    from .decoding import BatchedSpeculativeLoop
 
 
 class TreeSelection(NamedTuple):
@@ -56,9 +53,9 @@ class TreeSelection(NamedTuple):
 class TreeStep(ChainStep):
     """A step's phases when every row drafts a tree of ``width`` children per expanded node: a chain step's but for
     drafting, selection, verification, roll back and where the accepted tokens come from. A step that drafts nothing
-    is a chain step (:attr:`plain`). Reads and writes the loop's public state."""
+    is a chain step (:attr:`plain`). Reads and writes the loop's public state (:class:`~tetris_hf.chain_step.LoopState`)."""
 
-    def __init__(self, loop: BatchedSpeculativeLoop, width: int):
+    def __init__(self, loop: LoopState, width: int):
         super().__init__(loop)
         self.width = width
         self.depth = 0  # this step's K, the tree's levels (set when it drafts)

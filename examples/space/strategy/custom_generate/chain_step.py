@@ -4,24 +4,66 @@ over ``[last token, verified drafts]`` per row, each row keeping its accepted pr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 
+from .candidate_generators_drafter import Drafter
+from .kv import SlotCache
+from .logits import PositionwiseLogitsProcessor
 from .static_shapes import block_width
 from .step import Emission, Observation, Proposal, ReadHints, StepPhases, TargetBlock, Verdict
 from .step_strategy import DraftPlan, StepStrategy
 
-if TYPE_CHECKING:
-    from .decoding import BatchedSpeculativeLoop
+
+class StepRead(NamedTuple):
+    """What a drafting step's one device read gave (host ints): the cells verified over all rows, the most any row
+    verifies, and the most real tokens any row holds in the target's and the drafter's caches (``None``: the drafter
+    keeps no cache)."""
+
+    num_verified: int
+    block_length: int
+    target_longest: int
+    drafter_longest: int | None
+
+
+class LoopState(Protocol):
+    """What a step's phases use of the loop (:class:`~tetris_hf.decoding.BatchedSpeculativeLoop`): its rows, models
+    and caches, and the three things every step shape does alike. Rows are the active ones, ``(B,)`` per row."""
+
+    model: torch.nn.Module
+    drafter: Drafter
+    target_slots: SlotCache
+    logits_processor: PositionwiseLogitsProcessor
+    sequences: torch.Tensor  # (B, capacity) prompt, emitted tokens, then scratch where drafts are written
+    lengths: torch.Tensor  # (B,) tokens each row holds
+    rows: torch.Tensor  # (B,) original batch indices
+    last_tokens: torch.Tensor  # (B,) each row's last token (the next block starts with it)
+    num_rows: int
+    longest: int  # host bound on the rows' lengths
+    max_length: int
+    pad_value: int
+    do_sample: bool
+    compile: bool
+    step_callback: Callable | None
+
+    def read_step(self, verified: torch.Tensor) -> StepRead:
+        """The step's one device read (``verified``: ``(B,)`` cells each row verifies)."""
+
+    def acceptance(self, drafts: torch.Tensor, verify_lengths: torch.Tensor, target_scores: torch.Tensor,
+                   draft_probs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy or sampling verification: ``(num_accepted, next_tokens)``."""
+
+    def emit(self, verdict: Verdict) -> Emission:
+        """The target's token after each row's accepted drafts; stopping criteria."""
 
 
 class ChainStep(StepPhases):
     """A step's phases when every row drafts a chain: ``K`` drafts, a verified prefix of each, one target forward over
     ``[last token, verified drafts]`` per row (:func:`~tetris_hf.step.run_step` calls them in order). Reads and writes
-    the loop's public state."""
+    the loop's public state (:class:`LoopState`)."""
 
-    def __init__(self, loop: BatchedSpeculativeLoop):
+    def __init__(self, loop: LoopState):
         self.loop = loop
 
     @property
