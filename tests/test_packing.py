@@ -138,3 +138,22 @@ def test_adaptive_prices_packed_steps_when_the_loop_packs(monkeypatch):
                         max_new_tokens=4, tetris_strategy="adaptive", tetris_pack=pack, pad_token_id=PAD,
                         tetris_cost_profile=linear_cost(False).profile)
     assert seen == [True, False]
+
+
+def test_sampled_calls_with_a_partial_budget_run_packed():
+    """The sampling tests (tests/test_sampling_distribution.py: chi-square with partial budgets and their negative
+    controls) run on this path: a sampled partial-budget call computes only what it selects, where the padded block
+    computes more."""
+    target, draft = target_and_draft(64, seed=3, draft_kind="noisy", noise=0.5)
+    input_ids, mask = left_pad(random_prompts(6, 64, seed=4))
+    ratios = {}
+    for pack in (True, False):
+        torch.manual_seed(0)
+        with torch.no_grad():
+            stats = target.generate(input_ids, attention_mask=mask, assistant_model=draft, custom_generate="tetris",
+                                    do_sample=True, max_new_tokens=16, num_assistant_tokens=2, tetris_extra_tokens=2,
+                                    tetris_budget=5, tetris_pack=pack, return_dict_in_generate=True,
+                                    pad_token_id=PAD).tetris_stats
+        assert stats.verified_tokens > 0
+        ratios[pack] = stats.computed_per_selected
+    assert ratios[True] == 1.0 < ratios[False]

@@ -35,18 +35,33 @@ def packs_exactly(model: torch.nn.Module) -> bool:
     return answer
 
 
+class _Unhooked:
+    """``model`` called through its ``forward`` (accelerate's placement wrapper included), so that hooks the user put on
+    the model itself do not see the probe; attributes as the model's."""
+
+    def __init__(self, model: torch.nn.Module):
+        self._model = model
+
+    def __call__(self, **kwargs):
+        return self._model.forward(**kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+
 @torch.no_grad()
 def _probe(model: torch.nn.Module) -> bool:
     device = model.get_input_embeddings().weight.device
     prompt, block = torch.tensor(PROMPT, device=device), torch.tensor(BLOCK, device=device)
     real_lengths = torch.tensor(REAL_LENGTHS, device=device)
+    forward = _Unhooked(model)
     logits = []
     for pack in (False, True):
         cache = SlotCache(2, device, capacity=8)
         cache.pack = pack
-        cache.forward(model, prompt, None)
+        cache.forward(forward, prompt, None)
         try:
-            logits.append(cache.forward(model, block, None, step=True, real_lengths=real_lengths,
+            logits.append(cache.forward(forward, block, None, step=True, real_lengths=real_lengths,
                                         num_real=int(sum(REAL_LENGTHS))))
         except (RuntimeError, ValueError, IndexError):  # e.g. attention computed inline on mismatched shapes
             return False

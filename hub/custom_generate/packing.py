@@ -30,7 +30,9 @@ from typing import NamedTuple
 
 import torch
 
-PACKED = "tetris_packed"  # the attention a packed forward runs (see packed_attention)
+# The attention a packed forward runs (see packed_attention), registered under a name of this copy of the module: a
+# process may hold more (the Hub folder's, another checkout's), each with its own packing state.
+PACKED = f"tetris_packed_{__name__}"
 
 
 class Packing(NamedTuple):
