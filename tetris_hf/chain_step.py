@@ -84,13 +84,21 @@ class ChainStep(StepPhases):
         loop, num_drafted = self.loop, proposal.tokens.shape[1]
         if num_drafted == 0:  # a plain step: no row verifies anything
             return torch.zeros_like(loop.lengths)
-        if loop.longest + num_drafted < loop.max_length:  # no row is near its limit
+        max_lengths = self.room(num_drafted)
+        if max_lengths is None:  # no row is near its limit
             max_lengths = torch.full_like(loop.lengths, num_drafted)
-        else:
-            max_lengths = (loop.max_length - 1 - loop.lengths).clamp_(min=0, max=num_drafted)
         if proposal.lengths is not None:
             max_lengths = torch.minimum(max_lengths, proposal.lengths)
         return strategy.select(proposal.log_probs, max_lengths, plan)
+
+    def room(self, depth: int) -> torch.Tensor | None:
+        """``(B,)`` drafts each row may still verify, at most ``depth``: a target token always follows them, so a row
+        near the length limit verifies fewer. ``None`` when no row is near it (every row may take ``depth``), known on
+        the host."""
+        loop = self.loop
+        if loop.longest + depth < loop.max_length:
+            return None
+        return (loop.max_length - 1 - loop.lengths).clamp(min=0, max=depth)
 
     def verify(self, proposal: Proposal, verify_lengths: torch.Tensor) -> tuple[Verdict, TargetBlock]:
         """One target forward over every row's ``[last token, verified drafts]``, then acceptance."""

@@ -61,6 +61,11 @@ class Packing(NamedTuple):
         """``(B, L, ...)`` -> ``(N, ...)``: the real tokens, in row order."""
         return block[self.rows, self.columns]
 
+    def scatter_heads(self, buffer: torch.Tensor, packed: torch.Tensor, first_column: int = 0) -> None:
+        """Write ``packed`` ``(1, H, N, D)`` (an attention layer's layout) into ``buffer`` ``(B, H, W, D)``, each token
+        at its row and at column ``first_column`` plus its own (a cache's slots; 0 for a block of its own)."""
+        buffer[self.rows, :, first_column + self.columns] = packed[0].transpose(0, 1)
+
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
         """``(N, ...)`` -> ``(B, L, ...)``, zeros at filler."""
         rows = packed.new_zeros((self.batch_size, self.width, *packed.shape[1:]))
@@ -96,7 +101,7 @@ def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         return attention(module, query, key, value, attention_mask, **kwargs)
     packing = call.packing
     queries = query.new_zeros(packing.batch_size, query.shape[1], packing.width, query.shape[-1])
-    queries[packing.rows, :, packing.columns] = query[0].transpose(0, 1)
+    packing.scatter_heads(queries, query)
     output, weights = attention(module, queries, key, value, attention_mask, **kwargs)  # (B, L, H, D)
     return packing.pack(output)[None], weights
 

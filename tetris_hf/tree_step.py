@@ -70,9 +70,9 @@ class TreeStep(ChainStep):
     def select(self, strategy: StepStrategy, grown: GrownTree, plan: DraftPlan) -> TreeSelection:
         """The strategy's ``select_tree``; a target token always follows the accepted path, so rows near their limit
         take shallower nodes only."""
-        loop, tree, depth = self.loop, grown.tree, self.depth
-        if loop.longest + depth >= loop.max_length:
-            max_depths = (loop.max_length - 1 - loop.lengths).clamp(min=0, max=depth)
+        tree, depth = grown.tree, self.depth
+        max_depths = self.room(depth)
+        if max_depths is not None:
             tree = tree._replace(valid=tree.valid & (tree.depths <= max_depths[:, None]))
         return TreeSelection(tree, strategy.select_tree(tree, plan), depth)
 

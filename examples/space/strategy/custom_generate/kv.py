@@ -91,9 +91,8 @@ class SlotLayer(CacheLayerMixin):
         owner = self.owner
         if owner.packing is not None:  # a packed forward: (1, H, N, D), each token into its row at its slot
             packing, start = owner.packing, owner.pointer
-            slots = start + packing.columns
-            self.keys[packing.rows, :, slots] = key_states[0].transpose(0, 1)
-            self.values[packing.rows, :, slots] = value_states[0].transpose(0, 1)
+            packing.scatter_heads(self.keys, key_states, start)
+            packing.scatter_heads(self.values, value_states, start)
             end = start + packing.width
             return self.keys[:, :, :end], self.values[:, :, :end]
         if owner.write_index is not None:  # a static-shape step: the padded batch, every slot
