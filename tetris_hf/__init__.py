@@ -3,14 +3,17 @@
 After ``import tetris_hf``::
 
     target.generate(input_ids, attention_mask=mask, assistant_model=draft, custom_generate="tetris")
+    tetris_hf.generate_batch(target, [ids_a, ids_b, ...], assistant_model=draft, max_new_tokens=64)  # a stream
 """
 
 from .candidate_generators.eagle import EagleDraft
+from .continuous import SpeculativeBatchingManager, generate_batch, init_continuous_batching
 from .generation import generate, register
 from .outputs import TetrisGenerateOutput, TetrisStats
 from .options import TetrisOptions
 
 __version__ = "0.1.0"
-__all__ = ["EagleDraft", "TetrisGenerateOutput", "TetrisOptions", "TetrisStats", "generate", "register"]
+__all__ = ["EagleDraft", "SpeculativeBatchingManager", "TetrisGenerateOutput", "TetrisOptions", "TetrisStats",
+           "generate", "generate_batch", "init_continuous_batching", "register"]
 
 register()

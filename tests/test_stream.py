@@ -1,0 +1,328 @@
+"""The request stream (tetris_hf.stream, tetris_hf.continuous): every request's output equals the target alone, rows
+joining mid-stream; bad requests, cancellation and failures stay with their own requests; nothing hangs or leaks."""
+
+import gc
+import threading
+import time
+import warnings
+
+import pytest
+import torch
+from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
+
+import tetris_hf
+import tetris_hf.logits.verification as verification
+from tetris_hf.stream import RequestStream
+from test_sampling_distribution import PROMPT, VOCAB, chi_square_p_value, exact_joint
+from tiny_models import EOS, PAD, noisy_copy, random_prompts, sharpen, tiny_llama
+
+STRATEGIES = ("tetris", "fixed", "adaptive", "dsd")
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_llama(seed=0)
+    return target, noisy_copy(target, 0.3)
+
+
+def alone(target, prompt, max_new_tokens, eos_token_id=None):
+    """The target by itself on one unpadded prompt, greedy: its new tokens."""
+    ids = torch.tensor([prompt])
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                          eos_token_id=eos_token_id, pad_token_id=PAD)
+    return out[0, len(prompt):].tolist()
+
+
+def requests(target, count, seed, max_prompt=40):
+    """Prompts of 1 .. max_prompt tokens, each with its own max_new_tokens and, for every third, an end token the
+    target emits on its way (so that row stops early)."""
+    prompts = random_prompts(count, target.config.vocab_size, seed=seed, min_length=1, max_length=max_prompt)
+    settings = []
+    for index, prompt in enumerate(prompts):
+        max_new = 3 + (index * 5) % 11
+        eos = None
+        if index % 3 == 0:
+            eos = alone(target, prompt, max_new)[max_new // 2]  # the row ends there (or where it first occurs)
+        settings.append((prompt, max_new, eos))
+    return settings
+
+
+def check_exact(target, stream, settings):
+    ids = [stream.add(prompt, max_new_tokens=max_new, eos_token_id=eos) for prompt, max_new, eos in settings]
+    outputs = {output.request_id: output for output in stream.run()}
+    for request_id, (prompt, max_new, eos) in zip(ids, settings):
+        output = outputs[request_id]
+        assert output.error is None and output.status == RequestStatus.FINISHED
+        assert output.generated_tokens == alone(target, prompt, max_new, eos), (request_id, prompt, max_new, eos)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("max_batch_size", [1, 3, 8])
+def test_stream_rows_equal_target_alone_draft_model(models, strategy, max_batch_size):
+    target, draft = models
+    stream = RequestStream(target, assistant_model=draft, max_batch_size=max_batch_size, prefill_chunk=7,
+                           eos_token_id=None, tetris_strategy=strategy, num_assistant_tokens=3)
+    check_exact(target, stream, requests(target, 12, seed=max_batch_size))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("max_batch_size", [1, 3, 8])
+def test_stream_rows_equal_target_alone_lookup(models, strategy, max_batch_size):
+    target, _ = models
+    stream = RequestStream(target, max_batch_size=max_batch_size, prefill_chunk=5, eos_token_id=None,
+                           tetris_strategy=strategy, prompt_lookup_num_tokens=4)
+    check_exact(target, stream, requests(target, 12, seed=10 + max_batch_size))
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_packed_and_padded_prompt_reads_are_exact(models, pack):
+    """Joining prompts are read packed where the model can be, padded otherwise: both exact, long prompts in several
+    chunks."""
+    target, draft = models
+    stream = RequestStream(target, assistant_model=draft, max_batch_size=4, prefill_chunk=16, eos_token_id=None,
+                           tetris_pack=pack)
+    assert stream.loop.target_slots.pack is pack
+    check_exact(target, stream, requests(target, 9, seed=5, max_prompt=120))
+
+
+def test_joining_prompts_are_read_packed(models):
+    """A joining row's prompt costs the target its own tokens only: the rows already decoding add no filler."""
+    target, draft = models
+    read = []
+    handle = target.model.embed_tokens.register_forward_hook(lambda module, args, out: read.append(args[0].numel()))
+    try:
+        stream = RequestStream(target, assistant_model=draft, max_batch_size=2, prefill_chunk=64, eos_token_id=None)
+        stream.add([5] * 3, max_new_tokens=30)
+        stream.step()  # the first row decodes
+        read.clear()
+        stream.add(list(range(3, 53)), max_new_tokens=5)
+        stream._admit()
+    finally:
+        handle.remove()
+    assert read == [49]  # the new prompt but its last token, and nothing for the row already there
+
+
+def test_a_bad_request_fails_alone(models):
+    target, draft = models
+    stream = RequestStream(target, assistant_model=draft, max_batch_size=3, max_length=64, eos_token_id=None)
+    good = requests(target, 4, seed=7, max_prompt=20)
+    ids = {}
+    for index, (prompt, max_new, eos) in enumerate(good):
+        ids[stream.add(prompt, max_new_tokens=max_new, eos_token_id=eos)] = (prompt, max_new, eos)
+        if index == 1:
+            empty = stream.add([])
+            too_long = stream.add(list(range(3, 63)) * 2)
+            out_of_vocab = stream.add([3, 4, 10_000])
+            negative = stream.add([3, -1])
+            bad_budget = stream.add([3, 4], max_new_tokens=0)
+    outputs = {output.request_id: output for output in stream.run()}
+    for request_id, reason in ((empty, "empty"), (too_long, "max_length"), (out_of_vocab, "vocabulary"),
+                               (negative, "vocabulary"), (bad_budget, "max_new_tokens")):
+        assert outputs[request_id].status == RequestStatus.FAILED and reason in outputs[request_id].error
+    for request_id, (prompt, max_new, eos) in ids.items():
+        assert outputs[request_id].generated_tokens == alone(target, prompt, max_new, eos)
+
+
+def test_a_request_too_long_for_its_new_tokens_stops_at_the_capacity(models):
+    target, draft = models
+    stream = RequestStream(target, assistant_model=draft, max_batch_size=2, max_length=30, eos_token_id=None)
+    [output] = [stream.add(list(range(3, 28)), max_new_tokens=20)] and stream.run()
+    assert len(output.generated_tokens) == 5  # up to 30 tokens in all
+    assert output.generated_tokens == alone(target, list(range(3, 28)), 5)
+
+
+def test_cancelling_frees_the_row_for_the_next_request(models):
+    target, draft = models
+    stream = RequestStream(target, assistant_model=draft, max_batch_size=1, eos_token_id=None)
+    first = stream.add([5, 6, 7], max_new_tokens=200)
+    second = stream.add([8, 9], max_new_tokens=6)
+    stream.step()
+    stream.step()
+    stream.cancel(first)
+    outputs = {output.request_id: output for output in stream.run()}
+    cancelled = outputs[first]
+    assert cancelled.status == RequestStatus.FAILED and cancelled.error == "cancelled"
+    assert 0 < len(cancelled.generated_tokens) < 200
+    assert cancelled.generated_tokens == alone(target, [5, 6, 7], 200)[: len(cancelled.generated_tokens)]
+    assert outputs[second].generated_tokens == alone(target, [8, 9], 6)
+
+
+def test_a_failing_step_fails_the_requests_in_flight_and_the_stream_goes_on(models):
+    target, draft = models
+    steps = []
+
+    def fail_on_third_step(record, loop):
+        steps.append(record)
+        if len(steps) == 3:
+            raise RuntimeError("injected fault")
+
+    stream = RequestStream(target, assistant_model=draft, max_batch_size=2, eos_token_id=None,
+                           tetris_step_callback=fail_on_third_step)
+    first = [stream.add([5, 6, 7], max_new_tokens=40), stream.add([8, 9], max_new_tokens=40)]
+    waiting = stream.add([10, 11, 12], max_new_tokens=5)
+    with pytest.raises(RuntimeError, match="injected fault"):
+        while stream.has_work:
+            stream.step()
+    failed = {output.request_id: output for output in stream.done}
+    assert set(failed) == set(first)
+    assert all(output.status == RequestStatus.FAILED and "injected fault" in output.error for output in failed.values())
+    stream.done.clear()
+    outputs = {output.request_id: output for output in stream.run()}  # the waiting request runs on a fresh loop
+    assert outputs[waiting].generated_tokens == alone(target, [10, 11, 12], 5)
+
+
+def test_refuses_what_it_cannot_stream(models):
+    target, draft = models
+    with pytest.raises(ValueError, match="tetris_compile"):
+        RequestStream(target, assistant_model=draft, tetris_compile=True)
+    with pytest.raises(ValueError, match="tetris_tree_width"):
+        RequestStream(target, assistant_model=draft, tetris_tree_width=2)
+    with pytest.raises(ValueError, match="needs a draft"):
+        RequestStream(target)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        RequestStream(target, assistant_model=draft, max_batch_size=0)
+    with pytest.raises(TypeError, match="unknown arguments"):
+        RequestStream(target, assistant_model=draft, not_an_option=1)
+
+
+def test_generate_batch_returns_transformers_outputs_in_input_order(models):
+    target, draft = models
+    settings = requests(target, 7, seed=3)
+    prompts = [prompt for prompt, _, _ in settings]
+    results = tetris_hf.generate_batch(target, prompts, assistant_model=draft, max_new_tokens=9, max_batch_size=3,
+                                       eos_token_id=None)
+    assert list(results) == [f"req_{index}" for index in range(7)]
+    for (request_id, output), prompt in zip(results.items(), prompts):
+        assert isinstance(output, GenerationOutput) and output.request_id == request_id
+        assert output.prompt_ids == prompt and output.is_finished()
+        assert output.generated_tokens == alone(target, prompt, 9)
+        assert output.lifespan[0] <= output.first_token_time <= output.lifespan[1]
+
+
+def test_manager_serves_requests_from_other_threads(models):
+    target, draft = models
+    settings = requests(target, 6, seed=4)
+    with tetris_hf.init_continuous_batching(target, assistant_model=draft, max_batch_size=2,
+                                            eos_token_id=None) as manager:
+        ids = {}
+
+        def submit(chunk):
+            for prompt, max_new, eos in chunk:
+                ids[manager.add_request(prompt, max_new_tokens=max_new, eos_token_id=eos)] = (prompt, max_new, eos)
+
+        threads = [threading.Thread(target=submit, args=(settings[i::2],)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        streamed = manager.add_request([7, 8, 9], max_new_tokens=12, streaming=True)
+        partials = list(manager.request_id_iter(streamed))
+        results = {request_id: manager.get_result(request_id, timeout=60) for request_id in ids}
+    for request_id, (prompt, max_new, eos) in ids.items():
+        assert results[request_id].generated_tokens == alone(target, prompt, max_new, eos)
+    expected = alone(target, [7, 8, 9], 12)
+    assert partials[-1].is_finished() and partials[-1].generated_tokens == expected
+    assert len(partials) > 2 and all(not partial.is_finished() for partial in partials[:-1])
+    for partial in partials[:-1]:  # each a prefix of the final output, growing
+        assert partial.generated_tokens == expected[: len(partial.generated_tokens)]
+    assert not manager.is_running()
+
+
+def test_manager_cancel_and_a_failing_step_do_not_hang(models):
+    target, draft = models
+    calls = []
+
+    def fail_once(record, loop):
+        calls.append(record)
+        if len(calls) == 4:
+            raise RuntimeError("injected fault")
+
+    manager = tetris_hf.init_continuous_batching(target, assistant_model=draft, max_batch_size=2, eos_token_id=None,
+                                                 tetris_step_callback=fail_once)
+    manager.start()
+    try:
+        long = manager.add_request([5, 6, 7], max_new_tokens=300)
+        victim = manager.add_request([8, 9], max_new_tokens=300)
+        time.sleep(0.05)
+        manager.cancel_request(long)
+        outputs = {request_id: manager.get_result(request_id, timeout=60) for request_id in (long, victim)}
+        assert outputs[long].status == RequestStatus.FAILED
+        assert outputs[victim].status == RequestStatus.FAILED  # cancelled too, or failed by the injected fault
+        after = manager.add_request([10, 11], max_new_tokens=5)
+        assert manager.get_result(after, timeout=60).generated_tokens == alone(target, [10, 11], 5)
+    finally:
+        manager.stop(block=True, timeout=60)
+    assert not manager.is_running()
+    leftover = tetris_hf.init_continuous_batching(target, assistant_model=draft, max_batch_size=1, eos_token_id=None)
+    leftover.start()
+    pending = leftover.add_request([5, 6], max_new_tokens=500)
+    leftover.stop(block=True, timeout=60)
+    output = leftover.get_result(pending, timeout=5)
+    assert output is not None and output.status == RequestStatus.FAILED  # stopping fails it, nobody waits forever
+
+
+def test_soak_many_small_requests_exact_and_memory_flat():
+    """500 small requests through a 4-row stream: every output exact, and the live tensors do not grow."""
+    target = tiny_llama(seed=3, hidden_size=16)
+    draft = noisy_copy(target, 0.3)
+    stream = RequestStream(target, assistant_model=draft, max_batch_size=4, eos_token_id=None)
+    settings = [(prompt, 2 + index % 5) for index, prompt in
+                enumerate(random_prompts(500, target.config.vocab_size, seed=9, min_length=1, max_length=12))]
+    counts = []
+    outputs = {}
+    for start in range(0, 500, 100):
+        ids = [stream.add(prompt, max_new_tokens=max_new) for prompt, max_new in settings[start : start + 100]]
+        outputs.update({output.request_id: output for output in stream.run()})
+        gc.collect()
+        with warnings.catch_warnings():  # (isinstance on every object touches deprecated torch names)
+            warnings.simplefilter("ignore")
+            counts.append(sum(int(obj.numel()) for obj in gc.get_objects() if isinstance(obj, torch.Tensor)))
+        assert len(ids) == 100
+    assert counts[-1] <= counts[1] * 1.1, counts  # after warm-up, nothing piles up
+    expected = {}
+    for (prompt, max_new), request_id in zip(settings, sorted(outputs, key=lambda name: int(name.split("_")[1]))):
+        expected[request_id] = alone(target, prompt, max_new)
+    assert all(outputs[request_id].generated_tokens == tokens for request_id, tokens in expected.items())
+
+
+SAMPLED_REQUESTS = 8000
+
+
+def sampled_stream(target, draft, seed=0):
+    """The first 3 tokens of many sampled requests of one prompt through a stream whose rows join mid-stream (half
+    the requests run 5 tokens, so the others join while they decode); a budget below the drafted cells."""
+    torch.manual_seed(seed)
+    stream = RequestStream(target, assistant_model=draft, max_batch_size=500, do_sample=True, temperature=1.0,
+                           top_p=1.0, top_k=0, eos_token_id=EOS, pad_token_id=PAD, num_assistant_tokens=1,
+                           tetris_extra_tokens=1, tetris_budget=250)
+    for index in range(SAMPLED_REQUESTS):
+        stream.add(PROMPT, max_new_tokens=3 if index % 2 else 5)
+    counts = {}
+    for output in stream.run():
+        first = (output.generated_tokens[:3] + [PAD] * 3)[:3]
+        if EOS in first:
+            first = first[: first.index(EOS) + 1] + [PAD] * (2 - first.index(EOS))
+        counts[tuple(first)] = counts.get(tuple(first), 0) + 1
+    return counts
+
+
+@pytest.fixture(scope="module")
+def sampling_pair():
+    target = sharpen(tiny_llama(VOCAB, num_layers=2, seed=21, hidden_size=16), 12)
+    draft = sharpen(tiny_llama(VOCAB, num_layers=1, seed=22, hidden_size=16), 12)
+    return target, draft
+
+
+def test_sampled_requests_joining_mid_stream_follow_the_target(sampling_pair, monkeypatch):
+    target, draft = sampling_pair
+    monkeypatch.setattr("test_sampling_distribution.ROWS", SAMPLED_REQUESTS)
+    counts = sampled_stream(target, draft)
+    assert chi_square_p_value(counts, exact_joint(target, 1.0, 1.0)) > 1e-3
+
+
+def test_chi_square_catches_a_biased_verifier_in_the_stream(sampling_pair, monkeypatch):
+    target, draft = sampling_pair
+    monkeypatch.setattr("test_sampling_distribution.ROWS", SAMPLED_REQUESTS)
+    monkeypatch.setattr(verification, "residual_distribution", lambda target_probs, draft_probs: (target_probs, None))
+    counts = sampled_stream(target, draft)
+    assert chi_square_p_value(counts, exact_joint(target, 1.0, 1.0)) < 1e-3
