@@ -15,6 +15,8 @@ COMMANDS = {
     "bench": ("tetris_hf.tools.bench", "throughput, acceptance and VSR of TETRIS vs the baselines on real prompts"),
     "distill": ("tetris_hf.tools.distill", "train a small same-tokenizer draft for a target by KL distillation"),
     "train-eagle": ("tetris_hf.tools.train_eagle", "train an EAGLE-3 draft head for a target, with training-time test"),
+    "stream-bench": ("tetris_hf.tools.stream_bench", "a stream of requests: continuous batching with TETRIS vs "
+                     "transformers' generate_batch and static chunks"),
     "simulate": ("tetris_hf.tools.simulate", "replay recorded acceptance traces under a cost curve"),
     "bound": ("tetris_hf.tools.bound", "optimal multi-draft acceptance vs verifiers on real distributions"),
 }

@@ -1,0 +1,310 @@
+"""``tetris-hf stream-bench``: a stream of requests, served four ways side by side in one process.
+
+Every request arrives at time 0 (a backlog, as a batch job or a burst of traffic sees it), with its own prompt, up to
+``--max-new-tokens`` new tokens, ending at EOS. The runs, on the same requests and the same target:
+
+- ``hf-generate-batch``: transformers' own continuous batching (``model.generate_batch``, no speculation), at most
+  ``--max-batch-size`` requests a batch;
+- ``generate-chunks``: static ``generate()`` on chunks of ``--max-batch-size`` requests, one after the other (each
+  chunk waits for its longest row);
+- ``tetris-chunks``: static TETRIS ``generate(custom_generate="tetris")`` on the same chunks;
+- ``stream-STRATEGY``: :func:`tetris_hf.generate_batch`, rows joining as others finish, for each ``--strategies``.
+
+Per run: output tokens/s, requests/s, time to first token and per-token latency (p50 / p99 over requests; per-token
+latency is a request's time from its first to its last token over the tokens between), the mean live rows a step,
+and whether every output equals plain ``generate()``'s. ``--repeats N`` runs every system N times in turn (the
+median is reported, with the range). Writes ``results.json`` and ``stream.png`` (live rows and tokens out over
+time, one line per run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from .cli import UsageError, load_pair, load_prompt_set, number_list, prompt_texts, resolve_device
+
+SYSTEMS = ("hf-generate-batch", "generate-chunks", "tetris-chunks")
+
+
+@dataclasses.dataclass
+class StreamRun:
+    """One run: when each request got its first and last token (seconds from the start), its tokens, and the live
+    rows over time ``(seconds, rows)``."""
+
+    name: str
+    seconds: float
+    first_token: list[float]
+    finished: list[float]
+    tokens: list[list[int]]
+    occupancy: list[tuple[float, int]]
+
+    def summary(self) -> dict:
+        total = sum(len(tokens) for tokens in self.tokens)
+        per_token = sorted((end - first) / (len(tokens) - 1) for first, end, tokens in
+                           zip(self.first_token, self.finished, self.tokens) if len(tokens) > 1)
+        first = sorted(self.first_token)
+        live = [rows for _, rows in self.occupancy]
+        return {
+            "name": self.name, "seconds": self.seconds, "tokens": total, "tokens_per_second": total / self.seconds,
+            "requests_per_second": len(self.tokens) / self.seconds,
+            "ttft_p50": _percentile(first, 50), "ttft_p99": _percentile(first, 99),
+            "per_token_p50": _percentile(per_token, 50), "per_token_p99": _percentile(per_token, 99),
+            "mean_live_rows": statistics.fmean(live) if live else 0.0,
+        }
+
+
+def _percentile(values: list[float], percent: float) -> float:
+    if not values:
+        return 0.0
+    index = min(len(values) - 1, max(0, round(percent / 100 * (len(values) - 1))))
+    return values[index]
+
+
+class _TokenClock:
+    """A stopping criterion that never stops anything: it notes when each of ``generate()``'s tokens came out, and
+    how many rows were still running."""
+
+    def __init__(self, start: float, eos: set[int]):
+        self.start, self.eos, self.times, self.live = start, eos, [], []
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        self.times.append(time.perf_counter() - self.start)
+        last = input_ids[:, -1].tolist()
+        self.live.append(sum(token not in self.eos for token in last))  # rows that just ended still count once
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def _cut(tokens: list[int], eos: set[int]) -> list[int]:
+    """A generated row up to and including its first end token (what a static batch pads after it dropped)."""
+    for index, token in enumerate(tokens):
+        if token in eos:
+            return tokens[: index + 1]
+    return tokens
+
+
+def run_chunks(name: str, target, prompts: list[list[int]], max_new_tokens: int, batch_size: int, eos: set[int],
+               pad: int, **generate_kwargs) -> StreamRun:
+    """Static ``generate()`` on consecutive chunks of ``batch_size`` prompts (left-padded)."""
+    from transformers import StoppingCriteriaList
+
+    start = time.perf_counter()
+    first, finished, outputs, occupancy = [], [], [], []
+    speculative = generate_kwargs.get("custom_generate") == "tetris"
+    for chunk_start in range(0, len(prompts), batch_size):
+        chunk = prompts[chunk_start : chunk_start + batch_size]
+        width = max(len(prompt) for prompt in chunk)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=target.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=target.device)
+        clock = _TokenClock(start, eos)
+        steps: list[tuple[float, int]] = []
+        kwargs = dict(generate_kwargs)
+        if speculative:
+            kwargs["tetris_step_callback"] = lambda record, loop: steps.append((time.perf_counter() - start,
+                                                                                  loop.num_rows))
+        else:
+            kwargs["stopping_criteria"] = StoppingCriteriaList([clock])
+        out = target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                              pad_token_id=pad, **kwargs)
+        done = time.perf_counter() - start
+        rows = [_cut(row, eos) for row in out[:, width:].tolist()]
+        outputs.extend(rows)
+        if speculative:  # a row's first token comes with the chunk's first step; its last, at the chunk's end
+            first.extend([steps[0][0] if steps else done] * len(rows))
+            finished.extend([done] * len(rows))
+            occupancy.extend(steps)
+        else:  # generate() emits one token per row per call: a row's n-th token came at call n
+            first.extend([clock.times[0]] * len(rows))
+            finished.extend(clock.times[len(row) - 1] if row else done for row in rows)
+            occupancy.extend(zip(clock.times, clock.live))
+    return StreamRun(name, time.perf_counter() - start, first, finished, outputs, occupancy)
+
+
+def run_hf_generate_batch(target, prompts: list[list[int]], max_new_tokens: int, batch_size: int, eos: set[int],
+                          pad: int) -> StreamRun:
+    """transformers' ``generate_batch`` (continuous batching, no speculation)."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=sorted(eos),
+                              pad_token_id=pad)
+    start = time.perf_counter()
+    results = target.generate_batch(prompts, generation_config=config, record_timestamps=True,
+                                    continuous_batching_config=ContinuousBatchingConfig(
+                                        max_requests_per_batch=batch_size))
+    seconds = time.perf_counter() - start
+    outputs = list(results.values())
+    for output in outputs:
+        if output.error:
+            raise RuntimeError(f"transformers' generate_batch failed a request: {output.error}")
+    first = [(output.timestamps[0] if output.timestamps else output.lifespan[1]) - start for output in outputs]
+    finished = [output.lifespan[1] - start for output in outputs]
+    tokens = [_cut(list(output.generated_tokens), eos) for output in outputs]
+    return StreamRun("hf-generate-batch", seconds, first, finished, tokens, [])
+
+
+def run_stream(name: str, target, prompts: list[list[int]], max_new_tokens: int, batch_size: int, eos: set[int],
+               pad: int, **options) -> StreamRun:
+    """:func:`tetris_hf.generate_batch`: rows join as others finish."""
+    import tetris_hf
+
+    occupancy: list[tuple[float, int]] = []
+    start = time.perf_counter()
+    options["tetris_step_callback"] = lambda record, loop: occupancy.append((time.perf_counter() - start,
+                                                                               loop.num_rows))
+    results = tetris_hf.generate_batch(target, prompts, max_new_tokens=max_new_tokens, max_batch_size=batch_size,
+                                       do_sample=False, eos_token_id=sorted(eos), pad_token_id=pad, **options)
+    seconds = time.perf_counter() - start
+    outputs = list(results.values())
+    for output in outputs:
+        if output.error:
+            raise RuntimeError(f"the stream failed a request: {output.error}")
+    first = [output.first_token_time - start for output in outputs]
+    finished = [output.lifespan[1] - start for output in outputs]
+    return StreamRun(name, seconds, first, finished, [_cut(list(o.generated_tokens), eos) for o in outputs],
+                     occupancy)
+
+
+def format_table(summaries: list[dict], reference: str) -> str:
+    base = next((row["tokens_per_second"] for row in summaries if row["name"] == reference), None)
+    header = (f"{'run':26s} {'tok/s':>8s} {'range':>13s} {'vs ' + reference:>22s} {'req/s':>7s} {'ttft p50':>9s} "
+              f"{'p99':>7s} {'ms/tok p50':>11s} {'p99':>7s} {'live rows':>9s} {'= generate':>10s}")
+    lines = [header, "-" * len(header)]
+    for row in summaries:
+        ratio = f"{row['tokens_per_second'] / base:.2f}x" if base else "-"
+        lines.append(
+            f"{row['name']:26s} {row['tokens_per_second']:8.1f} {row['range']:>13s} {ratio:>22s} "
+            f"{row['requests_per_second']:7.2f} {row['ttft_p50']:8.1f}s {row['ttft_p99']:6.1f}s "
+            f"{1000 * row['per_token_p50']:10.1f} {1000 * row['per_token_p99']:7.1f} {row['mean_live_rows']:9.1f} "
+            f"{row['equal']:>10s}")
+    return "\n".join(lines)
+
+
+def plot(runs: list[StreamRun], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (live_axis, tokens_axis) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for run in runs:
+        if run.occupancy:
+            times, rows = zip(*run.occupancy)
+            live_axis.step(times, rows, where="post", label=run.name)
+        order = sorted(zip(run.finished, (len(tokens) for tokens in run.tokens)))
+        done, total = [0.0], [0]
+        for end, count in order:
+            done.append(end)
+            total.append(total[-1] + count)
+        tokens_axis.step(done, total, where="post", label=run.name)
+    live_axis.set(xlabel="seconds", ylabel="rows decoding", title="batch occupancy")
+    tokens_axis.set(xlabel="seconds", ylabel="tokens of finished requests", title="output over time")
+    tokens_axis.legend(fontsize=8)
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompts", default="sharegpt", help="sharegpt | humaneval-edit | sharegpt-summarize | "
+                        "mtbench | humaneval | a .jsonl file")
+    parser.add_argument("--num-prompts", type=int, default=128)
+    parser.add_argument("--max-prompt-tokens", type=int, default=2048)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--max-batch-size", type=number_list(int, 1), default=(16,), help="comma list")
+    parser.add_argument("--strategies", default="tetris,fixed,adaptive",
+                        help="stream strategies (comma list), run after " + ", ".join(SYSTEMS))
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="baselines to run (comma list)")
+    parser.add_argument("--draft", default=None, help="a draft model (default: the shipped one), or 'lookup'")
+    parser.add_argument("--num-assistant-tokens", type=int, default=4, help="k")
+    parser.add_argument("--extra-tokens", type=int, default=2, help="TETRIS e")
+    parser.add_argument("--max-ngram", type=int, default=3, help="lookup's longest n-gram")
+    parser.add_argument("--target", default=None)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--output", default="stream-out")
+
+
+def main(args) -> int:
+    device = resolve_device(args.device)
+    lookup = args.draft == "lookup"
+    if lookup:
+        from .bench import load_lookup_target
+
+        target, tokenizer, info = load_lookup_target(args.target, device, None, args.max_ngram)
+        draft = None
+    else:
+        target, draft, tokenizer, info = load_pair(args.target, args.draft, device)
+    prompt_set = load_prompt_set(args.prompts)
+    texts, note = prompt_texts(prompt_set, args.num_prompts, tokenizer, args.max_prompt_tokens)
+    prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    eos = {int(token) for token in ([target.generation_config.eos_token_id] if isinstance(
+        target.generation_config.eos_token_id, int) else target.generation_config.eos_token_id or [])}
+    if not eos:
+        raise UsageError("the target has no eos_token_id: a stream of natural lengths needs one")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+    speculative = ({"prompt_lookup_num_tokens": args.num_assistant_tokens, "max_matching_ngram_size": args.max_ngram}
+                   if lookup else {"assistant_model": draft, "num_assistant_tokens": args.num_assistant_tokens})
+    systems = [name for name in args.systems.split(",") if name]
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        raise UsageError(f"unknown --systems {sorted(unknown)}: choose from {', '.join(SYSTEMS)}")
+    strategies = [name for name in args.strategies.split(",") if name]
+    output = Path(args.output)
+    output.mkdir(parents=True, exist_ok=True)
+    print(f"{len(prompts)} requests ({note}); prompt tokens {min(map(len, prompts))}-{max(map(len, prompts))}, "
+          f"up to {args.max_new_tokens} new; {device}\n{info}")
+    report = {"prompts": args.prompts, "note": note, "num_requests": len(prompts), "runs": {}}
+    for batch_size in args.max_batch_size:
+        plans = []
+        for name in systems:
+            if name == "hf-generate-batch":
+                plans.append((name, lambda b=batch_size: run_hf_generate_batch(target, prompts, args.max_new_tokens, b,
+                                                                               eos, pad)))
+            elif name == "generate-chunks":
+                plans.append((name, lambda b=batch_size: run_chunks("generate-chunks", target, prompts,
+                                                                    args.max_new_tokens, b, eos, pad)))
+            else:
+                plans.append((name, lambda b=batch_size: run_chunks(
+                    "tetris-chunks", target, prompts, args.max_new_tokens, b, eos, pad, custom_generate="tetris",
+                    tetris_extra_tokens=args.extra_tokens, **speculative)))
+        for strategy in strategies:
+            plans.append((f"stream-{strategy}", lambda b=batch_size, s=strategy: run_stream(
+                f"stream-{s}", target, prompts, args.max_new_tokens, b, eos, pad, tetris_strategy=s,
+                tetris_extra_tokens=args.extra_tokens, **speculative)))
+        runs: dict[str, list[StreamRun]] = {name: [] for name, _ in plans}
+        for repeat in range(args.repeats):
+            for name, run in plans:
+                with torch.no_grad():
+                    runs[name].append(run())
+                print(f"  B={batch_size} repeat {repeat + 1}/{args.repeats} {name}: "
+                      f"{runs[name][-1].summary()['tokens_per_second']:.1f} tok/s", flush=True)
+        reference = next((results[0].tokens for name, results in runs.items() if name == "generate-chunks"), None)
+        summaries, medians = [], []
+        for name, results in runs.items():
+            speeds = [result.summary()["tokens_per_second"] for result in results]
+            median = sorted(results, key=lambda result: result.summary()["tokens_per_second"])[len(results) // 2]
+            summary = median.summary()
+            summary["range"] = f"{min(speeds):.1f}-{max(speeds):.1f}"
+            summary["repeats"] = speeds
+            equal = sum(a == b for a, b in zip(median.tokens, reference)) if reference else None
+            summary["equal"] = f"{equal}/{len(prompts)}" if equal is not None else "-"
+            summaries.append(summary)
+            medians.append(median)
+        faster = max((row for row in summaries if row["name"] in ("hf-generate-batch", "generate-chunks")),
+                     key=lambda row: row["tokens_per_second"], default=None)
+        table = format_table(summaries, faster["name"] if faster else summaries[0]["name"])
+        print(f"\nmax_batch_size {batch_size}, {len(prompts)} requests, median of {args.repeats}:\n{table}\n")
+        report["runs"][str(batch_size)] = summaries
+        (output / f"table-b{batch_size}.txt").write_text(table + "\n")
+        plot(medians, output / f"stream-b{batch_size}.png",
+             f"{args.prompts}: {len(prompts)} requests, max_batch_size {batch_size}")
+    (output / "results.json").write_text(json.dumps(report, indent=1))
+    print(f"wrote {output / 'results.json'} and the plots")
+    return 0
