@@ -201,8 +201,8 @@ def read_continuations(path: Path, prompts: list[list[int]], settings: dict) -> 
             batch = json.loads(line) if line.endswith(b"\n") else None
         except json.JSONDecodeError:
             batch = None
-        if batch is None:
-            if number < len(lines):
+        if not isinstance(batch, dict):
+            if number < len(lines) or batch is not None:
                 raise UsageError(f"{path}: line {number} is not a line that train-eagle writes; the file is damaged: "
                                  "delete it to generate the continuations again")
             print(f"train-eagle: {path}: its last line (line {number}) is cut off, a write that was interrupted; "
@@ -745,10 +745,10 @@ def main(args) -> int:
     assistant_only = args.loss_mask == "assistant"
     output.mkdir(parents=True, exist_ok=True)
 
-    def continuations_of(chats_: list, kind: str) -> tuple[list[Sample], dict, str] | None:
+    def continuations_of(subset: list, kind: str) -> tuple[list[Sample], dict, str] | None:
         """The target's greedy continuations of the chats' first human turns (prompt + continuation rows, the
         prompt's last position as ``loss_from``), from the resumable file of ``kind``; ``None`` at the deadline."""
-        prompts, skipped = prompt_ids(chats_, tokenizer, prompt_limit)
+        prompts, skipped = prompt_ids(subset, tokenizer, prompt_limit)
         if not prompts:
             raise UsageError(f"no {kind.replace('_', '-')} prompt fits in --seq-len {args.seq_len} minus --gen-tokens "
                              f"{args.gen_tokens} = {prompt_limit} tokens")
