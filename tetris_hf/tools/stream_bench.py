@@ -133,10 +133,13 @@ def run_hf_generate_batch(target, prompts: list[list[int]], max_new_tokens: int,
 
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=sorted(eos),
                               pad_token_id=pad)
+    # Its paged cache sized for these requests (left to itself it takes a share of the machine's memory, which on a
+    # CPU costs seconds to allocate): every row at its longest, 256 tokens a page.
+    pages = batch_size * -(-(max(map(len, prompts)) + max_new_tokens) // 256) + batch_size
+    batching = ContinuousBatchingConfig(max_requests_per_batch=batch_size, num_blocks=pages, max_batch_tokens=512)
     start = time.perf_counter()
-    results = target.generate_batch(prompts, generation_config=config, record_timestamps=True,
-                                    continuous_batching_config=ContinuousBatchingConfig(
-                                        max_requests_per_batch=batch_size))
+    results = target.generate_batch(prompts, generation_config=config, record_timestamps=True, warmup=False,
+                                    continuous_batching_config=batching)
     seconds = time.perf_counter() - start
     outputs = list(results.values())
     for output in outputs:
@@ -231,8 +234,106 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", default="stream-out")
 
 
+@dataclasses.dataclass
+class StreamBenchConfig:
+    """What to run: the baselines (:data:`SYSTEMS`), the stream's strategies, each at every ``max_batch_sizes``."""
+
+    max_new_tokens: int = 256
+    max_batch_sizes: tuple[int, ...] = (16,)
+    systems: tuple[str, ...] = SYSTEMS
+    strategies: tuple[str, ...] = ("tetris", "fixed", "adaptive")
+    lookup: bool = False
+    num_assistant_tokens: int = 4
+    extra_tokens: int = 2
+    max_ngram: int = 3
+    repeats: int = 1
+
+
+def _gather(run: StreamRun, indices: list[int]) -> StreamRun:
+    """One run's per-process parts (``accelerate launch``) as one: requests in their order, wall time the slowest
+    process's."""
+    from accelerate.utils import gather_object
+
+    parts = gather_object([(dataclasses.asdict(run), list(indices))])
+    by_index = {}
+    for part, part_indices in parts:
+        for position, index in enumerate(part_indices):
+            by_index[index] = (part["first_token"][position], part["finished"][position], part["tokens"][position])
+    ordered = [by_index[index] for index in sorted(by_index)]
+    occupancy = sorted(point for part, _ in parts for point in part["occupancy"])
+    return StreamRun(run.name, max(part["seconds"] for part, _ in parts), [item[0] for item in ordered],
+                     [item[1] for item in ordered], [item[2] for item in ordered], occupancy)
+
+
+def run_stream_bench(target, draft, prompts: list[list[int]], eos: set[int], pad: int, config: StreamBenchConfig,
+                     state=None, log=print) -> dict:
+    """Every system and stream strategy on ``prompts`` (token ids), ``config.repeats`` times in turn, at each batch
+    size. Returns ``{"runs": {batch_size: [summary, ...]}, "medians": {batch_size: [StreamRun, ...]}}``; under
+    ``accelerate launch`` (``state``) each process serves its share of the requests and the runs are gathered."""
+    indices = list(range(len(prompts)))
+    if state is not None:
+        with state.split_between_processes(indices) as mine:
+            indices = list(mine)
+    mine = [prompts[index] for index in indices]
+    speculative = ({"prompt_lookup_num_tokens": config.num_assistant_tokens,
+                    "max_matching_ngram_size": config.max_ngram} if config.lookup
+                   else {"assistant_model": draft, "num_assistant_tokens": config.num_assistant_tokens})
+    report = {"runs": {}, "medians": {}}
+    for batch_size in config.max_batch_sizes:
+        plans = []
+        for name in config.systems:
+            if name == "hf-generate-batch":
+                plans.append((name, lambda b=batch_size: run_hf_generate_batch(target, mine, config.max_new_tokens,
+                                                                               b, eos, pad)))
+            elif name == "generate-chunks":
+                plans.append((name, lambda b=batch_size: run_chunks(name, target, mine, config.max_new_tokens, b,
+                                                                    eos, pad)))
+            else:
+                plans.append((name, lambda b=batch_size: run_chunks(
+                    "tetris-chunks", target, mine, config.max_new_tokens, b, eos, pad, custom_generate="tetris",
+                    tetris_extra_tokens=config.extra_tokens, **speculative)))
+        for strategy in config.strategies:
+            plans.append((f"stream-{strategy}", lambda b=batch_size, s=strategy: run_stream(
+                f"stream-{s}", target, mine, config.max_new_tokens, b, eos, pad, tetris_strategy=s,
+                tetris_extra_tokens=config.extra_tokens, **speculative)))
+        runs: dict[str, list[StreamRun]] = {name: [] for name, _ in plans}
+        for repeat in range(config.repeats):
+            for name, run in plans:
+                with torch.no_grad():
+                    result = run()
+                runs[name].append(result if state is None else _gather(result, indices))
+                log(f"  B={batch_size} repeat {repeat + 1}/{config.repeats} {name}: "
+                    f"{runs[name][-1].summary()['tokens_per_second']:.1f} tok/s")
+        reference = runs["generate-chunks"][0].tokens if "generate-chunks" in runs else None
+        summaries, medians = [], []
+        for name, results in runs.items():
+            speeds = [result.summary()["tokens_per_second"] for result in results]
+            median = sorted(results, key=lambda result: result.summary()["tokens_per_second"])[len(results) // 2]
+            summary = median.summary()
+            summary["range"] = f"{min(speeds):.1f}-{max(speeds):.1f}"
+            summary["repeats"] = speeds
+            equal = sum(a == b for a, b in zip(median.tokens, reference)) if reference else None
+            summary["equal"] = f"{equal}/{len(median.tokens)}" if equal is not None else "-"
+            summaries.append(summary)
+            medians.append(median)
+        report["runs"][batch_size] = summaries
+        report["medians"][batch_size] = medians
+    return report
+
+
+def reference_name(summaries: list[dict]) -> str:
+    """The faster of transformers' ``generate_batch`` and static ``generate()`` chunks (what a stream must beat)."""
+    baselines = [row for row in summaries if row["name"] in ("hf-generate-batch", "generate-chunks")]
+    return max(baselines, key=lambda row: row["tokens_per_second"])["name"] if baselines else summaries[0]["name"]
+
+
 def main(args) -> int:
+    from .bench import distributed_state
+
     device = resolve_device(args.device)
+    state = distributed_state(device)
+    if state is not None and device.type == "cuda":
+        device = state.device  # one GPU per process
     lookup = args.draft == "lookup"
     if lookup:
         from .bench import load_lookup_target
@@ -244,67 +345,36 @@ def main(args) -> int:
     prompt_set = load_prompt_set(args.prompts)
     texts, note = prompt_texts(prompt_set, args.num_prompts, tokenizer, args.max_prompt_tokens)
     prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
-    eos = {int(token) for token in ([target.generation_config.eos_token_id] if isinstance(
-        target.generation_config.eos_token_id, int) else target.generation_config.eos_token_id or [])}
+    eos_setting = target.generation_config.eos_token_id
+    eos = {int(token) for token in ([eos_setting] if isinstance(eos_setting, int) else eos_setting or [])}
     if not eos:
         raise UsageError("the target has no eos_token_id: a stream of natural lengths needs one")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
-    speculative = ({"prompt_lookup_num_tokens": args.num_assistant_tokens, "max_matching_ngram_size": args.max_ngram}
-                   if lookup else {"assistant_model": draft, "num_assistant_tokens": args.num_assistant_tokens})
-    systems = [name for name in args.systems.split(",") if name]
+    systems = tuple(name for name in args.systems.split(",") if name)
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         raise UsageError(f"unknown --systems {sorted(unknown)}: choose from {', '.join(SYSTEMS)}")
-    strategies = [name for name in args.strategies.split(",") if name]
+    config = StreamBenchConfig(args.max_new_tokens, tuple(args.max_batch_size), systems,
+                               tuple(name for name in args.strategies.split(",") if name), lookup,
+                               args.num_assistant_tokens, args.extra_tokens, args.max_ngram, args.repeats)
+    main_process = state is None or state.is_main_process
+    log = (lambda line: print(line, flush=True)) if main_process else (lambda line: None)
+    log(f"{len(prompts)} requests ({note}); prompt tokens {min(map(len, prompts))}-{max(map(len, prompts))}, "
+        f"up to {args.max_new_tokens} new; {device}"
+        f"{f', {state.num_processes} processes' if state is not None else ''}\n{info}")
+    report = run_stream_bench(target, draft, prompts, eos, pad, config, state, log)
+    if not main_process:
+        return 0
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
-    print(f"{len(prompts)} requests ({note}); prompt tokens {min(map(len, prompts))}-{max(map(len, prompts))}, "
-          f"up to {args.max_new_tokens} new; {device}\n{info}")
-    report = {"prompts": args.prompts, "note": note, "num_requests": len(prompts), "runs": {}}
-    for batch_size in args.max_batch_size:
-        plans = []
-        for name in systems:
-            if name == "hf-generate-batch":
-                plans.append((name, lambda b=batch_size: run_hf_generate_batch(target, prompts, args.max_new_tokens, b,
-                                                                               eos, pad)))
-            elif name == "generate-chunks":
-                plans.append((name, lambda b=batch_size: run_chunks("generate-chunks", target, prompts,
-                                                                    args.max_new_tokens, b, eos, pad)))
-            else:
-                plans.append((name, lambda b=batch_size: run_chunks(
-                    "tetris-chunks", target, prompts, args.max_new_tokens, b, eos, pad, custom_generate="tetris",
-                    tetris_extra_tokens=args.extra_tokens, **speculative)))
-        for strategy in strategies:
-            plans.append((f"stream-{strategy}", lambda b=batch_size, s=strategy: run_stream(
-                f"stream-{s}", target, prompts, args.max_new_tokens, b, eos, pad, tetris_strategy=s,
-                tetris_extra_tokens=args.extra_tokens, **speculative)))
-        runs: dict[str, list[StreamRun]] = {name: [] for name, _ in plans}
-        for repeat in range(args.repeats):
-            for name, run in plans:
-                with torch.no_grad():
-                    runs[name].append(run())
-                print(f"  B={batch_size} repeat {repeat + 1}/{args.repeats} {name}: "
-                      f"{runs[name][-1].summary()['tokens_per_second']:.1f} tok/s", flush=True)
-        reference = next((results[0].tokens for name, results in runs.items() if name == "generate-chunks"), None)
-        summaries, medians = [], []
-        for name, results in runs.items():
-            speeds = [result.summary()["tokens_per_second"] for result in results]
-            median = sorted(results, key=lambda result: result.summary()["tokens_per_second"])[len(results) // 2]
-            summary = median.summary()
-            summary["range"] = f"{min(speeds):.1f}-{max(speeds):.1f}"
-            summary["repeats"] = speeds
-            equal = sum(a == b for a, b in zip(median.tokens, reference)) if reference else None
-            summary["equal"] = f"{equal}/{len(prompts)}" if equal is not None else "-"
-            summaries.append(summary)
-            medians.append(median)
-        faster = max((row for row in summaries if row["name"] in ("hf-generate-batch", "generate-chunks")),
-                     key=lambda row: row["tokens_per_second"], default=None)
-        table = format_table(summaries, faster["name"] if faster else summaries[0]["name"])
-        print(f"\nmax_batch_size {batch_size}, {len(prompts)} requests, median of {args.repeats}:\n{table}\n")
-        report["runs"][str(batch_size)] = summaries
+    saved = {"prompts": args.prompts, "note": note, "num_requests": len(prompts), "command": vars(args) | {
+        "_main": None}, "runs": {str(size): rows for size, rows in report["runs"].items()}}
+    for batch_size, summaries in report["runs"].items():
+        table = format_table(summaries, reference_name(summaries))
+        log(f"\nmax_batch_size {batch_size}, {len(prompts)} requests, median of {args.repeats}:\n{table}\n")
         (output / f"table-b{batch_size}.txt").write_text(table + "\n")
-        plot(medians, output / f"stream-b{batch_size}.png",
+        plot(report["medians"][batch_size], output / f"stream-b{batch_size}.png",
              f"{args.prompts}: {len(prompts)} requests, max_batch_size {batch_size}")
-    (output / "results.json").write_text(json.dumps(report, indent=1))
-    print(f"wrote {output / 'results.json'} and the plots")
+    (output / "results.json").write_text(json.dumps(saved, indent=1, default=str))
+    log(f"wrote {output / 'results.json'}, the tables and the plots")
     return 0
