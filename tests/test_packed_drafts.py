@@ -70,10 +70,10 @@ def packed_draft_forwards(monkeypatch, target) -> list[int]:
     computed = []
     real = SlotCache._packed_run
 
-    def spy(self, forward, model, input_ids, attention_mask, position_ids, packing, logits_to_keep):
+    def spy(self, forward, model, input_ids, attention_mask, position_ids, packing, *args):
         if model is not target:
             computed.append(packing.num_tokens)
-        return real(self, forward, model, input_ids, attention_mask, position_ids, packing, logits_to_keep)
+        return real(self, forward, model, input_ids, attention_mask, position_ids, packing, *args)
 
     monkeypatch.setattr(SlotCache, "_packed_run", spy)
     return computed
