@@ -395,8 +395,8 @@ class SlotCache:
     def _packing(self, input_mask: torch.Tensor | None, real_lengths: torch.Tensor | None, num_real: int | None,
                  width: int, logits_to_keep: int) -> Packing | None:
         """How a forward's block is read packed (arguments as in :meth:`forward`), or ``None``: read padded, as a block
-        without filler is (it is packed already), one whose real tokens nobody counted on the host, or one on a cache
-        that does not pack."""
+        without filler is (it is packed already), one whose real tokens nobody counted on the host, one keeping more
+        than its last column's logits, or one on a cache that does not pack."""
         if num_real is None or not self.packs or logits_to_keep > 1 or (input_mask is None and real_lengths is None):
             return None
         rows = (input_mask if real_lengths is None else real_lengths).shape[0]
@@ -413,7 +413,11 @@ class SlotCache:
         ``logits_to_keep`` (1) those of each row's last real token, ``(B, 1, V)``, the head computed at those ``B``
         tokens only (transformers' ``logits_to_keep`` as a tensor of sequence indices); ``None`` with
         ``discard_logits`` (the head computes one position)."""
-        keep = 1 if discard_logits else packing.ends - 1 if logits_to_keep else 0
+        keep = 0  # every token's logits
+        if discard_logits:
+            keep = 1  # the head at one token, whichever
+        elif logits_to_keep:
+            keep = packing.ends - 1  # (B,) each row's last token in the packed sequence
         self.packing = packing
         try:
             with packed_attention(model, packing):
