@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import LogitsProcessorList
 
-from tetris_hf.candidate_generators.batched_draft import BatchedDraftCandidateGenerator
+from tetris_hf.candidate_generators.batched_draft import BatchedDraftCandidateGenerator, split_pending_read
 from tetris_hf.logits import PositionwiseLogitsProcessor
 from tetris_hf.step import ReadHints, Verdict
 from test_slot_cache import RecordingModel, cached_tokens
@@ -96,16 +96,24 @@ def test_a_host_bound_below_k_queues_only_the_targets_token():
 
 
 @pytest.mark.parametrize("accepted,width", [([0, 1, 2, 0], 1), ([0, 1, 2, 3], 2)])
-def test_pending_width_trims_columns_that_are_filler_in_every_row(accepted, width):
+@pytest.mark.parametrize("plain_width", [False, True], ids=["read", "plain-width"])
+def test_the_pending_read_trims_columns_that_are_filler_in_every_row_and_counts_the_rest(accepted, width,
+                                                                                        plain_width):
+    """The loop reads ``pending_width()`` with its end-of-step read and hands it back: the block loses the columns
+    that are filler in every row, and the drafter learns how many tokens wait (its next forward reads them packed);
+    a plain width trims alike and leaves the count unknown."""
     drafter, _ = drafter_after_proposal(3)
     drafter.accept(verdict(accepted))  # no host bound: two columns
-    assert drafter.pending_tokens.shape[1] == 2
-    assert int(drafter.pending_width()) == width
-    drafter.trim_pending(width)
+    assert drafter.pending_tokens.shape[1] == 2 and drafter.pending_count is None
+    real = 4 + sum(a == 3 for a in accepted)
+    read = int(drafter.pending_width())
+    assert split_pending_read(read, 2) == (width, real)
+    drafter.trim_pending(width if plain_width else read)
     assert drafter.pending_tokens[:, -1].tolist() == [20, 21, 22, 23]
     assert drafter.pending_tokens.shape[1] == drafter.pending_mask.shape[1] == width
-    assert drafter.pending_mask.sum().item() == 4 + sum(a == 3 for a in accepted)
+    assert drafter.pending_mask.sum().item() == real
     assert drafter.pending_real == (width == 1)  # one column left: all real, the next forward needs no mask
+    assert drafter.pending_count == (None if plain_width and width > 1 else real)
 
 
 def test_a_single_draft_leaves_the_cache_alone_and_queues_it_only_if_accepted():

@@ -22,8 +22,9 @@ __all__ = ["Drafter", "Proposal", "TreeDrafter", "Verdict"]
 
 class Drafter(CandidateGeneratorAPI):
     """The loop's side of a drafter. Rows are the loop's active rows, in its order (finished rows leave through
-    :meth:`fill_rows`). Nothing here may read the device: what a drafter needs on the host it keeps as bounds or
-    gets from the loop's own reads (:meth:`live_lengths`, :meth:`pending_width`, the verdict's hints).
+    :meth:`fill_rows`). Nothing here may read the device in a step: what a drafter needs on the host it keeps as
+    bounds or gets from the loop's own reads (:meth:`live_lengths`, :meth:`pending_width`, the verdict's hints);
+    :meth:`prefill`, before the first step, may (a packing draft counts its prompt's real tokens).
 
     A drafter implements :meth:`prefill`, :meth:`propose`, :meth:`accept` and :meth:`fill_rows`; the rest do nothing
     here, for drafters that keep no cache and read nothing of the target.
@@ -84,7 +85,7 @@ class Drafter(CandidateGeneratorAPI):
         drafter needs nothing read."""
         return None
 
-    def trim_pending(self, width: int) -> None:
+    def trim_pending(self, read: int) -> None:
         """What :meth:`pending_width` was, read."""
 
 

@@ -19,7 +19,7 @@ import torch
 
 from ..kv import SlotCache
 from ..logits import PositionwiseLogitsProcessor
-from .batched_draft import BatchedDraftCandidateGenerator
+from .batched_draft import BatchedDraftCandidateGenerator, real_tokens
 from .drafter import Verdict
 from .eagle import EagleDraft, FeatureTap
 
@@ -64,25 +64,27 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, all_real: bool = False) -> None:
         """Wait for the prompt's features (the target's prompt forward, handed to the first :meth:`accept`)."""
         self.slots = SlotCache(input_ids.shape[0], input_ids.device, self.max_holes, self.capacity)
+        self.slots.pack = self.pack
         self._prompt = (input_ids, attention_mask.long())
         self.pending_real = all_real
+        self.pending_count = real_tokens(attention_mask, all_real) if self.pack else None  # (the prompt's block)
 
     def catch_up(self) -> None:
         """Read the pending block but its last column (which opens the next proposal)."""
         if self.pending_tokens.shape[1] <= 2:
             return
         call = self.head.with_features(target_features=self.pending_features[:, :-1])
-        self.slots.forward(call, self.pending_tokens[:, :-1], self.pending_mask[:, :-1], logits_to_keep=1)
-        self.pending_tokens, self.pending_mask = self.pending_tokens[:, -1:], self.pending_mask[:, -1:]
+        self.slots.prefill(call, self.pending_tokens, self.pending_mask, self.pending_count)
         self.pending_features = self.pending_features[:, -1:]
-        self.pending_real = True
+        self._pending_last_column()
 
     def _draft_forward(self, step: int, tokens: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         if step == 0:  # the pending block, with the target's features
             call = self.head.with_features(target_features=self.pending_features)
         else:  # the last draft, with the head's own output before it
             call = self.head.with_features(draft_features=self._out)
-        logits = self.slots.forward(call, tokens, mask, logits_to_keep=1, step=True)
+        logits = self.slots.forward(call, tokens, mask, logits_to_keep=1, step=True,
+                                    num_real=self.pending_count if step == 0 else None)
         self._out = call.outputs.features[:, -1:]
         return logits
 
@@ -149,6 +151,7 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
             self.pending_tokens = torch.cat([self.pending_tokens, next_tokens[:, None]], dim=1)
             self.pending_mask = torch.cat([self.pending_mask, ones], dim=1)
             self.pending_features = torch.cat([self.pending_features, features[:, :1]], dim=1)
+            self._add_to_count(self.pending_tokens.shape[0])  # (a plain step: one per row)
             return
         # The cache holds the old pending block, then drafts 1..K-1 (read with the head's own features): drop those.
         if drafted > 1:
@@ -177,6 +180,7 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
         self.pending_features = features.gather(1, source[..., None].expand(-1, -1, features.shape[-1]))
         self.pending_mask = real.long()
         self.pending_real = width == 1
+        self.pending_count = num_accepted.shape[0] if width == 1 else None  # (else until the loop's read says)
         self.slots.compact(cached_longest)
 
     def add_rows(self, last_tokens: torch.Tensor, prompt_lengths: list[int]) -> None:
@@ -184,14 +188,15 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
                                   "each joining prompt); a request stream runs plain, prompt-lookup and draft-model "
                                   "drafting")
 
-    def trim_pending(self, width: int) -> None:
+    def _keep_pending_columns(self, width: int) -> None:
         if 0 < width < self.pending_tokens.shape[1]:
             self.pending_features = self.pending_features[:, -width:]
-        super().trim_pending(width)
+        super()._keep_pending_columns(width)
 
     def fill_rows(self, targets: torch.Tensor, sources: torch.Tensor, num_rows: int) -> None:
         rows = self.slots.fill_rows(targets, sources, num_rows)
         self.pending_tokens, self.pending_mask = self.pending_tokens[rows], self.pending_mask[rows]
         self.pending_features = self.pending_features[rows]
+        self._count_after_fill()
         if self._drafts is not None:
             self._drafts = self._drafts[rows]
