@@ -41,7 +41,10 @@ it is cut (SIGALRM) and the script moves on, keeping the cells it finished (on a
    (``tetris-padded``: ``tetris_pack=False``), to time packing. Every speculative output is compared with plain
    ``generate()`` on the same batch by ``tetris_hf.divergence``: identical, or first differing at a near-tie that bf16
    rounding explains, or a real difference.
-3. ``<pair>: host reads``: device -> host reads per step (``examples/host_reads.py``) at batch 8.
+3. ``<pair>: host reads``: device -> host reads per step (``examples/host_reads.py``) at batch 8; then ``<pair>:
+   stream``: a backlog of ``4 x`` the largest batch size's requests through transformers' ``generate_batch``, static
+   ``generate()`` in chunks and the request stream (``tetris_hf.generate_batch``, TETRIS and fixed), every output
+   checked against static ``generate()``'s (``tetris_hf.tools.stream_bench``).
 4. ``<target>: nf4`` / ``int8``: the target quantized by bitsandbytes on CUDA (``tetris_hf.quantization``), timed and
    compared as in 2 against the same quantized target's plain ``generate()``; the draft stays bf16. The target is
    ``smol`` when loaded (cheap to reload), else the random target saved once to ``--workdir``.
@@ -107,7 +110,8 @@ PROMPTS = [
     "Describe the water cycle to a ten-year-old.",
 ]
 # Nominal seconds per part (GPU); --time-limit cuts whatever does not fit.
-BUDGETS = {"load": 60, "build": 45, "eager": 50, "host reads": 10, "nf4": 30, "int8": 30, "compiled": 50}
+BUDGETS = {"load": 60, "build": 45, "eager": 50, "host reads": 10, "stream": 60, "nf4": 30, "int8": 30,
+           "compiled": 50}
 
 
 def parse_args(argv=None):
@@ -692,6 +696,35 @@ class Check:
             for mode in MODES:
                 self.record_reads(host_reads_cell(self.pairs[name], mode, True, self.args))
 
+    def stream(self, name: str) -> None:
+        """A backlog of ``4 x`` the largest batch size's requests (prompts of different lengths, an end token the
+        random targets reach now and then) through transformers' ``generate_batch``, static ``generate()`` in chunks
+        and the request stream (``tetris_hf.generate_batch``, TETRIS and fixed)."""
+        from tetris_hf.tools.stream_bench import StreamBenchConfig, format_table, reference_name, run_stream_bench
+
+        pair, batch = self.pairs[name], max(self.args.batch_sizes)
+        prompts = self.pairs[name].prompts
+        if prompts.tokenizer is not None:
+            texts = [PROMPTS[i % len(PROMPTS)] * (1 + i % 3) for i in range(4 * batch)]
+            requests = [prompts.tokenizer(text)["input_ids"] for text in texts]
+            eos, pad = pair.eos or {prompts.tokenizer.eos_token_id}, prompts.tokenizer.pad_token_id
+        else:
+            generator = torch.Generator().manual_seed(self.args.seed)
+            requests = [torch.randint(3, prompts.vocab_size, (int(length),), generator=generator).tolist()
+                        for length in torch.randint(16, 129, (4 * batch,), generator=generator)]
+            eos, pad = {3}, PAD  # a token a random target emits about once in vocab_size
+        config = StreamBenchConfig(max_new_tokens=self.args.new_tokens, max_batch_sizes=(batch,),
+                                   strategies=("tetris", "fixed"), num_assistant_tokens=self.args.k,
+                                   extra_tokens=self.args.extra)
+        report = run_stream_bench(pair.target, pair.draft, requests, eos, pad, config,
+                                  log=lambda line: print(line, flush=True))
+        summaries = report["runs"][batch]
+        for row in summaries:
+            row.pop("repeats", None)
+        self.report.setdefault("stream", []).append({"pair": name, "batch": batch, "requests": len(requests),
+                                                     "runs": summaries})
+        print(format_table(summaries, reference_name(summaries)), flush=True)
+
     def quantized(self, name: str, precision: str) -> None:
         if torch.device(self.args.device).type != "cuda":
             raise Skip("bitsandbytes targets are checked on CUDA here (on a CPU: tests/test_quantization.py)")
@@ -753,6 +786,7 @@ class Check:
         for name in pairs:
             self.part(f"{name}: eager", "eager", self.eager, name)
             self.part(f"{name}: host reads", "host reads", self.host_reads, name)
+            self.part(f"{name}: stream", "stream", self.stream, name)
         model_pairs = [name for name in pairs if not name.endswith("+eagle")]
         quantized = "smol" if "smol" in self.pairs else model_pairs[-1] if model_pairs else None
         for precision in ("nf4", "int8"):
@@ -830,6 +864,18 @@ def markdown(report: dict) -> str:
                              f"{result.get('compile_s', '-')} | {result.get('graphs_recorded_warmup')} + "
                              f"{result.get('graphs_recorded')} | {result.get('graphs_replayed')} | "
                              f"{before if before is not None else '-'} | {result.get('step_ms', '-')} |")
+    for cell in report.get("stream", []):
+        lines += ["", f"A stream of {cell['requests']} requests, {cell['pair']}, max_batch_size {cell['batch']}: "
+                  "tokens/s, against the faster of transformers' generate_batch and static generate() in chunks.", "",
+                  "| run | tok/s | ratio | req/s | ttft p50 s | ms/token p50 | live rows | = generate |",
+                  "|---|---:|---:|---:|---:|---:|---:|---|"]
+        reference = max((row["tokens_per_second"] for row in cell["runs"]
+                         if row["name"] in ("hf-generate-batch", "generate-chunks")), default=None)
+        for row in cell["runs"]:
+            ratio = f"{row['tokens_per_second'] / reference:.2f}" if reference else "-"
+            lines.append(f"| {row['name']} | {row['tokens_per_second']:.1f} | {ratio} | "
+                         f"{row['requests_per_second']:.2f} | {row['ttft_p50']:.2f} | "
+                         f"{1000 * row['per_token_p50']:.1f} | {row['mean_live_rows']:.1f} | {row['equal']} |")
     if report["host_reads"]:
         lines += ["", "Device -> host reads per steady-state step (examples/host_reads.py).", "",
                   "| pair | mode | compiled | B | steps | median | max |", "|---|---|---|---:|---:|---:|---:|"]

@@ -79,6 +79,14 @@ def test_cpu_smoke_run_writes_every_part_and_exact_outputs(tmp_path):
     assert max(cell["modes"]["tetris-padded"]["computed_per_selected"] for cell in cells.values()) > 1.0
     assert all(cell["modes"]["tetris"]["computed_per_selected"] == 1.0 for cell in cells.values())
 
+    streams = {cell["pair"]: cell for cell in report["stream"]}
+    assert set(streams) == {"tiny+half", "tiny+1l", "tiny+eagle"}
+    for cell in streams.values():
+        names = [run["name"] for run in cell["runs"]]
+        assert names == ["hf-generate-batch", "generate-chunks", "tetris-chunks", "stream-tetris", "stream-fixed"]
+        assert all(run["equal"] == f"{cell['requests']}/{cell['requests']}" for run in cell["runs"]), cell["runs"]
+
     table = report_path.with_suffix(".md").read_text()
+    assert "A stream of 256 requests, tiny+eagle" in table
     assert "Packed against padded" in table
     assert "| tiny+1l | eager | 64 |" in table and "| tiny+half | tetris | no | 8 |" in table

@@ -326,3 +326,39 @@ def test_chi_square_catches_a_biased_verifier_in_the_stream(sampling_pair, monke
     monkeypatch.setattr(verification, "residual_distribution", lambda target_probs, draft_probs: (target_probs, None))
     counts = sampled_stream(target, draft)
     assert chi_square_p_value(counts, exact_joint(target, 1.0, 1.0)) < 1e-3
+
+
+# -- EAGLE heads: a joining row's prompt features reach the head ------------------------------------------------------
+
+@pytest.mark.parametrize("head_format,max_batch_size", [("eagle1", 1), ("eagle3", 3), ("eagle3", 8)])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_stream_rows_equal_target_alone_eagle(tmp_path, head_format, max_batch_size, strategy):
+    from test_eagle_loop import load_pair
+
+    target, head = load_pair(tmp_path, "llama", head_format)
+    stream = RequestStream(target, assistant_model=head, max_batch_size=max_batch_size, prefill_chunk=6,
+                           eos_token_id=None, tetris_strategy=strategy, num_assistant_tokens=3)
+    check_exact(target, stream, requests(target, 10, seed=20 + max_batch_size, max_prompt=20))
+
+
+def test_every_eagle_proposal_in_the_stream_equals_the_head_from_scratch(tmp_path, monkeypatch):
+    """Rows join mid-stream with prompts read in several chunks; every row's drafts equal the head run alone on the
+    row's tokens so far with the target's features: the prompt's features were queued in order."""
+    from test_eagle_loop import accept_two_drafts, drafts_from_scratch, load_pair, record_proposals
+
+    target, head = load_pair(tmp_path, "qwen2", "eagle3", dtype=torch.float64)
+    proposals = record_proposals(monkeypatch)
+    accept_two_drafts(monkeypatch)
+    stream = RequestStream(target, assistant_model=head, max_batch_size=3, prefill_chunk=4, eos_token_id=None,
+                           tetris_strategy="fixed", num_assistant_tokens=3, tetris_extra_tokens=0,
+                           tetris_step_callback=lambda record, loop: None)  # (so that the drafts' log q are kept)
+    for index, prompt in enumerate(random_prompts(6, 40, seed=8, min_length=2, max_length=13)):
+        stream.add([3 + token for token in prompt], max_new_tokens=4 + 3 * index)
+    stream.run()
+    assert len(proposals) >= 6
+    for tokens, log_q, context, lengths, rows in proposals:
+        for row in range(tokens.shape[0]):
+            row_context = context[row, : int(lengths[row])].tolist()
+            expected, expected_log_q = drafts_from_scratch(target, head, row_context, tokens.shape[1])
+            assert tokens[row].tolist() == expected, (row, row_context)
+            torch.testing.assert_close(log_q[row].double(), expected_log_q.double(), atol=1e-4, rtol=1e-4)

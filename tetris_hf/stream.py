@@ -151,17 +151,19 @@ class StreamLoop(BatchedSpeculativeLoop):
             chunk = [min(max(length - start, 0), self.prefill_chunk) for length in to_read]
             width = max(chunk)
             block = torch.full((self.num_rows, width), self.pad_value, dtype=torch.long)
+            successors = block.clone()  # each real token's successor in its prompt (an EAGLE head's pairs)
             for index, (prompt, size) in enumerate(zip(prompts, chunk)):
                 if size:
                     block[old_rows + index, :size] = torch.tensor(prompt[start : start + size])
-            block = block.to(device)
+                    successors[old_rows + index, :size] = torch.tensor(prompt[start + 1 : start + size + 1])
+            block, successors = block.to(device), successors.to(device)
             real_lengths = torch.tensor([0] * old_rows + chunk, device=device)
             num_real = sum(chunk)
             self.target_slots.forward(self.model, block, None, real_lengths=real_lengths, num_real=num_real,
                                       discard_logits=True)
             # no row holds more real tokens than the longest row's length (a row's last token is never cached)
             self.target_slots.compact(self.longest)
-            self.drafter.read_prompts(block, real_lengths, num_real, self.longest)
+            self.drafter.read_prompts(block, real_lengths, num_real, self.longest, successors)
 
     @property
     def stats(self) -> TetrisStats:
@@ -283,10 +285,6 @@ class RequestStream:
         self._ids = itertools.count()
         self._cancelled: set[str] = set()
         self.loop: StreamLoop | None = self._new_loop()  # (made now: settings it cannot serve fail here)
-        if getattr(self.loop.drafter, "reads_target_features", False):
-            self.loop.close()
-            raise ValueError("a request stream cannot draft with an EAGLE head yet (a joining row needs the target's "
-                             "features of its prompt); use a draft model or prompt_lookup_num_tokens")
         self.stats_steps = 0
 
     def _new_loop(self) -> StreamLoop:

@@ -362,7 +362,8 @@ class BatchedDraftCandidateGenerator(Drafter):
         self._add_to_count(count)
         self._ones = None  # (sized for the rows there were)
 
-    def read_prompts(self, tokens: torch.Tensor, real_lengths: torch.Tensor, num_real: int, longest: int) -> None:
+    def read_prompts(self, tokens: torch.Tensor, real_lengths: torch.Tensor, num_real: int, longest: int,
+                     next_tokens: torch.Tensor) -> None:
         """The joining rows' prompt chunk into the draft's cache (packed where the draft can be)."""
         self.slots.forward(self.assistant_model, tokens, None, real_lengths=real_lengths, num_real=num_real,
                            discard_logits=True)

@@ -184,9 +184,47 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
         self.slots.compact(cached_longest)
 
     def add_rows(self, last_tokens: torch.Tensor, prompt_lengths: list[int]) -> None:
-        raise NotImplementedError("an EAGLE head cannot take rows mid-stream yet (it needs the target's features of "
-                                  "each joining prompt); a request stream runs plain, prompt-lookup and draft-model "
-                                  "drafting")
+        """Rows join (a request stream's) with empty caches and nothing pending: each prompt chunk the target reads
+        queues its tokens' successors with the target's features (:meth:`read_prompts`), so that a row of prompt
+        ``x0 .. x(P-1)`` ends with ``[x1 .. x(P-1)]`` and ``[f0 .. f(P-2)]`` pending, as a prompt read leaves it in
+        ``generate()`` but for the target's token. A one-token prompt has no feature before it: its row waits with
+        ``[x0]`` and a zero feature (its first drafts are poor, and verified like any)."""
+        count = last_tokens.shape[0]
+        self.slots.add_rows(count)
+        self._prompt = None  # a stream's rows come through here, not through a prompt read
+        self._drafts, self._ones = None, None
+        if self.pending_tokens is None:  # the stream's first rows
+            self.pending_tokens = last_tokens.new_zeros(0, 1)
+            self.pending_mask = last_tokens.new_zeros(0, 1)
+            self.pending_features = torch.zeros(0, 1, self.head.feature_size, dtype=self.head.dtype,
+                                                device=last_tokens.device)
+        width = self.pending_tokens.shape[1]
+        single = torch.tensor([length == 1 for length in prompt_lengths], device=last_tokens.device)
+        tokens = last_tokens.new_zeros(count, width)
+        tokens[:, -1] = last_tokens
+        mask = last_tokens.new_zeros(count, width)
+        mask[:, -1] = single.long()
+        features = self.pending_features.new_zeros(count, width, self.pending_features.shape[-1])
+        self._set_pending(torch.cat([self.pending_tokens, tokens]), torch.cat([self.pending_mask, mask]),
+                          torch.cat([self.pending_features, features]))
+
+    def read_prompts(self, tokens: torch.Tensor, real_lengths: torch.Tensor, num_real: int, longest: int,
+                     next_tokens: torch.Tensor) -> None:
+        """Queue the chunk's pairs (each position's successor, the target's feature there) after what waits."""
+        features = self._target_features()  # (B, L, F), zeros at filler
+        mask = (torch.arange(tokens.shape[1], device=tokens.device)[None, :] < real_lengths[:, None]).long()
+        self._set_pending(torch.cat([self.pending_tokens, next_tokens], dim=1),
+                          torch.cat([self.pending_mask, mask], dim=1),
+                          torch.cat([self.pending_features, features.to(self.pending_features.dtype)], dim=1))
+
+    def _set_pending(self, tokens: torch.Tensor, mask: torch.Tensor, features: torch.Tensor) -> None:
+        """Wait with these ``(B, W)`` tokens and mask and ``(B, W, F)`` features, each row's real columns moved to
+        its end, in order (the pending block is left-padded)."""
+        # a stable sort puts filler (0) first and real columns (1) after, each in its own order
+        order = torch.sort(mask.to(torch.uint8), dim=1, stable=True).indices
+        self.pending_tokens, self.pending_mask = tokens.gather(1, order), mask.gather(1, order)
+        self.pending_features = features.gather(1, order[..., None].expand(-1, -1, features.shape[-1]))
+        self.pending_real, self.pending_count = False, None  # (counted again by the loop's end-of-step read)
 
     def _keep_pending_columns(self, width: int) -> None:
         if 0 < width < self.pending_tokens.shape[1]:
