@@ -288,21 +288,27 @@ def test_soak_many_small_requests_exact_and_memory_flat():
 SAMPLED_REQUESTS = 8000
 
 
-def sampled_stream(target, draft, seed=0):
+def sampled_stream(target, draft, groups=((None, None),), seed=0):
     """The first 3 tokens of many sampled requests of one prompt through a stream whose rows join mid-stream (half
-    the requests run 5 tokens, so the others join while they decode); a budget below the drafted cells."""
+    the requests run 5 tokens, so the others join while they decode); a budget below the drafted cells. ``groups``:
+    each request's own ``(temperature, top_p)`` in turn (``None``: the stream's, 1.0). Counts per group."""
     torch.manual_seed(seed)
     stream = RequestStream(target, assistant_model=draft, max_batch_size=500, do_sample=True, temperature=1.0,
                            top_p=1.0, top_k=0, eos_token_id=EOS, pad_token_id=PAD, num_assistant_tokens=1,
                            tetris_extra_tokens=1, tetris_budget=250)
-    for index in range(SAMPLED_REQUESTS):
-        stream.add(PROMPT, max_new_tokens=3 if index % 2 else 5)
-    counts = {}
+    group_of = {}
+    for index in range(SAMPLED_REQUESTS * len(groups)):
+        temperature, top_p = groups[index % len(groups)]
+        request_id = stream.add(PROMPT, max_new_tokens=3 if index % 2 else 5, temperature=temperature, top_p=top_p)
+        group_of[request_id] = index % len(groups)
+    counts = [{} for _ in groups]
     for output in stream.run():
+        assert output.error is None, output.error
         first = (output.generated_tokens[:3] + [PAD] * 3)[:3]
         if EOS in first:
             first = first[: first.index(EOS) + 1] + [PAD] * (2 - first.index(EOS))
-        counts[tuple(first)] = counts.get(tuple(first), 0) + 1
+        group = counts[group_of[output.request_id]]
+        group[tuple(first)] = group.get(tuple(first), 0) + 1
     return counts
 
 
@@ -316,7 +322,7 @@ def sampling_pair():
 def test_sampled_requests_joining_mid_stream_follow_the_target(sampling_pair, monkeypatch):
     target, draft = sampling_pair
     monkeypatch.setattr("test_sampling_distribution.ROWS", SAMPLED_REQUESTS)
-    counts = sampled_stream(target, draft)
+    [counts] = sampled_stream(target, draft)
     assert chi_square_p_value(counts, exact_joint(target, 1.0, 1.0)) > 1e-3
 
 
@@ -324,8 +330,45 @@ def test_chi_square_catches_a_biased_verifier_in_the_stream(sampling_pair, monke
     target, draft = sampling_pair
     monkeypatch.setattr("test_sampling_distribution.ROWS", SAMPLED_REQUESTS)
     monkeypatch.setattr(verification, "residual_distribution", lambda target_probs, draft_probs: (target_probs, None))
-    counts = sampled_stream(target, draft)
+    [counts] = sampled_stream(target, draft)
     assert chi_square_p_value(counts, exact_joint(target, 1.0, 1.0)) < 1e-3
+
+
+SETTINGS = ((0.7, None), (1.3, 0.8))  # two requests' own (temperature, top_p), interleaved in one stream
+
+
+def test_each_request_samples_with_its_own_settings(sampling_pair, monkeypatch):
+    target, draft = sampling_pair
+    monkeypatch.setattr("test_sampling_distribution.ROWS", SAMPLED_REQUESTS)
+    cool, hot = sampled_stream(target, draft, SETTINGS)
+    assert chi_square_p_value(cool, exact_joint(target, 0.7, 1.0)) > 1e-3
+    assert chi_square_p_value(hot, exact_joint(target, 1.3, 0.8)) > 1e-3
+
+
+def test_chi_square_catches_settings_that_do_not_reach_their_rows(sampling_pair, monkeypatch):
+    """Teeth: a warper that keeps the stream's settings for every row samples the cool requests too hot."""
+    from tetris_hf.logits.row_sampling import RowSamplingWarper
+
+    target, draft = sampling_pair
+    monkeypatch.setattr("test_sampling_distribution.ROWS", SAMPLED_REQUESTS)
+    monkeypatch.setattr(RowSamplingWarper, "set_row", lambda self, row, *settings: None)
+    cool, _ = sampled_stream(target, draft, SETTINGS)
+    assert chi_square_p_value(cool, exact_joint(target, 0.7, 1.0)) < 1e-3
+
+
+def test_sampling_settings_are_checked_per_request(models):
+    target, draft = models
+    greedy = RequestStream(target, assistant_model=draft, eos_token_id=None)
+    refused = greedy.add([3, 4], request_id="greedy", max_new_tokens=2, temperature=0.5)
+    sampling = RequestStream(target, assistant_model=draft, eos_token_id=None, do_sample=True)
+    bad = [sampling.add([3, 4], max_new_tokens=2, **setting) for setting in
+           ({"temperature": 0.0}, {"top_k": -1}, {"top_p": 1.5})]
+    fine = sampling.add([3, 4], max_new_tokens=2, temperature=0.9, top_k=5, top_p=0.9)
+    outputs = {output.request_id: output for output in greedy.run() + sampling.run()}
+    assert "greedily" in outputs[refused].error
+    for request_id, name in zip(bad, ("temperature", "top_k", "top_p")):
+        assert name in outputs[request_id].error
+    assert outputs[fine].error is None and len(outputs[fine].generated_tokens) == 2
 
 
 # -- EAGLE heads: a joining row's prompt features reach the head ------------------------------------------------------
