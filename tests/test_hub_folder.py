@@ -6,6 +6,7 @@ with relative imports, found by reading the package's imports; it loads by path 
 
 import ast
 import dataclasses
+import importlib
 import shutil
 import sys
 from pathlib import Path
@@ -45,7 +46,7 @@ def test_export_holds_the_library_closure_and_no_tool(tmp_path):
     code = sorted(path.name for path in written if path.suffix == ".py")
     expected = {"generate", "generation", "decoding", "kv", "strategies", "selection", "cost_model", "stopping",
                 "outputs", "candidate_generators", "candidate_generators_batched_draft", "logits",
-                "logits_processing", "logits_verification"}
+                "logits_processing", "logits_verification", "continuous", "stream"}
     assert expected <= {Path(name).stem for name in code}
     assert hub_export.TOOLS == {"tetris_hf.tools"}
     assert not any(module.name.startswith("tetris_hf.tools") for module in hub_export.library_closure())
@@ -53,8 +54,9 @@ def test_export_holds_the_library_closure_and_no_tool(tmp_path):
     assert sorted(_files(tmp_path)) == sorted(str(path.relative_to(tmp_path)) for path in written)
 
 
-def test_exported_modules_import_each_other_relatively_and_only_torch_transformers_and_safetensors(tmp_path):
-    """safetensors (EAGLE checkpoints) is a dependency of transformers itself: nothing new to install."""
+def test_exported_modules_import_each_other_relatively_and_only_torch_transformers_and_their_dependencies(tmp_path):
+    """safetensors (EAGLE checkpoints) and tqdm (generate_batch's progress bar) are dependencies of transformers
+    itself: nothing new to install."""
     export(tmp_path)
     code = tmp_path / "custom_generate"
     outside = set()
@@ -68,9 +70,10 @@ def test_exported_modules_import_each_other_relatively_and_only_torch_transforme
             elif isinstance(node, ast.Import):
                 outside.update(alias.name.split(".")[0] for alias in node.names)
     assert "tetris_hf" not in outside
-    assert {name for name in outside if name not in sys.stdlib_module_names} == {"safetensors", "torch", "transformers"}
+    imported = ("safetensors", "torch", "tqdm", "transformers")
+    assert {name for name in outside if name not in sys.stdlib_module_names} == set(imported)
     requirements = (code / "requirements.txt").read_text().split()
-    assert requirements == [f"{name}>={installed_version(name)}" for name in ("safetensors", "torch", "transformers")]
+    assert requirements == [f"{name}>={installed_version(name)}" for name in imported]
 
 
 def test_a_module_added_to_the_library_is_exported_without_changing_the_exporter(tmp_path, monkeypatch):
@@ -136,6 +139,39 @@ def test_exported_folder_by_path_equals_package_call(tmp_path):
     assert torch.equal(by_package.sequences, by_folder.sequences)
     assert by_package.tetris_stats.budget_per_step == by_folder.tetris_stats.budget_per_step
     assert by_package.tetris_stats.accepted_tokens == by_folder.tetris_stats.accepted_tokens
+
+
+def test_exported_folder_serves_the_request_stream_like_the_package(tmp_path):
+    """The folder imported as a package (as the Space imports its copy): generate.py re-exports generate_batch and
+    init_continuous_batching from the exported request stream, whose outputs equal the package's."""
+    import importlib.util
+
+    export(tmp_path / "repo")
+    code = tmp_path / "repo" / "custom_generate"
+    spec = importlib.util.spec_from_file_location("exported_tetris", code / "__init__.py",
+                                                  submodule_search_locations=[str(code)])
+    package = importlib.util.module_from_spec(spec)
+    sys.modules["exported_tetris"] = package
+    try:
+        generate_py = importlib.import_module("exported_tetris.generate")
+        assert generate_py.__all__ == ["generate", "generate_batch", "init_continuous_batching"]
+        assert generate_py.generate_batch.__module__ == "exported_tetris.continuous"
+        target = tiny_llama(60, seed=71)
+        draft = noisy_copy(target, 0.4, seed=72)
+        prompts = random_prompts(5, 60, seed=73)
+        kwargs = dict(assistant_model=draft, max_new_tokens=8, max_batch_size=2, eos_token_id=None)
+        by_folder = generate_py.generate_batch(target, prompts, **kwargs)
+        by_package = tetris_hf.generate_batch(target, prompts, **kwargs)
+        assert [out.generated_tokens for out in by_folder.values()] == \
+            [out.generated_tokens for out in by_package.values()]
+        with generate_py.init_continuous_batching(target, assistant_model=draft, max_batch_size=2,
+                                                  eos_token_id=None) as manager:
+            request_id = manager.add_request(prompts[0], max_new_tokens=8)
+            assert manager.get_result(request_id, timeout=60).generated_tokens == \
+                by_package["req_0"].generated_tokens
+    finally:
+        for name in [name for name in sys.modules if name.split(".")[0] == "exported_tetris"]:
+            del sys.modules[name]
 
 
 def test_missing_requirements_are_named(tmp_path):

@@ -1,7 +1,9 @@
 """The Space demo (examples/space/app.py) driven in headless Chromium: a 4-prompt batch, the four outputs, their
 metrics, the device, the board and its step slider, the greedy check mark, the empty-prompt and cancel messages; a
 screenshot; the same batch with draft trees of width 3 (the board's trees and their accepted paths; a screenshot);
-and a prompt-lookup batch on Code edit presets (which needs a strategy/ export that has prompt lookup).
+a prompt-lookup batch on Code edit presets (which needs a strategy/ export that has prompt lookup); and the shared
+stream: two browsers (two visitors, each its own session) send at the same moment, both requests go into one batch
+and each gets the target's own greedy output (a screenshot of the board).
 
 Runs on tiny random models and the tiny tokenizer (seconds). With ``TETRIS_SPACE_REAL=1`` it uses the offline
 default pair of this checkout instead (``app.load_models(offline=True)``; about two minutes on a CPU;
@@ -15,9 +17,15 @@ and ``examples/space/screenshot-trees.png``::
     TETRIS_SPACE_REAL=1 TETRIS_SPACE_TREE_SCREENSHOT=examples/space/screenshot-trees.png \\
         TETRIS_SPACE_SCREENSHOT_STEP=14 python -m pytest -q tests/test_space_browser.py -k tree_width
 
+and ``examples/space/screenshot-stream.png`` (taken while both visitors' requests are in the batch)::
+
+    TETRIS_SPACE_REAL=1 TETRIS_SPACE_STREAM_SCREENSHOT=examples/space/screenshot-stream.png \\
+        python -m pytest -q tests/test_space_browser.py -k two_visitors
+
 (``TETRIS_SPACE_SCREENSHOT_STEP`` scrubs the board to that step before the screenshot is taken.)
 
-The screenshots go to ``$TETRIS_SPACE_SCREENSHOT`` and ``$TETRIS_SPACE_TREE_SCREENSHOT`` when set, else to pytest's
+The screenshots go to ``$TETRIS_SPACE_SCREENSHOT``, ``$TETRIS_SPACE_TREE_SCREENSHOT`` and
+``$TETRIS_SPACE_STREAM_SCREENSHOT`` when set, else to pytest's
 temporary folder (paths printed).
 A timeout's message says what the page showed and received (``SSE_TAP``) and what the server still held; the waits'
 bounds (120 s for a run of the tiny models) only absorb a loaded machine. The stale-status flake this traced, and its
@@ -67,6 +75,7 @@ RUN_TIMEOUT = 900 if REAL else 120
 
 
 _SERVER: list = []  # the served demo, for the server's side of a timeout's message
+_MODELS: list = []  # the served target and tokenizer, for the outputs the shared stream must give
 
 
 def _server_state() -> str:
@@ -112,6 +121,7 @@ def app_url():
     else:
         target, draft, tokenizer, description = _tiny_pair()
         prompts = PROMPTS
+    _MODELS[:] = [target, tokenizer]
     demo = app.build_app(target, draft, tokenizer, description=description, default_prompts=prompts)
     port = _free_port()
     app.serve(demo, "127.0.0.1", port, prevent_thread_lock=True, quiet=True)
@@ -122,6 +132,16 @@ def app_url():
 
 @pytest.fixture(scope="module")
 def browser():
+    yield from _chromium()
+
+
+@pytest.fixture(scope="module")
+def second_browser():
+    """Another Chromium with its own profile: another visitor, in a browser session of its own."""
+    yield from _chromium()
+
+
+def _chromium():
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -438,3 +458,108 @@ def test_prompt_lookup_on_code_edit_presets(app_url, browser):
     kinds = {cell.get_attribute("class").split()[-1]
              for cell in browser.find_elements(By.CSS_SELECTOR, "#board rect.board-cell")}
     assert kinds and kinds <= {"accepted", "rejected", "not-selected", "not-drafted", "finished"}, kinds
+
+
+STREAM_PROMPTS = (["Write a haiku about speculative decoding.", "Give three tips for writing clear code."] if REAL
+                  else PROMPTS[:2])
+
+
+def _open_stream_tab(driver, url: str, prompt: str, max_new_tokens: int) -> None:
+    from selenium.webdriver.common.by import By
+
+    _open(driver, url)
+    driver.find_element(By.XPATH, "//button[@role='tab'][contains(., 'Shared stream')]").click()
+    _wait(driver, lambda d: d.find_element(By.CSS_SELECTOR, "#stream-prompt textarea").is_displayed(), 20,
+          "the shared stream's tab")
+    _set_text(driver, "#stream-prompt textarea", prompt)
+    _set_number(driver, "stream-max-new-tokens", max_new_tokens)
+
+
+def _set_text(driver, selector: str, text: str) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    box = driver.find_element(By.CSS_SELECTOR, selector)
+    box.click()
+    box.send_keys(Keys.CONTROL, "a")
+    box.send_keys(Keys.DELETE)
+    box.send_keys(text)
+
+
+def _stream_state(driver) -> dict:
+    """The page's own request (state, text, most rows it shared a step with) and its board (rows in the batch now,
+    the most at once, the cards), read in one script."""
+    return driver.execute_script("""
+        const output = document.querySelector('#stream-output .stream-output');
+        const board = document.querySelector('#stream-board .stream-board');
+        const cards = [...document.querySelectorAll('#stream-board .stream-row')].map(card => ({
+            visitor: card.dataset.visitor, state: card.dataset.state, inBatch: card.dataset.inBatch,
+            mostRows: card.dataset.mostRows, tokens: Number(card.dataset.tokens),
+            yours: card.classList.contains('yours')}));
+        return {state: output && output.dataset.state, mostRows: output && output.dataset.mostRows,
+                text: output ? output.querySelector('.stream-text').innerText : '',
+                liveRows: board ? Number(board.dataset.liveRows || 0) : 0,
+                boardMostRows: board ? Number(board.dataset.mostRows || 0) : 0, cards: cards};
+    """)
+
+
+def test_two_visitors_share_one_batch_and_each_gets_the_target_alone(app_url, browser, second_browser, tmp_path):
+    """Two browser sessions send one request each at the same moment: both join the shared stream's batch (the
+    stream's step callback counts the rows of each step a request was in), each page shows its own output, equal to
+    the target's own greedy output, and each page's board shows both requests side by side."""
+    import torch
+    from selenium.webdriver.common.by import By
+
+    started = time.perf_counter()
+    max_new_tokens = 64 if REAL else 256  # tiny models: long enough for the second request to join the first
+    visitors = (browser, second_browser)
+    for driver, prompt in zip(visitors, STREAM_PROMPTS):
+        _open_stream_tab(driver, app_url, prompt, max_new_tokens)
+    for driver in visitors:  # both sent within a few milliseconds
+        driver.execute_script("document.querySelector('#stream-submit').click()")
+
+    seen_live, shot = 0, os.environ.get("TETRIS_SPACE_STREAM_SCREENSHOT")
+    deadline = time.perf_counter() + RUN_TIMEOUT
+    while True:
+        states = [_stream_state(driver) for driver in visitors]
+        seen_live = max(seen_live, *(state["liveRows"] for state in states))
+        in_batch = [card for card in states[0]["cards"] if card["inBatch"] == "true"]
+        if shot and len(in_batch) >= 2 and min(card["tokens"] for card in in_batch) >= max_new_tokens // 3:
+            _screenshot(browser, Path(shot))  # both requests in the batch, well under way, on the first board
+            shot = None
+        if all(state["state"] in ("done", "cancelled", "failed") for state in states):
+            break
+        assert time.perf_counter() < deadline, f"timed out: {states}; {_what_was_seen(browser)}"
+        time.sleep(0.1)
+    print(f"the most rows live at one refresh: {seen_live}")
+
+    target, tokenizer = _MODELS
+    from tetris_runs import encode_prompts  # (the Space's folder is on sys.path: app_url imported app)
+
+    for state, prompt in zip(states, STREAM_PROMPTS):
+        assert state["state"] == "done", state
+        ids = encode_prompts(tokenizer, [prompt], target.device)["input_ids"]
+        with torch.inference_mode():
+            alone = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                    do_sample=False)
+        expected = tokenizer.decode(alone[0, ids.shape[1]:], skip_special_tokens=True)
+        assert state["text"].strip() == expected.strip(), (prompt, state["text"], expected)
+        assert state["mostRows"] == "2", state  # the stream's own count: a step of its batch held both requests
+
+    def both_done(driver):  # the board's next refresh after both ended
+        cards = [card for card in _stream_state(driver)["cards"] if card["state"] == "done"]
+        return cards if len({card["visitor"] for card in cards}) >= 2 else None
+
+    if os.environ.get("TETRIS_SPACE_STREAM_SCREENSHOT"):
+        # a capture beyond the viewport aborts the page's pending timer tick, and Gradio's timer then stops: leaving
+        # the tab and coming back starts it again
+        browser.find_element(By.XPATH, "//button[@role='tab'][contains(., 'Four runs')]").click()
+        browser.find_element(By.XPATH, "//button[@role='tab'][contains(., 'Shared stream')]").click()
+    for driver in visitors:
+        cards = _wait(driver, both_done, 20, "both requests on the board")[:2]
+        assert [card["mostRows"] for card in cards] == ["2", "2"], cards
+        assert sum(card["yours"] for card in cards) == 1, cards  # each page marks its own request
+        assert _stream_state(driver)["boardMostRows"] >= 2
+    if os.environ.get("TETRIS_SPACE_STREAM_SCREENSHOT") is None:
+        _screenshot(browser, tmp_path / "space-stream.png")
+    print(f"shared stream: {time.perf_counter() - started:.1f} s")

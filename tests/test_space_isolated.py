@@ -2,7 +2,8 @@
 draft model (chains and trees), an EAGLE head (chains and trees) and with prompt lookup, in a Python that cannot import
 tetris_hf (tests/isolated_python.py), with the
 strategy from its own strategy/ folder (so prompt lookup needs an export that has it) and the models loaded by its
-own space_models.py."""
+own space_models.py. Its shared request stream runs there too: two visitors' requests in one batch, from the
+strategy copy's request stream (an export that has tetris_hf.continuous)."""
 
 from __future__ import annotations
 
@@ -161,3 +162,63 @@ def test_space_copy_builds_its_page_and_runs_without_tetris_hf(tmp_path):
     # fixed and TETRIS always draft; adaptive may draft nothing when its timings say drafting does not pay
     fixed_drafted, tetris_drafted, _ = result["lookup_drafted"]
     assert result["lookup_differing"] == [] and fixed_drafted > 0 and tetris_drafted > 0
+
+
+STREAM_SCRIPT = '''
+import sys
+import threading
+sys.path.insert(0, SPACE)
+import torch
+import shared_stream
+import space_models
+import tetris_runs
+
+target, draft, tokenizer, _ = space_models.load_pair("target", "model-draft", "cpu")
+stream = shared_stream.shared_stream(target, draft)
+prompts = ["the quick brown fox", "hello how are you today ?"]
+ids = [tetris_runs.encode_prompts(tokenizer, [text], "cpu")["input_ids"][0].tolist() for text in prompts]
+ready = threading.Barrier(2)
+last = {}
+
+def visit(index):
+    ready.wait()
+    *_, last[index] = stream.submit(ids[index], 64, f"visitor {index + 1}", prompts[index])
+
+threads = [threading.Thread(target=visit, args=(index,)) for index in range(2)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+alone = []
+for prompt in ids:
+    prompt = torch.tensor([prompt])
+    out = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=64, do_sample=False)
+    alone.append(out[0, prompt.shape[1]:].tolist())
+board = stream.board()
+report({
+    "states": [last[index].state for index in range(2)],
+    "equal_alone": [last[index].tokens == alone[index] for index in range(2)],
+    "most_rows": [last[index].most_rows for index in range(2)],
+    "board_most_rows": board.most_rows,
+    "manager_module": type(stream.manager).__module__,
+    "tetris_hf_loaded": sorted(name for name in sys.modules if name.split(".")[0] == "tetris_hf"),
+})
+stream.stop()
+'''
+
+
+def test_space_copy_serves_two_visitors_in_one_batch_without_tetris_hf(tmp_path):
+    space = tmp_path / "space-copy"
+    shutil.copytree(SPACE, space, ignore=shutil.ignore_patterns("__pycache__", "*.png"))
+    target = sharpen(tiny_llama(vocab_size=64, seed=0), 6.0)
+    target.save_pretrained(tmp_path / "target")
+    tiny_tokenizer().save_pretrained(tmp_path / "target")
+    noisy_copy(target, 0.15).save_pretrained(tmp_path / "model-draft")
+
+    result = run_isolated(f"SPACE = {str(space)!r}\n" + STREAM_SCRIPT, tmp_path)
+
+    assert result["tetris_hf_loaded"] == []
+    assert result["manager_module"] == "space_strategy.continuous"  # the strategy copy's request stream
+    assert result["states"] == ["done", "done"]
+    assert result["equal_alone"] == [True, True]  # greedy: each visitor's output is the target's alone
+    assert result["most_rows"] == [2, 2] and result["board_most_rows"] == 2  # both in the same batch

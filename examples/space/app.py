@@ -38,9 +38,10 @@ import gradio as gr
 import torch
 
 from tetris_board import BOARD_CSS, BoardTrace, render_board
+from shared_stream import MAX_ROWS, STREAM_CSS, StreamEntry, render_output, render_stream_board, shared_stream
 from tetris_runs import (
     ADAPTIVE, DRAFTS, FIXED, LOOKUP, MAX_TREE_WIDTH, MODEL_DRAFT, PLAIN, SPECULATIVE, STRATEGIES, TETRIS, TITLES,
-    LiveRun, Settings, device_name, greedy_agreement, stream_runs,
+    LiveRun, Settings, device_name, encode_prompts, greedy_agreement, stream_runs,
 )
 
 try:  # present on Hugging Face Spaces; its GPU decorator attaches a ZeroGPU device for each run (no-op elsewhere)
@@ -73,7 +74,7 @@ FALLBACK_PROMPTS = [
     "Explain what a GPU does in one sentence.",
 ]
 
-CSS = BOARD_CSS + """
+CSS = BOARD_CSS + STREAM_CSS + """
 .run-metrics { font-size: 14px; min-height: 1.6em; }
 .run-metrics .tps { font-weight: bold; }
 .run-metrics .state { color: #666; }
@@ -95,6 +96,13 @@ followed the latest earlier occurrence of its last words in its own prompt and o
 repeats the prompt (the *Code edit* and *Summarize* presets). **Tree width** w > 1 makes every row draft a **tree**
 (the w best children of each of a depth's w best nodes) instead of a chain; the strategies then select nodes, and the
 board draws each row's tree.
+The second tab, **Shared stream**, puts every visitor's request into one live batch.
+"""
+STREAM_INTRO = """Every visitor's request goes into **one shared request stream**: a batch of up to 8 rows that requests
+join between two steps, as soon as a row is free, and leave when they end, each with its own length. TETRIS spends
+each step's budget (k x live rows) on the best drafted tokens of whichever requests are in the batch then, yours and
+other visitors' alike; greedy, so every request's output equals the target's alone. Open the page in a second window
+and send from both: the board shows the rows side by side, refreshed every few tenths of a second.
 """
 TREE_INFO = {
     MODEL_DRAFT: "2-4: each row drafts a tree, drawn on the board",
@@ -337,6 +345,18 @@ def run_status(runs: dict[str, LiveRun], num_requests: int, stopping: bool = Fal
     return "Starting…"
 
 
+def stream_status_line(entry: StreamEntry) -> str:
+    """One line about a visitor's request in the shared stream."""
+    if entry.state == "waiting":
+        return "Waiting for a row in the shared batch…"
+    if entry.state == "decoding":
+        return f"Decoding in the shared batch (up to {entry.most_rows} rows so far)…"
+    if entry.state == "done":
+        return (f"Done: {len(entry.tokens)} tokens; your request shared the batch with up to "
+                f"{entry.most_rows - 1} other request(s).")
+    return f"⏹ Your request {entry.state}{': ' + entry.error if entry.error else ''}."
+
+
 def cancel_in_progress(runs: dict[str, LiveRun]) -> dict[str, LiveRun]:
     """The runs as Stop leaves them when the page cannot wait for the worker (ZeroGPU: it runs in another process):
     the run in progress cancelled with what it had produced, the later ones not started."""
@@ -358,6 +378,8 @@ def build_app(target=None, draft=None, tokenizer=None, *, description: str = "",
     With ``load_error`` (the models could not be loaded) the page says so and Run answers with the same message.
     """
     stops: dict[str, threading.Event] = {}  # session -> stop event of its run in progress
+    visitors: dict[str, str] = {}  # session -> its label on the shared stream's board
+    visitors_lock = threading.Lock()
 
     def token_text(ids: list[int]) -> list[str]:
         """The board's tree labels: each token's own text."""
@@ -447,52 +469,123 @@ def build_app(target=None, draft=None, tokenizer=None, *, description: str = "",
         steps = trace.steps if trace else 1
         return render_board(trace, 1, token_text), gr.Slider(minimum=1, maximum=max(steps, 2), value=1, step=1)
 
+    def stream_unavailable() -> str | None:
+        """Why the shared stream cannot run here, or ``None``."""
+        if load_error is not None:
+            return f"⚠ **The models could not be loaded**, so nothing can run: {load_error}"
+        if ZERO_GPU:
+            return ("⚠ The shared stream needs a device that stays attached; ZeroGPU attaches one per call. Run the "
+                    "Space on CPU or dedicated GPU hardware for this tab.")
+        return None
+
+    def visitor_label(request: gr.Request | None) -> str:
+        """A short name for a browser session: ``visitor 1``, ``visitor 2`` ... in the order they first sent."""
+        session = request.session_hash if request is not None else "local"
+        with visitors_lock:
+            return visitors.setdefault(session, f"visitor {len(visitors) + 1}")
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    def on_stream(prompt_text, max_new_tokens, request: gr.Request):
+        """One visitor's request through the shared stream: its text as it grows, then its numbers."""
+        reason = stream_unavailable()
+        text = (prompt_text or "").strip()
+        if reason is None and not text:
+            reason = "⚠ Enter a prompt: it becomes one request in the shared batch."
+        if reason is None and len(text) > MAX_PROMPT_CHARACTERS:
+            reason = f"⚠ The prompt is longer than {MAX_PROMPT_CHARACTERS:,} characters: shorten it."
+        if reason is not None:
+            yield reason, ""
+            return
+        visitor = visitor_label(request)
+        try:
+            stream = shared_stream(target, draft)
+        except Exception as error:  # e.g. a pair the stream cannot serve: said on the page
+            yield f"⚠ **The shared stream could not start**: {type(error).__name__}: {error}", ""
+            return
+        prompt_ids = encode_prompts(tokenizer, [text], target.device)["input_ids"][0].tolist()
+        for entry in stream.submit(prompt_ids, int(max_new_tokens), visitor, text, every=REFRESH_SECONDS):
+            yield stream_status_line(entry), render_output(entry, decode)
+
+    def on_tick(request: gr.Request):
+        """The timer: the shared batch as it is now (this visitor's requests marked)."""
+        if stream_unavailable() is not None:
+            return render_stream_board(None)
+        session = request.session_hash if request is not None else "local"
+        return render_stream_board(shared_stream(target, draft).board(), visitors.get(session), decode)
+
     with gr.Blocks(title="TETRIS batched speculative decoding") as demo:
         gr.Markdown(INTRO)
         if load_error is not None:
             gr.Markdown(f"⚠ **The models could not be loaded:** {load_error}", elem_id="load-error")
         else:
             gr.Markdown(description, elem_id="model-info")
-        with gr.Row():
-            prompts = gr.Textbox(value="\n".join(default_prompts), lines=6, max_lines=16, scale=3,
-                                 label=f"Prompts: one per line, one line per request (at most {MAX_REQUESTS}); "
-                                       f"prompts that span lines go between lines of {SEPARATOR}",
-                                 elem_id="prompts")
-            with gr.Column(scale=1, min_width=200):
-                preset = gr.Dropdown(list(PRESET_NAMES), value="MT-bench", label="Preset prompts", elem_id="preset")
-                preset_count = gr.Slider(1, MAX_REQUESTS, value=4, step=1, label="How many", elem_id="preset-count")
-                load_preset = gr.Button("Load preset", elem_id="load-preset")
-        draft_kind = gr.Radio(draft_choices(draft), value=MODEL_DRAFT, label="Draft (the speculative runs)",
-                              elem_id="draft")
-        with gr.Row():
-            budget = gr.Slider(0, 64, value=0, step=1, label="Budget C (0 = k x active rows)", elem_id="budget")
-            k = gr.Slider(1, 8, value=4, step=1, label="k: draft window (fixed-k verifies k per row)", elem_id="k")
-            extra = gr.Slider(0, 4, value=2, step=1, label="e: extra drafts per row (TETRIS, adaptive)",
-                              elem_id="e")
-            temperature = gr.Slider(0, 1.5, value=0, step=0.05, label="Temperature (0 = greedy)",
-                                    elem_id="temperature")
-            max_new_tokens = gr.Slider(4, 256, value=48, step=4, label="Max new tokens", elem_id="max-new-tokens")
-            tree_width = gr.Slider(1, MAX_TREE_WIDTH, value=1, step=1, label="Tree width w (1 = chains)",
-                                   elem_id="tree-width", **tree_width_control(MODEL_DRAFT))
-        with gr.Row():
-            run = gr.Button("Run the batch", variant="primary", elem_id="run")
-            stop_button = gr.Button("Stop", variant="stop", elem_id="stop")
-        status = gr.Markdown("Press **Run the batch**.", elem_id="status")
-        greedy = gr.HTML(elem_id="greedy-check")
-        metrics, outputs = {}, {}
-        with gr.Row(equal_height=False):
-            for strategy in STRATEGIES:
-                with gr.Column(min_width=220):
-                    gr.Markdown(f"### {TITLES[strategy]}")
-                    metrics[strategy] = gr.HTML(render_metrics(LiveRun(strategy)), elem_id=f"metrics-{strategy}")
-                    outputs[strategy] = gr.HTML(elem_id=f"outputs-{strategy}")
-        gr.Markdown("### The board: rows are requests, columns draft positions (with trees: each row's tree, "
-                    "columns its depths)")
-        with gr.Row():
-            board_name = gr.Radio(list(BOARD_RUNS), value="TETRIS", label="Run", elem_id="board-run")
-            step = gr.Slider(1, 2, value=1, step=1, label="Step (drag to scrub)", elem_id="step", scale=3)
-        board = gr.HTML(render_board(None, 1), elem_id="board")
-        board_state = gr.State({})
+        with gr.Tabs():
+            with gr.Tab("Four runs, one batch", id="batch-tab") as batch_tab:
+                with gr.Row():
+                    prompts = gr.Textbox(value="\n".join(default_prompts), lines=6, max_lines=16, scale=3,
+                                         label=f"Prompts: one per line, one line per request (at most "
+                                               f"{MAX_REQUESTS}); prompts that span lines go between lines of "
+                                               f"{SEPARATOR}",
+                                         elem_id="prompts")
+                    with gr.Column(scale=1, min_width=200):
+                        preset = gr.Dropdown(list(PRESET_NAMES), value="MT-bench", label="Preset prompts",
+                                             elem_id="preset")
+                        preset_count = gr.Slider(1, MAX_REQUESTS, value=4, step=1, label="How many",
+                                                 elem_id="preset-count")
+                        load_preset = gr.Button("Load preset", elem_id="load-preset")
+                draft_kind = gr.Radio(draft_choices(draft), value=MODEL_DRAFT, label="Draft (the speculative runs)",
+                                      elem_id="draft")
+                with gr.Row():
+                    budget = gr.Slider(0, 64, value=0, step=1, label="Budget C (0 = k x active rows)",
+                                       elem_id="budget")
+                    k = gr.Slider(1, 8, value=4, step=1, label="k: draft window (fixed-k verifies k per row)",
+                                  elem_id="k")
+                    extra = gr.Slider(0, 4, value=2, step=1, label="e: extra drafts per row (TETRIS, adaptive)",
+                                      elem_id="e")
+                    temperature = gr.Slider(0, 1.5, value=0, step=0.05, label="Temperature (0 = greedy)",
+                                            elem_id="temperature")
+                    max_new_tokens = gr.Slider(4, 256, value=48, step=4, label="Max new tokens",
+                                               elem_id="max-new-tokens")
+                    tree_width = gr.Slider(1, MAX_TREE_WIDTH, value=1, step=1, label="Tree width w (1 = chains)",
+                                           elem_id="tree-width", **tree_width_control(MODEL_DRAFT))
+                with gr.Row():
+                    run = gr.Button("Run the batch", variant="primary", elem_id="run")
+                    stop_button = gr.Button("Stop", variant="stop", elem_id="stop")
+                status = gr.Markdown("Press **Run the batch**.", elem_id="status")
+                greedy = gr.HTML(elem_id="greedy-check")
+                metrics, outputs = {}, {}
+                with gr.Row(equal_height=False):
+                    for strategy in STRATEGIES:
+                        with gr.Column(min_width=220):
+                            gr.Markdown(f"### {TITLES[strategy]}")
+                            metrics[strategy] = gr.HTML(render_metrics(LiveRun(strategy)),
+                                                        elem_id=f"metrics-{strategy}")
+                            outputs[strategy] = gr.HTML(elem_id=f"outputs-{strategy}")
+                gr.Markdown("### The board: rows are requests, columns draft positions (with trees: each row's tree, "
+                            "columns its depths)")
+                with gr.Row():
+                    board_name = gr.Radio(list(BOARD_RUNS), value="TETRIS", label="Run", elem_id="board-run")
+                    step = gr.Slider(1, 2, value=1, step=1, label="Step (drag to scrub)", elem_id="step", scale=3)
+                board = gr.HTML(render_board(None, 1), elem_id="board")
+                board_state = gr.State({})
+            with gr.Tab("Shared stream: every visitor, one batch", id="stream-tab") as stream_tab:
+                gr.Markdown(STREAM_INTRO)
+                with gr.Row():
+                    stream_prompt = gr.Textbox(value=default_prompts[0], lines=3, max_lines=12, scale=3,
+                                               label="Your prompt (one request)", elem_id="stream-prompt")
+                    with gr.Column(scale=1, min_width=200):
+                        stream_max_new = gr.Slider(4, 256, value=64, step=4, label="Max new tokens",
+                                                   elem_id="stream-max-new-tokens")
+                        stream_submit = gr.Button("Send to the shared stream", variant="primary",
+                                                  elem_id="stream-submit")
+                stream_status = gr.Markdown("Press **Send to the shared stream**.", elem_id="stream-status")
+                stream_output = gr.HTML(elem_id="stream-output")
+                gr.Markdown("### The shared batch: every visitor's requests, side by side (green: holding a row "
+                            "at the last step)")
+                stream_board = gr.HTML(render_stream_board(None), elem_id="stream-board")
+                timer = gr.Timer(REFRESH_SECONDS, active=False)
 
         load_preset.click(on_preset, [preset, preset_count], prompts)
         draft_kind.change(lambda kind: gr.Slider(**tree_width_control(kind)), draft_kind, tree_width)
@@ -502,6 +595,11 @@ def build_app(target=None, draft=None, tokenizer=None, *, description: str = "",
         stop_button.click(on_stop, None, status, concurrency_limit=None)
         step.change(on_board, [board_state, board_name, step], board)
         board_name.change(on_board_run, [board_state, board_name], [board, step])
+        stream_submit.click(on_stream, [stream_prompt, stream_max_new], [stream_status, stream_output],
+                            concurrency_limit=2 * MAX_ROWS)
+        timer.tick(on_tick, None, stream_board, concurrency_limit=None, show_progress="hidden")
+        stream_tab.select(lambda: gr.Timer(active=True), None, timer)
+        batch_tab.select(lambda: gr.Timer(active=False), None, timer)
     return demo
 
 

@@ -33,7 +33,7 @@ DRAFT_WEIGHTS_NAME = "draft.safetensors"
 DRAFT_FORMAT = "tetris-hf-draft"
 EAGLE_PREFIX = "eagle:"
 EAGLE_MODULE = Path(__file__).resolve().parent / "strategy" / "custom_generate" / "candidate_generators_eagle.py"
-STRATEGY_PACKAGE = "space_strategy"  # the strategy copy's folder, as a package (see _strategy_module)
+STRATEGY_PACKAGE = "space_strategy"  # the strategy copy's folder, as a package (see strategy_module)
 
 
 def load_target(name_or_path: str, device: str):
@@ -118,12 +118,13 @@ def load_tetris_draft(target, folder: Path):
 def load_eagle_head(target, name_or_path: str):
     """A published EAGLE head for ``target`` (folder or Hub id), through the strategy copy's ``EagleDraft`` (which
     refuses, before any forward, a head that does not fit the target)."""
-    return _strategy_module(EAGLE_MODULE.stem).EagleDraft.from_pretrained(name_or_path, target=target)
+    return strategy_module(EAGLE_MODULE.stem).EagleDraft.from_pretrained(name_or_path, target=target)
 
 
-def _strategy_module(name: str):
-    """Module ``name`` of the strategy copy's folder, imported as part of a package (``space_strategy``), so that
-    its relative imports (``from .checks import ...``) find their siblings there and not in an installed tetris_hf."""
+def strategy_module(name: str):
+    """Module ``name`` of the strategy copy's folder (EAGLE heads here, the request stream in :mod:`shared_stream`),
+    imported as part of a package (``space_strategy``), so that its relative imports (``from .checks import ...``)
+    find their siblings there and not in an installed tetris_hf."""
     package = sys.modules.get(STRATEGY_PACKAGE)
     if package is None:
         spec = importlib.util.spec_from_file_location(STRATEGY_PACKAGE, EAGLE_MODULE.parent / "__init__.py",

@@ -289,6 +289,25 @@ class BatchedDraftCandidateGenerator(Drafter):
         if width == 1:  # every row holds one pending token, the last column: real everywhere
             self.pending_real = True
 
+    def add_rows(self, last_tokens: torch.Tensor, prompt_lengths: list[int]) -> None:
+        """Rows join with empty caches, their last prompt token pending (left-padded to the pending block's width);
+        :meth:`read_prompts` caches the rest of their prompts before the next proposal reads it."""
+        count, width = last_tokens.shape[0], self.pending_tokens.shape[1]
+        self.slots.add_rows(count)
+        joining = torch.nn.functional.pad(last_tokens[:, None], (width - 1, 0))
+        joining_mask = torch.zeros_like(joining, dtype=self.pending_mask.dtype)
+        joining_mask[:, -1] = 1
+        self.pending_tokens = torch.cat([self.pending_tokens, joining])
+        self.pending_mask = torch.cat([self.pending_mask, joining_mask])
+        self.pending_real = self.pending_real and width == 1
+        self._ones = None  # (sized for the rows there were)
+
+    def read_prompts(self, tokens: torch.Tensor, real_lengths: torch.Tensor, num_real: int, longest: int) -> None:
+        """The joining rows' prompt chunk into the draft's cache (packed where the draft can be)."""
+        self.slots.forward(self.assistant_model, tokens, None, real_lengths=real_lengths, num_real=num_real,
+                           discard_logits=True)
+        self.slots.compact(longest)
+
     def fill_rows(self, targets: torch.Tensor, sources: torch.Tensor, num_rows: int) -> None:
         """Finished rows leave the batch: see :meth:`~tetris_hf.kv.SlotCache.fill_rows`."""
         rows = self.slots.fill_rows(targets, sources, num_rows)

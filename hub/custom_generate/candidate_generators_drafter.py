@@ -49,6 +49,18 @@ class Drafter(CandidateGeneratorAPI):
         """Row ``sources[i]`` takes the place of row ``targets[i]``; the first ``num_rows`` rows remain."""
         raise NotImplementedError
 
+    def add_rows(self, last_tokens: torch.Tensor, prompt_lengths: list[int]) -> None:
+        """Rows join after the active ones (a request stream's new requests): ``last_tokens`` ``(M,)`` their prompts'
+        last tokens (which open their first proposal), ``prompt_lengths`` their prompts' lengths. Their prompts but
+        that last token follow through :meth:`read_prompts`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot take rows mid-stream (a request stream runs plain, "
+                                  "prompt-lookup and draft-model drafting)")
+
+    def read_prompts(self, tokens: torch.Tensor, real_lengths: torch.Tensor, num_real: int, longest: int) -> None:
+        """A chunk of joining rows' prompts, as the target read it: ``tokens`` ``(B, L)``, row ``i``'s first
+        ``real_lengths[i]`` real (0 for rows not joining), ``num_real`` their sum; ``longest`` bounds any row's
+        tokens. Nothing to do for a drafter that keeps no cache."""
+
     def catch_up(self) -> None:
         """Do now any one-off work the next :meth:`propose` would do first (kept out of its timing)."""
 

@@ -180,6 +180,11 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
         self.pending_real = width == 1
         self.slots.compact(cached_longest)
 
+    def add_rows(self, last_tokens: torch.Tensor, prompt_lengths: list[int]) -> None:
+        raise NotImplementedError("an EAGLE head cannot take rows mid-stream yet (it needs the target's features of "
+                                  "each joining prompt); a request stream runs plain, prompt-lookup and draft-model "
+                                  "drafting")
+
     def trim_pending(self, width: int) -> None:
         if 0 < width < self.pending_tokens.shape[1]:
             self.pending_features = self.pending_features[:, -width:]

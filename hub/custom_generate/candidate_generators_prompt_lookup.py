@@ -170,6 +170,13 @@ class BatchedPromptLookupCandidateGenerator(Drafter):
         if drafted > 0:
             self.acceptance.update(self._ngram, verdict.verify_lengths, verdict.num_accepted)
 
+    def add_rows(self, last_tokens: torch.Tensor, prompt_lengths: list[int]) -> None:
+        """Rows join unpadded (their first real column is 0); the acceptance table is shared with them."""
+        self.starts = torch.cat([self.starts, self.starts.new_zeros(last_tokens.shape[0])])
+        self.width = max(self.width, *prompt_lengths)
+        if self._ngram is not None:
+            self._ngram = torch.cat([self._ngram, self._ngram.new_zeros(last_tokens.shape[0])])
+
     def fill_rows(self, targets: torch.Tensor, sources: torch.Tensor, num_rows: int) -> None:
         rows = rows_after_fill(targets, sources, num_rows)
         self.starts = self.starts[rows]

@@ -42,6 +42,7 @@ class LoopState(Protocol):
     num_rows: int
     longest: int  # host bound on the rows' lengths
     max_length: int
+    row_limits: torch.Tensor | None  # (B,) each row's own length limit (a request stream's rows), else None
     pad_value: int
     do_sample: bool
     compile: bool
@@ -97,6 +98,8 @@ class ChainStep(StepPhases):
         near the length limit verifies fewer. ``None`` when no row is near it (every row may take ``depth``), known on
         the host."""
         loop = self.loop
+        if loop.row_limits is not None:  # a stream's rows each have their own limit
+            return (loop.row_limits - 1 - loop.lengths).clamp(min=0, max=depth)
         if loop.longest + depth < loop.max_length:
             return None
         return (loop.max_length - 1 - loop.lengths).clamp(min=0, max=depth)

@@ -72,53 +72,16 @@ class BatchedSpeculativeLoop:
         streamer=None,
     ):
         batch_size, prompt_length = input_ids.shape
-        self.model = model
-        self.logits_processor = PositionwiseLogitsProcessor(logits_processor)
-        # generate()'s length limit (also a criterion, which a stopper applies with any other given)
-        self.stopper = RowStopper(stopping_criteria, input_ids.device, int(generation_config.max_length))
-        self.max_length = self.stopper.max_length
-        self.do_sample = bool(generation_config.do_sample)
+        self._setup(model, assistant_model, logits_processor, stopping_criteria, generation_config, options,
+                    input_ids.device, batch_size, prompt_length, int(generation_config.max_length))
         self.streamer = streamer
-        self.step_callback = options.tetris_step_callback
-        self.batch_size = batch_size
         self.input_ids = input_ids
-        device = input_ids.device
-        pad_token = getattr(generation_config, "_pad_token_tensor", None)
-        if pad_token is None:
-            pad_token = generation_config.pad_token_id
-        self.pad_value = int(pad_token) if pad_token is not None else 0
-
-        # Drafts are written past each row's end (scratch that accepted tokens overwrite): room for the longest block.
-        self.max_draft = options.num_assistant_tokens + options.tetris_extra_tokens
-        capacity = self.max_length + self.max_draft + 1
-        block = block_width(self.max_draft + 1, options.tetris_compile, device)
-        self.tree_width = options.tetris_tree_width
-        if self.tree_width > 1:  # a tree writes up to w K nodes (the target's block) and reads ancestor masks
-            block = 1 + self.tree_width * self.max_draft
-            check_tree_layout(AttentionLayout.of(model), model)
-
-        def cache_capacity(layout_model: torch.nn.Module) -> int:  # (its layout also refuses what it cannot mask)
-            return slots_needed(AttentionLayout.of(layout_model), prompt_length, self.max_length, block,
-                                options.tetris_max_holes)
-
-        self.drafter, draft_model = build_drafter(assistant_model, options, self.logits_processor, self.do_sample,
-                                                  cache_capacity)
-        # verify blocks packed: the target computes only the selected tokens (priced so by the cost-aware strategies)
-        pack = options.tetris_pack and not options.tetris_compile and packs_exactly(model)
-        self.strategy = make_strategy(options, model, draft_model, sampling=self.do_sample, packed=pack)
-        self.target_slots = SlotCache(batch_size, device, options.tetris_max_holes, capacity=cache_capacity(model))
-        self.target_slots.pack = pack
         self.prompt_mask = attention_mask
         self.prompt_read = False  # the first step reads the prompt and emits the first token, as generate() does
         # lazy: a draft model reads the prompt when it first drafts
         self.drafter.prefill(input_ids, attention_mask, all_real=bool(attention_mask.all()))
-        self.compile = options.tetris_compile
-        if self.compile:
-            check_compilable(model, "target")
-            self.target_slots.step_forward = compiled_forward(model)
-            self.drafter.compile()
-        self.drafter.attach(model)  # hooks on the target, if it reads its forwards (an EAGLE head); the last setup
-
+        self._compile_and_attach()
+        capacity, device = self.sequence_capacity, input_ids.device
         self.sequences = input_ids.new_full((batch_size, capacity), self.pad_value)
         self.sequences[:, :prompt_length] = input_ids
         self.lengths = torch.full((batch_size,), prompt_length, dtype=torch.long, device=device)
@@ -131,6 +94,60 @@ class BatchedSpeculativeLoop:
         self._records: list[StepRecord] = []
         self.clock = StepClock(device)
         self._stats: TetrisStats | None = None
+
+    def _setup(self, model: torch.nn.Module, assistant_model: torch.nn.Module | None,
+               logits_processor: LogitsProcessorList, stopping_criteria: StoppingCriteriaList, generation_config,
+               options: TetrisOptions, device: torch.device, batch_size: int, prompt_length: int,
+               max_length: int, cache_length: int | None = None) -> None:
+        """What every loop needs before its rows: the models' roles, the drafter, the strategy, the target's cache
+        (for ``batch_size`` rows of prompts up to ``prompt_length`` and lengths up to ``max_length``; caches sized
+        for ``cache_length`` tokens a row instead, when given, grow as rows need)."""
+        self.model = model
+        self.logits_processor = PositionwiseLogitsProcessor(logits_processor)
+        # generate()'s length limit (also a criterion, which a stopper applies with any other given)
+        self.stopper = RowStopper(stopping_criteria, device, max_length)
+        self.max_length = self.stopper.max_length
+        self.row_limits: torch.Tensor | None = None  # (B,) each row's own length limit (a stream's), below max_length
+        self.row_eos: torch.Tensor | None = None  # (B, E) each row's own end tokens (a stream's), -1 padded
+        self.do_sample = bool(generation_config.do_sample)
+        self.streamer = None
+        self.step_callback = options.tetris_step_callback
+        self.batch_size = batch_size
+        pad_token = getattr(generation_config, "_pad_token_tensor", None)
+        if pad_token is None:
+            pad_token = generation_config.pad_token_id
+        self.pad_value = int(pad_token) if pad_token is not None else 0
+
+        # Drafts are written past each row's end (scratch that accepted tokens overwrite): room for the longest block.
+        self.max_draft = options.num_assistant_tokens + options.tetris_extra_tokens
+        self.sequence_capacity = self.max_length + self.max_draft + 1
+        block = block_width(self.max_draft + 1, options.tetris_compile, device)
+        self.tree_width = options.tetris_tree_width
+        if self.tree_width > 1:  # a tree writes up to w K nodes (the target's block) and reads ancestor masks
+            block = 1 + self.tree_width * self.max_draft
+            check_tree_layout(AttentionLayout.of(model), model)
+
+        def cache_capacity(layout_model: torch.nn.Module) -> int:  # (its layout also refuses what it cannot mask)
+            return slots_needed(AttentionLayout.of(layout_model), prompt_length, cache_length or self.max_length,
+                                block, options.tetris_max_holes)
+
+        self.drafter, draft_model = build_drafter(assistant_model, options, self.logits_processor, self.do_sample,
+                                                  cache_capacity)
+        # verify blocks packed: the target computes only the selected tokens (priced so by the cost-aware strategies)
+        pack = options.tetris_pack and not options.tetris_compile and packs_exactly(model)
+        self.strategy = make_strategy(options, model, draft_model, sampling=self.do_sample, packed=pack)
+        self.target_slots = SlotCache(batch_size, device, options.tetris_max_holes, capacity=cache_capacity(model))
+        self.target_slots.pack = pack
+        self.compile = options.tetris_compile
+
+    def _compile_and_attach(self) -> None:
+        """After the drafter's :meth:`~.Drafter.prefill`: compiled step forwards if asked for, then the drafter's
+        hooks on the target (the last setup)."""
+        if self.compile:
+            check_compilable(self.model, "target")
+            self.target_slots.step_forward = compiled_forward(self.model)
+            self.drafter.compile()
+        self.drafter.attach(self.model)  # hooks on the target, if it reads its forwards (an EAGLE head)
 
     @property
     def done(self) -> bool:
@@ -209,7 +226,8 @@ class BatchedSpeculativeLoop:
         lengths = self.lengths
         self.sequences.scatter_(1, (lengths + num_accepted)[:, None], next_tokens[:, None])
         self.last_tokens = next_tokens  # a row that stops here leaves the batch: its last token is not needed
-        kept, stopped = self.stopper(self.sequences, lengths, num_accepted + 1, max_new, longest=self.longest)
+        kept, stopped = self.stopper(self.sequences, lengths, num_accepted + 1, max_new, longest=self.longest,
+                                     row_limits=self.row_limits, row_eos=self.row_eos)
         if self.streamer is not None:
             self.streamer.put(self.sequences[0, lengths[0] : lengths[0] + kept[0]].cpu())
         self.lengths = lengths + kept
@@ -223,7 +241,7 @@ class BatchedSpeculativeLoop:
         self._stats = None
         if self.shortest >= self.max_length:
             num_stopped = self.num_rows  # every row is at the length limit
-        elif self.stopper.only_length and self.longest < self.max_length:
+        elif self.stopper.only_length and self.row_limits is None and self.longest < self.max_length:
             num_stopped = 0  # no row can have stopped: no need to ask the device
         elif (pending_width := self.drafter.pending_width()) is None:  # nothing for the drafter to trim
             num_stopped = int(stopped.sum())
@@ -246,12 +264,9 @@ class BatchedSpeculativeLoop:
         3 and ``d`` the active row after them, so ``d`` moves to 1: ``[a d c]``.
         """
         gone = torch.argsort(stopped.long(), descending=True, stable=True)[:num_stopped]
-        self.outputs.index_copy_(0, self.rows[gone], self.sequences[gone])
-        self.output_lengths.index_copy_(0, self.rows[gone], self.lengths[gone])
+        self._store_finished(gone)
         num_rows = self.num_rows - num_stopped
         self.num_rows = num_rows
-        if num_rows == 0:
-            return
         # There are as many finished rows among the first num_rows as active rows after them; they pair up in
         # order. That count is not read: min(num_stopped, num_rows) pairs are formed, and those past it move nothing.
         moves = min(num_stopped, num_rows)
@@ -262,6 +277,16 @@ class BatchedSpeculativeLoop:
         self.drafter.fill_rows(targets, sources, num_rows)
         self.rows, self.sequences, self.lengths = self.rows[rows], self.sequences[rows], self.lengths[rows]
         self.last_tokens = self.last_tokens[rows]
+        if self.row_limits is not None:
+            self.row_limits = self.row_limits[rows]
+        if self.row_eos is not None:
+            self.row_eos = self.row_eos[rows]
+
+    def _store_finished(self, gone: torch.Tensor) -> None:
+        """Keep the tokens of the rows ``gone`` ``(M,)`` (active indices) that leave the batch: into ``outputs``, by
+        original index."""
+        self.outputs.index_copy_(0, self.rows[gone], self.sequences[gone])
+        self.output_lengths.index_copy_(0, self.rows[gone], self.lengths[gone])
 
     def partial_outputs(self) -> list[list[int]]:
         """Every original row's tokens so far (prompt with its left padding, then what it generated)."""

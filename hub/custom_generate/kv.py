@@ -68,9 +68,12 @@ class SlotLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads = key_states.shape[:2]
         owner = self.owner
-        rows = owner.batch_size if owner.static else batch  # static: room for the padded batches of later steps
+        # room for every row the cache may hold: the padded batches of a static cache's later steps, the rows a
+        # stream adds (SlotCache.add_rows)
+        rows = max(owner.batch_size, owner.max_rows, batch)
         keys = key_states.new_zeros(rows, heads, owner.capacity, key_states.shape[-1])
         values = value_states.new_zeros(rows, heads, owner.capacity, value_states.shape[-1])
+        self.buffer_keys, self.buffer_values = keys, values
         self.keys, self.values = keys[:batch], values[:batch]
         if owner.static:
             self._keep_static(keys, values)
@@ -118,15 +121,24 @@ class SlotLayer(CacheLayerMixin):
         return self.owner.capacity
 
     def rebuild(self, transform) -> None:
-        """Replace keys and values by ``transform(tensor)`` (growth)."""
+        """Replace the buffers by ``transform(tensor)`` (growth); keys and values stay views of their first rows."""
         if not self.is_initialized:
             return
-        if self.static_keys is None:
-            self.keys, self.values = transform(self.keys), transform(self.values)
-            return
         rows = self.keys.shape[0]
-        self._keep_static(transform(self.static_keys), transform(self.static_values))
-        self.keys, self.values = self.static_keys[:rows], self.static_values[:rows]
+        self.buffer_keys, self.buffer_values = transform(self.buffer_keys), transform(self.buffer_values)
+        if self.static_keys is not None:
+            self._keep_static(self.buffer_keys, self.buffer_values)
+        self.keys, self.values = self.buffer_keys[:rows], self.buffer_values[:rows]
+
+    def add_rows(self, num_rows: int) -> None:
+        """The first ``num_rows`` rows of the buffers become the active ones (rows after the current ones join,
+        holding whatever an earlier row left there, which their masks hide); the buffers grow if they hold fewer."""
+        if not self.is_initialized:
+            return
+        if num_rows > self.buffer_keys.shape[0]:
+            extra = num_rows - self.buffer_keys.shape[0]
+            self.rebuild(lambda tensor: torch.cat([tensor, tensor.new_zeros(extra, *tensor.shape[1:])]))
+        self.keys, self.values = self.buffer_keys[:num_rows], self.buffer_values[:num_rows]
 
     def repack(self, order: torch.Tensor, flat_index: dict) -> None:
         """Slot ``order[i, j]`` of row ``i`` moves to slot ``j`` (``order``: ``(B, width)``), in place.
@@ -179,6 +191,7 @@ class SlotCache:
         # What the layers read comes first (a deep copy of the layers copies what was set before the cache).
         self.max_holes = max_holes
         self.batch_size = batch_size
+        self.max_rows = batch_size  # rows the buffers are allocated for (a stream raises it before the first forward)
         self.capacity = max(int(capacity), 1)
         self.pointer = 0  # slots written per row, holes included (host-side: no device read needed)
         self.static = False  # see step_forward
@@ -236,7 +249,8 @@ class SlotCache:
         position_ids: torch.Tensor | None = None,
         visibility: torch.Tensor | None = None,
         num_real: int | None = None,
-    ) -> torch.Tensor:
+        discard_logits: bool = False,
+    ) -> torch.Tensor | None:
         """Run ``model`` on a block appended to every row, and cache it.
 
         Each real token's position is the number of real tokens before it in its row (cached ones included); filler
@@ -263,9 +277,11 @@ class SlotCache:
             num_real: with ``real_lengths``, their sum (a host int): a block with filler is read packed where the
                 model can be (:attr:`packs`), the model reading only the real tokens (:mod:`tetris_hf.packing`);
                 filler's logits are then zeros.
+            discard_logits: only the cache is wanted (prompts joining a stream): the head computes one position and
+                ``None`` is returned; such a block is read packed too.
 
         Returns:
-            ``(B, L or logits_to_keep, V)`` logits.
+            ``(B, L or logits_to_keep, V)`` logits, or ``None`` with ``discard_logits``.
         """
         if self.layout is None:
             self.layout = AttentionLayout.of(model)
@@ -293,13 +309,15 @@ class SlotCache:
             # (compiled, on the shapes as they come, for models that take the 2D mask; never the forward that allocates)
             run = self._step_forward if step and self._step_forward is not None and self.cache.layers else model
             if (num_real is not None and num_real < input_ids.numel() and self.packs and self.cache.layers
-                    and not logits_to_keep):  # (a block without filler is already packed)
+                    and (discard_logits or not logits_to_keep)):  # (a block without filler is already packed)
                 logits = self._packed_run(run, model, input_ids, attention_mask, position_ids,
-                                          Packing.of(real_lengths, num_real, block))
+                                          Packing.of(real_lengths, num_real, block), discard_logits)
                 self.tokens_read = num_real
             else:
-                logits = self._run(run, input_ids, attention_mask, position_ids, logits_to_keep)
+                logits = self._run(run, input_ids, attention_mask, position_ids, 1 if discard_logits else logits_to_keep)
                 self.tokens_read = input_ids.numel()
+            if discard_logits:
+                logits = None
         self.pointer = end
         self.next_positions = next_positions
         self.longest_bound += block
@@ -372,16 +390,17 @@ class SlotCache:
         return self.pack and not self.static
 
     def _packed_run(self, forward, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask,
-                    position_ids: torch.Tensor, packing: Packing) -> torch.Tensor:
-        """``forward`` on the block's real tokens only, ``(1, N)``; its logits unpacked to ``(B, L, V)``."""
+                    position_ids: torch.Tensor, packing: Packing, discard_logits: bool = False) -> torch.Tensor | None:
+        """``forward`` on the block's real tokens only, ``(1, N)``; its logits unpacked to ``(B, L, V)`` (``None``
+        with ``discard_logits``: the head computes one position)."""
         self.packing = packing
         try:
             with packed_attention(model, packing):
                 logits = self._run(forward, packing.pack(input_ids)[None], attention_mask,
-                                   packing.pack(position_ids)[None], 0)
+                                   packing.pack(position_ids)[None], 1 if discard_logits else 0)
         finally:
             self.packing = None
-        return packing.unpack(logits[0])
+        return None if discard_logits else packing.unpack(logits[0])
 
     def _static_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, start: int, end: int,
                         dtype: torch.dtype, logits_to_keep: int) -> torch.Tensor:
@@ -479,6 +498,22 @@ class SlotCache:
         for layer in self._layers():  # layers may sit on different devices (a model split by accelerate)
             layer.fill_rows(targets, sources, num_rows, self.pointer)
         return rows
+
+    def add_rows(self, count: int) -> None:
+        """``count`` empty rows join after the active ones (a request stream's new requests): every slot written so
+        far is a hole in them and their next position is 0. Nothing is copied; the buffers grow only if
+        :attr:`max_rows` was too small."""
+        if count <= 0:
+            return
+        if self.static:
+            raise RuntimeError("a static-shape cache (tetris_compile) cannot take rows mid-call")
+        extra = (0, 0, 0, count)
+        self.slot_mask = torch.nn.functional.pad(self.slot_mask, extra)
+        self.slot_positions = torch.nn.functional.pad(self.slot_positions, extra)
+        self.next_positions = torch.nn.functional.pad(self.next_positions, (0, count))
+        num_rows = self.slot_mask.shape[0]
+        for layer in self._layers():
+            layer.add_rows(num_rows)
 
     def live_lengths(self) -> torch.Tensor:
         """``(B,)`` real tokens cached per row (the next token's position). Their maximum bounds every row's real

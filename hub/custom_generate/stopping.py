@@ -39,7 +39,8 @@ class RowStopper:
         self._offsets: dict[int, torch.Tensor] = {}  # max_new -> arange(max_new)
 
     def __call__(self, sequences: torch.Tensor, lengths: torch.Tensor, new_counts: torch.Tensor, max_new: int,
-                 longest: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 longest: int | None = None, row_limits: torch.Tensor | None = None,
+                 row_eos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Where each row stops among its new tokens.
 
         Args:
@@ -50,6 +51,8 @@ class RowStopper:
             max_new: an upper bound on ``new_counts`` known without a device sync.
             longest: an upper bound on ``lengths`` known without a device sync, if any: the length limit is not
                 checked on the device when no row can reach it.
+            row_limits: ``(B,)`` each row's own length limit (a request stream's rows), checked with the common one.
+            row_eos: ``(B, E)`` each row's own end tokens, ``-1`` where a row has fewer (a request stream's rows).
 
         Returns:
             ``kept`` ``(B,)`` new tokens kept (up to and including the one that stopped the row) and ``stopped``
@@ -62,9 +65,16 @@ class RowStopper:
         stops = None
         if self.max_length is not None and (longest is None or longest + max_new >= self.max_length):
             stops = indices >= self.max_length - 1
-        if self.eos_ids is not None:
+        if row_limits is not None:
+            hits = indices >= (row_limits - 1)[:, None]
+            stops = hits if stops is None else stops | hits
+        if self.eos_ids is not None or row_eos is not None:
             tokens = sequences.gather(1, indices)
+        if self.eos_ids is not None:
             hits = tokens == self.eos_ids if self.eos_ids.numel() == 1 else torch.isin(tokens, self.eos_ids)
+            stops = hits if stops is None else stops | hits
+        if row_eos is not None:
+            hits = (tokens[:, :, None] == row_eos[:, None, :]).any(dim=-1)
             stops = hits if stops is None else stops | hits
         if stops is None:
             kept, stopped = new_counts, torch.zeros(new_counts.shape, dtype=torch.bool, device=new_counts.device)

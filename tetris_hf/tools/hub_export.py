@@ -6,11 +6,13 @@
 transformers loads ``custom_generate/generate.py`` with ``get_cached_module_file``: it copies the modules that file
 imports relatively (``from .kv import SlotCache``), recursively, but only flat files of the same folder, and checks
 that every other import is installed. So the export is the import closure of :mod:`tetris_hf.generation` inside the
-package (found by reading every import statement, also those inside functions), each module written as one flat file
+package, and of :mod:`tetris_hf.continuous` (the request stream: :data:`ENTRIES`), found by reading every import
+statement, also those inside functions, each module written as one flat file
 (``logits/processing.py`` -> ``logits_processing.py``, a package's ``__init__.py`` -> ``logits.py``) whose imports
 of the package are rewritten as relative imports of those files. The tools (:data:`TOOLS`: command-line programs,
 model loading, data sets, benchmarks) are never exported: a library module that imports one is an error, to be
-fixed in the package. Also written: ``custom_generate/generate.py`` (re-exports ``generate``),
+fixed in the package. Also written: ``custom_generate/generate.py`` (re-exports ``generate``, and ``generate_batch`` and
+``init_continuous_batching``),
 ``custom_generate/requirements.txt`` (the distributions the exported modules import, at least the installed
 versions) and ``README.md`` (the model card: ``custom_generate`` tag, what ``trust_remote_code`` runs, the
 arguments from :class:`TetrisOptions`'s fields and docstring, the output fields from :class:`TetrisStats`).
@@ -37,7 +39,9 @@ from ..options import TetrisOptions
 DISTRIBUTION = "tetris-hf"
 PACKAGE = "tetris_hf"
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
-ENTRY = "tetris_hf.generation"
+# The roots of the export: the generation strategy (what transformers calls) and the request stream (importable from
+# the folder as a package, e.g. by the Space).
+ENTRIES = ("tetris_hf.generation", "tetris_hf.continuous")
 # The package's tools around the strategy (programs, model and data loading, measurement) and everything under them,
 # never exported: the strategy must not depend on them.
 TOOLS = frozenset({f"{PACKAGE}.tools"})
@@ -45,13 +49,15 @@ TOOLS = frozenset({f"{PACKAGE}.tools"})
 GENERATE_PY = '''"""TETRIS batched speculative decoding as a transformers ``custom_generate`` repository.
 
 ``model.generate(inputs, assistant_model=draft, custom_generate="<this repo>", trust_remote_code=True)`` runs
-:func:`generation.generate`. The modules of this folder are tetris_hf's generation strategy, exported by
+:func:`generation.generate`. The modules of this folder are tetris_hf's generation strategy and its request stream
+(``generate_batch`` and ``init_continuous_batching``: rows that join a live batch as others finish), exported by
 ``python -m tetris_hf.tools.hub_export``: edit the tetris_hf package and export again, not these copies.
 """
 
+from .continuous import generate_batch, init_continuous_batching
 from .generation import generate
 
-__all__ = ["generate"]
+__all__ = ["generate", "generate_batch", "init_continuous_batching"]
 '''
 
 
@@ -138,13 +144,13 @@ def package_imports(module: LibraryModule) -> list[tuple[ast.ImportFrom, str]]:
     return found
 
 
-def library_closure(entry: str = ENTRY) -> list[LibraryModule]:
-    """The package modules ``entry`` needs, itself included, in the order first reached (breadth first).
+def library_closure(entries: tuple[str, ...] = ENTRIES) -> list[LibraryModule]:
+    """The package modules ``entries`` need, themselves included, in the order first reached (breadth first).
 
     Raises :class:`ExportError` when one of them imports a tool (:data:`TOOLS`), naming the chain of imports.
     """
-    reached_from: dict[str, str | None] = {entry: None}
-    order = [entry]
+    reached_from: dict[str, str | None] = {entry: None for entry in entries}
+    order = list(entries)
     for name in order:  # grows while it is walked
         module = LibraryModule(name, module_path(name))
         for _, target in package_imports(module):
@@ -316,9 +322,10 @@ exported by `python -m tetris_hf.tools.hub_export` as flat modules (nothing else
 ## What `trust_remote_code=True` runs
 
 transformers copies `custom_generate/generate.py` and the modules it imports relatively into its modules cache and
-imports them; `generate.py` only re-exports `generate` from `generation.py`. Importing them defines classes and
-functions and patches nothing of transformers; they import only the Python standard library, `torch` and
-`transformers`. Running
+imports them; `generate.py` only re-exports `generate` from `generation.py` (which transformers calls) and
+`generate_batch` and `init_continuous_batching` from `continuous.py` (the request stream). Importing them defines
+classes and functions and patches nothing of transformers; besides the Python standard library they import only the
+requirements above. Running
 `tetris_strategy="adaptive"` or `"dsd"` without `tetris_cost_profile` times a few forwards of your models and caches
 the result as JSON under `$TETRIS_HF_CACHE/cost-profiles` (default `~/.cache/tetris_hf`).
 

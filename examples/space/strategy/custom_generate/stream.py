@@ -1,0 +1,467 @@
+# Exported from tetris_hf/stream.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
+"""A request stream: speculative decoding over a live batch that requests join as others finish.
+
+:class:`StreamLoop` is the batched loop (:class:`~tetris_hf.decoding.BatchedSpeculativeLoop`) with rows that come and
+go: up to ``max_batch_size`` rows ("lanes"), each serving one request with its own prompt length, length limit and
+end tokens. Between steps, waiting requests take the free lanes (:meth:`StreamLoop.admit`): the target reads their
+prompts but the last token in chunks of at most ``prefill_chunk`` tokens (packed where the model can be: the rows
+already decoding add nothing), the drafter does the same with its own cache, and each new row's last prompt token
+opens its first verified block, in the next step, beside every other row's. The budget of each step is spread over
+whichever rows are live then.
+
+:class:`RequestStream` is the single-threaded scheduler around it: requests in (checked, a bad one gets its error in
+its own result), first come first served, finished :class:`StreamOutput` s out. The manager and
+``generate_batch`` (:mod:`tetris_hf.continuous`) run it on a thread.
+
+E.g. lanes 0-1 decoding requests ``a`` and ``b``; ``a`` stops; the next step first admits ``c`` into lane 0 (its
+prompt read into both caches), then verifies ``b``'s drafts and ``c``'s first ones in one forward.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
+from transformers.generation.logits_process import LogitsProcessorList
+from transformers.generation.stopping_criteria import StoppingCriteriaList
+
+from .checks import check_pair
+from .decoding import BatchedSpeculativeLoop
+from .options import TetrisOptions
+from .outputs import TetrisStats
+from .timing import StepClock
+
+DEFAULT_PREFILL_CHUNK = 256  # prompt tokens a joining row reads per forward
+FOLD_EVERY = 64  # steps whose records a stream keeps before adding them to its totals
+TOTALS = ("steps", "drafted_tokens", "verified_tokens", "accepted_tokens", "emitted_tokens", "draft_seconds",
+          "verify_seconds", "target_tokens", "selected_tokens")
+
+
+@dataclass
+class StreamOutput(GenerationOutput):
+    """transformers' ``GenerationOutput`` (``request_id``, ``prompt_ids``, ``generated_tokens``, ``error``,
+    ``status``, ``created_time``, ``lifespan``), plus when the request's first token came out (``perf_counter``
+    time, -1 before)."""
+
+    first_token_time: float = -1.0
+
+
+@dataclass
+class StreamRequest:
+    """One request's settings and progress (the scheduler's record)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    eos_token_ids: tuple[int, ...]
+    streaming: bool = False
+    output: StreamOutput = field(init=False)
+    lane: int = -1
+    emitted: int = 0  # generated tokens already handed out (streaming)
+
+    def __post_init__(self):
+        self.output = StreamOutput(request_id=self.request_id, prompt_ids=list(self.prompt_ids))
+
+
+class StreamLoop(BatchedSpeculativeLoop):
+    """The batched speculative loop over rows that join between steps (:meth:`admit`) and leave when they stop,
+    their tokens handed to :attr:`finished` as ``(lane, tokens)``. Rows are lanes ``0 .. max_batch_size - 1``
+    (:attr:`rows`), each row holding its prompt from column 0, unpadded.
+
+    Args:
+        model, assistant_model, logits_processor, generation_config, options: as for the batched loop (EOS and the
+            length limit come per row, from :meth:`admit`).
+        max_batch_size: rows at most.
+        max_length: the longest a row may grow (prompt and new tokens).
+        prefill_chunk: prompt tokens a joining row reads per forward.
+    """
+
+    def __init__(self, model: torch.nn.Module, assistant_model: torch.nn.Module | None,
+                 logits_processor: LogitsProcessorList, generation_config, options: TetrisOptions,
+                 max_batch_size: int, max_length: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+        if options.tetris_compile:
+            raise ValueError("a request stream runs eager: `tetris_compile=True` needs static shapes, which rows "
+                             "joining mid-stream do not have")
+        if options.tetris_tree_width > 1:
+            raise ValueError("a request stream drafts chains: `tetris_tree_width` must be 1")
+        device = model.get_input_embeddings().weight.device
+        # the caches start small and grow by doubling as rows need (a row's capacity can be far above typical use)
+        cache_length = min(max_length, 2 * DEFAULT_PREFILL_CHUNK)
+        self._setup(model, assistant_model, logits_processor, StoppingCriteriaList(), generation_config, options,
+                    device, 0, cache_length, max_length, cache_length=cache_length)
+        self.target_slots.max_rows = max_batch_size
+        self.batch_size = max_batch_size
+        self.prefill_chunk = prefill_chunk
+        empty = torch.zeros(0, 1, dtype=torch.long, device=device)
+        self.drafter.prefill(empty, empty, all_real=True)
+        self._compile_and_attach()
+        self.prompt_read = True  # rows come with their prompts read (admit)
+        self.input_ids = empty
+        self.sequences = empty.new_full((0, self.sequence_capacity), self.pad_value)
+        self.lengths = empty.new_zeros(0)
+        self.rows = empty.new_zeros(0)
+        self.last_tokens = empty.new_zeros(0)
+        self.row_limits = empty.new_zeros(0)
+        self.row_eos = empty.new_full((0, 1), -1)
+        self.num_rows = 0
+        self.shortest, self.longest = max_length, 0
+        self.finished: list[tuple[int, list[int]]] = []  # (lane, tokens) of rows that left since last taken
+        self._records = []
+        self._totals = TetrisStats()
+        self.clock = StepClock(device)
+
+    def admit(self, lanes: list[int], prompts: list[list[int]], limits: list[int],
+              eos_token_ids: list[tuple[int, ...]]) -> None:
+        """New rows join after the active ones: lane ``lanes[i]`` serves ``prompts[i]`` (at least one token), stops
+        at length ``limits[i]`` or at one of ``eos_token_ids[i]``. Both caches read each prompt but its last token
+        now, in chunks; the last token opens the row's first verified block at the next step."""
+        count, device = len(prompts), self.lengths.device
+        old_rows = self.num_rows
+        lengths = [len(prompt) for prompt in prompts]
+        rows = torch.full((count, self.sequence_capacity), self.pad_value, dtype=torch.long)
+        for index, prompt in enumerate(prompts):
+            rows[index, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        rows = rows.to(device)
+        new_lengths = torch.tensor(lengths, device=device)
+        self.sequences = torch.cat([self.sequences, rows])
+        self.lengths = torch.cat([self.lengths, new_lengths])
+        self.rows = torch.cat([self.rows, torch.tensor(lanes, device=device)])
+        last_tokens = rows.gather(1, (new_lengths - 1)[:, None])[:, 0]
+        self.last_tokens = torch.cat([self.last_tokens, last_tokens])
+        self.row_limits = torch.cat([self.row_limits, torch.tensor(limits, device=device)])
+        self.row_eos = _append_eos(self.row_eos, eos_token_ids)
+        self.num_rows += count
+        self.shortest, self.longest = min(self.shortest, *lengths), max(self.longest, *lengths)
+        self.target_slots.add_rows(count)
+        self.drafter.add_rows(last_tokens, lengths)
+        self._read_prompts(old_rows, prompts)
+
+    def _read_prompts(self, old_rows: int, prompts: list[list[int]]) -> None:
+        """Both caches read the joining rows' prompts but their last tokens, ``prefill_chunk`` tokens a forward; the
+        other rows' blocks are empty (packed, they cost nothing; padded, they compute filler)."""
+        device = self.lengths.device
+        to_read = [len(prompt) - 1 for prompt in prompts]
+        for start in range(0, max(to_read), self.prefill_chunk):
+            chunk = [min(max(length - start, 0), self.prefill_chunk) for length in to_read]
+            width = max(chunk)
+            block = torch.full((self.num_rows, width), self.pad_value, dtype=torch.long)
+            for index, (prompt, size) in enumerate(zip(prompts, chunk)):
+                if size:
+                    block[old_rows + index, :size] = torch.tensor(prompt[start : start + size])
+            block = block.to(device)
+            real_lengths = torch.tensor([0] * old_rows + chunk, device=device)
+            num_real = sum(chunk)
+            self.target_slots.forward(self.model, block, None, real_lengths=real_lengths, num_real=num_real,
+                                      discard_logits=True)
+            # no row holds more real tokens than the longest row's length (a row's last token is never cached)
+            self.target_slots.compact(self.longest)
+            self.drafter.read_prompts(block, real_lengths, num_real, self.longest)
+
+    @property
+    def stats(self) -> TetrisStats:
+        """The stream's totals so far (:class:`~tetris_hf.outputs.TetrisStats` without its per-step lists, which
+        would grow for as long as the stream runs)."""
+        self.fold_records()
+        return dataclasses.replace(self._totals)
+
+    def fold_records(self) -> None:
+        """Add the steps recorded since the last fold to the totals and drop their records (one read)."""
+        if not self._records:
+            return
+        steps = TetrisStats.from_steps(self._records, self.batch_size)
+        totals = self._totals
+        for name in TOTALS:
+            setattr(totals, name, getattr(totals, name) + getattr(steps, name))
+        # (from_steps counts the first record as a prompt's read, which selects nothing: a stream has none)
+        totals.selected_tokens += self._records[0].rows.numel()
+        self._records.clear()
+
+    def remove(self, lanes: list[int]) -> None:
+        """Take the rows of ``lanes`` (active ones) out of the batch now; their tokens go to :attr:`finished`."""
+        if not lanes:
+            return
+        stopped = torch.isin(self.rows, torch.tensor(lanes, device=self.rows.device))
+        self._retire(stopped, len(lanes))
+
+    def _store_finished(self, gone: torch.Tensor) -> None:
+        """Rows leaving: their lanes and tokens to the host (one read, only when rows stop)."""
+        lanes, lengths = torch.stack([self.rows[gone], self.lengths[gone]]).tolist()
+        tokens = self.sequences[gone, : max(lengths)].tolist()
+        self.finished.extend((lane, row[:length]) for lane, row, length in zip(lanes, tokens, lengths))
+
+    def progress(self, lanes: list[int]) -> dict[int, list[int]]:
+        """Each active lane of ``lanes``: its tokens so far (one read; for requests that stream)."""
+        wanted = torch.isin(self.rows, torch.tensor(lanes, device=self.rows.device))
+        rows, lengths = torch.stack([self.rows[wanted], self.lengths[wanted]]).tolist()
+        tokens = self.sequences[wanted, : max(lengths, default=0)].tolist()
+        return {lane: row[:length] for lane, row, length in zip(rows, tokens, lengths)}
+
+
+def _append_eos(row_eos: torch.Tensor, eos_token_ids: list[tuple[int, ...]]) -> torch.Tensor:
+    """``(B, E)`` end tokens per row (``-1`` padded) with rows for ``eos_token_ids`` added (widened if needed)."""
+    width = max(row_eos.shape[1], *(len(ids) for ids in eos_token_ids), 1)
+    new = torch.full((len(eos_token_ids), width), -1, dtype=torch.long)
+    for index, ids in enumerate(eos_token_ids):
+        new[index, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    row_eos = torch.nn.functional.pad(row_eos, (0, width - row_eos.shape[1]), value=-1)
+    return torch.cat([row_eos, new.to(row_eos.device)])
+
+
+def _as_ids(value) -> tuple[int, ...]:
+    """An ``eos_token_id`` setting (``None``, an int, a list or a tensor) as a tuple of ints."""
+    if value is None:
+        return ()
+    if isinstance(value, torch.Tensor):
+        return tuple(int(item) for item in value.flatten().tolist())
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(item) for item in value)
+
+
+def stream_config(model: torch.nn.Module, generation_config: GenerationConfig | None,
+                  kwargs: dict) -> GenerationConfig:
+    """The stream's generation settings: ``generation_config`` (default the model's) updated with the settings in
+    ``kwargs`` that a :class:`~transformers.GenerationConfig` knows (taken out of ``kwargs``)."""
+    config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
+    known = {name: kwargs.pop(name) for name in list(kwargs) if hasattr(config, name)}
+    config.update(**known)
+    if config.pad_token_id is None:
+        eos = _as_ids(config.eos_token_id)
+        config.pad_token_id = eos[0] if eos else 0
+    return config
+
+
+class RequestStream:
+    """Requests in, finished outputs out: :class:`StreamLoop` with a first-come-first-served queue, on the calling
+    thread. Each :meth:`step` admits waiting requests into free lanes and runs one speculative step.
+
+    Args:
+        model: the target causal LM.
+        assistant_model: a draft model (same vocabulary), or ``None`` for prompt lookup
+            (``prompt_lookup_num_tokens``).
+        generation_config: sampling, ``max_new_tokens`` and ``eos_token_id`` defaults for every request (default
+            the model's); ``kwargs`` that a ``GenerationConfig`` knows update it.
+        max_batch_size: rows decoding at once.
+        max_length: the most tokens a request may hold, prompt and new ones (default the model's
+            ``max_position_embeddings``, else 4096).
+        prefill_chunk: prompt tokens a joining row reads per forward.
+        **kwargs: ``custom_generate="tetris"`` options (``tetris_strategy``, ``num_assistant_tokens``,
+            ``tetris_extra_tokens``, ``tetris_budget``, ``prompt_lookup_num_tokens`` ...) and generation settings.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, assistant_model: torch.nn.Module | None = None,
+                 generation_config: GenerationConfig | None = None, max_batch_size: int = 8,
+                 max_length: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, **kwargs):
+        from .generation import _pop_options  # (generation imports the loop; the loop does not import this)
+
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"`max_batch_size` must be a positive integer, got {max_batch_size!r}")
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise ValueError(f"`prefill_chunk` must be a positive integer, got {prefill_chunk!r}")
+        kwargs = dict(kwargs)
+        self.options = _pop_options(kwargs)
+        self.config = stream_config(model, generation_config, kwargs)
+        if kwargs:
+            raise TypeError(f"unknown arguments for a request stream: {sorted(kwargs)}")
+        check_pair(model, assistant_model, prompt_lookup=self.options.prompt_lookup_num_tokens is not None)
+        text_config = model.config.get_text_config(decoder=True)
+        if max_length is None:
+            max_length = getattr(text_config, "max_position_embeddings", None) or 4096
+        self.model, self.assistant_model = model, assistant_model
+        self.max_batch_size, self.max_length, self.prefill_chunk = max_batch_size, int(max_length), prefill_chunk
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.default_eos = _as_ids(self.config.eos_token_id)
+        self.waiting: deque[StreamRequest] = deque()
+        self.live: dict[int, StreamRequest] = {}  # lane -> request
+        self.done: deque[StreamOutput] = deque()  # finished (or failed) outputs not yet taken
+        self._ids = itertools.count()
+        self._cancelled: set[str] = set()
+        self.loop: StreamLoop | None = self._new_loop()  # (made now: settings it cannot serve fail here)
+        if getattr(self.loop.drafter, "reads_target_features", False):
+            self.loop.close()
+            raise ValueError("a request stream cannot draft with an EAGLE head yet (a joining row needs the target's "
+                             "features of its prompt); use a draft model or prompt_lookup_num_tokens")
+        self.stats_steps = 0
+
+    def _new_loop(self) -> StreamLoop:
+        device = self.model.get_input_embeddings().weight.device
+        processors = self.model._get_logits_processor(generation_config=self.config, device=device,
+                                                      logits_processor=LogitsProcessorList(), model_kwargs={})
+        return StreamLoop(self.model, self.assistant_model, processors, self.config, self.options,
+                          self.max_batch_size, self.max_length, self.prefill_chunk)
+
+    # -- requests --------------------------------------------------------------------------------------------------
+
+    def add(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,
+            eos_token_id=None, streaming: bool = False) -> str:
+        """Queue a request; returns its id. A request that cannot run (empty, too long, a token outside the
+        vocabulary) is not queued: its output, with the error, is ready at once."""
+        request_id = f"req_{next(self._ids)}" if request_id is None else str(request_id)
+        if max_new_tokens is None:
+            max_new_tokens = self.config.max_new_tokens
+        eos = self.default_eos if eos_token_id is None else _as_ids(eos_token_id)
+        prompt = input_ids.tolist() if isinstance(input_ids, torch.Tensor) else input_ids
+        error = self._check(prompt, max_new_tokens)
+        if max_new_tokens is None and error is None:
+            max_new_tokens = self.max_length - len(prompt)
+        request = StreamRequest(request_id, list(prompt) if error is None else _safe_list(prompt),
+                                max_new_tokens or 0, eos, streaming)
+        if error is not None:
+            self._fail(request, error)
+        else:
+            self.waiting.append(request)
+        return request_id
+
+    def _check(self, prompt, max_new_tokens) -> str | None:
+        """Why a request cannot run, or ``None``."""
+        if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__"):
+            return f"a request's input_ids must be a list of token ids, got {type(prompt).__name__}"
+        if len(prompt) == 0:
+            return "the request's prompt is empty: give at least one token"
+        if isinstance(prompt[0], (list, tuple)):
+            return "a request's input_ids must be one list of token ids, not a batch (add one request per prompt)"
+        if not all(isinstance(token, int) and not isinstance(token, bool) for token in prompt):
+            return "a request's input_ids must be integers"
+        bad = [token for token in prompt if not 0 <= token < self.vocab_size]
+        if bad:
+            return f"token id {bad[0]} is outside the model's vocabulary (0 .. {self.vocab_size - 1})"
+        if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
+                                           or max_new_tokens < 1):
+            return f"max_new_tokens must be a positive integer, got {max_new_tokens!r}"
+        if len(prompt) + 1 > self.max_length:
+            return (f"the prompt has {len(prompt)} tokens: the stream holds {self.max_length} a request "
+                    "(max_length), prompt and new tokens")
+        return None
+
+    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
+        """Stop a request now: a waiting one never runs (its output fails with ``reason``); a running one leaves its
+        row at the next step (its output keeps what it generated, with status FAILED and error "cancelled")."""
+        for request in list(self.waiting):
+            if request.request_id == request_id:
+                self.waiting.remove(request)
+                self._fail(request, reason)
+                return
+        if any(request.request_id == request_id for request in self.live.values()):
+            self._cancelled.add(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.live or self._cancelled)
+
+    # -- stepping --------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Admit waiting requests into free lanes, run one speculative step, collect the rows that stopped. An
+        exception fails every request in flight with it (the stream stays usable: the next step starts afresh) and
+        is raised."""
+        try:
+            self._drop_cancelled()
+            self._admit()
+            if self.loop is not None and not self.loop.done:
+                self.loop.step()
+                self.stats_steps += 1
+                if self.stats_steps % FOLD_EVERY == 0:
+                    self.loop.fold_records()
+                now = time.perf_counter()
+                for request in self.live.values():
+                    if request.output.first_token_time < 0:
+                        request.output.first_token_time = now
+                        request.output.status = RequestStatus.DECODING
+                self._collect(now)
+        except BaseException as error:
+            self._fail_in_flight(f"{type(error).__name__}: {error}")
+            raise
+
+    def _admit(self) -> None:
+        free = [lane for lane in range(self.max_batch_size) if lane not in self.live]
+        joining = []
+        while free and self.waiting:
+            request = self.waiting.popleft()
+            request.lane = free.pop(0)
+            joining.append(request)
+        if not joining:
+            return
+        if self.loop is None:
+            self.loop = self._new_loop()
+        now = time.perf_counter()
+        for request in joining:
+            self.live[request.lane] = request
+            request.output.status = RequestStatus.PREFILLING
+            request.output.lifespan = (now, -1)
+        limits = [min(len(request.prompt_ids) + request.max_new_tokens, self.max_length) for request in joining]
+        self.loop.admit([request.lane for request in joining], [request.prompt_ids for request in joining], limits,
+                        [request.eos_token_ids for request in joining])
+
+    def _drop_cancelled(self) -> None:
+        if not self._cancelled:
+            return
+        lanes = [lane for lane, request in self.live.items() if request.request_id in self._cancelled]
+        self._cancelled.clear()
+        if lanes and self.loop is not None:
+            self.loop.remove(lanes)
+            self._collect(time.perf_counter(), error="cancelled")
+
+    def _collect(self, now: float, error: str | None = None) -> None:
+        """Hand out the rows that left the batch (and the streaming requests' new tokens)."""
+        for lane, tokens in self.loop.finished:
+            request = self.live.pop(lane)
+            output = request.output
+            output.generated_tokens = tokens[len(request.prompt_ids) :]
+            output.lifespan = (output.lifespan[0], now)
+            output.status = RequestStatus.FAILED if error else RequestStatus.FINISHED
+            output.error = error
+            self.done.append(output)
+        self.loop.finished.clear()
+        streaming = [lane for lane, request in self.live.items() if request.streaming]
+        if streaming:
+            for lane, tokens in self.loop.progress(streaming).items():
+                request = self.live[lane]
+                request.output.generated_tokens = tokens[len(request.prompt_ids) :]
+                self.done.append(dataclasses.replace(request.output, generated_tokens=list(
+                    request.output.generated_tokens)))
+
+    def _fail(self, request: StreamRequest, error: str) -> None:
+        request.output.error = error
+        request.output.status = RequestStatus.FAILED
+        now = time.perf_counter()
+        request.output.lifespan = (request.output.lifespan[0] if request.output.lifespan[0] > 0 else now, now)
+        self.done.append(request.output)
+
+    def _fail_in_flight(self, error: str) -> None:
+        """Every request in the batch fails with ``error``; the loop (and its caches) is dropped."""
+        for request in self.live.values():
+            self._fail(request, error)
+        self.live.clear()
+        self._cancelled.clear()
+        if self.loop is not None:
+            self.loop.close()
+        self.loop = None
+
+    def close(self) -> None:
+        """Remove what the drafter put on the target; the stream can start again."""
+        if self.loop is not None:
+            self.loop.close()
+        self.loop = None
+
+    def run(self) -> list[StreamOutput]:
+        """Step until every request finished; the outputs, in the order they finished."""
+        while self.has_work:
+            self.step()
+        outputs = [output for output in self.done if output.is_finished()]
+        self.done.clear()
+        return outputs
+
+
+def _safe_list(prompt) -> list:
+    try:
+        return list(prompt)
+    except TypeError:
+        return []
