@@ -94,7 +94,20 @@ class PackedCall(NamedTuple):
     implementation: str
 
 
-_current: contextvars.ContextVar[PackedCall | None] = contextvars.ContextVar("tetris_packing", default=None)
+def _shared_variable() -> contextvars.ContextVar:
+    """The process's one "packed forward running" variable, kept on the transformers module: a process may hold
+    several copies of this module (the package, the Hub folder transformers copies, a Space's own copy), and a part
+    from one copy (an EAGLE head, its feature tap) must see the packing of a forward another copy runs."""
+    import transformers
+
+    variable = getattr(transformers, "_tetris_hf_packing", None)
+    if variable is None:
+        variable = contextvars.ContextVar("tetris_packing", default=None)
+        transformers._tetris_hf_packing = variable
+    return variable
+
+
+_current: contextvars.ContextVar[PackedCall | None] = _shared_variable()
 
 
 def current_packing() -> Packing | None:

@@ -100,14 +100,15 @@ class StreamBoard:
 
 
 class SharedStream:
-    """The Space's shared request stream over ``target`` and ``draft`` (``None``, or an EAGLE head, which a stream
-    cannot draft with yet: prompt lookup instead). Not started: :meth:`start` (:func:`shared_stream` does)."""
+    """The Space's shared request stream over ``target`` and ``draft`` (a draft model or an EAGLE head; ``None``:
+    prompt lookup). Not started: :meth:`start` (:func:`shared_stream` does)."""
 
     def __init__(self, target, draft=None, max_rows: int = MAX_ROWS):
         continuous = strategy_module("continuous")
-        if draft is not None and getattr(draft, "feature_kind", None) is None:
+        if draft is not None:
             drafter = {"assistant_model": draft, "num_assistant_tokens": WINDOW}
-            self.drafting = f"the draft model, k = {WINDOW}, e = {STREAM_OPTIONS['tetris_extra_tokens']}"
+            kind = "the EAGLE head" if getattr(draft, "feature_kind", None) is not None else "the draft model"
+            self.drafting = f"{kind}, k = {WINDOW}, e = {STREAM_OPTIONS['tetris_extra_tokens']}"
         else:
             drafter = {"prompt_lookup_num_tokens": WINDOW}
             self.drafting = f"prompt lookup, k = {WINDOW}, e = {STREAM_OPTIONS['tetris_extra_tokens']}"

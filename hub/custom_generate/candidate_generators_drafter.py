@@ -23,8 +23,9 @@ __all__ = ["Drafter", "Proposal", "TreeDrafter", "Verdict"]
 
 class Drafter(CandidateGeneratorAPI):
     """The loop's side of a drafter. Rows are the loop's active rows, in its order (finished rows leave through
-    :meth:`fill_rows`). Nothing here may read the device: what a drafter needs on the host it keeps as bounds or
-    gets from the loop's own reads (:meth:`live_lengths`, :meth:`pending_width`, the verdict's hints).
+    :meth:`fill_rows`). Nothing here may read the device in a step: what a drafter needs on the host it keeps as
+    bounds or gets from the loop's own reads (:meth:`live_lengths`, :meth:`pending_width`, the verdict's hints);
+    :meth:`prefill`, before the first step, may (a packing draft counts its prompt's real tokens).
 
     A drafter implements :meth:`prefill`, :meth:`propose`, :meth:`accept` and :meth:`fill_rows`; the rest do nothing
     here, for drafters that keep no cache and read nothing of the target.
@@ -53,13 +54,14 @@ class Drafter(CandidateGeneratorAPI):
         """Rows join after the active ones (a request stream's new requests): ``last_tokens`` ``(M,)`` their prompts'
         last tokens (which open their first proposal), ``prompt_lengths`` their prompts' lengths. Their prompts but
         that last token follow through :meth:`read_prompts`."""
-        raise NotImplementedError(f"{type(self).__name__} cannot take rows mid-stream (a request stream runs plain, "
-                                  "prompt-lookup and draft-model drafting)")
+        raise NotImplementedError(f"{type(self).__name__} cannot take rows mid-stream")
 
-    def read_prompts(self, tokens: torch.Tensor, real_lengths: torch.Tensor, num_real: int, longest: int) -> None:
-        """A chunk of joining rows' prompts, as the target read it: ``tokens`` ``(B, L)``, row ``i``'s first
+    def read_prompts(self, tokens: torch.Tensor, real_lengths: torch.Tensor, num_real: int, longest: int,
+                     next_tokens: torch.Tensor) -> None:
+        """A chunk of joining rows' prompts, just read by the target: ``tokens`` ``(B, L)``, row ``i``'s first
         ``real_lengths[i]`` real (0 for rows not joining), ``num_real`` their sum; ``longest`` bounds any row's
-        tokens. Nothing to do for a drafter that keeps no cache."""
+        tokens; ``next_tokens`` ``(B, L)`` each real token's successor in its prompt (what an EAGLE head pairs with
+        the target's feature there). Nothing to do for a drafter that keeps no cache."""
 
     def catch_up(self) -> None:
         """Do now any one-off work the next :meth:`propose` would do first (kept out of its timing)."""
@@ -85,7 +87,7 @@ class Drafter(CandidateGeneratorAPI):
         drafter needs nothing read."""
         return None
 
-    def trim_pending(self, width: int) -> None:
+    def trim_pending(self, read: int) -> None:
         """What :meth:`pending_width` was, read."""
 
 

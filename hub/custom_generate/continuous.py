@@ -208,15 +208,18 @@ class SpeculativeBatchingManager:
     # -- requests --------------------------------------------------------------------------------------------------
 
     def add_request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,
-                    streaming: bool = False, eos_token_id=None) -> str:
+                    streaming: bool = False, eos_token_id=None, temperature: float | None = None,
+                    top_k: int | None = None, top_p: float | None = None) -> str:
         """Queue a request (a list of token ids); returns its id. Its output comes from :meth:`get_result` (or,
-        with ``streaming``, partial outputs first from :meth:`request_id_iter`)."""
+        with ``streaming``, partial outputs first from :meth:`request_id_iter`). ``temperature``, ``top_k``,
+        ``top_p``: its own sampling settings, in a sampling stream."""
         if request_id is None:
             request_id = f"req_{next(self._ids)}"
         if isinstance(input_ids, torch.Tensor):
             input_ids = input_ids.tolist()
         self._incoming.put(("add", dict(input_ids=input_ids, request_id=request_id, max_new_tokens=max_new_tokens,
-                                        eos_token_id=eos_token_id, streaming=streaming)))
+                                        eos_token_id=eos_token_id, streaming=streaming, temperature=temperature,
+                                        top_k=top_k, top_p=top_p)))
         return request_id
 
     def add_requests(self, inputs: list[list[int]], max_new_tokens: int | None = None) -> list[str]:

@@ -68,6 +68,8 @@ class SlotLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads = key_states.shape[:2]
         owner = self.owner
+        if owner.packing is not None:  # a packed first forward: (1, H, N, D) for the block's rows
+            batch = owner.packing.batch_size
         # room for every row the cache may hold: the padded batches of a static cache's later steps, the rows a
         # stream adds (SlotCache.add_rows)
         rows = max(owner.batch_size, owner.max_rows, batch)
@@ -274,11 +276,13 @@ class SlotCache:
             visibility: ``(B, L, W)`` bool, ``W >= L``: which of the last ``W`` slots (the ``L`` being written and the
                 ``W - L`` before them) each token sees, in place of causality (a tree's ancestor mask; the slots before
                 them are seen by position as usual). Needs a layout that takes prepared masks.
-            num_real: with ``real_lengths``, their sum (a host int): a block with filler is read packed where the
-                model can be (:attr:`packs`), the model reading only the real tokens (:mod:`tetris_hf.packing`);
-                filler's logits are then zeros.
-            discard_logits: only the cache is wanted (prompts joining a stream): the head computes one position and
-                ``None`` is returned; such a block is read packed too.
+            num_real: the block's real tokens (a host int), with ``real_lengths`` or a left-padded ``input_mask``
+                (each row's real tokens its last ones): a block with filler is read packed where the model can be
+                (:attr:`packs`), the model reading only the real tokens (:mod:`tetris_hf.packing`); filler's logits
+                are then zeros, and ``logits_to_keep=1`` keeps each row's last real token's (the last column's of a
+                left-padded block), the head computed there only.
+            discard_logits: only the cache is wanted (prompts joining a stream, catch-ups): the head computes one
+                position and ``None`` is returned; such a block is read packed too.
 
         Returns:
             ``(B, L or logits_to_keep, V)`` logits, or ``None`` with ``discard_logits``.
@@ -308,10 +312,10 @@ class SlotCache:
                                                   visibility=visibility)
             # (compiled, on the shapes as they come, for models that take the 2D mask; never the forward that allocates)
             run = self._step_forward if step and self._step_forward is not None and self.cache.layers else model
-            if (num_real is not None and num_real < input_ids.numel() and self.packs and self.cache.layers
-                    and (discard_logits or not logits_to_keep)):  # (a block without filler is already packed)
-                logits = self._packed_run(run, model, input_ids, attention_mask, position_ids,
-                                          Packing.of(real_lengths, num_real, block), discard_logits)
+            packing = self._packing(input_mask, real_lengths, num_real, block, logits_to_keep)
+            if packing is not None:
+                logits = self._packed_run(run, model, input_ids, attention_mask, position_ids, packing,
+                                          logits_to_keep, discard_logits)
                 self.tokens_read = num_real
             else:
                 logits = self._run(run, input_ids, attention_mask, position_ids, 1 if discard_logits else logits_to_keep)
@@ -377,9 +381,9 @@ class SlotCache:
         return position_masks(layout, self.slot_positions[:, :end], real[:, :end], position_ids, dtype)
 
     def _run(self, forward, input_ids: torch.Tensor, attention_mask, position_ids: torch.Tensor,
-             logits_to_keep: int) -> torch.Tensor:
+             logits_to_keep: int | torch.Tensor) -> torch.Tensor:
         """``forward`` (the model's, or a compiled one) on the block, writing into this cache: its logits."""
-        kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
+        kwargs = {"logits_to_keep": logits_to_keep} if torch.is_tensor(logits_to_keep) or logits_to_keep else {}
         return forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                        past_key_values=self.cache, use_cache=True, **kwargs).logits
 
@@ -389,18 +393,42 @@ class SlotCache:
         :func:`~tetris_hf.packed_probe.packs_exactly` decides for a model) and the cache is not static."""
         return self.pack and not self.static
 
+    def _packing(self, input_mask: torch.Tensor | None, real_lengths: torch.Tensor | None, num_real: int | None,
+                 width: int, logits_to_keep: int) -> Packing | None:
+        """How a forward's block is read packed (arguments as in :meth:`forward`), or ``None``: read padded, as a block
+        without filler is (it is packed already), one whose real tokens nobody counted on the host, one keeping more
+        than its last column's logits, or one on a cache that does not pack."""
+        if num_real is None or not self.packs or logits_to_keep > 1 or (input_mask is None and real_lengths is None):
+            return None
+        rows = (input_mask if real_lengths is None else real_lengths).shape[0]
+        if not 0 < num_real < rows * width:
+            return None
+        if real_lengths is not None:  # a verified block: real tokens first
+            return Packing.of(real_lengths, num_real, width)
+        return Packing.of_left_padded(input_mask, num_real)
+
     def _packed_run(self, forward, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask,
-                    position_ids: torch.Tensor, packing: Packing, discard_logits: bool = False) -> torch.Tensor | None:
-        """``forward`` on the block's real tokens only, ``(1, N)``; its logits unpacked to ``(B, L, V)`` (``None``
-        with ``discard_logits``: the head computes one position)."""
+                    position_ids: torch.Tensor, packing: Packing, logits_to_keep: int,
+                    discard_logits: bool = False) -> torch.Tensor | None:
+        """``forward`` on the block's real tokens only, ``(1, N)``: its logits unpacked to ``(B, L, V)``, or with
+        ``logits_to_keep`` (1) those of each row's last real token, ``(B, 1, V)``, the head computed at those ``B``
+        tokens only (transformers' ``logits_to_keep`` as a tensor of sequence indices); ``None`` with
+        ``discard_logits`` (the head computes one position)."""
+        keep = 0  # every token's logits
+        if discard_logits:
+            keep = 1  # the head at one token, whichever
+        elif logits_to_keep:
+            keep = packing.ends - 1  # (B,) each row's last token in the packed sequence
         self.packing = packing
         try:
             with packed_attention(model, packing):
                 logits = self._run(forward, packing.pack(input_ids)[None], attention_mask,
-                                   packing.pack(position_ids)[None], 1 if discard_logits else 0)
+                                   packing.pack(position_ids)[None], keep)
         finally:
             self.packing = None
-        return None if discard_logits else packing.unpack(logits[0])
+        if discard_logits:
+            return None
+        return logits[0][:, None] if logits_to_keep else packing.unpack(logits[0])
 
     def _static_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, start: int, end: int,
                         dtype: torch.dtype, logits_to_keep: int) -> torch.Tensor:
@@ -436,11 +464,14 @@ class SlotCache:
             self.causal = torch.ones(block, block, dtype=torch.bool, device=self.slot_mask.device).tril()
         return self.causal[:block, :block]
 
-    def prefill(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+    def prefill(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                num_real: int | None = None) -> None:
         """Cache a left-padded block ``(B, T)`` (a prompt, or tokens a draft skipped) but its last column, which
-        opens the next block."""
+        opens the next block and is real in every row. ``num_real``: the block's real tokens, known on the host: the
+        columns read are then read packed where the model can be (:attr:`packs`)."""
         if input_ids.shape[1] > 1:
-            self.forward(model, input_ids[:, :-1], attention_mask[:, :-1], logits_to_keep=1)
+            read = None if num_real is None else num_real - input_ids.shape[0]  # (the last column: one per row)
+            self.forward(model, input_ids[:, :-1], attention_mask[:, :-1], num_real=read, discard_logits=True)
 
     def keep_prefix(self, start: int, keep: torch.Tensor) -> None:
         """Roll back a block written at ``start`` whose real tokens come first in every row (one passed as

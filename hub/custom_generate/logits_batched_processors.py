@@ -29,6 +29,8 @@ from transformers.generation.logits_process import (
     SequenceBiasLogitsProcessor,
 )
 
+from .logits_row_sampling import RowSamplingWarper
+
 # (sequences (B, T), ends (B, L), rows (B,), scores (B, L, V)) -> processed scores (B, L, V)
 BatchedProcessor = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -202,7 +204,12 @@ def _sequence_bias(processor: SequenceBiasLogitsProcessor) -> BatchedProcessor:
     return apply
 
 
+def _row_sampling(processor) -> BatchedProcessor:
+    return lambda sequences, ends, rows, scores: processor.apply(rows, scores)
+
+
 BATCHED_FORMS: dict[type, Callable[[LogitsProcessor], BatchedProcessor]] = {
+    RowSamplingWarper: _row_sampling,
     RepetitionPenaltyLogitsProcessor: _repetition_penalty,
     MinLengthLogitsProcessor: _min_length,
     MinNewTokensLengthLogitsProcessor: _min_new_tokens,

@@ -34,6 +34,7 @@ from transformers.generation.logits_process import (
 )
 
 from .logits_batched_processors import BATCHED_FORMS, batched_form, prefix_ends
+from .logits_row_sampling import RowSamplingWarper
 
 # Processors whose output depends on the scores alone, never on the tokens so far.
 PREFIX_FREE_PROCESSORS = (
@@ -52,8 +53,10 @@ PREFIX_FREE_PROCESSORS = (
 
 
 def is_prefix_free(logits_processor: LogitsProcessorList) -> bool:
-    """True when no processor in the list looks at the tokens so far (exact types only: subclasses may)."""
-    return all(type(processor) in PREFIX_FREE_PROCESSORS for processor in logits_processor)
+    """True when no processor in the list looks at the tokens so far (exact types only: subclasses may); a row's own
+    sampling settings read its row, not its tokens."""
+    return all(type(processor) in PREFIX_FREE_PROCESSORS or type(processor) is RowSamplingWarper
+               for processor in logits_processor)
 
 
 def _for_one_row(processor, row: int):

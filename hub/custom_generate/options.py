@@ -97,8 +97,9 @@ class TetrisOptions:
             head (not prompt lookup), not with ``tetris_compile``.
         tetris_pack: read each verify block packed where the target can be (:mod:`tetris_hf.packing`): the target
             computes only every row's last token and the drafts selected for it, not a rectangle padded to the longest
-            row. ``False`` keeps the padded block (to compare). Families whose attention does not go through
-            transformers' ``AttentionInterface`` are read padded either way.
+            row; a draft model or EAGLE head reads its catch-ups and re-reads packed alike. ``False`` keeps the padded
+            blocks (to compare). Families whose attention does not go through transformers' ``AttentionInterface``
+            are read padded either way.
         prompt_lookup_num_tokens: draft by prompt lookup instead of a draft model (no ``assistant_model``): each row
             copies up to this many tokens that followed the latest earlier occurrence of its last n-gram in its own
             prompt and output; it is ``k`` (``num_assistant_tokens`` follows it). See

@@ -5,7 +5,8 @@ Packing (:mod:`tetris_hf.packing`) needs a model whose every attention layer goe
 ``AttentionInterface`` (on ``"sdpa"``, or ``"eager"`` with its family's ``eager_attention_forward``), with prepared
 masks. Most families do; some compute attention inline (Falcon), and the ALiBi families take only the 2D mask. Rather
 than keep a list, :func:`packs_exactly` reads a short block both ways on the model itself, at its first use: packed,
-and padded as before, and packs only where the logits agree. The answer is kept for the model's life.
+and padded as before, and packs only where the logits agree. The answer is kept for the model's life. An EAGLE head
+is probed on features made from its tokens (the same in both reads).
 """
 
 from __future__ import annotations
@@ -35,6 +36,24 @@ def packs_exactly(model: torch.nn.Module) -> bool:
     return answer
 
 
+class _TokenFeatures:
+    """An EAGLE head (:mod:`~tetris_hf.candidate_generators.eagle`) called through its ``forward`` with the target's
+    features made from its tokens, a fixed random row per token id, so that a packed and a padded read of one block
+    see the same features; attributes as the head's."""
+
+    def __init__(self, head: torch.nn.Module):
+        self._head = head
+        num_ids = 1 + max(max(row) for row in PROMPT + BLOCK)
+        generator = torch.Generator().manual_seed(0)
+        self._table = torch.randn(num_ids, head.feature_size, generator=generator).to(head.device, head.dtype)
+
+    def __call__(self, **kwargs):
+        return self._head.forward(**kwargs, target_features=self._table[kwargs["input_ids"]])
+
+    def __getattr__(self, name: str):
+        return getattr(self._head, name)
+
+
 class _Unhooked:
     """``model`` called through its ``forward`` (accelerate's placement wrapper included), so that hooks the user put on
     the model itself do not see the probe; attributes as the model's."""
@@ -54,7 +73,9 @@ def _probe(model: torch.nn.Module) -> bool:
     device = model.get_input_embeddings().weight.device
     prompt, block = torch.tensor(PROMPT, device=device), torch.tensor(BLOCK, device=device)
     real_lengths = torch.tensor(REAL_LENGTHS, device=device)
-    forward = _Unhooked(model)
+    from .candidate_generators_eagle import is_eagle_head  # (here: the drafters' package imports this module)
+
+    forward = _TokenFeatures(model) if is_eagle_head(model) else _Unhooked(model)
     logits = []
     for pack in (False, True):
         cache = SlotCache(2, device, capacity=8)
@@ -65,8 +86,9 @@ def _probe(model: torch.nn.Module) -> bool:
                                         num_real=int(sum(REAL_LENGTHS))))
         except (RuntimeError, ValueError, IndexError):  # e.g. attention computed inline on mismatched shapes
             return False
-    padded, packed = (part.float() for part in logits)
     real = torch.arange(block.shape[1], device=device)[None, :] < real_lengths[:, None]
-    scale = padded[real].abs().max().clamp(min=1.0)
+    padded, packed = (part.float()[real] for part in logits)
+    finite = padded.isfinite()  # (a head's reduced vocabulary: -inf outside it)
+    scale = padded[finite].abs().max().clamp(min=1.0)
     tolerance = (1e-4 if model.dtype == torch.float32 else 5e-2) * scale
-    return bool((padded[real] - packed[real]).abs().max() <= tolerance)
+    return torch.equal(finite, packed.isfinite()) and bool((padded[finite] - packed[finite]).abs().max() <= tolerance)

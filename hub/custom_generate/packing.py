@@ -12,7 +12,8 @@ forward would use (a token sees its row's cache and the earlier tokens of its ow
 Attention is the small part of a step; the padding it still computes on is what the mask hides anyway.
 
 E.g. real lengths ``[3, 1, 2]`` (``L = 3``): the model reads ``[a0 a1 a2 b0 c0 c1]``; ``rows = [0 0 0 1 2 2]``,
-``columns = [0 1 2 0 0 1]``.
+``columns = [0 1 2 0 0 1]``. A left-padded block (a draft's catch-up or pending tokens,
+:meth:`Packing.of_left_padded`) has each row's real tokens last instead.
 
 Which models: those that take prepared masks (``"sdpa"`` or ``"eager"`` attention, no ALiBi), hybrid and windowed ones
 alike, whose attention layers go through the interface; :func:`~tetris_hf.packed_probe.packs_exactly` checks a model
@@ -37,22 +38,35 @@ PACKED = f"tetris_packed_{__name__}"
 
 class Packing(NamedTuple):
     """Where each of a packed forward's ``N`` tokens sits in the ``(B, L)`` block: ``rows`` and ``columns``, ``(N,)``
-    each, in row order."""
+    each, in row order; ``ends``: ``(B,)`` the index after each row's last packed token."""
 
     rows: torch.Tensor
     columns: torch.Tensor
     batch_size: int
     width: int
+    ends: torch.Tensor
 
     @classmethod
-    def of(cls, real_lengths: torch.Tensor, num_tokens: int, width: int) -> Packing:
-        """The packing of a block whose row ``i`` has its first ``real_lengths[i]`` ``(B,)`` tokens real;
-        ``num_tokens``: their sum, known on the host (no device read here); ``width``: ``L``."""
+    def of(cls, real_lengths: torch.Tensor, num_tokens: int, width: int,
+           first_columns: torch.Tensor | None = None) -> Packing:
+        """The packing of a block whose row ``i`` has ``real_lengths[i]`` ``(B,)`` consecutive real tokens, its first
+        ones (a verified block) or from column ``first_columns[i]`` ``(B,)`` on; ``num_tokens``: their sum, known on
+        the host (no device read here); ``width``: ``L``."""
         ends = real_lengths.cumsum(dim=0)
         tokens = torch.arange(num_tokens, device=real_lengths.device)
         rows = torch.searchsorted(ends, tokens, right=True)
-        columns = tokens - (ends - real_lengths)[rows]
-        return cls(rows, columns, real_lengths.shape[0], width)
+        starts = ends - real_lengths if first_columns is None else ends - real_lengths - first_columns
+        return cls(rows, tokens - starts[rows], real_lengths.shape[0], width, ends)
+
+    @classmethod
+    def of_left_padded(cls, input_mask: torch.Tensor, num_tokens: int) -> Packing:
+        """The packing of a left-padded block: ``input_mask`` ``(B, L)``, each row's real tokens (1) its last ones;
+        ``num_tokens``: their sum, known on the host.
+
+        E.g. mask ``[[0 1 1], [1 1 1], [0 0 1]]``: the model reads ``[a1 a2 b0 b1 b2 c2]``, ``columns [1 2 0 1 2 2]``.
+        """
+        real_lengths = input_mask.sum(dim=1)
+        return cls.of(real_lengths, num_tokens, input_mask.shape[1], input_mask.shape[1] - real_lengths)
 
     @property
     def num_tokens(self) -> int:
@@ -81,7 +95,20 @@ class PackedCall(NamedTuple):
     implementation: str
 
 
-_current: contextvars.ContextVar[PackedCall | None] = contextvars.ContextVar("tetris_packing", default=None)
+def _shared_variable() -> contextvars.ContextVar:
+    """The process's one "packed forward running" variable, kept on the transformers module: a process may hold
+    several copies of this module (the package, the Hub folder transformers copies, a Space's own copy), and a part
+    from one copy (an EAGLE head, its feature tap) must see the packing of a forward another copy runs."""
+    import transformers
+
+    variable = getattr(transformers, "_tetris_hf_packing", None)
+    if variable is None:
+        variable = contextvars.ContextVar("tetris_packing", default=None)
+        transformers._tetris_hf_packing = variable
+    return variable
+
+
+_current: contextvars.ContextVar[PackedCall | None] = _shared_variable()
 
 
 def current_packing() -> Packing | None:

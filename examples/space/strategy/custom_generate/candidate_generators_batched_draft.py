@@ -5,6 +5,13 @@ The draft keeps its own KV cache (:class:`~tetris_hf.kv.SlotCache`). Tokens the 
 left-padded ``pending`` block that starts the next proposal: after a drafting step, the target's correction or bonus
 token (and a last accepted draft never fed back); while the loop decodes plainly, everything emitted since the draft
 last ran. The draft is lazy: it reads the prompt only when it first drafts, so a call that never drafts never runs it.
+
+Where the draft model reads blocks packed (:attr:`BatchedDraftCandidateGenerator.pack`, :mod:`tetris_hf.packing`), a
+pending block whose real tokens are counted on the host (``pending_count``) is read packed: the model computes its real
+tokens only. The count is known without a read of its own: the prompt's is read when the call starts (with the loop's
+own read of the prompt mask), a plain step adds a token per row, a one-column block holds one per row, and the loop's
+end-of-step read carries it (:func:`pending_read`) for the blocks a verification leaves; rows leaving make it unknown
+until then, and the block is read padded.
 """
 
 from __future__ import annotations
@@ -17,6 +24,30 @@ from .logits import PositionwiseLogitsProcessor, sample_tokens, vocab_argmax
 from .tree_logits import process_at_nodes
 from .trees import DraftTree, GrownTree, ancestor_mask, grow_tree, path_tokens
 from .candidate_generators_drafter import Drafter, Proposal, Verdict
+
+
+def pending_read(mask: torch.Tensor) -> torch.Tensor:
+    """A left-padded pending block's ``mask`` ``(B, P)`` as one 0-d integer, for the loop's end-of-step read: the most
+    real tokens any row holds (``widest``) and their sum (``total >= 1``: every row's last token is real), as
+    ``widest + (P + 1) * total``.
+
+    E.g. mask ``[[0 1], [1 1]]``: widest 2, total 3 -> 2 + 3 * 3 = 11.
+    """
+    counts = mask.sum(dim=1)
+    return counts.max() + (mask.shape[1] + 1) * counts.sum()
+
+
+def split_pending_read(read: int, columns: int) -> tuple[int, int | None]:
+    """``(widest, total)`` from a :func:`pending_read` of a block of ``columns`` columns; a plain width (at most
+    ``columns``) gives ``(width, None)``."""
+    if read <= columns:
+        return read, None
+    return read % (columns + 1), read // (columns + 1)
+
+
+def real_tokens(mask: torch.Tensor, all_real: bool) -> int:
+    """The real tokens of ``mask`` ``(B, T)`` on the host: a device read unless ``all_real`` says every one is."""
+    return mask.numel() if all_real else int(mask.sum())
 
 
 class BatchedDraftCandidateGenerator(Drafter):
@@ -52,6 +83,8 @@ class BatchedDraftCandidateGenerator(Drafter):
         self.pending_tokens: torch.Tensor | None = None  # (B, P) left-padded
         self.pending_mask: torch.Tensor | None = None  # (B, P)
         self.pending_real = False  # known on the host: every pending token is real (the next forward needs no mask)
+        self.pack = False  # read blocks with filler packed: set where the draft model packs exactly (build_drafter)
+        self.pending_count: int | None = None  # real pending tokens, known on the host (None: not known, read padded)
         self._last_draft: torch.Tensor | None = None  # (B, 1) the K-th draft of the last proposal (never fed)
         self._last_num_drafted = 0
         self._ones: torch.Tensor | None = None  # (B, 1) ones, the pending mask of the target's token (rows only leave)
@@ -66,8 +99,10 @@ class BatchedDraftCandidateGenerator(Drafter):
             all_real: the caller knows ``attention_mask`` has no padding (the first forward then needs no mask).
         """
         self.slots = SlotCache(input_ids.shape[0], input_ids.device, self.max_holes, self.capacity)
+        self.slots.pack = self.pack
         self.pending_tokens, self.pending_mask = input_ids, attention_mask.long()
         self.pending_real = all_real
+        self.pending_count = real_tokens(attention_mask, all_real) if self.pack else None
 
     def compile(self) -> None:
         """The draft's step forwards through ``torch.compile`` (after :meth:`prefill`, which made the cache)."""
@@ -83,9 +118,13 @@ class BatchedDraftCandidateGenerator(Drafter):
         """
         if self.pending_tokens.shape[1] <= 2:
             return
-        self.slots.prefill(self.assistant_model, self.pending_tokens, self.pending_mask)
+        self.slots.prefill(self.assistant_model, self.pending_tokens, self.pending_mask, self.pending_count)
+        self._pending_last_column()
+
+    def _pending_last_column(self) -> None:
+        """What a catch-up leaves pending: the last column, real in every row."""
         self.pending_tokens, self.pending_mask = self.pending_tokens[:, -1:], self.pending_mask[:, -1:]
-        self.pending_real = True  # every row's last token is real
+        self.pending_real, self.pending_count = True, self.pending_tokens.shape[0]
 
     def propose(
         self, sequences: torch.Tensor, lengths: torch.Tensor, num_tokens: int, rows: torch.Tensor | None = None,
@@ -220,19 +259,20 @@ class BatchedDraftCandidateGenerator(Drafter):
         self.slots.keep_slots(root_slot, keep[:, : cached + 1])
         ones = torch.ones_like(next_tokens[:, None])
         if max_accepted < depth:  # no row accepted a node of the last depth: only the target's token waits
-            self.pending_tokens, self.pending_mask, self.pending_real = next_tokens[:, None], ones, True
+            self._pending_target_tokens(next_tokens, ones)
         else:  # [last node, target token], the node masked where the path ends above it
             last = path_nodes[:, depth - 1]
             last_token = tokens.gather(1, last.clamp(min=0)[:, None])
             self.pending_tokens = torch.cat([last_token, next_tokens[:, None]], dim=1)
             self.pending_mask = torch.cat([(last >= 0).long()[:, None], ones], dim=1)
-            self.pending_real = False
+            self.pending_real, self.pending_count = False, None
         self.slots.compact(cached_longest)
 
     def _draft_forward(self, step: int, tokens: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """Draft step ``step``'s forward: the pending block (step 0) or the last draft, ``(B, P or 1)``; returns the
-        ``(B, 1, V)`` logits after the block's last token."""
-        return self.slots.forward(self.assistant_model, tokens, mask, logits_to_keep=1, step=True)
+        """Draft step ``step``'s forward: the pending block (step 0, packed where its count is known) or the last
+        draft, ``(B, P or 1)``; returns the ``(B, 1, V)`` logits after the block's last token."""
+        return self.slots.forward(self.assistant_model, tokens, mask, logits_to_keep=1, step=True,
+                                  num_real=self.pending_count if step == 0 else None)
 
     def accept(self, verdict: Verdict) -> None:
         """Roll the draft cache back to what the target accepted, and queue the tokens the draft has not read.
@@ -256,6 +296,7 @@ class BatchedDraftCandidateGenerator(Drafter):
         if drafted == 0:  # nothing was read: the old pending tokens still wait (left-packed), the new token joins
             self.pending_tokens = torch.cat([self.pending_tokens, next_tokens[:, None]], dim=1)
             self.pending_mask = torch.cat([self.pending_mask, ones], dim=1)
+            self._add_to_count(self.pending_tokens.shape[0])  # (a plain step: one per row)
             return
         # The cache now holds the pending block, then drafts 1..K-1; keep the accepted ones among those.
         # E.g. K = 3, rows [p q | d1 d2] and [r s | e1 e2], 1 and 3 accepted: drafts start at slot 2, keep [1, 2] ->
@@ -263,31 +304,50 @@ class BatchedDraftCandidateGenerator(Drafter):
         first_draft_slot = self.slots.length - (drafted - 1)  # (drafts are real in every row)
         self.slots.keep_prefix(first_draft_slot, num_accepted.clamp(max=drafted - 1))
         if max_accepted is not None and max_accepted < drafted:  # no row accepted draft K: one column
-            self.pending_tokens, self.pending_mask, self.pending_real = next_tokens[:, None], ones, True
+            self._pending_target_tokens(next_tokens, ones)
         else:  # [draft K, target token], the draft filler where it was not accepted: left-padded as it stands
             all_accepted = (num_accepted == drafted).long()[:, None]  # draft K accepted but never read
             self.pending_tokens = torch.cat([self._last_draft, next_tokens[:, None]], dim=1)
             self.pending_mask = torch.cat([all_accepted, ones], dim=1)
-            self.pending_real = False
+            self.pending_real, self.pending_count = False, None  # (until the loop's read says, see pending_width)
         self.slots.compact(cached_longest)
+
+    def _pending_target_tokens(self, next_tokens: torch.Tensor, ones: torch.Tensor) -> None:
+        """Only the target's tokens ``(B,)`` wait: one column, real in every row."""
+        self.pending_tokens, self.pending_mask = next_tokens[:, None], ones
+        self.pending_real, self.pending_count = True, next_tokens.shape[0]
+
+    def _add_to_count(self, tokens: int) -> None:
+        """``tokens`` more tokens wait (a plain step's, rows joining)."""
+        if self.pending_count is not None:
+            self.pending_count += tokens
 
     def live_lengths(self) -> torch.Tensor:
         """``(B,)`` real tokens the draft's cache holds per row (see :meth:`~tetris_hf.kv.SlotCache.live_lengths`)."""
         return self.slots.live_lengths()
 
     def pending_width(self) -> torch.Tensor | None:
-        """A 0-d device tensor: the most pending tokens any row holds (the block is left-packed, so the columns
-        before the last this-many are filler in every row); ``None`` when every pending token is real (nothing to
-        trim). Read it with another read and pass it to :meth:`trim_pending`."""
-        return None if self.pending_real else self.pending_mask.sum(dim=1).max()
+        """A 0-d device tensor, :func:`pending_read`: the most pending tokens any row holds (the block is left-packed,
+        so the columns before the last this-many are filler in every row) and how many wait in all; ``None`` when
+        every pending token is real (nothing to trim, the count known). Read it with another read and pass it to
+        :meth:`trim_pending`."""
+        return None if self.pending_real else pending_read(self.pending_mask)
 
-    def trim_pending(self, width: int) -> None:
-        """Keep the last ``width`` columns of the pending block (what :meth:`pending_width` was): the draft's next
-        forward reads no column of filler alone."""
+    def trim_pending(self, read: int) -> None:
+        """Keep the last ``widest`` columns of the pending block, the draft's next forward then reading no column of
+        filler alone, and keep the count of its real tokens (its next forward is read packed): ``read`` is what
+        :meth:`pending_width` was (or a plain width, which leaves the count as it was)."""
+        width, total = split_pending_read(read, self.pending_tokens.shape[1])
+        if total is not None:
+            self.pending_count = total
+        self._keep_pending_columns(width)
+
+    def _keep_pending_columns(self, width: int) -> None:
+        """Keep the last ``width`` columns of the pending block, which hold every pending token."""
         if 0 < width < self.pending_tokens.shape[1]:
             self.pending_tokens, self.pending_mask = self.pending_tokens[:, -width:], self.pending_mask[:, -width:]
         if width == 1:  # every row holds one pending token, the last column: real everywhere
-            self.pending_real = True
+            self.pending_real, self.pending_count = True, self.pending_tokens.shape[0]
 
     def add_rows(self, last_tokens: torch.Tensor, prompt_lengths: list[int]) -> None:
         """Rows join with empty caches, their last prompt token pending (left-padded to the pending block's width);
@@ -300,9 +360,11 @@ class BatchedDraftCandidateGenerator(Drafter):
         self.pending_tokens = torch.cat([self.pending_tokens, joining])
         self.pending_mask = torch.cat([self.pending_mask, joining_mask])
         self.pending_real = self.pending_real and width == 1
+        self._add_to_count(count)
         self._ones = None  # (sized for the rows there were)
 
-    def read_prompts(self, tokens: torch.Tensor, real_lengths: torch.Tensor, num_real: int, longest: int) -> None:
+    def read_prompts(self, tokens: torch.Tensor, real_lengths: torch.Tensor, num_real: int, longest: int,
+                     next_tokens: torch.Tensor) -> None:
         """The joining rows' prompt chunk into the draft's cache (packed where the draft can be)."""
         self.slots.forward(self.assistant_model, tokens, None, real_lengths=real_lengths, num_real=num_real,
                            discard_logits=True)
@@ -312,3 +374,8 @@ class BatchedDraftCandidateGenerator(Drafter):
         """Finished rows leave the batch: see :meth:`~tetris_hf.kv.SlotCache.fill_rows`."""
         rows = self.slots.fill_rows(targets, sources, num_rows)
         self.pending_tokens, self.pending_mask = self.pending_tokens[rows], self.pending_mask[rows]
+        self._count_after_fill()
+
+    def _count_after_fill(self) -> None:
+        """Rows left: the pending count is known only where every pending token is real."""
+        self.pending_count = self.pending_tokens.numel() if self.pending_real else None

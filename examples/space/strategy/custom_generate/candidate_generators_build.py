@@ -11,6 +11,7 @@ import torch
 from .attention import AttentionLayout, check_tree_layout
 from .logits import PositionwiseLogitsProcessor
 from .options import DEFAULT_MAX_NGRAM_SIZE, TetrisOptions
+from .packed_probe import packs_exactly
 from .candidate_generators_batched_draft import BatchedDraftCandidateGenerator
 from .candidate_generators_drafter import Drafter
 from .candidate_generators_eagle import is_eagle_head
@@ -32,7 +33,9 @@ def build_drafter(assistant_model: torch.nn.Module | None, options: TetrisOption
       :class:`~.reduced_vocab.ReducedVocabDraft` when ``tetris_draft_vocab`` is set.
 
     With ``tetris_tree_width > 1`` the draft model's layout must take tree masks
-    (:func:`~tetris_hf.attention.check_tree_layout`). Everything is refused before any forward.
+    (:func:`~tetris_hf.attention.check_tree_layout`). Everything is refused before any forward. A draft model or head
+    reads its blocks with filler packed (``tetris_pack``, not with ``tetris_compile``) where it packs exactly
+    (:func:`~tetris_hf.packed_probe.packs_exactly`).
 
     Args:
         assistant_model: the draft causal LM or EAGLE head, or ``None`` for prompt lookup.
@@ -62,4 +65,5 @@ def build_drafter(assistant_model: torch.nn.Module | None, options: TetrisOption
     drafter_class = EagleCandidateGenerator if eagle else BatchedDraftCandidateGenerator
     drafter = drafter_class(draft_model, logits_processor, do_sample, max_holes=options.tetris_max_holes,
                             capacity=cache_capacity(draft_model))
+    drafter.pack = options.tetris_pack and not options.tetris_compile and packs_exactly(draft_model)
     return drafter, draft_model

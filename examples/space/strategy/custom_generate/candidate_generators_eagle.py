@@ -479,7 +479,11 @@ class EagleDraft(nn.Module):
 
 class EagleCall:
     """:meth:`EagleDraft.forward` with its features bound, callable with a model's standard arguments; keeps the last
-    :class:`EagleOutput` in ``outputs``. Has the head's ``config``, ``dtype`` and ``device`` (what SlotCache reads)."""
+    :class:`EagleOutput` in ``outputs``. Has the head's ``config``, ``dtype`` and ``device`` (what SlotCache reads).
+
+    In a packed forward (:func:`~tetris_hf.packing.current_packing`: SlotCache reads the block's ``N`` real tokens as
+    ``(1, N)``), the bound ``(B, L, ...)`` features are packed the same way and ``outputs.features`` is put back in its
+    rows, ``(B, L, H)`` with zeros at filler."""
 
     def __init__(self, head: EagleDraft, target_features: torch.Tensor | None,
                  draft_features: torch.Tensor | None):
@@ -489,8 +493,17 @@ class EagleCall:
         self.outputs: EagleOutput | None = None
 
     def __call__(self, **kwargs) -> EagleOutput:
-        self.outputs = self.head(**kwargs, target_features=self.target_features, draft_features=self.draft_features)
-        return self.outputs
+        packing = current_packing()
+        if packing is None:
+            self.outputs = self.head(**kwargs, target_features=self.target_features,
+                                     draft_features=self.draft_features)
+            return self.outputs
+        target, draft = (None if features is None else packing.pack(features)[None]
+                         for features in (self.target_features, self.draft_features))
+        outputs = self.head(**kwargs, target_features=target, draft_features=draft)
+        outputs.features = packing.unpack(outputs.features[0])
+        self.outputs = outputs
+        return outputs
 
 
 class FeatureTap:

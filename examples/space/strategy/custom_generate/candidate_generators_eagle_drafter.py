@@ -20,7 +20,7 @@ import torch
 
 from .kv import SlotCache
 from .logits import PositionwiseLogitsProcessor
-from .candidate_generators_batched_draft import BatchedDraftCandidateGenerator
+from .candidate_generators_batched_draft import BatchedDraftCandidateGenerator, real_tokens
 from .candidate_generators_drafter import Verdict
 from .candidate_generators_eagle import EagleDraft, FeatureTap
 
@@ -65,25 +65,27 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, all_real: bool = False) -> None:
         """Wait for the prompt's features (the target's prompt forward, handed to the first :meth:`accept`)."""
         self.slots = SlotCache(input_ids.shape[0], input_ids.device, self.max_holes, self.capacity)
+        self.slots.pack = self.pack
         self._prompt = (input_ids, attention_mask.long())
         self.pending_real = all_real
+        self.pending_count = real_tokens(attention_mask, all_real) if self.pack else None  # (the prompt's block)
 
     def catch_up(self) -> None:
         """Read the pending block but its last column (which opens the next proposal)."""
         if self.pending_tokens.shape[1] <= 2:
             return
         call = self.head.with_features(target_features=self.pending_features[:, :-1])
-        self.slots.forward(call, self.pending_tokens[:, :-1], self.pending_mask[:, :-1], logits_to_keep=1)
-        self.pending_tokens, self.pending_mask = self.pending_tokens[:, -1:], self.pending_mask[:, -1:]
+        self.slots.prefill(call, self.pending_tokens, self.pending_mask, self.pending_count)
         self.pending_features = self.pending_features[:, -1:]
-        self.pending_real = True
+        self._pending_last_column()
 
     def _draft_forward(self, step: int, tokens: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         if step == 0:  # the pending block, with the target's features
             call = self.head.with_features(target_features=self.pending_features)
         else:  # the last draft, with the head's own output before it
             call = self.head.with_features(draft_features=self._out)
-        logits = self.slots.forward(call, tokens, mask, logits_to_keep=1, step=True)
+        logits = self.slots.forward(call, tokens, mask, logits_to_keep=1, step=True,
+                                    num_real=self.pending_count if step == 0 else None)
         self._out = call.outputs.features[:, -1:]
         return logits
 
@@ -150,6 +152,7 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
             self.pending_tokens = torch.cat([self.pending_tokens, next_tokens[:, None]], dim=1)
             self.pending_mask = torch.cat([self.pending_mask, ones], dim=1)
             self.pending_features = torch.cat([self.pending_features, features[:, :1]], dim=1)
+            self._add_to_count(self.pending_tokens.shape[0])  # (a plain step: one per row)
             return
         # The cache holds the old pending block, then drafts 1..K-1 (read with the head's own features): drop those.
         if drafted > 1:
@@ -178,21 +181,61 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
         self.pending_features = features.gather(1, source[..., None].expand(-1, -1, features.shape[-1]))
         self.pending_mask = real.long()
         self.pending_real = width == 1
+        self.pending_count = num_accepted.shape[0] if width == 1 else None  # (else until the loop's read says)
         self.slots.compact(cached_longest)
 
     def add_rows(self, last_tokens: torch.Tensor, prompt_lengths: list[int]) -> None:
-        raise NotImplementedError("an EAGLE head cannot take rows mid-stream yet (it needs the target's features of "
-                                  "each joining prompt); a request stream runs plain, prompt-lookup and draft-model "
-                                  "drafting")
+        """Rows join (a request stream's) with empty caches and nothing pending: each prompt chunk the target reads
+        queues its tokens' successors with the target's features (:meth:`read_prompts`), so that a row of prompt
+        ``x0 .. x(P-1)`` ends with ``[x1 .. x(P-1)]`` and ``[f0 .. f(P-2)]`` pending, as a prompt read leaves it in
+        ``generate()`` but for the target's token. A one-token prompt has no feature before it: its row waits with
+        ``[x0]`` and a zero feature (its first drafts are poor, and verified like any)."""
+        count = last_tokens.shape[0]
+        self.slots.add_rows(count)
+        self._prompt = None  # a stream's rows come through here, not through a prompt read
+        self._drafts, self._ones = None, None
+        if self.pending_tokens is None:  # the stream's first rows
+            self.pending_tokens = last_tokens.new_zeros(0, 1)
+            self.pending_mask = last_tokens.new_zeros(0, 1)
+            self.pending_features = torch.zeros(0, 1, self.head.feature_size, dtype=self.head.dtype,
+                                                device=last_tokens.device)
+        width = self.pending_tokens.shape[1]
+        single = torch.tensor([length == 1 for length in prompt_lengths], device=last_tokens.device)
+        tokens = last_tokens.new_zeros(count, width)
+        tokens[:, -1] = last_tokens
+        mask = last_tokens.new_zeros(count, width)
+        mask[:, -1] = single.long()
+        features = self.pending_features.new_zeros(count, width, self.pending_features.shape[-1])
+        self._set_pending(torch.cat([self.pending_tokens, tokens]), torch.cat([self.pending_mask, mask]),
+                          torch.cat([self.pending_features, features]))
 
-    def trim_pending(self, width: int) -> None:
+    def read_prompts(self, tokens: torch.Tensor, real_lengths: torch.Tensor, num_real: int, longest: int,
+                     next_tokens: torch.Tensor) -> None:
+        """Queue the chunk's pairs (each position's successor, the target's feature there) after what waits."""
+        features = self._target_features()  # (B, L, F), zeros at filler
+        mask = (torch.arange(tokens.shape[1], device=tokens.device)[None, :] < real_lengths[:, None]).long()
+        self._set_pending(torch.cat([self.pending_tokens, next_tokens], dim=1),
+                          torch.cat([self.pending_mask, mask], dim=1),
+                          torch.cat([self.pending_features, features.to(self.pending_features.dtype)], dim=1))
+
+    def _set_pending(self, tokens: torch.Tensor, mask: torch.Tensor, features: torch.Tensor) -> None:
+        """Wait with these ``(B, W)`` tokens and mask and ``(B, W, F)`` features, each row's real columns moved to
+        its end, in order (the pending block is left-padded)."""
+        # a stable sort puts filler (0) first and real columns (1) after, each in its own order
+        order = torch.sort(mask.to(torch.uint8), dim=1, stable=True).indices
+        self.pending_tokens, self.pending_mask = tokens.gather(1, order), mask.gather(1, order)
+        self.pending_features = features.gather(1, order[..., None].expand(-1, -1, features.shape[-1]))
+        self.pending_real, self.pending_count = False, None  # (counted again by the loop's end-of-step read)
+
+    def _keep_pending_columns(self, width: int) -> None:
         if 0 < width < self.pending_tokens.shape[1]:
             self.pending_features = self.pending_features[:, -width:]
-        super().trim_pending(width)
+        super()._keep_pending_columns(width)
 
     def fill_rows(self, targets: torch.Tensor, sources: torch.Tensor, num_rows: int) -> None:
         rows = self.slots.fill_rows(targets, sources, num_rows)
         self.pending_tokens, self.pending_mask = self.pending_tokens[rows], self.pending_mask[rows]
         self.pending_features = self.pending_features[rows]
+        self._count_after_fill()
         if self._drafts is not None:
             self._drafts = self._drafts[rows]

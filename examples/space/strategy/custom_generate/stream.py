@@ -34,6 +34,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from .checks import check_pair
 from .decoding import BatchedSpeculativeLoop
+from .logits_row_sampling import RowSamplingWarper, check_sampling
 from .options import TetrisOptions
 from .outputs import TetrisStats
 from .timing import StepClock
@@ -62,6 +63,7 @@ class StreamRequest:
     max_new_tokens: int
     eos_token_ids: tuple[int, ...]
     streaming: bool = False
+    sampling: tuple = (None, None, None)  # its own temperature, top_k, top_p (None: the stream's)
     output: StreamOutput = field(init=False)
     lane: int = -1
     emitted: int = 0  # generated tokens already handed out (streaming)
@@ -152,17 +154,19 @@ class StreamLoop(BatchedSpeculativeLoop):
             chunk = [min(max(length - start, 0), self.prefill_chunk) for length in to_read]
             width = max(chunk)
             block = torch.full((self.num_rows, width), self.pad_value, dtype=torch.long)
+            successors = block.clone()  # each real token's successor in its prompt (an EAGLE head's pairs)
             for index, (prompt, size) in enumerate(zip(prompts, chunk)):
                 if size:
                     block[old_rows + index, :size] = torch.tensor(prompt[start : start + size])
-            block = block.to(device)
+                    successors[old_rows + index, :size] = torch.tensor(prompt[start + 1 : start + size + 1])
+            block, successors = block.to(device), successors.to(device)
             real_lengths = torch.tensor([0] * old_rows + chunk, device=device)
             num_real = sum(chunk)
             self.target_slots.forward(self.model, block, None, real_lengths=real_lengths, num_real=num_real,
                                       discard_logits=True)
             # no row holds more real tokens than the longest row's length (a row's last token is never cached)
             self.target_slots.compact(self.longest)
-            self.drafter.read_prompts(block, real_lengths, num_real, self.longest)
+            self.drafter.read_prompts(block, real_lengths, num_real, self.longest, successors)
 
     @property
     def stats(self) -> TetrisStats:
@@ -283,36 +287,51 @@ class RequestStream:
         self.done: deque[StreamOutput] = deque()  # finished (or failed) outputs not yet taken
         self._ids = itertools.count()
         self._cancelled: set[str] = set()
+        # Sampling settings per request: temperature, top-k and top-p leave the stream's processors for one warper
+        # with a value per lane, the stream's values by default (unless other warpers, which come after them in
+        # transformers' order, are set: then every request samples with the stream's).
+        self.row_sampling: RowSamplingWarper | None = None
+        self.processor_config = self.config
+        other_warpers = (self.config.min_p is not None or (self.config.typical_p or 1.0) < 1.0
+                         or (self.config.epsilon_cutoff or 0.0) > 0 or (self.config.eta_cutoff or 0.0) > 0
+                         or getattr(self.config, "top_h", None) is not None)
+        if self.config.do_sample and not other_warpers:
+            device = model.get_input_embeddings().weight.device
+            self.row_sampling = RowSamplingWarper(max_batch_size, self.config.temperature or 1.0, self.config.top_k,
+                                                  1.0 if self.config.top_p is None else self.config.top_p, device)
+            self.processor_config = copy.deepcopy(self.config)
+            self.processor_config.update(temperature=1.0, top_k=None, top_p=1.0)
         self.loop: StreamLoop | None = self._new_loop()  # (made now: settings it cannot serve fail here)
-        if getattr(self.loop.drafter, "reads_target_features", False):
-            self.loop.close()
-            raise ValueError("a request stream cannot draft with an EAGLE head yet (a joining row needs the target's "
-                             "features of its prompt); use a draft model or prompt_lookup_num_tokens")
         self.stats_steps = 0
 
     def _new_loop(self) -> StreamLoop:
         device = self.model.get_input_embeddings().weight.device
-        processors = self.model._get_logits_processor(generation_config=self.config, device=device,
+        processors = self.model._get_logits_processor(generation_config=self.processor_config, device=device,
                                                       logits_processor=LogitsProcessorList(), model_kwargs={})
+        if self.row_sampling is not None:
+            processors.append(self.row_sampling)  # (the warpers come last in transformers' order too)
         return StreamLoop(self.model, self.assistant_model, processors, self.config, self.options,
                           self.max_batch_size, self.max_length, self.prefill_chunk)
 
     # -- requests --------------------------------------------------------------------------------------------------
 
     def add(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,
-            eos_token_id=None, streaming: bool = False) -> str:
-        """Queue a request; returns its id. A request that cannot run (empty, too long, a token outside the
-        vocabulary) is not queued: its output, with the error, is ready at once."""
+            eos_token_id=None, streaming: bool = False, temperature: float | None = None, top_k: int | None = None,
+            top_p: float | None = None) -> str:
+        """Queue a request; returns its id. ``temperature``, ``top_k`` and ``top_p``: its own sampling settings (a
+        sampling stream's; ``None``: the stream's). A request that cannot run (empty, too long, a token outside the
+        vocabulary, bad settings) is not queued: its output, with the error, is ready at once."""
         request_id = f"req_{next(self._ids)}" if request_id is None else str(request_id)
         if max_new_tokens is None:
             max_new_tokens = self.config.max_new_tokens
         eos = self.default_eos if eos_token_id is None else _as_ids(eos_token_id)
         prompt = input_ids.tolist() if isinstance(input_ids, torch.Tensor) else input_ids
-        error = self._check(prompt, max_new_tokens)
+        sampling = (temperature, top_k, top_p)
+        error = self._check(prompt, max_new_tokens) or self._check_sampling(sampling)
         if max_new_tokens is None and error is None:
             max_new_tokens = self.max_length - len(prompt)
         request = StreamRequest(request_id, list(prompt) if error is None else _safe_list(prompt),
-                                max_new_tokens or 0, eos, streaming)
+                                max_new_tokens or 0, eos, streaming, sampling)
         if error is not None:
             self._fail(request, error)
         else:
@@ -338,6 +357,23 @@ class RequestStream:
         if len(prompt) + 1 > self.max_length:
             return (f"the prompt has {len(prompt)} tokens: the stream holds {self.max_length} a request "
                     "(max_length), prompt and new tokens")
+        return None
+
+    def _check_sampling(self, sampling: tuple) -> str | None:
+        """Why a request's own sampling settings cannot be served, or ``None``."""
+        if all(value is None for value in sampling):
+            return None
+        if not self.config.do_sample:
+            return "temperature, top_k and top_p are sampling settings: this stream decodes greedily (do_sample=False)"
+        if self.row_sampling is None:
+            return ("per-request temperature, top_k and top_p need a stream without min_p, typical_p, epsilon or eta "
+                    "warpers (transformers applies those after them)")
+        temperature, top_k, top_p = self.row_sampling.defaults
+        try:
+            check_sampling(*(default if value is None else value
+                             for value, default in zip(sampling, (temperature, top_k, top_p))))
+        except ValueError as error:
+            return str(error)
         return None
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:
@@ -394,6 +430,8 @@ class RequestStream:
         now = time.perf_counter()
         for request in joining:
             self.live[request.lane] = request
+            if self.row_sampling is not None:
+                self.row_sampling.set_row(request.lane, *request.sampling)
             request.output.status = RequestStatus.PREFILLING
             request.output.lifespan = (now, -1)
         limits = [min(len(request.prompt_ids) + request.max_new_tokens, self.max_length) for request in joining]
