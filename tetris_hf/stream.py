@@ -162,10 +162,10 @@ class StreamLoop(BatchedSpeculativeLoop):
             real_lengths = torch.tensor([0] * old_rows + chunk, device=device)
             num_real = sum(chunk)
             self.target_slots.forward(self.model, block, None, real_lengths=real_lengths, num_real=num_real,
-                                      discard_logits=True)
+                                      discard_logits=True, first_row=old_rows)
             # no row holds more real tokens than the longest row's length (a row's last token is never cached)
             self.target_slots.compact(self.longest)
-            self.drafter.read_prompts(block, real_lengths, num_real, self.longest, successors)
+            self.drafter.read_prompts(block, real_lengths, num_real, self.longest, successors, old_rows)
 
     @property
     def stats(self) -> TetrisStats:

@@ -210,7 +210,7 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
                           torch.cat([self.pending_features, features]))
 
     def read_prompts(self, tokens: torch.Tensor, real_lengths: torch.Tensor, num_real: int, longest: int,
-                     next_tokens: torch.Tensor) -> None:
+                     next_tokens: torch.Tensor, first_row: int = 0) -> None:
         """Queue the chunk's pairs (each position's successor, the target's feature there) after what waits."""
         features = self._target_features()  # (B, L, F), zeros at filler
         mask = (torch.arange(tokens.shape[1], device=tokens.device)[None, :] < real_lengths[:, None]).long()

@@ -252,6 +252,7 @@ class SlotCache:
         visibility: torch.Tensor | None = None,
         num_real: int | None = None,
         discard_logits: bool = False,
+        first_row: int = 0,
     ) -> torch.Tensor | None:
         """Run ``model`` on a block appended to every row, and cache it.
 
@@ -283,6 +284,8 @@ class SlotCache:
                 left-padded block), the head computed there only.
             discard_logits: only the cache is wanted (prompts joining a stream, catch-ups): the head computes one
                 position and ``None`` is returned; such a block is read packed too.
+            first_row: rows before it have no real token in the block (known on the host: a stream's rows already
+                decoding while joining prompts are read); read packed, attention runs on the other rows only.
 
         Returns:
             ``(B, L or logits_to_keep, V)`` logits, or ``None`` with ``discard_logits``.
@@ -312,7 +315,7 @@ class SlotCache:
                                                   visibility=visibility)
             # (compiled, on the shapes as they come, for models that take the 2D mask; never the forward that allocates)
             run = self._step_forward if step and self._step_forward is not None and self.cache.layers else model
-            packing = self._packing(input_mask, real_lengths, num_real, block, logits_to_keep)
+            packing = self._packing(input_mask, real_lengths, num_real, block, logits_to_keep, first_row)
             if packing is not None:
                 logits = self._packed_run(run, model, input_ids, attention_mask, position_ids, packing,
                                           logits_to_keep, discard_logits)
@@ -394,7 +397,7 @@ class SlotCache:
         return self.pack and not self.static
 
     def _packing(self, input_mask: torch.Tensor | None, real_lengths: torch.Tensor | None, num_real: int | None,
-                 width: int, logits_to_keep: int) -> Packing | None:
+                 width: int, logits_to_keep: int, first_row: int = 0) -> Packing | None:
         """How a forward's block is read packed (arguments as in :meth:`forward`), or ``None``: read padded, as a block
         without filler is (it is packed already), one whose real tokens nobody counted on the host, one keeping more
         than its last column's logits, or one on a cache that does not pack."""
@@ -403,8 +406,8 @@ class SlotCache:
         rows = (input_mask if real_lengths is None else real_lengths).shape[0]
         if not 0 < num_real < rows * width:
             return None
-        if real_lengths is not None:  # a verified block: real tokens first
-            return Packing.of(real_lengths, num_real, width)
+        if real_lengths is not None:  # a verified block (or joining prompts): real tokens first
+            return Packing.of(real_lengths, num_real, width, first_row=first_row)
         return Packing.of_left_padded(input_mask, num_real)
 
     def _packed_run(self, forward, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask,

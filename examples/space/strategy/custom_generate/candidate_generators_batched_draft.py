@@ -364,10 +364,10 @@ class BatchedDraftCandidateGenerator(Drafter):
         self._ones = None  # (sized for the rows there were)
 
     def read_prompts(self, tokens: torch.Tensor, real_lengths: torch.Tensor, num_real: int, longest: int,
-                     next_tokens: torch.Tensor) -> None:
+                     next_tokens: torch.Tensor, first_row: int = 0) -> None:
         """The joining rows' prompt chunk into the draft's cache (packed where the draft can be)."""
         self.slots.forward(self.assistant_model, tokens, None, real_lengths=real_lengths, num_real=num_real,
-                           discard_logits=True)
+                           discard_logits=True, first_row=first_row)
         self.slots.compact(longest)
 
     def fill_rows(self, targets: torch.Tensor, sources: torch.Tensor, num_rows: int) -> None:

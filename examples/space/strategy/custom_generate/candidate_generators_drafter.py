@@ -57,7 +57,7 @@ class Drafter(CandidateGeneratorAPI):
         raise NotImplementedError(f"{type(self).__name__} cannot take rows mid-stream")
 
     def read_prompts(self, tokens: torch.Tensor, real_lengths: torch.Tensor, num_real: int, longest: int,
-                     next_tokens: torch.Tensor) -> None:
+                     next_tokens: torch.Tensor, first_row: int = 0) -> None:
         """A chunk of joining rows' prompts, just read by the target: ``tokens`` ``(B, L)``, row ``i``'s first
         ``real_lengths[i]`` real (0 for rows not joining), ``num_real`` their sum; ``longest`` bounds any row's
         tokens; ``next_tokens`` ``(B, L)`` each real token's successor in its prompt (what an EAGLE head pairs with

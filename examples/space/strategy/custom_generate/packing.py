@@ -38,25 +38,28 @@ PACKED = f"tetris_packed_{__name__}"
 
 class Packing(NamedTuple):
     """Where each of a packed forward's ``N`` tokens sits in the ``(B, L)`` block: ``rows`` and ``columns``, ``(N,)``
-    each, in row order; ``ends``: ``(B,)`` the index after each row's last packed token."""
+    each, in row order; ``ends``: ``(B,)`` the index after each row's last packed token; ``first_row``: rows before
+    it hold no token (known on the host: a request stream's rows already decoding, while joining prompts are read),
+    so attention runs on the rows from it on only."""
 
     rows: torch.Tensor
     columns: torch.Tensor
     batch_size: int
     width: int
     ends: torch.Tensor
+    first_row: int = 0
 
     @classmethod
     def of(cls, real_lengths: torch.Tensor, num_tokens: int, width: int,
-           first_columns: torch.Tensor | None = None) -> Packing:
+           first_columns: torch.Tensor | None = None, first_row: int = 0) -> Packing:
         """The packing of a block whose row ``i`` has ``real_lengths[i]`` ``(B,)`` consecutive real tokens, its first
         ones (a verified block) or from column ``first_columns[i]`` ``(B,)`` on; ``num_tokens``: their sum, known on
-        the host (no device read here); ``width``: ``L``."""
+        the host (no device read here); ``width``: ``L``; ``first_row``: no row before it has a real token."""
         ends = real_lengths.cumsum(dim=0)
         tokens = torch.arange(num_tokens, device=real_lengths.device)
         rows = torch.searchsorted(ends, tokens, right=True)
         starts = ends - real_lengths if first_columns is None else ends - real_lengths - first_columns
-        return cls(rows, tokens - starts[rows], real_lengths.shape[0], width, ends)
+        return cls(rows, tokens - starts[rows], real_lengths.shape[0], width, ends, first_row)
 
     @classmethod
     def of_left_padded(cls, input_mask: torch.Tensor, num_tokens: int) -> Packing:
@@ -128,10 +131,16 @@ def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     if call is None:  # not a packed forward
         return attention(module, query, key, value, attention_mask, **kwargs)
     packing = call.packing
-    queries = query.new_zeros(packing.batch_size, query.shape[1], packing.width, query.shape[-1])
-    packing.scatter_heads(queries, query)
+    first = packing.first_row  # rows before it have no query: they attend to nothing, and are left out
+    rows = packing.rows - first if first else packing.rows
+    queries = query.new_zeros(packing.batch_size - first, query.shape[1], packing.width, query.shape[-1])
+    queries[rows, :, packing.columns] = query[0].transpose(0, 1)
+    if first:
+        key, value = key[first:], value[first:]
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.shape[0] > 1:
+            attention_mask = attention_mask[first:]
     output, weights = attention(module, queries, key, value, attention_mask, **kwargs)  # (B, L, H, D)
-    return packing.pack(output)[None], weights
+    return output[rows, packing.columns][None], weights
 
 
 def row_attention(module: torch.nn.Module, implementation: str):
