@@ -171,6 +171,31 @@ def test_every_model_proposal_equals_the_model_run_from_scratch(pair, eagle_pair
             torch.testing.assert_close(log_q[row].double(), expected_log_q.double(), atol=1e-4, rtol=1e-4)
 
 
+def test_accept_cells_keeps_own_drafts_and_queues_foreign_ones(pair):
+    """The docstring's example: K = 3, an own row accepting 1 of its drafts and a foreign row accepting 2 lookup cells
+    (hand-built verdict): the cache keeps ``[p | d1 .]`` and ``[r | . .]``, pending is ``[. . t]`` and ``[x1 x2 u]``."""
+    from transformers.generation.logits_process import LogitsProcessorList
+
+    from tetris_hf.logits import PositionwiseLogitsProcessor
+    from tetris_hf.step import ReadHints, Verdict
+
+    _, draft = pair
+    drafter = BatchedDraftCandidateGenerator(draft, PositionwiseLogitsProcessor(LogitsProcessorList()), False)
+    prompts = torch.tensor([[5, 6], [7, 8]])
+    drafter.prefill(prompts, torch.ones_like(prompts), all_real=True)
+    sequences = torch.cat([prompts, torch.zeros(2, 3, dtype=torch.long)], dim=1)
+    drafts = drafter.propose(sequences, torch.tensor([2, 2]), 3).tokens
+    first_draft_slot = drafter.slots.length - 2
+    cells = torch.stack([drafts[0], torch.tensor([20, 21, 22])])  # row 1 verified lookup's x1 x2 x3
+    verdict = Verdict(torch.tensor([1, 2]), torch.tensor([11, 12]), torch.tensor([3, 3]),
+                      hints=ReadHints(max_accepted=2, cached_longest=None))
+    drafter.accept_cells(verdict, cells, torch.tensor([False, True]))
+    assert drafter.slots.slot_mask[:, first_draft_slot:drafter.slots.length].tolist() == [[True, False],
+                                                                                         [False, False]]
+    assert (drafter.pending_tokens * drafter.pending_mask).tolist() == [[0, 0, 11], [20, 21, 12]]
+    assert drafter.pending_mask.tolist() == [[0, 0, 1], [1, 1, 1]]
+
+
 def test_the_stats_by_source_add_up(pair):
     """Per step, a lookup row drafted its match's cells and a model row ``K``; the totals by source are the sums of
     the steps' rows, and lookup's and the model's make the call's totals."""
