@@ -194,9 +194,11 @@ def test_chi_square_catches_a_rejection_that_keeps_the_drafted_token(lookup_samp
     ({"prompt_lookup_num_tokens": 2, "max_matching_ngram_size": 1, "tetris_min_ngram_size": 2}, "is above"),
     ({"prompt_lookup_num_tokens": 2, "max_matching_ngram_size": 0}, "max_matching_ngram_size` must be >= 1"),
     ({"prompt_lookup_num_tokens": 2, "num_assistant_tokens": 3}, "make them equal"),
-    ({"prompt_lookup_num_tokens": 2, "tetris_draft_vocab": 10}, "prompt lookup has none"),
+    ({"prompt_lookup_num_tokens": 2, "tetris_draft_vocab": 10}, "not supported with prompt lookup"),
+    ({"prompt_lookup_num_tokens": 2, "assistant_model": "DRAFT", "tetris_draft_vocab": 10},
+     "not supported with prompt lookup"),
     ({"max_matching_ngram_size": 2}, "pass `prompt_lookup_num_tokens=` too"),
-    ({"prompt_lookup_num_tokens": 2, "assistant_model": "DRAFT"}, "not both"),
+    ({"prompt_lookup_num_tokens": 2, "assistant_model": "DRAFT", "tetris_tree_width": 2}, "prompt lookup"),
     ({}, "needs a draft"),
 ])
 def test_bad_lookup_settings_are_refused_before_any_forward(options, message, monkeypatch):
