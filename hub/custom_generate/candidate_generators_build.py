@@ -1,6 +1,7 @@
 # Exported from tetris_hf/candidate_generators/build.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
-"""Which drafter a call gets: the one place that decides between prompt lookup, an EAGLE head and a draft model (its
-head reduced to ``tetris_draft_vocab`` or not), and refuses what the chosen one cannot do."""
+"""Which drafter a call gets: the one place that decides between prompt lookup, an EAGLE head, a draft model (its
+head reduced to ``tetris_draft_vocab`` or not) and lookup with either (hybrid drafting), and refuses what the chosen
+one cannot do."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from .candidate_generators_batched_draft import BatchedDraftCandidateGenerator
 from .candidate_generators_drafter import Drafter
 from .candidate_generators_eagle import is_eagle_head
 from .candidate_generators_eagle_drafter import EagleCandidateGenerator
+from .candidate_generators_hybrid import HybridCandidateGenerator
 from .candidate_generators_prompt_lookup import BatchedPromptLookupCandidateGenerator
 from .candidate_generators_reduced_vocab import reduced_vocab_draft
 
@@ -30,7 +32,9 @@ def build_drafter(assistant_model: torch.nn.Module | None, options: TetrisOption
     - an EAGLE head (:func:`~.eagle.is_eagle_head`): :class:`~.eagle_drafter.EagleCandidateGenerator` (not with
       ``tetris_compile``: the head reads the target's hidden states through hooks);
     - any other causal LM: :class:`~.batched_draft.BatchedDraftCandidateGenerator`, on the model's
-      :class:`~.reduced_vocab.ReducedVocabDraft` when ``tetris_draft_vocab`` is set.
+      :class:`~.reduced_vocab.ReducedVocabDraft` when ``tetris_draft_vocab`` is set;
+    - an ``assistant_model`` and ``prompt_lookup_num_tokens``: :class:`~.hybrid.HybridCandidateGenerator`, lookup
+      where a row matches and the head or model where it does not.
 
     With ``tetris_tree_width > 1`` the draft model's layout must take tree masks
     (:func:`~tetris_hf.attention.check_tree_layout`). Everything is refused before any forward. A draft model or head
@@ -38,21 +42,24 @@ def build_drafter(assistant_model: torch.nn.Module | None, options: TetrisOption
     (:func:`~tetris_hf.packed_probe.packs_exactly`).
 
     Args:
-        assistant_model: the draft causal LM or EAGLE head, or ``None`` for prompt lookup.
+        assistant_model: the draft causal LM or EAGLE head, or ``None`` for prompt lookup alone.
         options: the call's options.
         logits_processor, do_sample: what a draft model samples with (the loop's).
         cache_capacity: the slots a model's cache needs for this call (its layout refuses what it cannot mask).
 
     Returns:
         ``(drafter, draft_model)``: ``draft_model`` is what drafts (the reduced-vocabulary draft where there is one,
-        which the cost-aware strategies profile), ``None`` for prompt lookup.
+        which the cost-aware strategies profile; with lookup, the model, which a hybrid step runs over every row),
+        ``None`` for prompt lookup alone.
     """
     max_draft = options.num_assistant_tokens + options.tetris_extra_tokens
-    if assistant_model is None:  # prompt lookup: the rows' own tokens are the draft
+    lookup = None
+    if options.prompt_lookup_num_tokens is not None or assistant_model is None:  # the rows' own tokens draft
         max_ngram = options.max_matching_ngram_size
         lookup = BatchedPromptLookupCandidateGenerator(
             DEFAULT_MAX_NGRAM_SIZE if max_ngram is None else max_ngram, options.tetris_min_ngram_size,
             max_tokens=max(max_draft, 1))
+    if assistant_model is None:
         return lookup, None
     draft_model = reduced_vocab_draft(assistant_model, options.tetris_draft_vocab)
     if options.tetris_tree_width > 1:  # a tree's nodes read ancestor masks
@@ -66,4 +73,6 @@ def build_drafter(assistant_model: torch.nn.Module | None, options: TetrisOption
     drafter = drafter_class(draft_model, logits_processor, do_sample, max_holes=options.tetris_max_holes,
                             capacity=cache_capacity(draft_model))
     drafter.pack = options.tetris_pack and not options.tetris_compile and packs_exactly(draft_model)
+    if lookup is not None:
+        return HybridCandidateGenerator(lookup, drafter), draft_model
     return drafter, draft_model

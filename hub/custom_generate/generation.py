@@ -55,8 +55,10 @@ def generate(model, *args, **kwargs):
     Args:
         model: the target causal LM.
         *args, **kwargs: as for ``model.generate``; must include a draft: ``assistant_model`` (a small causal LM
-            with the target's tokenizer) or ``prompt_lookup_num_tokens`` (k tokens copied from each row's own prompt
-            and output, with ``max_matching_ngram_size`` and ``tetris_min_ngram_size``). tetris_hf's own options:
+            with the target's tokenizer, or an EAGLE head) or ``prompt_lookup_num_tokens`` (k tokens copied from each
+            row's own prompt and output, with ``max_matching_ngram_size`` and ``tetris_min_ngram_size``), or both
+            (hybrid drafting: lookup where a row matches, the model elsewhere, see
+            :mod:`tetris_hf.candidate_generators.hybrid`). tetris_hf's own options:
             ``num_assistant_tokens`` (k, default 4), ``tetris_extra_tokens`` (e, default 2), ``tetris_budget`` (C,
             default k x active rows), ``tetris_strategy`` (``"tetris"``, ``"fixed"``, ``"adaptive"`` or ``"dsd"``),
             ``tetris_cost_profile``, ``tetris_step_callback``, ``tetris_max_holes``, ``tetris_draft_vocab``,

@@ -26,6 +26,12 @@ class TetrisStats:
     Per step ``s`` (lists of length ``steps``): ``num_drafted_per_step[s]`` (``K`` that step), ``budget_per_step[s]``,
     ``target_tokens_per_step[s]`` (0 at the prompt's step), and per original batch row ``r``:
     ``verified_per_step[s][r]`` and ``accepted_per_step[s][r]`` (``-1`` for rows that had already finished).
+
+    By source (prompt lookup, alone or in hybrid drafting, against a draft model or EAGLE head): ``lookup_drafted_tokens``,
+    ``lookup_verified_tokens`` and ``lookup_accepted_tokens`` count the cells of rows prompt lookup drafted for, and
+    ``lookup_drafted_per_step[s]`` and ``lookup_accepted_per_step[s]`` per step; the model's are the rest
+    (``model_drafted_tokens``, ``model_verified_tokens``, ``model_accepted_tokens``). Which source each row took at a
+    step is the :class:`~tetris_hf.step.StepRecord`'s ``lookup_rows`` (``tetris_step_callback``).
     """
 
     steps: int = 0
@@ -42,6 +48,11 @@ class TetrisStats:
     verified_per_step: list[list[int]] = field(default_factory=list)
     accepted_per_step: list[list[int]] = field(default_factory=list)
     target_tokens_per_step: list[int] = field(default_factory=list)
+    lookup_drafted_tokens: int = 0
+    lookup_verified_tokens: int = 0
+    lookup_accepted_tokens: int = 0
+    lookup_drafted_per_step: list[int] = field(default_factory=list)
+    lookup_accepted_per_step: list[int] = field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:
@@ -54,6 +65,19 @@ class TetrisStats:
         return self.accepted_tokens / self.verified_tokens if self.verified_tokens else 0.0
 
     @property
+    def model_drafted_tokens(self) -> int:
+        """Cells a draft model or EAGLE head drafted (the rows lookup did not draft for)."""
+        return self.drafted_tokens - self.lookup_drafted_tokens
+
+    @property
+    def model_verified_tokens(self) -> int:
+        return self.verified_tokens - self.lookup_verified_tokens
+
+    @property
+    def model_accepted_tokens(self) -> int:
+        return self.accepted_tokens - self.lookup_accepted_tokens
+
+    @property
     def computed_per_selected(self) -> float:
         """Tokens the target computed per token selected (1.0: no padding)."""
         return self.target_tokens / self.selected_tokens if self.selected_tokens else 0.0
@@ -64,7 +88,7 @@ class TetrisStats:
 
         Args:
             records: :class:`~tetris_hf.step.StepRecord` s, one per step; ``rows``, ``verify_lengths``,
-                ``num_accepted``, ``emitted`` and ``drafted_lengths`` are ``(B_active,)`` tensors.
+                ``num_accepted``, ``emitted``, ``drafted_lengths`` and ``by_lookup`` are ``(B_active,)`` tensors.
             batch_size: rows of the ``generate()`` call.
         """
         stats = cls(steps=len(records))
@@ -72,8 +96,8 @@ class TetrisStats:
             return stats
         sizes = [record.rows.numel() for record in records]
         columns = [torch.cat([getattr(record, name).long().cpu() for record in records])
-                   for name in ("rows", "verify_lengths", "num_accepted", "emitted", "drafted_lengths")]
-        rows, verified, accepted, emitted, drafted = torch.stack(columns).tolist()
+                   for name in ("rows", "verify_lengths", "num_accepted", "emitted", "drafted_lengths", "by_lookup")]
+        rows, verified, accepted, emitted, drafted, by_lookup = torch.stack(columns).tolist()
         stats.drafted_tokens = sum(drafted)
         stats.verified_tokens, stats.accepted_tokens, stats.emitted_tokens = sum(verified), sum(accepted), sum(emitted)
         stats.draft_seconds = sum(record.seconds.draft for record in records)
@@ -83,6 +107,7 @@ class TetrisStats:
         stats.selected_tokens = stats.verified_tokens + sum(sizes[1:])  # (the prompt's step verifies nothing)
         stats.num_drafted_per_step = [record.num_drafted for record in records]
         stats.budget_per_step = [record.budget for record in records]
+        stats.lookup_verified_tokens = sum(v for v, lookup in zip(verified, by_lookup) if lookup)
         start = 0
         for size in sizes:
             step_verified, step_accepted = [-1] * batch_size, [-1] * batch_size
@@ -90,7 +115,12 @@ class TetrisStats:
                 step_verified[rows[index]], step_accepted[rows[index]] = verified[index], accepted[index]
             stats.verified_per_step.append(step_verified)
             stats.accepted_per_step.append(step_accepted)
+            step = range(start, start + size)
+            stats.lookup_drafted_per_step.append(sum(drafted[i] for i in step if by_lookup[i]))
+            stats.lookup_accepted_per_step.append(sum(accepted[i] for i in step if by_lookup[i]))
             start += size
+        stats.lookup_drafted_tokens = sum(stats.lookup_drafted_per_step)
+        stats.lookup_accepted_tokens = sum(stats.lookup_accepted_per_step)
         return stats
 
     def to_dict(self) -> dict:
@@ -99,6 +129,9 @@ class TetrisStats:
             "acceptance_rate": self.acceptance_rate,
             "verification_success_rate": self.verification_success_rate,
             "computed_per_selected": self.computed_per_selected,
+            "model_drafted_tokens": self.model_drafted_tokens,
+            "model_verified_tokens": self.model_verified_tokens,
+            "model_accepted_tokens": self.model_accepted_tokens,
         }
 
 

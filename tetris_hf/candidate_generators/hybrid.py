@@ -161,9 +161,9 @@ class HybridCandidateGenerator(Drafter):
         self.model.add_rows(last_tokens, prompt_lengths)
 
     def read_prompts(self, tokens: torch.Tensor, real_lengths: torch.Tensor, num_real: int, longest: int,
-                     next_tokens: torch.Tensor) -> None:
-        self.lookup.read_prompts(tokens, real_lengths, num_real, longest, next_tokens)
-        self.model.read_prompts(tokens, real_lengths, num_real, longest, next_tokens)
+                     next_tokens: torch.Tensor, first_row: int = 0) -> None:
+        self.lookup.read_prompts(tokens, real_lengths, num_real, longest, next_tokens, first_row)
+        self.model.read_prompts(tokens, real_lengths, num_real, longest, next_tokens, first_row)
 
     # what only the model has: its cache, its pending tokens, its compiled forwards, its hooks on the target
 

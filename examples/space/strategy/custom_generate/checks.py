@@ -38,13 +38,10 @@ def output_vocab_size(model: torch.nn.Module) -> int:
 
 
 def check_pair(model: torch.nn.Module, assistant_model: torch.nn.Module | None, prompt_lookup: bool = False) -> None:
-    """Refuse a missing draft (unless ``prompt_lookup``, which needs none, and then refuse a draft), one whose
-    vocabulary differs from the target's, and models the loop cannot serve
-    (:func:`~tetris_hf.families.check_supported`)."""
-    if prompt_lookup:
-        if assistant_model is not None:
-            raise ValueError("prompt lookup drafts from the rows' own tokens: pass either `prompt_lookup_num_tokens=` "
-                             "or `assistant_model=`, not both")
+    """Refuse a missing draft (unless ``prompt_lookup``, which needs none; with a draft too, each row drafts by
+    lookup or by the draft, see :mod:`~tetris_hf.candidate_generators.hybrid`), one whose vocabulary differs from the
+    target's, and models the loop cannot serve (:func:`~tetris_hf.families.check_supported`)."""
+    if prompt_lookup and assistant_model is None:
         check_supported(model, "target")
         return
     if assistant_model is None:

@@ -100,10 +100,11 @@ class TetrisOptions:
             row; a draft model or EAGLE head reads its catch-ups and re-reads packed alike. ``False`` keeps the padded
             blocks (to compare). Families whose attention does not go through transformers' ``AttentionInterface``
             are read padded either way.
-        prompt_lookup_num_tokens: draft by prompt lookup instead of a draft model (no ``assistant_model``): each row
-            copies up to this many tokens that followed the latest earlier occurrence of its last n-gram in its own
-            prompt and output; it is ``k`` (``num_assistant_tokens`` follows it). See
-            :mod:`tetris_hf.candidate_generators.prompt_lookup`.
+        prompt_lookup_num_tokens: draft by prompt lookup: each row copies up to this many tokens that followed the
+            latest earlier occurrence of its last n-gram in its own prompt and output; it is ``k``
+            (``num_assistant_tokens`` follows it). See :mod:`tetris_hf.candidate_generators.prompt_lookup`. With an
+            ``assistant_model`` too (a draft model or an EAGLE head), hybrid drafting: each row drafts by lookup where
+            it matches and by the model where it does not (:mod:`tetris_hf.candidate_generators.hybrid`).
         max_matching_ngram_size: the longest n-gram prompt lookup matches (default 3).
         tetris_min_ngram_size: the shortest n-gram prompt lookup matches (default 1).
     """
@@ -175,4 +176,5 @@ class TetrisOptions:
             raise ValueError(f"`prompt_lookup_num_tokens` ({lookup}) is the window k: drop `num_assistant_tokens` "
                              f"({self.num_assistant_tokens}) or make them equal")
         if self.tetris_draft_vocab is not None:
-            raise ValueError("`tetris_draft_vocab` shapes a draft model's head: prompt lookup has none, drop it")
+            raise ValueError("`tetris_draft_vocab` shapes a draft model's head and is not supported with prompt "
+                             "lookup (alone, which has no head, or hybrid): drop it")

@@ -39,12 +39,15 @@ class Proposal(NamedTuple):
     ``probs``: ``(B, K, V)`` the distributions sampled drafts were drawn from (``None``: the drafts are deterministic,
     ``q`` is one-hot at the drafted token, or the loop is greedy).
     ``lengths``: ``(B,)`` cells each row really drafted (``None``: all ``K``); cells past it are filler.
+    ``lookup_rows``: ``(B,)`` bool, rows whose cells prompt lookup drafted (prompt lookup: every row; hybrid
+    drafting: the rows that matched); ``None``: no row (a draft model alone).
     """
 
     tokens: torch.Tensor
     log_probs: torch.Tensor | None
     probs: torch.Tensor | None
     lengths: torch.Tensor | None = None
+    lookup_rows: torch.Tensor | None = None
 
 
 class StepTree(NamedTuple):
@@ -141,6 +144,7 @@ class StepRecord:
     proposed: torch.Tensor | None = None  # (B_active,) cells each row drafted, where fewer than num_drafted
     tree: StepTree | None = None  # tetris_tree_width > 1: the step's trees, selection and accepted paths
     target_tokens: int = 0  # tokens the target's forward computed (the prompt's read: not counted)
+    lookup_rows: torch.Tensor | None = None  # (B_active,) bool: rows prompt lookup drafted for (None: no row)
 
     @property
     def drafted_lengths(self) -> torch.Tensor:
@@ -148,6 +152,13 @@ class StepRecord:
         if self.proposed is not None:
             return self.proposed
         return torch.full_like(self.verify_lengths, self.num_drafted)
+
+    @property
+    def by_lookup(self) -> torch.Tensor:
+        """``(B_active,)`` 1 where prompt lookup drafted the row's cells, 0 where a draft model (or nothing) did."""
+        if self.lookup_rows is not None:
+            return self.lookup_rows.long()
+        return torch.zeros_like(self.verify_lengths)
 
 
 class Step(NamedTuple):
@@ -240,5 +251,6 @@ def run_step(strategy: StepStrategy, phases: StepPhases, num_rows: int, max_draf
     strategy.observe(observed.log_probs, observed.verified, verdict.num_accepted, seconds, num_drafted)
     record = StepRecord(phases.rows, num_drafted, plan.budget, observed.log_probs, verdict.verify_lengths,
                         verdict.num_accepted, emission.emitted, seconds or NO_SECONDS, observed.drafted, verdict.tree,
-                        0 if block is None else block.computed)
+                        0 if block is None else block.computed,
+                        proposal.lookup_rows if isinstance(proposal, Proposal) else None)
     return Step(plan, num_drafted, proposal, selection, verdict, emission, record)

@@ -452,7 +452,9 @@ def make_strategy(options: TetrisOptions, model: torch.nn.Module | None = None,
     """The strategy ``options`` name. ``adaptive`` and ``dsd`` need ``options.tetris_cost_profile`` (used as given) or
     the two models (profiled at the first step, see :func:`~tetris_hf.cost_model.cost_model_for`, then corrected
     online from the loop's own step times). With the models, what they learn about acceptance carries over to the
-    next call on the same pair (:func:`~tetris_hf.pair_memory.pair_memory`). ``sampling``: the loop samples (see
+    next call on the same pair (:func:`~tetris_hf.pair_memory.pair_memory`). With a draft and prompt lookup (hybrid
+    drafting) the draft is profiled as it runs: every hybrid step drafts ``K`` model forwards over every row, and
+    lookup's cells ride along at no cost. ``sampling``: the loop samples (see
     :class:`AdaptiveBudget`). ``packed``: the loop reads verify blocks packed, and the cost model prices them so
     (:class:`~tetris_hf.cost_model.StepCostModel`)."""
     if options.tetris_strategy == "tetris":
@@ -468,7 +470,8 @@ def make_strategy(options: TetrisOptions, model: torch.nn.Module | None = None,
     else:
         def cost(num_rows: int, max_tokens: int) -> StepCostModel:
             return cost_model_for(model, assistant_model, num_rows=num_rows, max_tokens=max_tokens, packed=packed)
-    memory = pair_memory(model, assistant_model, sampling) if model is not None else None
+    hybrid = assistant_model is not None and options.prompt_lookup_num_tokens is not None
+    memory = pair_memory(model, assistant_model, sampling, hybrid) if model is not None else None
     if options.tetris_strategy == "adaptive":
         return AdaptiveBudget(options, cost, learn_costs=learn_costs, memory=memory, sampling=sampling)
     return DynamicWindow(options, cost, learn_costs=learn_costs, memory=memory)

@@ -42,7 +42,8 @@ from .timing import StepClock
 DEFAULT_PREFILL_CHUNK = 256  # prompt tokens a joining row reads per forward
 FOLD_EVERY = 64  # steps whose records a stream keeps before adding them to its totals
 TOTALS = ("steps", "drafted_tokens", "verified_tokens", "accepted_tokens", "emitted_tokens", "draft_seconds",
-          "verify_seconds", "target_tokens", "selected_tokens")
+          "verify_seconds", "target_tokens", "selected_tokens", "lookup_drafted_tokens", "lookup_verified_tokens",
+          "lookup_accepted_tokens")
 
 
 @dataclass

@@ -1,0 +1,190 @@
+# Exported from tetris_hf/candidate_generators/hybrid.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
+"""Hybrid drafting: prompt lookup where a row finds a match, a draft model (or an EAGLE head) where it does not, one
+verification for both, and every cell ranked by a calibrated estimate of its acceptance.
+
+Each step both parts draft: lookup searches every row (a few tensor operations), the model drafts ``K`` cells for
+every row (one batch). Row ``i`` takes lookup's cells where lookup matched (``counts[i] > 0``; it verifies at most
+those), the model's elsewhere, chosen with ``torch.where`` (no device read). E.g. ``K = 3``, rows ``a`` (matched,
+2 cells) and ``b`` (no match): tokens ``[x1 x2 .]`` and ``[d1 d2 d3]``, lengths ``[2, 3]``.
+
+Every cell's confidence is on one scale, the estimated probability that the target accepts it given that the cells
+before it were:
+
+- a lookup cell: :class:`~.prompt_lookup.LookupAcceptance`, by matched n-gram size and position;
+- a model cell: its ``max q`` through :class:`DraftAcceptance`, bins of ``max q`` calibrated online against what the
+  target accepted of the model's cells (a draft that is sure of itself and often wrong is brought down).
+
+So TETRIS's top ``C`` cells of the batch compare a lookup row's cells with a model row's fairly.
+
+Sampling stays lossless: a lookup row's ``q`` is one-hot at its drafted tokens and a model row's the model's
+distribution (``Proposal.probs`` mixes them per row), and neither confidence depends on the token drawn at its cell
+(lookup's on the match, the model's on ``max q``, a function of the row's earlier tokens).
+
+Roll back: the model's cache holds the model's own drafts in every row. A row that verified lookup cells keeps none
+of them and queues the tokens it accepted (then the target's) for the model's next proposal
+(:meth:`~.batched_draft.BatchedDraftCandidateGenerator.accept_cells`); an EAGLE head re-reads every accepted token
+with the target's features whoever drafted it (:meth:`~.eagle_drafter.EagleCandidateGenerator.accept_cells`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .candidate_generators_batched_draft import BatchedDraftCandidateGenerator
+from .candidate_generators_drafter import Drafter, Proposal, Verdict
+from .candidate_generators_prompt_lookup import BatchedPromptLookupCandidateGenerator
+
+
+class DraftAcceptance:
+    """A draft model's confidences calibrated online: ``P(cell accepted | the cells before it were)`` as a function of
+    the cell's ``max q``, on the device.
+
+    ``max q`` is cut into ``num_bins`` equal bins on [0, 1]. Bin ``b``'s estimate is ``(accepted + s c_b) / (tried +
+    s)``: a Beta prior of strength ``s`` around the bin's centre ``c_b`` (a calibrated draft), updated by every model
+    cell the target reached (cells after a rejection tell nothing and are not counted). Counts decay by ``memory`` per
+    step. A cell's estimate interpolates linearly between bin centres. E.g. a draft that says 0.95 and is accepted 30%
+    of the time: after a few hundred such cells its top bin says about 0.3.
+
+    Args:
+        device: where the counts live.
+        num_bins: bins of ``max q``.
+        prior_strength: ``s``, pseudo-observations per bin.
+        memory: the counts' decay per step.
+    """
+
+    def __init__(self, device: torch.device, num_bins: int = 10, prior_strength: float = 4.0, memory: float = 0.99):
+        self.num_bins = num_bins
+        self.prior = (torch.arange(num_bins, dtype=torch.float32, device=device) + 0.5) / num_bins
+        self.prior_strength = prior_strength
+        self.memory = memory
+        self.tried = torch.zeros(num_bins, device=device)
+        self.accepted = torch.zeros(num_bins, device=device)
+
+    def rates(self) -> torch.Tensor:
+        """``(num_bins,)`` estimated acceptance per bin."""
+        return (self.accepted + self.prior_strength * self.prior) / (self.tried + self.prior_strength)
+
+    def log_probs(self, draft_log_probs: torch.Tensor) -> torch.Tensor:
+        """``(B, K)`` log estimated acceptance of cells whose ``log max q`` is ``draft_log_probs`` ``(B, K)``."""
+        rates = self.rates()
+        position = (draft_log_probs.float().exp() * self.num_bins - 0.5).clamp(0, self.num_bins - 1)
+        low = position.floor().long()
+        high = (low + 1).clamp(max=self.num_bins - 1)
+        weight = position - low
+        return (rates[low] * (1 - weight) + rates[high] * weight).log()
+
+    def update(self, draft_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
+               rows: torch.Tensor) -> None:
+        """Count one step's model cells: ``draft_log_probs`` ``(B, K)`` their ``log max q``; rows ``rows`` ``(B,)``
+        (bool: those the model drafted for) verified ``verify_lengths`` and accepted ``num_accepted`` ``(B,)``."""
+        cells = torch.arange(draft_log_probs.shape[1], device=draft_log_probs.device)[None, :]
+        tried = (cells < verify_lengths[:, None]) & (cells <= num_accepted[:, None]) & rows[:, None]
+        accepted = tried & (cells < num_accepted[:, None])
+        bins = (draft_log_probs.float().exp() * self.num_bins).long().clamp(0, self.num_bins - 1).flatten()
+        self.tried.mul_(self.memory).index_add_(0, bins, tried.flatten().float())
+        self.accepted.mul_(self.memory).index_add_(0, bins, accepted.flatten().float())
+
+
+class HybridCandidateGenerator(Drafter):
+    """Prompt lookup and a draft model (or EAGLE head) drafting together, a source per row each step (see the module
+    docstring). Everything the loop hands a drafter goes to both parts; what is per row (the cache, the pending
+    tokens) is the model's, lookup keeps only each row's first real column.
+
+    Args:
+        lookup: the prompt-lookup part (``K`` at most its ``max_tokens``).
+        model: the draft model's or EAGLE head's drafter.
+    """
+
+    def __init__(self, lookup: BatchedPromptLookupCandidateGenerator, model: BatchedDraftCandidateGenerator):
+        self.lookup, self.model = lookup, model
+        self.reads_target_features = model.reads_target_features
+        self.calibration: DraftAcceptance | None = None
+        # the last proposal, until its verdict: (B, K) cells, (B,) lookup rows, (B, K) the model's log max q or None
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, all_real: bool = False) -> None:
+        self.lookup.prefill(input_ids, attention_mask, all_real)
+        self.model.prefill(input_ids, attention_mask, all_real)
+        self.calibration = DraftAcceptance(input_ids.device)
+
+    def propose(self, sequences: torch.Tensor, lengths: torch.Tensor, num_tokens: int,
+                rows: torch.Tensor | None = None, confidences: bool = True) -> Proposal:
+        """Both parts draft ``K = num_tokens`` cells after each row (``sequences`` ``(B, T)``, valid up to ``lengths``
+        ``(B,)``); each row keeps lookup's where lookup matched, the model's elsewhere, written into
+        ``sequences[i, lengths[i]:]``.
+
+        Returns:
+            A :class:`~.drafter.Proposal`: ``tokens`` ``(B, K)``; ``log_probs`` ``(B, K)`` log estimated acceptance
+            (lookup's estimate, or the model's ``max q`` calibrated); ``probs`` ``(B, K, V)`` when sampling, one-hot
+            at the drafted token in lookup rows; ``lengths`` ``(B,)`` lookup's count or ``K``; ``lookup_rows``
+            ``(B,)``.
+        """
+        # lookup first: a model whose processors read the prefix writes each draft before scoring the next
+        looked = self.lookup.propose(sequences, lengths, num_tokens, rows, confidences)
+        drafted = self.model.propose(sequences, lengths, num_tokens, rows, confidences)
+        if num_tokens == 0:
+            self._last = None
+            return drafted
+        from_lookup = looked.lengths > 0  # (B,)
+        tokens = torch.where(from_lookup[:, None], looked.tokens, drafted.tokens)
+        sequences.scatter_(1, lengths[:, None] + torch.arange(num_tokens, device=lengths.device), tokens)
+        log_probs = None
+        if confidences:
+            calibrated = self.calibration.log_probs(drafted.log_probs)
+            log_probs = torch.where(from_lookup[:, None], looked.log_probs, calibrated)
+        probs = None
+        if drafted.probs is not None:  # sampling: lookup's q is one-hot at its draft
+            one_hot = torch.zeros_like(drafted.probs).scatter_(2, tokens[..., None], 1.0)
+            probs = torch.where(from_lookup[:, None, None], one_hot, drafted.probs)
+        self._last = (tokens, from_lookup, drafted.log_probs)
+        return Proposal(tokens, log_probs, probs, torch.where(from_lookup, looked.lengths, num_tokens), from_lookup)
+
+    def accept(self, verdict: Verdict) -> None:
+        """Both parts learn the verdict: lookup its acceptance estimates (its rows), the calibration the model's
+        cells (the other rows, when confidences were drafted), and the model rolls back to each row's accepted
+        cells, whoever drafted them."""
+        self.lookup.accept(verdict)
+        if self._last is None:  # the prompt's read or a plain step: nothing was drafted
+            self.model.accept(verdict)
+            return
+        cells, from_lookup, model_log_probs = self._last
+        self._last = None
+        if model_log_probs is not None:
+            self.calibration.update(model_log_probs, verdict.verify_lengths, verdict.num_accepted, ~from_lookup)
+        self.model.accept_cells(verdict, cells, from_lookup)
+
+    def fill_rows(self, targets: torch.Tensor, sources: torch.Tensor, num_rows: int) -> None:
+        self.lookup.fill_rows(targets, sources, num_rows)
+        self.model.fill_rows(targets, sources, num_rows)
+
+    def add_rows(self, last_tokens: torch.Tensor, prompt_lengths: list[int]) -> None:
+        self.lookup.add_rows(last_tokens, prompt_lengths)
+        self.model.add_rows(last_tokens, prompt_lengths)
+
+    def read_prompts(self, tokens: torch.Tensor, real_lengths: torch.Tensor, num_real: int, longest: int,
+                     next_tokens: torch.Tensor, first_row: int = 0) -> None:
+        self.lookup.read_prompts(tokens, real_lengths, num_real, longest, next_tokens, first_row)
+        self.model.read_prompts(tokens, real_lengths, num_real, longest, next_tokens, first_row)
+
+    # what only the model has: its cache, its pending tokens, its compiled forwards, its hooks on the target
+
+    def catch_up(self) -> None:
+        self.model.catch_up()
+
+    def compile(self) -> None:
+        self.model.compile()
+
+    def attach(self, target: torch.nn.Module) -> None:
+        self.model.attach(target)
+
+    def detach(self) -> None:
+        self.model.detach()
+
+    def live_lengths(self) -> torch.Tensor | None:
+        return self.model.live_lengths()
+
+    def pending_width(self) -> torch.Tensor | None:
+        return self.model.pending_width()
+
+    def trim_pending(self, read: int) -> None:
+        self.model.trim_pending(read)
