@@ -375,3 +375,13 @@ def test_humaneval_edit_renders_through_smollm2_chat_template():
     rendered = render_prompts(prompts, tokenizer)
     assert rendered[1].startswith("<|im_start|>system\n") and rendered[1].endswith("<|im_start|>assistant\n")
     assert f"<|im_start|>user\n{prompts[1].messages[0]['content']}<|im_end|>" in rendered[1]
+
+
+def test_mixed_interleaves_chat_code_edits_and_summaries():
+    from tetris_hf.tools.data import MIXED_PARTS, load_prompts
+
+    mixed = load_prompts("mixed", limit=7)
+    assert [prompt.category for prompt in mixed] == list(MIXED_PARTS) * 2 + [MIXED_PARTS[0]]
+    parts = {name: load_prompts(name, limit=3) for name in MIXED_PARTS}
+    assert mixed[1].id == parts["humaneval-edit"][0].id and mixed[5].id == parts["sharegpt-summarize"][1].id
+    assert all(name in mixed.note for name in MIXED_PARTS)

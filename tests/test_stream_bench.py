@@ -13,12 +13,13 @@ def pair():
     return target, noisy_copy(target, 0.3, seed=72)
 
 
-@pytest.mark.parametrize("lookup", [False, True])
-def test_every_run_serves_every_request_as_generate_does(pair, lookup, tmp_path):
+@pytest.mark.parametrize("lookup,hybrid", [(False, False), (True, False), (False, True)])
+def test_every_run_serves_every_request_as_generate_does(pair, lookup, hybrid, tmp_path):
     target, draft = pair
     prompts = random_prompts(7, target.config.vocab_size, seed=5, min_length=2, max_length=30)
+    prompts = [prompt + prompt[: len(prompt) // 2] for prompt in prompts]  # something for lookup to copy
     config = stream_bench.StreamBenchConfig(max_new_tokens=10, max_batch_sizes=(3,), strategies=("tetris", "adaptive"),
-                                            lookup=lookup)
+                                            lookup=lookup, hybrid=hybrid)
     report = stream_bench.run_stream_bench(target, None if lookup else draft, prompts, {EOS}, PAD, config,
                                            log=lambda line: None)
     summaries = report["runs"][3]
@@ -29,6 +30,8 @@ def test_every_run_serves_every_request_as_generate_does(pair, lookup, tmp_path)
         assert row["tokens"] > 0 and row["tokens_per_second"] > 0 and row["ttft_p50"] <= row["ttft_p99"]
     stream = summaries[-1]
     assert 0 < stream["mean_live_rows"] <= 3
+    assert stream["tokens_per_row_step"] >= 1 and 0 <= stream["acceptance"] <= 1
+    assert (stream["lookup_share"] is not None) == hybrid
     table = stream_bench.format_table(summaries, stream_bench.reference_name(summaries))
     assert "stream-tetris" in table and "x" in table
     stream_bench.plot(report["medians"][3], tmp_path / "stream.png", "tiny")

@@ -44,6 +44,9 @@ class StreamRun:
     finished: list[float]
     tokens: list[list[int]]
     occupancy: list[tuple[float, int]]
+    tokens_per_row_step: float | None = None  # speculative runs: tokens emitted per row and step
+    acceptance: float | None = None  # speculative runs: drafts accepted / drafted
+    lookup_share: float | None = None  # hybrid runs: the share of verified drafts that lookup drafted
 
     def summary(self) -> dict:
         total = sum(len(tokens) for tokens in self.tokens)
@@ -57,6 +60,8 @@ class StreamRun:
             "ttft_p50": _percentile(first, 50), "ttft_p99": _percentile(first, 99),
             "per_token_p50": _percentile(per_token, 50), "per_token_p99": _percentile(per_token, 99),
             "mean_live_rows": statistics.fmean(live) if live else 0.0,
+            "tokens_per_row_step": self.tokens_per_row_step, "acceptance": self.acceptance,
+            "lookup_share": self.lookup_share,
         }
 
 
@@ -153,38 +158,60 @@ def run_hf_generate_batch(target, prompts: list[list[int]], max_new_tokens: int,
 
 def run_stream(name: str, target, prompts: list[list[int]], max_new_tokens: int, batch_size: int, eos: set[int],
                pad: int, **options) -> StreamRun:
-    """:func:`tetris_hf.generate_batch`: rows join as others finish."""
-    import tetris_hf
+    """The request stream (what :func:`tetris_hf.generate_batch` runs): rows join as others finish."""
+    from ..stream import RequestStream
 
     occupancy: list[tuple[float, int]] = []
+    row_steps = [0]
     start = time.perf_counter()
-    options["tetris_step_callback"] = lambda record, loop: occupancy.append((time.perf_counter() - start,
-                                                                               loop.num_rows))
-    results = tetris_hf.generate_batch(target, prompts, max_new_tokens=max_new_tokens, max_batch_size=batch_size,
-                                       do_sample=False, eos_token_id=sorted(eos), pad_token_id=pad, **options)
+
+    def on_step(record, loop):
+        occupancy.append((time.perf_counter() - start, loop.num_rows))
+        row_steps[0] += record.rows.numel()
+
+    stream = RequestStream(target, max_batch_size=batch_size, max_new_tokens=max_new_tokens, do_sample=False,
+                           eos_token_id=sorted(eos), pad_token_id=pad, tetris_step_callback=on_step, **options)
+    ids = [stream.add(prompt, request_id=f"req_{index}") for index, prompt in enumerate(prompts)]
+    try:
+        outputs = {output.request_id: output for output in stream.run()}
+        stats = stream.loop.stats
+    finally:
+        stream.close()
     seconds = time.perf_counter() - start
-    outputs = list(results.values())
+    outputs = [outputs[request_id] for request_id in ids]
     for output in outputs:
         if output.error:
             raise RuntimeError(f"the stream failed a request: {output.error}")
     first = [output.first_token_time - start for output in outputs]
     finished = [output.lifespan[1] - start for output in outputs]
-    return StreamRun(name, seconds, first, finished, [_cut(list(o.generated_tokens), eos) for o in outputs],
-                     occupancy)
+    tokens = [_cut(list(output.generated_tokens), eos) for output in outputs]
+    lookup_share = (stats.lookup_verified_tokens / stats.verified_tokens
+                    if "assistant_model" in options and options.get("prompt_lookup_num_tokens") and stats.verified_tokens
+                    else None)
+    return StreamRun(name, seconds, first, finished, tokens, occupancy,
+                     sum(map(len, tokens)) / max(row_steps[0], 1), stats.acceptance_rate, lookup_share)
 
 
 def format_table(summaries: list[dict], reference: str) -> str:
+    """One line per run: speed against ``reference``'s, latency, occupancy, and, for the stream, tokens a row-step,
+    acceptance and (hybrid) the share of verified drafts lookup drafted."""
     base = next((row["tokens_per_second"] for row in summaries if row["name"] == reference), None)
-    header = (f"{'run':26s} {'tok/s':>8s} {'range':>13s} {'vs ' + reference:>22s} {'req/s':>7s} {'ttft p50':>9s} "
-              f"{'p99':>7s} {'ms/tok p50':>11s} {'p99':>7s} {'live rows':>9s} {'= generate':>10s}")
+    header = (f"{'run':18s} {'tok/s':>7s} {'range':>11s} {'vs ' + reference:>21s} {'req/s':>6s} {'ttft p50':>8s} "
+              f"{'p99':>6s} {'ms/tok p50':>10s} {'p99':>6s} {'rows':>5s} {'tok/row-step':>12s} {'accept':>6s} "
+              f"{'lookup':>6s} {'= generate':>10s}")
     lines = [header, "-" * len(header)]
+
+    def optional(value, form: str) -> str:
+        return "-" if value is None else format(value, form)
+
     for row in summaries:
         ratio = f"{row['tokens_per_second'] / base:.2f}x" if base else "-"
         lines.append(
-            f"{row['name']:26s} {row['tokens_per_second']:8.1f} {row['range']:>13s} {ratio:>22s} "
-            f"{row['requests_per_second']:7.2f} {row['ttft_p50']:8.1f}s {row['ttft_p99']:6.1f}s "
-            f"{1000 * row['per_token_p50']:10.1f} {1000 * row['per_token_p99']:7.1f} {row['mean_live_rows']:9.1f} "
-            f"{row['equal']:>10s}")
+            f"{row['name']:18s} {row['tokens_per_second']:7.1f} {row['range']:>11s} {ratio:>21s} "
+            f"{row['requests_per_second']:6.2f} {row['ttft_p50']:7.1f}s {row['ttft_p99']:5.1f}s "
+            f"{1000 * row['per_token_p50']:10.1f} {1000 * row['per_token_p99']:6.1f} {row['mean_live_rows']:5.1f} "
+            f"{optional(row.get('tokens_per_row_step'), '.2f'):>12s} {optional(row.get('acceptance'), '.2f'):>6s} "
+            f"{optional(row.get('lookup_share'), '.2f'):>6s} {row['equal']:>10s}")
     return "\n".join(lines)
 
 
@@ -225,6 +252,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stream strategies (comma list), run after " + ", ".join(SYSTEMS))
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="baselines to run (comma list)")
     parser.add_argument("--draft", default=None, help="a draft model (default: the shipped one), or 'lookup'")
+    parser.add_argument("--hybrid", action="store_true",
+                        help="the draft model and prompt lookup together: each row drafts by lookup where it matches")
     parser.add_argument("--num-assistant-tokens", type=int, default=4, help="k")
     parser.add_argument("--extra-tokens", type=int, default=2, help="TETRIS e")
     parser.add_argument("--max-ngram", type=int, default=3, help="lookup's longest n-gram")
@@ -243,6 +272,7 @@ class StreamBenchConfig:
     systems: tuple[str, ...] = SYSTEMS
     strategies: tuple[str, ...] = ("tetris", "fixed", "adaptive")
     lookup: bool = False
+    hybrid: bool = False  # the draft model and prompt lookup, each row drafting by lookup where it matches
     num_assistant_tokens: int = 4
     extra_tokens: int = 2
     max_ngram: int = 3
@@ -275,9 +305,9 @@ def run_stream_bench(target, draft, prompts: list[list[int]], eos: set[int], pad
         with state.split_between_processes(indices) as mine:
             indices = list(mine)
     mine = [prompts[index] for index in indices]
-    speculative = ({"prompt_lookup_num_tokens": config.num_assistant_tokens,
-                    "max_matching_ngram_size": config.max_ngram} if config.lookup
-                   else {"assistant_model": draft, "num_assistant_tokens": config.num_assistant_tokens})
+    lookup = {"prompt_lookup_num_tokens": config.num_assistant_tokens, "max_matching_ngram_size": config.max_ngram}
+    model = {"assistant_model": draft, "num_assistant_tokens": config.num_assistant_tokens}
+    speculative = lookup if config.lookup else {**model, **lookup} if config.hybrid else model
     report = {"runs": {}, "medians": {}}
     for batch_size in config.max_batch_sizes:
         plans = []
@@ -354,8 +384,11 @@ def main(args) -> int:
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         raise UsageError(f"unknown --systems {sorted(unknown)}: choose from {', '.join(SYSTEMS)}")
+    if lookup and args.hybrid:
+        raise UsageError("--hybrid drafts with the model and lookup together: give a draft model (or none), not "
+                         "--draft lookup")
     config = StreamBenchConfig(args.max_new_tokens, tuple(args.max_batch_size), systems,
-                               tuple(name for name in args.strategies.split(",") if name), lookup,
+                               tuple(name for name in args.strategies.split(",") if name), lookup, args.hybrid,
                                args.num_assistant_tokens, args.extra_tokens, args.max_ngram, args.repeats)
     main_process = state is None or state.is_main_process
     log = (lambda line: print(line, flush=True)) if main_process else (lambda line: None)
