@@ -99,8 +99,8 @@ class TetrisOptions:
             row. ``False`` keeps the padded block (to compare). Families whose attention does not go through
             transformers' ``AttentionInterface`` are read padded either way.
         prompt_lookup_num_tokens: draft by prompt lookup instead of a draft model (no ``assistant_model``): each row
-            copies up to this many tokens that followed the latest earlier occurrence of its last n-gram in its own
-            prompt and output; it is ``k`` (``num_assistant_tokens`` follows it). See
+            copies up to this many tokens that followed an earlier occurrence of its last n-gram in its own prompt
+            and output (the one with the most to copy, then the longest match with the row's end, then the latest); it is ``k`` (``num_assistant_tokens`` follows it). See
             :mod:`tetris_hf.candidate_generators.prompt_lookup`.
         max_matching_ngram_size: the longest n-gram prompt lookup matches (default 3).
         tetris_min_ngram_size: the shortest n-gram prompt lookup matches (default 1).
