@@ -53,9 +53,10 @@ def context_matches(haystack: torch.Tensor, starts: torch.Tensor, lengths: torch
     windows = torch.nn.functional.pad(real, (depth - 1, 0), value=-1).unfold(1, depth, 1)  # (B, W, d) ending at p
     suffix = windows.gather(1, (lengths - 1)[:, None, None].expand(-1, 1, depth))  # (B, 1, d) ending at the row's end
     suffix = suffix.masked_fill(suffix < 0, -2)  # the row's own padding matches nothing either
-    differs = (windows != suffix).flip(-1)  # (B, W, d), the last token first
-    first_difference = differs.to(torch.uint8).argmax(dim=-1)  # (the first maximum: the first difference)
-    return torch.where(differs.any(dim=-1), first_difference, depth)
+    # 1 + the place of each window's last differing token (0: none differs); the matched tokens are those after it
+    places = torch.arange(1, depth + 1, dtype=torch.int16, device=haystack.device)
+    last_difference = ((windows != suffix) * places).amax(dim=-1)  # (B, W)
+    return depth - last_difference.long()
 
 
 def lookup_drafts(sequences: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, num_tokens: int,
