@@ -78,7 +78,7 @@ def main() -> None:
         (target, tokenizer, _), draft = load_lookup_target(None, device, None, 3), None
     else:
         target, draft, tokenizer, _ = load_pair(None, None, device, None)
-    texts, _ = prompt_texts(load_prompt_set(args.prompts), args.num_prompts, tokenizer, None)
+    texts, _ = prompt_texts(load_prompt_set(args.prompts), args.num_prompts, tokenizer, 256)  # as the bench
     target_timer, draft_timer = ForwardTimer(target), ForwardTimer(draft)
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
 
