@@ -32,7 +32,7 @@ from ..kv import rows_after_fill
 from ..options import DEFAULT_MAX_NGRAM_SIZE
 from .drafter import Drafter, Proposal, Verdict
 
-CONTEXT_TOKENS = 16  # how far back an occurrence's match with the row's end is compared (16 and 64 chose alike)
+CONTEXT_TOKENS = 16  # how far back an occurrence's match with the row's end is compared
 OCCURRENCES = ("best", "latest", "earliest")
 
 
