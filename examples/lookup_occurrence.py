@@ -94,6 +94,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", default="humaneval-edit,sharegpt-summarize,sharegpt")
     parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--skip", type=int, default=0, help="leave out each set's first this-many prompts")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--num-tokens", default="2,4,8", help="k values, comma-separated")
@@ -108,7 +109,7 @@ def main(argv=None) -> int:
     results = []
     print(f"{'prompts':20s} {'k':>3s} {'occurrence':>10s} {'tokens/step':>12s} {'drafting':>9s} {'accepted/draft step':>20s}")
     for name in args.prompts.split(","):
-        prompts = load_prompts(name, limit=args.num_prompts)
+        prompts = list(load_prompts(name, limit=args.skip + args.num_prompts))[args.skip :]
         data = greedy_continuations(target, tokenizer, list(prompts), args.max_new_tokens, args.batch_size)
         for k in (int(value) for value in args.num_tokens.split(",")):
             for occurrence in OCCURRENCES:
