@@ -1,11 +1,12 @@
-"""Which occurrence should prompt lookup copy from: the latest earlier occurrence of the row's last n-gram, or the
+"""Which occurrence should prompt lookup copy from: the loop's rule (``best``: the most tokens to copy, then the
+longest match with the row's end, then the latest), the latest earlier occurrence of the row's last n-gram, or the
 earliest (transformers' one-row lookup)? Measured on the target's own greedy continuations.
 
 For each prompt the target generates ``--max-new-tokens`` tokens greedily (plain ``generate()``, the offline default
 target unless ``--target``). Lookup is then replayed on those outputs: at each step it drafts ``k`` tokens from the
 row's prompt and output so far, the drafts matching the target's continuation are accepted, and the row advances by
 them plus one target token, exactly as greedy verification would. Printed per prompt set and ``k``: tokens per
-row-step (emitted per target forward) and the share of steps that drafted anything, for both choices.
+row-step (emitted per target forward) and the share of steps that drafted anything, for each rule.
 
     python examples/lookup_occurrence.py --prompts humaneval-edit,sharegpt-summarize,sharegpt --num-prompts 16
 """
@@ -19,18 +20,18 @@ from pathlib import Path
 
 import torch
 
-from tetris_hf.candidate_generators.prompt_lookup import lookup_drafts
+from tetris_hf.candidate_generators.prompt_lookup import OCCURRENCES, lookup_drafts
 
 
 def replay_lookup(sequences: torch.Tensor, starts: torch.Tensor, prompt_ends: torch.Tensor, ends: torch.Tensor,
-                  num_tokens: int, ngram_sizes: range, latest: bool) -> dict:
+                  num_tokens: int, ngram_sizes: range, occurrence: str = "best") -> dict:
     """Greedy lookup replayed on known continuations, all rows at once.
 
     Args:
         sequences: ``(B, T)`` left-padded prompt + the target's greedy continuation per row.
         starts, prompt_ends, ends: ``(B,)`` first real column, first generated column, end of the continuation.
         num_tokens: ``k``.
-        ngram_sizes, latest: as :func:`~tetris_hf.candidate_generators.prompt_lookup.lookup_drafts`.
+        ngram_sizes, occurrence: as :func:`~tetris_hf.candidate_generators.prompt_lookup.lookup_drafts`.
 
     Returns:
         ``{"steps": row-steps, "tokens": tokens emitted, "drafting_steps": row-steps with a match,
@@ -43,7 +44,8 @@ def replay_lookup(sequences: torch.Tensor, starts: torch.Tensor, prompt_ends: to
         active = lengths < ends
         if not bool(active.any()):
             return totals
-        drafts, counts, _ = lookup_drafts(sequences, starts, lengths, num_tokens, ngram_sizes, latest=latest)
+        drafts, counts, _ = lookup_drafts(sequences, starts, lengths, num_tokens, ngram_sizes,
+                                          occurrence=occurrence)
         truth = sequences.gather(1, (lengths[:, None] + columns).clamp(max=sequences.shape[1] - 1))
         room = (ends - lengths - 1).clamp(min=0)  # the last token is always the target's
         usable = torch.minimum(counts, room)
@@ -92,6 +94,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", default="humaneval-edit,sharegpt-summarize,sharegpt")
     parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--skip", type=int, default=0, help="leave out each set's first this-many prompts")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--num-tokens", default="2,4,8", help="k values, comma-separated")
@@ -106,12 +109,12 @@ def main(argv=None) -> int:
     results = []
     print(f"{'prompts':20s} {'k':>3s} {'occurrence':>10s} {'tokens/step':>12s} {'drafting':>9s} {'accepted/draft step':>20s}")
     for name in args.prompts.split(","):
-        prompts = load_prompts(name, limit=args.num_prompts)
+        prompts = list(load_prompts(name, limit=args.skip + args.num_prompts))[args.skip :]
         data = greedy_continuations(target, tokenizer, list(prompts), args.max_new_tokens, args.batch_size)
         for k in (int(value) for value in args.num_tokens.split(",")):
-            for latest in (True, False):
-                totals = replay_lookup(*data, k, sizes, latest)
-                row = dict(prompts=name, k=k, occurrence="latest" if latest else "earliest",
+            for occurrence in OCCURRENCES:
+                totals = replay_lookup(*data, k, sizes, occurrence)
+                row = dict(prompts=name, k=k, occurrence=occurrence,
                            tokens_per_step=totals["tokens"] / totals["steps"],
                            drafting_share=totals["drafting_steps"] / totals["steps"],
                            accepted_per_drafting_step=totals["accepted"] / max(totals["drafting_steps"], 1))

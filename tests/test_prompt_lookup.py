@@ -9,22 +9,39 @@ import torch
 import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
 import tetris_hf.logits.verification as verification
 import test_sampling_distribution as sampling
-from tetris_hf.candidate_generators.prompt_lookup import LookupAcceptance, lookup_drafts
+from tetris_hf.candidate_generators.prompt_lookup import CONTEXT_TOKENS, OCCURRENCES, LookupAcceptance, lookup_drafts
 from tetris_hf.cost_model import CostProfile
 from test_greedy_exactness import NEW_TOKENS, assert_rows_equal, pick_eos, target_alone
 from tiny_models import EOS, PAD, left_pad, noisy_copy, random_prompts, sharpen, tiny_llama
 
 
-def lookup_one_row(tokens: list[int], num_tokens: int, sizes: range, latest: bool = True) -> tuple[list[int], int]:
-    """The reference: row by row, longest n first, the latest (or earliest) earlier occurrence followed by a token."""
+def lookup_one_row(tokens: list[int], num_tokens: int, sizes: range, occurrence: str = "best",
+                   context_tokens: int = CONTEXT_TOKENS) -> tuple[list[int], int]:
+    """The reference: row by row, longest n first; among that n-gram's earlier occurrences followed by a token, the
+    latest, the earliest, or (best) the one with the most tokens to copy (at most K), then the longest match with the
+    row's end (at most ``context_tokens``), then the latest."""
+
+    def context(end: int) -> int:  # tokens ending at `end` that equal the row's last ones
+        matched = 0
+        while matched < min(context_tokens, end + 1) and tokens[end - matched] == tokens[-1 - matched]:
+            matched += 1
+        return matched
+
     for size in sorted(sizes, reverse=True):
         if size >= len(tokens):
             continue
         suffix = tokens[-size:]
-        candidates = range(len(tokens) - size - 1, -1, -1)
-        for start in (candidates if latest else reversed(candidates)):
-            if tokens[start : start + size] == suffix:
-                return tokens[start + size : start + size + num_tokens], size
+        starts = [start for start in range(len(tokens) - size) if tokens[start : start + size] == suffix]
+        if not starts:
+            continue
+        if occurrence == "latest":
+            start = max(starts)
+        elif occurrence == "earliest":
+            start = min(starts)
+        else:
+            start = max(starts, key=lambda start: (min(len(tokens) - start - size, num_tokens),
+                                                   context(start + size - 1), start))
+        return tokens[start + size : start + size + num_tokens], size
     return [], 0
 
 
@@ -33,20 +50,34 @@ def test_batched_lookup_equals_a_row_by_row_search(seed):
     generator = torch.Generator().manual_seed(seed)
     vocab = 3 + seed  # small vocabularies repeat n-grams often
     prompts = [torch.randint(3, 3 + vocab, (int(n),), generator=generator).tolist()
-               for n in torch.randint(1, 14, (7,), generator=generator)]
+               for n in torch.randint(1, 24, (7,), generator=generator)]
     prompts[0] = [5]  # one real token: nothing to match
     sequences, mask = left_pad(prompts, pad=3)  # padding that equals real tokens must never match
     sequences = torch.cat([sequences, torch.full((7, 6), 4)], dim=1)  # scratch past the ends: never matched
     starts = sequences.shape[1] - 6 - mask.sum(dim=1)
     lengths = torch.full((7,), mask.shape[1])
-    for sizes, num_tokens, latest in itertools.product((range(1, 4), range(2, 3), range(1, 2)), (1, 3, 5),
-                                                       (True, False)):
-        drafts, counts, ngram = lookup_drafts(sequences, starts, lengths, num_tokens, sizes, latest=latest)
+    for sizes, num_tokens, occurrence in itertools.product((range(1, 4), range(2, 3), range(1, 2)), (1, 3, 5),
+                                                           OCCURRENCES):
+        drafts, counts, ngram = lookup_drafts(sequences, starts, lengths, num_tokens, sizes, occurrence=occurrence)
         for row, prompt in enumerate(prompts):
-            expected, size = lookup_one_row(prompt, num_tokens, sizes, latest)
+            expected, size = lookup_one_row(prompt, num_tokens, sizes, occurrence)
             assert int(ngram[row]) == size, (row, prompt, sizes)
             assert int(counts[row]) == len(expected)
             assert drafts[row, : len(expected)].tolist() == expected
+
+
+def test_best_occurrence_prefers_more_to_copy_then_a_longer_match():
+    """The row ends ``a x y z``; ``x y z`` occurred after ``b`` (early, much to copy after it) and after ``a`` (4
+    tokens from the end: 5 to copy). K = 3: both have 3 to copy, so the longer match (``a x y z``) wins. K = 6: the
+    early one has 6 to copy, the late one 5: the early one wins. The latest rule takes the late one both times."""
+    a, b, x, y, z = 10, 11, 12, 13, 14
+    row = [b, x, y, z, 1, 2, 3, 4, 5, 6, a, x, y, z, 7, a, x, y, z]
+    sequences, starts, lengths = torch.tensor([row]), torch.tensor([0]), torch.tensor([len(row)])
+    for num_tokens, expected in ((3, [7, a, x]), (6, [1, 2, 3, 4, 5, 6])):
+        drafts, counts, ngram = lookup_drafts(sequences, starts, lengths, num_tokens, range(1, 4))
+        assert (drafts[0].tolist(), int(counts[0]), int(ngram[0])) == (expected, num_tokens, 3)
+        latest, _, _ = lookup_drafts(sequences, starts, lengths, num_tokens, range(1, 4), occurrence="latest")
+        assert latest[0, :3].tolist() == [7, a, x]
 
 
 def test_lookup_never_drafts_past_the_row_end():

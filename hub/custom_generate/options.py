@@ -100,11 +100,12 @@ class TetrisOptions:
             row; a draft model or EAGLE head reads its catch-ups and re-reads packed alike. ``False`` keeps the padded
             blocks (to compare). Families whose attention does not go through transformers' ``AttentionInterface``
             are read padded either way.
-        prompt_lookup_num_tokens: draft by prompt lookup: each row copies up to this many tokens that followed the
-            latest earlier occurrence of its last n-gram in its own prompt and output; it is ``k``
-            (``num_assistant_tokens`` follows it). See :mod:`tetris_hf.candidate_generators.prompt_lookup`. With an
-            ``assistant_model`` too (a draft model or an EAGLE head), hybrid drafting: each row drafts by lookup where
-            it matches and by the model where it does not (:mod:`tetris_hf.candidate_generators.hybrid`).
+        prompt_lookup_num_tokens: draft by prompt lookup: each row copies up to this many tokens that followed an
+            earlier occurrence of its last n-gram in its own prompt and output (the one with the most to copy, then
+            the longest match with the row's end, then the latest); it is ``k`` (``num_assistant_tokens`` follows
+            it). See :mod:`tetris_hf.candidate_generators.prompt_lookup`. With an ``assistant_model`` too (a draft
+            model or an EAGLE head), hybrid drafting: each row drafts by lookup where it matches and by the model where
+            it does not (:mod:`tetris_hf.candidate_generators.hybrid`).
         max_matching_ngram_size: the longest n-gram prompt lookup matches (default 3).
         tetris_min_ngram_size: the shortest n-gram prompt lookup matches (default 1).
     """

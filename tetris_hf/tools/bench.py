@@ -12,9 +12,10 @@ For one prompt set, batch size and ``max_new_tokens`` it runs, on the same promp
 
 The speculative runs draft with the draft model, with an EAGLE head (``--draft eagle``: the head shipped for the
 default target; ``eagle:PATH_OR_REPO``: a published one), or with ``--draft lookup`` by prompt lookup: each row drafts the
-tokens that followed the latest earlier occurrence of its last n-gram (n <= ``--max-ngram``) in its own prompt and
-output (``prompt_lookup_num_tokens=k, max_matching_ngram_size=n`` and no ``assistant_model``). Lookup pays on
-grounded prompts, whose answers copy the prompt: ``--prompts humaneval-edit`` or ``sharegpt-summarize``.
+tokens that followed an earlier occurrence of its last n-gram (n <= ``--max-ngram``) in its own prompt and output,
+the one with the most to copy, then the longest match with the row's end, then the latest
+(``prompt_lookup_num_tokens=k, max_matching_ngram_size=n`` and no ``assistant_model``). Lookup pays on grounded
+prompts, whose answers copy the prompt: ``--prompts humaneval-edit`` or ``sharegpt-summarize``.
 
 ``--tree-width 1,2,3`` repeats every speculative run with draft trees (``tetris_tree_width=w``, named ``... w=W``) at
 the same ``k``, ``e`` and budget ``C``: each row drafts ``K = k + e`` levels of ``w`` children of the ``w`` best

@@ -1,11 +1,20 @@
 # Exported from tetris_hf/candidate_generators/prompt_lookup.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
 """Prompt-lookup drafts for every row of a batch: no draft model, the row's own tokens are the draft.
 
-Each step, row ``i`` looks for its last ``n`` tokens earlier in its own prompt and output, for ``n`` from the longest
-allowed n-gram down to the shortest; the longest ``n`` that matches wins, and among its occurrences the latest one
-(the nearest to the end; a long generation that repeats itself repeats what it wrote last, and a prompt's nearest
-copy is the one the output is working through). The row drafts the tokens that followed that occurrence, up to
-``K``, never past its own end. A row without a match drafts nothing that step. Left padding is never matched.
+Each step, row ``i`` looks for its last ``n`` tokens earlier in its own prompt and output, for ``n`` up to the
+longest allowed n-gram; the longest ``n`` that matches wins. Among that n-gram's occurrences it copies from the one
+(:func:`lookup_drafts`, ``occurrence="best"``):
+
+1. with the most tokens after it to copy, up to ``K`` (the output's own recent copy of a passage is cut short by the
+   row's end, while the passage it copies goes on);
+2. then whose match with the row's end is longest, up to ``CONTEXT_TOKENS`` tokens (the passage the row is working
+   through agrees with it beyond the n-gram);
+3. then the latest (a long generation that repeats itself repeats what it wrote last).
+
+Replayed on the target's own greedy outputs (``examples/lookup_occurrence.py``, ``docs/lookup-occurrence.txt``) this
+beats both the latest occurrence alone and the earliest (transformers' one-row rule) on code edits, summaries and
+chat. The row drafts the tokens that followed that occurrence, up to ``K``, never past its own end. A row without a
+match drafts nothing that step. Left padding is never matched.
 
 Every drafted cell gets a confidence TETRIS can rank across rows: the estimated probability that the target accepts
 it given that the cells before it were accepted, by the n-gram length ``n`` that matched and the cell's position
@@ -24,12 +33,38 @@ from .kv import rows_after_fill
 from .options import DEFAULT_MAX_NGRAM_SIZE
 from .candidate_generators_drafter import Drafter, Proposal, Verdict
 
+CONTEXT_TOKENS = 16  # how far back an occurrence's match with the row's end is compared
+OCCURRENCES = ("best", "latest", "earliest")
+
+
+def context_matches(haystack: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, depth: int) -> torch.Tensor:
+    """``(B, W)``: for every column ``p``, how many tokens ending at ``p`` equal the row's last tokens, at most
+    ``depth`` (left padding matches nothing).
+
+    E.g. a row ``[a b c d b c]``, ``depth = 4``: ``[0 0 2 0 0 4]``; column 2 (``a b c``) matches ``b c``, column 5
+    is the row's end itself.
+
+    Args:
+        haystack: ``(B, W)`` tokens; row ``i`` holds real tokens in ``[starts[i], lengths[i])``, ``lengths <= W``.
+        starts, lengths: ``(B,)``.
+        depth: the most tokens compared.
+    """
+    columns = torch.arange(haystack.shape[1], device=haystack.device)
+    real = torch.where(columns[None, :] >= starts[:, None], haystack, -1)  # padding: -1, matches no suffix token
+    windows = torch.nn.functional.pad(real, (depth - 1, 0), value=-1).unfold(1, depth, 1)  # (B, W, d) ending at p
+    suffix = windows.gather(1, (lengths - 1)[:, None, None].expand(-1, 1, depth))  # (B, 1, d) ending at the row's end
+    suffix = suffix.masked_fill(suffix < 0, -2)  # the row's own padding matches nothing either
+    # 1 + the place of each window's last differing token (0: none differs); the matched tokens are those after it
+    places = torch.arange(1, depth + 1, dtype=torch.int16, device=haystack.device)
+    last_difference = ((windows != suffix) * places).amax(dim=-1)  # (B, W)
+    return depth - last_difference.long()
+
 
 def lookup_drafts(sequences: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, num_tokens: int,
                   ngram_sizes: range, width: int | None = None,
-                  latest: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Batched prompt lookup: for every row, the tokens after the latest earlier occurrence of its longest matching
-    suffix n-gram.
+                  occurrence: str = "best") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Batched prompt lookup: for every row, the tokens after an earlier occurrence of its longest matching suffix
+    n-gram.
 
     E.g. a row ``[a b c d b c]`` (no padding), sizes 2..1, ``K = 3``: its last 2-gram ``b c`` occurs at 1, followed
     by ``d b c``, but only up to the row's end: drafts ``[d b c]``, 3 cells, ``n = 2``.
@@ -41,40 +76,40 @@ def lookup_drafts(sequences: torch.Tensor, starts: torch.Tensor, lengths: torch.
         num_tokens: ``K``.
         ngram_sizes: n-gram sizes to try, e.g. ``range(1, 4)``; the largest that matches wins.
         width: a host bound on ``lengths.max()`` (columns past it are not searched), default ``T``.
-        latest: take the latest occurrence (else the earliest, as transformers' one-row lookup does; kept to measure
-            the choice, see ``examples/lookup_occurrence.py``).
+        occurrence: which occurrence of that n-gram: ``"best"`` (the most tokens to copy, up to ``K``, then the
+            longest match with the row's end, then the latest: see the module's docstring), ``"latest"``, or
+            ``"earliest"`` (transformers' one-row lookup); the last two are kept to measure the choice
+            (``examples/lookup_occurrence.py``).
 
     Returns:
         drafts ``(B, K)`` (filler past each row's count: its last real token), counts ``(B,)`` drafted cells,
         ``ngram`` ``(B,)`` the n-gram size that matched (0: no match, nothing drafted).
     """
-    batch, total = sequences.shape
+    if occurrence not in OCCURRENCES:
+        raise ValueError(f"occurrence must be one of {OCCURRENCES}, got {occurrence!r}")
+    total = sequences.shape[1]
     width = total if width is None else min(width, total)
-    device = sequences.device
-    columns = torch.arange(width, device=device)
     haystack = sequences[:, :width]
-    best_start = torch.full((batch,), -1, dtype=torch.long, device=device)  # where the continuation starts
-    ngram = torch.zeros(batch, dtype=torch.long, device=device)
-    for size in sorted(ngram_sizes, reverse=True):
-        if size >= width:
-            continue
-        suffix = haystack.gather(1, (lengths[:, None] - size + columns[:size]).clamp(min=0))  # (B, n)
-        windows = haystack.unfold(1, size, 1)  # (B, width - n + 1, n): window p is tokens p..p+n-1
-        matches = (windows == suffix[:, None, :]).all(dim=-1)
-        first = columns[: windows.shape[1]]
-        # an earlier occurrence inside the real tokens, followed by at least one token (which excludes the suffix)
-        matches &= (first[None, :] >= starts[:, None]) & (first[None, :] + size < lengths[:, None])
-        matches &= (lengths - size >= starts)[:, None]  # the suffix itself is real
-        if latest:
-            occurrence = torch.where(matches, first[None, :], -1).amax(dim=1)
-        else:
-            occurrence = torch.where(matches, first[None, :], width).amin(dim=1)
-            occurrence = torch.where(occurrence < width, occurrence, -1)
-        found = (occurrence >= 0) & (ngram == 0)
-        best_start = torch.where(found, occurrence + size, best_start)
-        ngram = torch.where(found, size, ngram)
-    counts = torch.where(ngram > 0, (lengths - best_start).clamp(max=num_tokens), 0)
-    positions = best_start[:, None] + columns.new_tensor(range(num_tokens))[None, :]
+    ends = torch.arange(width, device=sequences.device)[None, :]  # (1, W) where an occurrence ends
+    depth = max(max(ngram_sizes), CONTEXT_TOKENS if occurrence == "best" else 0)
+    context = context_matches(haystack, starts, lengths, depth)  # (B, W)
+    ngram = context.clamp(max=max(ngram_sizes))  # the longest n-gram each occurrence matches
+    # an earlier occurrence followed by at least one token (which excludes the row's end itself)
+    valid = (ngram >= min(ngram_sizes)) & (ends + 1 < lengths[:, None])
+    room = (lengths[:, None] - 1 - ends).clamp(min=0, max=num_tokens)  # tokens after it to copy, at most K
+    # the longest n-gram first, then the rule's order, packed into one integer key per occurrence
+    if occurrence == "best":
+        key = ((ngram * (num_tokens + 1) + room) * (depth + 1) + context) * width + ends
+    elif occurrence == "latest":
+        key = ngram * width + ends
+    else:
+        key = ngram * width + (width - 1 - ends)
+    key = torch.where(valid, key, -1)
+    chosen = key.argmax(dim=1, keepdim=True)  # (B, 1)
+    ngram = torch.where(key.gather(1, chosen) >= 0, ngram.gather(1, chosen), 0)[:, 0]
+    first = chosen[:, 0] + 1  # where the copied tokens start
+    counts = torch.where(ngram > 0, (lengths - first).clamp(max=num_tokens), 0)
+    positions = first[:, None] + torch.arange(num_tokens, device=sequences.device)[None, :]
     positions = torch.minimum(positions, (lengths - 1)[:, None]).clamp(min=0)  # filler: a real token, never verified
     return sequences.gather(1, positions), counts, ngram
 
