@@ -229,7 +229,9 @@ def test_prompt_lookup_target_sees_a_few_shapes_however_long_the_call(recorder, 
         widths = block_widths(DRAFTED + 2 + 1)  # (e = 2 by default)
         assert_static(recorder.of(target), widths, BATCH)
         counts.append(len(recorder.of(target)))
-    assert counts[0] == counts[1] <= len(widths) * len(batch_buckets(BATCH)), counts
+    # bounded whatever the length (which shapes a call meets depends on where its rows stop: the short call may meet
+    # one the long one does not)
+    assert max(counts) <= len(widths) * len(batch_buckets(BATCH)), counts
 
 
 def test_real_compile_builds_a_bounded_set_of_graphs_and_no_more_for_longer_calls(monkeypatch):
