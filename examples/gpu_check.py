@@ -875,7 +875,9 @@ def markdown(report: dict) -> str:
             ratio = f"{row['tokens_per_second'] / reference:.2f}" if reference else "-"
             lines.append(f"| {row['name']} | {row['tokens_per_second']:.1f} | {ratio} | "
                          f"{row['requests_per_second']:.2f} | {row['ttft_p50']:.2f} | "
-                         f"{1000 * row['per_token_p50']:.1f} | {row['mean_live_rows']:.1f} | {row['equal']} |")
+                         f"{1000 * row['per_token_p50']:.1f} | "
+                         f"{'-' if row['mean_live_rows'] is None else format(row['mean_live_rows'], '.1f')} | "
+                         f"{row['equal']} |")
     if report["host_reads"]:
         lines += ["", "Device -> host reads per steady-state step (examples/host_reads.py).", "",
                   "| pair | mode | compiled | B | steps | median | max |", "|---|---|---|---:|---:|---:|---:|"]

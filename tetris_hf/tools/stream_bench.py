@@ -59,7 +59,7 @@ class StreamRun:
             "requests_per_second": len(self.tokens) / self.seconds,
             "ttft_p50": _percentile(first, 50), "ttft_p99": _percentile(first, 99),
             "per_token_p50": _percentile(per_token, 50), "per_token_p99": _percentile(per_token, 99),
-            "mean_live_rows": statistics.fmean(live) if live else 0.0,
+            "mean_live_rows": statistics.fmean(live) if live else None,  # (generate_batch does not say)
             "tokens_per_row_step": self.tokens_per_row_step, "acceptance": self.acceptance,
             "lookup_share": self.lookup_share,
         }
@@ -209,7 +209,8 @@ def format_table(summaries: list[dict], reference: str) -> str:
         lines.append(
             f"{row['name']:18s} {row['tokens_per_second']:7.1f} {row['range']:>11s} {ratio:>21s} "
             f"{row['requests_per_second']:6.2f} {row['ttft_p50']:7.1f}s {row['ttft_p99']:5.1f}s "
-            f"{1000 * row['per_token_p50']:10.1f} {1000 * row['per_token_p99']:6.1f} {row['mean_live_rows']:5.1f} "
+            f"{1000 * row['per_token_p50']:10.1f} {1000 * row['per_token_p99']:6.1f} "
+            f"{optional(row['mean_live_rows'], '.1f'):>5s} "
             f"{optional(row.get('tokens_per_row_step'), '.2f'):>12s} {optional(row.get('acceptance'), '.2f'):>6s} "
             f"{optional(row.get('lookup_share'), '.2f'):>6s} {row['equal']:>10s}")
     return "\n".join(lines)
@@ -222,16 +223,17 @@ def plot(runs: list[StreamRun], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     figure, (live_axis, tokens_axis) = plt.subplots(1, 2, figsize=(12, 4.2))
-    for run in runs:
+    for index, run in enumerate(runs):
+        color = f"C{index}"  # one colour a run in both panels (transformers' generate_batch has no occupancy line)
         if run.occupancy:
             times, rows = zip(*run.occupancy)
-            live_axis.step(times, rows, where="post", label=run.name)
+            live_axis.step(times, rows, where="post", label=run.name, color=color)
         order = sorted(zip(run.finished, (len(tokens) for tokens in run.tokens)))
         done, total = [0.0], [0]
         for end, count in order:
             done.append(end)
             total.append(total[-1] + count)
-        tokens_axis.step(done, total, where="post", label=run.name)
+        tokens_axis.step(done, total, where="post", label=run.name, color=color)
     live_axis.set(xlabel="seconds", ylabel="rows decoding", title="batch occupancy")
     tokens_axis.set(xlabel="seconds", ylabel="tokens of finished requests", title="output over time")
     tokens_axis.legend(fontsize=8)
@@ -401,7 +403,10 @@ def main(args) -> int:
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     saved = {"prompts": args.prompts, "note": note, "num_requests": len(prompts), "command": vars(args) | {
-        "_main": None}, "runs": {str(size): rows for size, rows in report["runs"].items()}}
+        "_main": None}, "runs": {str(size): rows for size, rows in report["runs"].items()},
+             "timelines": {str(size): [{"name": run.name, "occupancy": run.occupancy, "finished": run.finished,
+                                        "tokens": [len(tokens) for tokens in run.tokens]} for run in runs]
+                           for size, runs in report["medians"].items()}}
     for batch_size, summaries in report["runs"].items():
         table = format_table(summaries, reference_name(summaries))
         log(f"\nmax_batch_size {batch_size}, {len(prompts)} requests, median of {args.repeats}:\n{table}\n")
