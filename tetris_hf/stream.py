@@ -66,7 +66,6 @@ class StreamRequest:
     sampling: tuple = (None, None, None)  # its own temperature, top_k, top_p (None: the stream's)
     output: StreamOutput = field(init=False)
     lane: int = -1
-    emitted: int = 0  # generated tokens already handed out (streaming)
 
     def __post_init__(self):
         self.output = StreamOutput(request_id=self.request_id, prompt_ids=list(self.prompt_ids))
@@ -167,6 +166,14 @@ class StreamLoop(BatchedSpeculativeLoop):
             # no row holds more real tokens than the longest row's length (a row's last token is never cached)
             self.target_slots.compact(self.longest)
             self.drafter.read_prompts(block, real_lengths, num_real, self.longest, successors, old_rows)
+
+    def step(self):
+        """One step (:meth:`~tetris_hf.decoding.BatchedSpeculativeLoop.step`); every :data:`FOLD_EVERY` steps the
+        records go into the totals."""
+        record = super().step()
+        if len(self._records) >= FOLD_EVERY:
+            self.fold_records()
+        return record
 
     @property
     def stats(self) -> TetrisStats:
@@ -302,7 +309,6 @@ class RequestStream:
             self.processor_config = copy.deepcopy(self.config)
             self.processor_config.update(temperature=1.0, top_k=None, top_p=1.0)
         self.loop: StreamLoop | None = self._new_loop()  # (made now: settings it cannot serve fail here)
-        self.stats_steps = 0
 
     def _new_loop(self) -> StreamLoop:
         device = self.model.get_input_embeddings().weight.device
@@ -403,9 +409,6 @@ class RequestStream:
             self._admit()
             if self.loop is not None and not self.loop.done:
                 self.loop.step()
-                self.stats_steps += 1
-                if self.stats_steps % FOLD_EVERY == 0:
-                    self.loop.fold_records()
                 now = time.perf_counter()
                 for request in self.live.values():
                     if request.output.first_token_time < 0:
