@@ -55,10 +55,11 @@ def drafts_from_scratch(target, head, context: list[int], num_tokens: int) -> tu
     return tokens, torch.stack(log_q)
 
 
-def record_proposals(monkeypatch) -> list:
-    """Every proposal the loop's EAGLE drafter made: (tokens, log q, the rows' tokens so far, lengths)."""
+def record_proposals(monkeypatch, drafter_class=EagleCandidateGenerator) -> list:
+    """Every proposal ``drafter_class`` (the loop's EAGLE drafter by default) made: (tokens, log q, the rows' tokens
+    so far, lengths, rows)."""
     proposals = []
-    real_propose = EagleCandidateGenerator.propose
+    real_propose = drafter_class.propose
 
     def recording(self, sequences, lengths, num_tokens, rows=None, confidences=True):
         context = sequences.clone()
@@ -67,7 +68,7 @@ def record_proposals(monkeypatch) -> list:
             proposals.append((proposal.tokens.clone(), proposal.log_probs, context, lengths.clone(), rows.clone()))
         return proposal
 
-    monkeypatch.setattr(EagleCandidateGenerator, "propose", recording)
+    monkeypatch.setattr(drafter_class, "propose", recording)
     return proposals
 
 

@@ -14,7 +14,7 @@ from eagle_checkpoints import VOCAB as EAGLE_VOCAB
 from tetris_hf.candidate_generators import BatchedDraftCandidateGenerator
 from tetris_hf.candidate_generators.eagle_drafter import EagleCandidateGenerator
 from tetris_hf.candidate_generators.hybrid import DraftAcceptance, HybridCandidateGenerator
-from test_eagle_loop import accept_two_drafts, drafts_from_scratch, load_pair
+from test_eagle_loop import accept_two_drafts, drafts_from_scratch, load_pair, record_proposals
 from test_greedy_exactness import NEW_TOKENS, assert_rows_equal, pick_eos, target_alone
 from test_prompt_lookup import repetitive_prompts
 from tiny_models import EOS, PAD, left_pad, noisy_copy, random_prompts, sharpen, tiny_llama
@@ -107,22 +107,6 @@ def test_greedy_rows_equal_the_target_alone_eagle(eagle_pairs, head_format, batc
         assert stats.lookup_drafted_tokens > 0 and stats.model_drafted_tokens > 0, stats
 
 
-def record_model_proposals(monkeypatch, drafter_class) -> list:
-    """Every proposal ``drafter_class`` made: (tokens, log q, the rows' tokens so far, lengths, rows)."""
-    proposals = []
-    real_propose = drafter_class.propose
-
-    def recording(self, sequences, lengths, num_tokens, rows=None, confidences=True):
-        context = sequences.clone()
-        proposal = real_propose(self, sequences, lengths, num_tokens, rows, confidences)
-        if num_tokens:
-            proposals.append((proposal.tokens.clone(), proposal.log_probs, context, lengths.clone(), rows.clone()))
-        return proposal
-
-    monkeypatch.setattr(drafter_class, "propose", recording)
-    return proposals
-
-
 @torch.no_grad()
 def draft_from_scratch(draft, context: list[int], num_tokens: int) -> tuple[list[int], torch.Tensor]:
     """The draft model on one row alone, no padding, no cache: its greedy continuation and ``log max q``."""
@@ -145,8 +129,8 @@ def test_every_model_proposal_equals_the_model_run_from_scratch(pair, eagle_pair
     else:
         target, draft = eagle_pairs[kind]
         prompts, drafter_class = eagle_prompts(5, seed=4), EagleCandidateGenerator
-    proposals = record_model_proposals(monkeypatch, drafter_class)
-    chosen = record_model_proposals(monkeypatch, HybridCandidateGenerator)  # what each row verified
+    proposals = record_proposals(monkeypatch, drafter_class)
+    chosen = record_proposals(monkeypatch, HybridCandidateGenerator)  # what each row verified
     accept_two_drafts(monkeypatch)
     input_ids, mask = left_pad(prompts)
     target.generate(input_ids, attention_mask=mask, assistant_model=draft, custom_generate="tetris", do_sample=False,
