@@ -85,13 +85,14 @@ def test_packed_and_padded_prompt_reads_are_exact(models, pack):
     check_exact(target, stream, requests(target, 9, seed=5, max_prompt=120))
 
 
-def test_joining_prompts_are_read_packed(models):
-    """A joining row's prompt costs the target its own tokens only: the rows already decoding add no filler."""
+def test_long_joining_prompts_are_read_packed(models):
+    """A joining prompt longer than a chunk is read at once, in forwards of its own that cost the target its own
+    tokens only: the rows already decoding add no filler."""
     target, draft = models
     read = []
     handle = target.model.embed_tokens.register_forward_hook(lambda module, args, out: read.append(args[0].numel()))
     try:
-        stream = RequestStream(target, assistant_model=draft, max_batch_size=2, prefill_chunk=64, eos_token_id=None)
+        stream = RequestStream(target, assistant_model=draft, max_batch_size=2, prefill_chunk=32, eos_token_id=None)
         stream.add([5] * 3, max_new_tokens=30)
         stream.step()  # the first row decodes
         read.clear()
@@ -99,7 +100,33 @@ def test_joining_prompts_are_read_packed(models):
         stream._admit()
     finally:
         handle.remove()
-    assert read == [49]  # the new prompt but its last token, and nothing for the row already there
+    assert read == [32, 17]  # the new prompt but its last token, in chunks, and nothing for the row already there
+
+
+def test_a_joining_prompt_rides_in_the_verification_forward(models):
+    """A prompt that fits a chunk costs no forward of its own: the step's one target forward verifies the decoding
+    row's drafts and reads the prompt after them, and the new row joins at the end of that step, exactly."""
+    target, draft = models
+    read = []
+    stream = RequestStream(target, assistant_model=draft, max_batch_size=2, prefill_chunk=64, eos_token_id=None,
+                           num_assistant_tokens=3, tetris_strategy="fixed")
+    first = stream.add([5, 6, 7], max_new_tokens=30)
+    stream.step()  # the first row decodes
+    second = stream.add(list(range(3, 53)), max_new_tokens=12)
+    handle = target.model.embed_tokens.register_forward_hook(lambda module, args, out: read.append(args[0].numel()))
+    try:
+        stream.step()
+    finally:
+        handle.remove()
+    record = stream.loop._records[-1]
+    assert read == [record.target_tokens + 49]  # one forward: the row's block, then the prompt but its last token
+    assert stream.loop.num_rows == 2 and stream.loop.joined_lanes == [1]
+    assert stream.live[1].output.first_token_time < 0 < stream.live[0].output.first_token_time
+    outputs = {output.request_id: output for output in stream.run()}
+    for request_id, prompt, new in ((first, [5, 6, 7], 30), (second, list(range(3, 53)), 12)):
+        expected = target.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None,
+                                   pad_token_id=0)[0, len(prompt):].tolist()
+        assert outputs[request_id].generated_tokens == expected
 
 
 def test_a_bad_request_fails_alone(models):

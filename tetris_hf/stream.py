@@ -2,18 +2,20 @@
 
 :class:`StreamLoop` is the batched loop (:class:`~tetris_hf.decoding.BatchedSpeculativeLoop`) with rows that come and
 go: up to ``max_batch_size`` rows ("lanes"), each serving one request with its own prompt length, length limit and
-end tokens. Between steps, waiting requests take the free lanes (:meth:`StreamLoop.admit`): the target reads their
-prompts but the last token in chunks of at most ``prefill_chunk`` tokens (packed where the model can be: the rows
-already decoding add nothing), the drafter does the same with its own cache, and each new row's last prompt token
-opens its first verified block, in the next step, beside every other row's. The budget of each step is spread over
-whichever rows are live then.
+end tokens. Between steps, waiting requests take the free lanes (:meth:`StreamLoop.admit`). Where rows are decoding
+and the target reads packed, a prompt that fits one chunk (``prefill_chunk`` tokens) rides in the next step's target
+forward: the target reads it, but its last token, after the decoding rows' blocks (attention runs on the two groups of
+rows apart, :class:`~tetris_hf.packing.BlockSplit`), and the row joins at the end of that step, its drafter reading the
+prompt then. Other prompts (an empty stream's, longer ones, a padded target's) are read at once, in chunks, in
+forwards of their own. Either way each new row's last prompt token then opens its first verified block beside every
+other row's. The budget of each step is spread over whichever rows are live then.
 
 :class:`RequestStream` is the single-threaded scheduler around it: requests in (checked, a bad one gets its error in
 its own result), first come first served, finished :class:`StreamOutput` s out. The manager and
 ``generate_batch`` (:mod:`tetris_hf.continuous`) run it on a thread.
 
-E.g. lanes 0-1 decoding requests ``a`` and ``b``; ``a`` stops; the next step first admits ``c`` into lane 0 (its
-prompt read into both caches), then verifies ``b``'s drafts and ``c``'s first ones in one forward.
+E.g. lanes 0-1 decoding requests ``a`` and ``b``; ``a`` stops; ``c`` takes lane 0: the next step's one target forward
+verifies ``b``'s drafts and reads ``c``'s prompt, ``c`` joining at its end; the step after verifies both rows' drafts.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from .decoding import BatchedSpeculativeLoop
 from .logits.row_sampling import RowSamplingWarper, check_sampling
 from .options import TetrisOptions
 from .outputs import TetrisStats
+from .step import JoiningPrompts
 from .timing import StepClock
 
 DEFAULT_PREFILL_CHUNK = 256  # prompt tokens a joining row reads per forward
@@ -114,6 +117,8 @@ class StreamLoop(BatchedSpeculativeLoop):
         self.num_rows = 0
         self.shortest, self.longest = max_length, 0
         self.finished: list[tuple[int, list[int]]] = []  # (lane, tokens) of rows that left since last taken
+        self._riding: list[tuple] = []  # (lane, prompt, limit, end tokens) of the rows of `joining`
+        self.joined_lanes: list[int] = []  # lanes whose rows joined at the end of the last step (no token yet)
         self._records = []
         self._totals = TetrisStats()
         self.clock = StepClock(device)
@@ -121,10 +126,64 @@ class StreamLoop(BatchedSpeculativeLoop):
     def admit(self, lanes: list[int], prompts: list[list[int]], limits: list[int],
               eos_token_ids: list[tuple[int, ...]]) -> None:
         """New rows join after the active ones: lane ``lanes[i]`` serves ``prompts[i]`` (at least one token), stops
-        at length ``limits[i]`` or at one of ``eos_token_ids[i]``. Both caches read each prompt but its last token
-        now, in chunks; the last token opens the row's first verified block at the next step."""
-        count, device = len(prompts), self.lengths.device
+        at length ``limits[i]`` or at one of ``eos_token_ids[i]``. Both caches read each prompt but its last token,
+        whose row then opens its first verified block at the next step.
+
+        Where rows are decoding and the target reads packed, a prompt that fits one chunk is read in the next step's
+        target forward, after the decoding rows' blocks (no forward of its own), and its row joins at the end of that
+        step (:attr:`joining`); other prompts are read now, in chunks, in forwards of their own."""
+        rides = self.num_rows > 0 and self.target_slots.packs
+        riding = [rides and 2 <= len(prompt) <= self.prefill_chunk + 1 for prompt in prompts]
+        now = [index for index, ride in enumerate(riding) if not ride]
+        if now:
+            self._join_now(*([items[index] for index in now] for items in (lanes, prompts, limits, eos_token_ids)))
+        for index in (index for index, ride in enumerate(riding) if ride):
+            self._riding.append((lanes[index], prompts[index], limits[index], eos_token_ids[index]))
+        if any(riding):
+            self.joining = _joining_prompts([prompt for _, prompt, _, _ in self._riding], self.pad_value,
+                                            self.lengths.device)
+
+    def _finish(self, record, stopped: torch.Tensor):
+        """The rows whose prompts this step's forward read join the batch (none of them stopped), then as for every
+        loop (:meth:`~tetris_hf.decoding.BatchedSpeculativeLoop._finish`)."""
+        self.joined_lanes = []
+        if self.joining is not None:
+            stopped = torch.cat([stopped, stopped.new_zeros(self.joining.count)])
+            self._join_read()
+        return super()._finish(record, stopped)
+
+    def _join_read(self) -> None:
+        """The rows of :attr:`joining`, whose prompts the target just read, join: the drafter reads them too."""
+        joining, riding = self.joining, self._riding
+        self.joining, self._riding = None, []
         old_rows = self.num_rows
+        last_tokens = self._add_rows(*(list(items) for items in zip(*riding)))
+        prompts = [prompt for _, prompt, _, _ in riding]
+        self.drafter.add_rows(last_tokens, [len(prompt) for prompt in prompts])
+        device = self.lengths.device
+        block = torch.full((old_rows + joining.count, joining.width), self.pad_value, dtype=torch.long)
+        successors = block.clone()  # each real token's successor in its prompt (an EAGLE head's pairs)
+        for index, prompt in enumerate(prompts):
+            block[old_rows + index, : len(prompt) - 1] = torch.tensor(prompt[:-1])
+            successors[old_rows + index, : len(prompt) - 1] = torch.tensor(prompt[1:])
+        real_lengths = torch.cat([torch.zeros(old_rows, dtype=torch.long, device=device), joining.lengths])
+        self.drafter.read_prompts(block.to(device), real_lengths, joining.num_tokens, self.longest,
+                                  successors.to(device), old_rows)
+        self.joined_lanes = [lane for lane, _, _, _ in riding]
+
+    def _join_now(self, lanes: list[int], prompts: list[list[int]], limits: list[int],
+                  eos_token_ids: list[tuple[int, ...]]) -> None:
+        """Rows join now: both caches read their prompts but the last tokens, in forwards of their own."""
+        old_rows = self.num_rows
+        last_tokens = self._add_rows(lanes, prompts, limits, eos_token_ids)
+        self.target_slots.add_rows(len(prompts))
+        self.drafter.add_rows(last_tokens, [len(prompt) for prompt in prompts])
+        self._read_prompts(old_rows, prompts)
+
+    def _add_rows(self, lanes: list[int], prompts: list[list[int]], limits: list[int],
+                  eos_token_ids: list[tuple[int, ...]]) -> torch.Tensor:
+        """The rows' state after the active ones (the caches' rows are the callers'); their last tokens ``(M,)``."""
+        count, device = len(prompts), self.lengths.device
         lengths = [len(prompt) for prompt in prompts]
         rows = torch.full((count, self.sequence_capacity), self.pad_value, dtype=torch.long)
         for index, prompt in enumerate(prompts):
@@ -140,9 +199,7 @@ class StreamLoop(BatchedSpeculativeLoop):
         self.row_eos = _append_eos(self.row_eos, eos_token_ids)
         self.num_rows += count
         self.shortest, self.longest = min(self.shortest, *lengths), max(self.longest, *lengths)
-        self.target_slots.add_rows(count)
-        self.drafter.add_rows(last_tokens, lengths)
-        self._read_prompts(old_rows, prompts)
+        return last_tokens
 
     def _read_prompts(self, old_rows: int, prompts: list[list[int]]) -> None:
         """Both caches read the joining rows' prompts but their last tokens, ``prefill_chunk`` tokens a forward; the
@@ -213,6 +270,15 @@ class StreamLoop(BatchedSpeculativeLoop):
         rows, lengths = torch.stack([self.rows[wanted], self.lengths[wanted]]).tolist()
         tokens = self.sequences[wanted, : max(lengths, default=0)].tolist()
         return {lane: row[:length] for lane, row, length in zip(rows, tokens, lengths)}
+
+
+def _joining_prompts(prompts: list[list[int]], pad_value: int, device: torch.device) -> JoiningPrompts:
+    """Each prompt but its last token, as a step's forward reads them after the decoding rows."""
+    lengths = [len(prompt) - 1 for prompt in prompts]
+    tokens = torch.full((len(prompts), max(lengths)), pad_value, dtype=torch.long)
+    for index, prompt in enumerate(prompts):
+        tokens[index, : lengths[index]] = torch.tensor(prompt[:-1])
+    return JoiningPrompts(tokens.to(device), torch.tensor(lengths, device=device), sum(lengths), max(lengths))
 
 
 def _append_eos(row_eos: torch.Tensor, eos_token_ids: list[tuple[int, ...]]) -> torch.Tensor:
@@ -410,8 +476,9 @@ class RequestStream:
             if self.loop is not None and not self.loop.done:
                 self.loop.step()
                 now = time.perf_counter()
-                for request in self.live.values():
-                    if request.output.first_token_time < 0:
+                fresh = self.loop.joined_lanes  # (their prompts were read in the step: their first token is next)
+                for lane, request in self.live.items():
+                    if request.output.first_token_time < 0 and lane not in fresh:
                         request.output.first_token_time = now
                         request.output.status = RequestStatus.DECODING
                 self._collect(now)
