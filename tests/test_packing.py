@@ -157,3 +157,35 @@ def test_sampled_calls_with_a_partial_budget_run_packed():
         assert stats.verified_tokens > 0
         ratios[pack] = stats.computed_per_selected
     assert ratios[True] == 1.0 < ratios[False]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss"])
+def test_a_split_block_reads_like_one_block(family):
+    """Decoding rows and a joining prompt in one forward, attended apart at their own widths (a request stream's
+    verification with a prompt riding in it): the first rows' logits and every row's cache equal the unsplit packed
+    forward's, for full, windowed and sink attention."""
+    from tetris_hf.kv import SlotCache
+    from tetris_hf.packing import BlockSplit
+
+    model_type, overrides = {**FULL_ATTENTION, **SLIDING_WINDOW}[family]
+    model = tiny(model_type, 2, seed=3, overrides=overrides)
+    prompts = torch.randint(4, 60, (2, 6))
+    block = torch.tensor([[7, 8, PAD, PAD, PAD], [9, PAD, PAD, PAD, PAD], [11, 12, 13, 14, 15]])
+    real_lengths = torch.tensor([2, 1, 5])
+    caches, logits = [], []
+    for split in (BlockSplit(2, 2, 3), None):
+        cache = SlotCache(2, torch.device("cpu"), capacity=64)
+        cache.pack = True
+        with torch.no_grad():
+            cache.forward(model, prompts, None)  # two rows decoding, six tokens cached each
+            cache.add_rows(1)  # a row joins: its prompt rides in the next block
+            logits.append(cache.forward(model, block, None, real_lengths=real_lengths, num_real=8, split=split))
+        caches.append(cache)
+    split_logits, whole_logits = logits
+    assert split_logits.shape == (2, 2, model.config.vocab_size)
+    real = torch.tensor([[True, True], [True, False]])
+    torch.testing.assert_close(split_logits[real], whole_logits[:2, :2][real])
+    for split_layer, whole_layer in zip(caches[0]._layers(), caches[1]._layers()):
+        written = caches[0].slot_mask[:, None, :, None].expand_as(split_layer.keys)
+        torch.testing.assert_close(split_layer.keys[written], whole_layer.keys[written])
+        torch.testing.assert_close(split_layer.values[written], whole_layer.values[written])

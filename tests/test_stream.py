@@ -402,13 +402,23 @@ def test_sampling_settings_are_checked_per_request(models):
 
 @pytest.mark.parametrize("head_format,max_batch_size", [("eagle1", 1), ("eagle3", 3), ("eagle3", 8)])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_stream_rows_equal_target_alone_eagle(tmp_path, head_format, max_batch_size, strategy):
+def test_stream_rows_equal_target_alone_eagle(tmp_path, head_format, max_batch_size, strategy, monkeypatch):
+    """Prompts up to 20 tokens in chunks of 6: with rows decoding, some ride in a verification forward (the head takes
+    their features from it), the others are read in forwards of their own."""
     from test_eagle_loop import load_pair
 
+    from tetris_hf.stream import StreamLoop
+
+    rode = []
+    join_read = StreamLoop._join_read
+    monkeypatch.setattr(StreamLoop, "_join_read", lambda loop: rode.append(loop.joining.count) or join_read(loop))
     target, head = load_pair(tmp_path, "llama", head_format)
     stream = RequestStream(target, assistant_model=head, max_batch_size=max_batch_size, prefill_chunk=6,
                            eos_token_id=None, tetris_strategy=strategy, num_assistant_tokens=3)
     check_exact(target, stream, requests(target, 10, seed=20 + max_batch_size, max_prompt=20))
+    assert sum(rode) < 10  # (the first rows join an empty stream: read at once)
+    if max_batch_size == 3:  # (with one lane every row joins an empty batch; with 8, the two that join mid-stream
+        assert sum(rode) > 0  # have long prompts)
 
 
 def test_every_eagle_proposal_in_the_stream_equals_the_head_from_scratch(tmp_path, monkeypatch):
