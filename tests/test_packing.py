@@ -189,3 +189,23 @@ def test_a_split_block_reads_like_one_block(family):
         written = caches[0].slot_mask[:, None, :, None].expand_as(split_layer.keys)
         torch.testing.assert_close(split_layer.keys[written], whole_layer.keys[written])
         torch.testing.assert_close(split_layer.values[written], whole_layer.values[written])
+
+
+def test_a_split_block_without_filler_is_read_whole():
+    """Every row as long as the joining prompt: nothing to pack; the first rows' logits come out all the same."""
+    from tetris_hf.kv import SlotCache
+    from tetris_hf.packing import BlockSplit
+
+    model_type, overrides = FULL_ATTENTION["llama"]
+    model = tiny(model_type, 2, seed=4, overrides=overrides)
+    block, logits = torch.randint(4, 60, (3, 3)), []
+    for split in (BlockSplit(2, 3, 6), None):
+        cache = SlotCache(2, torch.device("cpu"), capacity=32)
+        cache.pack = True
+        with torch.no_grad():
+            cache.forward(model, block[:2], None)
+            cache.add_rows(1)
+            logits.append(cache.forward(model, block, None, real_lengths=torch.tensor([3, 3, 3]), num_real=9,
+                                        split=split))
+    assert logits[0].shape == (2, 3, model.config.vocab_size)
+    torch.testing.assert_close(logits[0], logits[1][:2])

@@ -36,3 +36,16 @@ def test_every_run_serves_every_request_as_generate_does(pair, lookup, hybrid, t
     assert "stream-tetris" in table and "x" in table
     stream_bench.plot(report["medians"][3], tmp_path / "stream.png", "tiny")
     assert (tmp_path / "stream.png").stat().st_size > 1000
+
+
+def test_prompts_apart_and_a_bench_without_static_chunks(pair):
+    """``--prompts-apart`` runs each strategy again with every joining prompt read in forwards of its own; without
+    static chunks the outputs are checked against transformers' generate_batch's."""
+    target, draft = pair
+    prompts = random_prompts(7, target.config.vocab_size, seed=6, min_length=2, max_length=30)
+    config = stream_bench.StreamBenchConfig(max_new_tokens=10, max_batch_sizes=(3,), systems=("hf-generate-batch",),
+                                            strategies=("fixed",), prompts_apart=True)
+    report = stream_bench.run_stream_bench(target, draft, prompts, {EOS}, PAD, config, log=lambda line: None)
+    summaries = report["runs"][3]
+    assert [row["name"] for row in summaries] == ["hf-generate-batch", "stream-fixed", "stream-fixed-apart"]
+    assert all(row["equal"] == "7/7" for row in summaries)

@@ -319,7 +319,7 @@ class SlotCache:
             # (compiled, on the shapes as they come, for models that take the 2D mask; never the forward that allocates)
             run = self._step_forward if step and self._step_forward is not None and self.cache.layers else model
             packing = self._packing(input_mask, real_lengths, num_real, block, logits_to_keep, first_row, split)
-            if split is not None and packing is None:
+            if split is not None and packing is None and num_real != input_ids.numel():  # (no filler: read whole)
                 raise ValueError("a split block is read packed: give real_lengths and num_real, on a cache that packs")
             if packing is not None:
                 logits = self._packed_run(run, model, input_ids, attention_mask, position_ids, packing,
@@ -328,6 +328,8 @@ class SlotCache:
             else:
                 logits = self._run(run, input_ids, attention_mask, position_ids, 1 if discard_logits else logits_to_keep)
                 self.tokens_read = input_ids.numel()
+                if split is not None and not discard_logits:
+                    logits = logits[: split.rows, : split.width]
             if discard_logits:
                 logits = None
         self.pointer = end

@@ -85,11 +85,14 @@ class StreamLoop(BatchedSpeculativeLoop):
         max_batch_size: rows at most.
         max_length: the longest a row may grow (prompt and new tokens).
         prefill_chunk: prompt tokens a joining row reads per forward.
+        ride_prompts: a prompt that fits one chunk rides in a verification forward (:meth:`admit`); ``False``: every
+            prompt is read in forwards of its own.
     """
 
     def __init__(self, model: torch.nn.Module, assistant_model: torch.nn.Module | None,
                  logits_processor: LogitsProcessorList, generation_config, options: TetrisOptions,
-                 max_batch_size: int, max_length: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+                 max_batch_size: int, max_length: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 ride_prompts: bool = True):
         if options.tetris_compile:
             raise ValueError("a request stream runs eager: `tetris_compile=True` needs static shapes, which rows "
                              "joining mid-stream do not have")
@@ -102,7 +105,7 @@ class StreamLoop(BatchedSpeculativeLoop):
                     device, 0, cache_length, max_length, cache_length=cache_length)
         self.target_slots.max_rows = max_batch_size
         self.batch_size = max_batch_size
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk, self.ride_prompts = prefill_chunk, ride_prompts
         empty = torch.zeros(0, 1, dtype=torch.long, device=device)
         self.drafter.prefill(empty, empty, all_real=True)
         self._compile_and_attach()
@@ -132,7 +135,7 @@ class StreamLoop(BatchedSpeculativeLoop):
         Where rows are decoding and the target reads packed, a prompt that fits one chunk is read in the next step's
         target forward, after the decoding rows' blocks (no forward of its own), and its row joins at the end of that
         step (:attr:`joining`); other prompts are read now, in chunks, in forwards of their own."""
-        rides = self.num_rows > 0 and self.target_slots.packs
+        rides = self.ride_prompts and self.num_rows > 0 and self.target_slots.packs
         riding = [rides and 2 <= len(prompt) <= self.prefill_chunk + 1 for prompt in prompts]
         now = [index for index, ride in enumerate(riding) if not ride]
         if now:
@@ -329,13 +332,17 @@ class RequestStream:
         max_length: the most tokens a request may hold, prompt and new ones (default the model's
             ``max_position_embeddings``, else 4096).
         prefill_chunk: prompt tokens a joining row reads per forward.
+        ride_prompts: a joining prompt that fits one chunk is read in the next step's verification forward, after the
+            decoding rows' blocks (where rows are decoding and the target reads packed); ``False``: in forwards of its
+            own (a row's first token then comes a step sooner, for one more forward).
         **kwargs: ``custom_generate="tetris"`` options (``tetris_strategy``, ``num_assistant_tokens``,
             ``tetris_extra_tokens``, ``tetris_budget``, ``prompt_lookup_num_tokens`` ...) and generation settings.
     """
 
     def __init__(self, model: torch.nn.Module, *, assistant_model: torch.nn.Module | None = None,
                  generation_config: GenerationConfig | None = None, max_batch_size: int = 8,
-                 max_length: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, **kwargs):
+                 max_length: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, ride_prompts: bool = True,
+                 **kwargs):
         from .generation import _pop_options  # (generation imports the loop; the loop does not import this)
 
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
@@ -353,6 +360,7 @@ class RequestStream:
             max_length = getattr(text_config, "max_position_embeddings", None) or 4096
         self.model, self.assistant_model = model, assistant_model
         self.max_batch_size, self.max_length, self.prefill_chunk = max_batch_size, int(max_length), prefill_chunk
+        self.ride_prompts = bool(ride_prompts)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.default_eos = _as_ids(self.config.eos_token_id)
         self.waiting: deque[StreamRequest] = deque()
@@ -383,7 +391,7 @@ class RequestStream:
         if self.row_sampling is not None:
             processors.append(self.row_sampling)  # (the warpers come last in transformers' order too)
         return StreamLoop(self.model, self.assistant_model, processors, self.config, self.options,
-                          self.max_batch_size, self.max_length, self.prefill_chunk)
+                          self.max_batch_size, self.max_length, self.prefill_chunk, self.ride_prompts)
 
     # -- requests --------------------------------------------------------------------------------------------------
 

@@ -8,7 +8,9 @@ Every request arrives at time 0 (a backlog, as a batch job or a burst of traffic
 - ``generate-chunks``: static ``generate()`` on chunks of ``--max-batch-size`` requests, one after the other (each
   chunk waits for its longest row);
 - ``tetris-chunks``: static TETRIS ``generate(custom_generate="tetris")`` on the same chunks;
-- ``stream-STRATEGY``: :func:`tetris_hf.generate_batch`, rows joining as others finish, for each ``--strategies``.
+- ``stream-STRATEGY``: :func:`tetris_hf.generate_batch`, rows joining as others finish, for each ``--strategies``;
+- ``stream-STRATEGY-apart`` (``--prompts-apart``): the same with every joining prompt read in forwards of its own,
+  not in the verification forwards (``ride_prompts=False``).
 
 Per run: output tokens/s, requests/s, time to first token and per-token latency (p50 / p99 over requests; per-token
 latency is a request's time from its first to its last token over the tokens between), the mean live rows a step,
@@ -262,6 +264,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=None)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--prompts-apart", action="store_true",
+                        help="each stream strategy also with joining prompts read in forwards of their own")
     parser.add_argument("--output", default="stream-out")
 
 
@@ -279,6 +283,7 @@ class StreamBenchConfig:
     extra_tokens: int = 2
     max_ngram: int = 3
     repeats: int = 1
+    prompts_apart: bool = False  # each stream strategy also with ride_prompts=False
 
 
 def _gather(run: StreamRun, indices: list[int]) -> StreamRun:
@@ -325,9 +330,11 @@ def run_stream_bench(target, draft, prompts: list[list[int]], eos: set[int], pad
                     "tetris-chunks", target, mine, config.max_new_tokens, b, eos, pad, custom_generate="tetris",
                     tetris_extra_tokens=config.extra_tokens, **speculative)))
         for strategy in config.strategies:
-            plans.append((f"stream-{strategy}", lambda b=batch_size, s=strategy: run_stream(
-                f"stream-{s}", target, mine, config.max_new_tokens, b, eos, pad, tetris_strategy=s,
-                tetris_extra_tokens=config.extra_tokens, **speculative)))
+            for ride in (True, False) if config.prompts_apart else (True,):
+                name = f"stream-{strategy}" + ("" if ride else "-apart")
+                plans.append((name, lambda b=batch_size, s=strategy, n=name, r=ride: run_stream(
+                    n, target, mine, config.max_new_tokens, b, eos, pad, tetris_strategy=s,
+                    tetris_extra_tokens=config.extra_tokens, ride_prompts=r, **speculative)))
         runs: dict[str, list[StreamRun]] = {name: [] for name, _ in plans}
         for repeat in range(config.repeats):
             for name, run in plans:
@@ -393,7 +400,8 @@ def main(args) -> int:
                          "--draft lookup")
     config = StreamBenchConfig(args.max_new_tokens, tuple(args.max_batch_size), systems,
                                tuple(name for name in args.strategies.split(",") if name), lookup, args.hybrid,
-                               args.num_assistant_tokens, args.extra_tokens, args.max_ngram, args.repeats)
+                               args.num_assistant_tokens, args.extra_tokens, args.max_ngram, args.repeats,
+                               args.prompts_apart)
     main_process = state is None or state.is_main_process
     log = (lambda line: print(line, flush=True)) if main_process else (lambda line: None)
     log(f"{len(prompts)} requests ({note}); prompt tokens {min(map(len, prompts))}-{max(map(len, prompts))}, "
