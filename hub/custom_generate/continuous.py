@@ -52,8 +52,8 @@ def generate_batch(model: torch.nn.Module, inputs: list[list[int]], generation_c
         assistant_model: a draft model, or ``None`` with ``prompt_lookup_num_tokens=``.
         max_batch_size: rows decoding at once (default 16, at most the number of prompts).
         progress_bar: a tqdm bar over the finished requests.
-        **kwargs: the ``custom_generate="tetris"`` options and generation settings, and ``max_length`` /
-            ``prefill_chunk`` of :class:`~tetris_hf.stream.RequestStream`.
+        **kwargs: the ``custom_generate="tetris"`` options and generation settings, and ``max_length``,
+            ``prefill_chunk`` and ``ride_prompts`` of :class:`~tetris_hf.stream.RequestStream`.
 
     Returns:
         ``{request_id: output}`` in input order, ids ``"req_0"``, ``"req_1"`` ...; a request that could not run has

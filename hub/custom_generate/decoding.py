@@ -29,7 +29,7 @@ from .packed_probe import packs_exactly
 from .outputs import TetrisGenerateOutput, TetrisStats
 from .static_shapes import block_width
 from .chain_step import ChainStep, StepRead
-from .step import Emission, ReadHints, StepRecord, Verdict, run_step
+from .step import Emission, JoiningPrompts, ReadHints, StepRecord, Verdict, run_step
 from .stopping import RowStopper
 from .strategies import make_strategy
 from .timing import StepClock, StepSeconds
@@ -109,6 +109,7 @@ class BatchedSpeculativeLoop:
         self.max_length = self.stopper.max_length
         self.row_limits: torch.Tensor | None = None  # (B,) each row's own length limit (a stream's), below max_length
         self.row_eos: torch.Tensor | None = None  # (B, E) each row's own end tokens (a stream's), -1 padded
+        self.joining: JoiningPrompts | None = None  # prompts of rows joining after the step (a stream's), read in it
         self.do_sample = bool(generation_config.do_sample)
         self.streamer = None
         self.step_callback = options.tetris_step_callback

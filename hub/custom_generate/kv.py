@@ -34,7 +34,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .attention import AttentionLayout, check_tree_layout, grouped_attention, position_masks, real_prefix_mask
-from .packing import Packing, packed_attention
+from .packing import BlockSplit, Packing, packed_attention
 from .static_shapes import batch_bucket, standard_strides, static_capacity
 
 
@@ -253,6 +253,7 @@ class SlotCache:
         num_real: int | None = None,
         discard_logits: bool = False,
         first_row: int = 0,
+        split: BlockSplit | None = None,
     ) -> torch.Tensor | None:
         """Run ``model`` on a block appended to every row, and cache it.
 
@@ -286,6 +287,9 @@ class SlotCache:
                 position and ``None`` is returned; such a block is read packed too.
             first_row: rows before it have no real token in the block (known on the host: a stream's rows already
                 decoding while joining prompts are read); read packed, attention runs on the other rows only.
+            split: with ``real_lengths`` and ``num_real``, on a cache that packs: the block's first rows and the
+                rows after them (a stream's decoding rows, then the prompts of rows joining), attended apart at their
+                own widths; logits come out for the first rows only, ``(split.rows, split.width, V)``.
 
         Returns:
             ``(B, L or logits_to_keep, V)`` logits, or ``None`` with ``discard_logits``.
@@ -315,7 +319,9 @@ class SlotCache:
                                                   visibility=visibility)
             # (compiled, on the shapes as they come, for models that take the 2D mask; never the forward that allocates)
             run = self._step_forward if step and self._step_forward is not None and self.cache.layers else model
-            packing = self._packing(input_mask, real_lengths, num_real, block, logits_to_keep, first_row)
+            packing = self._packing(input_mask, real_lengths, num_real, block, logits_to_keep, first_row, split)
+            if split is not None and packing is None and num_real != input_ids.numel():  # (no filler: read whole)
+                raise ValueError("a split block is read packed: give real_lengths and num_real, on a cache that packs")
             if packing is not None:
                 logits = self._packed_run(run, model, input_ids, attention_mask, position_ids, packing,
                                           logits_to_keep, discard_logits)
@@ -323,6 +329,8 @@ class SlotCache:
             else:
                 logits = self._run(run, input_ids, attention_mask, position_ids, 1 if discard_logits else logits_to_keep)
                 self.tokens_read = input_ids.numel()
+                if split is not None and not discard_logits:
+                    logits = logits[: split.rows, : split.width]
             if discard_logits:
                 logits = None
         self.pointer = end
@@ -397,7 +405,8 @@ class SlotCache:
         return self.pack and not self.static
 
     def _packing(self, input_mask: torch.Tensor | None, real_lengths: torch.Tensor | None, num_real: int | None,
-                 width: int, logits_to_keep: int, first_row: int = 0) -> Packing | None:
+                 width: int, logits_to_keep: int, first_row: int = 0,
+                 split: BlockSplit | None = None) -> Packing | None:
         """How a forward's block is read packed (arguments as in :meth:`forward`), or ``None``: read padded, as a block
         without filler is (it is packed already), one whose real tokens nobody counted on the host, one keeping more
         than its last column's logits, or one on a cache that does not pack."""
@@ -407,7 +416,7 @@ class SlotCache:
         if not 0 < num_real < rows * width:
             return None
         if real_lengths is not None:  # a verified block (or joining prompts): real tokens first
-            return Packing.of(real_lengths, num_real, width, first_row=first_row)
+            return Packing.of(real_lengths, num_real, width, first_row=first_row, split=split)
         return Packing.of_left_padded(input_mask, num_real)
 
     def _packed_run(self, forward, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask,
@@ -416,12 +425,15 @@ class SlotCache:
         """``forward`` on the block's real tokens only, ``(1, N)``: its logits unpacked to ``(B, L, V)``, or with
         ``logits_to_keep`` (1) those of each row's last real token, ``(B, 1, V)``, the head computed at those ``B``
         tokens only (transformers' ``logits_to_keep`` as a tensor of sequence indices); ``None`` with
-        ``discard_logits`` (the head computes one position)."""
+        ``discard_logits`` (the head computes one position); with a :class:`~tetris_hf.packing.BlockSplit`, those of
+        its first rows only, ``(rows, width, V)``."""
         keep = 0  # every token's logits
         if discard_logits:
             keep = 1  # the head at one token, whichever
         elif logits_to_keep:
             keep = packing.ends - 1  # (B,) each row's last token in the packed sequence
+        elif packing.split is not None:
+            keep = torch.arange(packing.split.tokens, device=packing.rows.device)  # the first rows' tokens
         self.packing = packing
         try:
             with packed_attention(model, packing):
@@ -431,7 +443,9 @@ class SlotCache:
             self.packing = None
         if discard_logits:
             return None
-        return logits[0][:, None] if logits_to_keep else packing.unpack(logits[0])
+        if logits_to_keep:
+            return logits[0][:, None]
+        return (packing if packing.split is None else packing.first_rows()).unpack(logits[0])
 
     def _static_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, start: int, end: int,
                         dtype: torch.dtype, logits_to_keep: int) -> torch.Tensor:

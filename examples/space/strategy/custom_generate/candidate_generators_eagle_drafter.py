@@ -138,7 +138,9 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
         if verdict.tree is not None:
             self._accept_tree(verdict)
             return
-        features, num_accepted, next_tokens = self._target_features(), verdict.num_accepted, verdict.next_tokens
+        num_accepted, next_tokens = verdict.num_accepted, verdict.next_tokens
+        # (the forward may have read rows after the verdict's: prompts of rows joining a stream, read_prompts' part)
+        features = self._target_features()[: next_tokens.shape[0]]
         max_accepted, cached_longest = verdict.hints
         ones = torch.ones_like(next_tokens[:, None])
         if self._prompt is not None:  # the prompt's read: [x1 .. x_{T-1}, t] with [f0 .. f_{T-1}]
@@ -219,8 +221,9 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
 
     def read_prompts(self, tokens: torch.Tensor, real_lengths: torch.Tensor, num_real: int, longest: int,
                      next_tokens: torch.Tensor, first_row: int = 0) -> None:
-        """Queue the chunk's pairs (each position's successor, the target's feature there) after what waits."""
-        features = self._target_features()  # (B, L, F), zeros at filler
+        """Queue the chunk's pairs (each position's successor, the target's feature there) after what waits (the
+        target's forward read the chunk in its first ``L`` columns, and may have been wider: a verification's)."""
+        features = self._target_features()[:, : tokens.shape[1]]  # (B, L, F), zeros at filler
         mask = (torch.arange(tokens.shape[1], device=tokens.device)[None, :] < real_lengths[:, None]).long()
         self._set_pending(torch.cat([self.pending_tokens, next_tokens], dim=1),
                           torch.cat([self.pending_mask, mask], dim=1),

@@ -11,8 +11,9 @@ import torch
 from .candidate_generators_drafter import Drafter
 from .kv import SlotCache
 from .logits import PositionwiseLogitsProcessor
+from .packing import BlockSplit
 from .static_shapes import block_width
-from .step import Emission, Observation, Proposal, ReadHints, StepPhases, TargetBlock, Verdict
+from .step import Emission, JoiningPrompts, Observation, Proposal, ReadHints, StepPhases, TargetBlock, Verdict
 from .step_strategy import DraftPlan, StepStrategy
 
 
@@ -43,6 +44,7 @@ class LoopState(Protocol):
     longest: int  # host bound on the rows' lengths
     max_length: int
     row_limits: torch.Tensor | None  # (B,) each row's own length limit (a request stream's rows), else None
+    joining: JoiningPrompts | None  # prompts of rows joining after this step (a request stream's), else None
     pad_value: int
     do_sample: bool
     compile: bool
@@ -105,7 +107,8 @@ class ChainStep(StepPhases):
         return (loop.max_length - 1 - loop.lengths).clamp(min=0, max=depth)
 
     def verify(self, proposal: Proposal, verify_lengths: torch.Tensor) -> tuple[Verdict, TargetBlock]:
-        """One target forward over every row's ``[last token, verified drafts]``, then acceptance."""
+        """One target forward over every row's ``[last token, verified drafts]`` (and after them the prompts of rows
+        that join after this step, :attr:`LoopState.joining`), then acceptance."""
         loop = self.loop
         if proposal.tokens.shape[1] == 0:
             # Nothing to verify: the target reads each row's last token (no read, no filler, no holes).
@@ -122,7 +125,16 @@ class ChainStep(StepPhases):
             real_lengths = verify_lengths + 1  # [last token, verified drafts], then filler
         target = loop.target_slots
         num_real = None if read is None else read.num_verified + loop.num_rows  # (packed where the target can be)
-        logits = target.forward(loop.model, block, None, step=True, real_lengths=real_lengths, num_real=num_real)
+        forward_block, split, joining = block, None, loop.joining
+        if joining is not None:  # rows joining after this step: their prompts are read in this forward, after ours
+            if real_lengths is None:
+                real_lengths = torch.ones_like(loop.lengths)
+            split = BlockSplit(loop.num_rows, width, loop.num_rows if num_real is None else num_real)
+            forward_block, real_lengths = joining.after(block, real_lengths, loop.pad_value)
+            num_real = split.tokens + joining.num_tokens
+            target.add_rows(joining.count)
+        logits = target.forward(loop.model, forward_block, None, step=True, real_lengths=real_lengths,
+                                num_real=num_real, split=split)
         if width > block_length + 1:
             logits = logits[:, : block_length + 1]
         target_scores = loop.logits_processor(loop.sequences, loop.lengths, logits, loop.rows)
@@ -131,14 +143,20 @@ class ChainStep(StepPhases):
         hints = ReadHints(block_length, None if read is None else read.drafter_longest)
         # after the block, no row holds more real slots than its longest row held plus the block
         longest = None if read is None else read.target_longest + block_length + 1
+        computed = target.tokens_read
+        if joining is not None:  # (a prompt's read is not a step's work)
+            computed -= joining.num_tokens
+            longest = None if longest is None else max(longest, joining.width)
+        forward_width = forward_block.shape[1]
         return Verdict(num_accepted, next_tokens, verify_lengths, hints=hints), \
-            TargetBlock(target.length - width, width, longest, target.tokens_read)
+            TargetBlock(target.length - forward_width, forward_width, longest, computed)
 
     def roll_back(self, proposal: Proposal, verdict: Verdict, block: TargetBlock) -> None:
         """The target keeps ``[last token, accepted drafts]`` of its block; the drafter keeps its accepted drafts."""
-        target = self.loop.target_slots
-        if block.longest is not None:  # drafts were verified
-            target.keep_prefix(block.first_slot, verdict.num_accepted + 1)
+        target, joining = self.loop.target_slots, self.loop.joining
+        if block.longest is not None:  # drafts were verified (joining rows keep their prompts)
+            keep = verdict.num_accepted + 1
+            target.keep_prefix(block.first_slot, keep if joining is None else torch.cat([keep, joining.lengths]))
         target.compact(block.longest)
         self.loop.drafter.accept(verdict)
 

@@ -36,11 +36,25 @@ import torch
 PACKED = f"tetris_packed_{__name__}"
 
 
+class BlockSplit(NamedTuple):
+    """A block whose first ``rows`` rows hold at most ``width`` tokens each, ``tokens`` in all (host ints): a request
+    stream's decoding rows, with the prompts of rows joining after them. Attention runs on the two groups of rows
+    apart, each at its own width, and only the first rows' logits are computed.
+
+    E.g. 16 decoding rows verifying up to 3 tokens each (40 in all), then 2 joining prompts of 200 tokens:
+    ``BlockSplit(16, 3, 40)``; attention takes ``16 x 3`` queries and ``2 x 200``, not ``18 x 200``."""
+
+    rows: int
+    width: int
+    tokens: int
+
+
 class Packing(NamedTuple):
     """Where each of a packed forward's ``N`` tokens sits in the ``(B, L)`` block: ``rows`` and ``columns``, ``(N,)``
     each, in row order; ``ends``: ``(B,)`` the index after each row's last packed token; ``first_row``: rows before
     it hold no token (known on the host: a request stream's rows already decoding, while joining prompts are read),
-    so attention runs on the rows from it on only."""
+    so attention runs on the rows from it on only; ``split``: the block's rows in two groups (:class:`BlockSplit`),
+    or ``None``."""
 
     rows: torch.Tensor
     columns: torch.Tensor
@@ -48,18 +62,20 @@ class Packing(NamedTuple):
     width: int
     ends: torch.Tensor
     first_row: int = 0
+    split: BlockSplit | None = None
 
     @classmethod
     def of(cls, real_lengths: torch.Tensor, num_tokens: int, width: int,
-           first_columns: torch.Tensor | None = None, first_row: int = 0) -> Packing:
+           first_columns: torch.Tensor | None = None, first_row: int = 0, split: BlockSplit | None = None) -> Packing:
         """The packing of a block whose row ``i`` has ``real_lengths[i]`` ``(B,)`` consecutive real tokens, its first
         ones (a verified block) or from column ``first_columns[i]`` ``(B,)`` on; ``num_tokens``: their sum, known on
-        the host (no device read here); ``width``: ``L``; ``first_row``: no row before it has a real token."""
+        the host (no device read here); ``width``: ``L``; ``first_row``: no row before it has a real token;
+        ``split``: its rows in two groups."""
         ends = real_lengths.cumsum(dim=0)
         tokens = torch.arange(num_tokens, device=real_lengths.device)
         rows = torch.searchsorted(ends, tokens, right=True)
         starts = ends - real_lengths if first_columns is None else ends - real_lengths - first_columns
-        return cls(rows, tokens - starts[rows], real_lengths.shape[0], width, ends, first_row)
+        return cls(rows, tokens - starts[rows], real_lengths.shape[0], width, ends, first_row, split)
 
     @classmethod
     def of_left_padded(cls, input_mask: torch.Tensor, num_tokens: int) -> Packing:
@@ -89,6 +105,21 @@ class Packing(NamedTuple):
         rows = packed.new_zeros((self.batch_size, self.width, *packed.shape[1:]))
         rows[self.rows, self.columns] = packed
         return rows
+
+    def groups(self) -> list[tuple[int, int, int, int, int]]:
+        """The groups of rows attention runs on apart: ``(first row, end row, width, first token, end token)`` each
+        (host ints): rows from :attr:`first_row` on, in the two groups of :attr:`split` if any."""
+        if self.split is None:
+            return [(self.first_row, self.batch_size, self.width, 0, self.num_tokens)]
+        split = self.split
+        return [(self.first_row, split.rows, split.width, 0, split.tokens),
+                (split.rows, self.batch_size, self.width, split.tokens, self.num_tokens)]
+
+    def first_rows(self) -> Packing:
+        """The packing of :attr:`split`'s first rows alone (their tokens come first: logits are computed there)."""
+        split = self.split
+        return Packing(self.rows[: split.tokens], self.columns[: split.tokens], split.rows, split.width,
+                       self.ends[: split.rows])
 
 
 class PackedCall(NamedTuple):
@@ -131,16 +162,19 @@ def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     if call is None:  # not a packed forward
         return attention(module, query, key, value, attention_mask, **kwargs)
     packing = call.packing
-    first = packing.first_row  # rows before it have no query: they attend to nothing, and are left out
-    rows = packing.rows - first if first else packing.rows
-    queries = query.new_zeros(packing.batch_size - first, query.shape[1], packing.width, query.shape[-1])
-    queries[rows, :, packing.columns] = query[0].transpose(0, 1)
-    if first:
-        key, value = key[first:], value[first:]
-        if isinstance(attention_mask, torch.Tensor) and attention_mask.shape[0] > 1:
-            attention_mask = attention_mask[first:]
-    output, weights = attention(module, queries, key, value, attention_mask, **kwargs)  # (B, L, H, D)
-    return output[rows, packing.columns][None], weights
+    outputs, weights = [], None
+    # each group of rows at its own width (rows before first_row have no query: they attend to nothing, left out)
+    for first, end, width, first_token, end_token in packing.groups():
+        rows, columns = packing.rows[first_token:end_token] - first, packing.columns[first_token:end_token]
+        queries = query.new_zeros(end - first, query.shape[1], width, query.shape[-1])
+        queries[rows, :, columns] = query[0, :, first_token:end_token].transpose(0, 1)
+        mask = attention_mask
+        if isinstance(mask, torch.Tensor):  # (B or 1, 1, L, S)
+            mask = mask[first:end] if mask.shape[0] > 1 else mask
+            mask = mask[:, :, :width] if mask.shape[2] > 1 else mask
+        output, weights = attention(module, queries, key[first:end], value[first:end], mask, **kwargs)  # (B, L, H, D)
+        outputs.append(output[rows, columns])
+    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs))[None], weights
 
 
 def row_attention(module: torch.nn.Module, implementation: str):

@@ -94,6 +94,30 @@ class Verdict(NamedTuple):
     hints: ReadHints = ReadHints()
 
 
+class JoiningPrompts(NamedTuple):
+    """Prompts of rows that join the batch after this step (a request stream's), read in the step's target forward
+    after the decoding rows' blocks: ``tokens`` ``(M, W)`` each prompt but its last token, then filler; ``lengths``
+    ``(M,)`` how many are real; ``num_tokens`` their sum and ``width`` the longest (host ints)."""
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    num_tokens: int
+    width: int
+
+    @property
+    def count(self) -> int:
+        return self.tokens.shape[0]
+
+    def after(self, block: torch.Tensor, real_lengths: torch.Tensor, pad_value: int) -> tuple[torch.Tensor,
+                                                                                               torch.Tensor]:
+        """``block`` ``(B, L)`` with its ``real_lengths`` ``(B,)``, these prompts' rows after it: ``(B + M,
+        max(L, W))`` and ``(B + M,)``."""
+        width = max(block.shape[1], self.width)
+        rows = [torch.nn.functional.pad(part, (0, width - part.shape[1]), value=pad_value)
+                for part in (block, self.tokens)]
+        return torch.cat(rows), torch.cat([real_lengths, self.lengths])
+
+
 class TargetBlock(NamedTuple):
     """Where the target's verification block went in its cache: the first slot and the width (host ints), a host
     bound on the real slots any row holds after it (``None``: the step read nothing, the block holds no drafts), and

@@ -3,18 +3,20 @@
 
 :class:`StreamLoop` is the batched loop (:class:`~tetris_hf.decoding.BatchedSpeculativeLoop`) with rows that come and
 go: up to ``max_batch_size`` rows ("lanes"), each serving one request with its own prompt length, length limit and
-end tokens. Between steps, waiting requests take the free lanes (:meth:`StreamLoop.admit`): the target reads their
-prompts but the last token in chunks of at most ``prefill_chunk`` tokens (packed where the model can be: the rows
-already decoding add nothing), the drafter does the same with its own cache, and each new row's last prompt token
-opens its first verified block, in the next step, beside every other row's. The budget of each step is spread over
-whichever rows are live then.
+end tokens. Between steps, waiting requests take the free lanes (:meth:`StreamLoop.admit`). Where rows are decoding
+and the target reads packed, a prompt that fits one chunk (``prefill_chunk`` tokens) rides in the next step's target
+forward: the target reads it, but its last token, after the decoding rows' blocks (attention runs on the two groups of
+rows apart, :class:`~tetris_hf.packing.BlockSplit`), and the row joins at the end of that step, its drafter reading the
+prompt then. Other prompts (an empty stream's, longer ones, a padded target's) are read at once, in chunks, in
+forwards of their own. Either way each new row's last prompt token then opens its first verified block beside every
+other row's. The budget of each step is spread over whichever rows are live then.
 
 :class:`RequestStream` is the single-threaded scheduler around it: requests in (checked, a bad one gets its error in
 its own result), first come first served, finished :class:`StreamOutput` s out. The manager and
 ``generate_batch`` (:mod:`tetris_hf.continuous`) run it on a thread.
 
-E.g. lanes 0-1 decoding requests ``a`` and ``b``; ``a`` stops; the next step first admits ``c`` into lane 0 (its
-prompt read into both caches), then verifies ``b``'s drafts and ``c``'s first ones in one forward.
+E.g. lanes 0-1 decoding requests ``a`` and ``b``; ``a`` stops; ``c`` takes lane 0: the next step's one target forward
+verifies ``b``'s drafts and reads ``c``'s prompt, ``c`` joining at its end; the step after verifies both rows' drafts.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from .decoding import BatchedSpeculativeLoop
 from .logits_row_sampling import RowSamplingWarper, check_sampling
 from .options import TetrisOptions
 from .outputs import TetrisStats
+from .step import JoiningPrompts
 from .timing import StepClock
 
 DEFAULT_PREFILL_CHUNK = 256  # prompt tokens a joining row reads per forward
@@ -83,11 +86,14 @@ class StreamLoop(BatchedSpeculativeLoop):
         max_batch_size: rows at most.
         max_length: the longest a row may grow (prompt and new tokens).
         prefill_chunk: prompt tokens a joining row reads per forward.
+        ride_prompts: a prompt that fits one chunk rides in a verification forward (:meth:`admit`); ``False``: every
+            prompt is read in forwards of its own.
     """
 
     def __init__(self, model: torch.nn.Module, assistant_model: torch.nn.Module | None,
                  logits_processor: LogitsProcessorList, generation_config, options: TetrisOptions,
-                 max_batch_size: int, max_length: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+                 max_batch_size: int, max_length: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 ride_prompts: bool = True):
         if options.tetris_compile:
             raise ValueError("a request stream runs eager: `tetris_compile=True` needs static shapes, which rows "
                              "joining mid-stream do not have")
@@ -100,7 +106,7 @@ class StreamLoop(BatchedSpeculativeLoop):
                     device, 0, cache_length, max_length, cache_length=cache_length)
         self.target_slots.max_rows = max_batch_size
         self.batch_size = max_batch_size
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk, self.ride_prompts = prefill_chunk, ride_prompts
         empty = torch.zeros(0, 1, dtype=torch.long, device=device)
         self.drafter.prefill(empty, empty, all_real=True)
         self._compile_and_attach()
@@ -115,6 +121,8 @@ class StreamLoop(BatchedSpeculativeLoop):
         self.num_rows = 0
         self.shortest, self.longest = max_length, 0
         self.finished: list[tuple[int, list[int]]] = []  # (lane, tokens) of rows that left since last taken
+        self._riding: list[tuple] = []  # (lane, prompt, limit, end tokens) of the rows of `joining`
+        self.joined_lanes: list[int] = []  # lanes whose rows joined at the end of the last step (no token yet)
         self._records = []
         self._totals = TetrisStats()
         self.clock = StepClock(device)
@@ -122,10 +130,64 @@ class StreamLoop(BatchedSpeculativeLoop):
     def admit(self, lanes: list[int], prompts: list[list[int]], limits: list[int],
               eos_token_ids: list[tuple[int, ...]]) -> None:
         """New rows join after the active ones: lane ``lanes[i]`` serves ``prompts[i]`` (at least one token), stops
-        at length ``limits[i]`` or at one of ``eos_token_ids[i]``. Both caches read each prompt but its last token
-        now, in chunks; the last token opens the row's first verified block at the next step."""
-        count, device = len(prompts), self.lengths.device
+        at length ``limits[i]`` or at one of ``eos_token_ids[i]``. Both caches read each prompt but its last token,
+        whose row then opens its first verified block at the next step.
+
+        Where rows are decoding and the target reads packed, a prompt that fits one chunk is read in the next step's
+        target forward, after the decoding rows' blocks (no forward of its own), and its row joins at the end of that
+        step (:attr:`joining`); other prompts are read now, in chunks, in forwards of their own."""
+        rides = self.ride_prompts and self.num_rows > 0 and self.target_slots.packs
+        riding = [rides and 2 <= len(prompt) <= self.prefill_chunk + 1 for prompt in prompts]
+        now = [index for index, ride in enumerate(riding) if not ride]
+        if now:
+            self._join_now(*([items[index] for index in now] for items in (lanes, prompts, limits, eos_token_ids)))
+        for index in (index for index, ride in enumerate(riding) if ride):
+            self._riding.append((lanes[index], prompts[index], limits[index], eos_token_ids[index]))
+        if any(riding):
+            self.joining = _joining_prompts([prompt for _, prompt, _, _ in self._riding], self.pad_value,
+                                            self.lengths.device)
+
+    def _finish(self, record, stopped: torch.Tensor):
+        """The rows whose prompts this step's forward read join the batch (none of them stopped), then as for every
+        loop (:meth:`~tetris_hf.decoding.BatchedSpeculativeLoop._finish`)."""
+        self.joined_lanes = []
+        if self.joining is not None:
+            stopped = torch.cat([stopped, stopped.new_zeros(self.joining.count)])
+            self._join_read()
+        return super()._finish(record, stopped)
+
+    def _join_read(self) -> None:
+        """The rows of :attr:`joining`, whose prompts the target just read, join: the drafter reads them too."""
+        joining, riding = self.joining, self._riding
+        self.joining, self._riding = None, []
         old_rows = self.num_rows
+        last_tokens = self._add_rows(*(list(items) for items in zip(*riding)))
+        prompts = [prompt for _, prompt, _, _ in riding]
+        self.drafter.add_rows(last_tokens, [len(prompt) for prompt in prompts])
+        device = self.lengths.device
+        block = torch.full((old_rows + joining.count, joining.width), self.pad_value, dtype=torch.long)
+        successors = block.clone()  # each real token's successor in its prompt (an EAGLE head's pairs)
+        for index, prompt in enumerate(prompts):
+            block[old_rows + index, : len(prompt) - 1] = torch.tensor(prompt[:-1])
+            successors[old_rows + index, : len(prompt) - 1] = torch.tensor(prompt[1:])
+        real_lengths = torch.cat([torch.zeros(old_rows, dtype=torch.long, device=device), joining.lengths])
+        self.drafter.read_prompts(block.to(device), real_lengths, joining.num_tokens, self.longest,
+                                  successors.to(device), old_rows)
+        self.joined_lanes = [lane for lane, _, _, _ in riding]
+
+    def _join_now(self, lanes: list[int], prompts: list[list[int]], limits: list[int],
+                  eos_token_ids: list[tuple[int, ...]]) -> None:
+        """Rows join now: both caches read their prompts but the last tokens, in forwards of their own."""
+        old_rows = self.num_rows
+        last_tokens = self._add_rows(lanes, prompts, limits, eos_token_ids)
+        self.target_slots.add_rows(len(prompts))
+        self.drafter.add_rows(last_tokens, [len(prompt) for prompt in prompts])
+        self._read_prompts(old_rows, prompts)
+
+    def _add_rows(self, lanes: list[int], prompts: list[list[int]], limits: list[int],
+                  eos_token_ids: list[tuple[int, ...]]) -> torch.Tensor:
+        """The rows' state after the active ones (the caches' rows are the callers'); their last tokens ``(M,)``."""
+        count, device = len(prompts), self.lengths.device
         lengths = [len(prompt) for prompt in prompts]
         rows = torch.full((count, self.sequence_capacity), self.pad_value, dtype=torch.long)
         for index, prompt in enumerate(prompts):
@@ -141,9 +203,7 @@ class StreamLoop(BatchedSpeculativeLoop):
         self.row_eos = _append_eos(self.row_eos, eos_token_ids)
         self.num_rows += count
         self.shortest, self.longest = min(self.shortest, *lengths), max(self.longest, *lengths)
-        self.target_slots.add_rows(count)
-        self.drafter.add_rows(last_tokens, lengths)
-        self._read_prompts(old_rows, prompts)
+        return last_tokens
 
     def _read_prompts(self, old_rows: int, prompts: list[list[int]]) -> None:
         """Both caches read the joining rows' prompts but their last tokens, ``prefill_chunk`` tokens a forward; the
@@ -216,6 +276,15 @@ class StreamLoop(BatchedSpeculativeLoop):
         return {lane: row[:length] for lane, row, length in zip(rows, tokens, lengths)}
 
 
+def _joining_prompts(prompts: list[list[int]], pad_value: int, device: torch.device) -> JoiningPrompts:
+    """Each prompt but its last token, as a step's forward reads them after the decoding rows."""
+    lengths = [len(prompt) - 1 for prompt in prompts]
+    tokens = torch.full((len(prompts), max(lengths)), pad_value, dtype=torch.long)
+    for index, prompt in enumerate(prompts):
+        tokens[index, : lengths[index]] = torch.tensor(prompt[:-1])
+    return JoiningPrompts(tokens.to(device), torch.tensor(lengths, device=device), sum(lengths), max(lengths))
+
+
 def _append_eos(row_eos: torch.Tensor, eos_token_ids: list[tuple[int, ...]]) -> torch.Tensor:
     """``(B, E)`` end tokens per row (``-1`` padded) with rows for ``eos_token_ids`` added (widened if needed)."""
     width = max(row_eos.shape[1], *(len(ids) for ids in eos_token_ids), 1)
@@ -264,13 +333,17 @@ class RequestStream:
         max_length: the most tokens a request may hold, prompt and new ones (default the model's
             ``max_position_embeddings``, else 4096).
         prefill_chunk: prompt tokens a joining row reads per forward.
+        ride_prompts: a joining prompt that fits one chunk is read in the next step's verification forward, after the
+            decoding rows' blocks (where rows are decoding and the target reads packed); ``False``: in forwards of its
+            own (a row's first token then comes a step sooner, for one more forward).
         **kwargs: ``custom_generate="tetris"`` options (``tetris_strategy``, ``num_assistant_tokens``,
             ``tetris_extra_tokens``, ``tetris_budget``, ``prompt_lookup_num_tokens`` ...) and generation settings.
     """
 
     def __init__(self, model: torch.nn.Module, *, assistant_model: torch.nn.Module | None = None,
                  generation_config: GenerationConfig | None = None, max_batch_size: int = 8,
-                 max_length: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, **kwargs):
+                 max_length: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, ride_prompts: bool = True,
+                 **kwargs):
         from .generation import _pop_options  # (generation imports the loop; the loop does not import this)
 
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
@@ -288,6 +361,7 @@ class RequestStream:
             max_length = getattr(text_config, "max_position_embeddings", None) or 4096
         self.model, self.assistant_model = model, assistant_model
         self.max_batch_size, self.max_length, self.prefill_chunk = max_batch_size, int(max_length), prefill_chunk
+        self.ride_prompts = bool(ride_prompts)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.default_eos = _as_ids(self.config.eos_token_id)
         self.waiting: deque[StreamRequest] = deque()
@@ -318,7 +392,7 @@ class RequestStream:
         if self.row_sampling is not None:
             processors.append(self.row_sampling)  # (the warpers come last in transformers' order too)
         return StreamLoop(self.model, self.assistant_model, processors, self.config, self.options,
-                          self.max_batch_size, self.max_length, self.prefill_chunk)
+                          self.max_batch_size, self.max_length, self.prefill_chunk, self.ride_prompts)
 
     # -- requests --------------------------------------------------------------------------------------------------
 
@@ -411,8 +485,9 @@ class RequestStream:
             if self.loop is not None and not self.loop.done:
                 self.loop.step()
                 now = time.perf_counter()
-                for request in self.live.values():
-                    if request.output.first_token_time < 0:
+                fresh = self.loop.joined_lanes  # (their prompts were read in the step: their first token is next)
+                for lane, request in self.live.items():
+                    if request.output.first_token_time < 0 and lane not in fresh:
                         request.output.first_token_time = now
                         request.output.status = RequestStatus.DECODING
                 self._collect(now)
