@@ -43,8 +43,9 @@ it is cut (SIGALRM) and the script moves on, keeping the cells it finished (on a
    rounding explains, or a real difference.
 3. ``<pair>: host reads``: device -> host reads per step (``examples/host_reads.py``) at batch 8; then ``<pair>:
    stream``: a backlog of ``4 x`` the largest batch size's requests through transformers' ``generate_batch``, static
-   ``generate()`` in chunks and the request stream (``tetris_hf.generate_batch``, TETRIS and fixed), every output
-   checked against static ``generate()``'s (``tetris_hf.tools.stream_bench``).
+   ``generate()`` in chunks and the request stream (``tetris_hf.generate_batch``, TETRIS and fixed, joining prompts
+   riding in the verification forwards and, ``-apart``, read in forwards of their own), every output checked against
+   static ``generate()``'s (``tetris_hf.tools.stream_bench``).
 4. ``<target>: nf4`` / ``int8``: the target quantized by bitsandbytes on CUDA (``tetris_hf.quantization``), timed and
    compared as in 2 against the same quantized target's plain ``generate()``; the draft stays bf16. The target is
    ``smol`` when loaded (cheap to reload), else the random target saved once to ``--workdir``.
@@ -699,7 +700,8 @@ class Check:
     def stream(self, name: str) -> None:
         """A backlog of ``4 x`` the largest batch size's requests (prompts of different lengths, an end token the
         random targets reach now and then) through transformers' ``generate_batch``, static ``generate()`` in chunks
-        and the request stream (``tetris_hf.generate_batch``, TETRIS and fixed)."""
+        and the request stream (``tetris_hf.generate_batch``, TETRIS and fixed), each with joining prompts riding in
+        the verification forwards and read apart (``ride_prompts=False``)."""
         from tetris_hf.tools.stream_bench import StreamBenchConfig, format_table, reference_name, run_stream_bench
 
         pair, batch = self.pairs[name], max(self.args.batch_sizes)
@@ -715,7 +717,7 @@ class Check:
             eos, pad = {3}, PAD  # a token a random target emits about once in vocab_size
         config = StreamBenchConfig(max_new_tokens=self.args.new_tokens, max_batch_sizes=(batch,),
                                    strategies=("tetris", "fixed"), num_assistant_tokens=self.args.k,
-                                   extra_tokens=self.args.extra)
+                                   extra_tokens=self.args.extra, prompts_apart=True)
         report = run_stream_bench(pair.target, pair.draft, requests, eos, pad, config,
                                   log=lambda line: print(line, flush=True))
         summaries = report["runs"][batch]

@@ -83,7 +83,8 @@ def test_cpu_smoke_run_writes_every_part_and_exact_outputs(tmp_path):
     assert set(streams) == {"tiny+half", "tiny+1l", "tiny+eagle"}
     for cell in streams.values():
         names = [run["name"] for run in cell["runs"]]
-        assert names == ["hf-generate-batch", "generate-chunks", "tetris-chunks", "stream-tetris", "stream-fixed"]
+        assert names == ["hf-generate-batch", "generate-chunks", "tetris-chunks", "stream-tetris",
+                         "stream-tetris-apart", "stream-fixed", "stream-fixed-apart"]
         assert all(run["equal"] == f"{cell['requests']}/{cell['requests']}" for run in cell["runs"]), cell["runs"]
 
     table = report_path.with_suffix(".md").read_text()
