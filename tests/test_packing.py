@@ -182,9 +182,11 @@ def test_a_split_block_reads_like_one_block(family):
             logits.append(cache.forward(model, block, None, real_lengths=real_lengths, num_real=8, split=split))
         caches.append(cache)
     split_logits, whole_logits = logits
-    assert split_logits.shape == (2, 2, model.config.vocab_size)
+    assert split_logits.shape == (3, 2, model.config.vocab_size)  # the joining row's last token's in its column 0
     real = torch.tensor([[True, True], [True, False]])
-    torch.testing.assert_close(split_logits[real], whole_logits[:2, :2][real])
+    torch.testing.assert_close(split_logits[:2][real], whole_logits[:2, :2][real])
+    torch.testing.assert_close(split_logits[2, 0], whole_logits[2, 4])
+    assert not split_logits[2, 1].any()
     for split_layer, whole_layer in zip(caches[0]._layers(), caches[1]._layers()):
         written = caches[0].slot_mask[:, None, :, None].expand_as(split_layer.keys)
         torch.testing.assert_close(split_layer.keys[written], whole_layer.keys[written])
@@ -207,5 +209,6 @@ def test_a_split_block_without_filler_is_read_whole():
             cache.add_rows(1)
             logits.append(cache.forward(model, block, None, real_lengths=torch.tensor([3, 3, 3]), num_real=9,
                                         split=split))
-    assert logits[0].shape == (2, 3, model.config.vocab_size)
-    torch.testing.assert_close(logits[0], logits[1][:2])
+    assert logits[0].shape == (3, 3, model.config.vocab_size)
+    torch.testing.assert_close(logits[0][:2], logits[1][:2])
+    torch.testing.assert_close(logits[0][2, 0], logits[1][2, 2])

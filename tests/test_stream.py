@@ -105,7 +105,8 @@ def test_long_joining_prompts_are_read_packed(models):
 
 def test_a_joining_prompt_rides_in_the_verification_forward(models):
     """A prompt that fits a chunk costs no forward of its own: the step's one target forward verifies the decoding
-    row's drafts and reads the prompt after them, and the new row joins at the end of that step, exactly."""
+    row's drafts and reads the whole prompt after them, and the new row joins at the end of that step with its first
+    token; both finish exactly."""
     target, draft = models
     read = []
     stream = RequestStream(target, assistant_model=draft, max_batch_size=2, prefill_chunk=64, eos_token_id=None,
@@ -119,9 +120,10 @@ def test_a_joining_prompt_rides_in_the_verification_forward(models):
     finally:
         handle.remove()
     record = stream.loop._records[-1]
-    assert read == [record.target_tokens + 49]  # one forward: the row's block, then the prompt but its last token
-    assert stream.loop.num_rows == 2 and stream.loop.joined_lanes == [1]
-    assert stream.live[1].output.first_token_time < 0 < stream.live[0].output.first_token_time
+    assert read == [record.target_tokens + 50]  # one forward: the row's block, then the prompt
+    assert stream.loop.num_rows == 2 and stream.loop.progress([1])[1] == list(range(3, 53)) + [
+        alone(target, list(range(3, 53)), 1)[0]]
+    assert stream.live[1].output.first_token_time > 0
     outputs = {output.request_id: output for output in stream.run()}
     for request_id, prompt, new in ((first, [5, 6, 7], 30), (second, list(range(3, 53)), 12)):
         expected = target.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None,
