@@ -44,7 +44,7 @@ class LoopState(Protocol):
     longest: int  # host bound on the rows' lengths
     max_length: int
     row_limits: torch.Tensor | None  # (B,) each row's own length limit (a request stream's rows), else None
-    joining: JoiningPrompts | None  # prompts of rows joining after this step (a request stream's), else None
+    joining: JoiningPrompts | None  # prompts of rows joining at the end of this step (a request stream's), else None
     pad_value: int
     do_sample: bool
     compile: bool
@@ -59,6 +59,10 @@ class LoopState(Protocol):
 
     def emit(self, verdict: Verdict) -> Emission:
         """The target's token after each row's accepted drafts; stopping criteria."""
+
+    def read_joining(self, logits: torch.Tensor) -> None:
+        """With :attr:`joining`: the target's ``(M, V)`` logits at each joining prompt's last token (this step's
+        forward read them), for their rows' first tokens."""
 
 
 class ChainStep(StepPhases):
@@ -135,6 +139,9 @@ class ChainStep(StepPhases):
             target.add_rows(joining.count)
         logits = target.forward(loop.model, forward_block, None, step=True, real_lengths=real_lengths,
                                 num_real=num_real, split=split)
+        if joining is not None:
+            loop.read_joining(logits[loop.num_rows :, 0])
+            logits = logits[: loop.num_rows]
         if width > block_length + 1:
             logits = logits[:, : block_length + 1]
         target_scores = loop.logits_processor(loop.sequences, loop.lengths, logits, loop.rows)

@@ -177,6 +177,14 @@ def rows_after_fill(targets: torch.Tensor, sources: torch.Tensor, num_rows: int)
     return torch.arange(num_rows, device=targets.device).index_copy(0, targets, sources)
 
 
+def _later_rows_last(first: torch.Tensor, later: torch.Tensor) -> torch.Tensor:
+    """A split block's logits: ``first`` ``(R, W, V)`` the first rows', then ``later`` ``(M, V)`` each later row's
+    last token's, in column 0 of rows of their own: ``(R + M, W, V)``."""
+    rows = later.new_zeros(later.shape[0], *first.shape[1:])
+    rows[:, 0] = later
+    return torch.cat([first, rows])
+
+
 class SlotCache:
     """Preallocated KV buffers + per-slot ``slot_mask`` (True = real token) and ``slot_positions`` for one model.
 
@@ -289,7 +297,8 @@ class SlotCache:
                 decoding while joining prompts are read); read packed, attention runs on the other rows only.
             split: with ``real_lengths`` and ``num_real``, on a cache that packs: the block's first rows and the
                 rows after them (a stream's decoding rows, then the prompts of rows joining), attended apart at their
-                own widths; logits come out for the first rows only, ``(split.rows, split.width, V)``.
+                own widths; logits come out for the first rows' tokens and each later row's last token only, as
+                ``(B, split.width, V)``: a later row's in its column 0 (zeros after).
 
         Returns:
             ``(B, L or logits_to_keep, V)`` logits, or ``None`` with ``discard_logits``.
@@ -322,6 +331,8 @@ class SlotCache:
             packing = self._packing(input_mask, real_lengths, num_real, block, logits_to_keep, first_row, split)
             if split is not None and packing is None and num_real != input_ids.numel():  # (no filler: read whole)
                 raise ValueError("a split block is read packed: give real_lengths and num_real, on a cache that packs")
+            if split is not None and logits_to_keep:
+                raise ValueError("a split block keeps the logits the split says")
             if packing is not None:
                 logits = self._packed_run(run, model, input_ids, attention_mask, position_ids, packing,
                                           logits_to_keep, discard_logits)
@@ -329,8 +340,8 @@ class SlotCache:
             else:
                 logits = self._run(run, input_ids, attention_mask, position_ids, 1 if discard_logits else logits_to_keep)
                 self.tokens_read = input_ids.numel()
-                if split is not None and not discard_logits:
-                    logits = logits[: split.rows, : split.width]
+                if split is not None and not discard_logits:  # every row is as long: later rows' last tokens last
+                    logits = _later_rows_last(logits[: split.rows, : split.width], logits[split.rows :, -1])
             if discard_logits:
                 logits = None
         self.pointer = end
@@ -432,8 +443,9 @@ class SlotCache:
             keep = 1  # the head at one token, whichever
         elif logits_to_keep:
             keep = packing.ends - 1  # (B,) each row's last token in the packed sequence
-        elif packing.split is not None:
-            keep = torch.arange(packing.split.tokens, device=packing.rows.device)  # the first rows' tokens
+        elif packing.split is not None:  # the first rows' tokens, then each later row's last
+            first_tokens = torch.arange(packing.split.tokens, device=packing.rows.device)
+            keep = torch.cat([first_tokens, packing.ends[packing.split.rows :] - 1])
         self.packing = packing
         try:
             with packed_attention(model, packing):
@@ -445,7 +457,10 @@ class SlotCache:
             return None
         if logits_to_keep:
             return logits[0][:, None]
-        return (packing if packing.split is None else packing.first_rows()).unpack(logits[0])
+        if packing.split is None:
+            return packing.unpack(logits[0])
+        tokens = packing.split.tokens
+        return _later_rows_last(packing.first_rows().unpack(logits[0, :tokens]), logits[0, tokens:])
 
     def _static_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, start: int, end: int,
                         dtype: torch.dtype, logits_to_keep: int) -> torch.Tensor:

@@ -39,7 +39,8 @@ PACKED = f"tetris_packed_{__name__}"
 class BlockSplit(NamedTuple):
     """A block whose first ``rows`` rows hold at most ``width`` tokens each, ``tokens`` in all (host ints): a request
     stream's decoding rows, with the prompts of rows joining after them. Attention runs on the two groups of rows
-    apart, each at its own width, and only the first rows' logits are computed.
+    apart, each at its own width, and logits are computed for the first rows' tokens and the later rows' last ones
+    only.
 
     E.g. 16 decoding rows verifying up to 3 tokens each (40 in all), then 2 joining prompts of 200 tokens:
     ``BlockSplit(16, 3, 40)``; attention takes ``16 x 3`` queries and ``2 x 200``, not ``18 x 200``."""

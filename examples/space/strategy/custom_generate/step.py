@@ -95,9 +95,10 @@ class Verdict(NamedTuple):
 
 
 class JoiningPrompts(NamedTuple):
-    """Prompts of rows that join the batch after this step (a request stream's), read in the step's target forward
-    after the decoding rows' blocks: ``tokens`` ``(M, W)`` each prompt but its last token, then filler; ``lengths``
-    ``(M,)`` how many are real; ``num_tokens`` their sum and ``width`` the longest (host ints)."""
+    """Prompts of rows that join the batch at the end of this step (a request stream's), read in the step's target
+    forward after the decoding rows' blocks, the target's logits at each one's last token giving its row's first
+    token: ``tokens`` ``(M, W)`` the prompts, then filler; ``lengths`` ``(M,)`` how many are real; ``num_tokens``
+    their sum and ``width`` the longest (host ints)."""
 
     tokens: torch.Tensor
     lengths: torch.Tensor

@@ -4,19 +4,20 @@
 :class:`StreamLoop` is the batched loop (:class:`~tetris_hf.decoding.BatchedSpeculativeLoop`) with rows that come and
 go: up to ``max_batch_size`` rows ("lanes"), each serving one request with its own prompt length, length limit and
 end tokens. Between steps, waiting requests take the free lanes (:meth:`StreamLoop.admit`). Where rows are decoding
-and the target reads packed, a prompt that fits one chunk (``prefill_chunk`` tokens) rides in the next step's target
-forward: the target reads it, but its last token, after the decoding rows' blocks (attention runs on the two groups of
-rows apart, :class:`~tetris_hf.packing.BlockSplit`), and the row joins at the end of that step, its drafter reading the
-prompt then. Other prompts (an empty stream's, longer ones, a padded target's) are read at once, in chunks, in
-forwards of their own. Either way each new row's last prompt token then opens its first verified block beside every
-other row's. The budget of each step is spread over whichever rows are live then.
+and the target reads packed, a prompt of at most ``prefill_chunk`` tokens rides in the next step's target forward: the
+target reads it after the decoding rows' blocks (attention runs on the two groups of rows apart,
+:class:`~tetris_hf.packing.BlockSplit`), its logits at the prompt's last token give the row's first token, and the row
+joins at the end of that step, its drafter reading the prompt then. Other prompts (an empty stream's, longer ones, a
+padded target's) are read at once, but their last tokens, in chunks, in forwards of their own; the last token then
+opens the row's first verified block. The budget of each step is spread over whichever rows are live then.
 
 :class:`RequestStream` is the single-threaded scheduler around it: requests in (checked, a bad one gets its error in
 its own result), first come first served, finished :class:`StreamOutput` s out. The manager and
 ``generate_batch`` (:mod:`tetris_hf.continuous`) run it on a thread.
 
 E.g. lanes 0-1 decoding requests ``a`` and ``b``; ``a`` stops; ``c`` takes lane 0: the next step's one target forward
-verifies ``b``'s drafts and reads ``c``'s prompt, ``c`` joining at its end; the step after verifies both rows' drafts.
+verifies ``b``'s drafts and reads ``c``'s prompt, whose first token comes out with ``b``'s; the step after verifies
+both rows' drafts.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ class StreamLoop(BatchedSpeculativeLoop):
         self.shortest, self.longest = max_length, 0
         self.finished: list[tuple[int, list[int]]] = []  # (lane, tokens) of rows that left since last taken
         self._riding: list[tuple] = []  # (lane, prompt, limit, end tokens) of the rows of `joining`
-        self.joined_lanes: list[int] = []  # lanes whose rows joined at the end of the last step (no token yet)
+        self._joining_rows: tuple | None = None  # their tokens, lanes and first tokens once read (read_joining)
         self._records = []
         self._totals = TetrisStats()
         self.clock = StepClock(device)
@@ -130,14 +131,15 @@ class StreamLoop(BatchedSpeculativeLoop):
     def admit(self, lanes: list[int], prompts: list[list[int]], limits: list[int],
               eos_token_ids: list[tuple[int, ...]]) -> None:
         """New rows join after the active ones: lane ``lanes[i]`` serves ``prompts[i]`` (at least one token), stops
-        at length ``limits[i]`` or at one of ``eos_token_ids[i]``. Both caches read each prompt but its last token,
-        whose row then opens its first verified block at the next step.
+        at length ``limits[i]`` or at one of ``eos_token_ids[i]``.
 
-        Where rows are decoding and the target reads packed, a prompt that fits one chunk is read in the next step's
-        target forward, after the decoding rows' blocks (no forward of its own), and its row joins at the end of that
-        step (:attr:`joining`); other prompts are read now, in chunks, in forwards of their own."""
+        Where rows are decoding and the target reads packed, a prompt of at most ``prefill_chunk`` tokens is read in
+        the next step's target forward, after the decoding rows' blocks (no forward of its own), the target's logits
+        at its last token giving the row's first token, and its row joins at the end of that step (:attr:`joining`).
+        Other prompts are read now, but their last tokens, in chunks, in forwards of their own; each last token opens
+        its row's first verified block at the next step."""
         rides = self.ride_prompts and self.num_rows > 0 and self.target_slots.packs
-        riding = [rides and 2 <= len(prompt) <= self.prefill_chunk + 1 for prompt in prompts]
+        riding = [rides and len(prompt) <= self.prefill_chunk for prompt in prompts]
         now = [index for index, ride in enumerate(riding) if not ride]
         if now:
             self._join_now(*([items[index] for index in now] for items in (lanes, prompts, limits, eos_token_ids)))
@@ -147,63 +149,81 @@ class StreamLoop(BatchedSpeculativeLoop):
             self.joining = _joining_prompts([prompt for _, prompt, _, _ in self._riding], self.pad_value,
                                             self.lengths.device)
 
+    def read_joining(self, logits: torch.Tensor) -> None:
+        """The joining rows' first tokens, from the target's ``(M, V)`` logits at their prompts' last tokens (this
+        step's forward read them): processed and chosen as every target token is (greedy, or sampled)."""
+        prompts = [prompt for _, prompt, _, _ in self._riding]
+        rows = self._prompt_rows(prompts)
+        lanes = torch.tensor([lane for lane, _, _, _ in self._riding], device=rows.device)
+        lengths = self.joining.lengths
+        scores = self.logits_processor(rows, lengths, logits[:, None], lanes)
+        _, first_tokens = self.acceptance(rows[:, :0], torch.zeros_like(lengths), scores, None)
+        rows.scatter_(1, lengths[:, None], first_tokens[:, None])
+        self._joining_rows = (rows, lanes, first_tokens)
+
     def _finish(self, record, stopped: torch.Tensor):
-        """The rows whose prompts this step's forward read join the batch (none of them stopped), then as for every
-        loop (:meth:`~tetris_hf.decoding.BatchedSpeculativeLoop._finish`)."""
-        self.joined_lanes = []
+        """The rows whose prompts this step's forward read join the batch with their first tokens (a row may stop
+        there), then as for every loop (:meth:`~tetris_hf.decoding.BatchedSpeculativeLoop._finish`)."""
         if self.joining is not None:
-            stopped = torch.cat([stopped, stopped.new_zeros(self.joining.count)])
-            self._join_read()
+            stopped = torch.cat([stopped, self._join_read()])
         return super()._finish(record, stopped)
 
-    def _join_read(self) -> None:
-        """The rows of :attr:`joining`, whose prompts the target just read, join: the drafter reads them too."""
-        joining, riding = self.joining, self._riding
-        self.joining, self._riding = None, []
-        old_rows = self.num_rows
-        last_tokens = self._add_rows(*(list(items) for items in zip(*riding)))
+    def _join_read(self) -> torch.Tensor:
+        """The rows of :attr:`joining`, whose prompts the target just read, join with their first tokens: the drafter
+        reads the prompts too. Returns ``(M,)`` which of them stopped at that token."""
+        joining, riding, (rows, lanes, first_tokens) = self.joining, self._riding, self._joining_rows
+        self.joining, self._riding, self._joining_rows = None, [], None
+        old_rows, count = self.num_rows, joining.count
         prompts = [prompt for _, prompt, _, _ in riding]
-        self.drafter.add_rows(last_tokens, [len(prompt) for prompt in prompts])
-        device = self.lengths.device
-        block = torch.full((old_rows + joining.count, joining.width), self.pad_value, dtype=torch.long)
-        successors = block.clone()  # each real token's successor in its prompt (an EAGLE head's pairs)
-        for index, prompt in enumerate(prompts):
-            block[old_rows + index, : len(prompt) - 1] = torch.tensor(prompt[:-1])
-            successors[old_rows + index, : len(prompt) - 1] = torch.tensor(prompt[1:])
-        real_lengths = torch.cat([torch.zeros(old_rows, dtype=torch.long, device=device), joining.lengths])
-        self.drafter.read_prompts(block.to(device), real_lengths, joining.num_tokens, self.longest,
-                                  successors.to(device), old_rows)
-        self.joined_lanes = [lane for lane, _, _, _ in riding]
+        self._add_rows(lanes, rows, [len(prompt) + 1 for prompt in prompts], [limit for _, _, limit, _ in riding],
+                       [eos for _, _, _, eos in riding], first_tokens)
+        stopped = ((self.row_eos[old_rows:] == first_tokens[:, None]).any(dim=1)
+                   | (self.lengths[old_rows:] >= self.row_limits[old_rows:]))
+        self.drafter.add_rows(first_tokens, [len(prompt) + 1 for prompt in prompts])
+        # the block as the target read it (the decoding rows' part empty), and each token's successor (an EAGLE
+        # head's pairs): the prompt's next token, the first token after the last
+        successors = _joining_prompts([prompt[1:] + [self.pad_value] for prompt in prompts], self.pad_value,
+                                      rows.device).tokens
+        successors.scatter_(1, (joining.lengths - 1)[:, None], first_tokens[:, None])
+        old = joining.tokens.new_full((old_rows, joining.width), self.pad_value)
+        real_lengths = torch.cat([joining.lengths.new_zeros(old_rows), joining.lengths])
+        self.drafter.read_prompts(torch.cat([old, joining.tokens]), real_lengths, joining.num_tokens, self.longest,
+                                  torch.cat([old, successors]), old_rows)
+        self._totals.emitted_tokens += count  # (each emitted its first token outside the step's record)
+        return stopped
 
     def _join_now(self, lanes: list[int], prompts: list[list[int]], limits: list[int],
                   eos_token_ids: list[tuple[int, ...]]) -> None:
         """Rows join now: both caches read their prompts but the last tokens, in forwards of their own."""
         old_rows = self.num_rows
-        last_tokens = self._add_rows(lanes, prompts, limits, eos_token_ids)
+        rows = self._prompt_rows(prompts)
+        lengths = [len(prompt) for prompt in prompts]
+        last_tokens = rows.gather(1, torch.tensor(lengths, device=rows.device)[:, None] - 1)[:, 0]
+        self._add_rows(torch.tensor(lanes, device=rows.device), rows, lengths, limits, eos_token_ids, last_tokens)
         self.target_slots.add_rows(len(prompts))
-        self.drafter.add_rows(last_tokens, [len(prompt) for prompt in prompts])
+        self.drafter.add_rows(last_tokens, lengths)
         self._read_prompts(old_rows, prompts)
 
-    def _add_rows(self, lanes: list[int], prompts: list[list[int]], limits: list[int],
-                  eos_token_ids: list[tuple[int, ...]]) -> torch.Tensor:
-        """The rows' state after the active ones (the caches' rows are the callers'); their last tokens ``(M,)``."""
-        count, device = len(prompts), self.lengths.device
-        lengths = [len(prompt) for prompt in prompts]
-        rows = torch.full((count, self.sequence_capacity), self.pad_value, dtype=torch.long)
+    def _prompt_rows(self, prompts: list[list[int]]) -> torch.Tensor:
+        """``(M, capacity)`` the prompts from column 0, pad after them."""
+        rows = torch.full((len(prompts), self.sequence_capacity), self.pad_value, dtype=torch.long)
         for index, prompt in enumerate(prompts):
             rows[index, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-        rows = rows.to(device)
-        new_lengths = torch.tensor(lengths, device=device)
+        return rows.to(self.lengths.device)
+
+    def _add_rows(self, lanes: torch.Tensor, rows: torch.Tensor, lengths: list[int], limits: list[int],
+                  eos_token_ids: list[tuple[int, ...]], last_tokens: torch.Tensor) -> None:
+        """Rows after the active ones, in every per-row tensor (the caches' rows are the callers'): lanes ``(M,)``,
+        tokens ``(M, capacity)`` holding ``lengths[i]`` each, the last of them ``last_tokens`` ``(M,)``."""
+        device = self.lengths.device
         self.sequences = torch.cat([self.sequences, rows])
-        self.lengths = torch.cat([self.lengths, new_lengths])
-        self.rows = torch.cat([self.rows, torch.tensor(lanes, device=device)])
-        last_tokens = rows.gather(1, (new_lengths - 1)[:, None])[:, 0]
+        self.lengths = torch.cat([self.lengths, torch.tensor(lengths, device=device)])
+        self.rows = torch.cat([self.rows, lanes])
         self.last_tokens = torch.cat([self.last_tokens, last_tokens])
         self.row_limits = torch.cat([self.row_limits, torch.tensor(limits, device=device)])
         self.row_eos = _append_eos(self.row_eos, eos_token_ids)
-        self.num_rows += count
+        self.num_rows += len(lengths)
         self.shortest, self.longest = min(self.shortest, *lengths), max(self.longest, *lengths)
-        return last_tokens
 
     def _read_prompts(self, old_rows: int, prompts: list[list[int]]) -> None:
         """Both caches read the joining rows' prompts but their last tokens, ``prefill_chunk`` tokens a forward; the
@@ -276,12 +296,12 @@ class StreamLoop(BatchedSpeculativeLoop):
         return {lane: row[:length] for lane, row, length in zip(rows, tokens, lengths)}
 
 
-def _joining_prompts(prompts: list[list[int]], pad_value: int, device: torch.device) -> JoiningPrompts:
-    """Each prompt but its last token, as a step's forward reads them after the decoding rows."""
-    lengths = [len(prompt) - 1 for prompt in prompts]
-    tokens = torch.full((len(prompts), max(lengths)), pad_value, dtype=torch.long)
-    for index, prompt in enumerate(prompts):
-        tokens[index, : lengths[index]] = torch.tensor(prompt[:-1])
+def _joining_prompts(rows: list[list[int]], pad_value: int, device: torch.device) -> JoiningPrompts:
+    """Token lists (each prompt but its last token) as a block a step's forward reads after the decoding rows."""
+    lengths = [len(row) for row in rows]
+    tokens = torch.full((len(rows), max(lengths)), pad_value, dtype=torch.long)
+    for index, row in enumerate(rows):
+        tokens[index, : lengths[index]] = torch.tensor(row)
     return JoiningPrompts(tokens.to(device), torch.tensor(lengths, device=device), sum(lengths), max(lengths))
 
 
@@ -333,9 +353,9 @@ class RequestStream:
         max_length: the most tokens a request may hold, prompt and new ones (default the model's
             ``max_position_embeddings``, else 4096).
         prefill_chunk: prompt tokens a joining row reads per forward.
-        ride_prompts: a joining prompt that fits one chunk is read in the next step's verification forward, after the
-            decoding rows' blocks (where rows are decoding and the target reads packed); ``False``: in forwards of its
-            own (a row's first token then comes a step sooner, for one more forward).
+        ride_prompts: a joining prompt of at most ``prefill_chunk`` tokens is read in the next step's verification
+            forward, after the decoding rows' blocks, its first token coming out with theirs (where rows are decoding
+            and the target reads packed); ``False``: in forwards of its own.
         **kwargs: ``custom_generate="tetris"`` options (``tetris_strategy``, ``num_assistant_tokens``,
             ``tetris_extra_tokens``, ``tetris_budget``, ``prompt_lookup_num_tokens`` ...) and generation settings.
     """
@@ -485,9 +505,8 @@ class RequestStream:
             if self.loop is not None and not self.loop.done:
                 self.loop.step()
                 now = time.perf_counter()
-                fresh = self.loop.joined_lanes  # (their prompts were read in the step: their first token is next)
-                for lane, request in self.live.items():
-                    if request.output.first_token_time < 0 and lane not in fresh:
+                for request in self.live.values():
+                    if request.output.first_token_time < 0:
                         request.output.first_token_time = now
                         request.output.status = RequestStatus.DECODING
                 self._collect(now)
