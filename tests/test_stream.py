@@ -74,6 +74,17 @@ def test_stream_rows_equal_target_alone_lookup(models, strategy, max_batch_size)
     check_exact(target, stream, requests(target, 12, seed=10 + max_batch_size))
 
 
+@pytest.mark.parametrize("strategy", ["tetris", "fixed", "adaptive"])
+@pytest.mark.parametrize("max_batch_size", [1, 3, 8])
+def test_stream_rows_equal_target_alone_trees(models, strategy, max_batch_size):
+    """Every row drafts a tree (two children per expanded node): rows joining mid-stream, prompts read in forwards
+    of their own (a tree step's verification reads ancestor masks), exact."""
+    target, draft = models
+    stream = RequestStream(target, assistant_model=draft, max_batch_size=max_batch_size, prefill_chunk=7,
+                           eos_token_id=None, tetris_strategy=strategy, num_assistant_tokens=3, tetris_tree_width=2)
+    check_exact(target, stream, requests(target, 10, seed=30 + max_batch_size))
+
+
 @pytest.mark.parametrize("pack", [True, False])
 def test_packed_and_padded_prompt_reads_are_exact(models, pack):
     """Joining prompts are read packed where the model can be, padded otherwise: both exact, long prompts in several
@@ -204,8 +215,6 @@ def test_refuses_what_it_cannot_stream(models):
     target, draft = models
     with pytest.raises(ValueError, match="tetris_compile"):
         RequestStream(target, assistant_model=draft, tetris_compile=True)
-    with pytest.raises(ValueError, match="tetris_tree_width"):
-        RequestStream(target, assistant_model=draft, tetris_tree_width=2)
     with pytest.raises(ValueError, match="needs a draft"):
         RequestStream(target)
     with pytest.raises(ValueError, match="max_batch_size"):
@@ -421,6 +430,16 @@ def test_stream_rows_equal_target_alone_eagle(tmp_path, head_format, max_batch_s
     assert sum(rode) < 10  # (the first rows join an empty stream: read at once)
     if max_batch_size == 3:  # (with one lane every row joins an empty batch; with 8, the two that join mid-stream
         assert sum(rode) > 0  # have long prompts)
+
+
+@pytest.mark.parametrize("strategy", ["tetris", "fixed"])
+def test_stream_rows_equal_target_alone_eagle_trees(tmp_path, strategy):
+    from test_eagle_loop import load_pair
+
+    target, head = load_pair(tmp_path, "llama", "eagle3")
+    stream = RequestStream(target, assistant_model=head, max_batch_size=3, prefill_chunk=6, eos_token_id=None,
+                           tetris_strategy=strategy, num_assistant_tokens=3, tetris_tree_width=2)
+    check_exact(target, stream, requests(target, 10, seed=40, max_prompt=20))
 
 
 def test_every_eagle_proposal_in_the_stream_equals_the_head_from_scratch(tmp_path, monkeypatch):
