@@ -98,8 +98,6 @@ class StreamLoop(BatchedSpeculativeLoop):
         if options.tetris_compile:
             raise ValueError("a request stream runs eager: `tetris_compile=True` needs static shapes, which rows "
                              "joining mid-stream do not have")
-        if options.tetris_tree_width > 1:
-            raise ValueError("a request stream drafts chains: `tetris_tree_width` must be 1")
         device = model.get_input_embeddings().weight.device
         # the caches start small and grow by doubling as rows need (a row's capacity can be far above typical use)
         cache_length = min(max_length, 2 * DEFAULT_PREFILL_CHUNK)
@@ -138,7 +136,8 @@ class StreamLoop(BatchedSpeculativeLoop):
         at its last token giving the row's first token, and its row joins at the end of that step (:attr:`joining`).
         Other prompts are read now, but their last tokens, in chunks, in forwards of their own; each last token opens
         its row's first verified block at the next step."""
-        rides = self.ride_prompts and self.num_rows > 0 and self.target_slots.packs
+        # (a tree step's verification reads ancestor masks: prompts ride in chain steps only)
+        rides = self.ride_prompts and self.num_rows > 0 and self.target_slots.packs and self.tree_width == 1
         riding = [rides and len(prompt) <= self.prefill_chunk for prompt in prompts]
         now = [index for index, ride in enumerate(riding) if not ride]
         if now:
