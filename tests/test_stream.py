@@ -85,6 +85,14 @@ def test_stream_rows_equal_target_alone_trees(models, strategy, max_batch_size):
     check_exact(target, stream, requests(target, 10, seed=30 + max_batch_size))
 
 
+def test_stream_rows_equal_target_alone_reduced_draft_vocabulary(models):
+    """The draft scoring 30 of the vocabulary's tokens (``tetris_draft_vocab``), rows joining mid-stream: exact."""
+    target, draft = models
+    stream = RequestStream(target, assistant_model=draft, max_batch_size=3, prefill_chunk=7, eos_token_id=None,
+                           num_assistant_tokens=3, tetris_draft_vocab=torch.arange(2, 32))
+    check_exact(target, stream, requests(target, 10, seed=50))
+
+
 @pytest.mark.parametrize("pack", [True, False])
 def test_packed_and_padded_prompt_reads_are_exact(models, pack):
     """Joining prompts are read packed where the model can be, padded otherwise: both exact, long prompts in several
