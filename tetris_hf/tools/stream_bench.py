@@ -15,8 +15,8 @@ Every request arrives at time 0 (a backlog, as a batch job or a burst of traffic
 Per run: output tokens/s, requests/s, time to first token and per-token latency (p50 / p99 over requests; per-token
 latency is a request's time from its first to its last token over the tokens between), the mean live rows a step,
 and whether every output equals plain ``generate()``'s (static chunks', or without them ``generate_batch``'s).
-``--repeats N`` runs every system N times in turn (the median is reported, with the range). Writes ``results.json`` and ``stream.png`` (live rows and tokens out over
-time, one line per run).
+``--repeats N`` runs every system N times in turn (the median is reported, with the range). Writes ``results.json``
+and ``stream.png`` (live rows and tokens out over time, one line per run).
 """
 
 from __future__ import annotations

@@ -121,7 +121,8 @@ class StreamLoop(BatchedSpeculativeLoop):
         self.shortest, self.longest = max_length, 0
         self.finished: list[tuple[int, list[int]]] = []  # (lane, tokens) of rows that left since last taken
         self._riding: list[tuple] = []  # (lane, prompt, limit, end tokens) of the rows of `joining`
-        self._joining_rows: tuple | None = None  # their tokens, lanes and first tokens once read (read_joining)
+        self._joining_rows: torch.Tensor | None = None  # (M, capacity) their prompts, then their first tokens
+        self._first_tokens: torch.Tensor | None = None  # (M,) their first tokens, once read (read_joining)
         self._records = []
         self._totals = TetrisStats()
         self.clock = StepClock(device)
@@ -145,20 +146,22 @@ class StreamLoop(BatchedSpeculativeLoop):
         for index in (index for index, ride in enumerate(riding) if ride):
             self._riding.append((lanes[index], prompts[index], limits[index], eos_token_ids[index]))
         if any(riding):
-            self.joining = _joining_prompts([prompt for _, prompt, _, _ in self._riding], self.pad_value,
-                                            self.lengths.device)
+            lengths = [len(prompt) for _, prompt, _, _ in self._riding]
+            rows = self._prompt_rows([prompt for _, prompt, _, _ in self._riding])
+            width = max(lengths)
+            self.joining = JoiningPrompts(rows[:, :width].clone(), torch.tensor(lengths, device=rows.device),
+                                          sum(lengths), width)
+            self._joining_rows = rows
 
     def read_joining(self, logits: torch.Tensor) -> None:
         """The joining rows' first tokens, from the target's ``(M, V)`` logits at their prompts' last tokens (this
         step's forward read them): processed and chosen as every target token is (greedy, or sampled)."""
-        prompts = [prompt for _, prompt, _, _ in self._riding]
-        rows = self._prompt_rows(prompts)
+        rows, lengths = self._joining_rows, self.joining.lengths
         lanes = torch.tensor([lane for lane, _, _, _ in self._riding], device=rows.device)
-        lengths = self.joining.lengths
         scores = self.logits_processor(rows, lengths, logits[:, None], lanes)
         _, first_tokens = self.acceptance(rows[:, :0], torch.zeros_like(lengths), scores, None)
         rows.scatter_(1, lengths[:, None], first_tokens[:, None])
-        self._joining_rows = (rows, lanes, first_tokens)
+        self._first_tokens = first_tokens
 
     def _finish(self, record, stopped: torch.Tensor):
         """The rows whose prompts this step's forward read join the batch with their first tokens (a row may stop
@@ -170,20 +173,19 @@ class StreamLoop(BatchedSpeculativeLoop):
     def _join_read(self) -> torch.Tensor:
         """The rows of :attr:`joining`, whose prompts the target just read, join with their first tokens: the drafter
         reads the prompts too. Returns ``(M,)`` which of them stopped at that token."""
-        joining, riding, (rows, lanes, first_tokens) = self.joining, self._riding, self._joining_rows
-        self.joining, self._riding, self._joining_rows = None, [], None
+        joining, riding, rows, first_tokens = self.joining, self._riding, self._joining_rows, self._first_tokens
+        self.joining, self._riding, self._joining_rows, self._first_tokens = None, [], None, None
         old_rows, count = self.num_rows, joining.count
-        prompts = [prompt for _, prompt, _, _ in riding]
-        self._add_rows(lanes, rows, [len(prompt) + 1 for prompt in prompts], [limit for _, _, limit, _ in riding],
-                       [eos for _, _, _, eos in riding], first_tokens)
+        lanes = torch.tensor([lane for lane, _, _, _ in riding], device=rows.device)
+        lengths = [len(prompt) + 1 for _, prompt, _, _ in riding]  # each prompt and its first token
+        self._add_rows(lanes, rows, lengths, [limit for _, _, limit, _ in riding], [eos for _, _, _, eos in riding],
+                       first_tokens)
         stopped = ((self.row_eos[old_rows:] == first_tokens[:, None]).any(dim=1)
                    | (self.lengths[old_rows:] >= self.row_limits[old_rows:]))
-        self.drafter.add_rows(first_tokens, [len(prompt) + 1 for prompt in prompts])
-        # the block as the target read it (the decoding rows' part empty), and each token's successor (an EAGLE
-        # head's pairs): the prompt's next token, the first token after the last
-        successors = _joining_prompts([prompt[1:] + [self.pad_value] for prompt in prompts], self.pad_value,
-                                      rows.device).tokens
-        successors.scatter_(1, (joining.lengths - 1)[:, None], first_tokens[:, None])
+        self.drafter.add_rows(first_tokens, lengths)
+        # the block as the target read it (the decoding rows' part empty), and each token's successor in its row (an
+        # EAGLE head's pairs): the prompt's next token, the first token after the last
+        successors = rows[:, 1 : joining.width + 1]
         old = joining.tokens.new_full((old_rows, joining.width), self.pad_value)
         real_lengths = torch.cat([joining.lengths.new_zeros(old_rows), joining.lengths])
         self.drafter.read_prompts(torch.cat([old, joining.tokens]), real_lengths, joining.num_tokens, self.longest,
@@ -293,15 +295,6 @@ class StreamLoop(BatchedSpeculativeLoop):
         rows, lengths = torch.stack([self.rows[wanted], self.lengths[wanted]]).tolist()
         tokens = self.sequences[wanted, : max(lengths, default=0)].tolist()
         return {lane: row[:length] for lane, row, length in zip(rows, tokens, lengths)}
-
-
-def _joining_prompts(rows: list[list[int]], pad_value: int, device: torch.device) -> JoiningPrompts:
-    """Token lists (each prompt but its last token) as a block a step's forward reads after the decoding rows."""
-    lengths = [len(row) for row in rows]
-    tokens = torch.full((len(rows), max(lengths)), pad_value, dtype=torch.long)
-    for index, row in enumerate(rows):
-        tokens[index, : lengths[index]] = torch.tensor(row)
-    return JoiningPrompts(tokens.to(device), torch.tensor(lengths, device=device), sum(lengths), max(lengths))
 
 
 def _append_eos(row_eos: torch.Tensor, eos_token_ids: list[tuple[int, ...]]) -> torch.Tensor:
