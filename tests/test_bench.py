@@ -254,3 +254,49 @@ def test_bench_with_a_quantized_target(flag, prompt_file, tmp_path, capsys):
     assert code == 0, capsys.readouterr().err
     report = json.loads((output / "results.json").read_text())
     assert "bitsandbytes" in report["pair"]["target"] and report["mismatches"] == []
+
+
+def test_sources_run_each_speculative_run_per_draft_source_and_equal_generate(tiny_pair):
+    target, draft, tokenizer = tiny_pair
+    config = bench.BenchConfig(batch_size=3, max_new_tokens=8, strategies=("generate", "tetris", "adaptive"),
+                               num_assistant_tokens=(2,), extra_tokens=(1,), max_ngram=2,
+                               sources=("model", "lookup", "hybrid"))
+    runs = bench.plan_runs(config, 3)
+    assert [name for name, _, _ in runs] == [
+        "generate", "tetris k=2 e=1 C=6 model", "adaptive k=2 e=1 model", "tetris k=2 e=1 C=6 lookup n=2",
+        "adaptive k=2 e=1 lookup n=2", "tetris k=2 e=1 C=6 hybrid n=2", "adaptive k=2 e=1 hybrid n=2"]
+    options = {name: options for name, _, options in runs}
+    assert options["tetris k=2 e=1 C=6 model"] == {"num_assistant_tokens": 2, "tetris_extra_tokens": 1}
+    assert options["tetris k=2 e=1 C=6 lookup n=2"] == {"prompt_lookup_num_tokens": 2, "max_matching_ngram_size": 2,
+                                                        "tetris_extra_tokens": 1, "assistant_model": None}
+    assert options["tetris k=2 e=1 C=6 hybrid n=2"] == {"num_assistant_tokens": 2, "tetris_extra_tokens": 1,
+                                                        "prompt_lookup_num_tokens": 2, "max_matching_ngram_size": 2}
+    with pytest.raises(ValueError, match="--sources compares"):
+        bench.plan_runs(bench.BenchConfig(sources=("model", "hybrid"), tree_widths=(1, 2)), 2)
+    # repeated phrases, so that lookup matches in some rows and not in others
+    texts = [SENTENCES[0] + " " + SENTENCES[0], SENTENCES[1], SENTENCES[2] + " " + SENTENCES[2]]
+    report = bench.run_bench(target, draft, tokenizer, texts, config, show_progress=False)
+    assert report["mismatches"] == [] and report["cost_profile_seconds"] >= 0
+    by_name = {run["name"]: run for run in report["runs"]}
+    assert list(by_name) == [name for name, _, _ in runs]
+    for name, run in by_name.items():
+        assert run["agreement_with_generate"]["exact_match"] == 1.0, name
+    assert by_name["tetris k=2 e=1 C=6 model"]["drafted_tokens"] > 0
+    assert by_name["tetris k=2 e=1 C=6 hybrid n=2"]["drafted_tokens"] > 0
+    assert by_name["tetris k=2 e=1 C=6 model"]["lookup_share_of_verified"] == 0
+    assert by_name["tetris k=2 e=1 C=6 lookup n=2"]["lookup_share_of_verified"] in (None, 1.0)
+    assert 0 < by_name["tetris k=2 e=1 C=6 hybrid n=2"]["lookup_share_of_verified"] < 1  # both sources served rows
+    json.dumps(report)
+    table = bench.format_table(report["runs"], "generate")
+    assert table.splitlines()[0].split()[-1] == "lookup"  # lookup's share of the verified cells, by run
+
+
+def test_sources_are_checked_on_the_command_line(saved_target, prompt_file, tmp_path, capsys):
+    base = ["bench", "--target", str(saved_target), "--prompts", str(prompt_file), "--device", "cpu", "--output",
+            str(tmp_path / "out"), "--no-progress"]
+    assert cli_main([*base, "--draft", "early-exit:1", "--sources", "model,draft"]) == 2
+    assert "--sources takes a comma list of model, lookup, hybrid" in capsys.readouterr().err
+    assert cli_main([*base, "--draft", "lookup", "--sources", "lookup,hybrid"]) == 2
+    assert "--sources needs a draft model" in capsys.readouterr().err
+    assert cli_main([*base, "--draft", "early-exit:1", "--sources", "hybrid", "--tree-width", "1,2"]) == 2
+    assert "leave out --tree-width" in capsys.readouterr().err

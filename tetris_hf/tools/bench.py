@@ -17,6 +17,11 @@ the one with the most to copy, then the longest match with the row's end, then t
 (``prompt_lookup_num_tokens=k, max_matching_ngram_size=n`` and no ``assistant_model``). Lookup pays on grounded
 prompts, whose answers copy the prompt: ``--prompts humaneval-edit`` or ``sharegpt-summarize``.
 
+``--sources model,lookup,hybrid`` (with a draft model or an EAGLE head) runs every speculative run once per draft
+source in one process: the model alone (``... model``), prompt lookup alone (``... lookup n=3``: ``assistant_model``
+None) and both (``... hybrid n=3``: each row drafts by lookup where it matches, by the model elsewhere, one ranking).
+It is the comparison the ``mixed`` prompt set (chat, code edits and summaries interleaved) is made for.
+
 ``--tree-width 1,2,3`` repeats every speculative run with draft trees (``tetris_tree_width=w``, named ``... w=W``) at
 the same ``k``, ``e`` and budget ``C``: each row drafts ``K = k + e`` levels of ``w`` children of the ``w`` best
 nodes (the same ``K`` draft forwards, over ``w`` nodes a row instead of one), and the strategy verifies ``C`` nodes.
@@ -50,6 +55,7 @@ from .cli import UsageError, load_pair, load_prompt_set, number_list, prompt_tex
 from ..divergence import RowDivergence
 
 BASELINES = ("generate", "hf-assisted", "hf-lookup")
+SOURCES = ("model", "lookup", "hybrid")  # --sources: the draft model alone, prompt lookup alone, both (hybrid)
 ONE_AT_A_TIME = ("hf-assisted", "hf-lookup")
 DEFAULT_STRATEGIES = "generate,hf-assisted,fixed,tetris,adaptive"
 DEFAULT_STRATEGIES_LOOKUP = "generate,hf-lookup,fixed,tetris,adaptive"  # transformers' assisted generation needs a model
@@ -77,6 +83,7 @@ class BenchConfig:
     max_ngram: int = 3
     tree_widths: tuple[int, ...] = (1,)  # tetris_tree_width of the speculative runs (1: chains)
     padded: bool = False  # also run every speculative run with tetris_pack=False, named "... padded"
+    sources: tuple[str, ...] = ("model",)  # with a draft: every speculative run once per draft source (see SOURCES)
 
 
 @dataclasses.dataclass
@@ -105,6 +112,7 @@ class RunResult:
     verify_seconds: float = 0.0
     target_tokens: int = 0  # speculative runs: tokens the target's step forwards computed, and those selected
     selected_tokens: int = 0
+    lookup_verified: int = 0  # speculative runs: verified cells of rows prompt lookup drafted (all of a lookup run's)
 
     def summary(self) -> dict:
         latencies = sorted(self.latencies)
@@ -137,6 +145,8 @@ class RunResult:
             "verify_seconds": self.verify_seconds,
             # tokens the target computed per token selected (1.0: packed, no padding); None for baselines
             "computed_per_selected": self.target_tokens / self.selected_tokens if self.selected_tokens else None,
+            # share of the verified cells that prompt lookup drafted (hybrid runs: the rest the model's)
+            "lookup_share_of_verified": self.lookup_verified / self.verified if self.verified else None,
         }
 
 
@@ -266,7 +276,7 @@ def run_strategy(
     outputs, latencies = [], []
     drafted = verified = accepted = row_steps = 0
     draft_seconds = verify_seconds = 0.0
-    target_tokens = selected_tokens = 0
+    target_tokens = selected_tokens = lookup_verified = 0
     # acceptance by draft position needs chains: a tree row's verified count mixes depths and siblings
     trees = options.get("tetris_tree_width", 1) > 1
     positions = None if strategy in BASELINES or trees else PositionCounts()
@@ -286,8 +296,8 @@ def run_strategy(
                     sequences = target.generate(**batch, **options, **common)
                 else:
                     result = target.generate(
-                        **batch, **drafting(draft), custom_generate="tetris", tetris_strategy=strategy,
-                        return_dict_in_generate=True, **options, **common,
+                        **batch, **{**drafting(draft), **options}, custom_generate="tetris", tetris_strategy=strategy,
+                        return_dict_in_generate=True, **common,
                     )
                     sequences, stats = result.sequences, result.tetris_stats
                     drafted += stats.drafted_tokens
@@ -297,6 +307,7 @@ def run_strategy(
                     verify_seconds += stats.verify_seconds
                     target_tokens += stats.target_tokens
                     selected_tokens += stats.selected_tokens
+                    lookup_verified += stats.lookup_verified_tokens
                     row_steps += sum(sum(v >= 0 for v in step) for step in stats.verified_per_step)
                     if positions is not None:
                         positions.add(stats.verified_per_step, stats.accepted_per_step)
@@ -335,12 +346,14 @@ def run_strategy(
         verify_seconds=verify_seconds,
         target_tokens=target_tokens,
         selected_tokens=selected_tokens,
+        lookup_verified=lookup_verified,
     )
 
 
 def drafting(draft) -> dict:
     """How a speculative run drafts: with the draft model, or (``draft`` None, ``--draft lookup``) by prompt lookup,
-    whose ``prompt_lookup_num_tokens`` and ``max_matching_ngram_size`` are in the run's options."""
+    whose ``prompt_lookup_num_tokens`` and ``max_matching_ngram_size`` are in the run's options (a run's own
+    ``assistant_model``, ``None`` in a ``--sources`` lookup run, overrides this)."""
     return {} if draft is None else {"assistant_model": draft}
 
 
@@ -371,6 +384,8 @@ def plan_runs(config: BenchConfig, num_rows: int) -> list[tuple[str, str, dict]]
             k = options.pop("num_assistant_tokens")
             runs.append((f"{name} n={config.max_ngram}", strategy, {**lookup_options(k, config), **options}))
         return runs
+    if config.sources != ("model",):
+        return runs + _source_runs(config, num_rows)
     for vocab in config.draft_vocabs:
         for name, strategy, options in _speculative_runs(config, num_rows):
             if vocab is not None:
@@ -380,6 +395,28 @@ def plan_runs(config: BenchConfig, num_rows: int) -> list[tuple[str, str, dict]]
                     runs.append((name, strategy, options))
                 else:
                     runs.append((f"{name} w={width}", strategy, {**options, "tetris_tree_width": width}))
+    return runs
+
+
+def _source_runs(config: BenchConfig, num_rows: int) -> list[tuple[str, str, dict]]:
+    """The speculative runs once per ``config.sources`` entry, source after source: ``... model`` (the draft model),
+    ``... lookup n=N`` (prompt lookup, ``assistant_model=None``), ``... hybrid n=N`` (both)."""
+    if config.tree_widths != (1,) or config.draft_vocabs != (None,):
+        raise ValueError("--sources compares draft sources on chains with the draft's full head: leave out "
+                         "--tree-width and --draft-vocab")
+    runs = []
+    for source in config.sources:
+        for name, strategy, options in _speculative_runs(config, num_rows):
+            if source == "model":
+                runs.append((f"{name} model", strategy, options))
+                continue
+            lookup = lookup_options(options["num_assistant_tokens"], config)
+            if source == "lookup":
+                options = {key: value for key, value in options.items() if key != "num_assistant_tokens"}
+                runs.append((f"{name} lookup n={config.max_ngram}", strategy,
+                             {**lookup, **options, "assistant_model": None}))
+            else:  # hybrid: k cells a row, lookup's where it matches, the model's elsewhere
+                runs.append((f"{name} hybrid n={config.max_ngram}", strategy, {**options, **lookup}))
     return runs
 
 
@@ -419,15 +456,16 @@ def profile_cost_model(target, draft, runs: list[tuple[str, str, dict]], num_row
     windows: dict = {}
     for _, strategy, options in runs:
         if strategy in ("adaptive", "dsd"):
-            vocab = options.get("tetris_draft_vocab")
+            # (a --sources lookup run drafts without the model: the target's profile alone)
+            key = options.get("tetris_draft_vocab"), options.get("assistant_model", True) is not None
             k = options.get("num_assistant_tokens", options.get("prompt_lookup_num_tokens"))
             window = k + options.get("tetris_extra_tokens", 0)
-            windows[vocab] = max(window, windows.get(vocab, 0))
+            windows[key] = max(window, windows.get(key, 0))
     if not windows:
         return None
     started = time.perf_counter()
-    for vocab, window in windows.items():
-        drafter = None if draft is None else reduced_vocab_draft(draft, vocab)
+    for (vocab, drafts), window in windows.items():
+        drafter = None if draft is None or not drafts else reduced_vocab_draft(draft, vocab)
         cost_model_for(target, drafter, num_rows=num_rows, max_tokens=window + 1)
     return time.perf_counter() - started
 
@@ -502,10 +540,13 @@ def check_greedy_outputs(results: list[RunResult], target, tokenizer, texts: lis
 def format_table(summaries: list[dict], reference_name: str | None) -> str:
     reference = next((s for s in summaries if s["name"] == reference_name), None)
     spread = any(len(s.get("tokens_per_second_repeats", [])) > 1 for s in summaries)
+    # lookup's share of the verified cells, where runs draft from different sources (--sources)
+    shares = {s.get("lookup_share_of_verified") for s in summaries} - {None}
+    by_source = bool(shares - {0.0, 1.0}) or {0.0, 1.0} <= shares
     width = max([26] + [len(s["name"]) for s in summaries])
     header = (f"{'strategy':<{width}} {'tok/s':>7} {'x plain':>7} {'lat mean':>8} {'p50':>6} {'p99':>6} "
               f"{'accept':>6} {'VSR':>5} {'fwd/tok':>7} {'tok/step':>8} {'tok/node':>8} {'comp/sel':>8} "
-              f"{'peak MB':>8}"
+              f"{'peak MB':>8}" + (f" {'lookup':>6}" if by_source else "")
               + (f" {'tok/s min-max':>14}" if spread else ""))
     lines = [header, "-" * len(header)]
     for s in summaries:
@@ -516,7 +557,7 @@ def format_table(summaries: list[dict], reference_name: str | None) -> str:
             f"{s['latency_p50_s']:>6.1f} {s['latency_p99_s']:>6.1f} {fmt(s['acceptance_rate']):>6} "
             f"{fmt(s['vsr']):>5} {s['target_forwards_per_token']:>7.3f} {s['tokens_per_row_step']:>8.2f} "
             f"{fmt(s.get('tokens_per_verified_node')):>8} {fmt(s.get('computed_per_selected')):>8} "
-            f"{s['peak_memory_mb']:>8.0f}"
+            f"{s['peak_memory_mb']:>8.0f}" + (f" {fmt(s.get('lookup_share_of_verified')):>6}" if by_source else "")
             + (f" {_range(s['tokens_per_second_repeats']):>14}" if spread else "")
         )
     return "\n".join(lines)
@@ -589,7 +630,7 @@ def _gather(result: RunResult, indices: list[int]) -> RunResult:
     for part, part_indices in parts:
         outputs.update(zip(part_indices, part["outputs"]))
     for key in ("requests", "tokens", "target_forwards", "row_steps", "drafted", "verified", "accepted",
-                "draft_seconds", "verify_seconds", "target_tokens", "selected_tokens"):
+                "draft_seconds", "verify_seconds", "target_tokens", "selected_tokens", "lookup_verified"):
         merged[key] = sum(part[key] for part, _ in parts)
     merged["seconds"] = max(part["seconds"] for part, _ in parts)
     merged["peak_memory_mb"] = max(part["peak_memory_mb"] for part, _ in parts)
@@ -643,7 +684,7 @@ def run_bench(
     if draft is not None:  # warms the draft too (hf-assisted uses it)
         target.generate(**warm, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id,
                         assistant_model=draft, custom_generate="tetris")
-    elif any(strategy not in BASELINES for _, strategy, _ in runs):
+    if (draft is None or config.sources != ("model",)) and any(strategy not in BASELINES for _, strategy, _ in runs):
         target.generate(**warm, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id,
                         custom_generate="tetris", **lookup_options(1, config))
     profile_seconds = profile_cost_model(target, draft, runs, min(config.batch_size, len(texts)))
@@ -699,6 +740,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--padded", action="store_true",
                         help="also run every speculative run with the padded verify block (tetris_pack=False), to "
                              "compare with the packed one")
+    parser.add_argument("--sources", default="model",
+                        help="comma list of draft sources, each speculative run once per source: model (the draft "
+                             "model or EAGLE head), lookup (prompt lookup alone), hybrid (both: lookup where a row "
+                             "matches, the model elsewhere); default model")
     parser.add_argument("--hf-assisted-prompts", type=int, default=4,
                         help="requests for transformers' one-at-a-time assisted generation (it is slow)")
     parser.add_argument("--target", default=None, help="Hub id, local directory or .gguf (default: SmolLM2-135M)")
@@ -791,6 +836,14 @@ def config_from_args(args) -> BenchConfig:
         raise UsageError("hf-assisted needs a draft model, and --draft lookup has none: use hf-lookup")
     if lookup and args.draft_vocab != (None,):
         raise UsageError("--draft-vocab reduces a draft model's head, and --draft lookup has none")
+    sources = tuple(dict.fromkeys(source.strip() for source in args.sources.split(",") if source.strip()))
+    if not sources or any(source not in SOURCES for source in sources):
+        raise UsageError(f"--sources takes a comma list of {', '.join(SOURCES)}, got {args.sources!r}")
+    if lookup and sources != ("model",):
+        raise UsageError("--sources needs a draft model or an EAGLE head (--draft lookup drafts by lookup alone)")
+    if sources != ("model",) and (args.tree_width != (1,) or args.draft_vocab != (None,)):
+        raise UsageError("--sources compares draft sources on chains with the draft's full head: leave out "
+                         "--tree-width and --draft-vocab")
     if lookup and args.tree_width != (1,):
         raise UsageError("--tree-width grows draft trees with a draft model or an EAGLE head; --draft lookup drafts "
                          "one continuation per row (use --tree-width 1)")
@@ -816,6 +869,7 @@ def config_from_args(args) -> BenchConfig:
         max_ngram=args.max_ngram,
         tree_widths=tuple(dict.fromkeys(args.tree_width)),
         padded=args.padded,
+        sources=sources,
     )
 
 
