@@ -4,6 +4,7 @@ cells, sampling follows the target's law, the model's confidences are calibrated
 stats by source add up, and a step reads the device no more than the loop's own reads."""
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from eagle_checkpoints import VOCAB as EAGLE_VOCAB
 from tetris_hf.candidate_generators import BatchedDraftCandidateGenerator
 from tetris_hf.candidate_generators.eagle_drafter import EagleCandidateGenerator
 from tetris_hf.candidate_generators.hybrid import DraftAcceptance, HybridCandidateGenerator
+from tetris_hf.step_strategy import DraftPlan
+from tetris_hf.strategies import FixedWindow, TetrisSelection
 from test_eagle_loop import accept_two_drafts, drafts_from_scratch, load_pair, record_proposals
 from test_greedy_exactness import NEW_TOKENS, assert_rows_equal, pick_eos, target_alone
 from test_prompt_lookup import repetitive_prompts
@@ -292,6 +295,16 @@ def test_sampled_sequences_follow_the_target_distribution(hybrid_sampling, strat
     assert sampling.chi_square_p_value(counts, joint) > 1e-3
 
 
+def test_sampled_sequences_follow_the_target_distribution_when_lookup_drafts_alone(hybrid_sampling, monkeypatch):
+    """As above with every other drafting step by lookup alone (rows without a match verify nothing there)."""
+    target, draft, joint = hybrid_sampling
+    calls = lookup_alone_on(monkeypatch, TetrisSelection, pattern=(False, True))
+    counts, stats = sampled_hybrid_joint(target, draft, tetris_strategy="tetris", **SAMPLED)
+    assert len(calls) > 0 and 0 < stats.lookup_accepted_tokens < stats.lookup_verified_tokens
+    assert 0 < stats.model_accepted_tokens < stats.model_verified_tokens
+    assert sampling.chi_square_p_value(counts, joint) > 1e-3
+
+
 def test_chi_square_catches_lookup_rows_verified_against_the_models_q(hybrid_sampling, monkeypatch):
     """Teeth: a lookup row's ``q`` is one-hot at its draft; verifying it against the model's distribution (``q`` not
     mixed per row) is biased."""
@@ -354,3 +367,187 @@ def test_hybrid_with_trees_or_a_draft_vocab_is_refused(pair):
         with pytest.raises(ValueError, match=message):
             target.generate(input_ids, attention_mask=mask, assistant_model=draft, custom_generate="tetris",
                             max_new_tokens=3, prompt_lookup_num_tokens=2, **options)
+
+
+# -- steps where prompt lookup drafts alone (adaptive plans them where the model's forwards do not pay) ------------
+
+
+def lookup_alone_on(monkeypatch, strategy_class=None, pattern=(False, True, True)) -> list:
+    """Plans of ``strategy_class`` draft by lookup alone on the drafting steps ``pattern`` marks (cycled; no class:
+    plans as they are); returns the list of ``propose_lookup`` calls' row counts, filled as the loop runs."""
+    real_plan = None if strategy_class is None else strategy_class.plan
+    real_propose_lookup = HybridCandidateGenerator.propose_lookup
+    steps, calls = itertools.count(), []
+
+    def plan(self, num_rows):
+        planned = real_plan(self, num_rows)
+        return planned._replace(lookup_only=pattern[next(steps) % len(pattern)] and planned.num_draft_tokens > 0)
+
+    def propose_lookup(self, sequences, lengths, num_tokens, rows=None, confidences=True):
+        calls.append(sequences.shape[0])
+        return real_propose_lookup(self, sequences, lengths, num_tokens, rows, confidences)
+
+    if strategy_class is not None:
+        monkeypatch.setattr(strategy_class, "plan", plan)
+    monkeypatch.setattr(HybridCandidateGenerator, "propose_lookup", propose_lookup)
+    return calls
+
+
+@pytest.mark.parametrize("kind,batch_size", [("draft", 1), ("draft", 3), ("draft", 8), ("eagle1", 3), ("eagle3", 8)])
+@pytest.mark.parametrize("strategy,options", STRATEGIES[:3])
+def test_greedy_rows_equal_the_target_alone_when_lookup_drafts_alone(pair, eagle_pairs, monkeypatch, kind,
+                                                                     batch_size, strategy, options):
+    """Steps drafting by lookup alone between steps with both: the model reads what those steps made final (lookup's
+    accepted cells, the target's tokens) at its next proposal."""
+    strategy_class = TetrisSelection if strategy == "tetris" else FixedWindow
+    calls = lookup_alone_on(monkeypatch, strategy_class)
+    if kind == "draft":
+        target, draft = pair
+        prompts = repetitive_prompts(batch_size, VOCAB, seed=batch_size)
+    else:
+        target, draft = eagle_pairs[kind]
+        prompts = eagle_prompts(batch_size, seed=batch_size)
+    eos = pick_eos(target, prompts) if batch_size > 1 else EOS
+    references = target_alone(target, prompts, eos)
+    input_ids, mask = left_pad(prompts)
+    out = hybrid_generate(target, draft, input_ids, mask, eos, prompt_lookup_num_tokens=3, tetris_strategy=strategy,
+                          **options)
+    assert_rows_equal(out.sequences, input_ids, mask, references)
+    stats = out.tetris_stats
+    assert len(calls) >= 2 and stats.model_drafted_tokens > 0
+    assert stats.emitted_tokens == sum(len(reference) for reference in references)
+
+
+@pytest.mark.parametrize("kind", ["draft", "eagle3"])
+def test_after_lookup_alone_steps_model_proposals_equal_the_model_run_from_scratch(pair, eagle_pairs, monkeypatch,
+                                                                                   kind):
+    """As the test above it, with two of every three drafting steps by lookup alone: the cells they accepted (two a
+    row, the verifier says) and the target's tokens wait for the model, which drafts from exactly each row's context."""
+    if kind == "draft":
+        target, draft = (copy.deepcopy(model).double() for model in pair)
+        prompts, drafter_class = repetitive_prompts(5, VOCAB, seed=4), BatchedDraftCandidateGenerator
+    else:
+        target, draft = eagle_pairs[kind]
+        prompts, drafter_class = eagle_prompts(5, seed=4), EagleCandidateGenerator
+    calls = lookup_alone_on(monkeypatch, FixedWindow)
+    proposals = record_proposals(monkeypatch, drafter_class)
+    accept_two_drafts(monkeypatch)
+    input_ids, mask = left_pad(prompts)
+    target.generate(input_ids, attention_mask=mask, assistant_model=draft, custom_generate="tetris", do_sample=False,
+                    max_new_tokens=30, pad_token_id=PAD, eos_token_id=None, prompt_lookup_num_tokens=3,
+                    tetris_extra_tokens=0, tetris_strategy="fixed",
+                    tetris_step_callback=lambda record, loop: None)  # (a callback: the model's log q are drafted)
+    starts = (mask == 0).sum(dim=1)
+    assert len(calls) >= 4 and len(proposals) >= 3
+    for tokens, log_q, context, lengths, rows in proposals:
+        for row in range(tokens.shape[0]):
+            row_context = context[row, int(starts[rows[row]]) : int(lengths[row])].tolist()
+            if kind == "draft":
+                expected, expected_log_q = draft_from_scratch(draft, row_context, tokens.shape[1])
+            else:
+                expected, expected_log_q = drafts_from_scratch(target, draft, row_context, tokens.shape[1])
+            assert tokens[row].tolist() == expected, (row, row_context)
+            torch.testing.assert_close(log_q[row].double(), expected_log_q.double(), atol=1e-4, rtol=1e-4)
+
+
+def test_queued_cells_are_left_packed_after_what_waits(pair):
+    """A model that drafted nothing this step (lookup alone did) queues ``[accepted cells, t]`` after its pending
+    tokens, left-packed: pending ``[. p]`` and ``[q r]``, rows accepting 2 and 0 cells -> ``[. p x1 x2 t]`` and
+    ``[. . q r u]``."""
+    from transformers.generation.logits_process import LogitsProcessorList
+
+    from tetris_hf.logits import PositionwiseLogitsProcessor
+    from tetris_hf.step import ReadHints, Verdict
+
+    _, draft = pair
+    drafter = BatchedDraftCandidateGenerator(draft, PositionwiseLogitsProcessor(LogitsProcessorList()), False)
+    drafter.prefill(torch.tensor([[0, 5], [6, 7]]), torch.tensor([[0, 1], [1, 1]]))
+    sequences = torch.zeros(2, 8, dtype=torch.long)
+    assert drafter.propose(sequences, torch.tensor([2, 2]), 0).tokens.shape == (2, 0)
+    verdict = Verdict(torch.tensor([2, 0]), torch.tensor([11, 12]), torch.tensor([3, 1]),
+                      hints=ReadHints(max_accepted=2, cached_longest=None))
+    drafter.accept_cells(verdict, torch.tensor([[20, 21, 22], [23, 0, 0]]), torch.tensor([True, False]))
+    assert drafter.pending_mask.tolist() == [[0, 1, 1, 1, 1], [0, 0, 1, 1, 1]]
+    assert (drafter.pending_tokens * drafter.pending_mask).tolist() == [[0, 5, 20, 21, 11], [0, 0, 6, 7, 12]]
+    assert not drafter.pending_real and drafter.pending_count is None  # (counted at the loop's next read)
+
+
+def test_adaptive_drafts_by_lookup_alone_where_the_model_does_not_pay():
+    """The plan compares a step with both sources (the model's forwards priced) and one by lookup alone (free): a
+    costly model whose rows are rarely accepted is left out, a cheap and often-right one is not."""
+    from tetris_hf.cost_model import CostProfile, StepCostModel
+    from tetris_hf.options import TetrisOptions
+    from tetris_hf.strategies import LOOKUP_ROW, MODEL_ROW, AdaptiveBudget
+
+    def planned(draft_ms: float, model_acceptance: float) -> DraftPlan:
+        rows = (1, 4, 16, 64)
+        cost = CostProfile({(r, t): 10.0 + 0.5 * r * t for r in rows for t in (1, 2, 4, 8)}, {r: draft_ms for r in rows})
+        strategy = AdaptiveBudget(TetrisOptions(tetris_strategy="adaptive", num_assistant_tokens=3,
+                                                tetris_extra_tokens=0), StepCostModel(cost), hybrid=True)
+        # half the rows matched (lookup cells accepted 0.9 of the time), half the model drafted
+        strategy.calibrator.update_cells(torch.full((2000,), 0.9), torch.rand(2000) < 0.9)
+        strategy.calibrator.update_cells(torch.full((2000,), 0.2), torch.rand(2000) < model_acceptance)
+        log_q = torch.tensor([[0.9] * 3, [0.2] * 3] * 32).log()
+        strategy.remember(log_q, torch.tensor([LOOKUP_ROW, MODEL_ROW] * 32))
+        strategy.memory.plain_streak = 0
+        return strategy.plan(8)
+
+    costly = planned(draft_ms=30.0, model_acceptance=0.2)
+    assert costly.lookup_only and costly.num_draft_tokens > 0 and not costly.probe
+    cheap = planned(draft_ms=0.01, model_acceptance=0.9)
+    assert not cheap.lookup_only and cheap.num_draft_tokens > 0
+
+
+def test_adaptive_hybrid_learns_to_draft_by_lookup_alone_in_the_loop(pair, monkeypatch):
+    """A draft model priced far above the target and rarely right beside lookup on repetitive rows: ``adaptive``
+    drafts by lookup alone on most steps, and the rows stay exact."""
+    import test_greedy_exactness
+
+    from tetris_hf.cost_model import CostProfile
+
+    monkeypatch.setattr(test_greedy_exactness, "NEW_TOKENS", 60)  # (long enough for the probes to find lookup's rows)
+
+    target, _ = pair
+    draft = noisy_copy(target, 3.0, seed=9)  # rarely agrees with the target
+    rows = (1, 4, 16, 64)
+    costly_draft = CostProfile({(r, t): 10.0 + 0.1 * r * t for r in rows for t in (1, 2, 4, 8)}, {r: 40.0 for r in rows})
+    prompts = repetitive_prompts(6, VOCAB, seed=6)
+    references = target_alone(target, prompts, EOS)
+    input_ids, mask = left_pad(prompts)
+    steps = []
+    out = hybrid_generate(target, draft, input_ids, mask, EOS, prompt_lookup_num_tokens=3, tetris_strategy="adaptive",
+                          tetris_cost_profile=costly_draft, max_new_tokens=60,
+                          tetris_step_callback=lambda record, loop: steps.append(record))
+    assert_rows_equal(out.sequences, input_ids, mask, references)
+    stats = out.tetris_stats
+    assert stats.lookup_accepted_tokens > 0
+    assert stats.model_drafted_tokens < stats.lookup_drafted_tokens / 2, stats
+
+
+def test_adaptive_steps_by_lookup_alone_read_the_device_as_its_other_steps(pair, monkeypatch):
+    """Choosing lookup alone, and learning which source drafted each row, adds no device read: a steady step of a
+    hybrid ``adaptive`` run reads what other ``adaptive`` steps read (the strategy's one transfer, the loop's)."""
+    from test_host_reads import host_reads
+
+    from tetris_hf import strategies
+    from tetris_hf.cost_model import CostProfile
+
+    target, draft = pair
+    to_host = strategies._to_host
+    rows = (1, 4, 16, 64)
+    costly_draft = CostProfile({(r, t): 10.0 + 0.1 * r * t for r in rows for t in (1, 2, 4, 8)}, {r: 40.0 for r in rows})
+    input_ids, mask = left_pad(repetitive_prompts(8, VOCAB, seed=5))
+    calls = lookup_alone_on(monkeypatch)
+    with host_reads.HostReads(host_files=("strategies.py", "goodput.py", "cost_model.py")) as reads:
+
+        def transfer(tensors):
+            reads.count += 1
+            return to_host(tensors)
+
+        monkeypatch.setattr(strategies, "_to_host", transfer)
+        target.generate(input_ids, attention_mask=mask, assistant_model=draft, custom_generate="tetris",
+                        max_new_tokens=40, prompt_lookup_num_tokens=3, tetris_strategy="adaptive",
+                        tetris_cost_profile=costly_draft, pad_token_id=PAD, tetris_step_callback=reads.step_done)
+    steady = reads.per_step[3:-1]
+    assert len(calls) >= 5 and len(steady) >= 5
+    assert max(steady) <= 3, reads.per_step

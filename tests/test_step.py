@@ -28,7 +28,7 @@ class RecordingPhases(StepPhases):
     def catch_up(self) -> None:
         self.journal.append("catch_up")
 
-    def draft(self, num_drafted: int, confidences: bool) -> Proposal:
+    def draft(self, num_drafted: int, confidences: bool, lookup_only: bool = False) -> Proposal:
         self.journal.append(f"{self.name}.draft({num_drafted}, {confidences})")
         tokens = torch.arange(ROWS * num_drafted).view(ROWS, num_drafted)
         return Proposal(tokens, torch.zeros(ROWS, num_drafted), None)
@@ -62,7 +62,8 @@ class RecordingStrategy:
         self.journal.append("plan")
         return self._plan
 
-    def observe(self, token_log_probs, verify_lengths, num_accepted, seconds=None, num_drafted=None) -> None:
+    def observe(self, token_log_probs, verify_lengths, num_accepted, seconds=None, num_drafted=None,
+                lookup_rows=None) -> None:
         self.journal.append(f"observe({verify_lengths.tolist()}, {num_accepted.tolist()}, {seconds}, {num_drafted})")
 
 

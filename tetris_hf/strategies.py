@@ -28,6 +28,11 @@ from .selection import cumulative_log_probs, select_fixed, select_fixed_budget, 
 from .step_strategy import DraftPlan, StepSeconds
 from .trees import DraftTree, conditional_log_probs, path_products, select_tree_fixed, select_tree_nodes
 
+# which source drafted a pooled row (hybrid drafting): the model, prompt lookup, or neither (lookup alone drafted and
+# the row had no match)
+MODEL_ROW, LOOKUP_ROW, UNDRAFTED_ROW = 0, 1, 2
+_NOTHING = torch.zeros(0)
+
 
 class FixedWindow:
     """Standard batched speculative decoding: every active row drafts and verifies ``k`` tokens."""
@@ -48,7 +53,8 @@ class FixedWindow:
         return select_tree_fixed(tree.log_scores, tree.valid, tree.parents, self.k)
 
     def observe(self, token_log_probs: torch.Tensor | None, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
-                seconds: StepSeconds | None = None, num_drafted: int | None = None):
+                seconds: StepSeconds | None = None, num_drafted: int | None = None,
+                lookup_rows: torch.Tensor | None = None):
         pass
 
 
@@ -118,43 +124,52 @@ class _CostAware:
         self.memory = memory if memory is not None else PairMemory(probe_interval=self.probe_interval_start)
         self._pending: list[_ObservedStep] = []  # observed steps not read yet (their counts still on the device)
         self._read_steps: list[_ObservedStep] = []  # observed steps read (host counts), not learnt from yet
+        self._lookup_only_step = False  # the plan of the step running drafts by prompt lookup alone (hybrid)
 
     def observe(self, token_log_probs: torch.Tensor | None, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
-                seconds: StepSeconds | None = None, num_drafted: int | None = None):
+                seconds: StepSeconds | None = None, num_drafted: int | None = None,
+                lookup_rows: torch.Tensor | None = None):
         """Learn from the steps read since the last observation, and keep this one to learn from once it is read
         (learning is lazy: a step's counts are read at the next device read the strategy makes anyway, and what it
         decides before learning from them it decides on exactly what it would have learnt, see :meth:`_read`)."""
         self._learn_read()
         if num_drafted is None:
             num_drafted = token_log_probs.shape[1] if token_log_probs is not None else 0
-        self._pending.append(_ObservedStep(token_log_probs, verify_lengths, num_accepted, seconds, num_drafted))
+        self._pending.append(_ObservedStep(token_log_probs, verify_lengths, num_accepted, seconds, num_drafted,
+                                           lookup_rows, self._lookup_only_step))
 
     def _read(self, *wanted: torch.Tensor) -> list[torch.Tensor]:
         """Read the pending steps' counts and ``wanted`` from the device in one transfer; returns ``wanted`` on the
         host. The steps read wait in ``_read_steps`` (host copies) until :meth:`_learn_read` learns from them: reading
         changes nothing the strategy has learnt."""
         pending, self._pending = self._pending, []
-        tensors = [t for step in pending for t in (step.verify_lengths, step.num_accepted)] + list(wanted)
+        tensors = [t for step in pending for t in (step.verify_lengths, step.num_accepted, step.lookup_rows
+                                                   if step.lookup_rows is not None else _NOTHING)] + list(wanted)
         host = _to_host(tensors)
-        self._read_steps += [step._replace(verify_lengths=lengths.long(), num_accepted=accepted.long())
-                             for step, lengths, accepted in zip(pending, host[0::2], host[1::2])]
-        return host[2 * len(pending):]
+        self._read_steps += [
+            step._replace(verify_lengths=lengths.long(), num_accepted=accepted.long(),
+                          lookup_rows=None if step.lookup_rows is None else lookup_rows.bool())
+            for step, lengths, accepted, lookup_rows in zip(pending, host[0::3], host[1::3], host[2::3])]
+        return host[3 * len(pending):]
 
     def _learn_read(self) -> None:
         """Learn from the steps :meth:`_read` brought to the host."""
         steps, self._read_steps = self._read_steps, []
         for step in steps:
-            self._correct_costs(step.verify_lengths.numel(), step.num_drafted, _longest(step.verify_lengths),
-                                int(step.verify_lengths.sum()), step.seconds)
-            self._learn(step.token_log_probs, step.verify_lengths, step.num_accepted)
+            # (a step that drafted by lookup alone ran no draft forward: nothing to correct the draft's cost by)
+            self._correct_costs(step.verify_lengths.numel(), 0 if step.lookup_only else step.num_drafted,
+                                _longest(step.verify_lengths), int(step.verify_lengths.sum()), step.seconds)
+            self._learn(step.token_log_probs, step.verify_lengths, step.num_accepted, step.sources())
 
     def _flush(self) -> None:
         """Read and learn from every pending step."""
         self._read()
         self._learn_read()
 
-    def _learn(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor) -> None:
-        """Learn acceptance from one observed step (host tensors but ``token_log_probs``)."""
+    def _learn(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
+               sources: torch.Tensor | None = None) -> None:
+        """Learn acceptance from one observed step (host tensors but ``token_log_probs``; ``sources``: ``(B,)`` which
+        source drafted each row, :data:`MODEL_ROW`, :data:`LOOKUP_ROW` or :data:`UNDRAFTED_ROW`, hybrid drafting)."""
 
     def _open_step(self, num_rows: int) -> StepCostModel:
         if self.cost is None:
@@ -207,13 +222,24 @@ class _CostAware:
 
 class _ObservedStep(NamedTuple):
     """One step as :meth:`_CostAware.observe` kept it: ``(B, K)`` confidences (``None`` if not computed), ``(B,)``
-    verified and accepted cells (device tensors until read), the measured seconds and ``K``."""
+    verified and accepted cells (device tensors until read), the measured seconds and ``K``; hybrid drafting:
+    ``(B,)`` the rows lookup drafted (``None`` otherwise) and whether lookup alone drafted."""
 
     token_log_probs: torch.Tensor | None
     verify_lengths: torch.Tensor
     num_accepted: torch.Tensor
     seconds: StepSeconds | None
     num_drafted: int
+    lookup_rows: torch.Tensor | None = None
+    lookup_only: bool = False
+
+    def sources(self) -> torch.Tensor | None:
+        """``(B,)`` (host) which source drafted each row, or ``None`` (no hybrid drafting)."""
+        if self.lookup_rows is None:
+            return None
+        others = UNDRAFTED_ROW if self.lookup_only else MODEL_ROW
+        return torch.where(self.lookup_rows, LOOKUP_ROW, others).to(torch.int8)
+
 
 
 def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -247,6 +273,14 @@ class AdaptiveBudget(_CostAware):
     more of a row's drafts when its later draws looked likely, and bias the output. Greedy output is exact whatever
     is verified, so there ``C`` is re-chosen from the drafted cells.
 
+    Hybrid drafting (a draft model and prompt lookup, ``hybrid=True``) prices each source: a step with both pays the
+    model's ``K`` forwards, lookup's cells are free. The plan compares the best step with both (the pooled rows as
+    they were drafted; rows that had no match in a lookup-alone step take the model rows' mean) with the best step
+    drafting by lookup alone (no draft cost; rows the model drafted would draft nothing, acceptance 0), and takes the
+    faster (:attr:`~tetris_hf.step_strategy.DraftPlan.lookup_only`); where neither pays and the loop is greedy, lookup
+    drafts alone all the same (its cells are free, and the selection verifies none that does not pay). While lookup
+    drafts alone the model is probed as plain decoding is, its rows kept apart in the pool.
+
     Args:
         options: ``K <= num_assistant_tokens + tetris_extra_tokens``; ``tetris_budget`` caps ``C``.
         cost: a :class:`StepCostModel`, or ``(num_rows, max_tokens) -> StepCostModel`` called at the first step.
@@ -254,29 +288,32 @@ class AdaptiveBudget(_CostAware):
         memory: a :class:`~tetris_hf.pair_memory.PairMemory` to start from and learn into (default: a fresh one).
         pool_rows: recently drafted rows kept to plan with.
         sampling: the loop samples (``C`` is then fixed before drafting).
+        hybrid: the drafter is hybrid (model and lookup): plans may draft by lookup alone.
     """
 
     def __init__(self, options: TetrisOptions, cost, learn_costs: bool = False, memory: PairMemory | None = None,
-                 pool_rows: int = 256, sampling: bool = False):
+                 pool_rows: int = 256, sampling: bool = False, hybrid: bool = False):
         super().__init__(options, cost, learn_costs, memory)
-        self.sampling = sampling
+        self.sampling, self.hybrid = sampling, hybrid
         self.max_budget = options.tetris_budget
         self.calibrator = self.memory.calibrator
         self.pool_rows = pool_rows
         # log q of recently drafted rows, newest first, (P, max_draft); NaN past what a row drafted
         self.pool = torch.zeros(0, self.max_draft, dtype=torch.float64)
+        self.pool_sources = torch.zeros(0, dtype=torch.int8)  # (P,) which source drafted each pooled row (hybrid)
         if self.memory.pool is not None:
-            self._add_rows(self.memory.pool)
-        self._planned: tuple[int, GoodputPlan, bool] | None = None  # (rows, plan, could_pay)
+            self._add_rows(self.memory.pool, self.memory.pool_sources)
+        self._planned: tuple[int, GoodputPlan, bool, bool] | None = None  # (rows, plan, could_pay, lookup_only)
         self._plan_age = 0
         # (device tensor, its host copy) of the confidences a selection read, kept until the step is learnt
         self._host_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def _learn(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor) -> None:
+    def _learn(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
+               sources: torch.Tensor | None = None) -> None:
         """Calibrate on the step's verified cells and add its drafted rows to the planning pool."""
         host_log_probs = self._host_copy(token_log_probs)
         self.calibrator.update(host_log_probs, verify_lengths, num_accepted)
-        self.remember(host_log_probs)
+        self.remember(host_log_probs, sources)
 
     def _host_copy(self, token_log_probs: torch.Tensor) -> torch.Tensor:
         """``token_log_probs`` on the host: the copy :meth:`select` read, else (a probe, which selects without
@@ -302,26 +339,33 @@ class AdaptiveBudget(_CostAware):
             calibrator.update(self._host_copy(step.token_log_probs), step.verify_lengths, step.num_accepted)
         return calibrator
 
-    def remember(self, token_log_probs: torch.Tensor) -> None:
-        """Add drafted rows ``(B, K)`` (on the host) to the planning pool."""
-        self._add_rows(token_log_probs.double().flip(0))
-        self.memory.pool = self.pool
+    def remember(self, token_log_probs: torch.Tensor, sources: torch.Tensor | None = None) -> None:
+        """Add drafted rows ``(B, K)`` (on the host) to the planning pool; ``sources`` ``(B,)``: which source drafted
+        each (hybrid drafting; default the model)."""
+        self._add_rows(token_log_probs.double().flip(0), None if sources is None else sources.flip(0))
+        self.memory.pool, self.memory.pool_sources = self.pool, self.pool_sources
 
     def observe(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
-                seconds: StepSeconds | None = None, num_drafted: int | None = None):
-        super().observe(token_log_probs, verify_lengths, num_accepted, seconds, num_drafted)
-        if self._planned is not None and self._planned[1].num_draft_tokens == 0 and token_log_probs.shape[1] > 0:
-            self._planned = None  # a probe drafted: plan again at the next step, on what it showed
+                seconds: StepSeconds | None = None, num_drafted: int | None = None,
+                lookup_rows: torch.Tensor | None = None):
+        super().observe(token_log_probs, verify_lengths, num_accepted, seconds, num_drafted, lookup_rows)
+        if self._planned is not None and (self._planned[1].num_draft_tokens == 0 or self._planned[3]) \
+                and token_log_probs.shape[1] > 0 and not self._lookup_only_step:
+            self._planned = None  # a probe drafted (the model did): plan again at the next step, on what it showed
 
-    def _add_rows(self, rows: torch.Tensor) -> None:
-        """Put ``rows`` ``(n, K)`` (newest first) in front of the pool, cut or NaN-padded to ``max_draft`` cells."""
+    def _add_rows(self, rows: torch.Tensor, sources: torch.Tensor | None = None) -> None:
+        """Put ``rows`` ``(n, K)`` (newest first) in front of the pool, cut or NaN-padded to ``max_draft`` cells;
+        ``sources`` ``(n,)`` which source drafted each (default the model)."""
         if rows.shape[1] == 0:
             return
         rows = rows[:, : self.max_draft]
         pad = self.max_draft - rows.shape[1]
         if pad > 0:
             rows = torch.cat([rows, rows.new_full((rows.shape[0], pad), float("nan"))], dim=1)
+        if sources is None:
+            sources = torch.full((rows.shape[0],), MODEL_ROW, dtype=torch.int8)
         self.pool = torch.cat([rows, self.pool])[: self.pool_rows]
+        self.pool_sources = torch.cat([sources.to(torch.int8), self.pool_sources])[: self.pool_rows]
 
     def pool_acceptance(self, num_rows: int | None = None, optimism: float = 0.0) -> torch.Tensor:
         """``(P, max_draft)`` calibrated conditional acceptance of the pooled rows, newest first: the newest
@@ -350,21 +394,58 @@ class AdaptiveBudget(_CostAware):
         if self._planned is None or self._planned[0] != num_rows or self._plan_age >= self.replan_every:
             if self._planned is None or self.pool.shape[0] == 0:
                 self._flush()  # after a probe: plan on what it showed (else the last step is learnt at the next read)
-            plan = plan_step(self.pool_acceptance(num_rows), num_rows, self.max_draft, cost, self.max_budget)
-            could_pay = plan.num_draft_tokens > 0 or plan_step(
-                self.pool_acceptance(num_rows, self.optimism), num_rows, self.max_draft, cost, self.max_budget
-            ).num_draft_tokens > 0
-            self._planned = (num_rows, plan, could_pay)
+            self._planned = (num_rows, *self._choose(num_rows, cost))
             self._plan_age = 0
         elif self.pool.shape[0] == 0 and self._pending:
             self._flush()  # the first drafted rows: whether a probe can teach anything depends on them
         self._plan_age += 1
-        _, plan, could_pay = self._planned
-        probe = self._after_plan(plan.num_draft_tokens > 0, can_learn=self.pool.shape[0] > 0,
+        _, plan, could_pay, lookup_only = self._planned
+        # (probes teach what the model's drafts are worth: a plan drafting by lookup alone counts as plain for them)
+        probe = self._after_plan(plan.num_draft_tokens > 0 and not lookup_only, can_learn=self.pool.shape[0] > 0,
                                  num_rows=num_rows, could_pay=could_pay)
         if probe and self.max_draft > 0 and self.max_budget != 0:
+            self._lookup_only_step = False
             return DraftPlan(1, num_rows, probe=True)
-        return DraftPlan(plan.num_draft_tokens, plan.budget)
+        self._lookup_only_step = lookup_only
+        return DraftPlan(plan.num_draft_tokens, plan.budget, lookup_only=lookup_only)
+
+    def _choose(self, num_rows: int, cost: StepCostModel) -> tuple[GoodputPlan, bool, bool]:
+        """``(plan, could_pay, lookup_only)``: the best plan on the pool, whether a plan drafting with the model could
+        beat it at an optimistic acceptance (probes are rare otherwise), and (hybrid) whether lookup drafts alone."""
+        def best(acceptance: torch.Tensor, draft_seconds: float | None = None) -> GoodputPlan:
+            return plan_step(acceptance, num_rows, self.max_draft, cost, self.max_budget, draft_seconds)
+
+        if not self.hybrid:
+            plan = best(self.pool_acceptance(num_rows))
+            could_pay = plan.num_draft_tokens > 0 or best(
+                self.pool_acceptance(num_rows, self.optimism)).num_draft_tokens > 0
+            return plan, could_pay, False
+        both, alone = self.hybrid_acceptance(num_rows)
+        with_model, lookup_plan = best(both), best(alone, draft_seconds=0.0)
+        lookup_only = lookup_plan.num_draft_tokens > 0 and lookup_plan.rate > with_model.rate
+        plan = lookup_plan if lookup_only else with_model
+        if plan.num_draft_tokens == 0 and not self.sampling:
+            # Lookup's drafts are free and a greedy selection chooses C from the drafted cells (none where none pays):
+            # where nothing matches, a step by lookup alone costs what a plain one does, and it shows where lookup
+            # matches, which plain steps never would.
+            plan, lookup_only = plan._replace(num_draft_tokens=self.max_draft, budget=num_rows * self.max_draft), True
+        optimistic = best(self.hybrid_acceptance(num_rows, self.optimism)[0])
+        could_pay = (plan.num_draft_tokens > 0 and not lookup_only) or (
+            optimistic.num_draft_tokens > 0 and optimistic.rate > plan.rate)
+        return plan, could_pay, lookup_only
+
+    def hybrid_acceptance(self, num_rows: int, optimism: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hybrid drafting: ``(P, max_draft)`` each pooled row's acceptance in a step where both sources draft (a row
+        that had no match in a lookup-alone step takes the mean of the model's rows, where the pool has any), and in
+        one where lookup drafts alone (the model's rows draft nothing: 0). As :meth:`pool_acceptance` otherwise."""
+        acceptance = self.pool_acceptance(num_rows, optimism)
+        sources = self.pool_sources[: acceptance.shape[0]]
+        alone = torch.where((sources == LOOKUP_ROW)[:, None], acceptance, 0.0)
+        model_rows = sources == MODEL_ROW
+        both = acceptance
+        if bool(model_rows.any()):
+            both = torch.where((sources == UNDRAFTED_ROW)[:, None], acceptance[model_rows].mean(dim=0), acceptance)
+        return both, alone
 
     def select(self, token_log_probs: torch.Tensor, max_lengths: torch.Tensor, plan: DraftPlan) -> torch.Tensor:
         num_rows, num_drafted = token_log_probs.shape
@@ -378,7 +459,8 @@ class AdaptiveBudget(_CostAware):
         if self.sampling:
             return select_tetris(scores, max_lengths, plan.budget)
         cost = self.cost
-        fixed_seconds = num_drafted * cost.draft_seconds(num_rows) + cost.step_overhead  # drafting is already paid
+        # drafting is already paid (lookup's alone: nothing)
+        fixed_seconds = (0 if plan.lookup_only else num_drafted * cost.draft_seconds(num_rows)) + cost.step_overhead
         choice = best_budget(survival, host_max_lengths.long(), fixed_seconds,
                              cost.verify_prices(num_rows, num_drafted), self.max_budget, cost.packed)
         return select_tetris(scores, max_lengths, int(choice.budget[0]))
@@ -435,7 +517,8 @@ class DynamicWindow(_CostAware):
         """Draft trees: each row's ``k`` best nodes, ``k`` the window chosen for the batch."""
         return select_tree_fixed(tree.log_scores, tree.valid, tree.parents, plan.num_draft_tokens)
 
-    def _learn(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor) -> None:
+    def _learn(self, token_log_probs: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
+               sources: torch.Tensor | None = None) -> None:
         accepted = int(num_accepted.sum())
         rejections = int((num_accepted < verify_lengths).sum())
         if accepted + rejections == 0:
@@ -472,5 +555,5 @@ def make_strategy(options: TetrisOptions, model: torch.nn.Module | None = None,
     hybrid = assistant_model is not None and options.prompt_lookup_num_tokens is not None
     memory = pair_memory(model, assistant_model, sampling, hybrid) if model is not None else None
     if options.tetris_strategy == "adaptive":
-        return AdaptiveBudget(options, cost, learn_costs=learn_costs, memory=memory, sampling=sampling)
+        return AdaptiveBudget(options, cost, learn_costs=learn_costs, memory=memory, sampling=sampling, hybrid=hybrid)
     return DynamicWindow(options, cost, learn_costs=learn_costs, memory=memory)

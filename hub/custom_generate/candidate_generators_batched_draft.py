@@ -45,6 +45,29 @@ def split_pending_read(read: int, columns: int) -> tuple[int, int | None]:
     return read % (columns + 1), read // (columns + 1)
 
 
+def final_tokens(cells: torch.Tensor, verdict: Verdict) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a verdict made final in each row, ``[c1 .. ca, t]`` (``a = num_accepted``: the first ``a`` of ``cells``
+    ``(B, K)``, then the target's token ``t``), as ``(B, W)`` tokens and a mask, real first then filler (``W =
+    min(max_accepted, K) + 1``).
+
+    E.g. cells ``[[x1 x2], [y1 y2]]``, 2 and 0 accepted, tokens t and u: ``[[x1 x2 t], [u . .]]``, mask
+    ``[[1 1 1], [1 0 0]]``."""
+    num_accepted, next_tokens, max_accepted = verdict.num_accepted, verdict.next_tokens, verdict.hints.max_accepted
+    width = (cells.shape[1] if max_accepted is None else min(max_accepted, cells.shape[1])) + 1
+    tokens = torch.cat([cells[:, : width - 1], next_tokens[:, None]], dim=1)
+    tokens = tokens.scatter(1, num_accepted[:, None], next_tokens[:, None])  # t right after the accepted cells
+    mask = (torch.arange(width, device=num_accepted.device)[None, :] <= num_accepted[:, None]).long()
+    return tokens, mask
+
+
+def left_packed_order(mask: torch.Tensor) -> torch.Tensor:
+    """``(B, P)`` the column order that left-packs a block whose ``mask`` ``(B, P)`` may have filler anywhere: filler
+    first, then the real tokens in their order (gather the block's columns by it).
+
+    E.g. mask ``[[0 1 1 0], [1 0 1 1]]`` -> ``[[0 3 1 2], [1 0 2 3]]``."""
+    return mask.argsort(dim=1, stable=True)
+
+
 def real_tokens(mask: torch.Tensor, all_real: bool) -> int:
     """The real tokens of ``mask`` ``(B, T)`` on the host: a device read unless ``all_real`` says every one is."""
     return mask.numel() if all_real else int(mask.sum())
@@ -325,8 +348,8 @@ class BatchedDraftCandidateGenerator(Drafter):
         cells ``x1 x2``, ``W = 3``: caches ``[p | d1 .]`` and ``[r | . .]``; pending ``[. . t]`` and ``[x1 x2 u]``.
         """
         drafted = self._last_num_drafted
-        if drafted == 0:
-            self.accept(verdict)
+        if drafted == 0:  # this draft drafted nothing (lookup alone did): what every row made final waits
+            self._queue_after_pending(*final_tokens(cells, verdict))
             return
         num_accepted, next_tokens = verdict.num_accepted, verdict.next_tokens
         max_accepted, cached_longest = verdict.hints
@@ -344,6 +367,13 @@ class BatchedDraftCandidateGenerator(Drafter):
         self.pending_real = width == 1
         self.pending_count = num_accepted.shape[0] if width == 1 else None  # (else until the loop's read says)
         self.slots.compact(cached_longest)
+
+    def _queue_after_pending(self, tokens: torch.Tensor, mask: torch.Tensor) -> None:
+        """``tokens`` ``(B, W)`` (real where ``mask``) wait after the pending ones, the block left-packed again."""
+        order = left_packed_order(torch.cat([self.pending_mask, mask], dim=1))
+        self.pending_tokens = torch.cat([self.pending_tokens, tokens], dim=1).gather(1, order)
+        self.pending_mask = torch.cat([self.pending_mask, mask], dim=1).gather(1, order)
+        self.pending_real, self.pending_count = False, None  # (until the loop's read says, see pending_width)
 
     def _pending_target_tokens(self, next_tokens: torch.Tensor, ones: torch.Tensor) -> None:
         """Only the target's tokens ``(B,)`` wait: one column, real in every row."""

@@ -19,7 +19,7 @@ import torch
 
 from ..kv import SlotCache
 from ..logits import PositionwiseLogitsProcessor
-from .batched_draft import BatchedDraftCandidateGenerator, real_tokens
+from .batched_draft import BatchedDraftCandidateGenerator, final_tokens, left_packed_order, real_tokens
 from .drafter import Verdict
 from .eagle import EagleDraft, FeatureTap
 
@@ -169,7 +169,16 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
         the accepted cells are re-read with the target's features at them: only which tokens to queue changes."""
         if self._last_num_drafted > 0:
             self._drafts = cells
-        self.accept(verdict)
+            self.accept(verdict)
+            return
+        # the head drafted nothing (lookup alone did): what every row made final waits, each token with the target's
+        # feature of the token before it (the block's columns 0 .. a)
+        tokens, mask = final_tokens(cells, verdict)
+        features = self._target_features()[: tokens.shape[0], : tokens.shape[1]]
+        order = left_packed_order(torch.cat([self.pending_mask, mask], dim=1))
+        self.pending_features = torch.cat([self.pending_features, features], dim=1).gather(
+            1, order[..., None].expand(-1, -1, features.shape[-1]))
+        self._queue_after_pending(tokens, mask)
 
     def _queue_final(self, candidates: torch.Tensor, next_tokens: torch.Tensor, num_accepted: torch.Tensor,
                      features: torch.Tensor, cached_longest: int | None) -> None:

@@ -238,7 +238,7 @@ class ReplayStep(StepPhases):
         """Move every row on to its next recorded step."""
         self.log_probs, self.recorded = self.sampler.next()
 
-    def draft(self, num_drafted: int, confidences: bool) -> Proposal:
+    def draft(self, num_drafted: int, confidences: bool, lookup_only: bool = False) -> Proposal:
         log_probs = self.log_probs[:, :num_drafted]
         return Proposal(torch.zeros(log_probs.shape, dtype=torch.long), log_probs, None)
 

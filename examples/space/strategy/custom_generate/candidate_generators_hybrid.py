@@ -20,6 +20,10 @@ Sampling stays lossless: a lookup row's ``q`` is one-hot at its drafted tokens a
 distribution (``Proposal.probs`` mixes them per row), and neither confidence depends on the token drawn at its cell
 (lookup's on the match, the model's on ``max q``, a function of the row's earlier tokens).
 
+A step may draft by lookup alone (:meth:`HybridCandidateGenerator.propose_lookup`, which ``adaptive`` plans where
+the model's drafts do not pay for their forwards, :class:`~tetris_hf.strategies.AdaptiveBudget`): rows without a
+match then verify nothing, and the model reads what every row made final at its next proposal, as after plain steps.
+
 Roll back: the model's cache holds the model's own drafts in every row. A row that verified lookup cells keeps none
 of them and queues the tokens it accepted (then the target's) for the model's next proposal
 (:meth:`~.batched_draft.BatchedDraftCandidateGenerator.accept_cells`); an EAGLE head re-reads every accepted token
@@ -138,6 +142,19 @@ class HybridCandidateGenerator(Drafter):
             probs = torch.where(from_lookup[:, None, None], one_hot, drafted.probs)
         self._last = (tokens, from_lookup, drafted.log_probs)
         return Proposal(tokens, log_probs, probs, torch.where(from_lookup, looked.lengths, num_tokens), from_lookup)
+
+    def propose_lookup(self, sequences: torch.Tensor, lengths: torch.Tensor, num_tokens: int,
+                       rows: torch.Tensor | None = None, confidences: bool = True) -> Proposal:
+        """Lookup alone drafts ``K = num_tokens`` cells where a row matches (the model runs no forward: rows without a
+        match draft nothing); as :meth:`propose` otherwise. ``probs`` is ``None``: every drafted cell is lookup's,
+        one-hot at its token."""
+        if num_tokens == 0:
+            return self.propose(sequences, lengths, 0, rows, confidences)
+        looked = self.lookup.propose(sequences, lengths, num_tokens, rows, confidences)
+        self.model.propose(sequences, lengths, 0, rows, confidences)  # (its draft count this step: none)
+        from_lookup = looked.lengths > 0
+        self._last = (looked.tokens, from_lookup, None)
+        return Proposal(looked.tokens, looked.log_probs, None, looked.lengths, from_lookup)
 
     def accept(self, verdict: Verdict) -> None:
         """Both parts learn the verdict: lookup its acceptance estimates (its rows), the calibration the model's

@@ -80,11 +80,13 @@ class ChainStep(StepPhases):
     def catch_up(self) -> None:
         self.loop.drafter.catch_up()
 
-    def draft(self, num_drafted: int, confidences: bool) -> Proposal:
+    def draft(self, num_drafted: int, confidences: bool, lookup_only: bool = False) -> Proposal:
         loop = self.loop
+        # (lookup_only: a hybrid drafter's lookup part alone, the model running no forward)
+        propose = loop.drafter.propose_lookup if lookup_only else loop.drafter.propose
         # Confidences may cost a softmax per draft token: only for plans and callbacks that read them.
-        return loop.drafter.propose(loop.sequences, loop.lengths, num_drafted, loop.rows,
-                                    confidences or loop.step_callback is not None)
+        return propose(loop.sequences, loop.lengths, num_drafted, loop.rows,
+                       confidences or loop.step_callback is not None)
 
     def select(self, strategy: StepStrategy, proposal: Proposal, plan: DraftPlan) -> torch.Tensor:
         """``(B,)`` drafts each row verifies: the strategy's pick, within what each row may verify (a target token

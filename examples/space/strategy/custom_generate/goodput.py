@@ -126,7 +126,7 @@ class GoodputPlan(NamedTuple):
 
 
 def plan_step(acceptance: torch.Tensor, num_rows: int, max_draft: int, cost: StepCostModel,
-              max_budget: int | None = None) -> GoodputPlan:
+              max_budget: int | None = None, draft_seconds: float | None = None) -> GoodputPlan:
     """Choose ``K`` (0 = no drafting) and ``C`` for a batch of ``num_rows`` before drafting.
 
     Args:
@@ -138,6 +138,7 @@ def plan_step(acceptance: torch.Tensor, num_rows: int, max_draft: int, cost: Ste
         max_draft: largest ``K`` considered.
         cost: the step cost model.
         max_budget: cap on ``C``.
+        draft_seconds: one draft step's seconds (default the cost model's; 0 for prompt lookup alone).
 
     Returns:
         The best :class:`GoodputPlan`; plain decoding unless drafting is expected to be faster.
@@ -151,7 +152,7 @@ def plan_step(acceptance: torch.Tensor, num_rows: int, max_draft: int, cost: Ste
     index = torch.arange(num_batches * num_rows) % pool_rows
     batches = acceptance[index].view(num_batches, num_rows, -1).double()
     verify = cost.verify_prices(num_rows, max_draft)
-    draft_seconds = cost.draft_seconds(num_rows)
+    draft_seconds = cost.draft_seconds(num_rows) if draft_seconds is None else draft_seconds
     for num_draft in range(1, max_draft + 1):
         survival = batches[..., :num_draft].cumprod(dim=-1)
         lengths = torch.full((num_batches, num_rows), num_draft, dtype=torch.long)

@@ -24,6 +24,7 @@ class PairMemory:
 
     calibrator: AcceptanceCalibrator = field(default_factory=AcceptanceCalibrator)
     pool: torch.Tensor | None = None
+    pool_sources: torch.Tensor | None = None  # (P,) hybrid drafting: which source drafted each pooled row
     dsd_acceptance: float | None = None
     plain_streak: int = 0
     probe_interval: int = 8

@@ -215,8 +215,9 @@ class StepPhases:
     def catch_up(self) -> None:
         """One-off work the drafter skipped while the loop decoded plainly (kept out of the step's timings)."""
 
-    def draft(self, num_drafted: int, confidences: bool) -> Proposal | GrownTree:
-        """``K = num_drafted`` cells per row (0: a plain step), with confidences when ``confidences``."""
+    def draft(self, num_drafted: int, confidences: bool, lookup_only: bool = False) -> Proposal | GrownTree:
+        """``K = num_drafted`` cells per row (0: a plain step), with confidences when ``confidences``;
+        ``lookup_only``: hybrid drafting by prompt lookup alone (:attr:`DraftPlan.lookup_only`)."""
         raise NotImplementedError
 
     def select(self, strategy: StepStrategy, proposal, plan: DraftPlan) -> torch.Tensor:
@@ -263,7 +264,7 @@ def run_step(strategy: StepStrategy, phases: StepPhases, num_rows: int, max_draf
         phases.catch_up()
         clock.mark(Mark.CATCH_UP_END)
     clock.mark(Mark.DRAFT_START)
-    proposal = phases.draft(num_drafted, plan.needs_confidences)
+    proposal = phases.draft(num_drafted, plan.needs_confidences, plan.lookup_only and num_drafted > 0)
     clock.mark(Mark.DRAFT_END)
     selection = phases.select(strategy, proposal, plan)
     verdict, block = phases.verify(proposal, selection)
@@ -273,9 +274,10 @@ def run_step(strategy: StepStrategy, phases: StepPhases, num_rows: int, max_draf
     clock.mark(Mark.END)
     seconds = clock.finish_step()  # on CUDA the previous step's
     observed = phases.observation(proposal, selection, verdict)
-    strategy.observe(observed.log_probs, observed.verified, verdict.num_accepted, seconds, num_drafted)
+    lookup_rows = proposal.lookup_rows if isinstance(proposal, Proposal) else None
+    strategy.observe(observed.log_probs, observed.verified, verdict.num_accepted, seconds, num_drafted,
+                     lookup_rows=lookup_rows)
     record = StepRecord(phases.rows, num_drafted, plan.budget, observed.log_probs, verdict.verify_lengths,
                         verdict.num_accepted, emission.emitted, seconds or NO_SECONDS, observed.drafted, verdict.tree,
-                        0 if block is None else block.computed,
-                        proposal.lookup_rows if isinstance(proposal, Proposal) else None)
+                        0 if block is None else block.computed, lookup_rows)
     return Step(plan, num_drafted, proposal, selection, verdict, emission, record)

@@ -25,13 +25,15 @@ class DraftPlan(NamedTuple):
     across the batch. ``probe``: a step taken to learn (one draft per row, all verified) rather than because drafting
     is expected to pay. ``needs_confidences``: this step's :meth:`StepStrategy.select` or :meth:`StepStrategy.observe`
     reads the draft's confidences (else the loop may skip computing them, a softmax per draft token, and pass
-    ``None``).
+    ``None``). ``lookup_only``: hybrid drafting, prompt lookup alone drafts (the model runs no forward; rows without a
+    match draft nothing, see :meth:`~tetris_hf.candidate_generators.hybrid.HybridCandidateGenerator.propose_lookup`).
     """
 
     num_draft_tokens: int
     budget: int
     probe: bool = False
     needs_confidences: bool = True
+    lookup_only: bool = False
 
 
 class StepStrategy(Protocol):
@@ -56,6 +58,8 @@ class StepStrategy(Protocol):
         row's valid nodes (:class:`~tetris_hf.trees.DraftTree` ``tree``); changes nothing the strategy has learnt."""
 
     def observe(self, token_log_probs: torch.Tensor | None, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
-                seconds: StepSeconds | None = None, num_drafted: int | None = None) -> None:
+                seconds: StepSeconds | None = None, num_drafted: int | None = None,
+                lookup_rows: torch.Tensor | None = None) -> None:
         """What the step did: ``(B, K)`` confidences (``None`` when the plan did not need them), ``(B,)`` verified and
-        accepted drafts, the measured time and ``K``. Where a strategy learns."""
+        accepted drafts, the measured time and ``K``; ``(B,)`` the rows prompt lookup drafted (hybrid drafting, else
+        ``None``). Where a strategy learns."""

@@ -64,7 +64,7 @@ class TreeStep(ChainStep):
     def plain(self) -> ChainStep:
         return ChainStep(self.loop)
 
-    def draft(self, depth: int, confidences: bool) -> GrownTree:
+    def draft(self, depth: int, confidences: bool, lookup_only: bool = False) -> GrownTree:  # (no hybrid trees)
         loop, self.depth = self.loop, depth
         return loop.drafter.propose_tree(loop.sequences, loop.lengths, depth, self.width, loop.rows)
 
