@@ -551,3 +551,18 @@ def test_adaptive_steps_by_lookup_alone_read_the_device_as_its_other_steps(pair,
     steady = reads.per_step[3:-1]
     assert len(calls) >= 5 and len(steady) >= 5
     assert max(steady) <= 3, reads.per_step
+
+
+@pytest.mark.parametrize("kind", ["draft", "eagle3"])
+def test_stream_rows_equal_target_alone_when_lookup_drafts_alone(pair, eagle_pairs, monkeypatch, kind):
+    """The request stream with two of every three drafting steps by lookup alone: rows joining between them (their
+    prompts read by both parts) and rows whose model waits on lookup's accepted cells stay exact."""
+    from tetris_hf.stream import RequestStream
+    from test_stream import check_exact, requests
+
+    target, draft = pair if kind == "draft" else eagle_pairs[kind]
+    calls = lookup_alone_on(monkeypatch, TetrisSelection)
+    stream = RequestStream(target, assistant_model=draft, max_batch_size=3, prefill_chunk=5, eos_token_id=None,
+                           tetris_strategy="tetris", prompt_lookup_num_tokens=3)
+    check_exact(target, stream, requests(target, 8, seed=31, max_prompt=16))
+    assert len(calls) >= 4
