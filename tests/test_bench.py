@@ -300,3 +300,15 @@ def test_sources_are_checked_on_the_command_line(saved_target, prompt_file, tmp_
     assert "--sources needs a draft model" in capsys.readouterr().err
     assert cli_main([*base, "--draft", "early-exit:1", "--sources", "hybrid", "--tree-width", "1,2"]) == 2
     assert "leave out --tree-width" in capsys.readouterr().err
+
+
+def test_confidence_threshold_runs_each_speculative_run_stopped_too(tiny_pair):
+    target, draft, tokenizer = tiny_pair
+    config = bench.BenchConfig(batch_size=1, max_new_tokens=8, strategies=("generate", "fixed"),
+                               num_assistant_tokens=(3,), confidence_threshold=0.9)
+    assert [name for name, _, _ in bench.plan_runs(config, 1)] == ["generate", "fixed k=3", "fixed k=3 stop<0.9"]
+    report = bench.run_bench(target, draft, tokenizer, SENTENCES[:2], config, show_progress=False)
+    assert report["mismatches"] == []
+    full, stopped = report["runs"][1:]
+    assert stopped["options"]["tetris_confidence_threshold"] == 0.9
+    assert stopped["drafted_tokens"] < full["drafted_tokens"]  # a noisy draft is rarely that sure

@@ -63,7 +63,9 @@ def generate(model, *args, **kwargs):
             default k x active rows), ``tetris_strategy`` (``"tetris"``, ``"fixed"``, ``"adaptive"`` or ``"dsd"``),
             ``tetris_cost_profile``, ``tetris_step_callback``, ``tetris_max_holes``, ``tetris_draft_vocab``,
             ``tetris_compile``, ``tetris_tree_width`` (draft trees, see :mod:`tetris_hf.tree_step`), ``tetris_pack``
-            (packed verify steps, see :mod:`tetris_hf.packing`) (see :class:`~tetris_hf.options.TetrisOptions`).
+            (packed verify steps, see :mod:`tetris_hf.packing`), ``tetris_confidence_threshold`` (a chain stops once
+            every row's draft is less sure than this, as transformers' ``assistant_confidence_threshold``) (see
+            :class:`~tetris_hf.options.TetrisOptions`).
 
     Returns:
         What ``generate()`` returns: ``(B, T)`` sequences, or with ``return_dict_in_generate=True`` a

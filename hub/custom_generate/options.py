@@ -108,6 +108,11 @@ class TetrisOptions:
             it does not (:mod:`tetris_hf.candidate_generators.hybrid`).
         max_matching_ngram_size: the longest n-gram prompt lookup matches (default 3).
         tetris_min_ngram_size: the shortest n-gram prompt lookup matches (default 1).
+        tetris_confidence_threshold: a draft model or EAGLE head stops drafting a step's chain once every row's last
+            draft had ``max q`` below this (in ``(0, 1)``; transformers' ``assistant_confidence_threshold``, which its
+            assisted generation applies at 0.4). Costs one device read per draft token, so it suits small batches
+            (B = 1); lossless (``max q`` does not depend on the token drawn). ``None`` (default): every step drafts
+            its ``K``. Chains only (not trees, not prompt lookup).
     """
 
     num_assistant_tokens: int = 4
@@ -124,6 +129,7 @@ class TetrisOptions:
     prompt_lookup_num_tokens: int | None = None
     max_matching_ngram_size: int | None = None
     tetris_min_ngram_size: int = 1
+    tetris_confidence_threshold: float | None = None
 
     def __post_init__(self):
         self._check_lookup()
@@ -137,6 +143,7 @@ class TetrisOptions:
             _check_count("tetris_budget", self.tetris_budget, 0)
         _check_count("tetris_max_holes", self.tetris_max_holes, 0)
         self._check_tree()
+        self._check_threshold()
         if self.tetris_step_callback is not None and not callable(self.tetris_step_callback):
             raise TypeError(f"`tetris_step_callback` must be callable, got {type(self.tetris_step_callback).__name__}")
         if self.tetris_strategy not in STRATEGIES:
@@ -150,6 +157,19 @@ class TetrisOptions:
                 path = os.fspath(profile)
                 if not Path(path).is_file() and not Path(path.split(":")[0]).is_file():
                     raise ValueError(f"`tetris_cost_profile` file {path!r} does not exist")
+
+    def _check_threshold(self) -> None:
+        threshold = self.tetris_confidence_threshold
+        if threshold is None:
+            return
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold < 1:
+            raise ValueError(f"`tetris_confidence_threshold` must be a number in (0, 1) (or None), got {threshold!r}")
+        if self.prompt_lookup_num_tokens is not None:
+            raise ValueError("`tetris_confidence_threshold` stops a draft model's chain on its confidence: prompt "
+                             "lookup's drafts have none to stop on; leave out one of the two")
+        if self.tetris_tree_width > 1:
+            raise ValueError("`tetris_confidence_threshold` stops chains: a draft tree grows all its depths; use "
+                             "tetris_tree_width=1")
 
     def _check_tree(self) -> None:
         width = self.tetris_tree_width

@@ -266,6 +266,8 @@ def run_step(strategy: StepStrategy, phases: StepPhases, num_rows: int, max_draf
     clock.mark(Mark.DRAFT_START)
     proposal = phases.draft(num_drafted, plan.needs_confidences, plan.lookup_only and num_drafted > 0)
     clock.mark(Mark.DRAFT_END)
+    if isinstance(proposal, Proposal):  # (a chain a confidence threshold stopped early drafted fewer)
+        num_drafted = proposal.tokens.shape[1]
     selection = phases.select(strategy, proposal, plan)
     verdict, block = phases.verify(proposal, selection)
     phases.roll_back(proposal, verdict, block)

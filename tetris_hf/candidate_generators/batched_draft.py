@@ -15,6 +15,8 @@ until then, and the block is read padded.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..compiled import check_compilable, compiled_forward
@@ -106,6 +108,8 @@ class BatchedDraftCandidateGenerator(Drafter):
         self.pending_mask: torch.Tensor | None = None  # (B, P)
         self.pending_real = False  # known on the host: every pending token is real (the next forward needs no mask)
         self.pack = False  # read blocks with filler packed: set where the draft model packs exactly (build_drafter)
+        # stop a chain once every row's draft is less sure than this (tetris_confidence_threshold; build_drafter)
+        self.stop_below: float | None = None
         self.pending_count: int | None = None  # real pending tokens, known on the host (None: not known, read padded)
         self._last_draft: torch.Tensor | None = None  # (B, 1) the K-th draft of the last proposal (never fed)
         self._last_num_drafted = 0
@@ -185,10 +189,11 @@ class BatchedDraftCandidateGenerator(Drafter):
         write_each = not self.logits_processor.prefix_free
         tokens, mask = self.pending_tokens, (None if self.pending_real else self.pending_mask)
         draft_tokens, token_log_probs, draft_probs = [], [], []
+        stop_below = None if self.stop_below is None else math.log(self.stop_below)
         for step in range(num_tokens):  # every tensor (B, 1, ...): one position per row
             logits = self._draft_forward(step, tokens, mask)
             scores = self.logits_processor(sequences, lengths, logits, rows, offset=step)
-            log_probs = scores.log_softmax(dim=-1) if confidences or self.do_sample else None
+            log_probs = scores.log_softmax(dim=-1) if confidences or self.do_sample or stop_below else None
             if self.do_sample:
                 probs = log_probs.exp()
                 next_tokens = sample_tokens(probs, self.generator)
@@ -201,10 +206,14 @@ class BatchedDraftCandidateGenerator(Drafter):
             if confidences:  # amax: max(dim) would also find the indices, which nothing reads
                 token_log_probs.append(log_probs.amax(dim=-1))
             tokens, mask = next_tokens, None  # the draft's own token: real in every row
+            # (a device read: every row unsure of this draft, the chain stops here, its later cells unlikely)
+            if stop_below is not None and step + 1 < num_tokens and bool((log_probs.amax(dim=-1) < stop_below).all()):
+                break
         self._last_draft = next_tokens
+        self._last_num_drafted = len(draft_tokens)
         drafts = torch.cat(draft_tokens, dim=1)
         if not write_each:
-            sequences.scatter_(1, lengths[:, None] + self.slots.offsets[:num_tokens], drafts)
+            sequences.scatter_(1, lengths[:, None] + self.slots.offsets[: drafts.shape[1]], drafts)
         return Proposal(
             drafts,
             torch.cat(token_log_probs, dim=1) if confidences else None,

@@ -72,6 +72,7 @@ def build_drafter(assistant_model: torch.nn.Module | None, options: TetrisOption
     drafter = drafter_class(draft_model, logits_processor, do_sample, max_holes=options.tetris_max_holes,
                             capacity=cache_capacity(draft_model))
     drafter.pack = options.tetris_pack and not options.tetris_compile and packs_exactly(draft_model)
+    drafter.stop_below = options.tetris_confidence_threshold
     if lookup is not None:
         return HybridCandidateGenerator(lookup, drafter), draft_model
     return drafter, draft_model

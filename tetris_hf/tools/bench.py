@@ -84,6 +84,7 @@ class BenchConfig:
     tree_widths: tuple[int, ...] = (1,)  # tetris_tree_width of the speculative runs (1: chains)
     padded: bool = False  # also run every speculative run with tetris_pack=False, named "... padded"
     sources: tuple[str, ...] = ("model",)  # with a draft: every speculative run once per draft source (see SOURCES)
+    confidence_threshold: float | None = None  # also run every model-drafted run with it, named "... stop<X"
 
 
 @dataclasses.dataclass
@@ -443,6 +444,10 @@ def _speculative_runs(config: BenchConfig, num_rows: int) -> list[tuple[str, str
                 runs.append((f"{strategy} k={k} e={extra}", strategy, options))
     if config.padded:  # the same runs on the padded verify block, to compare
         runs += [(f"{name} padded", strategy, {**options, "tetris_pack": False}) for name, strategy, options in runs]
+    threshold = config.confidence_threshold
+    if threshold is not None and not config.lookup:  # the same runs with chains stopped where the draft is unsure
+        runs += [(f"{name} stop<{threshold:g}", strategy, {**options, "tetris_confidence_threshold": threshold})
+                 for name, strategy, options in runs]
     return runs
 
 
@@ -740,6 +745,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--padded", action="store_true",
                         help="also run every speculative run with the padded verify block (tetris_pack=False), to "
                              "compare with the packed one")
+    parser.add_argument("--confidence-threshold", type=float, default=None,
+                        help="also run every speculative run with tetris_confidence_threshold=X (a chain stops once "
+                             "every row's draft is less sure than X; transformers' assisted generation uses 0.4), "
+                             "named '... stop<X'")
     parser.add_argument("--sources", default="model",
                         help="comma list of draft sources, each speculative run once per source: model (the draft "
                              "model or EAGLE head), lookup (prompt lookup alone), hybrid (both: lookup where a row "
@@ -839,6 +848,10 @@ def config_from_args(args) -> BenchConfig:
     sources = tuple(dict.fromkeys(source.strip() for source in args.sources.split(",") if source.strip()))
     if not sources or any(source not in SOURCES for source in sources):
         raise UsageError(f"--sources takes a comma list of {', '.join(SOURCES)}, got {args.sources!r}")
+    threshold = args.confidence_threshold
+    if threshold is not None and (lookup or sources != ("model",) or args.tree_width != (1,) or not 0 < threshold < 1):
+        raise UsageError("--confidence-threshold takes a number in (0, 1) and stops a model's chains: not with "
+                         "--draft lookup, --sources or --tree-width")
     if lookup and sources != ("model",):
         raise UsageError("--sources needs a draft model or an EAGLE head (--draft lookup drafts by lookup alone)")
     if sources != ("model",) and (args.tree_width != (1,) or args.draft_vocab != (None,)):
@@ -870,6 +883,7 @@ def config_from_args(args) -> BenchConfig:
         tree_widths=tuple(dict.fromkeys(args.tree_width)),
         padded=args.padded,
         sources=sources,
+        confidence_threshold=threshold,
     )
 
 
