@@ -566,3 +566,18 @@ def test_stream_rows_equal_target_alone_when_lookup_drafts_alone(pair, eagle_pai
                            tetris_strategy="tetris", prompt_lookup_num_tokens=3)
     check_exact(target, stream, requests(target, 8, seed=31, max_prompt=16))
     assert len(calls) >= 4
+
+
+def test_steps_by_lookup_alone_run_no_model_forward(pair, monkeypatch):
+    """Every drafting step by lookup alone: the draft model never runs (no proposal, no catch-up of what waits), and
+    the rows are the target's own."""
+    target, draft = copy.deepcopy(pair[0]), copy.deepcopy(pair[1])
+    forwards = []
+    draft.register_forward_hook(lambda *_: forwards.append(1))
+    calls = lookup_alone_on(monkeypatch, TetrisSelection, pattern=(True,))
+    prompts = repetitive_prompts(3, VOCAB, seed=3)
+    references = target_alone(target, prompts, EOS)
+    input_ids, mask = left_pad(prompts)
+    out = hybrid_generate(target, draft, input_ids, mask, EOS, prompt_lookup_num_tokens=3)
+    assert_rows_equal(out.sequences, input_ids, mask, references)
+    assert len(calls) >= 5 and forwards == [] and out.tetris_stats.lookup_accepted_tokens > 0

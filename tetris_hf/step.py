@@ -258,7 +258,7 @@ def run_step(strategy: StepStrategy, phases: StepPhases, num_rows: int, max_draf
     num_drafted = min(plan.num_draft_tokens, max_draft) if plan.budget > 0 else 0
     if num_drafted == 0:
         phases = phases.plain
-    else:
+    elif not plan.lookup_only:  # (a step by lookup alone runs no model forward: what the model has not read waits)
         clock.mark(Mark.CATCH_UP_START)
         phases.catch_up()
         clock.mark(Mark.CATCH_UP_END)
