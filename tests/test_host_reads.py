@@ -87,13 +87,26 @@ def test_reads_are_counted():
     assert max(per_step[2:-1]) > 2
 
 
+def count_strategy_transfers(monkeypatch, reads) -> None:
+    """Count each transfer the cost-aware strategies make (``strategies._to_host``, their one read a step) in
+    ``reads``; their arithmetic on the host copies is not a device read."""
+    from tetris_hf import strategies
+
+    to_host = getattr(strategies._to_host, "__wrapped__", strategies._to_host)
+
+    def transfer(tensors):
+        reads.count += 1
+        return to_host(tensors)
+
+    transfer.__wrapped__ = to_host
+    monkeypatch.setattr(strategies, "_to_host", transfer)
+
+
 def test_cost_aware_strategies_read_the_device_once_per_step_besides_the_loop(monkeypatch):
     """``adaptive`` and ``dsd`` move what they learn and select on to the host in one transfer per step
     (``strategies._to_host``, counted here); their arithmetic on those host copies is not a device read."""
-    from tetris_hf import strategies
     from tetris_hf.cost_model import CostProfile
 
-    to_host = strategies._to_host
     rows, tokens = (1, 4, 16, 64), (1, 2, 4, 8)
     free_verification = CostProfile({(r, t): 10.0 for r in rows for t in tokens}, {r: 1e-3 for r in rows})
     for strategy in ("adaptive", "dsd"):
@@ -101,12 +114,7 @@ def test_cost_aware_strategies_read_the_device_once_per_step_besides_the_loop(mo
         draft = noisy_copy(target, 0.3)
         input_ids, mask = left_pad(random_prompts(8, 64, seed=1))
         with host_reads.HostReads(host_files=("strategies.py", "goodput.py", "cost_model.py")) as reads:
-
-            def transfer(tensors):
-                reads.count += 1
-                return to_host(tensors)
-
-            monkeypatch.setattr(strategies, "_to_host", transfer)
+            count_strategy_transfers(monkeypatch, reads)
             target.generate(input_ids, attention_mask=mask, assistant_model=draft, custom_generate="tetris",
                             max_new_tokens=40, tetris_step_callback=reads.step_done, tetris_strategy=strategy,
                             tetris_cost_profile=free_verification)

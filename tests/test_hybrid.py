@@ -46,21 +46,26 @@ def hybrid_generate(target, draft, input_ids, mask, eos, **options):
                            **options)
 
 
+def exact_hybrid_run(target, draft, prompts: list[list[int]], **options):
+    """A greedy hybrid call (``prompt_lookup_num_tokens=3``) on ``prompts``, EOS picked so that some rows stop early
+    when there are several: every row equals the target alone; returns the call's stats."""
+    eos = pick_eos(target, prompts) if len(prompts) > 1 else EOS
+    references = target_alone(target, prompts, eos)
+    input_ids, mask = left_pad(prompts)
+    out = hybrid_generate(target, draft, input_ids, mask, eos, prompt_lookup_num_tokens=3, **options)
+    assert_rows_equal(out.sequences, input_ids, mask, references)
+    assert out.tetris_stats.emitted_tokens == sum(len(reference) for reference in references)
+    return out.tetris_stats
+
+
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
 @pytest.mark.parametrize("strategy,options", STRATEGIES)
 def test_greedy_rows_equal_the_target_alone_draft_model(pair, batch_size, strategy, options):
     """Rows that repeat a motif (lookup matches), random ones (it matches only once the output repeats) and a
     one-token row."""
     target, draft = pair
-    prompts = repetitive_prompts(batch_size, VOCAB, seed=batch_size)
-    eos = pick_eos(target, prompts) if batch_size > 1 else EOS  # some rows stop early
-    references = target_alone(target, prompts, eos)
-    input_ids, mask = left_pad(prompts)
-    out = hybrid_generate(target, draft, input_ids, mask, eos, prompt_lookup_num_tokens=3, tetris_strategy=strategy,
-                          **options)
-    assert_rows_equal(out.sequences, input_ids, mask, references)
-    stats = out.tetris_stats
-    assert stats.emitted_tokens == sum(len(reference) for reference in references)
+    stats = exact_hybrid_run(target, draft, repetitive_prompts(batch_size, VOCAB, seed=batch_size),
+                             tetris_strategy=strategy, **options)
     if batch_size > 1 and strategy in ("tetris", "fixed"):  # both sources drafted, and drafts were right at times
         assert stats.lookup_drafted_tokens > 0 and stats.model_drafted_tokens > 0 and stats.accepted_tokens > 0
 
@@ -97,15 +102,8 @@ def eagle_prompts(batch_size: int, seed: int) -> list[list[int]]:
 @pytest.mark.parametrize("strategy,options", STRATEGIES)
 def test_greedy_rows_equal_the_target_alone_eagle(eagle_pairs, head_format, batch_size, strategy, options):
     target, head = eagle_pairs[head_format]
-    prompts = eagle_prompts(batch_size, seed=batch_size)
-    eos = pick_eos(target, prompts) if batch_size > 1 else EOS
-    references = target_alone(target, prompts, eos)
-    input_ids, mask = left_pad(prompts)
-    out = hybrid_generate(target, head, input_ids, mask, eos, prompt_lookup_num_tokens=3, tetris_strategy=strategy,
-                          **options)
-    assert_rows_equal(out.sequences, input_ids, mask, references)
-    stats = out.tetris_stats
-    assert stats.emitted_tokens == sum(len(reference) for reference in references)
+    stats = exact_hybrid_run(target, head, eagle_prompts(batch_size, seed=batch_size), tetris_strategy=strategy,
+                             **options)
     if batch_size > 1 and strategy in ("tetris", "fixed"):  # (the cost-aware ones may decode plainly)
         assert stats.lookup_drafted_tokens > 0 and stats.model_drafted_tokens > 0, stats
 
@@ -121,32 +119,30 @@ def draft_from_scratch(draft, context: list[int], num_tokens: int) -> tuple[list
     return ids[0, len(context):].tolist(), torch.stack(log_q)
 
 
-@pytest.mark.parametrize("kind", ["draft", "eagle1", "eagle3"])
-def test_every_model_proposal_equals_the_model_run_from_scratch(pair, eagle_pairs, monkeypatch, kind):
-    """After rows that verified lookup cells (accepted or not), plain steps and model rows, the model's cache and
-    pending tokens hold each row's context exactly: every row's model drafts equal the model run afresh on it. The
-    verifier accepts every row's first two verified cells, so lookup rows accept cells the model never drafted."""
+def from_scratch_case(pair, eagle_pairs, kind: str):
+    """``(target, draft, prompts, drafter class)`` for the from-scratch tests: the draft model in float64, or an EAGLE
+    head of ``kind``."""
     if kind == "draft":
         target, draft = (copy.deepcopy(model).double() for model in pair)
-        prompts, drafter_class = repetitive_prompts(5, VOCAB, seed=4), BatchedDraftCandidateGenerator
-    else:
-        target, draft = eagle_pairs[kind]
-        prompts, drafter_class = eagle_prompts(5, seed=4), EagleCandidateGenerator
-    proposals = record_proposals(monkeypatch, drafter_class)
-    chosen = record_proposals(monkeypatch, HybridCandidateGenerator)  # what each row verified
-    accept_two_drafts(monkeypatch)
+        return target, draft, repetitive_prompts(5, VOCAB, seed=4), BatchedDraftCandidateGenerator
+    target, head = eagle_pairs[kind]
+    return target, head, eagle_prompts(5, seed=4), EagleCandidateGenerator
+
+
+def fixed_hybrid_call(target, draft, prompts: list[list[int]], max_new_tokens: int) -> torch.Tensor:
+    """A greedy ``fixed`` hybrid call with no EOS and the model's ``log q`` drafted (a step callback asks for them);
+    returns the prompts' mask."""
     input_ids, mask = left_pad(prompts)
     target.generate(input_ids, attention_mask=mask, assistant_model=draft, custom_generate="tetris", do_sample=False,
-                    max_new_tokens=14, pad_token_id=PAD, eos_token_id=None, prompt_lookup_num_tokens=3,
-                    tetris_extra_tokens=0, tetris_strategy="fixed",
-                    tetris_step_callback=lambda record, loop: None)  # (a callback: the model's log q are drafted)
-    # rows that accepted a lookup cell the model had drafted otherwise (the model must read it), and model rows
-    foreign = sum(int((hybrid[:, :1] != model[:, :1]).any(dim=1).sum()) for (hybrid, *_), (model, *_)
-                  in zip(chosen, proposals))
-    own = sum(int((hybrid == model).all(dim=1).sum()) for (hybrid, *_), (model, *_) in zip(chosen, proposals))
-    assert foreign >= 3 and own >= 3, (foreign, own)
+                    max_new_tokens=max_new_tokens, pad_token_id=PAD, eos_token_id=None, prompt_lookup_num_tokens=3,
+                    tetris_extra_tokens=0, tetris_strategy="fixed", tetris_step_callback=lambda record, loop: None)
+    return mask
+
+
+def assert_proposals_from_scratch(kind: str, target, draft, proposals: list, mask: torch.Tensor) -> None:
+    """Every recorded model proposal (``record_proposals``) equals the model run afresh on its row's context: tokens
+    and ``log max q``."""
     starts = (mask == 0).sum(dim=1)
-    assert len(proposals) >= 4
     for tokens, log_q, context, lengths, rows in proposals:
         for row in range(tokens.shape[0]):
             row_context = context[row, int(starts[rows[row]]) : int(lengths[row])].tolist()
@@ -156,6 +152,25 @@ def test_every_model_proposal_equals_the_model_run_from_scratch(pair, eagle_pair
                 expected, expected_log_q = drafts_from_scratch(target, draft, row_context, tokens.shape[1])
             assert tokens[row].tolist() == expected, (row, row_context)
             torch.testing.assert_close(log_q[row].double(), expected_log_q.double(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["draft", "eagle1", "eagle3"])
+def test_every_model_proposal_equals_the_model_run_from_scratch(pair, eagle_pairs, monkeypatch, kind):
+    """After rows that verified lookup cells (accepted or not), plain steps and model rows, the model's cache and
+    pending tokens hold each row's context exactly: every row's model drafts equal the model run afresh on it. The
+    verifier accepts every row's first two verified cells, so lookup rows accept cells the model never drafted."""
+    target, draft, prompts, drafter_class = from_scratch_case(pair, eagle_pairs, kind)
+    proposals = record_proposals(monkeypatch, drafter_class)
+    chosen = record_proposals(monkeypatch, HybridCandidateGenerator)  # what each row verified
+    accept_two_drafts(monkeypatch)
+    mask = fixed_hybrid_call(target, draft, prompts, max_new_tokens=14)
+    # rows that accepted a lookup cell the model had drafted otherwise (the model must read it), and model rows
+    foreign = sum(int((hybrid[:, :1] != model[:, :1]).any(dim=1).sum()) for (hybrid, *_), (model, *_)
+                  in zip(chosen, proposals))
+    own = sum(int((hybrid == model).all(dim=1).sum()) for (hybrid, *_), (model, *_) in zip(chosen, proposals))
+    assert foreign >= 3 and own >= 3, (foreign, own)
+    assert len(proposals) >= 4
+    assert_proposals_from_scratch(kind, target, draft, proposals, mask)
 
 
 def test_accept_cells_keeps_own_drafts_and_queues_foreign_ones(pair):
@@ -407,15 +422,8 @@ def test_greedy_rows_equal_the_target_alone_when_lookup_drafts_alone(pair, eagle
     else:
         target, draft = eagle_pairs[kind]
         prompts = eagle_prompts(batch_size, seed=batch_size)
-    eos = pick_eos(target, prompts) if batch_size > 1 else EOS
-    references = target_alone(target, prompts, eos)
-    input_ids, mask = left_pad(prompts)
-    out = hybrid_generate(target, draft, input_ids, mask, eos, prompt_lookup_num_tokens=3, tetris_strategy=strategy,
-                          **options)
-    assert_rows_equal(out.sequences, input_ids, mask, references)
-    stats = out.tetris_stats
+    stats = exact_hybrid_run(target, draft, prompts, tetris_strategy=strategy, **options)
     assert len(calls) >= 2 and stats.model_drafted_tokens > 0
-    assert stats.emitted_tokens == sum(len(reference) for reference in references)
 
 
 @pytest.mark.parametrize("kind", ["draft", "eagle3"])
@@ -423,31 +431,13 @@ def test_after_lookup_alone_steps_model_proposals_equal_the_model_run_from_scrat
                                                                                    kind):
     """As the test above it, with two of every three drafting steps by lookup alone: the cells they accepted (two a
     row, the verifier says) and the target's tokens wait for the model, which drafts from exactly each row's context."""
-    if kind == "draft":
-        target, draft = (copy.deepcopy(model).double() for model in pair)
-        prompts, drafter_class = repetitive_prompts(5, VOCAB, seed=4), BatchedDraftCandidateGenerator
-    else:
-        target, draft = eagle_pairs[kind]
-        prompts, drafter_class = eagle_prompts(5, seed=4), EagleCandidateGenerator
+    target, draft, prompts, drafter_class = from_scratch_case(pair, eagle_pairs, kind)
     calls = lookup_alone_on(monkeypatch, FixedWindow)
     proposals = record_proposals(monkeypatch, drafter_class)
     accept_two_drafts(monkeypatch)
-    input_ids, mask = left_pad(prompts)
-    target.generate(input_ids, attention_mask=mask, assistant_model=draft, custom_generate="tetris", do_sample=False,
-                    max_new_tokens=30, pad_token_id=PAD, eos_token_id=None, prompt_lookup_num_tokens=3,
-                    tetris_extra_tokens=0, tetris_strategy="fixed",
-                    tetris_step_callback=lambda record, loop: None)  # (a callback: the model's log q are drafted)
-    starts = (mask == 0).sum(dim=1)
+    mask = fixed_hybrid_call(target, draft, prompts, max_new_tokens=30)
     assert len(calls) >= 4 and len(proposals) >= 3
-    for tokens, log_q, context, lengths, rows in proposals:
-        for row in range(tokens.shape[0]):
-            row_context = context[row, int(starts[rows[row]]) : int(lengths[row])].tolist()
-            if kind == "draft":
-                expected, expected_log_q = draft_from_scratch(draft, row_context, tokens.shape[1])
-            else:
-                expected, expected_log_q = drafts_from_scratch(target, draft, row_context, tokens.shape[1])
-            assert tokens[row].tolist() == expected, (row, row_context)
-            torch.testing.assert_close(log_q[row].double(), expected_log_q.double(), atol=1e-4, rtol=1e-4)
+    assert_proposals_from_scratch(kind, target, draft, proposals, mask)
 
 
 def test_queued_cells_are_left_packed_after_what_waits(pair):
@@ -527,24 +517,17 @@ def test_adaptive_hybrid_learns_to_draft_by_lookup_alone_in_the_loop(pair, monke
 def test_adaptive_steps_by_lookup_alone_read_the_device_as_its_other_steps(pair, monkeypatch):
     """Choosing lookup alone, and learning which source drafted each row, adds no device read: a steady step of a
     hybrid ``adaptive`` run reads what other ``adaptive`` steps read (the strategy's one transfer, the loop's)."""
-    from test_host_reads import host_reads
+    from test_host_reads import count_strategy_transfers, host_reads
 
-    from tetris_hf import strategies
     from tetris_hf.cost_model import CostProfile
 
     target, draft = pair
-    to_host = strategies._to_host
     rows = (1, 4, 16, 64)
     costly_draft = CostProfile({(r, t): 10.0 + 0.1 * r * t for r in rows for t in (1, 2, 4, 8)}, {r: 40.0 for r in rows})
     input_ids, mask = left_pad(repetitive_prompts(8, VOCAB, seed=5))
     calls = lookup_alone_on(monkeypatch)
     with host_reads.HostReads(host_files=("strategies.py", "goodput.py", "cost_model.py")) as reads:
-
-        def transfer(tensors):
-            reads.count += 1
-            return to_host(tensors)
-
-        monkeypatch.setattr(strategies, "_to_host", transfer)
+        count_strategy_transfers(monkeypatch, reads)
         target.generate(input_ids, attention_mask=mask, assistant_model=draft, custom_generate="tetris",
                         max_new_tokens=40, prompt_lookup_num_tokens=3, tetris_strategy="adaptive",
                         tetris_cost_profile=costly_draft, pad_token_id=PAD, tetris_step_callback=reads.step_done)
