@@ -242,7 +242,6 @@ class _ObservedStep(NamedTuple):
         return torch.where(self.lookup_rows, LOOKUP_ROW, others).to(torch.int8)
 
 
-
 def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """``tensors`` on the CPU, read from their device in one transfer (float64, shapes kept)."""
     if not tensors:
