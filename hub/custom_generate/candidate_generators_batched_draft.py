@@ -194,7 +194,7 @@ class BatchedDraftCandidateGenerator(Drafter):
         for step in range(num_tokens):  # every tensor (B, 1, ...): one position per row
             logits = self._draft_forward(step, tokens, mask)
             scores = self.logits_processor(sequences, lengths, logits, rows, offset=step)
-            log_probs = scores.log_softmax(dim=-1) if confidences or self.do_sample or stop_below else None
+            log_probs = scores.log_softmax(dim=-1) if confidences or self.do_sample or stop_below is not None else None
             if self.do_sample:
                 probs = log_probs.exp()
                 next_tokens = sample_tokens(probs, self.generator)
@@ -360,13 +360,11 @@ class BatchedDraftCandidateGenerator(Drafter):
         if drafted == 0:  # this draft drafted nothing (lookup alone did): what every row made final waits
             self._queue_after_pending(*final_tokens(cells, verdict))
             return
-        num_accepted, next_tokens = verdict.num_accepted, verdict.next_tokens
-        max_accepted, cached_longest = verdict.hints
+        num_accepted, cached_longest = verdict.num_accepted, verdict.hints.cached_longest
         kept = torch.where(foreign, 0, num_accepted.clamp(max=drafted - 1))  # accepted drafts the cache holds
         self.slots.keep_prefix(self.slots.length - (drafted - 1), kept)
-        width = (drafted if max_accepted is None else min(max_accepted, drafted)) + 1
-        final = torch.cat([cells[:, : width - 1], next_tokens[:, None]], dim=1)
-        final = final.scatter(1, num_accepted[:, None], next_tokens[:, None])  # t right after the accepted cells
+        final, _ = final_tokens(cells[:, :drafted], verdict)
+        width = final.shape[1]
         unread = num_accepted - kept + 1  # (B,) accepted cells the draft has not read, then t
         columns = torch.arange(width, device=num_accepted.device)[None, :]
         source = kept[:, None] + columns - (width - unread)[:, None]  # the final token column c holds
@@ -377,12 +375,14 @@ class BatchedDraftCandidateGenerator(Drafter):
         self.pending_count = num_accepted.shape[0] if width == 1 else None  # (else until the loop's read says)
         self.slots.compact(cached_longest)
 
-    def _queue_after_pending(self, tokens: torch.Tensor, mask: torch.Tensor) -> None:
-        """``tokens`` ``(B, W)`` (real where ``mask``) wait after the pending ones, the block left-packed again."""
+    def _queue_after_pending(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``tokens`` ``(B, W)`` (real where ``mask``) wait after the pending ones, the block left-packed again.
+        Returns the ``(B, P + W)`` column order that packed it (for what else the pending columns carry)."""
         order = left_packed_order(torch.cat([self.pending_mask, mask], dim=1))
         self.pending_tokens = torch.cat([self.pending_tokens, tokens], dim=1).gather(1, order)
         self.pending_mask = torch.cat([self.pending_mask, mask], dim=1).gather(1, order)
         self.pending_real, self.pending_count = False, None  # (until the loop's read says, see pending_width)
+        return order
 
     def _pending_target_tokens(self, next_tokens: torch.Tensor, ones: torch.Tensor) -> None:
         """Only the target's tokens ``(B,)`` wait: one column, real in every row."""

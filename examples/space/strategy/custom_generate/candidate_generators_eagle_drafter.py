@@ -20,7 +20,7 @@ import torch
 
 from .kv import SlotCache
 from .logits import PositionwiseLogitsProcessor
-from .candidate_generators_batched_draft import BatchedDraftCandidateGenerator, final_tokens, left_packed_order, real_tokens
+from .candidate_generators_batched_draft import BatchedDraftCandidateGenerator, final_tokens, real_tokens
 from .candidate_generators_drafter import Verdict
 from .candidate_generators_eagle import EagleDraft, FeatureTap
 
@@ -176,10 +176,9 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
         # feature of the token before it (the block's columns 0 .. a)
         tokens, mask = final_tokens(cells, verdict)
         features = self._target_features()[: tokens.shape[0], : tokens.shape[1]]
-        order = left_packed_order(torch.cat([self.pending_mask, mask], dim=1))
+        order = self._queue_after_pending(tokens, mask)
         self.pending_features = torch.cat([self.pending_features, features], dim=1).gather(
             1, order[..., None].expand(-1, -1, features.shape[-1]))
-        self._queue_after_pending(tokens, mask)
 
     def _queue_final(self, candidates: torch.Tensor, next_tokens: torch.Tensor, num_accepted: torch.Tensor,
                      features: torch.Tensor, cached_longest: int | None) -> None:

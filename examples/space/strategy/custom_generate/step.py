@@ -264,7 +264,7 @@ def run_step(strategy: StepStrategy, phases: StepPhases, num_rows: int, max_draf
         phases.catch_up()
         clock.mark(Mark.CATCH_UP_END)
     clock.mark(Mark.DRAFT_START)
-    proposal = phases.draft(num_drafted, plan.needs_confidences, plan.lookup_only and num_drafted > 0)
+    proposal = phases.draft(num_drafted, plan.needs_confidences, plan.lookup_only)
     clock.mark(Mark.DRAFT_END)
     if isinstance(proposal, Proposal):  # (a chain a confidence threshold stopped early drafted fewer)
         num_drafted = proposal.tokens.shape[1]
