@@ -233,6 +233,7 @@ def test_a_file_of_other_settings_or_damaged_before_its_end_is_refused(tiny_targ
     ["--no-self-distill", "--no-bf16", "--loss-mask", "all"],
     ["--self-distill", "--bf16", "--resume", "--max-seconds", "4300", "--lr", "0.002", "--ttt-steps", "3"],
     ["--target", "some dir/with spaces", "--data", "it's.json", "--max-steps", "5", "--vocab-tokens", "1000"],
+    ["--init-head", "a head/dir", "--train-prompts", "640"],
 ])
 def test_a_recorded_command_parses_back_to_the_same_arguments(flags):
     """So that running it again trains the same head: every argument written out, ``--no-x`` included."""

@@ -345,6 +345,34 @@ def test_the_command_trains_resumes_to_the_same_weights_and_writes_a_loadable_he
         run(*common(material, whole), "--max-steps", "7", "--resume", "--ttt-steps", "4")
 
 
+def test_a_run_can_start_from_a_trained_head_and_train_on_fewer_prompts(material, tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert run(*common(material, first), "--max-steps", "3") == 0
+    argv = common(material, second)
+    del argv[argv.index("--draft-vocab") : argv.index("--draft-vocab") + 2]  # the head's own vocabulary
+    assert run(*argv, "--init-head", str(first), "--train-prompts", "8", "--max-steps", "2") == 0
+
+    before, after = (json.loads((folder / "PROVENANCE.json").read_text()) for folder in (first, second))
+    # step 0 of the second run measures the first run's final head, on the same held-out rows
+    start = after["history"][0]
+    for key in ("agreement", "accepted", "conditional_counts", "step_agreement"):
+        assert start[key] == before["held_out"][key], key
+    assert before["history"][0]["accepted"] != before["held_out"]["accepted"]  # (the first run did learn something)
+    assert after["draft_vocabulary"].startswith("--init-head's: 20 of 29")
+    first_head, second_head = (load_file(folder / "model.safetensors") for folder in (first, second))
+    assert torch.equal(first_head["d2t"], second_head["d2t"])
+    assert not torch.equal(first_head["fc.weight"], second_head["fc.weight"])  # trained on from there
+    assert after["data"]["generation"]["train"]["prompts"] == 8  # only the first 8 training chats' first turns
+    assert str(first) in (second / "PROVENANCE.md").read_text().split("- initial weights: ")[1].splitlines()[0]
+    assert "--init-head" in after["command"] and "--train-prompts 8" in after["command"]
+
+    with pytest.raises(UsageError, match="--init-head takes the head's own draft vocabulary"):
+        run(*common(material, tmp_path / "third"), "--init-head", str(first))
+    with pytest.raises(UsageError, match="no config.json there"):
+        run(*argv[:argv.index("--output")], "--output", str(tmp_path / "fourth"), *argv[argv.index("--output") + 2:],
+            "--init-head", str(tmp_path / "nowhere"))
+
+
 @pytest.mark.parametrize("precision, loss_mask", [("--no-bf16", "all"), ("--bf16", "assistant")])
 def test_whole_chats_without_self_distillation(material, tmp_path, precision, loss_mask):
     argv = [*common(material, tmp_path), "--no-self-distill", "--tokens", "480", precision, "--loss-mask", loss_mask]
@@ -367,6 +395,7 @@ def test_whole_chats_without_self_distillation(material, tmp_path, precision, lo
     (["--ttt-steps", "39"], "--seq-len 40 leaves no room to unroll --ttt-steps 39"),
     (["--gen-tokens", "40"], "leaves no room for a prompt"),
     (["--resume"], "checkpoint.pt does not exist"),
+    (["--train-prompts", "0"], "--train-prompts must be a positive number"),
 ])
 def test_bad_input_is_refused_with_a_clear_error(material, tmp_path, flags, message):
     with pytest.raises(UsageError, match=message):

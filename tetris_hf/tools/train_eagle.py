@@ -11,8 +11,10 @@ generated once with batched ``generate()`` into ``train-continuations.jsonl`` (:
 resumable, its tokens/s printed and recorded). ``--loss-mask assistant`` (the default, the reference's) scores
 assistant tokens only (the continuations; with ``--no-self-distill``, the assistant turns of whole chats,
 :func:`assistant_spans`), and only where the target's argmax is in the draft vocabulary; ``--loss-mask all`` scores
-every position, chat template, system prompt and user turns included. The output is the published EAGLE-3 format
-(:meth:`EagleDraft.save_pretrained`) plus ``PROVENANCE.json``/``PROVENANCE.md``.
+every position, chat template, system prompt and user turns included. ``--init-head DIR`` starts from a trained head
+(its weights and draft vocabulary; its held-out numbers are then step 0's, the "before" of a fine-tune), and
+``--train-prompts N`` keeps the first N training chats, to bound generation on a CPU. The output is the published
+EAGLE-3 format (:meth:`EagleDraft.save_pretrained`) plus ``PROVENANCE.json``/``PROVENANCE.md``.
 
 Training-time test (TTT), :func:`unroll`. A training row ``x_0 .. x_{T-1}`` with the target's features
 ``f_0 .. f_{T-1}`` and distributions ``p_0 .. p_{T-1}`` (``p_t`` is over ``x_{t+1}``). Draft step ``s`` for root ``j``
@@ -76,7 +78,7 @@ PROVENANCE_NAME = "PROVENANCE"  # .json and .md
 CONTINUATIONS = {"held_out": "held-out-continuations.jsonl", "train": "train-continuations.jsonl"}
 # Flags that define a run: --resume refuses to continue a checkpoint written with other values.
 RUN_FLAGS = ("target", "data", "seed", "draft_vocab", "vocab_tokens", "ttt_steps", "self_distill", "loss_mask",
-             "seq_len", "gen_tokens", "batch_size", "eval_samples")
+             "seq_len", "gen_tokens", "batch_size", "eval_samples", "init_head", "train_prompts")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -583,6 +585,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "continuations; with --no-self-distill the chats' assistant turns), and only where the "
                              "target's argmax is in the draft vocabulary; all: every position, chat template, system "
                              "prompt and user turns included")
+    parser.add_argument("--init-head", default=None,
+                        help="start from this EAGLE-3 head (a directory with config.json and model.safetensors, e.g. "
+                             "the one train-eagle wrote or the shipped one): its weights and its draft vocabulary, "
+                             "instead of a random initialisation (default: random; --draft-vocab and --vocab-tokens "
+                             "then do not apply)")
+    parser.add_argument("--train-prompts", type=int, default=None,
+                        help="train on the first N training chats only (with --self-distill: continue only their "
+                             "first turns); the draft vocabulary is still counted over all of them (default: all)")
     parser.add_argument("--gen-tokens", type=int, default=256, help="tokens generated per prompt (training prompts with --self-distill, and the held-out prompts); prompts up to --seq-len minus this (default 256)")
     parser.add_argument("--gen-batch-size", type=int, default=None, help="prompts continued per batched generate() call (default 128 on CUDA, 16 on CPU)")
     parser.add_argument("--tokens", type=int, default=10_000_000, help="training token budget: tokens the target reads (default 10M)")
@@ -608,7 +618,7 @@ def _check_args(args) -> torch.device:
                  "eval_every", "save_every"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be a positive number, got {getattr(args, flag)}")
-    for flag in ("draft_vocab", "micro_batch_size", "gen_batch_size", "max_steps", "vocab_tokens"):
+    for flag in ("draft_vocab", "micro_batch_size", "gen_batch_size", "max_steps", "vocab_tokens", "train_prompts"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be a positive number, got {getattr(args, flag)}")
     if args.seq_len <= args.ttt_steps + 1:
@@ -616,11 +626,28 @@ def _check_args(args) -> torch.device:
                          f"more than {args.ttt_steps + 1} tokens")
     if args.gen_tokens >= args.seq_len:
         raise UsageError(f"--gen-tokens {args.gen_tokens} leaves no room for a prompt in --seq-len {args.seq_len}")
+    if args.init_head is not None and (args.draft_vocab is not None or args.vocab_tokens is not None):
+        raise UsageError("--init-head takes the head's own draft vocabulary: leave out --draft-vocab and --vocab-tokens")
     if args.max_seconds is not None and not args.max_seconds > 0:
         raise UsageError(f"--max-seconds must be positive, got {args.max_seconds}")
     if not args.lr > 0:
         raise UsageError(f"--lr must be positive, got {args.lr}")
     return resolve_device(args.device)
+
+
+def _initial_head(directory: str, target, head_class):
+    """``--init-head``: the EAGLE-3 head in ``directory``, for ``target``, refused with a clear error when it cannot
+    be read or was made for another target (or is an EAGLE-1 head, which train-eagle does not train)."""
+    if not (Path(directory) / "config.json").is_file():
+        raise UsageError(f"--init-head {directory}: no config.json there; give a directory holding an EAGLE-3 head "
+                         "(config.json and model.safetensors)")
+    try:
+        head = head_class.from_pretrained(directory, target=target)
+    except (ValueError, OSError) as error:
+        raise UsageError(f"--init-head {directory}: {error}") from None
+    if head.feature_kind != "eagle3":
+        raise UsageError(f"--init-head {directory} is an EAGLE-1 head; train-eagle trains EAGLE-3 heads")
+    return head
 
 
 def _run_signature(args) -> dict:
@@ -737,6 +764,7 @@ def main(args) -> int:
     if not train_chats:
         raise UsageError(f"the data holds {len(chats)} usable chats, all taken by --eval-samples {args.eval_samples}: "
                          "nothing left to train on; lower --eval-samples or give more chats")
+    row_chats = train_chats[: args.train_prompts]  # the rows' chats; the draft vocabulary counts all of train_chats
     micro = args.micro_batch_size or (args.batch_size if device.type == "cuda" else 4)
     gen_batch = args.gen_batch_size or (128 if device.type == "cuda" else 16)
     autocast = torch.bfloat16 if bf16 else None
@@ -779,7 +807,7 @@ def main(args) -> int:
     # -- training rows --
     train_generation = None
     if args.self_distill:
-        made = continuations_of(train_chats, "train")
+        made = continuations_of(row_chats, "train")
         if made is None:
             return 0
         train_items, train_generation, data_kind = made
@@ -790,13 +818,13 @@ def main(args) -> int:
             data_kind += "; loss on every position, the prompt's chat template, system prompt and user turn included"
     else:
         if assistant_only:
-            stream, assistant = assistant_tokens(train_chats, tokenizer, max_tokens=args.tokens)
+            stream, assistant = assistant_tokens(row_chats, tokenizer, max_tokens=args.tokens)
             train_items = [Sample(row.tolist(), labels=mask.tolist()) for row, mask in
                            zip(windows(stream, args.seq_len), windows(assistant, args.seq_len))]
             scope = (f"loss on their assistant tokens ({int(assistant.sum()):,} of {stream.numel():,}: each "
                      "assistant turn's content and end-of-turn token)")
         else:
-            stream = tokenize_chats(train_chats, tokenizer, max_tokens=args.tokens)[0]
+            stream = tokenize_chats(row_chats, tokenizer, max_tokens=args.tokens)[0]
             train_items = [Sample(row.tolist()) for row in windows(stream, args.seq_len)]
             scope = "every position scored (chat template, system prompt and user turns included)"
         if not train_items:
@@ -807,8 +835,13 @@ def main(args) -> int:
     batches = Batches(train_items, generator)
 
     # -- the head: its draft vocabulary, weights, optimiser --
+    initial = None if args.init_head is None else _initial_head(args.init_head, target, EagleDraft)
     if saved is not None:
         vocab_ids, vocab_note = saved["vocab_ids"], saved["vocab_note"]
+    elif initial is not None:
+        vocab_ids = initial.target_ids
+        vocab_note = (f"--init-head's: {initial.draft_vocab_size:,} of {vocab:,} target tokens" if vocab_ids is not None
+                      else f"--init-head's: the whole {vocab:,}-token vocabulary")
     else:
         started = time.perf_counter()
         counted = tokenize_chats(train_chats, tokenizer, max_tokens=args.vocab_tokens or sys.maxsize)[0]
@@ -820,7 +853,7 @@ def main(args) -> int:
                       f"(counted in {time.perf_counter() - started:.0f} s)")
     torch.manual_seed(args.seed)
     try:
-        head = EagleDraft.for_target(target, vocab_ids)
+        head = initial if initial is not None else EagleDraft.for_target(target, vocab_ids)
     except ValueError as error:  # e.g. a target too shallow for the default layers (2, L // 2, L - 3)
         raise UsageError(str(error)) from None
     head.float()  # float32 weights (their matmuls in bf16 under --bf16's autocast), whatever the target's dtype
@@ -933,6 +966,8 @@ def main(args) -> int:
                  "generation": {"held_out": held_generation, "train": train_generation}},
         "training": {"loss": f"sum over {args.ttt_steps} unrolled draft steps of {STEP_WEIGHT}^(s-1) x KL(p || q), "
                              "p the target's distribution renormalised on the draft vocabulary",
+                     "init_head": (None if args.init_head is None else
+                                   f"{args.init_head} (its held-out metrics are step 0's)"),
                      "ttt_steps": args.ttt_steps, "bf16": bf16, "lr": args.lr, "batch_size": args.batch_size,
                      "seq_len": args.seq_len, "seed": args.seed, "steps": step, "tokens_seen": seen,
                      "scored_positions_seen": scored_seen, "epochs": round(batches.epoch + batches.cursor /
@@ -1033,6 +1068,7 @@ def _write_provenance(directory: Path, record: dict) -> None:
         f"- data: {data['source']}", f"- held out: {data['held_out']}",
         f"- training rows: {data['training']}",
         f"- the target's greedy continuations generated (batched generate()): {generation}",
+        f"- initial weights: {training.get('init_head') or 'random (PyTorch defaults; lm_head and norm from the target)'}",
         f"- loss: {training['loss']}; AdamW lr {training['lr']} decaying linearly to a tenth over the token budget; "
         + ("the target in bfloat16, the head's matmuls under bfloat16 autocast (weights float32)"
            if training.get("bf16") else "float32"),
