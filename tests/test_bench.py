@@ -216,6 +216,21 @@ def test_a_missing_shipped_metric_stops_the_bench_before_any_model_loads(tmp_pat
     assert code == 2 and str(tmp_path / "output_agreement.py") in err and len(err.splitlines()) == 1, err
 
 
+def test_the_command_line_writes_its_lines_as_they_come_into_a_redirected_log(tmp_path, monkeypatch):
+    """A long bench redirected to a file shows its progress lines as they are printed (no PYTHONUNBUFFERED=1)."""
+    import io
+    import sys
+
+    logs = [io.TextIOWrapper(io.BytesIO(), encoding="utf-8") for _ in range(2)]  # block-buffered, like a file
+    assert not any(log.line_buffering for log in logs)
+    monkeypatch.setattr(sys, "stdout", logs[0])
+    monkeypatch.setattr(sys, "stderr", logs[1])
+    assert cli_main(["bench", "--target", str(tmp_path / "no-target"), "--device", "cpu", "--no-progress",
+                     "--output", str(tmp_path / "out")]) == 2
+    assert all(log.line_buffering for log in logs)
+    assert b"error:" in logs[1].buffer.getvalue()  # the error line is in the log already, before any flush
+
+
 def test_data_parallel_under_accelerate_launch(saved_target, prompt_file, tmp_path):
     """Two CPU processes split the prompts; the main process writes the gathered results."""
     import os

@@ -149,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # Progress lines reach a log as they are printed, not when a block buffer fills (a redirected long run).
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True)
     try:
         return int(args._main(args) or 0)
     except UsageError as error:
