@@ -42,6 +42,8 @@ def test_bench_drafts_with_an_eagle_head(saved_pair, tmp_path, capsys):
     assert fixed["drafted_tokens"] > 0 and fixed["agreement_with_generate"]["exact_match"] == 1.0
     rates = fixed["acceptance_by_position"]
     assert rates and len(rates) <= 4 and all(rate is None or 0.0 <= rate <= 1.0 for rate in rates)
+    counts = fixed["acceptance_by_position_counts"]
+    assert [hits / reached for hits, reached in counts] == rates and counts[0][1] >= counts[-1][1] > 0
     assert runs["generate"]["acceptance_by_position"] is None
     assert "draft step / target step" in out  # the head's step cost against the target's
 

@@ -142,6 +142,10 @@ class RunResult:
             "peak_memory_mb": self.peak_memory_mb,
             "agreement_with_generate": self.agreement,
             "acceptance_by_position": self.position_counts.rates() if self.position_counts else None,
+            # [accepted, reached] per position, for intervals
+            "acceptance_by_position_counts": ([list(pair) for pair in zip(self.position_counts.accepted,
+                                                                          self.position_counts.reached)]
+                                              if self.position_counts else None),
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
             # tokens the target computed per token selected (1.0: packed, no padding); None for baselines
