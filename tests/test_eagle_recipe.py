@@ -128,6 +128,25 @@ def test_conditional_acceptance_counts_a_position_only_after_the_earlier_ones_we
     assert teacher_forced == [5, 4, 3]  # unconditioned: every root counted at every step
 
 
+def test_walked_chains_start_where_the_last_chain_emitted_its_tokens():
+    """The loop's roots: after a chain that accepts a drafts, the next starts a + 1 positions on."""
+    scored = torch.tensor([[True] * 6 + [False]])
+    first = torch.tensor([[1, 0, 0, 1, 0, 1]], dtype=torch.bool)  # step 1 matches at roots 0, 3, 5
+    second = torch.tensor([[0, 1, 1, 1, 1]], dtype=torch.bool)  # step 2 matches at roots 1 .. 4
+    accepted, reached, tokens, chains = train_eagle.walked_acceptance([first, second], scored)
+    # chains at root 0 (accepts 1: 2 tokens), root 2 (0: 1 token), root 3 (2: 3 tokens); root 6 is not scored
+    assert (accepted, reached, tokens, chains) == ([2, 1], [3, 2], 6, 3)
+    # every root instead: step 1 reached at roots 0 .. 4 (p_{j+1} scored), step 2 at roots 0 and 3
+    assert train_eagle.conditional_acceptance([first, second], scored) == ([2, 1], [5, 2])
+    # rows are walked apart; a row with no scored position drafts nothing
+    both = train_eagle.walked_acceptance([torch.cat([first, first]), torch.cat([second, second])],
+                                         torch.cat([scored, torch.zeros_like(scored)]))
+    assert both == ([2, 1], [3, 2], 6, 3)
+    # a root drafts only where its first draft is scored: p_0 alone (a continuation of one token) gives no chain
+    assert train_eagle.walked_acceptance([torch.ones(1, 3, dtype=torch.bool)],
+                                         torch.tensor([[True, False, False, False]])) == ([0], [0], 0, 0)
+
+
 def test_wilson_intervals_match_the_textbook_values():
     low, high = train_eagle.wilson_interval(5, 10)
     assert (round(low, 4), round(high, 4)) == (0.2366, 0.7634)
