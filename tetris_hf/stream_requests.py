@@ -105,7 +105,7 @@ def token_ids(value, vocab_size: int, name: str) -> list[int]:
     """``value`` (a list or tuple of ints, or a 1-D integer tensor / array) as a list of ints in
     ``0 .. vocab_size - 1``."""
     if isinstance(value, torch.Tensor):
-        if value.dtype in (torch.bool, torch.uint8) or value.dtype.is_floating_point or value.dtype.is_complex:
+        if value.dtype == torch.bool or value.dtype.is_floating_point or value.dtype.is_complex:
             raise TypeError(f"{name} must hold token ids (an integer tensor), got a tensor of {value.dtype}")
         if value.dim() != 1:
             raise ValueError(f"{name} must be one prompt: a 1-D tensor, got shape {tuple(value.shape)} (add one "

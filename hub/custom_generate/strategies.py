@@ -538,7 +538,8 @@ def make_strategy(options: TetrisOptions, model: torch.nn.Module | None = None,
     drafting) the draft is profiled as it runs: every hybrid step drafts ``K`` model forwards over every row, and
     lookup's cells ride along at no cost. ``sampling``: the loop samples (see
     :class:`AdaptiveBudget`). ``packed``: the loop reads verify blocks packed, and the cost model prices them so
-    (:class:`~tetris_hf.cost_model.StepCostModel`)."""
+    (:class:`~tetris_hf.cost_model.StepCostModel`). A sampled call neither learns from step times nor carries what
+    earlier calls learnt, so that the same seed gives the same tokens, first call or not."""
     if options.tetris_strategy == "tetris":
         return TetrisSelection(options)
     if options.tetris_strategy == "fixed":
@@ -553,7 +554,11 @@ def make_strategy(options: TetrisOptions, model: torch.nn.Module | None = None,
         def cost(num_rows: int, max_tokens: int) -> StepCostModel:
             return cost_model_for(model, assistant_model, num_rows=num_rows, max_tokens=max_tokens, packed=packed)
     hybrid = assistant_model is not None and options.prompt_lookup_num_tokens is not None
-    memory = pair_memory(model, assistant_model, sampling, hybrid) if model is not None else None
+    # A sampled call's tokens depend on its plans (which cells are verified decides which random numbers are drawn),
+    # so it plans only from what the same call with the same seed sees again: the pair's cost profile as measured once
+    # and cached, and what the call itself draws; not from step times, nor from what earlier calls learnt.
+    learn_costs = learn_costs and not sampling
+    memory = pair_memory(model, assistant_model, hybrid) if model is not None and not sampling else None
     if options.tetris_strategy == "adaptive":
         return AdaptiveBudget(options, cost, learn_costs=learn_costs, memory=memory, sampling=sampling, hybrid=hybrid)
     return DynamicWindow(options, cost, learn_costs=learn_costs, memory=memory)

@@ -30,9 +30,14 @@ from collections.abc import Iterator
 import torch
 from transformers import GenerationConfig
 
-from .stream import RequestStream, StreamOutput
+from transformers.utils import logging
+
+from .stream import RequestStream
+from .stream_requests import StreamOutput, StreamRequest
 
 __all__ = ["SpeculativeBatchingManager", "generate_batch", "init_continuous_batching"]
+
+logger = logging.get_logger(__name__)
 
 DEFAULT_MAX_BATCH_SIZE = 16
 
@@ -56,8 +61,10 @@ def generate_batch(model: torch.nn.Module, inputs: list[list[int]], generation_c
             ``prefill_chunk`` and ``ride_prompts`` of :class:`~tetris_hf.stream.RequestStream`.
 
     Returns:
-        ``{request_id: output}`` in input order, ids ``"req_0"``, ``"req_1"`` ...; a request that could not run has
-        its ``error`` set and the others are unaffected.
+        ``{request_id: output}`` in input order, ids ``"req_0"``, ``"req_1"`` ...: one output for every input. A
+        request that could not run (a malformed prompt, a token outside the vocabulary) has its ``error`` set and
+        the others are unaffected; a step that fails (an exception in the target's or the draft's forward) fails the
+        requests decoding in it, with the error, and the call goes on with the rest.
     """
     if max_batch_size is None:
         max_batch_size = max(1, min(DEFAULT_MAX_BATCH_SIZE, len(inputs)))
@@ -69,7 +76,10 @@ def generate_batch(model: torch.nn.Module, inputs: list[list[int]], generation_c
     try:
         while stream.has_work or stream.done:
             if stream.has_work:
-                stream.step()
+                try:
+                    stream.step()
+                except Exception as error:  # the stream failed the requests in that step; go on with the rest
+                    logger.warning(f"a step failed, and with it the requests decoding in it: {error!r}")
             while stream.done:
                 output = stream.done.popleft()
                 if output.is_finished():
@@ -106,17 +116,25 @@ class SpeculativeBatchingManager:
     ``ContinuousBatchingManager``: :meth:`add_request`, :meth:`get_result`, iteration, :meth:`request_id_iter`,
     :meth:`cancel_request`, :meth:`start`, :meth:`stop`, and ``with``.
 
-    An exception inside a step fails the requests in flight with it (each output's ``error``); the manager goes on
-    with the next requests. :attr:`last_error` keeps it.
+    What it promises (docs/design.md, "The request stream's guarantees"): a request is checked in full at
+    :meth:`add_request`, which raises for a bad one, so nothing a request brings can fail another; every request
+    :meth:`add_request` accepted gets exactly one final output; an exception in a step fails the requests decoding in
+    it (each output's ``error``) and the manager goes on with the next ones (:attr:`last_error` keeps it); if the
+    thread ever ends, every request not finished fails at once, :meth:`is_running` is ``False``, and
+    :meth:`add_request` raises.
     """
 
     def __init__(self, stream: RequestStream):
         self.stream = stream
-        self._incoming: queue.Queue = queue.Queue()  # ("add", kwargs) | ("cancel", request_id)
-        self._changed = threading.Condition()
+        self._incoming: queue.Queue = queue.Queue()  # StreamRequest | ("cancel", request_id) | None (a wake-up)
+        self._changed = threading.Condition()  # guards the outputs below and _ended
         self._finished: dict[str, StreamOutput] = {}
         self._finished_order: deque[str] = deque()
         self._partials: dict[str, deque[StreamOutput]] = {}
+        self._ended = False  # the thread ran and ended: no output will come any more
+        self._door = threading.Lock()  # guards _reserved and _closed
+        self._reserved: set[str] = set()  # ids accepted whose final output has not been taken
+        self._closed = False  # the thread ended: add_request refuses
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -125,10 +143,14 @@ class SpeculativeBatchingManager:
     # -- running ---------------------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the background thread (once)."""
+        """Start the background thread (again, after it stopped)."""
         if self.is_running():
             return
         self._stopping.clear()
+        with self._door:
+            self._closed = False
+        with self._changed:
+            self._ended = False
         self._thread = threading.Thread(target=self._run, name="tetris-hf-stream", daemon=True)
         self._thread.start()
 
@@ -151,7 +173,7 @@ class SpeculativeBatchingManager:
 
     @torch.no_grad()
     def _run(self) -> None:
-        stream = self.stream
+        stream, reason = self.stream, "the manager stopped"
         try:
             while not self._stopping.is_set():
                 self._take_incoming(block=not stream.has_work)
@@ -161,35 +183,42 @@ class SpeculativeBatchingManager:
                     except Exception as error:  # the stream failed the requests in flight; go on with the next
                         self.last_error = error
                 self._publish()
+        except BaseException as error:  # (a fault outside any step: nothing can be trusted to go on)
+            self.last_error = error
+            reason = f"the manager stopped: {type(error).__name__}: {error}"
+            logger.error(f"the request stream's thread stopped: {error!r}")
         finally:
-            for request in list(stream.waiting) + list(stream.live.values()):
-                stream._fail(request, "the manager stopped")
-            stream.waiting.clear()
-            stream.live.clear()
-            stream.close()
-            self._take_incoming(block=False, refuse=True)
+            with self._door:  # from here on add_request refuses, so what is queued now is all there will be
+                self._closed = True
+            self._take_incoming(block=False, refuse=reason)
+            stream.fail_all(reason)
             self._publish()
+            with self._changed:
+                self._ended = True
+                self._changed.notify_all()
 
-    def _take_incoming(self, block: bool, refuse: bool = False) -> None:
-        """Move queued requests and cancellations into the stream (waiting a little for one when idle)."""
+    def _take_incoming(self, block: bool, refuse: str | None = None) -> None:
+        """Move queued requests and cancellations into the stream (waiting a little for one when idle); ``refuse``:
+        queued requests fail with this reason instead."""
         try:
             item = self._incoming.get(timeout=0.05) if block else self._incoming.get_nowait()
         except queue.Empty:
             return
-        while item is not None or not self._incoming.empty():
-            if item is not None:
-                kind, value = item
-                if kind == "add" and refuse:
-                    self.stream.add(**value)
-                    self.stream.cancel(value["request_id"], reason="the manager stopped")
-                elif kind == "add":
-                    self.stream.add(**value)
+        while True:
+            if isinstance(item, StreamRequest):
+                if refuse is not None:
+                    self.stream.reject(item, refuse)
                 else:
-                    self.stream.cancel(value)
+                    try:
+                        self.stream.submit(item)
+                    except Exception as error:  # (only this request: it never entered the stream)
+                        self.stream.reject(item, f"{type(error).__name__}: {error}")
+            elif item is not None and refuse is None:
+                self.stream.cancel(item[1])
             try:
                 item = self._incoming.get_nowait()
             except queue.Empty:
-                break
+                return
 
     def _publish(self) -> None:
         stream = self.stream
@@ -210,17 +239,28 @@ class SpeculativeBatchingManager:
     def add_request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,
                     streaming: bool = False, eos_token_id=None, temperature: float | None = None,
                     top_k: int | None = None, top_p: float | None = None) -> str:
-        """Queue a request (a list of token ids); returns its id. Its output comes from :meth:`get_result` (or,
-        with ``streaming``, partial outputs first from :meth:`request_id_iter`). ``temperature``, ``top_k``,
-        ``top_p``: its own sampling settings, in a sampling stream."""
-        if request_id is None:
-            request_id = f"req_{next(self._ids)}"
-        if isinstance(input_ids, torch.Tensor):
-            input_ids = input_ids.tolist()
-        self._incoming.put(("add", dict(input_ids=input_ids, request_id=request_id, max_new_tokens=max_new_tokens,
-                                        eos_token_id=eos_token_id, streaming=streaming, temperature=temperature,
-                                        top_k=top_k, top_p=top_p)))
-        return request_id
+        """Queue a request (a list of token ids, or a 1-D integer tensor); returns its id. Its output comes from
+        :meth:`get_result` (or, with ``streaming``, partial outputs first from :meth:`request_id_iter`).
+        ``temperature``, ``top_k``, ``top_p``: its own sampling settings, in a sampling stream.
+
+        Raises ``TypeError`` or ``ValueError`` (naming the argument) for a request the stream cannot serve (see
+        :func:`~tetris_hf.stream_requests.check_request`) and for a ``request_id`` already given to a request whose
+        result has not been taken; ``RuntimeError`` once the manager's thread has ended. Nothing is queued then."""
+        with self._door:
+            if self._closed:
+                cause = f" ({type(self.last_error).__name__}: {self.last_error})" if self.last_error else ""
+                raise RuntimeError(f"the manager has stopped{cause}: start() it again, or make a new one")
+            if request_id is None:
+                request_id = next(candidate for candidate in (f"req_{index}" for index in self._ids)
+                                  if candidate not in self._reserved)
+            request = self.stream.request(input_ids, request_id, max_new_tokens, eos_token_id, streaming,
+                                          temperature, top_k, top_p)
+            if request.request_id in self._reserved:
+                raise ValueError(f"request_id {request_id!r} is already in use (its result has not been taken): "
+                                 "give each request its own id")
+            self._reserved.add(request.request_id)
+            self._incoming.put(request)
+        return request.request_id
 
     def add_requests(self, inputs: list[list[int]], max_new_tokens: int | None = None) -> list[str]:
         return [self.add_request(prompt, max_new_tokens=max_new_tokens) for prompt in inputs]
@@ -231,19 +271,32 @@ class SpeculativeBatchingManager:
 
     def get_result(self, request_id: str | None = None, timeout: float | None = None) -> StreamOutput | None:
         """The next finished output (or ``request_id``'s), waiting up to ``timeout`` seconds; ``None`` if none
-        came."""
+        came, at once for an id no request holds (never given, or its result already taken) and once the thread
+        has ended with nothing left."""
+        if request_id is not None:
+            with self._door:
+                if request_id not in self._reserved:
+                    return None
+
         def ready() -> bool:
             return (request_id in self._finished) if request_id is not None else bool(self._finished_order)
 
         with self._changed:
-            if not self._changed.wait_for(ready, timeout):
+            if not self._changed.wait_for(lambda: ready() or self._ended, timeout) or not ready():
                 return None
             if request_id is None:
                 request_id = self._finished_order.popleft()
             else:
                 self._finished_order.remove(request_id)
             self._partials.pop(request_id, None)
-            return self._finished.pop(request_id)
+            output = self._finished.pop(request_id)
+        self._release(request_id)
+        return output
+
+    def _release(self, request_id: str) -> None:
+        """``request_id``'s final output was taken: the id may be given again."""
+        with self._door:
+            self._reserved.discard(request_id)
 
     def __iter__(self) -> Iterator[StreamOutput]:
         """Finished outputs as they come, while the manager runs."""
@@ -269,6 +322,8 @@ class SpeculativeBatchingManager:
                     return
                 else:
                     continue
+            if last:
+                self._release(request_id)
             yield output
             if last:
                 return

@@ -30,7 +30,7 @@ class PairMemory:
     probe_interval: int = 8
 
 
-# draft -> target -> {sampling: PairMemory}
+# draft -> target -> {hybrid: PairMemory}
 _PAIR_MEMORY: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakKeyDictionary]" = weakref.WeakKeyDictionary()
 
 
@@ -41,13 +41,12 @@ class _PromptLookup:
 _PROMPT_LOOKUP = _PromptLookup()
 
 
-def pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module | None, sampling: bool = False,
-                hybrid: bool = False) -> PairMemory:
-    """The :class:`PairMemory` of these two model objects (in memory, forgotten with the models), one for greedy
-    calls and one for sampled calls: a draft is accepted by exact match in one and with probability
-    ``min(1, p/q)`` in the other, so what is learnt about one says little about the other. ``assistant_model=None``:
-    prompt lookup on this target. ``hybrid``: the draft drafts beside prompt lookup, its confidences calibrated
-    (:mod:`~tetris_hf.candidate_generators.hybrid`): another scale than its raw ``max q``, learnt apart."""
+def pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module | None, hybrid: bool = False) -> PairMemory:
+    """The :class:`PairMemory` of these two model objects (in memory, forgotten with the models), for greedy calls: a
+    sampled call starts afresh (its tokens must not depend on earlier calls, see
+    :func:`~tetris_hf.strategies.make_strategy`). ``assistant_model=None``: prompt lookup on this target. ``hybrid``:
+    the draft drafts beside prompt lookup, its confidences calibrated (:mod:`~tetris_hf.candidate_generators.hybrid`):
+    another scale than its raw ``max q``, learnt apart."""
     draft_key = _PROMPT_LOOKUP if assistant_model is None else assistant_model
     by_target = _PAIR_MEMORY.setdefault(draft_key, weakref.WeakKeyDictionary())
-    return by_target.setdefault(model, {}).setdefault((sampling, hybrid), PairMemory())
+    return by_target.setdefault(model, {}).setdefault(hybrid, PairMemory())

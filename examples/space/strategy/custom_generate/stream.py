@@ -27,20 +27,20 @@ import dataclasses
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 from transformers import GenerationConfig
-from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
+from transformers.generation.continuous_batching.requests import RequestStatus
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from .checks import check_pair
 from .decoding import BatchedSpeculativeLoop
-from .logits_row_sampling import RowSamplingWarper, check_sampling
+from .logits_row_sampling import RowSamplingWarper
 from .options import TetrisOptions
 from .outputs import TetrisStats
 from .step import JoiningPrompts
+from .stream_requests import RequestLimits, StreamOutput, StreamRequest, check_request
 from .timing import StepClock
 
 DEFAULT_PREFILL_CHUNK = 256  # prompt tokens a joining row reads per forward
@@ -48,32 +48,6 @@ FOLD_EVERY = 64  # steps whose records a stream keeps before adding them to its 
 TOTALS = ("steps", "drafted_tokens", "verified_tokens", "accepted_tokens", "emitted_tokens", "draft_seconds",
           "verify_seconds", "target_tokens", "selected_tokens", "lookup_drafted_tokens", "lookup_verified_tokens",
           "lookup_accepted_tokens")
-
-
-@dataclass
-class StreamOutput(GenerationOutput):
-    """transformers' ``GenerationOutput`` (``request_id``, ``prompt_ids``, ``generated_tokens``, ``error``,
-    ``status``, ``created_time``, ``lifespan``), plus when the request's first token came out (``perf_counter``
-    time, -1 before)."""
-
-    first_token_time: float = -1.0
-
-
-@dataclass
-class StreamRequest:
-    """One request's settings and progress (the scheduler's record)."""
-
-    request_id: str
-    prompt_ids: list[int]
-    max_new_tokens: int
-    eos_token_ids: tuple[int, ...]
-    streaming: bool = False
-    sampling: tuple = (None, None, None)  # its own temperature, top_k, top_p (None: the stream's)
-    output: StreamOutput = field(init=False)
-    lane: int = -1
-
-    def __post_init__(self):
-        self.output = StreamOutput(request_id=self.request_id, prompt_ids=list(self.prompt_ids))
 
 
 class StreamLoop(BatchedSpeculativeLoop):
@@ -374,12 +348,11 @@ class RequestStream:
         self.model, self.assistant_model = model, assistant_model
         self.max_batch_size, self.max_length, self.prefill_chunk = max_batch_size, int(max_length), prefill_chunk
         self.ride_prompts = bool(ride_prompts)
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        self.default_eos = _as_ids(self.config.eos_token_id)
         self.waiting: deque[StreamRequest] = deque()
         self.live: dict[int, StreamRequest] = {}  # lane -> request
         self.done: deque[StreamOutput] = deque()  # finished (or failed) outputs not yet taken
         self._ids = itertools.count()
+        self._ids_in_flight: set[str] = set()  # the requests waiting or live
         self._cancelled: set[str] = set()
         # Sampling settings per request: temperature, top-k and top-p leave the stream's processors for one warper
         # with a value per lane, the stream's values by default (unless other warpers, which come after them in
@@ -395,6 +368,15 @@ class RequestStream:
                                                   1.0 if self.config.top_p is None else self.config.top_p, device)
             self.processor_config = copy.deepcopy(self.config)
             self.processor_config.update(temperature=1.0, top_k=None, top_p=1.0)
+        why_no_sampling = ("temperature, top_k and top_p are sampling settings: this stream decodes greedily "
+                           "(do_sample=False)" if not self.config.do_sample else
+                           "per-request temperature, top_k and top_p need a stream without min_p, typical_p, epsilon "
+                           "or eta warpers (transformers applies those after them)")
+        self.limits = RequestLimits(
+            vocab_size=model.get_output_embeddings().weight.shape[0], max_length=self.max_length,
+            default_max_new_tokens=self.config.max_new_tokens, default_eos=_as_ids(self.config.eos_token_id),
+            sampling_defaults=None if self.row_sampling is None else self.row_sampling.defaults,
+            why_no_sampling=why_no_sampling)
         self.loop: StreamLoop | None = self._new_loop()  # (made now: settings it cannot serve fail here)
 
     def _new_loop(self) -> StreamLoop:
@@ -408,66 +390,45 @@ class RequestStream:
 
     # -- requests --------------------------------------------------------------------------------------------------
 
+    def request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,
+                eos_token_id=None, streaming: bool = False, temperature: float | None = None,
+                top_k: int | None = None, top_p: float | None = None) -> StreamRequest:
+        """A checked request (:func:`~tetris_hf.stream_requests.check_request`), not queued: raises ``TypeError`` or
+        ``ValueError`` naming the bad argument. ``request_id`` ``None``: a new ``"req_N"`` that no request in flight
+        holds. Reads only what the stream fixed at construction: callable from any thread."""
+        if request_id is None:
+            request_id = next(candidate for candidate in (f"req_{index}" for index in self._ids)
+                              if candidate not in self._ids_in_flight)
+        return check_request(self.limits, input_ids, request_id, max_new_tokens, eos_token_id, streaming,
+                             temperature, top_k, top_p)
+
+    def submit(self, request: StreamRequest) -> str:
+        """Queue a checked request (:meth:`request`); returns its id. A request whose id is in flight (waiting or
+        decoding) is refused with a ``ValueError``: its output could not be told from the other's."""
+        if request.request_id in self._ids_in_flight:
+            raise ValueError(f"request_id {request.request_id!r} is already in flight: give each request its own id")
+        self._ids_in_flight.add(request.request_id)
+        self.waiting.append(request)
+        return request.request_id
+
     def add(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,
             eos_token_id=None, streaming: bool = False, temperature: float | None = None, top_k: int | None = None,
             top_p: float | None = None) -> str:
         """Queue a request; returns its id. ``temperature``, ``top_k`` and ``top_p``: its own sampling settings (a
         sampling stream's; ``None``: the stream's). A request that cannot run (empty, too long, a token outside the
-        vocabulary, bad settings) is not queued: its output, with the error, is ready at once."""
-        request_id = f"req_{next(self._ids)}" if request_id is None else str(request_id)
-        if max_new_tokens is None:
-            max_new_tokens = self.config.max_new_tokens
-        eos = self.default_eos if eos_token_id is None else _as_ids(eos_token_id)
-        prompt = input_ids.tolist() if isinstance(input_ids, torch.Tensor) else input_ids
-        sampling = (temperature, top_k, top_p)
-        error = self._check(prompt, max_new_tokens) or self._check_sampling(sampling)
-        if max_new_tokens is None and error is None:
-            max_new_tokens = self.max_length - len(prompt)
-        request = StreamRequest(request_id, list(prompt) if error is None else _safe_list(prompt),
-                                max_new_tokens or 0, eos, streaming, sampling)
-        if error is not None:
-            self._fail(request, error)
-        else:
-            self.waiting.append(request)
-        return request_id
-
-    def _check(self, prompt, max_new_tokens) -> str | None:
-        """Why a request cannot run, or ``None``."""
-        if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__"):
-            return f"a request's input_ids must be a list of token ids, got {type(prompt).__name__}"
-        if len(prompt) == 0:
-            return "the request's prompt is empty: give at least one token"
-        if isinstance(prompt[0], (list, tuple)):
-            return "a request's input_ids must be one list of token ids, not a batch (add one request per prompt)"
-        if not all(isinstance(token, int) and not isinstance(token, bool) for token in prompt):
-            return "a request's input_ids must be integers"
-        bad = [token for token in prompt if not 0 <= token < self.vocab_size]
-        if bad:
-            return f"token id {bad[0]} is outside the model's vocabulary (0 .. {self.vocab_size - 1})"
-        if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
-                                           or max_new_tokens < 1):
-            return f"max_new_tokens must be a positive integer, got {max_new_tokens!r}"
-        if len(prompt) + 1 > self.max_length:
-            return (f"the prompt has {len(prompt)} tokens: the stream holds {self.max_length} a request "
-                    "(max_length), prompt and new tokens")
-        return None
-
-    def _check_sampling(self, sampling: tuple) -> str | None:
-        """Why a request's own sampling settings cannot be served, or ``None``."""
-        if all(value is None for value in sampling):
-            return None
-        if not self.config.do_sample:
-            return "temperature, top_k and top_p are sampling settings: this stream decodes greedily (do_sample=False)"
-        if self.row_sampling is None:
-            return ("per-request temperature, top_k and top_p need a stream without min_p, typical_p, epsilon or eta "
-                    "warpers (transformers applies those after them)")
-        temperature, top_k, top_p = self.row_sampling.defaults
+        vocabulary, an argument of the wrong type, bad settings: whatever :meth:`request` refuses) is not queued:
+        its output, with the error, is ready at once. An id already in flight raises (see :meth:`submit`)."""
         try:
-            check_sampling(*(default if value is None else value
-                             for value, default in zip(sampling, (temperature, top_k, top_p))))
-        except ValueError as error:
-            return str(error)
-        return None
+            request = self.request(input_ids, request_id, max_new_tokens, eos_token_id, streaming, temperature,
+                                   top_k, top_p)
+        except (TypeError, ValueError) as error:
+            request_id = request_id if isinstance(request_id, str) and request_id else f"req_{next(self._ids)}"
+            if request_id in self._ids_in_flight:
+                raise ValueError(f"request_id {request_id!r} is already in flight: give each request its own id") \
+                    from error
+            self._fail(StreamRequest(request_id, _printable_prompt(input_ids), 0, ()), str(error))
+            return request_id
+        return self.submit(request)
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:
         """Stop a request now: a waiting one never runs (its output fails with ``reason``); a running one leaves its
@@ -508,15 +469,15 @@ class RequestStream:
 
     def _admit(self) -> None:
         free = [lane for lane in range(self.max_batch_size) if lane not in self.live]
+        if not (free and self.waiting):
+            return
+        if self.loop is None:
+            self.loop = self._new_loop()  # (before any request leaves the queue: if this raises, none is lost)
         joining = []
         while free and self.waiting:
             request = self.waiting.popleft()
             request.lane = free.pop(0)
             joining.append(request)
-        if not joining:
-            return
-        if self.loop is None:
-            self.loop = self._new_loop()
         now = time.perf_counter()
         for request in joining:
             self.live[request.lane] = request
@@ -541,6 +502,7 @@ class RequestStream:
         """Hand out the rows that left the batch (and the streaming requests' new tokens)."""
         for lane, tokens in self.loop.finished:
             request = self.live.pop(lane)
+            self._ids_in_flight.discard(request.request_id)
             output = request.output
             output.generated_tokens = tokens[len(request.prompt_ids) :]
             output.lifespan = (output.lifespan[0], now)
@@ -557,6 +519,7 @@ class RequestStream:
                     request.output.generated_tokens)))
 
     def _fail(self, request: StreamRequest, error: str) -> None:
+        self._ids_in_flight.discard(request.request_id)
         request.output.error = error
         request.output.status = RequestStatus.FAILED
         now = time.perf_counter()
@@ -569,15 +532,24 @@ class RequestStream:
             self._fail(request, error)
         self.live.clear()
         self._cancelled.clear()
-        if self.loop is not None:
-            self.loop.close()
-        self.loop = None
+        self.close()
+
+    def reject(self, request: StreamRequest, reason: str) -> None:
+        """A request that will not run (never submitted, or refused): its output fails with ``reason``."""
+        self._fail(request, reason)
+
+    def fail_all(self, reason: str) -> None:
+        """Every request in flight, waiting or decoding, fails now with ``reason`` (its output in :attr:`done`); the
+        loop is dropped. The stream stays usable."""
+        while self.waiting:
+            self._fail(self.waiting.popleft(), reason)
+        self._fail_in_flight(reason)
 
     def close(self) -> None:
-        """Remove what the drafter put on the target; the stream can start again."""
-        if self.loop is not None:
-            self.loop.close()
-        self.loop = None
+        """Remove what the drafter put on the target; the stream can start again (with a new loop)."""
+        loop, self.loop = self.loop, None
+        if loop is not None:
+            loop.close()
 
     def run(self) -> list[StreamOutput]:
         """Step until every request finished; the outputs, in the order they finished."""
@@ -588,8 +560,10 @@ class RequestStream:
         return outputs
 
 
-def _safe_list(prompt) -> list:
-    try:
-        return list(prompt)
-    except TypeError:
-        return []
+def _printable_prompt(input_ids) -> list:
+    """As much of a refused request's prompt as its output can show: its items if it is a flat list or tuple of ints,
+    else nothing."""
+    if isinstance(input_ids, (list, tuple)) and all(type(token) is int for token in input_ids):
+        return list(input_ids)
+    return []
+
