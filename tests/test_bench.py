@@ -53,7 +53,7 @@ def test_greedy_mismatch_is_reported(tiny_pair, monkeypatch):
         num_accepted, next_tokens = real(*args)
         return num_accepted, (next_tokens + 1) % len(tokenizer)
 
-    monkeypatch.setattr("tetris_hf.decoding.verify_greedy", off_by_one)
+    monkeypatch.setattr("tetris_hf.logits.verification.verify_greedy", off_by_one)
     config = bench.BenchConfig(batch_size=2, max_new_tokens=5, strategies=("generate", "tetris"), extra_tokens=(1,))
     report = bench.run_bench(target, draft, tokenizer, SENTENCES[:2], config, show_progress=False)
     assert len(report["mismatches"]) == 1 and report["mismatches"][0].startswith("tetris k=4 e=1")

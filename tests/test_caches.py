@@ -37,13 +37,13 @@ def next_logits_fresh(model, tokens):
 def assert_caches_match_fresh(loop, target, draft, padding) -> None:
     """Both caches of a running loop give, for every active row, the next-token logits of a fresh forward over the
     row's unpadded tokens (``padding``: each original row's left padding)."""
-    rows = loop.rows.tolist()
-    last = loop.sequences[torch.arange(len(rows)), loop.lengths - 1][:, None]
+    rows = loop.batch.rows.tolist()
+    last = loop.batch.sequences[torch.arange(len(rows)), loop.batch.lengths - 1][:, None]
     target_next = next_logits_from_cache(loop.target_slots, target, last, torch.ones_like(last))
     drafter = loop.drafter
     draft_next = next_logits_from_cache(drafter.slots, draft, drafter.pending_tokens, drafter.pending_mask)
     for index, row in enumerate(rows):
-        text = loop.sequences[index, int(padding[row]) : int(loop.lengths[index])].tolist()
+        text = loop.batch.sequences[index, int(padding[row]) : int(loop.batch.lengths[index])].tolist()
         torch.testing.assert_close(target_next[index], next_logits_fresh(target, text), atol=1e-4, rtol=0)
         torch.testing.assert_close(draft_next[index], next_logits_fresh(draft, text), atol=1e-4, rtol=0)
 
@@ -119,8 +119,8 @@ def test_draft_cache_catches_up_after_plain_steps():
             drafter = loop.drafter
             pending_widths.append(drafter.pending_tokens.shape[1])
             draft_next = next_logits_from_cache(drafter.slots, draft, drafter.pending_tokens, drafter.pending_mask)
-            for index, row in enumerate(loop.rows.tolist()):
-                text = loop.sequences[index, int(padding[row]) : int(loop.lengths[index])].tolist()
+            for index, row in enumerate(loop.batch.rows.tolist()):
+                text = loop.batch.sequences[index, int(padding[row]) : int(loop.batch.lengths[index])].tolist()
                 torch.testing.assert_close(draft_next[index], next_logits_fresh(draft, text), atol=1e-4, rtol=0)
     assert max(pending_widths) > 12  # the prompt and two plain steps waited, unread, before the first draft
     assert loop.stats.accepted_tokens > 0

@@ -82,7 +82,7 @@ def test_a_draft_accepted_against_the_targets_clear_argmax_fails_in_bf16(monkeyp
     draft = tiny_llama(VOCAB, num_layers=1, seed=35).to(torch.bfloat16)  # agrees by chance only
     prompts = random_prompts(4, VOCAB, seed=34, min_length=3)
     reference = greedy_alone(target, prompts, NEW_TOKENS)
-    monkeypatch.setattr("tetris_hf.decoding.verify_greedy", accept_every_draft)
+    monkeypatch.setattr("tetris_hf.logits.verification.verify_greedy", accept_every_draft)
     checks = compare_outputs(target, prompts, speculative(target, draft, prompts), reference)
     failing = [check for check in checks if not check.within_tolerance]
     assert failing, [check.describe() for check in checks]

@@ -6,7 +6,7 @@ import torch
 from transformers import DynamicCache
 
 import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
-import tetris_hf.decoding as decoding
+import tetris_hf.logits.verification as verification
 from eagle_checkpoints import VOCAB, eagle1_checkpoint, eagle3_checkpoint, tiny_target, write_checkpoint
 from tetris_hf import EagleDraft
 from tetris_hf.candidate_generators.eagle_drafter import EagleCandidateGenerator
@@ -75,14 +75,14 @@ def record_proposals(monkeypatch, drafter_class=EagleCandidateGenerator) -> list
 def accept_two_drafts(monkeypatch):
     """A verifier that accepts every row's first two verified drafts (whatever the target says), so that accepted
     drafts are re-read with the target's features on every step (random heads are rarely right)."""
-    real = decoding.verify_greedy
+    real = verification.verify_greedy
 
     def accepting(drafts, verify_lengths, target_scores):
         _, next_tokens = real(drafts, torch.zeros_like(verify_lengths), target_scores)
         num_accepted = verify_lengths.clamp(max=2)
         return num_accepted, target_scores.argmax(-1).gather(1, num_accepted[:, None]).squeeze(1)
 
-    monkeypatch.setattr(decoding, "verify_greedy", accepting)
+    monkeypatch.setattr(verification, "verify_greedy", accepting)
 
 
 @pytest.mark.parametrize("family,head_format", [

@@ -64,24 +64,27 @@ def submit_together(stream: SharedStream, tokenizer, prompts: list[str], max_new
 def test_requests_from_two_threads_share_the_batch_and_equal_the_target_alone(pair):
     target, draft, tokenizer = pair
     stream = shared_stream.shared_stream(target, draft)
-    assert shared_stream.shared_stream(target, draft) is stream and stream.running  # one stream, started once
-    seen = submit_together(stream, tokenizer, PROMPTS, 64)
-    for (visitor, snapshots), text in zip(sorted(seen.items()), PROMPTS):
-        last = snapshots[-1]
-        assert last.state == "done" and last.visitor == visitor
-        assert last.tokens == alone(target, prompt_ids(tokenizer, text), 64)
-        assert last.most_rows == 2  # it shared a step with the other visitor's request
-        assert last.time_to_first_token > 0 and last.tokens_per_second > 0
-        for partial in snapshots[:-1]:  # each a prefix of the final output
-            assert partial.tokens == last.tokens[: len(partial.tokens)]
-    board = stream.board()
-    assert board.most_rows == 2 and board.served >= 2 and board.in_batch == []
-    assert 2 in board.rows_per_step and board.steps >= len(board.rows_per_step)
-    page = render_stream_board(board, "visitor 1", lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
-    assert 'data-most-rows="2"' in page and page.count('class="stream-row done') >= 2
-    assert page.count(" (you)") == 1 and "visitor 2" in page
-    output = render_output(seen["visitor 1"][-1], lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
-    assert 'data-state="done"' in output and "▌" not in output
+    try:
+        assert shared_stream.shared_stream(target, draft) is stream and stream.running  # one stream, started once
+        seen = submit_together(stream, tokenizer, PROMPTS, 64)
+        for (visitor, snapshots), text in zip(sorted(seen.items()), PROMPTS):
+            last = snapshots[-1]
+            assert last.state == "done" and last.visitor == visitor
+            assert last.tokens == alone(target, prompt_ids(tokenizer, text), 64)
+            assert last.most_rows == 2  # it shared a step with the other visitor's request
+            assert last.time_to_first_token > 0 and last.tokens_per_second > 0
+            for partial in snapshots[:-1]:  # each a prefix of the final output
+                assert partial.tokens == last.tokens[: len(partial.tokens)]
+        board = stream.board()
+        assert board.most_rows == 2 and board.served >= 2 and board.in_batch == []
+        assert 2 in board.rows_per_step and board.steps >= len(board.rows_per_step)
+        page = render_stream_board(board, "visitor 1", lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        assert 'data-most-rows="2"' in page and page.count('class="stream-row done') >= 2
+        assert page.count(" (you)") == 1 and "visitor 2" in page
+        output = render_output(seen["visitor 1"][-1], lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        assert 'data-state="done"' in output and "▌" not in output
+    finally:  # (the Space keeps it for its life; a test process should not)
+        stream.stop()
 
 
 def test_a_visitor_who_goes_away_frees_its_row(pair):

@@ -140,7 +140,7 @@ def test_a_joining_prompt_rides_in_the_verification_forward(models):
         handle.remove()
     record = stream.loop._records[-1]
     assert read == [record.target_tokens + 50]  # one forward: the row's block, then the prompt
-    assert stream.loop.num_rows == 2 and stream.loop.progress([1])[1] == list(range(3, 53)) + [
+    assert stream.loop.batch.num_rows == 2 and stream.loop.progress([1])[1] == list(range(3, 53)) + [
         alone(target, list(range(3, 53)), 1)[0]]
     assert stream.live[1].output.first_token_time > 0
     outputs = {output.request_id: output for output in stream.run()}
@@ -430,7 +430,8 @@ def test_stream_rows_equal_target_alone_eagle(tmp_path, head_format, max_batch_s
 
     rode = []
     join_read = StreamLoop._join_read
-    monkeypatch.setattr(StreamLoop, "_join_read", lambda loop: rode.append(loop.joining.count) or join_read(loop))
+    monkeypatch.setattr(StreamLoop, "_join_read",
+                        lambda loop, tokens: rode.append(loop.joining.count) or join_read(loop, tokens))
     target, head = load_pair(tmp_path, "llama", head_format)
     stream = RequestStream(target, assistant_model=head, max_batch_size=max_batch_size, prefill_chunk=6,
                            eos_token_id=None, tetris_strategy=strategy, num_assistant_tokens=3)

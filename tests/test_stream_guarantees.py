@@ -165,6 +165,7 @@ def test_a_thread_that_ends_fails_what_it_held_and_refuses_what_comes_after(mode
 
 
 def test_add_request_after_stop_raises_and_nothing_waits_forever(models):
+    before = set(threading.enumerate())
     manager = manager_for(models)
     with manager:
         pending = manager.add_request([5, 6, 7], max_new_tokens=500)
@@ -172,7 +173,7 @@ def test_add_request_after_stop_raises_and_nothing_waits_forever(models):
     with pytest.raises(RuntimeError, match="stopped"):
         manager.add_request([5, 6])
     assert manager.get_result("never-given", timeout=None) is None
-    assert not [thread for thread in threading.enumerate() if thread.name == "tetris-hf-stream"]
+    assert not [thread for thread in set(threading.enumerate()) - before if thread.name == "tetris-hf-stream"]
 
 
 def test_generate_batch_gives_a_malformed_input_its_own_failed_output(models):

@@ -18,17 +18,18 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from .attention import AttentionLayout, check_tree_layout
+from .batch import Batch, Retired
 from .candidate_generators import build_drafter
 from .checks import check_generation_config, check_prompt_mask, check_streamer
 from .compiled import check_compilable, compiled_forward
 from .kv import SlotCache, slots_needed
-from .logits import PositionwiseLogitsProcessor, verify_greedy, verify_sampling
+from .logits import PositionwiseLogitsProcessor, verify
 from .options import TetrisOptions
 from .packed_probe import packs_exactly
 from .outputs import TetrisGenerateOutput, TetrisStats
 from .static_shapes import block_width
-from .chain_step import ChainStep, StepRead
-from .step import Emission, JoiningPrompts, ReadHints, StepRecord, Verdict, run_step
+from .chain_step import ChainStep, StepContext
+from .step import JoiningPrompts, ReadHints, StepRecord, Verdict, run_step
 from .stopping import RowStopper
 from .strategies import make_strategy
 from .timing import StepClock, StepSeconds
@@ -80,18 +81,11 @@ class BatchedSpeculativeLoop:
         # lazy: a draft model reads the prompt when it first drafts
         self.drafter.prefill(input_ids, attention_mask, all_real=bool(attention_mask.all()))
         self._compile_and_attach()
-        capacity, device = self.sequence_capacity, input_ids.device
-        self.sequences = input_ids.new_full((batch_size, capacity), self.pad_value)
-        self.sequences[:, :prompt_length] = input_ids
-        self.lengths = torch.full((batch_size,), prompt_length, dtype=torch.long, device=device)
-        self.rows = torch.arange(batch_size, device=device)  # original index of each active row
-        self.last_tokens = input_ids[:, -1]  # each active row's last token (the next block starts with it)
-        self.num_rows = batch_size  # active rows, known on the host
-        self.shortest, self.longest = prompt_length, prompt_length  # host bounds on the active rows' lengths
-        self.outputs = self.sequences.clone()  # finished rows, by original index
-        self.output_lengths = self.lengths.clone()
+        self.batch = Batch.of_prompts(input_ids, self.sequence_capacity, self.pad_value, self.max_length)
+        self.outputs = self.batch.sequences.clone()  # finished rows, by original index
+        self.output_lengths = self.batch.lengths.clone()
         self._records: list[StepRecord] = []
-        self.clock = StepClock(device)
+        self.clock = StepClock(input_ids.device)
         self._stats: TetrisStats | None = None
 
     def _setup(self, model: torch.nn.Module, assistant_model: torch.nn.Module | None,
@@ -106,8 +100,6 @@ class BatchedSpeculativeLoop:
         # generate()'s length limit (also a criterion, which a stopper applies with any other given)
         self.stopper = RowStopper(stopping_criteria, device, max_length)
         self.max_length = self.stopper.max_length
-        self.row_limits: torch.Tensor | None = None  # (B,) each row's own length limit (a stream's), below max_length
-        self.row_eos: torch.Tensor | None = None  # (B, E) each row's own end tokens (a stream's), -1 padded
         self.joining: JoiningPrompts | None = None  # prompts of rows joining after the step (a stream's), read in it
         self.do_sample = bool(generation_config.do_sample)
         self.streamer = None
@@ -139,6 +131,8 @@ class BatchedSpeculativeLoop:
         self.target_slots = SlotCache(batch_size, device, options.tetris_max_holes, capacity=cache_capacity(model))
         self.target_slots.pack = pack
         self.compile = options.tetris_compile
+        self.context = StepContext(model, self.target_slots, self.drafter, self.logits_processor, self.stopper,
+                                   self.do_sample, self.compile, self.pad_value, self.step_callback is not None)
 
     def _compile_and_attach(self) -> None:
         """After the drafter's :meth:`~.Drafter.prefill`: compiled step forwards if asked for, then the drafter's
@@ -151,7 +145,7 @@ class BatchedSpeculativeLoop:
 
     @property
     def done(self) -> bool:
-        return self.num_rows == 0
+        return self.batch.num_rows == 0
 
     def step(self) -> StepRecord:
         """One speculative step for every active row; finished rows leave the batch.
@@ -161,87 +155,59 @@ class BatchedSpeculativeLoop:
         """
         if not self.prompt_read:
             return self._read_prompt()
-        room = max(self.max_length - self.shortest - 1, 0)  # no row may verify more than this
-        step = run_step(self.strategy, self.phases(), self.num_rows, min(room, self.max_draft), self.clock)
-        return self._finish(step.record, step.emission.stopped)
+        batch = self.batch
+        room = max(self.max_length - batch.shortest - 1, 0)  # no row may verify more than this
+        step = run_step(self.strategy, self.phases(), batch.num_rows, min(room, self.max_draft), self.clock)
+        self._stream_tokens(step.emission.emitted)
+        return self._finish(step.record, step.emission.stopped, step.block)
 
     def phases(self) -> ChainStep | TreeStep:
-        """This step's phases: every row drafts a chain, or a tree. Made for each step: they refer to the loop, and
-        the loop keeping them would make a cycle that only the garbage collector frees (with the caches in it)."""
-        return ChainStep(self) if self.tree_width == 1 else TreeStep(self, self.tree_width)
-
-    def read_step(self, verified: torch.Tensor) -> StepRead:
-        """A drafting step's one device read: ``verified`` ``(B,)`` cells each row verifies (their maximum sizes the
-        target's block), with the caches' fill levels and the rows' lengths (which tighten :attr:`longest`)."""
-        drafter_lengths = self.drafter.live_lengths()
-        read = [verified, self.target_slots.live_lengths(), self.lengths]
-        if drafter_lengths is not None:
-            read.append(drafter_lengths)
-        maxima = torch.stack(read).amax(dim=1)
-        num_verified, block_length, target_longest, self.longest, *drafter_longest = \
-            torch.cat([verified.sum()[None], maxima]).tolist()
-        return StepRead(num_verified, block_length, target_longest, drafter_longest[0] if drafter_longest else None)
+        """This step's phases: every row drafts a chain (reading the prompts of rows joining after it, a stream's), or
+        a tree."""
+        if self.tree_width == 1:
+            return ChainStep(self.context, self.batch, self.joining)
+        return TreeStep(self.context, self.batch, self.tree_width)
 
     def _read_prompt(self) -> StepRecord:
         """The first step: the target reads every prompt (its cache had nothing) and adds one token per row."""
         started = time.perf_counter()
-        num_rows = self.num_rows
+        batch = self.batch
+        num_rows = batch.num_rows
         logits = self.target_slots.forward(self.model, self.input_ids, self.prompt_mask, logits_to_keep=1)
-        target_scores = self.logits_processor(self.sequences, self.lengths, logits, self.rows)
+        target_scores = self.logits_processor(batch.sequences, batch.lengths, logits, batch.rows)
         no_drafts = self.input_ids.new_zeros(num_rows, 0)
-        verify_lengths = torch.zeros(num_rows, dtype=torch.long, device=self.lengths.device)
-        num_accepted, next_tokens = self.acceptance(no_drafts, verify_lengths, target_scores, None)
+        verify_lengths = torch.zeros(num_rows, dtype=torch.long, device=batch.lengths.device)
+        num_accepted, next_tokens = verify(no_drafts, verify_lengths, target_scores, None, self.do_sample)
         verdict = Verdict(num_accepted, next_tokens, verify_lengths, hints=ReadHints(max_accepted=0))
         self.drafter.accept(verdict)
         self.prompt_read = True
-        emission = self.emit(verdict)
+        emission = batch.emit(num_accepted, next_tokens, 0, self.stopper)
+        self._stream_tokens(emission.emitted)
         no_log_probs = target_scores.new_zeros(num_rows, 0)
-        record = StepRecord(self.rows, 0, 0, no_log_probs, verify_lengths, num_accepted, emission.emitted,
+        record = StepRecord(batch.rows, 0, 0, no_log_probs, verify_lengths, num_accepted, emission.emitted,
                             StepSeconds(0.0, time.perf_counter() - started, 0.0))
         return self._finish(record, emission.stopped)
+
+    def _stream_tokens(self, emitted: torch.Tensor) -> None:
+        """The streamer (one row) gets the tokens this step emitted, ``emitted`` ``(B,)`` of them per row."""
+        if self.streamer is not None:
+            end = self.batch.lengths[0]
+            self.streamer.put(self.batch.sequences[0, end - emitted[0] : end].cpu())
 
     def close(self) -> None:
         """Remove what the drafter put on the target (the call is over)."""
         self.drafter.detach()
 
-    def acceptance(self, drafts: torch.Tensor, verify_lengths: torch.Tensor, target_scores: torch.Tensor,
-                draft_probs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Verification (greedy or rejection sampling): ``(num_accepted, next_tokens)``, both ``(B_active,)``."""
-        if not self.do_sample:
-            return verify_greedy(drafts, verify_lengths, target_scores)
-        if draft_probs is not None:
-            draft_probs = draft_probs[:, : drafts.shape[1]]
-        return verify_sampling(drafts, verify_lengths, target_scores, draft_probs)
-
-    def emit(self, verdict: Verdict) -> Emission:
-        """Write each row's target token after its accepted drafts (those already sit in place past the row's end),
-        apply the stopping criteria, advance ``lengths``. ``verdict.hints.max_accepted + 1`` bounds the tokens any
-        row emits (known without a device sync).
-
-        Returns:
-            :class:`~tetris_hf.step.Emission`: ``(B_active,)`` tokens kept per row, rows now finished.
-        """
-        num_accepted, next_tokens = verdict.num_accepted, verdict.next_tokens
-        max_new = verdict.hints.max_accepted + 1
-        lengths = self.lengths
-        self.sequences.scatter_(1, (lengths + num_accepted)[:, None], next_tokens[:, None])
-        self.last_tokens = next_tokens  # a row that stops here leaves the batch: its last token is not needed
-        kept, stopped = self.stopper(self.sequences, lengths, num_accepted + 1, max_new, longest=self.longest,
-                                     row_limits=self.row_limits, row_eos=self.row_eos)
-        if self.streamer is not None:
-            self.streamer.put(self.sequences[0, lengths[0] : lengths[0] + kept[0]].cpu())
-        self.lengths = lengths + kept
-        self.shortest = min(self.shortest + 1, self.max_length)
-        self.longest = min(self.longest + max_new, self.max_length)
-        return Emission(kept, stopped)
-
-    def _finish(self, record: StepRecord, stopped: torch.Tensor) -> StepRecord:
-        """Keep the step's record, retire the rows that ``stopped`` ``(B_active,)``, call the user's step callback."""
+    def _finish(self, record: StepRecord, stopped: torch.Tensor, block=None) -> StepRecord:
+        """Keep the step's record, retire the rows that ``stopped`` ``(B_active,)``, call the user's step callback.
+        (``block``: where the step's verification went, :class:`~tetris_hf.step.TargetBlock`; ``None`` for the
+        prompt's read.)"""
         self._records.append(record)
         self._stats = None
-        if self.shortest >= self.max_length:
-            num_stopped = self.num_rows  # every row is at the length limit
-        elif self.stopper.only_length and self.row_limits is None and self.longest < self.max_length:
+        batch = self.batch
+        if batch.shortest >= self.max_length:
+            num_stopped = batch.num_rows  # every row is at the length limit
+        elif self.stopper.only_length and batch.row_limits is None and batch.longest < self.max_length:
             num_stopped = 0  # no row can have stopped: no need to ask the device
         elif (pending_width := self.drafter.pending_width()) is None:  # nothing for the drafter to trim
             num_stopped = int(stopped.sum())
@@ -256,42 +222,21 @@ class BatchedSpeculativeLoop:
 
     def _retire(self, stopped: torch.Tensor, num_stopped: int) -> None:
         """Move the ``num_stopped`` rows that ``stopped`` ``(B_active,)`` out of the batch (their tokens into
-        ``outputs``), without reading which rows they are: active rows from the end of the batch take the places of
-        finished rows before it, and the batch ends after ``B_active - num_stopped`` rows. Only moved rows are
-        copied, in place (the caches' buffers stay where they are).
+        ``outputs``), both caches' rows moving as the batch's (:meth:`~tetris_hf.batch.Batch.retire`)."""
+        retired, moves = self.batch.retire(stopped, num_stopped)
+        self._store_finished(retired)
+        self.target_slots.fill_rows(*moves)
+        self.drafter.fill_rows(*moves)
 
-        E.g. rows ``[a b c d e]`` with ``b`` and ``e`` stopped: 3 remain; ``b`` is the finished row among the first
-        3 and ``d`` the active row after them, so ``d`` moves to 1: ``[a d c]``.
-        """
-        gone = torch.argsort(stopped.long(), descending=True, stable=True)[:num_stopped]
-        self._store_finished(gone)
-        num_rows = self.num_rows - num_stopped
-        self.num_rows = num_rows
-        # There are as many finished rows among the first num_rows as active rows after them; they pair up in
-        # order. That count is not read: min(num_stopped, num_rows) pairs are formed, and those past it move nothing.
-        moves = min(num_stopped, num_rows)
-        targets = torch.argsort(stopped[:num_rows].long(), descending=True, stable=True)[:moves]  # finished first
-        sources = num_rows + torch.argsort(stopped[num_rows:].long(), stable=True)[:moves]  # active first
-        sources = torch.where(stopped[targets], sources, targets)
-        rows = self.target_slots.fill_rows(targets, sources, num_rows)
-        self.drafter.fill_rows(targets, sources, num_rows)
-        self.rows, self.sequences, self.lengths = self.rows[rows], self.sequences[rows], self.lengths[rows]
-        self.last_tokens = self.last_tokens[rows]
-        if self.row_limits is not None:
-            self.row_limits = self.row_limits[rows]
-        if self.row_eos is not None:
-            self.row_eos = self.row_eos[rows]
-
-    def _store_finished(self, gone: torch.Tensor) -> None:
-        """Keep the tokens of the rows ``gone`` ``(M,)`` (active indices) that leave the batch: into ``outputs``, by
-        original index."""
-        self.outputs.index_copy_(0, self.rows[gone], self.sequences[gone])
-        self.output_lengths.index_copy_(0, self.rows[gone], self.lengths[gone])
+    def _store_finished(self, retired: Retired) -> None:
+        """Keep the tokens of the rows that left the batch: into ``outputs``, by original index."""
+        self.outputs.index_copy_(0, retired.rows, retired.sequences)
+        self.output_lengths.index_copy_(0, retired.rows, retired.lengths)
 
     def partial_outputs(self) -> list[list[int]]:
         """Every original row's tokens so far (prompt with its left padding, then what it generated)."""
-        sequences, lengths = self.outputs.clone(), self.output_lengths.clone()
-        sequences[self.rows], lengths[self.rows] = self.sequences, self.lengths
+        sequences, lengths, batch = self.outputs.clone(), self.output_lengths.clone(), self.batch
+        sequences[batch.rows], lengths[batch.rows] = batch.sequences, batch.lengths
         return [row[:length] for row, length in zip(sequences.tolist(), lengths.tolist())]
 
     @property

@@ -38,6 +38,7 @@ from .decoding import BatchedSpeculativeLoop
 from .logits.row_sampling import RowSamplingWarper
 from .options import TetrisOptions
 from .outputs import TetrisStats
+from .batch import Batch, Retired
 from .step import JoiningPrompts
 from .stream_requests import RequestLimits, StreamOutput, StreamRequest, check_request
 from .timing import StepClock
@@ -84,18 +85,9 @@ class StreamLoop(BatchedSpeculativeLoop):
         self._compile_and_attach()
         self.prompt_read = True  # rows come with their prompts read (admit)
         self.input_ids = empty
-        self.sequences = empty.new_full((0, self.sequence_capacity), self.pad_value)
-        self.lengths = empty.new_zeros(0)
-        self.rows = empty.new_zeros(0)
-        self.last_tokens = empty.new_zeros(0)
-        self.row_limits = empty.new_zeros(0)
-        self.row_eos = empty.new_full((0, 1), -1)
-        self.num_rows = 0
-        self.shortest, self.longest = max_length, 0
+        self.batch = Batch.empty(self.sequence_capacity, self.pad_value, max_length, device)
         self.finished: list[tuple[int, list[int]]] = []  # (lane, tokens) of rows that left since last taken
         self._riding: list[tuple] = []  # (lane, prompt, limit, end tokens) of the rows of `joining`
-        self._joining_rows: torch.Tensor | None = None  # (M, capacity) their prompts, then their first tokens
-        self._first_tokens: torch.Tensor | None = None  # (M,) their first tokens, once read (read_joining)
         self._records = []
         self._totals = TetrisStats()
         self.clock = StepClock(device)
@@ -111,7 +103,7 @@ class StreamLoop(BatchedSpeculativeLoop):
         Other prompts are read now, but their last tokens, in chunks, in forwards of their own; each last token opens
         its row's first verified block at the next step."""
         # (a tree step's verification reads ancestor masks: prompts ride in chain steps only)
-        rides = self.ride_prompts and self.num_rows > 0 and self.target_slots.packs and self.tree_width == 1
+        rides = self.ride_prompts and self.batch.num_rows > 0 and self.target_slots.packs and self.tree_width == 1
         riding = [rides and len(prompt) <= self.prefill_chunk for prompt in prompts]
         now = [index for index, ride in enumerate(riding) if not ride]
         if now:
@@ -122,58 +114,48 @@ class StreamLoop(BatchedSpeculativeLoop):
             lengths = [len(prompt) for _, prompt, _, _ in self._riding]
             rows = self._prompt_rows([prompt for _, prompt, _, _ in self._riding])
             width = max(lengths)
+            lanes = torch.tensor([lane for lane, _, _, _ in self._riding], device=rows.device)
             self.joining = JoiningPrompts(rows[:, :width].clone(), torch.tensor(lengths, device=rows.device),
-                                          sum(lengths), width)
-            self._joining_rows = rows
+                                          sum(lengths), width, rows, lanes)
 
-    def read_joining(self, logits: torch.Tensor) -> None:
-        """The joining rows' first tokens, from the target's ``(M, V)`` logits at their prompts' last tokens (this
-        step's forward read them): processed and chosen as every target token is (greedy, or sampled)."""
-        rows, lengths = self._joining_rows, self.joining.lengths
-        lanes = torch.tensor([lane for lane, _, _, _ in self._riding], device=rows.device)
-        scores = self.logits_processor(rows, lengths, logits[:, None], lanes)
-        _, first_tokens = self.acceptance(rows[:, :0], torch.zeros_like(lengths), scores, None)
-        rows.scatter_(1, lengths[:, None], first_tokens[:, None])
-        self._first_tokens = first_tokens
-
-    def _finish(self, record, stopped: torch.Tensor):
+    def _finish(self, record, stopped: torch.Tensor, block=None):
         """The rows whose prompts this step's forward read join the batch with their first tokens (a row may stop
         there), then as for every loop (:meth:`~tetris_hf.decoding.BatchedSpeculativeLoop._finish`)."""
         if self.joining is not None:
-            stopped = torch.cat([stopped, self._join_read()])
+            stopped = torch.cat([stopped, self._join_read(block.joining_tokens)])
         return super()._finish(record, stopped)
 
-    def _join_read(self) -> torch.Tensor:
-        """The rows of :attr:`joining`, whose prompts the target just read, join with their first tokens: the drafter
-        reads the prompts too. Returns ``(M,)`` which of them stopped at that token."""
-        joining, riding, rows, first_tokens = self.joining, self._riding, self._joining_rows, self._first_tokens
-        self.joining, self._riding, self._joining_rows, self._first_tokens = None, [], None, None
-        old_rows, count = self.num_rows, joining.count
-        lanes = torch.tensor([lane for lane, _, _, _ in riding], device=rows.device)
+    def _join_read(self, first_tokens: torch.Tensor) -> torch.Tensor:
+        """The rows of :attr:`joining`, whose prompts the target just read, join with their first tokens
+        ``first_tokens`` ``(M,)``: the drafter reads the prompts too. Returns ``(M,)`` which of them stopped at that
+        token."""
+        joining, riding, batch = self.joining, self._riding, self.batch
+        self.joining, self._riding = None, []
+        old_rows, rows = batch.num_rows, joining.sequences
         lengths = [len(prompt) + 1 for _, prompt, _, _ in riding]  # each prompt and its first token
-        self._add_rows(lanes, rows, lengths, [limit for _, _, limit, _ in riding], [eos for _, _, _, eos in riding],
-                       first_tokens)
-        stopped = ((self.row_eos[old_rows:] == first_tokens[:, None]).any(dim=1)
-                   | (self.lengths[old_rows:] >= self.row_limits[old_rows:]))
+        batch.add(joining.lanes, rows, lengths, first_tokens, [limit for _, _, limit, _ in riding],
+                  [eos for _, _, _, eos in riding])
+        stopped = ((batch.row_eos[old_rows:] == first_tokens[:, None]).any(dim=1)
+                   | (batch.lengths[old_rows:] >= batch.row_limits[old_rows:]))
         self.drafter.add_rows(first_tokens, lengths)
         # the block as the target read it (the decoding rows' part empty), and each token's successor in its row (an
         # EAGLE head's pairs): the prompt's next token, the first token after the last
         successors = rows[:, 1 : joining.width + 1]
         old = joining.tokens.new_full((old_rows, joining.width), self.pad_value)
         real_lengths = torch.cat([joining.lengths.new_zeros(old_rows), joining.lengths])
-        self.drafter.read_prompts(torch.cat([old, joining.tokens]), real_lengths, joining.num_tokens, self.longest,
+        self.drafter.read_prompts(torch.cat([old, joining.tokens]), real_lengths, joining.num_tokens, batch.longest,
                                   torch.cat([old, successors]), old_rows)
-        self._totals.emitted_tokens += count  # (each emitted its first token outside the step's record)
+        self._totals.emitted_tokens += joining.count  # (each emitted its first token outside the step's record)
         return stopped
 
     def _join_now(self, lanes: list[int], prompts: list[list[int]], limits: list[int],
                   eos_token_ids: list[tuple[int, ...]]) -> None:
         """Rows join now: both caches read their prompts but the last tokens, in forwards of their own."""
-        old_rows = self.num_rows
+        old_rows = self.batch.num_rows
         rows = self._prompt_rows(prompts)
         lengths = [len(prompt) for prompt in prompts]
         last_tokens = rows.gather(1, torch.tensor(lengths, device=rows.device)[:, None] - 1)[:, 0]
-        self._add_rows(torch.tensor(lanes, device=rows.device), rows, lengths, limits, eos_token_ids, last_tokens)
+        self.batch.add(torch.tensor(lanes, device=rows.device), rows, lengths, last_tokens, limits, eos_token_ids)
         self.target_slots.add_rows(len(prompts))
         self.drafter.add_rows(last_tokens, lengths)
         self._read_prompts(old_rows, prompts)
@@ -183,31 +165,17 @@ class StreamLoop(BatchedSpeculativeLoop):
         rows = torch.full((len(prompts), self.sequence_capacity), self.pad_value, dtype=torch.long)
         for index, prompt in enumerate(prompts):
             rows[index, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-        return rows.to(self.lengths.device)
-
-    def _add_rows(self, lanes: torch.Tensor, rows: torch.Tensor, lengths: list[int], limits: list[int],
-                  eos_token_ids: list[tuple[int, ...]], last_tokens: torch.Tensor) -> None:
-        """Rows after the active ones, in every per-row tensor (the caches' rows are the callers'): lanes ``(M,)``,
-        tokens ``(M, capacity)`` holding ``lengths[i]`` each, the last of them ``last_tokens`` ``(M,)``."""
-        device = self.lengths.device
-        self.sequences = torch.cat([self.sequences, rows])
-        self.lengths = torch.cat([self.lengths, torch.tensor(lengths, device=device)])
-        self.rows = torch.cat([self.rows, lanes])
-        self.last_tokens = torch.cat([self.last_tokens, last_tokens])
-        self.row_limits = torch.cat([self.row_limits, torch.tensor(limits, device=device)])
-        self.row_eos = _append_eos(self.row_eos, eos_token_ids)
-        self.num_rows += len(lengths)
-        self.shortest, self.longest = min(self.shortest, *lengths), max(self.longest, *lengths)
+        return rows.to(self.batch.lengths.device)
 
     def _read_prompts(self, old_rows: int, prompts: list[list[int]]) -> None:
         """Both caches read the joining rows' prompts but their last tokens, ``prefill_chunk`` tokens a forward; the
         other rows' blocks are empty (packed, they cost nothing; padded, they compute filler)."""
-        device = self.lengths.device
+        device, batch = self.batch.lengths.device, self.batch
         to_read = [len(prompt) - 1 for prompt in prompts]
         for start in range(0, max(to_read), self.prefill_chunk):
             chunk = [min(max(length - start, 0), self.prefill_chunk) for length in to_read]
             width = max(chunk)
-            block = torch.full((self.num_rows, width), self.pad_value, dtype=torch.long)
+            block = torch.full((batch.num_rows, width), self.pad_value, dtype=torch.long)
             successors = block.clone()  # each real token's successor in its prompt (an EAGLE head's pairs)
             for index, (prompt, size) in enumerate(zip(prompts, chunk)):
                 if size:
@@ -219,8 +187,8 @@ class StreamLoop(BatchedSpeculativeLoop):
             self.target_slots.forward(self.model, block, None, real_lengths=real_lengths, num_real=num_real,
                                       discard_logits=True, first_row=old_rows)
             # no row holds more real tokens than the longest row's length (a row's last token is never cached)
-            self.target_slots.compact(self.longest)
-            self.drafter.read_prompts(block, real_lengths, num_real, self.longest, successors, old_rows)
+            self.target_slots.compact(batch.longest)
+            self.drafter.read_prompts(block, real_lengths, num_real, batch.longest, successors, old_rows)
 
     def step(self):
         """One step (:meth:`~tetris_hf.decoding.BatchedSpeculativeLoop.step`); every :data:`FOLD_EVERY` steps the
@@ -253,31 +221,18 @@ class StreamLoop(BatchedSpeculativeLoop):
         """Take the rows of ``lanes`` (active ones) out of the batch now; their tokens go to :attr:`finished`."""
         if not lanes:
             return
-        stopped = torch.isin(self.rows, torch.tensor(lanes, device=self.rows.device))
+        stopped = torch.isin(self.batch.rows, torch.tensor(lanes, device=self.batch.rows.device))
         self._retire(stopped, len(lanes))
 
-    def _store_finished(self, gone: torch.Tensor) -> None:
+    def _store_finished(self, retired: Retired) -> None:
         """Rows leaving: their lanes and tokens to the host (one read, only when rows stop)."""
-        lanes, lengths = torch.stack([self.rows[gone], self.lengths[gone]]).tolist()
-        tokens = self.sequences[gone, : max(lengths)].tolist()
+        lanes, lengths = torch.stack([retired.rows, retired.lengths]).tolist()
+        tokens = retired.sequences[:, : max(lengths)].tolist()
         self.finished.extend((lane, row[:length]) for lane, row, length in zip(lanes, tokens, lengths))
 
     def progress(self, lanes: list[int]) -> dict[int, list[int]]:
         """Each active lane of ``lanes``: its tokens so far (one read; for requests that stream)."""
-        wanted = torch.isin(self.rows, torch.tensor(lanes, device=self.rows.device))
-        rows, lengths = torch.stack([self.rows[wanted], self.lengths[wanted]]).tolist()
-        tokens = self.sequences[wanted, : max(lengths, default=0)].tolist()
-        return {lane: row[:length] for lane, row, length in zip(rows, tokens, lengths)}
-
-
-def _append_eos(row_eos: torch.Tensor, eos_token_ids: list[tuple[int, ...]]) -> torch.Tensor:
-    """``(B, E)`` end tokens per row (``-1`` padded) with rows for ``eos_token_ids`` added (widened if needed)."""
-    width = max(row_eos.shape[1], *(len(ids) for ids in eos_token_ids), 1)
-    new = torch.full((len(eos_token_ids), width), -1, dtype=torch.long)
-    for index, ids in enumerate(eos_token_ids):
-        new[index, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-    row_eos = torch.nn.functional.pad(row_eos, (0, width - row_eos.shape[1]), value=-1)
-    return torch.cat([row_eos, new.to(row_eos.device)])
+        return self.batch.tokens_of(torch.isin(self.batch.rows, torch.tensor(lanes, device=self.batch.rows.device)))
 
 
 def _as_ids(value) -> tuple[int, ...]:

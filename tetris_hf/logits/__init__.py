@@ -2,7 +2,7 @@
 
 from .argmax import vocab_argmax
 from .processing import PositionwiseLogitsProcessor, is_prefix_free
-from .verification import residual_distribution, sample_tokens, verify_greedy, verify_sampling
+from .verification import residual_distribution, sample_tokens, verify, verify_greedy, verify_sampling
 
-__all__ = ["PositionwiseLogitsProcessor", "is_prefix_free", "residual_distribution", "sample_tokens", "verify_greedy",
-           "verify_sampling", "vocab_argmax"]
+__all__ = ["PositionwiseLogitsProcessor", "is_prefix_free", "residual_distribution", "sample_tokens", "verify",
+           "verify_greedy", "verify_sampling", "vocab_argmax"]

@@ -114,7 +114,7 @@ def run_chunks(name: str, target, prompts: list[list[int]], max_new_tokens: int,
         kwargs = dict(generate_kwargs)
         if speculative:
             kwargs["tetris_step_callback"] = lambda record, loop: steps.append((time.perf_counter() - start,
-                                                                                  loop.num_rows))
+                                                                                  loop.batch.num_rows))
         else:
             kwargs["stopping_criteria"] = StoppingCriteriaList([clock])
         out = target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
@@ -168,7 +168,7 @@ def run_stream(name: str, target, prompts: list[list[int]], max_new_tokens: int,
     start = time.perf_counter()
 
     def on_step(record, loop):
-        occupancy.append((time.perf_counter() - start, loop.num_rows))
+        occupancy.append((time.perf_counter() - start, loop.batch.num_rows))
         row_steps[0] += record.rows.numel()
 
     stream = RequestStream(target, max_batch_size=batch_size, max_new_tokens=max_new_tokens, do_sample=False,

@@ -3,7 +3,7 @@
 
 from .logits_argmax import vocab_argmax
 from .logits_processing import PositionwiseLogitsProcessor, is_prefix_free
-from .logits_verification import residual_distribution, sample_tokens, verify_greedy, verify_sampling
+from .logits_verification import residual_distribution, sample_tokens, verify, verify_greedy, verify_sampling
 
-__all__ = ["PositionwiseLogitsProcessor", "is_prefix_free", "residual_distribution", "sample_tokens", "verify_greedy",
-           "verify_sampling", "vocab_argmax"]
+__all__ = ["PositionwiseLogitsProcessor", "is_prefix_free", "residual_distribution", "sample_tokens", "verify",
+           "verify_greedy", "verify_sampling", "vocab_argmax"]

@@ -120,3 +120,22 @@ def verify_sampling(
         )
     next_tokens = sample_tokens(next_target, generator)
     return num_accepted, next_tokens
+
+
+def verify(drafts: torch.Tensor, verify_lengths: torch.Tensor, target_scores: torch.Tensor,
+           draft_probs: torch.Tensor | None, do_sample: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loop's acceptance rule: :func:`verify_greedy`, or :func:`verify_sampling` when ``do_sample``.
+
+    Args:
+        drafts: ``(B, L)`` the verified drafts (a prefix ``verify_lengths`` ``(B,)`` of each row is real).
+        target_scores: ``(B, L + 1, V)`` the target's processed scores at each verified position and after them.
+        draft_probs: ``(B, >= L, V)`` the distributions sampled drafts came from (``None``: deterministic drafts).
+
+    Returns:
+        ``(num_accepted, next_tokens)``, both ``(B,)``.
+    """
+    if not do_sample:
+        return verify_greedy(drafts, verify_lengths, target_scores)
+    if draft_probs is not None:
+        draft_probs = draft_probs[:, : drafts.shape[1]]
+    return verify_sampling(drafts, verify_lengths, target_scores, draft_probs)

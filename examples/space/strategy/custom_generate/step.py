@@ -98,12 +98,16 @@ class JoiningPrompts(NamedTuple):
     """Prompts of rows that join the batch at the end of this step (a request stream's), read in the step's target
     forward after the decoding rows' blocks, the target's logits at each one's last token giving its row's first
     token: ``tokens`` ``(M, W)`` the prompts, then filler; ``lengths`` ``(M,)`` how many are real; ``num_tokens``
-    their sum and ``width`` the longest (host ints)."""
+    their sum and ``width`` the longest (host ints); ``sequences`` ``(M, capacity)`` the rows they will be (each
+    prompt from column 0) and ``lanes`` ``(M,)`` their original indices (which row's settings the processors
+    apply)."""
 
     tokens: torch.Tensor
     lengths: torch.Tensor
     num_tokens: int
     width: int
+    sequences: torch.Tensor
+    lanes: torch.Tensor
 
     @property
     def count(self) -> int:
@@ -122,12 +126,15 @@ class JoiningPrompts(NamedTuple):
 class TargetBlock(NamedTuple):
     """Where the target's verification block went in its cache: the first slot and the width (host ints), a host
     bound on the real slots any row holds after it (``None``: the step read nothing, the block holds no drafts), and
-    the tokens the target's forward computed (packed: the real ones; padded: every row to the width)."""
+    the tokens the target's forward computed (packed: the real ones; padded: every row to the width).
+    ``joining_tokens``: ``(M,)`` the first tokens of the rows whose prompts the forward read after the block
+    (:class:`JoiningPrompts`; ``None``: none)."""
 
     first_slot: int
     width: int
     longest: int | None
     computed: int
+    joining_tokens: torch.Tensor | None = None
 
 
 class Emission(NamedTuple):
@@ -196,6 +203,7 @@ class Step(NamedTuple):
     verdict: Verdict
     emission: Emission
     record: StepRecord
+    block: TargetBlock | None = None
 
 
 class StepPhases:
@@ -282,4 +290,4 @@ def run_step(strategy: StepStrategy, phases: StepPhases, num_rows: int, max_draf
     record = StepRecord(phases.rows, num_drafted, plan.budget, observed.log_probs, verdict.verify_lengths,
                         verdict.num_accepted, emission.emitted, seconds or NO_SECONDS, observed.drafted, verdict.tree,
                         0 if block is None else block.computed, lookup_rows)
-    return Step(plan, num_drafted, proposal, selection, verdict, emission, record)
+    return Step(plan, num_drafted, proposal, selection, verdict, emission, record, block)

@@ -29,7 +29,8 @@ from typing import NamedTuple
 
 import torch
 
-from .chain_step import ChainStep, LoopState
+from .batch import Batch
+from .chain_step import ChainStep, StepContext, read_step
 from .logits_argmax import vocab_argmax
 from .step import Emission, Observation, ReadHints, StepTree, TargetBlock, Verdict
 from .step_strategy import DraftPlan, StepStrategy
@@ -53,26 +54,27 @@ class TreeSelection(NamedTuple):
 class TreeStep(ChainStep):
     """A step's phases when every row drafts a tree of ``width`` children per expanded node: a chain step's but for
     drafting, selection, verification, roll back and where the accepted tokens come from. A step that drafts nothing
-    is a chain step (:attr:`plain`). Reads and writes the loop's public state (:class:`~tetris_hf.chain_step.LoopState`)."""
+    is a chain step (:attr:`plain`). Trees are not read beside joining prompts: a tree step's verification reads
+    ancestor masks, which riding does not split."""
 
-    def __init__(self, loop: LoopState, width: int):
-        super().__init__(loop)
+    def __init__(self, context: StepContext, batch: Batch, width: int):
+        super().__init__(context, batch)
         self.width = width
         self.depth = 0  # this step's K, the tree's levels (set when it drafts)
 
     @property
     def plain(self) -> ChainStep:
-        return ChainStep(self.loop)
+        return ChainStep(self.context, self.batch)
 
     def draft(self, depth: int, confidences: bool, lookup_only: bool = False) -> GrownTree:  # (no hybrid trees)
-        loop, self.depth = self.loop, depth
-        return loop.drafter.propose_tree(loop.sequences, loop.lengths, depth, self.width, loop.rows)
+        batch, self.depth = self.batch, depth
+        return self.context.drafter.propose_tree(batch.sequences, batch.lengths, depth, self.width, batch.rows)
 
     def select(self, strategy: StepStrategy, grown: GrownTree, plan: DraftPlan) -> TreeSelection:
         """The strategy's ``select_tree``; a target token always follows the accepted path, so rows near their limit
         take shallower nodes only."""
         tree, depth = grown.tree, self.depth
-        max_depths = self.room(depth)
+        max_depths = self.batch.room(depth)
         if max_depths is not None:
             tree = tree._replace(valid=tree.valid & (tree.depths <= max_depths[:, None]))
         return TreeSelection(tree, strategy.select_tree(tree, plan), depth)
@@ -80,23 +82,24 @@ class TreeStep(ChainStep):
     def verify(self, grown: GrownTree, selection: TreeSelection) -> tuple[Verdict, TargetBlock]:
         """One target forward over ``[root, selected nodes, filler]`` per row, each node seeing the row's cached tokens
         and its ancestors at the root's position plus its depth; then one path accepted per row."""
-        loop, tree, selected, depth = self.loop, selection.candidates, selection.nodes, selection.depth
-        target, verified = loop.target_slots, selected.sum(dim=1)
-        read = loop.read_step(verified)  # the widest selection sizes the block
-        block = tree_block(selected, tree.parents, tree.depths, tree.tokens, loop.last_tokens, read.block_length,
-                           loop.pad_value)
+        context, batch = self.context, self.batch
+        tree, selected, depth = selection.candidates, selection.nodes, selection.depth
+        target, verified = context.target_slots, selected.sum(dim=1)
+        read = read_step(context, batch, verified)  # the widest selection sizes the block
+        block = tree_block(selected, tree.parents, tree.depths, tree.tokens, batch.last_tokens, read.block_length,
+                           context.pad_value)
         slots = block.tokens.shape[1]
         visibility = block.ancestor_mask.clone()
         visibility[:, :, 0] = True  # filler sees the root too (a query that sees nothing gives NaN in some kernels)
-        logits = target.forward(loop.model, block.tokens, None, step=True, real_lengths=block.lengths,
+        logits = target.forward(context.model, block.tokens, None, step=True, real_lengths=block.lengths,
                                 position_ids=target.next_positions[:, None] + block.position_offsets,
-                                visibility=visibility, num_real=read.num_verified + loop.num_rows)
+                                visibility=visibility, num_real=read.num_verified + batch.num_rows)
         max_depth = min(depth, read.block_length)  # a host bound on the accepted path
-        paths = None if loop.logits_processor.prefix_free else \
+        paths = None if context.logits_processor.prefix_free else \
             path_tokens(block.tokens, block.parents, block.position_offsets, max_depth)
-        scores = process_at_nodes(loop.logits_processor, loop.sequences, loop.lengths, loop.rows, logits, paths,
+        scores = process_at_nodes(context.logits_processor, batch.sequences, batch.lengths, batch.rows, logits, paths,
                                   block.position_offsets)
-        if loop.do_sample:
+        if context.do_sample:
             draft_probs = block_draft_log_probs(grown.expanded_log_probs, grown.expanded_of_node,
                                                 block.node_index).exp()
             acceptance = accept_tree_sampling(block.tokens, block.parents, scores.softmax(dim=-1), draft_probs,
@@ -105,7 +108,7 @@ class TreeStep(ChainStep):
             acceptance = accept_tree_greedy(block.tokens, block.parents, vocab_argmax(scores), max_depth)
         path = acceptance.path
         path_nodes = torch.where(path >= 0, block.node_index.gather(1, (path - 1).clamp(min=0)), -1)
-        trees = StepTree(grown.tree, selected, loop.last_tokens, path_nodes, acceptance.num_accepted,
+        trees = StepTree(grown.tree, selected, batch.last_tokens, path_nodes, acceptance.num_accepted,
                          acceptance.next_tokens, path)
         verdict = Verdict(acceptance.num_accepted, acceptance.next_tokens, verified, trees,
                           ReadHints(max_depth, read.drafter_longest))
@@ -113,20 +116,20 @@ class TreeStep(ChainStep):
 
     def roll_back(self, grown: GrownTree, verdict: Verdict, block: TargetBlock) -> None:
         """Each cache keeps the root and the accepted path where they are (holes elsewhere)."""
-        target = self.loop.target_slots
+        target = self.context.target_slots
         target.keep_slots(block.first_slot, kept_slots(verdict.tree.path_slots, block.width))
         target.compact(block.longest)
-        self.loop.drafter.accept(verdict)
+        self.context.drafter.accept(verdict)
 
     def emit(self, verdict: Verdict) -> Emission:
         """The accepted path's tokens go after each row's end (columns past the path are scratch that the target's
-        token or nothing overwrites), then the loop emits as after a chain."""
-        loop, trees = self.loop, verdict.tree
+        token or nothing overwrites), then the batch emits as after a chain."""
+        batch, trees = self.batch, verdict.tree
         max_depth = verdict.hints.max_accepted
         path_tokens = torch.where(trees.path_nodes >= 0, trees.tree.tokens.gather(1, trees.path_nodes.clamp(min=0)),
                                   trees.roots[:, None])
-        columns = loop.lengths[:, None] + torch.arange(max_depth, device=loop.lengths.device)
-        loop.sequences.scatter_(1, columns, path_tokens[:, :max_depth])
+        columns = batch.lengths[:, None] + torch.arange(max_depth, device=batch.lengths.device)
+        batch.sequences.scatter_(1, columns, path_tokens[:, :max_depth])
         return super().emit(verdict)
 
     def observation(self, grown: GrownTree, selection: TreeSelection, verdict: Verdict) -> Observation:
