@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import math
 import re
 import sys
@@ -15,11 +16,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "space
 
 import tetris_hf  # noqa: E402,F401
 from tetris_board import (  # noqa: E402
-    ACCEPTED, FINISHED, LABEL_WIDTH, LOOKUP, NOT_DRAFTED, NOT_SELECTED, PITCH, REJECTED, BoardTrace, RowTree,
-    board_cells, render_board, short_probability, step_summary, token_label,
+    ACCEPTED, CHAR_WIDTH, FINISHED, LABEL_WIDTH, LOOKUP, NOT_DRAFTED, NOT_SELECTED, PITCH, REJECTED, TERMS, BoardTrace,
+    RowTree, board_cells, render_board, short_probability, step_summary, token_label,
 )
 from tetris_runs import row_trees, step_cells, step_trees  # noqa: E402
 from tiny_models import left_pad, noisy_copy, random_prompts, sharpen, tiny_llama  # noqa: E402
+
+
+def visible(page: str) -> str:
+    """The text a reader sees of a board's HTML: tags left out (the terms' tooltips are attributes)."""
+    return html.unescape(re.sub(r"<title>.*?</title>|<[^>]+>", "", page))
 
 
 def stats_like(num_drafted, budget, verified, accepted):
@@ -76,6 +82,42 @@ def test_board_draws_every_cell_its_colour_and_the_budget_line():
     second = render_board(trace, 2)
     assert re.findall(r'class="board-cell ([a-z-]+)"', second).count(FINISHED) == 5
     assert "C = 6" in second and "3 active rows" in second
+
+
+def test_board_numbers_steps_as_the_run_does_and_says_which_drafted():
+    """The run's metrics count every step (the prompt's, adaptive's plain steps); the board names each of its
+    drafting steps by that number, so the two never disagree."""
+    stats = stats_like([0, 2, 0, 3], [0, 4, 0, 6], [[0, 0], [2, 2], [0, 0], [3, 3]], [[0, 0], [1, 2], [0, 0], [3, 0]])
+    trace = BoardTrace.from_stats("adaptive", 2, stats)
+    assert (trace.steps, trace.all_steps, trace.step_numbers) == (2, 4, [2, 4])
+    page = render_board(trace, 2)
+    assert 'data-run-step="4"' in page and 'data-total-steps="4"' in page
+    assert "step 4 of 4 (drafting step 2 of 2)" in visible(page)
+    hand_made = BoardTrace("TETRIS", 2, num_drafted_per_step=[2], budget_per_step=[4], verified_per_step=[[2, 2]],
+                           accepted_per_step=[[1, 2]])  # no run numbering: the board's own
+    assert "step 1 of 1 ·" in visible(render_board(hand_made, 1))
+
+
+@pytest.mark.parametrize("budget, rows", [(1, 4), (4, 4), (2, 1), (24, 4)])
+def test_budget_label_lies_inside_the_board_wherever_the_line_is(budget, rows):
+    """Centred under the budget line where it fits, against an edge where it does not: never cut off."""
+    stats = stats_like([6], [budget], [[1] * rows], [[0] * rows])
+    page = render_board(BoardTrace.from_stats("adaptive", 4, stats), 1)
+    width = float(re.search(r'<svg class="board-grid"[^>]* width="([0-9.]+)"', page).group(1))
+    match = re.search(r'<text class="budget-label" x="([0-9.]+)"[^>]*>([^<]+)<', page)
+    start, label = float(match.group(1)), match.group(2)
+    assert label.startswith("budget C = ")
+    assert 0 <= start and start + len(label) * CHAR_WIDTH <= width
+
+
+def test_board_defines_its_terms_and_draws_finished_cells_unlike_undrafted_ones():
+    stats = stats_like([2], [2], [[2, -1]], [[1, -1]])
+    page = render_board(BoardTrace.from_stats("TETRIS", 2, stats, drafted=[[1, None]], draft=LOOKUP), 1)
+    for name in ("K", "C", "VSR"):
+        assert html.escape(TERMS[name]) in page, name  # a tooltip and the legend line
+    assert 'class="terms"' in page and 'id="finished-hatch"' in page and 'fill="url(#finished-hatch)"' in page
+    swatches = dict(re.findall(r'class="swatch ([a-z-]+)" style="([^"]+)"', page))
+    assert swatches[FINISHED] != swatches[NOT_DRAFTED] and "repeating-linear-gradient" in swatches[FINISHED]
 
 
 def test_board_clamps_the_step_and_has_a_placeholder_before_any_step():
@@ -138,7 +180,7 @@ def test_lookup_board_draws_rows_without_a_match_without_scores():
     kinds = re.findall(r'class="board-cell ([a-z-]+)"', page)
     assert kinds.count(NOT_DRAFTED) == 4 + 2 and kinds.count(ACCEPTED) == 3 and kinds.count(NOT_SELECTED) == 1
     assert page.count(">no match<") == 1 and ">2/2 accepted<" in page
-    assert "(prompt lookup)" in page and "4 per row at most, 6 drafted" in page
+    assert "(prompt lookup)" in page and "4 per row at most, 6 drafted" in visible(page)
     assert "not drafted (no match in the prompt)" in page  # in the legend
     assert "estimated chance of acceptance 0.50" in page and "cumulative draft probability" not in page
     assert page.count('font-size="10"') == 6  # a score on each of the 6 drafted cells, none on the others
@@ -249,8 +291,10 @@ def test_tree_board_draws_every_node_its_edge_and_the_accepted_path():
     for label in (">the<", ">dog<", ">\u00b7so<", ">#8<", ">new\u23celine<"):  # spaces, newlines, empty texts shown
         assert label in page, label
     assert "target adds &#x27;sat&#x27;" in page and ">.82<" in page and "path score 0.82" in page
-    assert "trees of width w = 2, depth K = 2" in page and "3 nodes drafted" not in page and "6 nodes drafted" in page
-    assert "C = 4" in page and "verified 4 · accepted 2 (VSR 0.50) · 2 active rows" in page
+    shown = visible(page)
+    assert "trees of width w = 2, depth K = 2" in shown and "3 nodes drafted" not in shown and "6 nodes drafted" in shown
+    assert "C = 4" in shown and "verified 4 · accepted 2 (VSR 0.50) · 2 active rows" in shown
+    assert "step 2 of 3 (drafting step 1 of 2)" in shown  # the run's own numbering: its first step read the prompt
     assert "accepted path" in page and "root: the row's last token" in page  # the legend
     assert "board-cell" not in page and 'class="budget-line"' not in page
 

@@ -40,8 +40,33 @@ CELL_STYLE = {
     REJECTED: ("#d64541", "#8f2522", "#ffffff", "selected, rejected"),
     NOT_SELECTED: ("#eceff1", "#90a4ae", "#546e7a", "drafted, not selected"),
     NOT_DRAFTED: ("#fafafa", "#cfd8dc", "#b0bec5", "not drafted (no match in the prompt)"),
-    FINISHED: ("#ffffff", "#eeeeee", "#bdbdbd", "request finished"),
+    FINISHED: ("url(#finished-hatch)", "#cfcfcf", "#bdbdbd", "request finished"),
 }
+# The finished cells' fill: grey diagonal stripes (a swatch's CSS background, an SVG pattern on the board), so that
+# they are not mistaken for the white "not drafted" cells
+FINISHED_SWATCH = "repeating-linear-gradient(45deg, #d5d5d5 0 2px, #ffffff 2px 5px)"
+HATCH_DEFS = ('<defs><pattern id="finished-hatch" width="5" height="5" patternUnits="userSpaceOnUse" '
+              'patternTransform="rotate(45)"><rect width="5" height="5" fill="#ffffff"/>'
+              '<rect width="2" height="5" fill="#d5d5d5"/></pattern></defs>')
+# What the board's terms mean, said where they appear (a tooltip on the term, and the board's legend line)
+TERMS = {
+    "K": "K = k + e: tokens each row drafts per step (k, the draft window, plus e extra for TETRIS to choose from)",
+    "C": "budget C: draft tokens the target verifies per step across the whole batch (default k x active rows)",
+    "VSR": "VSR, verification success rate: accepted / verified draft tokens",
+    "acceptance": "acceptance: accepted / drafted draft tokens, how often a drafted token was the target's own",
+    "step": "step: one target forward, which verifies the drafts and adds one token of its own per row; the first "
+            "step reads the prompts and drafts nothing",
+}
+
+
+def term(text: str, name: str) -> str:
+    """``text`` with :data:`TERMS`' definition of ``name`` as its tooltip (``class="term"``)."""
+    return f'<span class="term" title="{html.escape(TERMS[name])}">{text}</span>'
+
+
+def terms_legend(names=("K", "C", "VSR")) -> str:
+    """One line defining the terms ``names`` (``class="terms"``)."""
+    return '<div class="terms">' + " · ".join(html.escape(TERMS[name]) for name in names) + "</div>"
 
 
 @dataclass
@@ -93,7 +118,9 @@ class BoardTrace:
     ``d < K`` cells has ``d`` scores (none without a match). ``drafted_per_step[s][row]``: the cells the row drafted
     (``None`` for a finished row); cells past it are ``not-drafted``. Empty: every active row drafted ``K``.
     ``trees_per_step[s][row]``: with draft trees (``tree_width > 1``), the row's :class:`RowTree` (``None`` for a
-    finished row); a step whose entry is ``None``, or past the list, is drawn as chains.
+    finished row); a step whose entry is ``None``, or past the list, is drawn as chains. ``step_numbers[s]``: the
+    run's own number of the board's step ``s`` (1-based, counting the prompt's step and plain steps, as the run's
+    metrics do) and ``total_steps`` the run's steps in all (empty / 0: the board's own numbering and count).
     """
 
     strategy: str
@@ -107,6 +134,8 @@ class BoardTrace:
     drafted_per_step: list[list[int | None]] = field(default_factory=list)
     tree_width: int = 1
     trees_per_step: list[list[RowTree | None] | None] = field(default_factory=list)
+    step_numbers: list[int] = field(default_factory=list)
+    total_steps: int = 0
 
     @classmethod
     def from_stats(cls, strategy: str, num_assistant_tokens: int, stats, survival=None, drafted=None,
@@ -128,6 +157,8 @@ class BoardTrace:
             drafted_per_step=[list(drafted[s]) for s in steps if s < len(drafted)] if drafted is not None else [],
             tree_width=tree_width,
             trees_per_step=[trees[s] for s in steps if s < len(trees)] if trees is not None else [],
+            step_numbers=[s + 1 for s in steps],
+            total_steps=len(stats.verified_per_step),
         )
 
     def trees(self, step: int) -> list[RowTree | None] | None:
@@ -136,7 +167,26 @@ class BoardTrace:
 
     @property
     def steps(self) -> int:
+        """The board's steps: those that drafted."""
         return len(self.verified_per_step)
+
+    @property
+    def all_steps(self) -> int:
+        """The run's steps in all (the prompt's and plain steps too): what its metrics count."""
+        return self.total_steps or self.steps
+
+    def step_number(self, index: int) -> int:
+        """The run's own number (1-based) of the board's step ``index`` (0-based)."""
+        return self.step_numbers[index] if index < len(self.step_numbers) else index + 1
+
+    def heading_steps(self, index: int) -> str:
+        """``step 5 of 38 (drafting step 4 of 37)``: the run's own step number and count, as its metrics say, and
+        the board's."""
+        number = self.step_number(index)
+        text = term(f"step {number} of {self.all_steps}", "step")
+        if self.all_steps != self.steps or number != index + 1:
+            text += f" (drafting step {index + 1} of {self.steps})"
+        return text
 
 
 def board_cells(stats, step: int, drafted: list[int | None] | None = None) -> list[list[str]]:
@@ -231,8 +281,7 @@ def render_board(trace: BoardTrace | None, step: int, token_text: Callable[[list
     width = LABEL_WIDTH + columns * PITCH + NOTE_WIDTH
     height = HEADER + num_rows * PITCH + FOOTER
 
-    parts = [f'<svg class="board-grid" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-             f'viewBox="0 0 {width} {height}" font-family="sans-serif">']
+    parts = [""]  # the <svg> tag, once its width is known (the budget label may widen it)
     for position in range(num_drafted):
         parts.append(f'<text x="{LABEL_WIDTH + position * PITCH + CELL / 2}" y="{HEADER - 6}" text-anchor="middle" '
                      f'font-size="11" fill="#555">{position + 1}</text>')
@@ -254,35 +303,60 @@ def render_board(trace: BoardTrace | None, step: int, token_text: Callable[[list
         bottom = HEADER + num_rows * PITCH
         parts.append(f'<line class="budget-line" x1="{x}" y1="{HEADER - 2}" x2="{x}" y2="{bottom}" stroke="#1a237e" '
                      f'stroke-width="2.5" stroke-dasharray="6 3"/>')
-        anchor = "end" if per_row >= columns else "middle"
-        parts.append(f'<text x="{x}" y="{bottom + 15}" text-anchor="{anchor}" font-size="11" fill="#1a237e">'
-                     f'budget C = {summary["budget"]} ({_fmt(per_row)} per row)</text>')
+        label = f'budget C = {summary["budget"]} ({_fmt(per_row)} per row)'
+        start, width = budget_label_place(x, label, width)
+        parts.append(f'<text class="budget-label" x="{start:.1f}" y="{bottom + 15}" font-size="11" fill="#1a237e">'
+                     f'{label}<title>{html.escape(TERMS["C"])}</title></text>')
+    parts[0] = (f'<svg class="board-grid" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+                f'viewBox="0 0 {width} {height}" font-family="sans-serif">{HATCH_DEFS}')
     parts.append("</svg>")
 
     vsr = summary["accepted"] / summary["verified"] if summary["verified"] else math.nan
     lookup = trace.draft == LOOKUP
-    drafted_cells = (f'K = {num_drafted} per row at most, {summary["drafted"]} drafted' if lookup
-                     else f"K = {num_drafted} drafted per row")
+    drafted_cells = (f'{term(f"K = {num_drafted}", "K")} per row at most, {summary["drafted"]} drafted' if lookup
+                     else f'{term(f"K = {num_drafted}", "K")} drafted per row')
     heading = (
         f'<div class="board-heading"><b>{html.escape(trace.strategy)}</b>{" (prompt lookup)" if lookup else ""} · '
-        f'step {index + 1} of {trace.steps} · {drafted_cells} · '
-        f'<b class="board-budget">C = {summary["budget"]}</b> · verified {summary["verified"]} · '
-        f'accepted {summary["accepted"]}'
-        + (f" (VSR {vsr:.2f})" if not math.isnan(vsr) else "")
+        f'{trace.heading_steps(index)} · {drafted_cells} · '
+        f'<b class="board-budget">{term("C = " + str(summary["budget"]), "C")}</b> · '
+        f'verified {summary["verified"]} · accepted {summary["accepted"]}'
+        + (f" ({term(f'VSR {vsr:.2f}', 'VSR')})" if not math.isnan(vsr) else "")
         + f' · {summary["active_rows"]} active rows</div>'
     )
-    borders = {NOT_SELECTED: "dashed", NOT_DRAFTED: "dotted"}
-    legend = "".join(
-        f'<span class="legend-item"><span class="swatch" style="background:{fill};border:1px '
-        f'{borders.get(kind, "solid")} {stroke}"></span>{label}</span>'
-        for kind, (fill, stroke, _, label) in CELL_STYLE.items() if kind != NOT_DRAFTED or lookup
-    )
+    legend = "".join(_swatch(kind) for kind in CELL_STYLE if kind != NOT_DRAFTED or lookup)
     legend += ('<span class="legend-item"><span class="swatch budget"></span>budget line: C cells lie to its left'
                "</span>")
     note = NOTES[trace.draft] + "Every active row also gets one token from the target each step."
-    return (f'<div class="tetris-board" data-step="{index + 1}" data-steps="{trace.steps}">{heading}'
+    return (f'<div class="tetris-board" {_step_data(trace, index)}>{heading}'
             f'<div class="board-scroll">{"".join(parts)}</div><div class="board-legend">{legend}</div>'
-            f'<div class="board-note">{note}</div></div>')
+            f'{terms_legend()}<div class="board-note">{note}</div></div>')
+
+
+def _step_data(trace: BoardTrace, index: int) -> str:
+    """The board's data attributes: its step and steps (``data-step``, ``data-steps``: drafting steps), and the
+    run's own step number and count (``data-run-step``, ``data-total-steps``: as the run's metrics count)."""
+    return (f'data-step="{index + 1}" data-steps="{trace.steps}" data-run-step="{trace.step_number(index)}" '
+            f'data-total-steps="{trace.all_steps}"')
+
+
+def _swatch(kind: str) -> str:
+    """A legend item: the kind's swatch (its fill, border style and colour) and label."""
+    fill, stroke, _, label = CELL_STYLE[kind]
+    border = {NOT_SELECTED: "dashed", NOT_DRAFTED: "dotted"}.get(kind, "solid")
+    background = FINISHED_SWATCH if kind == FINISHED else fill
+    return (f'<span class="legend-item"><span class="swatch {kind}" style="background:{background};border:1px '
+            f'{border} {stroke}"></span>{label}</span>')
+
+
+CHAR_WIDTH = 7.0  # an 11px sans-serif character at its widest on average (DejaVu Sans: about 6.9)
+
+
+def budget_label_place(x: float, label: str, width: int) -> tuple[float, int]:
+    """Where the budget label starts (centred under the line at ``x`` where it fits, else against the grid's
+    left or right edge) and the SVG's width, widened when the label is wider than the grid."""
+    text_width = len(label) * CHAR_WIDTH
+    width = max(width, int(math.ceil(text_width + 8)))
+    return min(max(x - text_width / 2, 4.0), width - text_width - 4), width
 
 
 # Trees: a node is a box NODE_WIDTH x NODE_HEIGHT, depths DEPTH_PITCH apart, a depth's nodes SLOT apart
@@ -417,10 +491,10 @@ def render_trees(trace: BoardTrace, index: int, trees: list[RowTree | None],
 
     vsr = accepted / verified if verified else math.nan
     heading = (
-        f'<div class="board-heading"><b>{html.escape(trace.strategy)}</b> · step {index + 1} of {trace.steps} · '
-        f"trees of width w = {trace.tree_width}, depth K = {num_drafted} · {drafted} nodes drafted · "
-        f'<b class="board-budget">C = {budget}</b> · verified {verified} · accepted {accepted}'
-        + (f" (VSR {vsr:.2f})" if not math.isnan(vsr) else "")
+        f'<div class="board-heading"><b>{html.escape(trace.strategy)}</b> · {trace.heading_steps(index)} · '
+        f"trees of width w = {trace.tree_width}, depth {term(f'K = {num_drafted}', 'K')} · {drafted} nodes drafted · "
+        f'<b class="board-budget">{term(f"C = {budget}", "C")}</b> · verified {verified} · accepted {accepted}'
+        + (f" ({term(f'VSR {vsr:.2f}', 'VSR')})" if not math.isnan(vsr) else "")
         + f" · {len(active)} active rows</div>"
     )
     legend = "".join(
@@ -431,9 +505,9 @@ def render_trees(trace: BoardTrace, index: int, trees: list[RowTree | None],
     legend += (f'<span class="legend-item"><span class="swatch" style="background:{ROOT_STYLE[0]};border:1px solid '
                f'{ROOT_STYLE[1]}"></span>{ROOT_STYLE[3]}</span>'
                '<span class="legend-item"><span class="swatch path"></span>accepted path</span>')
-    return (f'<div class="tetris-board trees" data-step="{index + 1}" data-steps="{trace.steps}">{heading}'
+    return (f'<div class="tetris-board trees" {_step_data(trace, index)}>{heading}'
             f'<div class="board-scroll">{"".join(parts)}</div><div class="board-legend">{legend}</div>'
-            f'<div class="board-note">{TREE_NOTE}</div></div>')
+            f'{terms_legend()}<div class="board-note">{TREE_NOTE}</div></div>')
 
 
 def short_probability(value: float) -> str:
@@ -459,4 +533,6 @@ BOARD_CSS = """
 .tetris-board .swatch.path { width: 22px; height: 0; border-top: 3.5px solid #1e6b35; border-radius: 0; }
 .tetris-board .swatch.budget { width: 0; height: 14px; border-left: 2.5px dashed #1a237e; border-radius: 0; }
 .tetris-board .board-note { color: #666; font-size: 12px; margin-top: 4px; }
+.tetris-board .terms { color: #444; font-size: 12px; margin-top: 4px; }
+.term { border-bottom: 1px dotted #888; cursor: help; }
 """
