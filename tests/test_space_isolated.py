@@ -139,9 +139,12 @@ def test_space_copy_builds_its_page_and_runs_without_tetris_hf(tmp_path):
     assert result["tetris_hf_loaded"] == []
     assert result["blocks"] and {"on_run", "on_stop", "on_preset"} <= set(result["handlers"])
     assert result["strategy_source"] == str(space / "strategy")
-    assert "**Target:** target" in result["description"] and "early exit after 1 of the target's 2" in \
-        result["description"]
-    assert result["trained"].startswith("tetris-draft (1-layer tetris-hf draft") and result["shares_head"]
+    # the models in words, no local paths (the page is public)
+    assert "**Target:** target, 2 layers, fp32" in result["description"]
+    assert "the target's own first 1 of 2 layers and its head, untrained" in result["description"]
+    assert result["trained"].startswith("a 1-layer draft trained for this target") and result["shares_head"]
+    assert result["trained"].endswith("(tetris-draft)")
+    assert not any(str(tmp_path) in result[key] for key in ("description", "trained", "eagle_description"))
     assert result["model_draft_layers"] == 2
     assert result["states"] == ["done"] * 4, result["messages"]
     assert result["differing"] == []

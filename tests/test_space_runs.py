@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "space
 import tetris_runs  # noqa: E402
 from tetris_board import ACCEPTED, NOT_SELECTED, REJECTED, render_board, token_label  # noqa: E402
 from tetris_runs import (  # noqa: E402
-    ADAPTIVE, FIXED, LOOKUP, PLAIN, SPECULATIVE, STRATEGIES, TETRIS, BatchStreamer, LiveRun, RunCancelled, Settings,
+    ADAPTIVE, FIXED, LOOKUP, PLAIN, SPECULATIVE, STRATEGIES, TETRIS, TITLES, BatchStreamer, LiveRun, RunCancelled, Settings,
     device_name, encode_prompts, greedy_agreement, run_all, run_plain, run_speculative, stream_runs,
 )
 from tiny_models import EOS, noisy_copy, sharpen, tiny_llama  # noqa: E402
@@ -34,6 +34,11 @@ PROMPTS = ["the quick brown fox", "hello how are you today ?", "what is the capi
 def pair():
     target = sharpen(tiny_llama(vocab_size=64, seed=0), 6.0)
     return target, noisy_copy(target, 0.15), tiny_tokenizer()
+
+
+def visible(page: str) -> str:
+    """The text a reader sees of the page's HTML: tags left out (the terms' tooltips are attributes)."""
+    return html.unescape(re.sub(r"<title>.*?</title>|<[^>]+>", "", page))
 
 
 def fresh_runs() -> dict[str, LiveRun]:
@@ -144,7 +149,7 @@ def test_tree_runs_equal_plain_generate_and_keep_every_steps_trees(pair):
     assert page.count('<g class="tree-node') == sum(len(tree.tokens) for tree in nodes)
     assert page.count('class="tree-edge on-path"') == sum(len(tree.path) for tree in nodes) == \
         sum(a for a in tetris.accepted_per_step[0] if a > 0)
-    assert "trees of width w = 2, depth K = 5" in page and "board-cell" not in page
+    assert "trees of width w = 2, depth K = 5" in visible(page) and "board-cell" not in page
 
 
 def test_sampled_tree_runs_complete_with_their_trees(pair):
@@ -382,6 +387,77 @@ def test_check_mark_and_status_lines(app):
     assert runs[FIXED].state == "running"  # a copy
     status = app.run_status(stopped, 2)
     assert "Run cancelled" in status and "not started: TETRIS, adaptive" in status
+    assert "\u23f9" not in status and status.startswith("\u25a0")  # a stop mark DejaVu Sans has
+
+
+def test_after_stop_nothing_says_waiting_and_runs_not_started_say_so(app):
+    runs = fresh_runs()
+    runs[PLAIN].state, runs[PLAIN].rows = "done", [[5, 6], [7]]
+    runs[FIXED].state, runs[FIXED].rows = "cancelled", [[5], [7]]
+    check = app.render_greedy_check(runs, Settings())
+    assert "waiting" not in check and "not made" in check
+    for strategy in (TETRIS, ADAPTIVE):
+        metrics = app.render_metrics(runs[strategy], runs[PLAIN], ended=True)
+        outputs = app.render_outputs(runs[strategy], tiny_tokenizer(), 2, ended=True)
+        assert "not started" in metrics and "not started" in outputs and "<ol" not in outputs
+        assert "waiting" not in metrics + outputs
+    assert "queued" in app.render_metrics(runs[TETRIS], runs[PLAIN])  # while the batch still runs
+    assert "<ol" in app.render_outputs(runs[FIXED], tiny_tokenizer(), 2, ended=True)  # partial outputs kept
+
+
+def test_every_run_shows_its_speed_over_plains_and_steps_as_the_board_counts_them(app, pair):
+    target, draft, tokenizer = pair
+    runs = fresh_runs()
+    settings = Settings(k=3, extra=2, max_new_tokens=16)
+    run_all(target, draft, tokenizer, PROMPTS, settings, runs, threading.Event())
+    plain = runs[PLAIN]
+    assert plain.steps == max(len(row) for row in plain.rows)  # one forward per token of the longest row
+    assert "the reference (1x)" in visible(app.render_metrics(plain, plain))
+    for strategy in SPECULATIVE:
+        live = runs[strategy]
+        shown = visible(app.render_metrics(live, plain))
+        ratio = live.tokens_per_second / plain.tokens_per_second
+        assert f"{ratio:.2f}x plain" in shown and tetris_runs.speed_ratio(live, plain) == pytest.approx(ratio)
+        assert f"{live.stats.steps} steps ({live.stats.drafting_steps} drafting)" in shown
+        for name, definition in app.RUN_TERMS.items():  # each term's definition is its tooltip
+            assert f'title="{html.escape(definition)}"' in app.render_metrics(live, plain), name
+        board = live.board(3)
+        if board is not None and board.steps:  # (adaptive may not draft at all)
+            heading = visible(render_board(board, 1))
+            assert f"of {live.stats.steps} (drafting step 1 of {live.stats.drafting_steps})" in heading, heading
+    assert "x plain" in app.render_run_terms() and "VSR" in app.render_run_terms()
+
+
+def test_the_batch_is_explained_in_words_from_its_own_numbers(pair):
+    target, draft, tokenizer = pair
+    runs = fresh_runs()
+    settings = Settings(k=3, extra=2, max_new_tokens=16)
+    assert tetris_runs.explain_batch(runs, settings) is None  # nothing to say before the runs
+    run_all(target, draft, tokenizer, PROMPTS, settings, runs, threading.Event())
+    line = tetris_runs.explain_batch(runs, settings)
+    economy = tetris_runs.step_economy(runs[TETRIS], runs[PLAIN])
+    stats = runs[TETRIS].stats
+    assert economy.tokens_per_row_step == pytest.approx(runs[TETRIS].tokens / stats.row_steps)
+    assert economy.step_cost == pytest.approx(runs[TETRIS].step_seconds / runs[PLAIN].step_seconds)
+    assert f"accepted {stats.acceptance_rate:.0%} of drafted tokens" in line
+    assert f"gave each row {economy.tokens_per_row_step:.2f} tokens" in line
+    assert f"{economy.step_cost:.1f}x the time of a plain step" in line
+    best = max(SPECULATIVE, key=lambda s: tetris_runs.speed_ratio(runs[s], runs[PLAIN]))
+    assert f"{TITLES[best]}, at {tetris_runs.speed_ratio(runs[best], runs[PLAIN]):.2f}x plain's speed" in line
+    adaptive = runs[ADAPTIVE].stats
+    assert f"drafted in {adaptive.drafting_steps} of its {adaptive.steps} steps" in line
+    verdict = ("Speculation paid" if tetris_runs.speed_ratio(runs[best], runs[PLAIN]) >= 1.05 else
+               "About even" if tetris_runs.speed_ratio(runs[best], runs[PLAIN]) > 0.95 else "did not pay")
+    assert verdict in line
+
+
+def test_outputs_render_fenced_code_as_code_blocks(app):
+    text = "Here it is:\n```python\ndef f(x):\n    return x < 1\n```\nCall `f(0)`."
+    page = app.render_text(text)
+    assert '<pre class="code"><code>def f(x):\n    return x &lt; 1</code></pre>' in page
+    assert "```" not in page and "<code>f(0)</code>" in page and page.startswith("Here it is:")
+    assert app.render_text("```py\nx = 1") == '<pre class="code"><code>x = 1</code></pre>'  # still being written
+    assert app.render_text("a <b>") == "a &lt;b&gt;"
 
 
 class FakeSpaces:
@@ -434,7 +510,7 @@ def test_trees_on_the_page_draw_each_rows_tree_with_its_tokens(app, pair):
     updates = list(handlers["on_run"]("\n".join(PROMPTS[:3]), "model", 0, 2, 2, 0, 10, 2, "TETRIS", None))
     final = " ".join(value for value in updates[-1].values() if isinstance(value, str))
     assert "✓" in final and "drafts from the draft model as trees of width 2" in final
-    assert "trees of width w = 2, depth K = 4" in final and "board-cell" not in final
+    assert "trees of width w = 2, depth K = 4" in visible(final) and "board-cell" not in final
     assert '<g class="tree-node accepted"' in final or '<g class="tree-node rejected"' in final
     assert final.count('<g class="tree-root"') == 3 and "accepted path" in final  # a root per row; the legend
     labels = re.findall(r'<g class="tree-node [a-z-]+"[^>]*data-token="(\d+)"><title>[^<]*</title><rect[^>]*/>'
@@ -443,7 +519,7 @@ def test_trees_on_the_page_draw_each_rows_tree_with_its_tokens(app, pair):
                           for token, text in labels)
     boards = next(value for value in updates[-1].values() if isinstance(value, dict) and "fixed-k" in value)
     fixed = handlers["on_board_run"](boards, "fixed-k")[0]  # the radio switches the board to fixed-k's trees
-    assert "fixed-k speculative</b> · step 1 of" in fixed and "tree-node" in fixed
+    assert "fixed-k speculative · step 2 of" in visible(fixed) and "tree-node" in fixed
 
 
 def test_page_without_models_says_they_could_not_be_loaded(app, monkeypatch):

@@ -83,6 +83,12 @@ def test_requests_from_two_threads_share_the_batch_and_equal_the_target_alone(pa
         assert page.count(" (you)") == 1 and "visitor 2" in page
         output = render_output(seen["visitor 1"][-1], lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
         assert 'data-state="done"' in output and "▌" not in output
+        # the batch's total speed, from its own steps: every token its steps emitted over their decoding time
+        tokens = sum(len(snapshots[-1].tokens) for snapshots in seen.values())
+        assert 0 < board.busy_tokens <= tokens and board.busy_seconds > 0 and board.busy_steps < board.steps
+        assert f"Whole batch: <b>{board.tokens_per_second:.1f} tok/s</b> in all" in page
+        assert f"acceptance {board.acceptance:.2f}" in page and 0 <= board.acceptance <= 1
+        assert "Rows in the batch at each of its last" in page and "compare with the first tab" in page
     finally:  # (the Space keeps it for its life; a test process should not)
         stream.stop()
 
@@ -117,3 +123,13 @@ def test_a_pair_the_stream_cannot_draft_with_uses_prompt_lookup(pair):
         stream.stop()
     assert "prompt lookup" in stream.drafting
     assert last.tokens == alone(target, prompt_ids(tokenizer, PROMPTS[0]), 12)
+
+
+@pytest.mark.parametrize("text, limit, start, end", [
+    ("short text", 40, "short text", "short text"),
+    ("the quick brown fox jumps over the lazy dog", 20, "the quick brown\u2026", "\u2026over the lazy dog"),
+    ("x" * 50, 20, "x" * 19 + "\u2026", "\u2026" + "x" * 19),  # one long word: cut in it, still marked
+])
+def test_card_texts_are_cut_between_words_with_an_ellipsis(text, limit, start, end):
+    assert shared_stream.head_text(text, limit) == start and shared_stream.tail_text(text, limit) == end
+    assert len(start) <= limit and len(end) <= limit

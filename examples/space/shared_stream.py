@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import html
 import itertools
+import re
 import threading
 import time
 from collections import deque
@@ -84,7 +85,9 @@ class StreamBoard:
     """A snapshot of the shared stream: ``entries`` (live and waiting requests first, then the latest finished ones,
     each a copy), ``steps`` taken, ``rows_per_step`` (the last :data:`KEEP_STEPS` steps' row counts), ``most_rows``
     (the most rows of any step since the stream started), ``max_rows`` (its lanes), ``served`` (requests done)
-    and ``drafting`` (where its drafts come from, in words)."""
+    and ``drafting`` (where its drafts come from, in words). Over the same recent steps, those that followed a busy
+    step (the time since it was all decoding, no idle wait; ``busy_steps`` of them): ``busy_tokens`` emitted by all rows together in
+    ``busy_seconds``, and ``drafted`` / ``accepted`` draft tokens."""
 
     entries: list[StreamEntry]
     steps: int
@@ -93,6 +96,20 @@ class StreamBoard:
     max_rows: int
     served: int
     drafting: str
+    busy_steps: int = 0
+    busy_tokens: int = 0
+    busy_seconds: float = 0.0
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def tokens_per_second(self) -> float:
+        """The whole batch's output: all rows' tokens per second of decoding, over the recent steps."""
+        return self.busy_tokens / self.busy_seconds if self.busy_seconds > 0 else 0.0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
     def in_batch(self) -> list[StreamEntry]:
@@ -117,6 +134,10 @@ class SharedStream:
         self.entries: dict[str, StreamEntry] = {}  # request id -> entry, oldest first
         self.steps = 0
         self.rows_per_step: deque[int] = deque(maxlen=KEEP_STEPS)
+        # per recent step: (seconds since the step before, or None after an idle wait; tokens emitted; drafted;
+        # accepted)
+        self.step_work: deque[tuple[float | None, int, int, int]] = deque(maxlen=KEEP_STEPS)
+        self._last_step: float | None = None  # when the last step ended, while rows were still live after it
         self.most_rows = 0
         self.served = 0
         self._ids = itertools.count(1)
@@ -138,7 +159,13 @@ class SharedStream:
         """The manager's step callback (its thread): the requests holding a row this step are the stream's live ones
         (rows that stopped this step are handed out after it)."""
         live = [request.request_id for request in self.manager.stream.live.values()]
+        now = time.perf_counter()
+        emitted, accepted = int(record.emitted.sum()), int(record.num_accepted.sum())
+        drafted = int(record.drafted_lengths.sum()) if record.num_drafted > 0 else 0
         with self.lock:
+            seconds = None if self._last_step is None else now - self._last_step
+            self.step_work.append((seconds, emitted, drafted, accepted))
+            self._last_step = now if live else None  # no row live after it: the next step follows an idle wait
             self.steps += 1
             self.rows_per_step.append(len(live))
             self.most_rows = max(self.most_rows, len(live))
@@ -211,8 +238,13 @@ class SharedStream:
             entries = list(self.entries.values())
             ordered = [entry for entry in entries if not entry.finished] + \
                 [entry for entry in reversed(entries) if entry.finished]
+            busy = [work for work in self.step_work if work[0] is not None]
             return StreamBoard(copy.deepcopy(ordered), self.steps, list(self.rows_per_step), self.most_rows,
-                               self.max_rows, self.served, self.drafting)
+                               self.max_rows, self.served, self.drafting,
+                               busy_steps=len(busy), busy_tokens=sum(work[1] for work in busy),
+                               busy_seconds=sum(work[0] for work in busy),
+                               drafted=sum(work[2] for work in self.step_work),
+                               accepted=sum(work[3] for work in self.step_work))
 
 
 _streams: dict[tuple[int, int], SharedStream] = {}
@@ -239,6 +271,50 @@ STATE_LABELS = {"waiting": "waiting for a row", "decoding": "decoding", "done": 
 STRIP_HEIGHT, BAR_PITCH = 40, 4
 
 
+FENCE = re.compile(r"```[^\n`]*\n?(.*?)(?:```|\Z)", re.DOTALL)  # a fenced block; unclosed: to the end (streaming)
+INLINE_CODE = re.compile(r"`([^`\n]+)`")
+
+
+def render_text(text: str) -> str:
+    """A model's output as HTML, rendered as Markdown where it is code: fenced blocks (an unclosed one, still being
+    written, to the end) as ``<pre><code>`` and inline `code` as ``<code>``; everything else escaped as it is."""
+    parts, end = [], 0
+    for match in FENCE.finditer(text):
+        parts.append(_inline(text[end:match.start()]))
+        parts.append(f'<pre class="code"><code>{html.escape(match.group(1).rstrip(chr(10)))}</code></pre>')
+        end = match.end()
+    parts.append(_inline(text[end:]))
+    return "".join(parts)
+
+
+def _inline(text: str) -> str:
+    """``text`` escaped, its inline `code` spans as ``<code>``."""
+    parts, end = [], 0
+    for match in INLINE_CODE.finditer(text):
+        parts += [html.escape(text[end:match.start()]), f"<code>{html.escape(match.group(1))}</code>"]
+        end = match.end()
+    parts.append(html.escape(text[end:]))
+    return "".join(parts)
+
+
+def head_text(text: str, limit: int) -> str:
+    """``text``'s start, at most ``limit`` characters, cut between words with an ellipsis when cut."""
+    if len(text) <= limit:
+        return text
+    cut = text[: limit - 1]
+    space = cut.rstrip().rfind(" ")
+    return (cut[:space] if space > limit // 2 else cut).rstrip() + "\u2026"
+
+
+def tail_text(text: str, limit: int) -> str:
+    """``text``'s end, at most ``limit`` characters, cut between words with an ellipsis when cut."""
+    if len(text) <= limit:
+        return text
+    cut = text[len(text) - limit + 1:]
+    space = cut.find(" ")
+    return "\u2026" + (cut[space + 1:] if 0 <= space < limit // 2 else cut).lstrip()
+
+
 def entry_numbers(entry: StreamEntry) -> str:
     """``12 tokens · first token after 0.31 s · 85.0 tok/s``."""
     parts = [f"{len(entry.tokens)} tokens"]
@@ -256,9 +332,28 @@ def render_output(entry: StreamEntry, decode) -> str:
     error = f" ({html.escape(entry.error)})" if entry.error and entry.state == "failed" else ""
     return (f'<div class="stream-output" data-request="{entry.request_id}" data-state="{entry.state}" '
             f'data-tokens="{len(entry.tokens)}" data-most-rows="{entry.most_rows}">'
-            f'<div class="stream-text">{html.escape(decode(entry.tokens))}{cursor}</div>'
+            f'<div class="stream-text">{render_text(decode(entry.tokens))}{cursor}</div>'
             f'<div class="stream-numbers">{STATE_LABELS[entry.state]}{error} · {entry_numbers(entry)} · '
             f"in a batch of up to {entry.most_rows} rows</div></div>")
+
+
+STREAM_SPEED_NOTE = (
+    "A visitor's tok/s is their own request's tokens over the time it held a row. The batch decodes all its rows at "
+    "once, so its output is the sum over the rows: that total is the number to compare with the first tab's tok/s, "
+    "which are totals over a whole batch too. Per request, a step gives one token of the target's own plus the "
+    "accepted drafts, and a step of a fuller batch takes a little longer.")
+
+
+def speed_line(board: StreamBoard) -> str:
+    """The batch's total tokens/s over its recent steps, the rows it held and its acceptance, in words."""
+    if board.busy_seconds <= 0:
+        return "The batch's total speed appears once it has taken a few steps."
+    rows = sum(board.rows_per_step) / len(board.rows_per_step)
+    line = (f"Whole batch: <b>{board.tokens_per_second:.1f} tok/s</b> in all over its last {board.busy_steps} steps "
+            f"of decoding, {rows:.1f} rows a step on average (each request's tok/s is its share)")
+    if board.drafted:
+        line += f"; acceptance {board.acceptance:.2f} of its drafted tokens"
+    return line + "."
 
 
 def _occupancy_svg(board: StreamBoard) -> str:
@@ -289,7 +384,7 @@ def render_stream_board(board: StreamBoard | None, you: str | None = None, decod
     cards = []
     for entry in board.entries:
         mine = " yours" if entry.visitor == you else ""
-        text = html.escape(decode(entry.tokens)[-240:]) if decode is not None and entry.tokens else ""
+        text = html.escape(tail_text(decode(entry.tokens), 240)) if decode is not None and entry.tokens else ""
         badge = "in the batch" if entry.in_batch else STATE_LABELS[entry.state]
         cards.append(
             f'<div class="stream-row {entry.state}{" in-batch" if entry.in_batch else ""}{mine}" '
@@ -298,13 +393,17 @@ def render_stream_board(board: StreamBoard | None, you: str | None = None, decod
             f'data-most-rows="{entry.most_rows}" data-tokens="{len(entry.tokens)}">'
             f'<div class="who"><b>{html.escape(entry.visitor)}</b>{" (you)" if mine else ""} · '
             f'<span class="badge">{badge}</span></div>'
-            f'<div class="prompt">{html.escape(entry.prompt[:120])}</div>'
+            f'<div class="prompt">{html.escape(head_text(entry.prompt, 120))}</div>'
             f'<div class="text">{text}</div>'
             f'<div class="numbers">{entry_numbers(entry)} · batch of up to {entry.most_rows}</div></div>')
     rows = "".join(cards) or '<div class="stream-none">No requests yet.</div>'
+    chart = (f'<div class="stream-chart-label">Rows in the batch at each of its last {len(board.rows_per_step)} '
+             f"steps (one bar per step, oldest on the left; full height: {board.max_rows} rows)</div>")
     return (f'<div class="stream-board" data-steps="{board.steps}" data-live-rows="{live}" '
-            f'data-most-rows="{board.most_rows}" data-served="{board.served}">{heading}{_occupancy_svg(board)}'
-            f'<div class="stream-rows">{rows}</div></div>')
+            f'data-most-rows="{board.most_rows}" data-served="{board.served}" '
+            f'data-batch-tps="{board.tokens_per_second:.2f}">{heading}'
+            f'<div class="stream-speed">{speed_line(board)}</div>{chart}{_occupancy_svg(board)}'
+            f'<div class="stream-rows">{rows}</div><div class="stream-note">{STREAM_SPEED_NOTE}</div></div>')
 
 
 STREAM_CSS = """
@@ -320,5 +419,11 @@ STREAM_CSS = """
 .stream-board .stream-row .text { white-space: pre-wrap; min-height: 2.5em; }
 .stream-board .stream-row .numbers { color: #333; margin-top: 3px; }
 .stream-output .stream-text { white-space: pre-wrap; font-size: 14px; }
+.stream-board .stream-speed { font-size: 14px; margin: 4px 0; }
+.stream-board .stream-chart-label { color: #555; font-size: 12px; margin: 6px 0 2px 0; }
+.stream-board .stream-note { color: #666; font-size: 12px; margin-top: 8px; }
+pre.code { white-space: pre; background: #f6f8fa; border: 1px solid #e1e4e8; border-radius: 4px; padding: 6px 8px;
+    margin: 4px 0; font-size: 12px; overflow-x: auto; }
+pre.code code, .run-outputs code, .stream-text code { font-family: "DejaVu Sans Mono", monospace; }
 .stream-output .stream-numbers { color: #555; font-size: 13px; margin-top: 4px; }
 """

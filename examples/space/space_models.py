@@ -134,30 +134,71 @@ def strategy_module(name: str):
     return importlib.import_module(f"{STRATEGY_PACKAGE}.{name}")
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# The models in words a visitor understands: what each is and how often the draft agrees, no local paths
+
+
+def public_name(name_or_path: str | os.PathLike) -> str:
+    """A Hub id as it is; a local file or folder by its own name only (the page is public: no paths)."""
+    local = Path(name_or_path).expanduser()
+    return local.name if local.exists() else str(name_or_path)
+
+
+def target_words(model, name: str) -> str:
+    """``SmolLM2-135M-Instruct, 30 layers, fp32``."""
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.").replace("float", "fp")
+    return f"{name}, {model.config.num_hidden_layers} layers, {dtype}"
+
+
+def trained_draft_words(num_layers: int, config: dict) -> str:
+    """A tetris-hf draft from its ``draft_config.json``: what it is and, where its training measured it, how often
+    it picks the target's own next token on held-out text."""
+    words = f"a {num_layers}-layer draft trained for this target (it shares the target's embedding and head)"
+    agreement = config.get("metadata", {}).get("agreement")
+    if agreement is not None:
+        words += f"; it picks the target's next token {float(agreement):.0%} of the time on held-out text"
+    return words
+
+
+def early_exit_words(num_layers: int, target) -> str:
+    return (f"the target's own first {num_layers} of {target.config.num_hidden_layers} layers and its head, "
+            "untrained (an early exit)")
+
+
+def eagle_words(head, source: str | None = None) -> str:
+    kind = "EAGLE-3" if head.feature_kind == "eagle3" else "EAGLE-1"
+    where = f" ({public_name(source)})" if source else ""
+    return f"an {kind} head{where}: one layer trained to draft from the target's own hidden states"
+
+
+def pair_words(target: str, draft: str) -> str:
+    """The page's model lines (Markdown)."""
+    return f"**Target:** {target}  \n**Draft:** {draft}"
+
+
 def load_draft(target, name_or_path: str) -> tuple[torch.nn.Module, str]:
     """``(draft, description)`` for ``target``: ``early-exit:N``, a tetris-hf draft (folder or Hub id),
-    ``eagle:PATH_OR_REPO``, or a model."""
+    ``eagle:PATH_OR_REPO``, or a model; the description in words (:func:`public_name`: no local paths)."""
     from transformers import AutoModelForCausalLM
 
     if name_or_path.startswith(EAGLE_PREFIX):
         source = name_or_path[len(EAGLE_PREFIX):]
         head = load_eagle_head(target, source)
-        return head, (f"{source} ({'EAGLE-3' if head.feature_kind == 'eagle3' else 'EAGLE-1'} head reading the "
-                      f"target's hidden states hs{list(head.aux_layer_ids)}, draft vocabulary "
-                      f"{head.draft_vocab_size:,})")
+        return head, eagle_words(head, source)
     if name_or_path.startswith("early-exit:"):
         layers = int(name_or_path.split(":", 1)[1])
-        return early_exit_draft(target, layers), (f"early exit after {layers} of the target's "
-                                                  f"{target.config.num_hidden_layers} layers (untrained)")
+        return early_exit_draft(target, layers), early_exit_words(layers, target)
     folder = tetris_draft_folder(name_or_path)
     if folder is not None:
         draft = load_tetris_draft(target, folder)
-        return draft, (f"{name_or_path} ({draft.config.num_hidden_layers}-layer tetris-hf draft sharing the "
-                       "target's embedding and head)")
+        config = json.loads((folder / DRAFT_CONFIG_NAME).read_text())
+        return draft, f"{trained_draft_words(draft.config.num_hidden_layers, config)} ({public_name(name_or_path)})"
     draft = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=next(target.parameters()).dtype)
     if draft.get_output_embeddings().weight.shape[0] != target.get_output_embeddings().weight.shape[0]:
         raise ValueError(f"the draft {name_or_path!r} has another vocabulary than the target")
-    return draft.to(target.device).eval(), name_or_path
+    return draft.to(target.device).eval(), (f"{public_name(name_or_path)}, a separate "
+                                            f"{draft.config.num_hidden_layers}-layer model with the target's "
+                                            "vocabulary")
 
 
 def load_pair(target: str | None = None, draft: str | None = None, device: str = "cpu"):
@@ -167,4 +208,5 @@ def load_pair(target: str | None = None, draft: str | None = None, device: str =
     draft_name = draft or os.environ.get("TETRIS_SPACE_DRAFT") or DEFAULT_DRAFT
     target_model, tokenizer = load_target(target_name, device)
     draft_model, draft_description = load_draft(target_model, draft_name)
-    return target_model, draft_model, tokenizer, f"**Target:** {target_name}  \n**Draft:** {draft_description}"
+    return (target_model, draft_model, tokenizer,
+            pair_words(target_words(target_model, public_name(target_name)), draft_description))

@@ -54,6 +54,7 @@ TERMS = {
     "C": "budget C: draft tokens the target verifies per step across the whole batch (default k x active rows)",
     "VSR": "VSR, verification success rate: accepted / verified draft tokens",
     "acceptance": "acceptance: accepted / drafted draft tokens, how often a drafted token was the target's own",
+    "ratio": "x plain: this run's tokens/s over plain generate()'s on the same prompts",
     "step": "step: one target forward, which verifies the drafts and adds one token of its own per row; the first "
             "step reads the prompts and drafts nothing",
 }

@@ -117,6 +117,7 @@ class RunStats:
     verified_tokens: int = 0
     accepted_tokens: int = 0
     emitted_tokens: int = 0
+    draft_seconds: float = 0.0
     num_drafted_per_step: list[int] = field(default_factory=list)
     budget_per_step: list[int] = field(default_factory=list)
     verified_per_step: list[list[int]] = field(default_factory=list)
@@ -136,13 +137,24 @@ class RunStats:
         """VSR: accepted / verified draft tokens."""
         return self.accepted_tokens / self.verified_tokens if self.verified_tokens else 0.0
 
+    @property
+    def drafting_steps(self) -> int:
+        """Steps that drafted (not the prompt's step, nor adaptive's plain steps)."""
+        return sum(count > 0 for count in self.num_drafted_per_step)
+
+    @property
+    def row_steps(self) -> int:
+        """Steps summed over the rows active at each (a finished row takes no more steps)."""
+        return sum(sum(verified >= 0 for verified in step) for step in self.verified_per_step)
+
 
 @dataclass
 class LiveRun:
     """One strategy's run as the UI sees it; written by the worker thread, read by the UI thread.
 
     ``state``: ``waiting`` | ``running`` | ``done`` | ``cancelled`` | ``error``. ``rows[i]``: request ``i``'s
-    generated tokens so far. ``stats``: a :class:`RunStats` copy of the loop's statistics (speculative runs).
+    generated tokens so far. ``steps``: plain ``generate()``'s forwards so far (the first reads the prompt), counted
+    as the speculative runs' ``stats.steps`` are. ``stats``: a :class:`RunStats` copy of the loop's statistics (speculative runs).
     ``survival``: per step, each row's cumulative confidence at each cell it drafted (``None`` for finished rows):
     the draft model's cumulative probability, or with prompt lookup the product of the online acceptance estimates;
     a row that drafted fewer cells than the step's ``K`` (a lookup row without a match drafts none) has fewer
@@ -165,6 +177,7 @@ class LiveRun:
     device: str = ""
     tree_width: int = 1
     trees: list = field(default_factory=list)
+    steps: int = 0
 
     @property
     def tokens(self) -> int:
@@ -186,6 +199,16 @@ class LiveRun:
         return dataclasses.replace(self, rows=[list(row) for row in self.rows], ended=ended,
                                    stats=copy.deepcopy(self.stats), survival=list(self.survival),
                                    drafted=list(self.drafted), trees=list(self.trees))
+
+    @property
+    def all_steps(self) -> int:
+        """Target forwards so far: ``stats.steps`` of a speculative run, :attr:`steps` of plain generate()."""
+        return self.stats.steps if self.stats is not None else self.steps
+
+    @property
+    def step_seconds(self) -> float:
+        """Seconds per target forward (drafting included), or 0 before the first."""
+        return self.seconds / self.all_steps if self.all_steps else 0.0
 
     def board(self, num_assistant_tokens: int) -> BoardTrace | None:
         """A snapshot of this run's board so far (``None`` for plain generate or before the first step)."""
@@ -216,6 +239,7 @@ class BatchStreamer(BaseStreamer):
         if not self.prompt_seen:
             self.prompt_seen = True
             return
+        self.live.steps += 1
         for row, token in enumerate(value.reshape(len(self.rows), -1)[:, -1].tolist()):
             if not self.finished[row]:
                 self.rows[row].append(token)
@@ -474,3 +498,96 @@ def greedy_agreement(runs: dict[str, LiveRun]) -> list[int] | None:
         row for row in range(len(reference))
         if any(runs[strategy].rows[row] != reference[row] for strategy in SPECULATIVE)
     ]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What the numbers say: each run against plain generate(), and one line on why
+
+
+def speed_ratio(live: LiveRun, plain: LiveRun) -> float | None:
+    """``live``'s tokens/s over plain ``generate()``'s, once plain has finished (``None`` before)."""
+    if plain.state != "done" or plain.tokens_per_second <= 0 or live.state not in ("running", "done") or \
+            live.tokens == 0:
+        return None
+    return live.tokens_per_second / plain.tokens_per_second
+
+
+@dataclass(frozen=True)
+class StepEconomy:
+    """Why a speculative run was as fast as it was, against plain ``generate()``: ``tokens_per_row_step`` (each
+    active row's tokens per target forward: 1 from the target plus the accepted drafts; plain's is 1),
+    ``step_cost`` (seconds per step over plain's), ``draft_share`` (of the run's time, drafting), ``acceptance``
+    (accepted / drafted), ``ratio`` (tokens/s over plain's), ``drafting_steps`` and ``steps``."""
+
+    tokens_per_row_step: float
+    step_cost: float
+    draft_share: float
+    acceptance: float
+    ratio: float
+    drafting_steps: int
+    steps: int
+
+
+def step_economy(live: LiveRun, plain: LiveRun) -> StepEconomy | None:
+    """:class:`StepEconomy` of a finished speculative run against a finished plain run (``None`` otherwise)."""
+    stats, ratio = live.stats, speed_ratio(live, plain)
+    if live.state != "done" or stats is None or ratio is None or not stats.row_steps or not plain.step_seconds:
+        return None
+    return StepEconomy(
+        tokens_per_row_step=live.tokens / stats.row_steps,
+        step_cost=live.step_seconds / plain.step_seconds,
+        draft_share=stats.draft_seconds / live.seconds if live.seconds > 0 else 0.0,
+        acceptance=stats.acceptance_rate,
+        ratio=ratio,
+        drafting_steps=stats.drafting_steps,
+        steps=stats.steps,
+    )
+
+
+EVEN = 0.05  # within 5% of plain's speed: "about as fast"
+
+
+def explain_batch(runs: dict[str, LiveRun], settings: Settings) -> str | None:
+    """One line, in words, on what this batch showed and why, from its own numbers: whether speculation paid
+    against plain ``generate()``, what a step gave each row and what it cost, and what adaptive made of it.
+    ``None`` until plain and at least fixed-k or TETRIS have finished."""
+    plain = runs[PLAIN]
+    economies = {strategy: step_economy(runs[strategy], plain) for strategy in SPECULATIVE}
+    done = {strategy: economy for strategy, economy in economies.items() if economy is not None}
+    if not (done.keys() & {FIXED, TETRIS}):
+        return None
+    best = max(done, key=lambda strategy: done[strategy].ratio)
+    # the step numbers of TETRIS (the product), else fixed-k: what a drafting step gives and costs
+    shown = TETRIS if TETRIS in done else FIXED
+    economy = done[shown]
+    source = "prompt lookup's drafts" if settings.lookup else "drafted tokens"
+    where = " on this CPU" if plain.device.startswith("CPU") else ""
+    why = (f"in {TITLES[shown]} the target accepted {economy.acceptance:.0%} of {source}, so a step gave each row "
+           f"{economy.tokens_per_row_step:.2f} tokens (plain: 1) for {economy.step_cost:.1f}x the time of a plain "
+           f"step{where}")
+    if not settings.lookup and economy.draft_share > 0:
+        why += f", {economy.draft_share:.0%} of it drafting"
+    ratio = done[best].ratio
+    fastest = f"the fastest speculative run, {TITLES[best]}, at {ratio:.2f}x plain's speed"
+    if ratio >= 1 + EVEN:
+        line = f"Speculation paid on this batch ({fastest}): {why}."
+        if settings.lookup:
+            line += " Prompt lookup drafts by copying from the prompt, at almost no cost, and these answers repeat it."
+    elif ratio > 1 - EVEN:
+        line = f"About even on this batch ({fastest}): {why}."
+    else:
+        line = f"Speculation did not pay on this batch ({fastest}): {why}."
+    adaptive = done.get(ADAPTIVE)
+    if adaptive is not None:
+        drafted = f"drafted in {adaptive.drafting_steps} of its {adaptive.steps} steps"
+        if adaptive.drafting_steps < (adaptive.steps - 1) / 2:
+            line += f" Adaptive measured that and {drafted}, taking plain steps otherwise."
+        else:
+            line += f" Adaptive {drafted} ({adaptive.ratio:.2f}x plain)."
+    if ratio < 1 + EVEN and not settings.lookup:
+        line += (" Drafting pays when a step's extra tokens outweigh its extra cost: a draft that agrees more often, "
+                 "answers that repeat the prompt (prompt lookup on Code edit), or a GPU, where verifying a few more "
+                 "tokens per row costs little.")
+    elif ratio < 1 + EVEN:
+        line += " Lookup pays where answers copy the prompt (Code edit, Summarize); these did too little of it."
+    return line
