@@ -71,6 +71,7 @@ PROMPTS = [
     "tell me a story about a cat",
 ]
 REAL = os.environ.get("TETRIS_SPACE_REAL") == "1"
+WIDTH, HEIGHT = 1400, 1000  # the viewport every page is driven and photographed at
 RUN_TIMEOUT = 900 if REAL else 120
 
 
@@ -150,11 +151,14 @@ def _chromium():
     options.binary_location = CHROMIUM
     for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
-                 f"--user-data-dir={profile}", "--window-size=1500,1200"):
+                 f"--user-data-dir={profile}", f"--window-size={WIDTH},{HEIGHT}"):
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     driver.set_page_load_timeout(60)
+    # the viewport a visitor on a 1400 x 1000 screen sees, whatever the headless window's frame takes
+    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                           {"width": WIDTH, "height": HEIGHT, "deviceScaleFactor": 1, "mobile": False})
     driver.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": SSE_TAP})
     yield driver
     driver.quit()
@@ -256,12 +260,15 @@ def _open(driver, url: str) -> None:
     _wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, "#prompts textarea"), 60, "the page to load")
 
 
-def _screenshot(driver, path: Path) -> None:
-    """The whole page, not just the window: Chromium's DevTools capture beyond the viewport."""
+def _screenshot(driver, path: Path, first_screen: bool = False) -> None:
+    """The whole page, not just the window: Chromium's DevTools capture beyond the viewport (``first_screen``: the
+    1400 x 1000 viewport only, what a visitor sees before scrolling)."""
     import base64
 
     size = driver.execute_cdp_cmd("Page.getLayoutMetrics", {})["cssContentSize"]
     width, height = int(size["width"]), min(int(size["height"]), 6000)
+    if first_screen:
+        width, height = WIDTH, HEIGHT
     shot = driver.execute_cdp_cmd("Page.captureScreenshot", {
         "format": "png", "captureBeyondViewport": True,
         "clip": {"x": 0, "y": 0, "width": width, "height": height, "scale": 1},
@@ -294,15 +301,122 @@ def _show_step(browser, step: int | str) -> None:
           == str(step), 20, f"the board to show step {step}")
 
 
-def _save_screenshot(browser, variable: str, default: Path, started: float) -> None:
-    """The page, scrubbed first to ``$TETRIS_SPACE_SCREENSHOT_STEP`` when set, to ``$variable`` (else ``default``)."""
+def _shot_path(variable: str, name: str, tmp_path: Path) -> Path:
+    """Where a screenshot goes: ``$variable``, else ``$TETRIS_SPACE_SCREENSHOTS/name`` (a folder, e.g.
+    ``examples/space``), else pytest's temporary folder."""
+    if os.environ.get(variable):
+        return Path(os.environ[variable])
+    folder = os.environ.get("TETRIS_SPACE_SCREENSHOTS")
+    return Path(folder) / name if folder else tmp_path / name
+
+
+def _save_screenshot(browser, variable: str, default: Path, started: float, first_screen: bool = False,
+                     scrub: bool = True) -> None:
+    """The page, scrubbed first to ``$TETRIS_SPACE_SCREENSHOT_STEP`` when set (and ``scrub``), to ``$variable``
+    (else ``$TETRIS_SPACE_SCREENSHOTS/`` and ``default``'s name, else ``default``)."""
     shown_step = os.environ.get("TETRIS_SPACE_SCREENSHOT_STEP")  # e.g. a step where a draft was accepted
-    if shown_step:
+    if shown_step and scrub:
         _show_step(browser, shown_step)
-    path = Path(os.environ.get(variable) or default)
-    _screenshot(browser, path)
+    path = _shot_path(variable, default.name, default.parent)
+    _screenshot(browser, path, first_screen)
     assert path.stat().st_size > 10_000
     print(f"screenshot: {path}  ({time.perf_counter() - started:.1f} s)")
+
+
+STRATEGY_NAMES = ("generate", "fixed", "tetris", "adaptive")
+BOARD_RUNS = {"TETRIS": "tetris", "fixed-k": "fixed", "adaptive": "adaptive"}
+
+
+def _page_text(driver) -> str:
+    return driver.execute_script("return document.body.innerText")
+
+
+def _board_facts(driver) -> dict:
+    """The board's step numbering and where its budget label lies against the grid and its scrolling container."""
+    return driver.execute_script("""
+        const board = document.querySelector('#board .tetris-board');
+        if (!board) return null;
+        const label = board.querySelector('text.budget-label');
+        const box = element => { const r = element.getBoundingClientRect();
+                                 return {left: r.left, right: r.right, top: r.top, bottom: r.bottom}; };
+        return {heading: board.querySelector('.board-heading').innerText, steps: Number(board.dataset.steps),
+                totalSteps: Number(board.dataset.totalSteps), runStep: Number(board.dataset.runStep),
+                label: label && label.textContent, labelBox: label && box(label),
+                grid: box(board.querySelector('svg')), container: box(board.querySelector('.board-scroll'))};
+    """)
+
+
+def _inside(inner: dict, outer: dict) -> bool:
+    return (inner["left"] >= outer["left"] - 0.5 and inner["right"] <= outer["right"] + 0.5
+            and inner["top"] >= outer["top"] - 0.5 and inner["bottom"] <= outer["bottom"] + 0.5)
+
+
+def _metric_steps(driver, strategy: str) -> tuple[int, int]:
+    """The run's steps and drafting steps as its metrics say them."""
+    from selenium.webdriver.common.by import By
+
+    steps = driver.find_element(By.CSS_SELECTOR, f"#metrics-{strategy} .steps")
+    return int(steps.get_attribute("data-steps")), int(steps.get_attribute("data-drafting-steps"))
+
+
+def _check_explained(driver) -> None:
+    """Ratios to plain on every speculative run, the batch's line in words, and the terms defined on the page."""
+    from selenium.webdriver.common.by import By
+
+    assert "reference (1x)" in _text(driver, "#metrics-generate"), _text(driver, "#metrics-generate")
+    for strategy in STRATEGY_NAMES[1:]:
+        ratio = driver.find_element(By.CSS_SELECTOR, f"#metrics-{strategy} .ratio")
+        assert ratio.text.endswith("x plain") and float(ratio.get_attribute("data-ratio")) > 0, ratio.text
+    explain = _text(driver, "#explain")
+    assert "plain's speed" in explain and "a step gave each row" in explain, explain
+    terms = _text(driver, "#run-terms")
+    for definition in ("x plain: this run's tokens/s over plain generate()'s", "acceptance: accepted / drafted",
+                       "VSR, verification success rate: accepted / verified", "step: one target forward"):
+        assert definition in terms, terms
+    board_terms = _text(driver, "#board .terms")
+    assert "K = k + e" in board_terms and "budget C:" in board_terms and "VSR" in board_terms, board_terms
+    assert driver.find_elements(By.CSS_SELECTOR, "#metrics-tetris .term[title]")  # tooltips on the terms
+
+
+def _check_boards_agree_with_metrics(driver) -> None:
+    """For each run's board: the steps it names are the run's own (equal to its metrics), and the budget label lies
+    wholly inside the grid and its container."""
+    from selenium.webdriver.common.by import By
+
+    for name, strategy in BOARD_RUNS.items():
+        driver.find_element(By.XPATH, f"//*[@id='board-run']//label[contains(., '{name}')]").click()
+        _wait(driver, lambda d: name in _text(d, "#board .board-heading") or "appears here" in _text(d, "#board"),
+              20, f"the {name} board")
+        facts = _board_facts(driver)
+        if facts is None:  # adaptive may not have drafted at all
+            continue
+        steps, drafting = _metric_steps(driver, strategy)
+        assert (facts["totalSteps"], facts["steps"]) == (steps, drafting), (name, facts, steps, drafting)
+        assert f"of {steps}" in facts["heading"], facts["heading"]
+        if facts["label"]:
+            assert facts["label"].startswith("budget C = "), facts
+            assert _inside(facts["labelBox"], facts["grid"]) and _inside(facts["labelBox"], facts["container"]), facts
+    driver.find_element(By.XPATH, "//*[@id='board-run']//label[contains(., 'TETRIS')]").click()
+    _wait(driver, lambda d: "TETRIS" in _text(d, "#board .board-heading"), 20, "the TETRIS board")
+
+
+def test_first_screen_says_what_the_demo_shows_and_has_the_run_button(app_url, browser, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    started = time.perf_counter()
+    _open(browser, app_url)
+    assert browser.execute_script("return [window.innerWidth, window.innerHeight]") == [WIDTH, HEIGHT]
+    intro = _text(browser, "#intro")
+    assert "decoded four ways" in intro and "ratio to plain" in intro and len(intro) < 500, intro
+    run = browser.find_element(By.CSS_SELECTOR, "#run").rect
+    assert run["y"] >= 0 and run["y"] + run["height"] <= HEIGHT, run  # in the first viewport, no scrolling
+    how = browser.find_element(By.CSS_SELECTOR, "#how-it-works")
+    assert "How it works" in how.text and "Budget C" not in how.text  # folded until opened
+    for strategy in STRATEGY_NAMES:
+        assert "not started" in _text(browser, f"#metrics-{strategy}")
+    assert "waiting" not in _page_text(browser)
+    _save_screenshot(browser, "TETRIS_SPACE_FIRST_SCREENSHOT", tmp_path / "screenshot-first-screen.png", started,
+                     first_screen=True, scrub=False)
 
 
 def test_four_prompt_batch_shows_outputs_metrics_and_board(app_url, browser, tmp_path):
@@ -337,8 +451,10 @@ def test_four_prompt_batch_shows_outputs_metrics_and_board(app_url, browser, tmp
     board = browser.find_element(By.CSS_SELECTOR, "#board .tetris-board")
     steps = int(board.get_attribute("data-steps"))
     assert steps >= 2 and board.get_attribute("data-step") == "1"
+    _check_explained(browser)
+    _check_boards_agree_with_metrics(browser)
 
-    _save_screenshot(browser, "TETRIS_SPACE_SCREENSHOT", tmp_path / "space.png", started)
+    _save_screenshot(browser, "TETRIS_SPACE_SCREENSHOT", tmp_path / "screenshot.png", started)
 
     # scrub to step 2, then switch the board to the fixed-k run
     _show_step(browser, 2)
@@ -387,7 +503,7 @@ def test_tree_width_3_batch_draws_each_rows_tree_with_one_accepted_path(app_url,
     on_path = browser.find_elements(By.CSS_SELECTOR, "#board line.tree-edge.on-path")
     assert len(on_path) == sum(node["kind"] == "accepted" for node in nodes)
 
-    _save_screenshot(browser, "TETRIS_SPACE_TREE_SCREENSHOT", tmp_path / "space-trees.png", started)
+    _save_screenshot(browser, "TETRIS_SPACE_TREE_SCREENSHOT", tmp_path / "screenshot-trees.png", started)
 
     # scrub to step 2: still trees, a new heading
     _show_step(browser, 2)
@@ -413,51 +529,75 @@ def _streaming(driver, strategy: str) -> bool:
     return "▌" in outputs and len(outputs) > 8 and "running" in metrics
 
 
-@pytest.mark.skipif(REAL, reason="cancelling is checked on tiny models")
-def test_outputs_stream_and_stop_cancels_the_run_with_a_message(app_url, browser):
+def test_outputs_stream_and_stop_cancels_the_run_with_a_message(app_url, browser, tmp_path):
     from selenium.webdriver.common.by import By
 
+    started = time.perf_counter()
     _open(browser, app_url)
-    _set_prompts(browser, PROMPTS)
+    if not REAL:
+        _set_prompts(browser, PROMPTS)
     _set_number(browser, "max-new-tokens", 256)
     browser.find_element(By.CSS_SELECTOR, "#run").click()
     # outputs stream: a run's rows show partial text with a cursor while its metrics say it is running (both read in
-    # one script, so that a run finishing between two reads is no failure: plain generate() takes 0.5 s here)
-    _wait(browser, lambda d: any(_streaming(d, strategy) for strategy in ("generate", "fixed", "tetris", "adaptive")),
-          30, "a run's outputs to stream")
+    # one script, so that a run finishing between two reads is no failure: plain generate() takes 0.5 s here); on the
+    # real pair, Stop during fixed-k, after plain has finished
+    streaming = ("fixed",) if REAL else STRATEGY_NAMES
+    _wait(browser, lambda d: any(_streaming(d, strategy) for strategy in streaming), RUN_TIMEOUT,
+          "a run's outputs to stream")
     browser.find_element(By.CSS_SELECTOR, "#stop").click()
     _wait(browser, lambda d: "cancelled" in _text(d, "#status"), 120, "the cancel message")  # (a loaded machine)
-    assert "Run cancelled" in _text(browser, "#status")
+    status = _text(browser, "#status")
+    assert "Run cancelled" in status and "\u23f9" not in status and "\u25a0" in status, status
+    # nothing stale: the greedy check says it was not made, and the runs after the cancelled one say not started
+    _wait(browser, lambda d: "not made" in _text(d, "#greedy-check"), 20, "the greedy check to say it was not made")
+    assert "waiting" not in _page_text(browser).lower(), _page_text(browser)
+    states = {s: browser.find_element(By.CSS_SELECTOR, f"#metrics-{s} .run-metrics").get_attribute("data-state")
+              for s in STRATEGY_NAMES}
+    assert "cancelled" in states.values(), states
+    for strategy in STRATEGY_NAMES[list(states.values()).index("cancelled") + 1:]:
+        assert states[strategy] == "not started", states
+        assert _text(browser, f"#outputs-{strategy}") == "not started"
+        assert not browser.find_elements(By.CSS_SELECTOR, f"#outputs-{strategy} ol")
+    _save_screenshot(browser, "TETRIS_SPACE_STOP_SCREENSHOT", tmp_path / "screenshot-stop.png", started, scrub=False)
 
 
-@pytest.mark.skipif(REAL, reason="the lookup batch is checked on tiny models")
-def test_prompt_lookup_on_code_edit_presets(app_url, browser):
+def test_prompt_lookup_on_code_edit_presets(app_url, browser, tmp_path):
     from selenium.webdriver.common.by import By
 
+    started = time.perf_counter()
+    count = 4 if REAL else 2
     _open(browser, app_url)
     code_edit = "li[role=option][aria-label='Code edit']"
     browser.find_element(By.CSS_SELECTOR, "#preset input").click()
     _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, code_edit), 20, "the preset list")
     browser.find_element(By.CSS_SELECTOR, code_edit).click()
-    _set_number(browser, "preset-count", 2)
+    _set_number(browser, "preset-count", count)
     browser.find_element(By.CSS_SELECTOR, "#load-preset").click()
     box = browser.find_element(By.CSS_SELECTOR, "#prompts textarea")
-    _wait(browser, lambda d: box.get_attribute("value").count("```python") == 2, 20, "two Code edit prompts")
+    _wait(browser, lambda d: box.get_attribute("value").count("```python") == count, 20, "the Code edit prompts")
     assert "\n---\n" in box.get_attribute("value")
     browser.find_element(By.XPATH, "//*[@id='draft']//label[contains(., 'prompt lookup')]").click()
-    _set_number(browser, "max-new-tokens", 16)
+    _set_number(browser, "max-new-tokens", 96 if REAL else 16)
     browser.find_element(By.CSS_SELECTOR, "#run").click()
     _wait(browser, lambda d: "✓" in _text(d, "#greedy-check") or "✗" in _text(d, "#greedy-check"),
           RUN_TIMEOUT, "the greedy check after the four lookup runs")
 
     assert "✓" in _text(browser, "#greedy-check"), _text(browser, "#greedy-check")
     assert "drafts from prompt lookup" in _text(browser, "#status"), _text(browser, "#status")
-    for strategy in ("generate", "fixed", "tetris", "adaptive"):
-        assert len(browser.find_elements(By.CSS_SELECTOR, f"#outputs-{strategy} ol.run-outputs li")) == 2
+    for strategy in STRATEGY_NAMES:
+        assert len(browser.find_elements(By.CSS_SELECTOR, f"#outputs-{strategy} ol.run-outputs li")) == count
     assert "(prompt lookup)" in _text(browser, "#board .board-heading")
     kinds = {cell.get_attribute("class").split()[-1]
              for cell in browser.find_elements(By.CSS_SELECTOR, "#board rect.board-cell")}
     assert kinds and kinds <= {"accepted", "rejected", "not-selected", "not-drafted", "finished"}, kinds
+    _check_explained(browser)
+    assert "prompt lookup's drafts" in _text(browser, "#explain")
+    _check_boards_agree_with_metrics(browser)
+    if REAL:  # the answers hold code: shown as code blocks, not as literal fences
+        blocks = browser.find_elements(By.CSS_SELECTOR, "#outputs-generate pre.code")
+        assert blocks and "```" not in _text(browser, "#outputs-generate"), _text(browser, "#outputs-generate")
+    _save_screenshot(browser, "TETRIS_SPACE_CODE_SCREENSHOT", tmp_path / "screenshot-code-edit.png", started,
+                     scrub=False)
 
 
 STREAM_PROMPTS = (["Write a haiku about speculative decoding.", "Give three tips for writing clear code."] if REAL
@@ -518,7 +658,9 @@ def test_two_visitors_share_one_batch_and_each_gets_the_target_alone(app_url, br
     for driver in visitors:  # both sent within a few milliseconds
         driver.execute_script("document.querySelector('#stream-submit').click()")
 
-    seen_live, shot = 0, os.environ.get("TETRIS_SPACE_STREAM_SCREENSHOT")
+    shot_path = _shot_path("TETRIS_SPACE_STREAM_SCREENSHOT", "screenshot-stream.png", tmp_path)
+    saved = os.environ.get("TETRIS_SPACE_STREAM_SCREENSHOT") or os.environ.get("TETRIS_SPACE_SCREENSHOTS")
+    seen_live, shot = 0, shot_path if saved else None
     deadline = time.perf_counter() + RUN_TIMEOUT
     while True:
         states = [_stream_state(driver) for driver in visitors]
@@ -550,7 +692,7 @@ def test_two_visitors_share_one_batch_and_each_gets_the_target_alone(app_url, br
         cards = [card for card in _stream_state(driver)["cards"] if card["state"] == "done"]
         return cards if len({card["visitor"] for card in cards}) >= 2 else None
 
-    if os.environ.get("TETRIS_SPACE_STREAM_SCREENSHOT"):
+    if saved:
         # a capture beyond the viewport aborts the page's pending timer tick, and Gradio's timer then stops: leaving
         # the tab and coming back starts it again
         browser.find_element(By.XPATH, "//button[@role='tab'][contains(., 'Four runs')]").click()
@@ -560,6 +702,10 @@ def test_two_visitors_share_one_batch_and_each_gets_the_target_alone(app_url, br
         assert [card["mostRows"] for card in cards] == ["2", "2"], cards
         assert sum(card["yours"] for card in cards) == 1, cards  # each page marks its own request
         assert _stream_state(driver)["boardMostRows"] >= 2
-    if os.environ.get("TETRIS_SPACE_STREAM_SCREENSHOT") is None:
-        _screenshot(browser, tmp_path / "space-stream.png")
+    board = _text(browser, "#stream-board")
+    assert "Rows in the batch at each of its last" in board and "Whole batch:" in board, board
+    assert "tok/s in all" in board and "compare with the first tab" in board, board
+    assert "Processing" not in _text(browser, "#stream-status") and "processing" not in _text(browser, "#stream-status")
+    if not saved:
+        _screenshot(browser, shot_path)
     print(f"shared stream: {time.perf_counter() - started:.1f} s")
