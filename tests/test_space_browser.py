@@ -536,7 +536,7 @@ def test_outputs_stream_and_stop_cancels_the_run_with_a_message(app_url, browser
     _open(browser, app_url)
     if not REAL:
         _set_prompts(browser, PROMPTS)
-    _set_number(browser, "max-new-tokens", 256)
+    _set_number(browser, "max-new-tokens", 96 if REAL else 256)
     browser.find_element(By.CSS_SELECTOR, "#run").click()
     # outputs stream: a run's rows show partial text with a cursor while its metrics say it is running (both read in
     # one script, so that a run finishing between two reads is no failure: plain generate() takes 0.5 s here); on the
@@ -596,6 +596,11 @@ def test_prompt_lookup_on_code_edit_presets(app_url, browser, tmp_path):
     if REAL:  # the answers hold code: shown as code blocks, not as literal fences
         blocks = browser.find_elements(By.CSS_SELECTOR, "#outputs-generate pre.code")
         assert blocks and "```" not in _text(browser, "#outputs-generate"), _text(browser, "#outputs-generate")
+    board = browser.find_element(By.CSS_SELECTOR, "#board .tetris-board")
+    for shown in range(1, min(int(board.get_attribute("data-steps")), 12) + 1):  # the first step that copied text
+        _show_step(browser, shown)
+        if " · accepted 0 " not in _text(browser, "#board .board-heading"):
+            break
     _save_screenshot(browser, "TETRIS_SPACE_CODE_SCREENSHOT", tmp_path / "screenshot-code-edit.png", started,
                      scrub=False)
 

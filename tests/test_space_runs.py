@@ -441,6 +441,9 @@ def test_the_batch_is_explained_in_words_from_its_own_numbers(pair):
     assert economy.step_cost == pytest.approx(runs[TETRIS].step_seconds / runs[PLAIN].step_seconds)
     assert f"accepted {stats.acceptance_rate:.0%} of drafted tokens" in line
     assert f"gave each row {economy.tokens_per_row_step:.2f} tokens" in line
+    first = [a > 0 for k, vs, accs in zip(stats.num_drafted_per_step, stats.verified_per_step,
+                                          stats.accepted_per_step) if k for v, a in zip(vs, accs) if v > 0]
+    assert f"first guess {sum(first) / len(first):.0%} of the time" in line
     assert f"{economy.step_cost:.1f}x the time of a plain step" in line
     best = max(SPECULATIVE, key=lambda s: tetris_runs.speed_ratio(runs[s], runs[PLAIN]))
     assert f"{TITLES[best]}, at {tetris_runs.speed_ratio(runs[best], runs[PLAIN]):.2f}x plain's speed" in line

@@ -422,7 +422,7 @@ STREAM_CSS = """
 .stream-board .stream-speed { font-size: 14px; margin: 4px 0; }
 .stream-board .stream-chart-label { color: #555; font-size: 12px; margin: 6px 0 2px 0; }
 .stream-board .stream-note { color: #666; font-size: 12px; margin-top: 8px; }
-pre.code { white-space: pre; background: #f6f8fa; border: 1px solid #e1e4e8; border-radius: 4px; padding: 6px 8px;
+pre.code { white-space: pre-wrap; overflow-wrap: anywhere; background: #f6f8fa; border: 1px solid #e1e4e8; border-radius: 4px; padding: 6px 8px;
     margin: 4px 0; font-size: 12px; overflow-x: auto; }
 pre.code code, .run-outputs code, .stream-text code { font-family: "DejaVu Sans Mono", monospace; }
 .stream-output .stream-numbers { color: #555; font-size: 13px; margin-top: 4px; }

@@ -143,6 +143,15 @@ class RunStats:
         return sum(count > 0 for count in self.num_drafted_per_step)
 
     @property
+    def first_guess_rate(self) -> float:
+        """How often a row's first drafted token was right: of the rows whose first draft the target verified (at
+        the steps that drafted), the share that accepted it."""
+        rows = [(verified, accepted) for drafted, verified_row, accepted_row in
+                zip(self.num_drafted_per_step, self.verified_per_step, self.accepted_per_step) if drafted > 0
+                for verified, accepted in zip(verified_row, accepted_row) if verified > 0]
+        return sum(accepted > 0 for _, accepted in rows) / len(rows) if rows else 0.0
+
+    @property
     def row_steps(self) -> int:
         """Steps summed over the rows active at each (a finished row takes no more steps)."""
         return sum(sum(verified >= 0 for verified in step) for step in self.verified_per_step)
@@ -263,7 +272,8 @@ def device_name(device: torch.device | str) -> str:
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)} ({device})"
     if device.type == "cpu":
-        return f"CPU ({torch.get_num_threads()} threads)"
+        threads = torch.get_num_threads()
+        return f"CPU ({threads} thread{'s' if threads != 1 else ''})"
     return str(device)
 
 
@@ -517,12 +527,13 @@ class StepEconomy:
     """Why a speculative run was as fast as it was, against plain ``generate()``: ``tokens_per_row_step`` (each
     active row's tokens per target forward: 1 from the target plus the accepted drafts; plain's is 1),
     ``step_cost`` (seconds per step over plain's), ``draft_share`` (of the run's time, drafting), ``acceptance``
-    (accepted / drafted), ``ratio`` (tokens/s over plain's), ``drafting_steps`` and ``steps``."""
+    (accepted / drafted), ``first_guess`` (:attr:`RunStats.first_guess_rate`), ``ratio`` (tokens/s over plain's), ``drafting_steps`` and ``steps``."""
 
     tokens_per_row_step: float
     step_cost: float
     draft_share: float
     acceptance: float
+    first_guess: float
     ratio: float
     drafting_steps: int
     steps: int
@@ -538,6 +549,7 @@ def step_economy(live: LiveRun, plain: LiveRun) -> StepEconomy | None:
         step_cost=live.step_seconds / plain.step_seconds,
         draft_share=stats.draft_seconds / live.seconds if live.seconds > 0 else 0.0,
         acceptance=stats.acceptance_rate,
+        first_guess=stats.first_guess_rate,
         ratio=ratio,
         drafting_steps=stats.drafting_steps,
         steps=stats.steps,
@@ -562,7 +574,8 @@ def explain_batch(runs: dict[str, LiveRun], settings: Settings) -> str | None:
     economy = done[shown]
     source = "prompt lookup's drafts" if settings.lookup else "drafted tokens"
     where = " on this CPU" if plain.device.startswith("CPU") else ""
-    why = (f"in {TITLES[shown]} the target accepted {economy.acceptance:.0%} of {source}, so a step gave each row "
+    why = (f"in {TITLES[shown]} the target accepted {economy.acceptance:.0%} of {source} (a row's first guess "
+           f"{economy.first_guess:.0%} of the time), so a step gave each row "
            f"{economy.tokens_per_row_step:.2f} tokens (plain: 1) for {economy.step_cost:.1f}x the time of a plain "
            f"step{where}")
     if not settings.lookup and economy.draft_share > 0:
