@@ -1,32 +1,32 @@
-"""The Space demo (examples/space/app.py) driven in headless Chromium: a 4-prompt batch, the four outputs, their
-metrics, the device, the board and its step slider, the greedy check mark, the empty-prompt and cancel messages; a
-screenshot; the same batch with draft trees of width 3 (the board's trees and their accepted paths; a screenshot);
-a prompt-lookup batch on Code edit presets (which needs a strategy/ export that has prompt lookup); and the shared
+"""The Space demo (examples/space/app.py) driven in headless Chromium at a 1400 x 1000 viewport: the first screen (its
+sentence, the Run button in view, the explanation folded); a 4-prompt batch, the four outputs, their metrics and
+ratios to plain, the batch's line in words, the terms defined, the device, the board (step counts equal to the
+metrics', the budget label inside its grid) and its step slider, the greedy check mark; the empty-prompt message;
+Stop (nothing left "waiting", runs not started saying so); the same batch with draft trees of width 3; a
+prompt-lookup batch on Code edit presets (which needs a strategy/ export that has prompt lookup); and the shared
 stream: two browsers (two visitors, each its own session) send at the same moment, both requests go into one batch
-and each gets the target's own greedy output (a screenshot of the board).
+and each gets the target's own greedy output, and the board labels its chart and gives the batch's total speed.
 
 Runs on tiny random models and the tiny tokenizer (seconds). With ``TETRIS_SPACE_REAL=1`` it uses the offline
-default pair of this checkout instead (``app.load_models(offline=True)``; about two minutes on a CPU;
-``TETRIS_SPACE_DRAFT=early-exit:24`` picks another draft): that is how ``examples/space/screenshot.png`` is made::
+default pair of this checkout instead (``app.load_models(offline=True)``; about two minutes on one CPU thread;
+``TETRIS_SPACE_DRAFT=early-exit:24`` picks another draft): that is how the screenshots in ``examples/space/`` are
+made (``screenshot-first-screen.png``, ``screenshot.png``, ``screenshot-stop.png``, ``screenshot-code-edit.png``,
+``screenshot-stream.png``)::
 
-    TETRIS_SPACE_REAL=1 TETRIS_SPACE_SCREENSHOT=examples/space/screenshot.png TETRIS_SPACE_SCREENSHOT_STEP=8 \\
-        python -m pytest -q tests/test_space_browser.py -k four_prompt
+    TETRIS_SPACE_REAL=1 TETRIS_SPACE_SCREENSHOTS=examples/space TETRIS_SPACE_SCREENSHOT_STEP=8 \\
+        python -m pytest -q -s tests/test_space_browser.py -k "first_screen or four_prompt or stop or lookup or two_visitors"
 
 and ``examples/space/screenshot-trees.png``::
 
     TETRIS_SPACE_REAL=1 TETRIS_SPACE_TREE_SCREENSHOT=examples/space/screenshot-trees.png \\
         TETRIS_SPACE_SCREENSHOT_STEP=14 python -m pytest -q tests/test_space_browser.py -k tree_width
 
-and ``examples/space/screenshot-stream.png`` (taken while both visitors' requests are in the batch)::
+(``TETRIS_SPACE_SCREENSHOT_STEP`` scrubs the default batch's board to that step before its screenshot is taken.)
 
-    TETRIS_SPACE_REAL=1 TETRIS_SPACE_STREAM_SCREENSHOT=examples/space/screenshot-stream.png \\
-        python -m pytest -q tests/test_space_browser.py -k two_visitors
-
-(``TETRIS_SPACE_SCREENSHOT_STEP`` scrubs the board to that step before the screenshot is taken.)
-
-The screenshots go to ``$TETRIS_SPACE_SCREENSHOT``, ``$TETRIS_SPACE_TREE_SCREENSHOT`` and
-``$TETRIS_SPACE_STREAM_SCREENSHOT`` when set, else to pytest's
-temporary folder (paths printed).
+Each screenshot goes to its own variable when set (``$TETRIS_SPACE_SCREENSHOT``, ``$TETRIS_SPACE_TREE_SCREENSHOT``,
+``$TETRIS_SPACE_STREAM_SCREENSHOT``, ``$TETRIS_SPACE_FIRST_SCREENSHOT``, ``$TETRIS_SPACE_STOP_SCREENSHOT``,
+``$TETRIS_SPACE_CODE_SCREENSHOT``), else into the folder ``$TETRIS_SPACE_SCREENSHOTS``, else into pytest's temporary
+folder (paths printed).
 A timeout's message says what the page showed and received (``SSE_TAP``) and what the server still held; the waits'
 bounds (120 s for a run of the tiny models) only absorb a loaded machine. The stale-status flake this traced, and its
 fix, are in docs/development.md#ci.

@@ -560,15 +560,17 @@ EVEN = 0.05  # within 5% of plain's speed: "about as fast"
 
 
 def explain_batch(runs: dict[str, LiveRun], settings: Settings) -> str | None:
-    """One line, in words, on what this batch showed and why, from its own numbers: whether speculation paid
-    against plain ``generate()``, what a step gave each row and what it cost, and what adaptive made of it.
-    ``None`` until plain and at least fixed-k or TETRIS have finished."""
+    """One line, in words, on what this batch showed and why, from its own numbers: whether drafting paid against
+    plain ``generate()`` (the faster of fixed-k and TETRIS, which draft at every step), what a TETRIS step gave each
+    row and what it cost, and what adaptive, which drafts only when it measures that it pays, made of it. ``None``
+    until plain and fixed-k or TETRIS have finished."""
     plain = runs[PLAIN]
     economies = {strategy: step_economy(runs[strategy], plain) for strategy in SPECULATIVE}
     done = {strategy: economy for strategy, economy in economies.items() if economy is not None}
-    if not (done.keys() & {FIXED, TETRIS}):
+    drafting = [strategy for strategy in (FIXED, TETRIS) if strategy in done]
+    if not drafting:
         return None
-    best = max(done, key=lambda strategy: done[strategy].ratio)
+    best = max(drafting, key=lambda strategy: done[strategy].ratio)
     # the step numbers of TETRIS (the product), else fixed-k: what a drafting step gives and costs
     shown = TETRIS if TETRIS in done else FIXED
     economy = done[shown]
@@ -581,20 +583,21 @@ def explain_batch(runs: dict[str, LiveRun], settings: Settings) -> str | None:
     if not settings.lookup and economy.draft_share > 0:
         why += f", {economy.draft_share:.0%} of it drafting"
     ratio = done[best].ratio
-    fastest = f"the fastest speculative run, {TITLES[best]}, at {ratio:.2f}x plain's speed"
+    faster = TITLES[best] if len(drafting) == 1 else f"{TITLES[best]}, the faster of fixed-k and TETRIS,"
     if ratio >= 1 + EVEN:
-        line = f"Speculation paid on this batch ({fastest}): {why}."
+        line = f"Speculation paid on this batch: {faster} ran at {ratio:.2f}x plain's speed, because {why}."
         if settings.lookup:
             line += " Prompt lookup drafts by copying from the prompt, at almost no cost, and these answers repeat it."
     elif ratio > 1 - EVEN:
-        line = f"About even on this batch ({fastest}): {why}."
+        line = f"About even on this batch: {faster} ran at {ratio:.2f}x plain's speed: {why}."
     else:
-        line = f"Speculation did not pay on this batch ({fastest}): {why}."
+        line = f"Drafting did not pay on this batch: {faster} ran at {ratio:.2f}x plain's speed, because {why}."
     adaptive = done.get(ADAPTIVE)
     if adaptive is not None:
         drafted = f"drafted in {adaptive.drafting_steps} of its {adaptive.steps} steps"
         if adaptive.drafting_steps < (adaptive.steps - 1) / 2:
-            line += f" Adaptive measured that and {drafted}, taking plain steps otherwise."
+            line += (f" Adaptive measured that and {drafted}, taking plain steps otherwise "
+                     f"({adaptive.ratio:.2f}x plain).")
         else:
             line += f" Adaptive {drafted} ({adaptive.ratio:.2f}x plain)."
     if ratio < 1 + EVEN and not settings.lookup:
