@@ -125,7 +125,7 @@ def _save_tetris_draft(target, folder: Path) -> None:
 def test_space_copy_builds_its_page_and_runs_without_tetris_hf(tmp_path):
     pytest.importorskip("gradio", reason="the Space's page needs gradio (examples/space/requirements.txt)")
     space = tmp_path / "space-copy"
-    shutil.copytree(SPACE, space, ignore=shutil.ignore_patterns("__pycache__", "screenshot.png"))
+    shutil.copytree(SPACE, space, ignore=shutil.ignore_patterns("__pycache__", "screenshot*.png"))
     target = sharpen(tiny_llama(vocab_size=64, seed=0), 6.0)
     target.save_pretrained(tmp_path / "target")
     tiny_tokenizer().save_pretrained(tmp_path / "target")
