@@ -269,3 +269,59 @@ def test_adaptive_select_changes_nothing_it_has_learnt():
     assert torch.equal(strategy.pool, before[2])
     strategy.observe(log_probs, first, torch.tensor([2, 0]))  # learns the earlier step now
     assert strategy.calibrator.accepted.sum() + strategy.calibrator.rejected.sum() > 0
+
+
+def drive(strategy: AdaptiveBudget, steps: int, accepted, seconds: StepSeconds | None = None,
+          num_rows: int = 4) -> list[int]:
+    """Run ``steps`` greedy steps by hand (plan, select, observe), every draft with probability 0.9 and each row
+    accepting ``accepted(K)`` of what it verified; returns ``K`` of each step."""
+    drafted = []
+    for _ in range(steps):
+        plan = strategy.plan(num_rows)
+        drafted.append(plan.num_draft_tokens)
+        log_probs = torch.full((num_rows, plan.num_draft_tokens), 0.9).log()
+        lengths = strategy.select(log_probs, torch.full((num_rows,), plan.num_draft_tokens), plan) \
+            if plan.num_draft_tokens else torch.zeros(num_rows, dtype=torch.long)
+        strategy.observe(log_probs, lengths, torch.minimum(lengths, torch.tensor(accepted(plan.num_draft_tokens))),
+                         seconds)
+    return drafted
+
+
+def sure_strategy(learn_costs: bool) -> AdaptiveBudget:
+    """``adaptive`` whose model says drafting pays: cheap verification, and a draft whose 0.9-sure cells were right
+    nine times in ten."""
+    strategy = AdaptiveBudget(TetrisOptions(tetris_strategy="adaptive", num_assistant_tokens=4, tetris_extra_tokens=0),
+                              StepCostModel(profile(lambda r, t: 10.0 + 0.2 * r * t, 0.5)), learn_costs=learn_costs)
+    strategy.calibrator.update_cells(torch.full((400,), 0.9), torch.arange(400) % 10 != 0)
+    strategy.remember(torch.full((64, 4), 0.9).log())
+    return strategy
+
+
+def test_the_guard_stops_drafting_once_its_read_steps_emitted_less_than_plain_steps_would_have():
+    # every draft rejected, though the model predicted nine in ten accepted: priced steps (no time learnt)
+    strategy = sure_strategy(learn_costs=False)
+    drafted = drive(strategy, 4, accepted=lambda k: 0)
+    assert drafted == [4, 4, 4, 0] and strategy.guarded  # (steps are read a step late: the fourth plan judges)
+    # plain, however sure the calibrated model still is of the drafts, until a probe; a probe that drafted lifts the
+    # guard and the model plans again (here drafting again, which the guard stops again); the probes back off
+    drafted = drive(strategy, 300, accepted=lambda k: 0)
+    probes = [step for step, k in enumerate(drafted) if k == 1]
+    assert len(probes) >= 2 and all(k == 0 for k in drafted[:probes[0]])
+    for probe, after in zip(probes, probes[1:] + [len(drafted)]):
+        assert drafted[probe + 1: probe + 5] == [4, 4, 4, 0][: after - probe - 1]  # three steps lost, then plain
+        assert all(k == 0 for k in drafted[probe + 4: after])
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] > gaps[0]  # wrong again and again: fewer and fewer steps lost
+    assert sum(k > 1 for k in drafted) == 3 * len(probes)
+
+
+def test_the_guard_reads_measured_time_where_the_model_is_wrong_about_cost():
+    # every draft accepted, as predicted, but each step took a second where a plain step takes 11 ms
+    strategy = sure_strategy(learn_costs=True)
+    drafted = drive(strategy, 8, accepted=lambda k: k, seconds=StepSeconds(draft=0.5, verify=0.5, other=0.0))
+    assert drafted[:3] == [4, 4, 4] and drafted[3:] == [0] * 5 and strategy.guarded
+
+
+def test_the_guard_leaves_a_plan_that_pays_alone():
+    strategy = sure_strategy(learn_costs=False)
+    assert drive(strategy, 40, accepted=lambda k: k) == [4] * 40 and not strategy.guarded

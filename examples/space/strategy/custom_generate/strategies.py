@@ -100,6 +100,16 @@ class _CostAware:
     model's predictions and the ratios smoothed into ``draft_scale`` and ``target_scale`` (exponential moving
     averages); its other seconds are smoothed into ``step_overhead``. A given profile or a replay does not learn.
 
+    The realized-rate guard: the steps a drafting plan runs are tallied as they are read (tokens emitted against the
+    tokens plain steps would have emitted in the same time: measured seconds where the strategy learns from step times,
+    else the cost model's price of each step as it ran, so that a sampled call stays reproducible). Once
+    ``guard_steps`` of them have been read and drafting has emitted fewer, the plan is dropped and the strategy
+    decodes plainly until a probe has drafted (:attr:`guarded`), however well the model of acceptance and cost
+    predicted drafting would do: what was realized outranks what was predicted. This bounds what a wrong prior or a
+    lucky probe costs to the few steps before the guard reads them, and each time the guard stops a plan the probe
+    interval doubles (it starts again only once the guard has seen a plan's drafting pay), so a model that keeps
+    predicting wrongly costs fewer and fewer steps.
+
     Probing: a strategy that decodes plainly learns nothing about acceptance, so while it decodes plainly every
     ``probe_interval``-th step drafts one token per row and verifies them all. The interval starts at 8 steps, or
     more where a probe is dear (enough that probes add at most ``probe_overhead`` of the time: at 256 rows on the
@@ -115,6 +125,7 @@ class _CostAware:
     max_probe_interval = 128
     probe_overhead = 0.05
     smoothing = 0.3
+    guard_steps = 2
 
     def __init__(self, options: TetrisOptions, cost: StepCostModel | Callable[[int, int], StepCostModel],
                  learn_costs: bool = False, memory: PairMemory | None = None):
@@ -126,6 +137,10 @@ class _CostAware:
         self._pending: list[_ObservedStep] = []  # observed steps not read yet (their counts still on the device)
         self._read_steps: list[_ObservedStep] = []  # observed steps read (host counts), not learnt from yet
         self._lookup_only_step = False  # the plan of the step running drafts by prompt lookup alone (hybrid)
+        self.guarded = False  # the guard stopped drafting: plain steps until a probe has drafted
+        self._plan_id = 0  # the drafting plan steps are tallied under (a new one at each plan)
+        self._step_plan_id = -1  # the plan the step being run belongs to (-1: a probe or a plain step)
+        self._tally = _GuardTally()
 
     def observe(self, token_log_probs: torch.Tensor | None, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
                 seconds: StepSeconds | None = None, num_drafted: int | None = None,
@@ -137,7 +152,7 @@ class _CostAware:
         if num_drafted is None:
             num_drafted = token_log_probs.shape[1] if token_log_probs is not None else 0
         self._pending.append(_ObservedStep(token_log_probs, verify_lengths, num_accepted, seconds, num_drafted,
-                                           lookup_rows, self._lookup_only_step))
+                                           lookup_rows, self._lookup_only_step, self._step_plan_id))
 
     def _read(self, *wanted: torch.Tensor) -> list[torch.Tensor]:
         """Read the pending steps' counts and ``wanted`` from the device in one transfer; returns ``wanted`` on the
@@ -160,7 +175,37 @@ class _CostAware:
             # (a step that drafted by lookup alone ran no draft forward: nothing to correct the draft's cost by)
             self._correct_costs(step.verify_lengths.numel(), 0 if step.lookup_only else step.num_drafted,
                                 _longest(step.verify_lengths), int(step.verify_lengths.sum()), step.seconds)
+            self._count_for_guard(step)
             self._learn(step.token_log_probs, step.verify_lengths, step.num_accepted, step.sources())
+
+    def _new_plan(self, drafts: bool) -> None:
+        """A plan was made: the steps it runs (if it drafts) are tallied afresh for the guard."""
+        self._plan_id += 1
+        self._tally = _GuardTally()
+        self._step_plan_id = self._plan_id if drafts else -1
+
+    def _count_for_guard(self, step: _ObservedStep) -> None:
+        """Add one read step of the current drafting plan to the guard's tally: its tokens, and the tokens plain steps
+        would have emitted in its time (one a row per plain step)."""
+        rows = step.verify_lengths.numel()
+        if step.plan_id != self._plan_id or step.num_drafted == 0 or rows == 0 or self.cost is None:
+            return
+        cost, total_verified = self.cost, int(step.verify_lengths.sum())
+        seconds = sum(step.seconds) if self.learn_costs and step.seconds is not None else 0.0
+        if seconds <= 0:  # (not learning from time, or not measured yet: the model's price of the step as it ran)
+            seconds = cost.step_seconds(rows, 0 if step.lookup_only else step.num_drafted,
+                                        _longest(step.verify_lengths), total_verified)
+        plain = cost.step_seconds(rows, 0, 0, 0)
+        tally = self._tally = _GuardTally(self._tally.steps + 1,
+                                          self._tally.tokens + float(step.num_accepted.sum()) + rows,
+                                          self._tally.plain_tokens + rows * seconds / plain if plain > 0 else 0.0)
+        if tally.steps == self.guard_steps and tally.tokens >= tally.plain_tokens:
+            self.memory.probe_interval = self.probe_interval_start  # drafting paid: probe soon when it stops paying
+
+    def _drafting_lost(self) -> bool:
+        """The guard's verdict on the current plan: enough of its steps read, and fewer tokens than plain steps."""
+        tally = self._tally
+        return tally.steps >= self.guard_steps and tally.tokens < tally.plain_tokens
 
     def _flush(self) -> None:
         """Read and learn from every pending step."""
@@ -199,8 +244,8 @@ class _CostAware:
         schedule = self.memory
         if not can_learn:
             return True
-        if drafts:
-            schedule.plain_streak, schedule.probe_interval = 0, self.probe_interval_start
+        if drafts:  # (the probe interval starts again once the guard has seen drafting pay, see _count_for_guard)
+            schedule.plain_streak = 0
             return False
         schedule.plain_streak += 1
         interval = max(schedule.probe_interval, self._probe_gap(num_rows))
@@ -233,6 +278,7 @@ class _ObservedStep(NamedTuple):
     num_drafted: int
     lookup_rows: torch.Tensor | None = None
     lookup_only: bool = False
+    plan_id: int = -1  # the drafting plan that ran it (-1: a probe or a plain step)
 
     def sources(self) -> torch.Tensor | None:
         """``(B,)`` (host) which source drafted each row, or ``None`` (no hybrid drafting)."""
@@ -240,6 +286,15 @@ class _ObservedStep(NamedTuple):
             return None
         others = UNDRAFTED_ROW if self.lookup_only else MODEL_ROW
         return torch.where(self.lookup_rows, LOOKUP_ROW, others).to(torch.int8)
+
+
+class _GuardTally(NamedTuple):
+    """The guard's count of a drafting plan's read steps: how many, the tokens they emitted, and the tokens plain
+    steps would have emitted in their time."""
+
+    steps: int = 0
+    tokens: float = 0.0
+    plain_tokens: float = 0.0
 
 
 def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -351,7 +406,7 @@ class AdaptiveBudget(_CostAware):
         super().observe(token_log_probs, verify_lengths, num_accepted, seconds, num_drafted, lookup_rows)
         if self._planned is not None and (self._planned[1].num_draft_tokens == 0 or self._planned[3]) \
                 and token_log_probs.shape[1] > 0 and not self._lookup_only_step:
-            self._planned = None  # a probe drafted (the model did): plan again at the next step, on what it showed
+            self._planned, self.guarded = None, False  # a probe drafted (the model did): plan again on what it showed
 
     def _add_rows(self, rows: torch.Tensor, sources: torch.Tensor | None = None) -> None:
         """Put ``rows`` ``(n, K)`` (newest first) in front of the pool, cut or NaN-padded to ``max_draft`` cells;
@@ -389,13 +444,22 @@ class AdaptiveBudget(_CostAware):
 
     def plan(self, num_rows: int) -> DraftPlan:
         cost = self._open_step(num_rows)
-        # The last plan stands until the batch shrinks, a probe has drafted, or ``replan_every`` steps have passed (the
-        # pool and the online cost corrections drift slowly, and planning is Python work on every step).
-        if self._planned is None or self._planned[0] != num_rows or self._plan_age >= self.replan_every:
-            if self._planned is None or self.pool.shape[0] == 0:
-                self._flush()  # after a probe: plan on what it showed (else the last step is learnt at the next read)
+        # The last plan stands until the batch changes size, a probe has drafted, the guard finds its drafting lost, or
+        # ``replan_every`` steps have passed (the pool and the online cost corrections drift slowly, and planning is
+        # Python work on every step).
+        stale = self._planned is None or self._planned[0] != num_rows or self._plan_age >= self.replan_every
+        if stale or self._drafting_lost():
+            if self._planned is None or self.pool.shape[0] == 0 or self.sampling:
+                # after a probe, plan on what it showed; a sampled selection reads nothing, so its steps are read here,
+                # once a plan (greedy selections read every drafting step: the last one is learnt at the next read)
+                self._flush()
+            if self._planned is not None and self._drafting_lost():
+                self.guarded = True  # the guard: drafting emitted less than plain steps would have in its time
+                memory = self.memory  # (and probes back off, as after one that did not change the plan)
+                memory.plain_streak, memory.probe_interval = 0, min(2 * memory.probe_interval, self.max_probe_interval)
             self._planned = (num_rows, *self._choose(num_rows, cost))
             self._plan_age = 0
+            self._new_plan(self._planned[1].num_draft_tokens > 0)
         elif self.pool.shape[0] == 0 and self._pending:
             self._flush()  # the first drafted rows: whether a probe can teach anything depends on them
         self._plan_age += 1
@@ -405,7 +469,9 @@ class AdaptiveBudget(_CostAware):
                                  num_rows=num_rows, could_pay=could_pay)
         if probe and self.max_draft > 0 and self.max_budget != 0:
             self._lookup_only_step = False
+            self._step_plan_id = -1  # (a probe teaches acceptance: the guard does not count it)
             return DraftPlan(1, num_rows, probe=True)
+        self._step_plan_id = self._plan_id if plan.num_draft_tokens > 0 else -1
         self._lookup_only_step = lookup_only
         return DraftPlan(plan.num_draft_tokens, plan.budget, lookup_only=lookup_only)
 
@@ -414,6 +480,10 @@ class AdaptiveBudget(_CostAware):
         beat it at an optimistic acceptance (probes are rare otherwise), and (hybrid) whether lookup drafts alone."""
         def best(acceptance: torch.Tensor, draft_seconds: float | None = None) -> GoodputPlan:
             return plan_step(acceptance, num_rows, self.max_draft, cost, self.max_budget, draft_seconds)
+
+        if self.guarded:  # plain steps, probes as scheduled, until a probe has drafted
+            plain = cost.step_seconds(num_rows, 0, 0, 0)
+            return GoodputPlan(0, 0, float(num_rows), plain), True, False
 
         if not self.hybrid:
             plan = best(self.pool_acceptance(num_rows))
