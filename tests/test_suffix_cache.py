@@ -116,15 +116,16 @@ def test_frequency_chain_takes_the_most_frequent_token_depth_by_depth(candidates
 
 
 @SETTINGS
-@given(st.lists(row_strategy, min_size=1, max_size=4))
-def test_batch_matches_equal_a_row_by_row_search(rows):
+@given(st.lists(row_strategy, min_size=1, max_size=4), st.booleans())
+def test_batch_matches_equal_a_row_by_row_search(rows, peers):
+    """Every row's matches in every row (``peers``) or in itself only, and the continuations of the longest."""
     sequences = torch.full((len(rows), 10), 7)  # scratch past each row's end is never matched
     for index, row in enumerate(rows):
         sequences[index, : len(row)] = torch.tensor(row)
     lengths = torch.tensor([len(row) for row in rows])
-    context, tokens = batch_matches(sequences, torch.zeros_like(lengths), lengths, 3)
+    context, tokens = batch_matches(sequences, torch.zeros_like(lengths), lengths, 3, peers)
     for b, row in enumerate(rows):
-        for r, other in enumerate(rows):
+        for r, other in enumerate(rows if peers else [row]):
             for p in range(10):
                 expected = 0
                 if p + 1 < len(other):
@@ -136,7 +137,7 @@ def test_batch_matches_equal_a_row_by_row_search(rows):
     for b, row in enumerate(rows):
         n = int(ngram[b])
         got = [[t for t in cand if t >= 0] for cand in candidates[b][found[b]].tolist()]
-        expected = occurrences_in(rows, row[-n:], 2) if n else []
+        expected = occurrences_in(rows if peers else [row], row[-n:], 2) if n else []
         assert collections.Counter(map(tuple, got)) == collections.Counter(map(tuple, expected))
 
 

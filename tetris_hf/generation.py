@@ -45,6 +45,8 @@ def _pop_options(kwargs: dict) -> TetrisOptions:
         kwargs["generation_config"] = config
     if values.get("prompt_lookup_num_tokens") is not None:
         values.setdefault("num_assistant_tokens", values["prompt_lookup_num_tokens"])  # lookup's k is the window
+    elif values.get("tetris_suffix_num_tokens") is not None:
+        values.setdefault("num_assistant_tokens", values["tetris_suffix_num_tokens"])  # (so is the suffix draft's)
     return TetrisOptions(**values)
 
 
@@ -74,7 +76,7 @@ def generate(model, *args, **kwargs):
     streamer = kwargs.pop("streamer", None)  # the loop streams the prompt too, once it knows the batch is one row
     kwargs.pop("custom_generate", None)
     options = _pop_options(kwargs)
-    check_pair(model, assistant_model, prompt_lookup=options.prompt_lookup_num_tokens is not None)
+    check_pair(model, assistant_model, prompt_lookup=options.model_free_tokens is not None)
     prompt = args[0] if args else kwargs.get("inputs")
     if prompt is None:  # generate(input_ids=...) reaches a custom_generate folder as inputs=None, input_ids=...
         prompt = kwargs.get("input_ids")

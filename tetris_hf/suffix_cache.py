@@ -34,6 +34,7 @@ import threading
 import torch
 
 SUFFIX_DEPTH = 8  # the longest n-gram a row's recent tokens are matched by
+PEER_BUDGET = 1 << 24  # compared tokens (B * B * W * depth) up to which rows search each other, not just themselves
 NO_KEY = torch.iinfo(torch.int64).max  # the key of a column that starts no usable n-gram (sorted last, never asked)
 _PRIMES = (2147483647, 2147483629)
 _BASES = (1_000_003, 972_663_749)  # multipliers below both primes
@@ -257,8 +258,8 @@ def frequency_chain(candidates: torch.Tensor, alive: torch.Tensor) -> tuple[torc
     return torch.stack(tokens, dim=1), (chosen > 0).sum(dim=1), chosen, total
 
 
-def batch_matches(sequences: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
-                  depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_matches(sequences: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, depth: int,
+                  peers: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """How far every column of every row of a batch matches each row's last tokens: the batch's own rows as a
     cache (a row's own earlier tokens, and every other row's).
 
@@ -269,11 +270,13 @@ def batch_matches(sequences: torch.Tensor, starts: torch.Tensor, lengths: torch.
         sequences: ``(B, W)`` (a host bound on the rows' lengths); row ``i`` real in ``[starts[i], lengths[i])``.
         starts, lengths: ``(B,)``.
         depth: the most tokens compared.
+        peers: search every row (``B * B * W * depth`` compares); ``False``: each row only itself.
 
     Returns:
         ``context`` ``(B, B * W)``: for query row ``b`` and column ``p`` of row ``r`` (flattened ``r * W + p``), how
         many tokens ending there equal row ``b``'s last ones (at most ``depth``), 0 where no token follows column
-        ``p`` in row ``r`` (its own end, padding, past its length).
+        ``p`` in row ``r`` (its own end, padding, past its length); ``(B, W)`` without ``peers`` (row ``b``'s own
+        columns); and ``tokens`` ``(B, W)``, the rows' real tokens, ``-1`` elsewhere.
     """
     rows, width = sequences.shape
     columns = torch.arange(width, device=sequences.device)[None, :]
@@ -283,10 +286,10 @@ def batch_matches(sequences: torch.Tensor, starts: torch.Tensor, lengths: torch.
     suffix = windows.gather(1, (lengths - 1).clamp(min=0)[:, None, None].expand(-1, 1, depth))  # (B, 1, d)
     suffix = suffix.masked_fill(suffix < 0, -2)  # a row's own padding matches nothing
     places = torch.arange(1, depth + 1, dtype=torch.int16, device=sequences.device)
-    differ = (windows.reshape(1, rows * width, depth) != suffix) * places  # (B, B W, d)
-    context = depth - differ.amax(dim=-1).long()
+    haystack = windows.reshape(1, rows * width, depth) if peers else windows
+    context = depth - ((haystack != suffix) * places).amax(dim=-1).long()  # (B, B W) or (B, W)
     followed = (columns + 1 < lengths[:, None]) & real  # (B, W) a token follows in the same row
-    return torch.where(followed.reshape(1, -1), context, 0), tokens
+    return torch.where(followed.reshape(1, -1) if peers else followed, context, 0), tokens
 
 
 def batch_continuations(tokens: torch.Tensor, context: torch.Tensor, ngram: torch.Tensor, num: int,
@@ -296,20 +299,26 @@ def batch_continuations(tokens: torch.Tensor, context: torch.Tensor, ngram: torc
 
     Args:
         tokens: ``(B, W)`` the rows' real tokens, ``-1`` elsewhere (from :func:`batch_matches`).
-        context: ``(B, B * W)`` from :func:`batch_matches`.
+        context: ``(B, B * W)`` from :func:`batch_matches`, or ``(B, W)`` (each row itself).
 
     Returns:
         ``candidates`` ``(B, num, K)`` (``-1`` past a row's end) and ``found`` ``(B, num)`` bool.
     """
     rows, width = tokens.shape
-    flat = rows * width
+    flat = context.shape[1]
     device = tokens.device
-    place = torch.arange(flat, device=device)[None, :]  # (1, B W)
-    own = (place // width) == torch.arange(rows, device=device)[:, None]  # (B, B W)
+    place = torch.arange(flat, device=device)[None, :]  # (1, B W) or (1, W)
+    if flat != width:
+        row_base = 0  # peers: the place says which row
+        own = (place // width) == torch.arange(rows, device=device)[:, None]  # (B, B W)
+    else:
+        row_base = torch.arange(rows, device=device)[:, None] * width  # each row itself
+        own = torch.ones_like(place, dtype=torch.bool)
     key = (context * 2 + own) * flat + place
     key = torch.where((context >= ngram[:, None]) & (ngram[:, None] > 0), key, -1)
     num = min(num, flat)
     key, chosen = key.topk(num, dim=1)  # (B, num)
+    chosen = chosen + row_base
     found = key >= 0
     row_of, column = chosen // width, chosen % width
     after = column[..., None] + 1 + torch.arange(num_tokens, device=device)  # (B, num, K)

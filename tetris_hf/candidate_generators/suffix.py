@@ -4,7 +4,8 @@ batch's own rows and in a cache of earlier requests (``tetris_suffix_num_tokens=
 Each step, row ``b``'s last ``n`` tokens (``n`` up to :data:`~tetris_hf.suffix_cache.SUFFIX_DEPTH`) are looked up:
 
 1. in the batch (:func:`~tetris_hf.suffix_cache.batch_matches`): its own prompt and output and every other active
-   row's (in ``generate()`` every row's output is another row's history);
+   row's (in ``generate()`` every row's output is another row's history); above
+   :data:`~tetris_hf.suffix_cache.PEER_BUDGET` compared tokens (``B * B * W * depth``) each row searches itself only;
 2. in the :class:`~tetris_hf.suffix_cache.SuffixCache` of requests that finished earlier (in ``generate()`` the
    call's rows that stopped; in a stream every finished request; a cache given as ``tetris_suffix_cache`` is shared
    between calls and may be seeded with earlier outputs).
@@ -29,8 +30,8 @@ from __future__ import annotations
 import torch
 
 from ..kv import rows_after_fill
-from ..suffix_cache import (SUFFIX_DEPTH, SuffixCache, batch_continuations, batch_matches, frequency_chain,
-                            longest_match, suffix_keys)
+from ..suffix_cache import (PEER_BUDGET, SUFFIX_DEPTH, SuffixCache, batch_continuations, batch_matches,
+                            frequency_chain, longest_match, suffix_keys)
 from .drafter import Drafter, Proposal, Verdict
 
 LENGTH_CLASSES = (1, 2, 4)  # calibration groups by match length: n = 1, 2-3, 4 and more
@@ -125,7 +126,9 @@ class SuffixCandidateGenerator(Drafter):
         token), ``counts`` ``(B,)``, ``shares`` ``(B, K)`` vote shares ``count / (total + 1)`` and ``ngram``
         ``(B,)`` the match length (0: none)."""
         width = min(self.width, sequences.shape[1])
-        context, tokens = batch_matches(sequences[:, :width], self.starts, lengths, self.depth)
+        rows = sequences.shape[0]
+        peers = rows * rows * width * self.depth <= PEER_BUDGET  # (else each row searches itself only)
+        context, tokens = batch_matches(sequences[:, :width], self.starts, lengths, self.depth, peers)
         own_match = context.amax(dim=1)  # (B,)
         query = suffix_keys(sequences, self.starts, lengths, self.depth)  # (d, B)
         with self.cache.lock:
