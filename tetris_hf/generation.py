@@ -65,8 +65,10 @@ def generate(model, *args, **kwargs):
             ``tetris_cost_profile``, ``tetris_step_callback``, ``tetris_max_holes``, ``tetris_draft_vocab``,
             ``tetris_compile``, ``tetris_tree_width`` (draft trees, see :mod:`tetris_hf.tree_step`), ``tetris_pack``
             (packed verify steps, see :mod:`tetris_hf.packing`), ``tetris_confidence_threshold`` (a chain stops once
-            every row's draft is less sure than this, as transformers' ``assistant_confidence_threshold``) (see
-            :class:`~tetris_hf.options.TetrisOptions`).
+            every row's draft is less sure than this, as transformers' ``assistant_confidence_threshold``),
+            ``tetris_suffix_num_tokens`` (drafts from the batch's rows and a cache of finished requests, alone or in
+            lookup's place beside an ``assistant_model``, see :mod:`tetris_hf.candidate_generators.suffix`) and
+            ``tetris_suffix_cache`` (that cache, shared between calls) (see :class:`~tetris_hf.options.TetrisOptions`).
 
     Returns:
         What ``generate()`` returns: ``(B, T)`` sequences, or with ``return_dict_in_generate=True`` a
