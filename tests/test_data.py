@@ -271,6 +271,22 @@ def test_to_dataset_keeps_every_record():
 # Grounded sets
 
 
+def test_extraction_asks_for_one_json_object_per_humaneval_signature():
+    from tetris_hf.tools.data import EXTRACTION_INSTRUCTION
+
+    prompts = load_prompts("extraction")
+    records = [json.loads(line) for line in gzip.open(package_file(*HUMANEVAL_FILE), "rt")]
+    assert len(prompts) == 164 and prompts.name == "extraction"
+    assert len(load_prompts("extraction", limit=16)) == 16
+    for prompt, record in zip(prompts, records):
+        assert prompt.id == f"{record['task_id']}/extraction" and prompt.category == "extraction"
+        assert prompt.is_chat and len(prompt.messages) == 1 and prompt.messages[0]["role"] == "user"
+        content = prompt.messages[0]["content"]
+        assert content == f"{EXTRACTION_INSTRUCTION}\n\n```python\n{record['prompt'].strip(chr(10)).rstrip()}\n```"
+        assert "canonical_solution" not in content and record["canonical_solution"].strip() not in content
+    assert all(key in EXTRACTION_INSTRUCTION for key in ('"name"', '"arguments"', '"return_type"', '"summary"'))
+
+
 def test_humaneval_edit_asks_to_edit_each_whole_canonical_function():
     prompts = load_prompts("humaneval-edit")
     records = [json.loads(line) for line in gzip.open(package_file(*HUMANEVAL_FILE), "rt")]

@@ -45,6 +45,8 @@ def _pop_options(kwargs: dict) -> TetrisOptions:
         kwargs["generation_config"] = config
     if values.get("prompt_lookup_num_tokens") is not None:
         values.setdefault("num_assistant_tokens", values["prompt_lookup_num_tokens"])  # lookup's k is the window
+    elif values.get("tetris_suffix_num_tokens") is not None:
+        values.setdefault("num_assistant_tokens", values["tetris_suffix_num_tokens"])  # (so is the suffix draft's)
     return TetrisOptions(**values)
 
 
@@ -63,8 +65,10 @@ def generate(model, *args, **kwargs):
             ``tetris_cost_profile``, ``tetris_step_callback``, ``tetris_max_holes``, ``tetris_draft_vocab``,
             ``tetris_compile``, ``tetris_tree_width`` (draft trees, see :mod:`tetris_hf.tree_step`), ``tetris_pack``
             (packed verify steps, see :mod:`tetris_hf.packing`), ``tetris_confidence_threshold`` (a chain stops once
-            every row's draft is less sure than this, as transformers' ``assistant_confidence_threshold``) (see
-            :class:`~tetris_hf.options.TetrisOptions`).
+            every row's draft is less sure than this, as transformers' ``assistant_confidence_threshold``),
+            ``tetris_suffix_num_tokens`` (drafts from the batch's rows and a cache of finished requests, alone or in
+            lookup's place beside an ``assistant_model``, see :mod:`tetris_hf.candidate_generators.suffix`) and
+            ``tetris_suffix_cache`` (that cache, shared between calls) (see :class:`~tetris_hf.options.TetrisOptions`).
 
     Returns:
         What ``generate()`` returns: ``(B, T)`` sequences, or with ``return_dict_in_generate=True`` a
@@ -74,7 +78,7 @@ def generate(model, *args, **kwargs):
     streamer = kwargs.pop("streamer", None)  # the loop streams the prompt too, once it knows the batch is one row
     kwargs.pop("custom_generate", None)
     options = _pop_options(kwargs)
-    check_pair(model, assistant_model, prompt_lookup=options.prompt_lookup_num_tokens is not None)
+    check_pair(model, assistant_model, prompt_lookup=options.model_free_tokens is not None)
     prompt = args[0] if args else kwargs.get("inputs")
     if prompt is None:  # generate(input_ids=...) reaches a custom_generate folder as inputs=None, input_ids=...
         prompt = kwargs.get("input_ids")

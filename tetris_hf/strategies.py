@@ -616,13 +616,13 @@ def make_strategy(options: TetrisOptions, model: torch.nn.Module | None = None,
     source, learn_costs = options.tetris_cost_profile, True
     if source is not None:
         cost, learn_costs = StepCostModel(load_profile(source), packed=packed), False  # taken as it is
-    elif model is None or (assistant_model is None and options.prompt_lookup_num_tokens is None):
+    elif model is None or (assistant_model is None and options.model_free_tokens is None):
         raise ValueError(f"tetris_strategy={options.tetris_strategy!r} needs `tetris_cost_profile=` or the target and "
                          "draft models to profile")
     else:
         def cost(num_rows: int, max_tokens: int) -> StepCostModel:
             return cost_model_for(model, assistant_model, num_rows=num_rows, max_tokens=max_tokens, packed=packed)
-    hybrid = assistant_model is not None and options.prompt_lookup_num_tokens is not None
+    hybrid = assistant_model is not None and options.model_free_tokens is not None
     # A sampled call's tokens depend on its plans (which cells are verified decides which random numbers are drawn),
     # so it plans only from what the same call with the same seed sees again: the pair's cost profile as measured once
     # and cached, and what the call itself draws; not from step times, nor from what earlier calls learnt.

@@ -731,8 +731,9 @@ def run_bench(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", default="sharegpt",
-                        help="sharegpt | mtbench | humaneval | humaneval-edit | sharegpt-summarize | FILE.jsonl "
-                             "(the last two sets are grounded: answers that copy the prompt)")
+                        help="sharegpt | mtbench | humaneval | humaneval-edit | sharegpt-summarize | mixed | "
+                             "extraction | FILE.jsonl (humaneval-edit and sharegpt-summarize are grounded: answers "
+                             "that copy the prompt; extraction: answers of one JSON shape across requests)")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-prompt-tokens", type=int, default=256,
                         help="skip prompts longer than this many tokens (ShareGPT has some very long ones)")

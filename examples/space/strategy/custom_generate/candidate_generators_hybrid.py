@@ -10,7 +10,8 @@ those), the model's elsewhere, chosen with ``torch.where`` (no device read). E.g
 Every cell's confidence is on one scale, the estimated probability that the target accepts it given that the cells
 before it were:
 
-- a lookup cell: :class:`~.prompt_lookup.LookupAcceptance`, by matched n-gram size and position;
+- a lookup cell: :class:`~.prompt_lookup.LookupAcceptance`, by matched n-gram size and position (suffix drafts in
+  lookup's place, ``tetris_suffix_num_tokens``: :class:`~.suffix.SuffixAcceptance`, by vote share and match length);
 - a model cell: its ``max q`` through :class:`DraftAcceptance`, bins of ``max q`` calibrated online against what the
   target accepted of the model's cells (a draft that is sure of itself and often wrong is brought down).
 
@@ -37,6 +38,7 @@ import torch
 from .candidate_generators_batched_draft import BatchedDraftCandidateGenerator
 from .candidate_generators_drafter import Drafter, Proposal, Verdict
 from .candidate_generators_prompt_lookup import BatchedPromptLookupCandidateGenerator
+from .candidate_generators_suffix import SuffixCandidateGenerator
 
 
 class DraftAcceptance:
@@ -95,11 +97,13 @@ class HybridCandidateGenerator(Drafter):
     tokens) is the model's, lookup keeps only each row's first real column.
 
     Args:
-        lookup: the prompt-lookup part (``K`` at most its ``max_tokens``).
+        lookup: the model-free part: prompt lookup, or suffix drafts (``tetris_suffix_num_tokens``,
+            :class:`~.suffix.SuffixCandidateGenerator`), ``K`` at most its ``max_tokens``.
         model: the draft model's or EAGLE head's drafter.
     """
 
-    def __init__(self, lookup: BatchedPromptLookupCandidateGenerator, model: BatchedDraftCandidateGenerator):
+    def __init__(self, lookup: BatchedPromptLookupCandidateGenerator | SuffixCandidateGenerator,
+                 model: BatchedDraftCandidateGenerator):
         self.lookup, self.model = lookup, model
         self.reads_target_features = model.reads_target_features
         self.calibration: DraftAcceptance | None = None
@@ -169,6 +173,9 @@ class HybridCandidateGenerator(Drafter):
         if model_log_probs is not None:
             self.calibration.update(model_log_probs, verdict.verify_lengths, verdict.num_accepted, ~from_lookup)
         self.model.accept_cells(verdict, cells, from_lookup)
+
+    def remember(self, rows: torch.Tensor, sequences: torch.Tensor, lengths: torch.Tensor) -> None:
+        self.lookup.remember(rows, sequences, lengths)
 
     def fill_rows(self, targets: torch.Tensor, sources: torch.Tensor, num_rows: int) -> None:
         self.lookup.fill_rows(targets, sources, num_rows)

@@ -226,6 +226,7 @@ class BatchedSpeculativeLoop:
         ``outputs``), both caches' rows moving as the batch's (:meth:`~tetris_hf.batch.Batch.retire`)."""
         retired, moves = self.batch.retire(stopped, num_stopped)
         self._store_finished(retired)
+        self.drafter.remember(retired.rows, retired.sequences, retired.lengths)  # (a suffix cache keeps them)
         self.target_slots.fill_rows(*moves)
         self.drafter.fill_rows(*moves)
 

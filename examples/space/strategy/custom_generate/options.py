@@ -14,6 +14,7 @@ from typing import Mapping
 import torch
 
 from .cost_model import CostProfile
+from .suffix_cache import SuffixCache
 
 STRATEGIES = ("tetris", "fixed", "adaptive", "dsd")
 DEFAULT_MAX_NGRAM_SIZE = 3  # ``max_matching_ngram_size`` when not given
@@ -106,6 +107,14 @@ class TetrisOptions:
             it). See :mod:`tetris_hf.candidate_generators.prompt_lookup`. With an ``assistant_model`` too (a draft
             model or an EAGLE head), hybrid drafting: each row drafts by lookup where it matches and by the model where
             it does not (:mod:`tetris_hf.candidate_generators.hybrid`).
+        tetris_suffix_num_tokens: draft from a suffix cache: each row drafts up to this many tokens, the continuation
+            most often seen after its last tokens in the batch's rows and in earlier requests' outputs, each with a
+            calibrated probability; it is ``k`` (``num_assistant_tokens`` follows it). Not with
+            ``prompt_lookup_num_tokens``; with an ``assistant_model``, it is the hybrid's model-free part in
+            lookup's place. See :mod:`tetris_hf.candidate_generators.suffix`.
+        tetris_suffix_cache: a :class:`~tetris_hf.suffix_cache.SuffixCache` to draft from and add finished rows to,
+            shared between calls (seeded with earlier outputs, say); ``None``: a new one per call (a stream: per
+            stream).
         max_matching_ngram_size: the longest n-gram prompt lookup matches (default 3).
         tetris_min_ngram_size: the shortest n-gram prompt lookup matches (default 1).
         tetris_confidence_threshold: a draft model or EAGLE head stops drafting a step's chain once every row's last
@@ -130,9 +139,12 @@ class TetrisOptions:
     max_matching_ngram_size: int | None = None
     tetris_min_ngram_size: int = 1
     tetris_confidence_threshold: float | None = None
+    tetris_suffix_num_tokens: int | None = None
+    tetris_suffix_cache: SuffixCache | None = None
 
     def __post_init__(self):
         self._check_lookup()
+        self._check_suffix()
         check_draft_vocab_spec(self.tetris_draft_vocab)
         for name in ("tetris_compile", "tetris_pack"):
             if not isinstance(getattr(self, name), bool):
@@ -164,7 +176,7 @@ class TetrisOptions:
             return
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold < 1:
             raise ValueError(f"`tetris_confidence_threshold` must be a number in (0, 1) (or None), got {threshold!r}")
-        if self.prompt_lookup_num_tokens is not None:
+        if self.model_free_tokens is not None:
             raise ValueError("`tetris_confidence_threshold` stops a draft model's chain on its confidence: prompt "
                              "lookup's drafts have none to stop on; leave out one of the two")
         if self.tetris_tree_width > 1:
@@ -177,12 +189,43 @@ class TetrisOptions:
             raise ValueError(f"`tetris_tree_width` must be an int >= 1 (1: draft chains), got {width!r}")
         if width == 1:
             return
-        if self.prompt_lookup_num_tokens is not None:
-            raise ValueError("`tetris_tree_width` > 1 grows trees with a draft model: prompt lookup drafts one "
-                             "continuation per row; use tetris_tree_width=1")
+        if self.model_free_tokens is not None:
+            raise ValueError("`tetris_tree_width` > 1 grows trees with a draft model: prompt lookup and suffix drafts "
+                             "draft one continuation per row; use tetris_tree_width=1")
         if self.tetris_compile:
             raise ValueError("`tetris_tree_width` > 1 with tetris_compile=True is not supported yet (tree forwards "
                              "take shapes and masks the compiled step does not); use tetris_compile=False")
+
+    @property
+    def model_free_tokens(self) -> int | None:
+        """``k`` of the draft that needs no model (prompt lookup or the suffix cache), ``None`` without one."""
+        if self.prompt_lookup_num_tokens is not None:
+            return self.prompt_lookup_num_tokens
+        return self.tetris_suffix_num_tokens
+
+    def _check_suffix(self) -> None:
+        suffix = self.tetris_suffix_num_tokens
+        if suffix is None:
+            if self.tetris_suffix_cache is not None:
+                raise ValueError("`tetris_suffix_cache` is what suffix drafts read: pass `tetris_suffix_num_tokens=` "
+                                 "too")
+            return
+        if isinstance(suffix, bool) or not isinstance(suffix, int):
+            raise TypeError(f"`tetris_suffix_num_tokens` must be an integer, got {suffix!r} ({type(suffix).__name__})")
+        if suffix < 1:
+            raise ValueError(f"`tetris_suffix_num_tokens` must be >= 1, got {suffix}")
+        if self.prompt_lookup_num_tokens is not None:
+            raise ValueError("`tetris_suffix_num_tokens` and `prompt_lookup_num_tokens` are two model-free drafts for "
+                             "the same place (suffix drafts search the row's own tokens too): pass one of them")
+        if self.num_assistant_tokens != suffix:
+            raise ValueError(f"`tetris_suffix_num_tokens` ({suffix}) is the window k: drop `num_assistant_tokens` "
+                             f"({self.num_assistant_tokens}) or make them equal")
+        if self.tetris_draft_vocab is not None:
+            raise ValueError("`tetris_draft_vocab` shapes a draft model's head and is not supported with suffix drafts "
+                             "(alone or hybrid): drop it")
+        if self.tetris_suffix_cache is not None and not isinstance(self.tetris_suffix_cache, SuffixCache):
+            raise TypeError(f"`tetris_suffix_cache` must be a tetris_hf.suffix_cache.SuffixCache, got "
+                            f"{type(self.tetris_suffix_cache).__name__}")
 
     def _check_lookup(self) -> None:
         lookup = self.prompt_lookup_num_tokens

@@ -296,7 +296,7 @@ class RequestStream:
         self.config = stream_config(model, generation_config, kwargs)
         if kwargs:
             raise TypeError(f"unknown arguments for a request stream: {sorted(kwargs)}")
-        check_pair(model, assistant_model, prompt_lookup=self.options.prompt_lookup_num_tokens is not None)
+        check_pair(model, assistant_model, prompt_lookup=self.options.model_free_tokens is not None)
         text_config = model.config.get_text_config(decoder=True)
         if max_length is None:
             max_length = getattr(text_config, "max_position_embeddings", None) or 4096

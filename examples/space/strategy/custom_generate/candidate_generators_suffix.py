@@ -1,0 +1,208 @@
+# Exported from tetris_hf/candidate_generators/suffix.py by `python -m tetris_hf.tools.hub_export`: edit the package, not this copy.
+"""Suffix drafts for every row of a batch: the continuation most often seen after the row's recent tokens, in the
+batch's own rows and in a cache of earlier requests (``tetris_suffix_num_tokens=k``).
+
+Each step, row ``b``'s last ``n`` tokens (``n`` up to :data:`~tetris_hf.suffix_cache.SUFFIX_DEPTH`) are looked up:
+
+1. in the batch (:func:`~tetris_hf.suffix_cache.batch_matches`): its own prompt and output and every other active
+   row's (in ``generate()`` every row's output is another row's history); above
+   :data:`~tetris_hf.suffix_cache.PEER_BUDGET` compared tokens (``B * B * W * depth``) each row searches itself only;
+2. in the :class:`~tetris_hf.suffix_cache.SuffixCache` of requests that finished earlier (in ``generate()`` the
+   call's rows that stopped; in a stream every finished request; a cache given as ``tetris_suffix_cache`` is shared
+   between calls and may be seeded with earlier outputs).
+
+The longest ``n`` found in either wins; up to :attr:`SuffixCandidateGenerator.occurrences` occurrences from each
+(the batch's longest matches first, the row's own before others', then the latest; the cache's newest requests
+first) vote, depth by depth, for the chain's next token (:func:`~tetris_hf.suffix_cache.frequency_chain`). A row
+with no occurrence drafts nothing that step.
+
+Every drafted cell gets a confidence TETRIS can rank against other rows' and a draft model's:
+``P(cell accepted | the cells before it were)``, from the cell's vote share ``count / (total + 1)`` calibrated
+online against what the target accepted (:class:`SuffixAcceptance`, by share and match length). A suffix draft is a
+function of the row's tokens and the cache, deterministic: when sampling its ``q`` is one-hot at the drafted token,
+so a cell is accepted with probability ``p(x)`` and a rejection samples ``p`` without ``x``, as for prompt lookup.
+
+Everything runs batched on the device with no device read; finished rows reach the cache through
+:meth:`SuffixCandidateGenerator.remember`, which the loop calls with the rows it retires (device tensors).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kv import rows_after_fill
+from .suffix_cache import (PEER_BUDGET, SUFFIX_DEPTH, SuffixCache, batch_continuations, batch_matches,
+                            frequency_chain, longest_match, suffix_keys)
+from .candidate_generators_drafter import Drafter, Proposal, Verdict
+
+LENGTH_CLASSES = (1, 2, 4)  # calibration groups by match length: n = 1, 2-3, 4 and more
+
+
+class SuffixAcceptance:
+    """A suffix cell's vote share calibrated online: ``P(cell accepted | the cells before it were)`` by the share's
+    bin and the match length's class (:data:`LENGTH_CLASSES`).
+
+    Bin ``(c, b)``'s estimate is ``(accepted + s * centre_b) / (tried + s)``: a Beta prior of strength ``s`` around
+    the bin's centre (the share taken at its word), updated by every suffix cell the target reached (cells after a
+    rejection tell nothing); counts decay by ``memory`` per step.
+
+    Args:
+        device: where the counts live.
+        num_bins: equal bins of the share on [0, 1].
+    """
+
+    def __init__(self, device: torch.device, num_bins: int = 10, prior_strength: float = 4.0, memory: float = 0.99):
+        self.num_bins = num_bins
+        shape = (len(LENGTH_CLASSES), num_bins)
+        self.prior = ((torch.arange(num_bins, dtype=torch.float32, device=device) + 0.5) / num_bins).expand(shape)
+        self.prior_strength, self.memory = prior_strength, memory
+        self.tried = torch.zeros(shape, device=device)
+        self.accepted = torch.zeros(shape, device=device)
+        self.bounds = torch.tensor(LENGTH_CLASSES[1:], device=device)
+
+    def cells(self, shares: torch.Tensor, ngram: torch.Tensor) -> torch.Tensor:
+        """``(B, K)`` flat table index of cells with vote ``shares`` ``(B, K)`` in rows that matched ``ngram``
+        ``(B,)`` tokens."""
+        length_class = torch.bucketize(ngram, self.bounds, right=True)  # (B,)
+        bins = (shares * self.num_bins).long().clamp(0, self.num_bins - 1)
+        return length_class[:, None] * self.num_bins + bins
+
+    def log_probs(self, shares: torch.Tensor, ngram: torch.Tensor) -> torch.Tensor:
+        """``(B, K)`` log estimated acceptance."""
+        rates = (self.accepted + self.prior_strength * self.prior) / (self.tried + self.prior_strength)
+        return rates.flatten()[self.cells(shares, ngram)].log()
+
+    def update(self, shares: torch.Tensor, ngram: torch.Tensor, drafted: torch.Tensor, verify_lengths: torch.Tensor,
+               num_accepted: torch.Tensor) -> None:
+        """Count one step: cells with ``shares`` ``(B, K)``, rows that matched ``ngram`` and drafted ``drafted``
+        ``(B,)`` cells, verified ``verify_lengths`` and accepted ``num_accepted`` ``(B,)``."""
+        cells = torch.arange(shares.shape[1], device=shares.device)[None, :]
+        tried = (cells < verify_lengths[:, None]) & (cells <= num_accepted[:, None]) & (cells < drafted[:, None])
+        accepted = tried & (cells < num_accepted[:, None])
+        index = self.cells(shares, ngram).flatten()
+        self.tried.mul_(self.memory).view(-1).index_add_(0, index, tried.flatten().float())
+        self.accepted.mul_(self.memory).view(-1).index_add_(0, index, accepted.flatten().float())
+
+
+class SuffixCandidateGenerator(Drafter):
+    """Suffix drafting (see the module docstring), driven through :class:`~.drafter.Drafter`; usable alone or as
+    the model-free part of :class:`~.hybrid.HybridCandidateGenerator`.
+
+    Args:
+        max_tokens: the most cells any proposal drafts (``k + e``).
+        cache: the :class:`~tetris_hf.suffix_cache.SuffixCache` of earlier requests (shared when given; a new one on
+            the rows' device otherwise).
+        occurrences: occurrences that vote, from the batch and from the cache each.
+        depth: the longest match (the cache's depth when one is given).
+    """
+
+    def __init__(self, max_tokens: int = 8, cache: SuffixCache | None = None, occurrences: int = 32,
+                 depth: int = SUFFIX_DEPTH):
+        self.max_tokens = max_tokens
+        self.cache = cache
+        self.depth = depth if cache is None else cache.depth
+        self.occurrences = occurrences
+        self.starts: torch.Tensor | None = None  # (B,) first real column of each active row
+        self.row_starts: torch.Tensor | None = None  # (B_call,) the same by original row (a call's left padding)
+        self.width = 0  # a host bound on the rows' lengths
+        self.acceptance: SuffixAcceptance | None = None
+        # the last proposal, until its verdict: (B,) match lengths, (B, K) vote shares, (B,) cells drafted
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, all_real: bool = False) -> None:
+        length = input_ids.shape[1]
+        self.starts = length - attention_mask.long().sum(dim=1)  # left-padded: padding comes first
+        self.row_starts = self.starts.clone()
+        self.width = length
+        device = input_ids.device
+        if self.cache is None:
+            self.cache = SuffixCache(depth=self.depth, device=device)
+        elif self.cache.device != device:
+            self.cache.to(device)
+        self.acceptance = SuffixAcceptance(device)
+
+    def draft(self, sequences: torch.Tensor, lengths: torch.Tensor,
+              num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The chain for every row, reading nothing: ``tokens`` ``(B, K)`` (filler past a row's count: its last
+        token), ``counts`` ``(B,)``, ``shares`` ``(B, K)`` vote shares ``count / (total + 1)`` and ``ngram``
+        ``(B,)`` the match length (0: none)."""
+        width = min(self.width, sequences.shape[1])
+        rows = sequences.shape[0]
+        peers = rows * rows * width * self.depth <= PEER_BUDGET  # (else each row searches itself only)
+        context, tokens = batch_matches(sequences[:, :width], self.starts, lengths, self.depth, peers)
+        own_match = context.amax(dim=1)  # (B,)
+        query = suffix_keys(sequences, self.starts, lengths, self.depth)  # (d, B)
+        with self.cache.lock:
+            lo, hi = self.cache.ranges(query)
+            cached_match = longest_match((hi - lo).sum(dim=1))  # (B,)
+            ngram = torch.maximum(own_match, cached_match)
+            from_cache, cache_found = self.cache.continuations(lo, hi, torch.where(cached_match >= ngram, ngram, 0),
+                                                               self.occurrences, num_tokens)
+        from_batch, batch_found = batch_continuations(tokens, context, ngram, self.occurrences, num_tokens)
+        candidates = torch.cat([from_batch, from_cache], dim=1)
+        drafts, counts, chosen, total = frequency_chain(candidates, torch.cat([batch_found, cache_found], dim=1))
+        last = sequences.gather(1, (lengths - 1)[:, None])
+        cells = torch.arange(num_tokens, device=sequences.device)[None, :]
+        drafts = torch.where(cells < counts[:, None], drafts, last)
+        return drafts, counts, chosen / (total + 1), ngram
+
+    def propose(self, sequences: torch.Tensor, lengths: torch.Tensor, num_tokens: int,
+                rows: torch.Tensor | None = None, confidences: bool = True) -> Proposal:
+        """Draft ``K = num_tokens`` cells after each row of ``sequences`` ``(B, T)`` (valid up to ``lengths``
+        ``(B,)``), written into ``sequences[i, lengths[i]:]``.
+
+        Returns:
+            A :class:`~.drafter.Proposal`: ``tokens`` ``(B, K)``; ``log_probs`` ``(B, K)`` calibrated log
+            acceptance (``-inf`` past a row's count); ``probs`` ``None`` (one-hot at the draft); ``lengths`` ``(B,)``
+            cells drafted; ``lookup_rows`` every row (model-free cells).
+        """
+        if num_tokens == 0:
+            empty = sequences.new_zeros(sequences.shape[0], 0)
+            self._last = None
+            return Proposal(empty, empty.float() if confidences else None, None, None)
+        if num_tokens > self.max_tokens:
+            raise ValueError(f"asked for {num_tokens} suffix cells, the drafter was built for {self.max_tokens}")
+        drafts, counts, shares, ngram = self.draft(sequences, lengths, num_tokens)
+        sequences.scatter_(1, lengths[:, None] + torch.arange(num_tokens, device=lengths.device), drafts)
+        self._last = (ngram, shares, counts)
+        log_probs = None
+        if confidences:
+            cells = torch.arange(num_tokens, device=lengths.device)[None, :]
+            log_probs = self.acceptance.log_probs(shares, ngram).masked_fill(cells >= counts[:, None], float("-inf"))
+        return Proposal(drafts, log_probs, None, counts, torch.ones_like(counts, dtype=torch.bool))
+
+    def accept(self, verdict: Verdict) -> None:
+        drafted = 0 if self._last is None else self._last[1].shape[1]
+        max_accepted = verdict.hints.max_accepted
+        self.width += (drafted if max_accepted is None else min(max_accepted, drafted)) + 1
+        if self._last is not None:
+            ngram, shares, counts = self._last
+            self.acceptance.update(shares, ngram, counts, verdict.verify_lengths, verdict.num_accepted)
+            self._last = None
+
+    def add_rows(self, last_tokens: torch.Tensor, prompt_lengths: list[int]) -> None:
+        """Rows join unpadded (their first real column is 0)."""
+        self.starts = torch.cat([self.starts, self.starts.new_zeros(last_tokens.shape[0])])
+        self.width = max(self.width, *prompt_lengths)
+        if self._last is not None:
+            ngram, shares, counts = self._last
+            extra = last_tokens.shape[0]
+            self._last = (torch.cat([ngram, ngram.new_zeros(extra)]),
+                          torch.cat([shares, shares.new_zeros(extra, shares.shape[1])]),
+                          torch.cat([counts, counts.new_zeros(extra)]))
+
+    def fill_rows(self, targets: torch.Tensor, sources: torch.Tensor, num_rows: int) -> None:
+        rows = rows_after_fill(targets, sources, num_rows)
+        self.starts = self.starts[rows]
+        if self._last is not None:
+            self._last = tuple(part[rows] for part in self._last)
+
+    def remember(self, rows: torch.Tensor, sequences: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Rows that finished join the cache: original indices ``rows`` ``(M,)``, tokens ``sequences`` ``(M, T)``
+        holding ``lengths`` ``(M,)`` (a call's rows keep their left padding out; a stream's rows have none)."""
+        known = self.row_starts.shape[0]
+        if known == 0:
+            starts = torch.zeros_like(lengths)
+        else:
+            starts = torch.where(rows < known, self.row_starts[rows.clamp(max=known - 1)], 0)
+        self.cache.add(sequences, lengths, starts)

@@ -1,0 +1,88 @@
+"""Suffix drafts against prompt lookup at the same ``k``, in the loop: a request stream serves the same prompts with
+each drafter (greedy, so both emit the same tokens) and this prints tokens per row-step (tokens emitted per row per
+target forward), the share of row-steps that accepted anything, and the drafter's host time per step as a share of
+the step, for each prompt set.
+
+Requests are served in order through one stream of ``--max-batch-size`` rows: later requests draft from the cache of
+the ones that finished before them (and from the rows decoding beside them).
+
+    python examples/suffix_vs_lookup.py --prompts humaneval-edit,extraction --num-prompts 16 --max-new-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from tetris_hf.stream import RequestStream
+from tetris_hf.tools.cli import prompt_texts
+from tetris_hf.tools.data import load_prompts
+from tetris_hf.tools.models import load_target
+
+
+def serve(target, prompts: list[list[int]], drafter: str, k: int, strategy: str, max_batch_size: int,
+          max_new_tokens: int, eos: int | None) -> dict:
+    """Every prompt through one stream drafting with ``drafter`` (``"lookup"`` or ``"suffix"``); what it measured."""
+    counts = {"row_steps": 0, "emitted": 0, "accepted_rows": 0, "draft_s": 0.0, "step_s": 0.0, "steps": 0}
+
+    def count(record, loop):
+        counts["row_steps"] += record.rows.numel()
+        emitted = record.emitted
+        counts["emitted"] += int(emitted.sum())
+        counts["accepted_rows"] += int((record.num_accepted > 0).sum())
+        counts["draft_s"] += record.seconds.draft
+        counts["step_s"] += sum(record.seconds)
+        counts["steps"] += 1
+
+    option = {"lookup": "prompt_lookup_num_tokens", "suffix": "tetris_suffix_num_tokens"}[drafter]
+    stream = RequestStream(target, max_batch_size=max_batch_size, tetris_strategy=strategy, eos_token_id=eos,
+                           tetris_step_callback=count, **{option: k})
+    ids = [stream.add(prompt, max_new_tokens=max_new_tokens) for prompt in prompts]
+    started = time.perf_counter()
+    outputs = {output.request_id: output.generated_tokens for output in stream.run()}
+    seconds = time.perf_counter() - started
+    return {**counts, "seconds": seconds, "outputs": [outputs[i] for i in ids]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", default="humaneval-edit,extraction")
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-batch-size", type=int, default=8)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--strategy", default="fixed")
+    parser.add_argument("--json", help="also write the numbers here")
+    args = parser.parse_args()
+    torch.set_grad_enabled(False)
+    target, tokenizer = load_target()
+    results = {}
+    print(f"k = {args.k}, {args.strategy}, stream of {args.max_batch_size} rows, {args.max_new_tokens} new tokens")
+    print(f"{'prompts':<16} {'drafter':<8} {'tok/row-step':>12} {'rows accepting':>14} {'draft/step':>10} "
+          f"{'seconds':>8}")
+    for name in args.prompts.split(","):
+        texts, _ = prompt_texts(load_prompts(name), args.num_prompts, tokenizer, 256)
+        prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+        runs = {drafter: serve(target, prompts, drafter, args.k, args.strategy, args.max_batch_size,
+                               args.max_new_tokens, tokenizer.eos_token_id) for drafter in ("lookup", "suffix")}
+        if runs["lookup"]["outputs"] != runs["suffix"]["outputs"]:
+            raise SystemExit(f"{name}: the two drafters' greedy outputs differ")
+        for drafter, run in runs.items():
+            per_row_step = run["emitted"] / run["row_steps"]
+            print(f"{name:<16} {drafter:<8} {per_row_step:>12.3f} {run['accepted_rows'] / run['row_steps']:>14.2f} "
+                  f"{run['draft_s'] / run['step_s']:>10.3f} {run['seconds']:>8.1f}")
+            results[f"{name}/{drafter}"] = {key: value for key, value in run.items() if key != "outputs"}
+        ratio = (runs["suffix"]["emitted"] / runs["suffix"]["row_steps"]) / (
+            runs["lookup"]["emitted"] / runs["lookup"]["row_steps"])
+        print(f"{name:<16} suffix / lookup: {ratio:.3f}x tokens per row-step (outputs identical)")
+        results[f"{name}/ratio"] = ratio
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(results, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""The suffix cache and its matcher (tetris_hf/suffix_cache.py), against row-by-row references: the longest match and
+every occurrence's continuation are found, the drafted chain is always a continuation seen after the row's last
+tokens, the vote counts add up, and eviction keeps the cap."""
+
+import collections
+import threading
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tetris_hf.candidate_generators.suffix import SuffixCandidateGenerator
+from tetris_hf.suffix_cache import (SuffixCache, batch_continuations, batch_matches, frequency_chain, longest_match,
+                                    suffix_keys)
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+requests_strategy = st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=6)
+row_strategy = st.lists(st.integers(0, 3), min_size=1, max_size=8)
+
+
+def occurrences_in(requests: list[list[int]], suffix: list[int], num_tokens: int) -> list[list[int]]:
+    """The reference: the ``num_tokens`` tokens after every occurrence of ``suffix`` followed by a token."""
+    found = []
+    size = len(suffix)
+    for request in requests:
+        for end in range(size - 1, len(request) - 1):
+            if request[end - size + 1 : end + 1] == suffix:
+                found.append(request[end + 1 : end + 1 + num_tokens])
+    return found
+
+
+def longest_in(requests: list[list[int]], row: list[int], depth: int) -> int:
+    return max([n for n in range(1, min(depth, len(row)) + 1) if occurrences_in(requests, row[-n:], 1)], default=0)
+
+
+def cache_of(requests: list[list[int]], depth: int = 3, max_requests: int = 8, width: int = 16) -> SuffixCache:
+    cache = SuffixCache(max_requests=max_requests, tokens_per_request=width, depth=depth)
+    cache.add_token_lists(requests)
+    return cache
+
+
+def query(cache: SuffixCache, row: list[int], num: int, num_tokens: int):
+    keys = suffix_keys(torch.tensor([row]), torch.tensor([0]), torch.tensor([len(row)]), cache.depth)
+    lo, hi = cache.ranges(keys)
+    ngram = longest_match((hi - lo).sum(dim=1))
+    tokens, found = cache.continuations(lo, hi, ngram, num, num_tokens)
+    return int(ngram[0]), [[t for t in cand if t >= 0] for cand in tokens[0][found[0]].tolist()]
+
+
+@SETTINGS
+@given(requests_strategy, row_strategy)
+def test_cache_finds_the_longest_match_and_every_continuation(requests, row):
+    cache = cache_of(requests)
+    ngram, continuations = query(cache, row, num=64, num_tokens=3)
+    assert ngram == longest_in(requests, row, 3)
+    expected = occurrences_in(requests, row[-ngram:], 3) if ngram else []
+    assert collections.Counter(map(tuple, continuations)) == collections.Counter(map(tuple, expected))
+
+
+@SETTINGS
+@given(requests_strategy, row_strategy, st.integers(1, 4))
+def test_a_capped_query_returns_occurrences_of_the_newest_requests_first(requests, row, num):
+    cache = cache_of(requests)
+    ngram, continuations = query(cache, row, num=num, num_tokens=2)
+    if ngram == 0:
+        assert continuations == []
+        return
+    per_request = [occurrences_in([request], row[-ngram:], 2) for request in reversed(requests)]  # newest first
+    assert len(continuations) == min(num, sum(map(len, per_request)))
+    # whole requests from the newest, then part of the next one
+    got, left = collections.Counter(map(tuple, continuations)), num
+    for found in per_request:
+        found = collections.Counter(map(tuple, found))
+        if sum(found.values()) <= left:
+            assert found <= got
+            got, left = got - found, left - sum(found.values())
+        else:
+            assert got <= found and sum(got.values()) == left
+            break
+
+
+@SETTINGS
+@given(st.lists(st.lists(st.integers(-1, 4), min_size=3, max_size=3), min_size=1, max_size=9),
+       st.lists(st.booleans(), min_size=9, max_size=9))
+def test_frequency_chain_takes_the_most_frequent_token_depth_by_depth(candidates, alive):
+    """Reference: depth by depth, among the occurrences still agreeing, the most frequent token (ties: the first
+    occurrence); counts and totals as counted by hand."""
+    alive = alive[: len(candidates)]
+    # (-1 marks a continuation's end: nothing after it)
+    rows = [c[: c.index(-1)] + [-1] * (3 - c.index(-1)) if -1 in c else c for c in candidates]
+    tokens, counts, chosen, total = frequency_chain(torch.tensor([rows]), torch.tensor([alive]))
+    live = [i for i, keep in enumerate(alive) if keep]
+    chain, expect_chosen, expect_total = [], [], []
+    for depth in range(3):
+        live = [i for i in live if rows[i][depth] >= 0]
+        votes = collections.Counter(rows[i][depth] for i in live)
+        expect_total.append(len(live))
+        if not live:
+            expect_chosen.append(0)
+            break
+        best = max(votes.values())
+        token = next(rows[i][depth] for i in live if votes[rows[i][depth]] == best)
+        chain.append(token)
+        expect_chosen.append(best)
+        live = [i for i in live if rows[i][depth] == token]
+    assert int(counts[0]) == len(chain)
+    assert tokens[0, : len(chain)].tolist() == chain
+    assert chosen[0, : len(expect_chosen)].tolist() == expect_chosen
+    assert total[0, : len(expect_total)].tolist() == expect_total
+    # the counts add up: a depth's voters are those that agreed at the depth before, less those that ended
+    for depth in range(2):
+        assert total[0, depth + 1] <= chosen[0, depth] <= total[0, depth]
+    shares = chosen / (total + 1)
+    assert ((shares >= 0) & (shares < 1)).all()
+
+
+@SETTINGS
+@given(st.lists(row_strategy, min_size=1, max_size=4), st.booleans())
+def test_batch_matches_equal_a_row_by_row_search(rows, peers):
+    """Every row's matches in every row (``peers``) or in itself only, and the continuations of the longest."""
+    sequences = torch.full((len(rows), 10), 7)  # scratch past each row's end is never matched
+    for index, row in enumerate(rows):
+        sequences[index, : len(row)] = torch.tensor(row)
+    lengths = torch.tensor([len(row) for row in rows])
+    context, tokens = batch_matches(sequences, torch.zeros_like(lengths), lengths, 3, peers)
+    for b, row in enumerate(rows):
+        for r, other in enumerate(rows if peers else [row]):
+            for p in range(10):
+                expected = 0
+                if p + 1 < len(other):
+                    while expected < min(3, p + 1, len(row)) and other[p - expected] == row[-1 - expected]:
+                        expected += 1
+                assert int(context[b, r * 10 + p]) == expected, (b, r, p)
+    ngram = context.amax(dim=1)
+    candidates, found = batch_continuations(tokens, context, ngram, 40, 2)
+    for b, row in enumerate(rows):
+        n = int(ngram[b])
+        got = [[t for t in cand if t >= 0] for cand in candidates[b][found[b]].tolist()]
+        expected = occurrences_in(rows if peers else [row], row[-n:], 2) if n else []
+        assert collections.Counter(map(tuple, got)) == collections.Counter(map(tuple, expected))
+
+
+@SETTINGS
+@given(requests_strategy, st.lists(row_strategy, min_size=1, max_size=3), st.integers(1, 4))
+def test_the_drafted_chain_is_a_continuation_seen_after_the_rows_last_tokens(requests, rows, num_tokens):
+    """Whatever the batch and the cache hold, each row's chain follows an occurrence of its last ``n`` tokens (``n``
+    the longest match in either) in a row of the batch or a cached request, and a row drafts iff one exists."""
+    drafter = SuffixCandidateGenerator(max_tokens=4, cache=cache_of(requests), occurrences=8)
+    width = max(len(row) for row in rows)
+    prompts = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for index, row in enumerate(rows):  # left-padded, padding 0 (which real tokens use too)
+        prompts[index, width - len(row):] = torch.tensor(row)
+        mask[index, width - len(row):] = 1
+    drafter.prefill(prompts, mask)
+    sequences = torch.cat([prompts, torch.zeros(len(rows), 4, dtype=torch.long)], dim=1)
+    lengths = torch.full((len(rows),), width)
+    drafts, counts, shares, ngram = drafter.draft(sequences, lengths, num_tokens)
+    for b, row in enumerate(rows):
+        n = int(ngram[b])
+        assert n == longest_in(requests + rows, row, 3)
+        chain = drafts[b, : int(counts[b])].tolist()
+        seen = occurrences_in(requests + rows, row[-n:], num_tokens) if n else []
+        assert (len(chain) > 0) == (len(seen) > 0)
+        assert any(cont[: len(chain)] == chain for cont in seen) or not chain
+        assert (shares[b, : len(chain)] > 0).all() and (shares[b] < 1).all()
+
+
+def test_eviction_keeps_the_cap_and_the_newest_requests():
+    cache = SuffixCache(max_requests=3, tokens_per_request=4, depth=2)
+    size = cache.nbytes
+    assert size == 3 * 4 * (8 + 12 * 2)
+    for start in range(10):
+        cache.add_token_lists([[start * 10 + i for i in range(6)]])  # 6 tokens: the last 4 kept
+        assert cache.nbytes == size
+        assert cache.num_requests == min(start + 1, 3)
+    kept = {tuple(row) for row in cache.tokens.tolist()}
+    assert kept == {(72, 73, 74, 75), (82, 83, 84, 85), (92, 93, 94, 95)}
+    assert query(cache, [93], 8, 2) == (1, [[94, 95]])
+    assert query(cache, [3], 8, 2) == (0, [])  # request 0 was evicted
+    cache.add_token_lists([[1, 2]] * 5)  # more at once than the cap: the last 3 survive
+    assert cache.tokens.tolist() == [[-1, -1, 1, 2]] * 3
+
+
+def test_concurrent_adds_and_queries_keep_the_cache_consistent():
+    """A stream's worker queries while a user seeds the cache from another thread."""
+    cache = SuffixCache(max_requests=16, tokens_per_request=8, depth=2)
+    errors = []
+
+    def seed():
+        for i in range(200):
+            cache.add_token_lists([[1, 2, 3 + i % 5]])
+
+    def read():
+        for _ in range(200):
+            with cache.lock:
+                ngram, continuations = query(cache, [1, 2], 32, 1)
+            if ngram and not all(cont and 3 <= cont[0] < 8 for cont in continuations):
+                errors.append(continuations)
+
+    threads = [threading.Thread(target=seed), threading.Thread(target=read)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert cache.added == 200 and cache.num_requests == 16
+
+
+@pytest.mark.parametrize("name, value", [("max_requests", 0), ("tokens_per_request", 1), ("depth", True)])
+def test_bad_cache_sizes_are_refused_by_name(name, value):
+    with pytest.raises(ValueError, match=name):
+        SuffixCache(**{name: value})

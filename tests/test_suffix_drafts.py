@@ -1,0 +1,241 @@
+"""Suffix drafts in the loop (tetris_suffix_num_tokens): greedy rows equal the target alone in generate(), in the
+request stream with rows joining and in hybrid with a draft model; sampled rows follow the target's law (and a broken
+rejection fails that test); finished rows reach the cache; a step reads the device at most twice; bad settings are
+refused by name before any forward."""
+
+import pytest
+import torch
+
+import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
+import tetris_hf.logits.verification as verification
+import test_sampling_distribution as sampling
+from tetris_hf.candidate_generators.suffix import SuffixCandidateGenerator
+from tetris_hf.stream import RequestStream
+from tetris_hf.suffix_cache import SuffixCache
+from test_greedy_exactness import assert_rows_equal, pick_eos, target_alone
+from test_prompt_lookup import lookup_generate, repetitive_prompts
+from test_stream import check_exact, requests
+from tiny_models import EOS, PAD, left_pad, noisy_copy, sharpen, tiny_llama
+
+STRATEGIES = [
+    ("tetris", {}),
+    ("tetris", {"tetris_budget": 2}),  # a partial budget: TETRIS ranks suffix cells across rows
+    ("fixed", {}),
+    ("adaptive", {"tetris_cost_profile": sampling.CHEAP_VERIFY}),
+    ("dsd", {"tetris_cost_profile": sampling.CHEAP_VERIFY}),
+]
+
+
+@pytest.fixture(scope="module")
+def repetitive_target():
+    """A target peaked enough to repeat itself, so suffix drafts are often right (and sometimes wrong)."""
+    return sharpen(tiny_llama(vocab_size=24, num_layers=2, seed=3), 6.0)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+@pytest.mark.parametrize("strategy,options", STRATEGIES)
+def test_greedy_rows_equal_the_target_alone(repetitive_target, batch_size, strategy, options):
+    prompts = repetitive_prompts(batch_size, 24, seed=batch_size)
+    eos = pick_eos(repetitive_target, prompts) if batch_size > 1 else EOS  # some rows stop early
+    references = target_alone(repetitive_target, prompts, eos)
+    input_ids, mask = left_pad(prompts)
+    out = lookup_generate(repetitive_target, input_ids, mask, eos, tetris_suffix_num_tokens=3,
+                          tetris_strategy=strategy, **options)
+    assert_rows_equal(out.sequences, input_ids, mask, references)
+    stats = out.tetris_stats
+    assert stats.emitted_tokens == sum(len(reference) for reference in references)
+    if strategy != "adaptive":
+        assert stats.accepted_tokens > 0  # suffix drafts were made, and right at times
+
+
+def test_finished_rows_fill_the_cache_and_a_seeded_cache_drafts(repetitive_target):
+    """A shared cache keeps every row of a call (padding left out); a second call on fresh prompts drafts from it
+    what the first wrote, and stays exact."""
+    cache = SuffixCache(max_requests=16, tokens_per_request=64)
+    prompts = repetitive_prompts(4, 24, seed=5)
+    references = target_alone(repetitive_target, prompts, EOS)
+    input_ids, mask = left_pad(prompts)
+    out = lookup_generate(repetitive_target, input_ids, mask, EOS, tetris_suffix_num_tokens=3,
+                          tetris_suffix_cache=cache)
+    assert_rows_equal(out.sequences, input_ids, mask, references)
+    assert cache.added == 4
+    held = sorted(tuple(token for token in row if token >= 0) for row in cache.tokens[:4].tolist())
+    assert held == sorted(tuple(prompt + reference) for prompt, reference in zip(prompts, references))
+    # the same prompts again, each alone: the cache holds its whole answer, so nearly every step accepts all k
+    fresh = lookup_generate(repetitive_target, *left_pad(prompts[:1]), EOS, tetris_suffix_num_tokens=3,
+                            tetris_suffix_cache=cache, tetris_strategy="fixed")
+    cold = lookup_generate(repetitive_target, *left_pad(prompts[:1]), EOS, tetris_suffix_num_tokens=3,
+                           tetris_strategy="fixed")
+    assert fresh.sequences[0].tolist() == cold.sequences[0].tolist()
+    assert fresh.tetris_stats.accepted_tokens > cold.tetris_stats.accepted_tokens
+
+
+@pytest.mark.parametrize("strategy", ["tetris", "fixed", "adaptive"])
+@pytest.mark.parametrize("max_batch_size", [1, 3, 8])
+def test_stream_rows_equal_target_alone(strategy, max_batch_size):
+    """Rows join mid-stream (their prompts read while others decode), finished ones feed the cache."""
+    target = sharpen(tiny_llama(seed=0), 4.0)
+    cache = SuffixCache(max_requests=8, tokens_per_request=32)
+    stream = RequestStream(target, max_batch_size=max_batch_size, prefill_chunk=5, eos_token_id=None,
+                           tetris_strategy=strategy, tetris_suffix_num_tokens=3, tetris_suffix_cache=cache)
+    check_exact(target, stream, requests(target, 12, seed=40 + max_batch_size, max_prompt=16))
+    assert cache.added == 12 and cache.num_requests == 8
+
+
+def test_generate_batch_takes_the_option():
+    target = sharpen(tiny_llama(seed=0), 4.0)
+    prompts = [prompt for prompt, _, _ in requests(target, 6, seed=3, max_prompt=12)]
+    outputs = tetris_hf.generate_batch(target, prompts, max_new_tokens=10, eos_token_id=None, max_batch_size=3,
+                                       tetris_suffix_num_tokens=2)
+    from test_stream import alone
+    for prompt, output in zip(prompts, outputs.values()):
+        assert output.generated_tokens == alone(target, prompt, 10)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = sharpen(tiny_llama(vocab_size=24, num_layers=2, seed=3), 6.0)
+    return target, noisy_copy(target, 0.5)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+@pytest.mark.parametrize("strategy,options", STRATEGIES)
+def test_hybrid_greedy_rows_equal_the_target_alone(pair, batch_size, strategy, options):
+    """A draft model beside suffix drafts: each row drafts from the cache where it matches, the model elsewhere."""
+    target, draft = pair
+    prompts = repetitive_prompts(batch_size, 24, seed=10 + batch_size)
+    eos = pick_eos(target, prompts) if batch_size > 1 else EOS
+    references = target_alone(target, prompts, eos)
+    input_ids, mask = left_pad(prompts)
+    out = lookup_generate(target, input_ids, mask, eos, assistant_model=draft, tetris_suffix_num_tokens=3,
+                          tetris_strategy=strategy, **options)
+    assert_rows_equal(out.sequences, input_ids, mask, references)
+    if strategy != "adaptive" and batch_size > 1:  # the suffix part drafted, and was right at times
+        assert out.tetris_stats.lookup_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("strategy", ["tetris", "adaptive"])
+def test_hybrid_stream_rows_equal_target_alone(pair, strategy):
+    target, draft = pair
+    stream = RequestStream(target, assistant_model=draft, max_batch_size=3, prefill_chunk=5, eos_token_id=None,
+                           tetris_strategy=strategy, tetris_suffix_num_tokens=3)
+    check_exact(target, stream, requests(target, 8, seed=50, max_prompt=16))
+
+
+# -- sampling: deterministic drafts verified as lookup's are ---------------------------------------------------------
+
+SUFFIX_PROMPT = [3, 4, 5, 3, 4, 5, 3]
+
+
+def sampled_suffix_joint(target, strategy, seed=0, **options):
+    """12,000 rows of one prompt, the first four sampled tokens counted; the cache is seeded with continuations of
+    the prompt (so most cells come from it), the rows also search themselves."""
+    torch.manual_seed(seed)
+    cache = SuffixCache(max_requests=8, tokens_per_request=16)
+    cache.add_token_lists([SUFFIX_PROMPT + [4, 5, 3, 4], SUFFIX_PROMPT + [4, 2, 2], SUFFIX_PROMPT + [4, 5, 0]])
+    input_ids = torch.tensor([SUFFIX_PROMPT] * sampling.ROWS)
+    out = target.generate(input_ids, custom_generate="tetris", do_sample=True, temperature=1.0, top_k=0,
+                          max_new_tokens=4, eos_token_id=EOS, pad_token_id=PAD, tetris_strategy=strategy,
+                          return_dict_in_generate=True, tetris_suffix_cache=cache, **options)
+    generated = torch.nn.functional.pad(out.sequences[:, len(SUFFIX_PROMPT):],
+                                        (0, 4 - (out.sequences.shape[1] - len(SUFFIX_PROMPT))), value=PAD)
+    counts = {}
+    for row in generated.tolist():
+        counts[tuple(row)] = counts.get(tuple(row), 0) + 1
+    return counts, out.tetris_stats
+
+
+@pytest.fixture
+def suffix_sampling(monkeypatch):
+    monkeypatch.setattr(sampling, "PROMPT", SUFFIX_PROMPT)
+    target = sharpen(tiny_llama(sampling.VOCAB, num_layers=2, seed=21, hidden_size=16), 12)
+    return target, sampling.exact_joint(target, 1.0, 1.0, new_tokens=4)
+
+
+@pytest.mark.parametrize("strategy,options", [
+    ("tetris", {"tetris_suffix_num_tokens": 2, "tetris_extra_tokens": 1, "tetris_budget": sampling.ROWS}),
+    ("fixed", {"tetris_suffix_num_tokens": 2}),
+])
+def test_sampled_sequences_follow_the_target_distribution(suffix_sampling, strategy, options):
+    """The joint law of the first four tokens, with a partial budget (TETRIS verifies C = B of 3B cells)."""
+    target, joint = suffix_sampling
+    counts, stats = sampled_suffix_joint(target, strategy, **options)
+    assert 0 < stats.accepted_tokens < stats.verified_tokens  # both branches taken
+    if strategy == "tetris":
+        assert stats.verified_tokens < stats.drafted_tokens  # selection left cells out
+    assert sampling.chi_square_p_value(counts, joint) > 1e-3
+
+
+def test_chi_square_catches_a_rejection_that_keeps_the_drafted_token(suffix_sampling, monkeypatch):
+    """Teeth: after a rejected suffix draft, sampling from ``p`` (not ``p`` without the draft) is biased."""
+    target, joint = suffix_sampling
+    monkeypatch.setattr(verification, "residual_distribution", lambda target_probs, draft_probs: (target_probs, None))
+    counts, _ = sampled_suffix_joint(target, "fixed", tetris_suffix_num_tokens=2)
+    assert sampling.chi_square_p_value(counts, joint) < 1e-3
+
+
+# -- refusals and reads ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"tetris_suffix_num_tokens": 0}, "tetris_suffix_num_tokens` must be >= 1"),
+    ({"tetris_suffix_num_tokens": "3"}, "tetris_suffix_num_tokens` must be an integer"),
+    ({"tetris_suffix_num_tokens": 2, "prompt_lookup_num_tokens": 2}, "pass one of them"),
+    ({"tetris_suffix_num_tokens": 2, "num_assistant_tokens": 3}, "make them equal"),
+    ({"tetris_suffix_num_tokens": 2, "assistant_model": "DRAFT", "tetris_draft_vocab": 10},
+     "not supported with suffix drafts"),
+    ({"tetris_suffix_num_tokens": 2, "assistant_model": "DRAFT", "tetris_tree_width": 2}, "suffix drafts"),
+    ({"tetris_suffix_cache": SuffixCache(max_requests=2)}, "pass `tetris_suffix_num_tokens=` too"),
+    ({"tetris_suffix_num_tokens": 2, "tetris_suffix_cache": {}}, "tetris_suffix_cache` must be"),
+])
+def test_bad_suffix_settings_are_refused_before_any_forward(options, message, monkeypatch):
+    target = tiny_llama(vocab_size=32)
+    draft = noisy_copy(target, 0.1)
+    options = {key: (draft if value == "DRAFT" else value) for key, value in options.items()}
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("a forward ran before the refusal")
+
+    monkeypatch.setattr(target, "forward", no_forward)
+    input_ids, mask = left_pad([[3, 4, 3, 4], [5, 6]])
+    with pytest.raises((ValueError, TypeError), match=message):
+        target.generate(input_ids, attention_mask=mask, custom_generate="tetris", max_new_tokens=4, **options)
+
+
+@pytest.mark.parametrize("strategy", ["tetris", "fixed"])
+def test_a_suffix_step_reads_the_device_at_most_twice(repetitive_target, strategy):
+    """Suffix drafting reads nothing, and rows finishing into the cache read nothing either."""
+    from test_host_reads import host_reads
+
+    prompts = repetitive_prompts(8, 24, seed=4)
+    input_ids, mask = left_pad(prompts)
+    with host_reads.HostReads() as reads:
+        repetitive_target.generate(input_ids, attention_mask=mask, custom_generate="tetris", max_new_tokens=30,
+                                   tetris_suffix_num_tokens=3, tetris_strategy=strategy, eos_token_id=EOS,
+                                   pad_token_id=PAD, tetris_step_callback=reads.step_done)
+    steady = reads.per_step[2:-1]
+    assert len(steady) >= 5
+    assert max(steady) <= 2, reads.per_step
+
+
+def test_many_rows_search_themselves_only():
+    """Above the peer budget each row searches itself (the cache still spans every row): drafts equal a
+    one-row drafter's."""
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randint(3, 6, (64, 40), generator=generator)
+    batched = SuffixCandidateGenerator(max_tokens=3)
+    batched.prefill(rows, torch.ones_like(rows))
+    import tetris_hf.candidate_generators.suffix as suffix
+    assert 64 * 64 * 40 * batched.depth > suffix.PEER_BUDGET // 64  # (the budget below is crossed)
+    original = suffix.PEER_BUDGET
+    try:
+        suffix.PEER_BUDGET = 0
+        drafts, counts, _, _ = batched.draft(rows.clone(), torch.full((64,), 40), 3)
+    finally:
+        suffix.PEER_BUDGET = original
+    for index in range(0, 64, 9):
+        alone = SuffixCandidateGenerator(max_tokens=3)
+        alone.prefill(rows[index : index + 1], torch.ones_like(rows[index : index + 1]))
+        one, count, _, _ = alone.draft(rows[index : index + 1].clone(), torch.tensor([40]), 3)
+        assert int(counts[index]) == int(count[0])
+        assert drafts[index, : int(count[0])].tolist() == one[0, : int(count[0])].tolist()

@@ -1,0 +1,327 @@
+"""A suffix cache of earlier requests' tokens, and the frequency-scored chain a row's recent tokens draft from it.
+
+Pure tensor code on any device (no model, no device read); the drafter that uses it is
+:mod:`tetris_hf.candidate_generators.suffix`.
+
+**The cache** (:class:`SuffixCache`) holds the last ``tokens_per_request`` tokens of each of the last
+``max_requests`` requests it was given, one slot each, right-aligned (``-1`` where a request was shorter). A slot is
+indexed by n-gram: for each ``n`` in ``1..depth`` and each column ``p`` followed by a token, the key of the ``n``
+tokens ending at ``p`` (two polynomial hashes mod primes below ``2^31``, packed into one ``int64``); each slot's keys
+are sorted per ``n``, with the columns they came from. Adding a request writes one slot and sorts its keys; the
+oldest request is overwritten once every slot is full (a ring). Memory is fixed when it is built:
+``max_requests * tokens_per_request * (8 + 12 * depth)`` bytes (tokens, keys and ``int32`` columns).
+
+**Matching**: a row's last ``depth`` tokens give one key per ``n``; ``searchsorted`` in every slot finds, per
+``n``, the range of sorted keys equal to it. The longest ``n`` with any occurrence is the cache's match
+(:meth:`SuffixCache.ranges`, :func:`longest_match`); up to ``num`` occurrences of the winning n-gram, newest slots
+first, each bring the ``K`` tokens that followed them (:meth:`SuffixCache.continuations`).
+
+**Scoring** (:func:`frequency_chain`): among a row's occurrences (the cache's and the batch's own, gathered by the
+drafter), depth ``j`` of the chain is the continuation token most of the still-agreeing occurrences have there; the
+occurrences that had another token drop out. Cell ``j`` carries ``count_j`` (occurrences that chose its token) and
+``total_j`` (occurrences alive at depth ``j``); ``total_{j+1}`` is ``count_j`` minus the occurrences that ended there.
+E.g. continuations ``[a b]``, ``[a b]``, ``[a c]``, ``[d e]``: the chain is ``a b`` with counts ``3, 2`` out of
+``4, 3``.
+
+Thread safety: :class:`SuffixCache` serialises :meth:`~SuffixCache.add` and a drafter's reads of one step through
+its :attr:`~SuffixCache.lock` (a stream's worker adds and reads; a user may seed it from another thread).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+SUFFIX_DEPTH = 8  # the longest n-gram a row's recent tokens are matched by
+PEER_BUDGET = 1 << 24  # compared tokens (B * B * W * depth) up to which rows search each other, not just themselves
+NO_KEY = torch.iinfo(torch.int64).max  # the key of a column that starts no usable n-gram (sorted last, never asked)
+_PRIMES = (2147483647, 2147483629)
+_BASES = (1_000_003, 972_663_749)  # multipliers below both primes
+
+
+def _powers(depth: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(depth,)`` ``base^i mod prime`` for both hashes."""
+    out = []
+    for prime, base in zip(_PRIMES, _BASES):
+        values, power = [], 1
+        for _ in range(depth):
+            values.append(power)
+            power = power * base % prime
+        out.append(torch.tensor(values, dtype=torch.long, device=device))
+    return out[0], out[1]
+
+
+def ngram_keys(tokens: torch.Tensor, depth: int) -> torch.Tensor:
+    """``(depth, *lead, W)``: entry ``[n - 1, ..., p]`` is the key of the ``n`` tokens ending at column ``p`` of
+    ``tokens`` ``(*lead, W)`` (``-1``: no token), :data:`NO_KEY` where that window reaches a ``-1`` or the row's
+    start. Equal n-grams get equal keys; different ones collide with probability about ``2^-62``."""
+    power1, power2 = _powers(depth, tokens.device)
+    real = tokens >= 0
+    values = (tokens + 1).clamp(min=0)
+    hash1 = torch.zeros_like(values)
+    hash2 = torch.zeros_like(values)
+    complete = torch.ones_like(real)
+    keys = []
+    for n in range(depth):  # the token n places before p joins the window
+        if n == 0:
+            shifted, shifted_real = values, real
+        else:
+            shifted = torch.nn.functional.pad(values[..., :-n], (n, 0), value=0)
+            shifted_real = torch.nn.functional.pad(real[..., :-n], (n, 0), value=False)
+        hash1 = (hash1 + shifted * power1[n]) % _PRIMES[0]
+        hash2 = (hash2 + shifted * power2[n]) % _PRIMES[1]
+        complete = complete & shifted_real
+        keys.append(torch.where(complete, hash1 * 2 ** 31 + hash2, NO_KEY))
+    return torch.stack(keys)
+
+
+def suffix_keys(sequences: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, depth: int) -> torch.Tensor:
+    """``(depth, B)``: the key of each row's last ``n`` tokens, ``n = 1..depth`` (:data:`NO_KEY` where the row holds
+    fewer than ``n`` real tokens).
+
+    Args:
+        sequences: ``(B, T)``; row ``i`` real in ``[starts[i], lengths[i])``, ``lengths >= 1``.
+        starts, lengths: ``(B,)``.
+    """
+    columns = (lengths - depth)[:, None] + torch.arange(depth, device=sequences.device)[None, :]  # (B, d)
+    window = sequences.gather(1, columns.clamp(min=0))
+    window = torch.where(columns >= starts[:, None], window, -1)
+    return ngram_keys(window, depth)[:, :, -1]
+
+
+def longest_match(counts: torch.Tensor) -> torch.Tensor:
+    """``(B,)`` the largest ``n`` whose ``counts`` ``(depth, B)`` (occurrences of each row's last ``n`` tokens) is
+    positive, 0 where none is."""
+    depth = counts.shape[0]
+    sizes = torch.arange(1, depth + 1, device=counts.device)[:, None]
+    return torch.where(counts > 0, sizes, 0).amax(dim=0)
+
+
+class SuffixCache:
+    """Earlier requests' tokens, indexed by n-gram (see the module docstring); a ring of ``max_requests`` slots of
+    ``tokens_per_request`` tokens each.
+
+    Args:
+        max_requests: requests kept (the oldest is overwritten by the next once all are full), ``>= 1``.
+        tokens_per_request: each request's last tokens kept (prompt and output together), ``>= 2``.
+        depth: the longest n-gram matched.
+        device: where the tensors live (:meth:`to` moves them).
+    """
+
+    def __init__(self, max_requests: int = 256, tokens_per_request: int = 512, depth: int = SUFFIX_DEPTH,
+                 device: torch.device | str = "cpu"):
+        for name, value, minimum in (("max_requests", max_requests, 1), ("tokens_per_request", tokens_per_request, 2),
+                                     ("depth", depth, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}")
+        self.max_requests, self.width, self.depth = max_requests, tokens_per_request, depth
+        device = torch.device(device)
+        self.tokens = torch.full((max_requests, tokens_per_request), -1, dtype=torch.long, device=device)  # (R, W)
+        self.keys = torch.full((depth, max_requests, tokens_per_request), NO_KEY, dtype=torch.long,
+                               device=device)  # (d, R, W) sorted along W
+        self.columns = torch.zeros((depth, max_requests, tokens_per_request), dtype=torch.int32,
+                                   device=device)  # (d, R, W) the column each sorted key ends at
+        self.next_slot = 0  # the slot the next request takes
+        self.added = 0  # requests added over the cache's life
+        self.lock = threading.RLock()
+
+    @property
+    def device(self) -> torch.device:
+        return self.tokens.device
+
+    @property
+    def num_requests(self) -> int:
+        """Requests held now (at most ``max_requests``)."""
+        return min(self.added, self.max_requests)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the cache's tensors hold (fixed at construction)."""
+        return sum(t.numel() * t.element_size() for t in (self.tokens, self.keys, self.columns))
+
+    def to(self, device: torch.device | str) -> SuffixCache:
+        """Move the tensors to ``device`` (in place; returns ``self``)."""
+        with self.lock:
+            self.tokens, self.keys, self.columns = (t.to(device) for t in (self.tokens, self.keys, self.columns))
+        return self
+
+    def add(self, sequences: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor | None = None) -> None:
+        """Keep requests: row ``i`` of ``sequences`` ``(M, T)`` holds real tokens in ``[starts[i], lengths[i])``
+        (``starts`` ``(M,)``, default 0; ``lengths`` ``(M,)``); each takes the next slot, its last
+        ``tokens_per_request`` tokens right-aligned. Reads nothing from the device."""
+        num = sequences.shape[0]
+        if num == 0:
+            return
+        if num > self.max_requests:  # only the last ones would survive
+            sequences, lengths = sequences[-self.max_requests:], lengths[-self.max_requests:]
+            starts = None if starts is None else starts[-self.max_requests:]
+            num = self.max_requests
+        device = self.device
+        sequences, lengths = sequences.to(device), lengths.to(device)
+        starts = torch.zeros_like(lengths) if starts is None else starts.to(device)
+        columns = (lengths - self.width)[:, None] + torch.arange(self.width, device=device)[None, :]  # (M, W)
+        tokens = sequences.gather(1, columns.clamp(min=0, max=sequences.shape[1] - 1))
+        tokens = torch.where((columns >= starts[:, None]) & (columns >= 0), tokens, -1)
+        keys = ngram_keys(tokens, self.depth)  # (d, M, W)
+        # an n-gram counts only where a token follows it (right-aligned: every column but the last)
+        keys[:, :, -1] = NO_KEY
+        keys, order = keys.sort(dim=-1)
+        with self.lock:
+            slots = (self.next_slot + torch.arange(num, device=device)) % self.max_requests
+            self.tokens[slots] = tokens
+            self.keys[:, slots] = keys
+            self.columns[:, slots] = order.to(torch.int32)
+            self.next_slot = (self.next_slot + num) % self.max_requests
+            self.added += num
+
+    def add_token_lists(self, requests: list[list[int]]) -> None:
+        """Keep requests given as token lists (e.g. earlier outputs read from a file)."""
+        requests = [list(request) for request in requests if len(request) > 0]
+        if not requests:
+            return
+        width = max(len(request) for request in requests)
+        sequences = torch.full((len(requests), width), -1, dtype=torch.long)
+        for row, request in enumerate(requests):
+            sequences[row, : len(request)] = torch.tensor(request, dtype=torch.long)
+        self.add(sequences, torch.tensor([len(request) for request in requests]))
+
+    def ranges(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where each query key sits in every slot's sorted keys: ``lo``, ``hi`` ``(d, R, B)`` (the occurrences of
+        row ``b``'s last ``n`` tokens in slot ``r`` are ``keys[n - 1, r, lo:hi]``), for ``query`` ``(d, B)`` from
+        :func:`suffix_keys` (:data:`NO_KEY` never matches)."""
+        depth, rows = query.shape
+        values = query[:, None, :].expand(depth, self.max_requests, rows).contiguous()
+        lo = torch.searchsorted(self.keys, values, side="left")
+        hi = torch.searchsorted(self.keys, values, side="right")
+        hi = torch.where(query[:, None, :] == NO_KEY, lo, hi)
+        return lo, hi
+
+    def continuations(self, lo: torch.Tensor, hi: torch.Tensor, ngram: torch.Tensor, num: int,
+                      num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Up to ``num`` occurrences per row of its last ``ngram[b]`` tokens (``(B,)``, 0: none), newest slots
+        first, and the ``K = num_tokens`` tokens after each.
+
+        Returns:
+            ``tokens`` ``(B, num, K)`` (``-1`` past a request's end) and ``found`` ``(B, num)`` bool.
+        """
+        rows = ngram.shape[0]
+        device = self.device
+        size = (ngram - 1).clamp(min=0)  # (B,)
+        count = (hi - lo).gather(0, size[None, None, :].expand(1, self.max_requests, rows))[0].T  # (B, R) by slot
+        count = torch.where(ngram[:, None] > 0, count, 0)
+        newest = (self.next_slot - 1 - torch.arange(self.max_requests, device=device)) % self.max_requests  # (R,)
+        count = count[:, newest]  # (B, R) newest slot first
+        ends = count.cumsum(dim=1)  # (B, R)
+        wanted = torch.arange(num, device=device).expand(rows, num).contiguous()  # (B, num)
+        rank = torch.searchsorted(ends, wanted, side="right").clamp(max=self.max_requests - 1)  # (B, num)
+        found = wanted < ends[:, -1:]
+        offset = wanted - (ends.gather(1, rank) - count.gather(1, rank))
+        slot = newest[rank]  # (B, num)
+        first = lo[size[:, None], slot, torch.arange(rows, device=device)[:, None]]  # (B, num)
+        place = (first + offset).clamp(max=self.width - 1)
+        column = self.columns[size[:, None], slot, place].long()  # (B, num) where the n-gram ends
+        after = column[..., None] + 1 + torch.arange(num_tokens, device=device)  # (B, num, K)
+        tokens = self.tokens[slot[..., None], after.clamp(max=self.width - 1)]
+        tokens = torch.where((after < self.width) & found[..., None], tokens, -1)
+        return tokens, found
+
+
+def frequency_chain(candidates: torch.Tensor, alive: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                                             torch.Tensor, torch.Tensor]:
+    """The most frequent continuation, depth by depth, among each row's occurrences.
+
+    Args:
+        candidates: ``(B, C, K)`` the ``K`` tokens after each of ``C`` occurrences (``-1`` past its end).
+        alive: ``(B, C)`` bool, which occurrences count.
+
+    Returns:
+        ``tokens`` ``(B, K)`` (0 past a row's count), ``counts`` ``(B,)`` cells drafted, ``chosen`` ``(B, K)``
+        occurrences that had the drafted token at each depth and ``total`` ``(B, K)`` occurrences alive there
+        (0 past the count). Ties go to the earliest occurrence in ``C``'s order.
+    """
+    rows, _, num_tokens = candidates.shape
+    tokens, chosen, total = [], [], []
+    for depth in range(num_tokens):
+        column = candidates[:, :, depth]  # (B, C)
+        alive = alive & (column >= 0)
+        same = (column[:, :, None] == column[:, None, :]) & alive[:, None, :]  # (B, C, C)
+        votes = torch.where(alive, same.sum(dim=2), -1)  # (B, C)
+        best = votes.argmax(dim=1, keepdim=True)  # (B, 1) the first occurrence of the most frequent token
+        token = column.gather(1, best)  # (B, 1)
+        count = votes.gather(1, best)[:, 0].clamp(min=0)
+        tokens.append(torch.where(count > 0, token[:, 0], 0))
+        chosen.append(count)
+        total.append(alive.sum(dim=1))
+        alive = alive & (column == token)
+    chosen, total = torch.stack(chosen, dim=1), torch.stack(total, dim=1)
+    return torch.stack(tokens, dim=1), (chosen > 0).sum(dim=1), chosen, total
+
+
+def batch_matches(sequences: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, depth: int,
+                  peers: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """How far every column of every row of a batch matches each row's last tokens: the batch's own rows as a
+    cache (a row's own earlier tokens, and every other row's).
+
+    E.g. rows ``[a b c a b]`` and ``[x a b d]`` (no padding), ``depth = 3``: row 0's last tokens ``a b`` end at row 0
+    column 1 (2 tokens, followed by ``c``) and row 1 column 2 (2 tokens, followed by ``d``).
+
+    Args:
+        sequences: ``(B, W)`` (a host bound on the rows' lengths); row ``i`` real in ``[starts[i], lengths[i])``.
+        starts, lengths: ``(B,)``.
+        depth: the most tokens compared.
+        peers: search every row (``B * B * W * depth`` compares); ``False``: each row only itself.
+
+    Returns:
+        ``context`` ``(B, B * W)``: for query row ``b`` and column ``p`` of row ``r`` (flattened ``r * W + p``), how
+        many tokens ending there equal row ``b``'s last ones (at most ``depth``), 0 where no token follows column
+        ``p`` in row ``r`` (its own end, padding, past its length); ``(B, W)`` without ``peers`` (row ``b``'s own
+        columns); and ``tokens`` ``(B, W)``, the rows' real tokens, ``-1`` elsewhere.
+    """
+    rows, width = sequences.shape
+    columns = torch.arange(width, device=sequences.device)[None, :]
+    real = (columns >= starts[:, None]) & (columns < lengths[:, None])
+    tokens = torch.where(real, sequences, -1)  # (B, W)
+    windows = torch.nn.functional.pad(tokens, (depth - 1, 0), value=-1).unfold(1, depth, 1)  # (B, W, d) ending at p
+    suffix = windows.gather(1, (lengths - 1).clamp(min=0)[:, None, None].expand(-1, 1, depth))  # (B, 1, d)
+    suffix = suffix.masked_fill(suffix < 0, -2)  # a row's own padding matches nothing
+    places = torch.arange(1, depth + 1, dtype=torch.int16, device=sequences.device)
+    haystack = windows.reshape(1, rows * width, depth) if peers else windows
+    context = depth - ((haystack != suffix) * places).amax(dim=-1).long()  # (B, B W) or (B, W)
+    followed = (columns + 1 < lengths[:, None]) & real  # (B, W) a token follows in the same row
+    return torch.where(followed.reshape(1, -1) if peers else followed, context, 0), tokens
+
+
+def batch_continuations(tokens: torch.Tensor, context: torch.Tensor, ngram: torch.Tensor, num: int,
+                        num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to ``num`` of each row's occurrences in the batch that match at least ``ngram[b]`` tokens (``(B,)``, 0:
+    none): the longest matches first, then the row's own, then the latest; and the ``K`` tokens after each.
+
+    Args:
+        tokens: ``(B, W)`` the rows' real tokens, ``-1`` elsewhere (from :func:`batch_matches`).
+        context: ``(B, B * W)`` from :func:`batch_matches`, or ``(B, W)`` (each row itself).
+
+    Returns:
+        ``candidates`` ``(B, num, K)`` (``-1`` past a row's end) and ``found`` ``(B, num)`` bool.
+    """
+    rows, width = tokens.shape
+    flat = context.shape[1]
+    device = tokens.device
+    place = torch.arange(flat, device=device)[None, :]  # (1, B W) or (1, W)
+    if flat != width:
+        row_base = 0  # peers: the place says which row
+        own = (place // width) == torch.arange(rows, device=device)[:, None]  # (B, B W)
+    else:
+        row_base = torch.arange(rows, device=device)[:, None] * width  # each row itself
+        own = torch.ones_like(place, dtype=torch.bool)
+    key = (context * 2 + own) * flat + place
+    key = torch.where((context >= ngram[:, None]) & (ngram[:, None] > 0), key, -1)
+    num = min(num, flat)
+    key, chosen = key.topk(num, dim=1)  # (B, num)
+    chosen = chosen + row_base
+    found = key >= 0
+    row_of, column = chosen // width, chosen % width
+    after = column[..., None] + 1 + torch.arange(num_tokens, device=device)  # (B, num, K)
+    candidates = tokens[row_of[..., None], after.clamp(max=width - 1)]
+    candidates = torch.where((after < width) & found[..., None], candidates, -1)
+    return candidates, found
