@@ -60,8 +60,9 @@ def test_export_commands_write_every_file_and_the_same_files_again(exported, tmp
         written.append(_files(space))
         assert sorted(str(Path(line).relative_to(space)) for line in printed) == sorted(written[-1])
     assert written[0] == written[1]
-    strategy = {name.removeprefix("strategy/"): text for name, text in written[0].items() if name.startswith("strategy/")}
-    assert strategy == first
+    strategy = {name.removeprefix("strategy/"): text for name, text in written[0].items()
+                if name.startswith("strategy/")}
+    assert strategy == first  # the Space's strategy/ is the Hub folder
     app_files = {path.name for path in hub_export.space_files()}
     assert {"app.py", "README.md", "requirements.txt", "space_models.py", "tetris_runs.py"} <= app_files
     assert {name for name in written[0] if not name.startswith("strategy/")} == app_files

@@ -40,6 +40,7 @@ from packaging.version import Version
 from .. import __version__
 from ..outputs import TetrisStats
 from ..options import TetrisOptions
+from .cli import UsageError
 
 DISTRIBUTION = "tetris-hf"
 PACKAGE = "tetris_hf"
@@ -444,8 +445,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _writable_folder(directory: str) -> Path:
     """``directory`` as a folder the export can write, or a :class:`UsageError` saying why not."""
-    from .cli import UsageError
-
     path = Path(directory)
     parent = path.resolve().parent
     if not parent.is_dir():
@@ -459,15 +458,13 @@ def _writable_folder(directory: str) -> Path:
 
 def main(args) -> int:
     """Write the folder ``args.command`` names (``export-hub``: the Hub repository, ``export-space``: the Space);
-    print each file written."""
-    from .cli import UsageError
-
+    print each file written. A package the export refuses (:class:`ExportError`) is exit status 1."""
     directory = _writable_folder(args.directory)
     write = {"export-hub": export, "export-space": export_space}[args.command]
     try:
         written = write(directory)
     except ExportError as error:
-        print(f"tetris-hf {args.command}: {error}", file=sys.stderr)
+        print(f"tetris-hf {args.command}: error: {error}", file=sys.stderr)
         return 1
     except OSError as error:
         raise UsageError(f"cannot write {error.filename or directory}: {error.strerror or error}") from None
