@@ -1,26 +1,33 @@
 """The Hub-style folder gives the same output as the registered name, from any working directory."""
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import tetris_hf  # noqa: F401
+from tetris_hf.tools.hub_export import export
 from tiny_models import PAD, left_pad, noisy_copy, random_prompts, tiny_llama
 
-HUB_FOLDER = Path(__file__).resolve().parents[1] / "hub"
+
+@pytest.fixture(scope="module")
+def hub_folder(tmp_path_factory) -> Path:
+    """The Hub folder as ``tetris-hf export-hub`` writes it (not kept in git), once for the module."""
+    folder = tmp_path_factory.mktemp("hub") / "tetris-copy"
+    export(folder)
+    return folder
 
 
-def test_local_folder_equals_registered_name():
+def test_local_folder_equals_registered_name(hub_folder):
     target = tiny_llama(60, seed=51)
     draft = noisy_copy(target, 0.4, seed=52)
     input_ids, mask = left_pad(random_prompts(4, 60, seed=53))
     kwargs = dict(attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=10, pad_token_id=PAD)
     by_name = target.generate(input_ids, custom_generate="tetris", **kwargs)
-    by_folder = target.generate(input_ids, custom_generate=str(HUB_FOLDER), trust_remote_code=True, **kwargs)
+    by_folder = target.generate(input_ids, custom_generate=str(hub_folder), trust_remote_code=True, **kwargs)
     assert torch.equal(by_name, by_folder)
 
 
@@ -43,7 +50,7 @@ def test_name_resolves_from_any_directory(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The folder stands alone: a copy of hub/ runs in a Python that cannot import tetris_hf at all.
+# The folder stands alone: an export runs in a Python that cannot import tetris_hf at all.
 
 ISOLATED_SCRIPT = '''
 import sys
@@ -76,14 +83,13 @@ report({
 '''
 
 
-def test_copied_folder_runs_without_the_package_and_equals_the_registered_name(tmp_path):
-    """A copy of hub/ in a temporary folder, loaded by path in a Python where tetris_hf cannot be imported, gives
+def test_copied_folder_runs_without_the_package_and_equals_the_registered_name(hub_folder, tmp_path):
+    """The exported folder in a temporary folder, loaded by path in a Python where tetris_hf cannot be imported, gives
     the registered name's greedy output token for token; tetris_budget, tetris_strategy="adaptive" and
     tetris_step_callback reach it."""
     from isolated_python import run_isolated
 
-    folder = tmp_path / "tetris-copy"
-    shutil.copytree(HUB_FOLDER, folder)
+    folder = hub_folder
     target = tiny_llama(60, seed=71)
     draft = noisy_copy(target, 0.4, seed=72)
     target.save_pretrained(tmp_path / "target")

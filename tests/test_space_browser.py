@@ -3,7 +3,7 @@ sentence, the Run button in view, the explanation folded); a 4-prompt batch, the
 ratios to plain, the batch's line in words, the terms defined, the device, the board (step counts equal to the
 metrics', the budget label inside its grid) and its step slider, the greedy check mark; the empty-prompt message;
 Stop (nothing left "waiting", runs not started saying so); the same batch with draft trees of width 3; a
-prompt-lookup batch on Code edit presets (which needs a strategy/ export that has prompt lookup); and the shared
+prompt-lookup batch on Code edit presets (the strategy/ exported first, as export-space does); and the shared
 stream: two browsers (two visitors, each its own session) send at the same moment, both requests go into one batch
 and each gets the target's own greedy output, and the board labels its chart and gives the batch's total speed.
 
@@ -112,6 +112,9 @@ def _tiny_pair():
 
 @pytest.fixture(scope="module")
 def app_url():
+    from tetris_hf.tools.hub_export import export_space
+
+    export_space(SPACE)  # its strategy/ (not kept in git), as `tetris-hf export-space examples/space` writes it
     sys.path.insert(0, str(SPACE))
     import app
 

@@ -1,4 +1,5 @@
-"""The Space folder stands alone: a copy of examples/space/ imports, builds its page and runs its four runs, with a
+"""The Space folder stands alone: the Space as ``tetris-hf export-space DIR`` writes it (examples/space/'s files and
+the Hub folder as its strategy/, not kept in git) imports, builds its page and runs its four runs, with a
 draft model (chains and trees), an EAGLE head (chains and trees) and with prompt lookup, in a Python that cannot import
 tetris_hf (tests/isolated_python.py), with the
 strategy from its own strategy/ folder (so prompt lookup needs an export that has it) and the models loaded by its
@@ -7,16 +8,23 @@ strategy copy's request stream (an export that has tetris_hf.continuous)."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 
 from isolated_python import run_isolated
+from tetris_hf.tools.hub_export import export_space
 from tiny_models import noisy_copy, sharpen, tiny_llama
 from tiny_tokenizer import tiny_tokenizer
 
-SPACE = Path(__file__).resolve().parents[1] / "examples" / "space"
+
+@pytest.fixture(scope="module")
+def space(tmp_path_factory) -> Path:
+    """The exported Space, once for the module (both tests only read it)."""
+    folder = tmp_path_factory.mktemp("space") / "space-copy"
+    export_space(folder)
+    return folder
+
 
 SCRIPT = '''
 import sys
@@ -122,10 +130,8 @@ def _save_tetris_draft(target, folder: Path) -> None:
     (folder / "draft_config.json").write_text(json.dumps(config))
 
 
-def test_space_copy_builds_its_page_and_runs_without_tetris_hf(tmp_path):
+def test_space_copy_builds_its_page_and_runs_without_tetris_hf(space, tmp_path):
     pytest.importorskip("gradio", reason="the Space's page needs gradio (examples/space/requirements.txt)")
-    space = tmp_path / "space-copy"
-    shutil.copytree(SPACE, space, ignore=shutil.ignore_patterns("__pycache__", "screenshot*.png"))
     target = sharpen(tiny_llama(vocab_size=64, seed=0), 6.0)
     target.save_pretrained(tmp_path / "target")
     tiny_tokenizer().save_pretrained(tmp_path / "target")
@@ -210,9 +216,7 @@ stream.stop()
 '''
 
 
-def test_space_copy_serves_two_visitors_in_one_batch_without_tetris_hf(tmp_path):
-    space = tmp_path / "space-copy"
-    shutil.copytree(SPACE, space, ignore=shutil.ignore_patterns("__pycache__", "*.png"))
+def test_space_copy_serves_two_visitors_in_one_batch_without_tetris_hf(space, tmp_path):
     target = sharpen(tiny_llama(vocab_size=64, seed=0), 6.0)
     target.save_pretrained(tmp_path / "target")
     tiny_tokenizer().save_pretrained(tmp_path / "target")

@@ -1,7 +1,7 @@
 """The Space's runners (examples/space/tetris_runs.py) and its page helpers (app.py), without a browser.
 
-The runs load the strategy from the Space's own copy of the Hub folder (examples/space/strategy/): the prompt-lookup
-runs need an export that has prompt lookup (``python -m tetris_hf.tools.hub_export hub/ examples/space/strategy/``)."""
+The runs load the strategy from the Space's own copy of the Hub folder (examples/space/strategy/, not kept in git),
+which :func:`strategy_copy` exports from the package first (``tetris-hf export-space examples/space``)."""
 
 from __future__ import annotations
 
@@ -24,10 +24,18 @@ from tetris_runs import (  # noqa: E402
     ADAPTIVE, FIXED, LOOKUP, PLAIN, SPECULATIVE, STRATEGIES, TETRIS, TITLES, BatchStreamer, LiveRun, RunCancelled, Settings,
     device_name, encode_prompts, greedy_agreement, run_all, run_plain, run_speculative, stream_runs,
 )
+from tetris_hf.tools.hub_export import SPACE_DIR, export_space  # noqa: E402
 from tiny_models import EOS, noisy_copy, sharpen, tiny_llama  # noqa: E402
 from tiny_tokenizer import tiny_tokenizer  # noqa: E402
 
 PROMPTS = ["the quick brown fox", "hello how are you today ?", "what is the capital of france ?", "tell me a story"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def strategy_copy():
+    """The Space's strategy/ (not kept in git), written from the package as `tetris-hf export-space examples/space`
+    does in a checkout, before any run loads it."""
+    export_space(SPACE_DIR)
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,8 @@
 every caller, requests from separate threads in the same batch and each equal to the target alone (greedy), a
 visitor who goes away frees its row, and the board's HTML says who is in the batch.
 
-The stream is the Space's strategy copy's (examples/space/strategy/, which must hold tetris_hf.continuous: an export
-made after the library gained it)."""
+The stream is the Space's strategy copy's (examples/space/strategy/, not kept in git), which :func:`strategy_copy`
+exports from the package first (``tetris-hf export-space examples/space``)."""
 
 from __future__ import annotations
 
@@ -18,11 +18,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "space
 
 import shared_stream  # noqa: E402
 from shared_stream import SharedStream, render_output, render_stream_board  # noqa: E402
+from tetris_hf.tools.hub_export import SPACE_DIR, export_space  # noqa: E402
 from tetris_runs import encode_prompts  # noqa: E402
 from tiny_models import noisy_copy, sharpen, tiny_llama  # noqa: E402
 from tiny_tokenizer import tiny_tokenizer  # noqa: E402
 
 PROMPTS = ["the quick brown fox", "hello how are you today ?"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def strategy_copy():
+    """The Space's strategy/ (not kept in git), written from the package as `tetris-hf export-space examples/space`
+    does in a checkout, before any run loads it."""
+    export_space(SPACE_DIR)
 
 
 @pytest.fixture(scope="module")

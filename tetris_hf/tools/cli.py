@@ -19,6 +19,9 @@ COMMANDS = {
                      "transformers' generate_batch and static chunks"),
     "simulate": ("tetris_hf.tools.simulate", "replay recorded acceptance traces under a cost curve"),
     "bound": ("tetris_hf.tools.bound", "optimal multi-draft acceptance vs verifiers on real distributions"),
+    # one module, two commands: its main reads args.command
+    "export-hub": ("tetris_hf.tools.hub_export", "write the strategy as a Hub custom_generate repository into DIR"),
+    "export-space": ("tetris_hf.tools.hub_export", "write the Space demo (examples/space/ and its strategy/) into DIR"),
 }
 
 

@@ -1,7 +1,10 @@
 """Write the Hub ``custom_generate`` repository of tetris_hf: the generation strategy's own modules, flattened.
 
-    python -m tetris_hf.tools.hub_export hub/ examples/space/strategy/   # the folders committed in this repository
-    python -m tetris_hf.tools.hub_export /tmp/repo                       # then: hf upload <user>/tetris /tmp/repo
+    tetris-hf export-hub /tmp/tetris          # then: hf upload USER/tetris /tmp/tetris .
+    tetris-hf export-space /tmp/tetris-live   # the Space (examples/space/ and its strategy/ copy of the folder)
+                                              # then: hf upload USER/tetris-live /tmp/tetris-live . --repo-type space
+
+Neither folder is kept in git: both are generated (``python -m tetris_hf.tools.hub_export DIR`` is ``export-hub``).
 
 transformers loads ``custom_generate/generate.py`` with ``get_cached_module_file``: it copies the modules that file
 imports relatively (``from .kv import SlotCache``), recursively, but only flat files of the same folder, and checks
@@ -25,7 +28,9 @@ import ast
 import dataclasses
 import importlib.metadata
 import inspect
+import os
 import re
+import shutil
 import sys
 import textwrap
 from pathlib import Path
@@ -35,10 +40,14 @@ from packaging.version import Version
 from .. import __version__
 from ..outputs import TetrisStats
 from ..options import TetrisOptions
+from .cli import UsageError
 
 DISTRIBUTION = "tetris-hf"
 PACKAGE = "tetris_hf"
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
+# The Space's app in a checkout (not in the wheel); export-space copies its files and adds strategy/.
+SPACE_DIR = PACKAGE_DIR.parent / "examples" / "space"
+SPACE_SUFFIXES = frozenset({".py", ".md", ".txt", ".json", ".png"})
 # The roots of the export: the generation strategy (what transformers calls) and the request stream (importable from
 # the folder as a package, e.g. by the Space).
 ENTRIES = ("tetris_hf.generation", "tetris_hf.continuous")
@@ -51,7 +60,7 @@ GENERATE_PY = '''"""TETRIS batched speculative decoding as a transformers ``cust
 ``model.generate(inputs, assistant_model=draft, custom_generate="<this repo>", trust_remote_code=True)`` runs
 :func:`generation.generate`. The modules of this folder are tetris_hf's generation strategy and its request stream
 (``generate_batch`` and ``init_continuous_batching``: rows that join a live batch as others finish), exported by
-``python -m tetris_hf.tools.hub_export``: edit the tetris_hf package and export again, not these copies.
+``tetris-hf export-hub``: edit the tetris_hf package and export again, not these copies.
 """
 
 from .continuous import generate_batch, init_continuous_batching
@@ -191,8 +200,8 @@ def flat_source(module: LibraryModule) -> str:
             raise ExportError(f"tetris_hf/{module.relative_path}:{node.lineno}: write `from X import` on one line")
         flat = LibraryModule(target, module_path(target)).flat
         lines[node.lineno - 1] = line[:column] + f"from .{flat} import" + line[head.end():]
-    note = (f"# Exported from tetris_hf/{module.relative_path} by `python -m tetris_hf.tools.hub_export`: edit the package, "
-            "not this copy.\n")
+    note = (f"# Exported from tetris_hf/{module.relative_path} by `tetris-hf export-hub`: edit the package, not this "
+            "copy.\n")
     return note + "".join(lines)
 
 
@@ -316,7 +325,7 @@ the target in one forward pass; every row keeps its accepted prefix plus one tar
 target alone, token for token; sampled output has the target's distribution.
 
 This repository holds no weights, only code: `custom_generate/` is tetris-hf {version}'s generation strategy,
-exported by `python -m tetris_hf.tools.hub_export` as flat modules (nothing else to install: its requirements are
+exported by `tetris-hf export-hub` as flat modules (nothing else to install: its requirements are
 {", ".join(f"`{line}`" for line in requirements)}).
 
 ## What `trust_remote_code=True` runs
@@ -405,18 +414,67 @@ def export(directory: str | Path) -> list[Path]:
     return list(files)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m tetris_hf.tools.hub_export", description=__doc__.split("\n\n")[0])
-    parser.add_argument("directories", nargs="+", metavar="directory",
-                        help="the folders to write (in this repository: hub/ examples/space/strategy/)")
-    args = parser.parse_args(argv)
+def space_files(source: Path = SPACE_DIR) -> list[Path]:
+    """The Space's own files: those at the top of ``source`` (app, its modules, README with the Space's front matter,
+    requirements, presets, screenshots); not ``strategy/``, which is exported."""
+    return sorted(path for path in source.iterdir() if path.is_file() and path.suffix in SPACE_SUFFIXES)
+
+
+def export_space(directory: str | Path, source: Path = SPACE_DIR) -> list[Path]:
+    """Write the Space into ``directory`` (created if needed): the files of ``source`` (a checkout's examples/space/)
+    and the Hub folder as ``strategy/``, where the app loads it from; returns the files written. ``directory`` may
+    be ``source`` itself: then only ``strategy/`` is written (what ``python examples/space/app.py`` needs)."""
+    if not source.is_dir():
+        raise ExportError(f"{source} is absent: export-space copies the Space from a tetris-hf checkout "
+                          "(git clone the repository and run it there)")
+    root = Path(directory)
+    root.mkdir(exist_ok=True)
+    written = []
+    for path in space_files(source):
+        copy = root / path.name
+        if not (copy.exists() and copy.samefile(path)):
+            shutil.copyfile(path, copy)
+        written.append(copy)
+    return written + export(root / "strategy")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``tetris-hf export-hub DIR`` and ``tetris-hf export-space DIR`` (both commands share this module)."""
+    parser.add_argument("directory", help="the folder to write (created if absent; its parent must exist)")
+
+
+def _writable_folder(directory: str) -> Path:
+    """``directory`` as a folder the export can write, or a :class:`UsageError` saying why not."""
+    path = Path(directory)
+    parent = path.resolve().parent
+    if not parent.is_dir():
+        raise UsageError(f"{path}: its parent {parent} is not an existing folder; create it first")
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{path} is a file, not a folder")
+    if not os.access(path if path.exists() else parent, os.W_OK):
+        raise UsageError(f"{path}: no permission to write there")
+    return path
+
+
+def main(args) -> int:
+    """Write the folder ``args.command`` names (``export-hub``: the Hub repository, ``export-space``: the Space);
+    print each file written. A package the export refuses (:class:`ExportError`) is exit status 1."""
+    directory = _writable_folder(args.directory)
+    write = {"export-hub": export, "export-space": export_space}[args.command]
     try:
-        for directory in args.directories:
-            for path in export(directory):
-                print(path)
+        written = write(directory)
     except ExportError as error:
-        parser.exit(1, f"python -m tetris_hf.tools.hub_export: {error}\n")
+        print(f"tetris-hf {args.command}: error: {error}", file=sys.stderr)
+        return 1
+    except OSError as error:
+        raise UsageError(f"cannot write {error.filename or directory}: {error.strerror or error}") from None
+    for path in written:
+        print(path)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    # `python -m tetris_hf.tools.hub_export DIR` is `tetris-hf export-hub DIR`
+    from tetris_hf.tools.cli import main as cli_main
+
+    sys.exit(cli_main(["export-hub", *sys.argv[1:]]))
