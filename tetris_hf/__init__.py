@@ -11,9 +11,11 @@ from .continuous import SpeculativeBatchingManager, generate_batch, init_continu
 from .generation import generate, register
 from .outputs import TetrisGenerateOutput, TetrisStats
 from .options import TetrisOptions
+from .pair_memory import load_pair_memory, save_pair_memory
 
 __version__ = "0.1.0"
 __all__ = ["EagleDraft", "SpeculativeBatchingManager", "TetrisGenerateOutput", "TetrisOptions", "TetrisStats",
-           "generate", "generate_batch", "init_continuous_batching", "register"]
+           "generate", "generate_batch", "init_continuous_batching", "load_pair_memory", "register",
+           "save_pair_memory"]
 
 register()

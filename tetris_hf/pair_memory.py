@@ -1,11 +1,15 @@
 """What the ``adaptive`` and ``dsd`` strategies learnt about one target/draft pair, kept between ``generate()``
-calls on the same two model objects (in memory, forgotten with the models).
+calls on the same two model objects (in memory, forgotten with the models), and saved to a file and loaded in another
+process on request (:func:`save_pair_memory`, :func:`load_pair_memory`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -49,3 +53,79 @@ def pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module | None,
     draft_key = _PROMPT_LOOKUP if assistant_model is None else assistant_model
     by_target = _PAIR_MEMORY.setdefault(draft_key, weakref.WeakKeyDictionary())
     return by_target.setdefault(model, {}).setdefault(hybrid, PairMemory())
+
+
+MEMORY_FORMAT, MEMORY_VERSION = "tetris-hf-pair-memory", 1
+
+
+def pair_fingerprint(model: torch.nn.Module, assistant_model: torch.nn.Module | None) -> str:
+    """What a pair's memory belongs to: both configurations and a sample of both models' weights (the first and last
+    1,024 values of the first and last parameter tensors: two drafts of one architecture differ there), so that a
+    memory is never loaded into another pair. ``assistant_model=None``: prompt lookup on ``model``."""
+    parts = []
+    for part in (model, assistant_model):
+        if part is None:
+            parts.append(b"prompt-lookup")
+            continue
+        config = getattr(part, "config", None)
+        parts.append(config.to_json_string(use_diff=False).encode() if config is not None else type(part).__name__.encode())
+        parameters = list(part.parameters())
+        for tensor in (parameters[0], parameters[-1]):
+            flat = tensor.detach().flatten()
+            sample = torch.cat([flat[:1024], flat[-1024:]]).float().cpu()  # (a read, once per save or load)
+            parts.append(sample.numpy().tobytes())
+    return hashlib.sha1(b"|".join(parts)).hexdigest()[:20]
+
+
+def save_pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module | None, path: str | os.PathLike,
+                     hybrid: bool = False) -> Path:
+    """Save what ``adaptive`` and ``dsd`` learnt about this pair in this process (acceptance by draft probability,
+    recently drafted rows, the probe schedule) to ``path`` (a small ``torch.save`` file of tensors and numbers), so that
+    a later process starts where this one stopped (:func:`load_pair_memory`), not at a cold start. ``hybrid``: the
+    memory of hybrid calls (a draft beside prompt lookup), which is kept apart. Returns the path."""
+    memory = pair_memory(model, assistant_model, hybrid)
+    calibrator = memory.calibrator
+    state = {
+        "format": MEMORY_FORMAT, "version": MEMORY_VERSION, "pair": pair_fingerprint(model, assistant_model),
+        "hybrid": hybrid,
+        "calibrator": {"prior_accepted": calibrator.prior_accepted, "prior_rejected": calibrator.prior_rejected,
+                       "accepted": calibrator.accepted, "rejected": calibrator.rejected,
+                       "memory": calibrator.memory},
+        "pool": memory.pool, "pool_sources": memory.pool_sources, "dsd_acceptance": memory.dsd_acceptance,
+        "plain_streak": memory.plain_streak, "probe_interval": memory.probe_interval,
+    }
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, path)
+    return path
+
+
+def load_pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module | None, path: str | os.PathLike,
+                     hybrid: bool = False) -> PairMemory:
+    """Start this pair's memory in this process from a file :func:`save_pair_memory` wrote (replacing what this
+    process learnt so far); greedy ``adaptive`` and ``dsd`` calls then plan from it at once. Raises ``ValueError``
+    for a file that is not such a memory, or is another pair's (another target, draft or weights) or the other kind
+    (hybrid or not)."""
+    path = Path(path)
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as error:  # (unpickling errors have no common type)
+        raise ValueError(f"{path} is not a tetris-hf pair memory: {type(error).__name__}: {error}") from None
+    if not isinstance(state, dict) or state.get("format") != MEMORY_FORMAT or state.get("version") != MEMORY_VERSION:
+        raise ValueError(f"{path} is not a tetris-hf pair memory (format {MEMORY_FORMAT!r}, version "
+                         f"{MEMORY_VERSION})")
+    if state["pair"] != pair_fingerprint(model, assistant_model):
+        raise ValueError(f"{path} holds the memory of another pair (other models or weights): it would mislead "
+                         "`adaptive` about these drafts")
+    if state["hybrid"] != hybrid:
+        raise ValueError(f"{path} holds the memory of {'hybrid' if state['hybrid'] else 'single-source'} calls: pass "
+                         f"hybrid={state['hybrid']}")
+    saved = state["calibrator"]
+    calibrator = AcceptanceCalibrator(num_bins=saved["accepted"].numel(), memory=saved["memory"])
+    calibrator.prior_accepted, calibrator.prior_rejected = saved["prior_accepted"], saved["prior_rejected"]
+    calibrator.accepted, calibrator.rejected = saved["accepted"], saved["rejected"]
+    memory = PairMemory(calibrator, state["pool"], state["pool_sources"], state["dsd_acceptance"],
+                        state["plain_streak"], state["probe_interval"])
+    draft_key = _PROMPT_LOOKUP if assistant_model is None else assistant_model
+    _PAIR_MEMORY.setdefault(draft_key, weakref.WeakKeyDictionary()).setdefault(model, {})[hybrid] = memory
+    return memory
