@@ -39,7 +39,7 @@ it is cut (SIGALRM) and the script moves on, keeping the cells it finished (on a
    steps are also timed one by one with CUDA events (:class:`StepTimes`: recorded without a sync, read after the call;
    the median from the third step on is the steady step time), and TETRIS once more on the padded verify block
    (``tetris-padded``: ``tetris_pack=False``), to time packing. Every speculative output is compared with plain
-   ``generate()`` on the same batch by ``tetris_hf.divergence``: identical, or first differing at a near-tie that bf16
+   ``generate()`` on the same batch by ``tetris_hf.tools.divergence``: identical, or first differing at a near-tie that bf16
    rounding explains, or a real difference.
 3. ``<pair>: host reads``: device -> host reads per step (``examples/host_reads.py``) at batch 8; then ``<pair>:
    stream``: a backlog of ``4 x`` the largest batch size's requests through transformers' ``generate_batch``, static
@@ -435,8 +435,8 @@ def generate(pair: Pair, input_ids, mask, new_tokens: int, mode: str, compiled: 
 
 def compare_rows(target, reference, candidate, input_ids, mask) -> dict:
     """Rows of ``candidate`` identical to ``reference``; for the others, where they first diverge and the target's
-    top-2 logit margin there, judged against ``tetris_hf.divergence``'s tolerance for the target's dtype."""
-    from tetris_hf.divergence import compare_outputs, split_sequences
+    top-2 logit margin there, judged against ``tetris_hf.tools.divergence``'s tolerance for the target's dtype."""
+    from tetris_hf.tools.divergence import compare_outputs, split_sequences
 
     prompts, expected = split_sequences(reference, mask)
     checks = compare_outputs(target, prompts, split_sequences(candidate, mask)[1], expected)

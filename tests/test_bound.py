@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from tetris_hf import multidraft
+from tetris_hf.tools import multidraft
 from tetris_hf.tools import bound, models
 from tetris_hf.tools.cli import main as cli_main
 from tetris_hf.tools.models import PairInfo

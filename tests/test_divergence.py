@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
-from tetris_hf.divergence import compare_outputs, first_difference, logit_tolerance, split_sequences
+from tetris_hf.tools.divergence import compare_outputs, first_difference, logit_tolerance, split_sequences
 from tiny_models import PAD, greedy_alone, left_pad, noisy_copy, random_prompts, tiny_llama
 
 VOCAB, NEW_TOKENS = 64, 12

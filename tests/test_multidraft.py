@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from scipy.optimize import linprog
 from scipy.stats import chisquare
 
-from tetris_hf import multidraft as md
+from tetris_hf.tools import multidraft as md
 
 # ------------------------------------------------------------------------------------------------------------------
 # Brute force: the law of the draft *set* (acceptance only asks whether Y is in it), the LP, exhaustive subsets

@@ -33,7 +33,7 @@ the other, so a request's latency is when its batch returned), acceptance rate, 
 token, tokens emitted per row-step, tokens per verified node (output tokens / verified draft tokens or nodes), and peak
 memory; it prints a table, writes ``results.json``, ``bench.png`` and ``step-traces.jsonl``, and fails (exit 1) when a
 greedy speculative output differs from plain ``generate()`` (in bf16/fp16: where the target's choice was clear, not at
-a near-tie; see :mod:`tetris_hf.divergence`).
+a near-tie; see :mod:`tetris_hf.tools.divergence`).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 
 from .cli import UsageError, load_pair, load_prompt_set, number_list, prompt_texts, resolve_device
-from ..divergence import RowDivergence
+from .divergence import RowDivergence
 
 BASELINES = ("generate", "hf-assisted", "hf-lookup")
 SOURCES = ("model", "lookup", "hybrid")  # --sources: the draft model alone, prompt lookup alone, both (hybrid)
@@ -515,13 +515,13 @@ def check_greedy_outputs(results: list[RunResult], target, tokenizer, texts: lis
 
     A differing row fails only when it first differs where the target's choice was clear (re-scored by ``target`` on
     the prompt of ``texts[row]``): in bf16/fp16 a block forward and a one-token forward round differently, so outputs
-    may differ at near-ties (:mod:`tetris_hf.divergence` states the tolerance; in fp32 it is 0). Each run's
+    may differ at near-ties (:mod:`tetris_hf.tools.divergence` states the tolerance; in fp32 it is 0). Each run's
     ``agreement["divergences"]`` lists its differing rows.
     """
     reference = next((r for r in results if r.strategy == "generate"), None)
     if reference is None:
         return []
-    from ..divergence import compare_outputs
+    from .divergence import compare_outputs
     from .metrics import load_output_agreement
 
     metric = load_output_agreement()

@@ -3,7 +3,7 @@
 For each prompt the target generates greedily; target and draft then run once over prompt + generation
 (teacher-forced), which gives, at positions spread along the target's own generation, the target's next-token
 distribution p and the draft's q. After temperature, for each number of drafts n it computes per position
-(:mod:`tetris_hf.multidraft`): the optimum with i.i.d. drafts and without replacement, the greedy construction's
+(:mod:`tetris_hf.tools.multidraft`): the optimum with i.i.d. drafts and without replacement, the greedy construction's
 optimum (which its verifier reaches), and the exact acceptance of single-draft SD, RRS (both draft laws) and K-SEQ;
 RRS without replacement falls back to an unbiased Monte Carlo estimate where enumeration is impractical, and says
 so. Acceptance is ``P(output is one of the drafts)``, the quantity the optimum bounds.
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .. import multidraft
+from . import multidraft
 from .cli import UsageError, load_pair, load_prompt_set, number_list, prompt_texts, resolve_device
 
 METHODS = {  # name -> label, in table and plot order

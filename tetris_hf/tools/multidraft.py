@@ -25,7 +25,7 @@ from itertools import combinations
 import torch
 from torch import Tensor
 
-from .logits.verification import residual_distribution
+from ..logits.verification import residual_distribution
 
 __all__ = [
     "optimal_acceptance",
