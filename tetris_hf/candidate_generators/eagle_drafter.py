@@ -35,6 +35,9 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
     """
 
     reads_target_features = True
+    # transformers' assisted decoding hands the head each verify forward's outputs, with every hidden state
+    requires_model_outputs = True
+    model_kwargs_overrides = {"output_hidden_states": True}
 
     def __init__(self, head: EagleDraft, logits_processor: PositionwiseLogitsProcessor, do_sample: bool,
                  generator: torch.Generator | None = None, max_holes: int = 32, capacity: int = 256):
@@ -46,6 +49,7 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
         self._out: torch.Tensor | None = None  # (B, 1, H) the head's output at its last position
         self._tree_out: torch.Tensor | None = None  # (B, 1 + N, H) while a tree grows: at the root and its nodes
         self.tap: FeatureTap | None = None  # hooks on the target (attach): its features at every position it reads
+        self._given_features: torch.Tensor | None = None  # (1, W, F) from transformers' loop (take_target_outputs)
 
     def attach(self, target: torch.nn.Module) -> None:
         self.tap = self.head.tap(target)
@@ -57,9 +61,26 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
 
     def _target_features(self) -> torch.Tensor:
         """``(B, W, F)`` the target's features over the block its last forward read."""
-        if self.tap is None:
-            raise ValueError("an EAGLE head needs the target's features of every target forward: attach() it first")
-        return self.tap.features
+        if self.tap is not None:
+            return self.tap.features
+        if self._given_features is not None:
+            return self._given_features
+        raise ValueError("an EAGLE head needs the target's features of every target forward: attach() it first")
+
+    def take_target_outputs(self, model_outputs, is_first_iteration: bool) -> bool:
+        """transformers' assisted decoding: the features of the forward that verified the last candidates, from its
+        ``hidden_states`` (``hs`` indices, as :attr:`~.eagle.EagleDraft.aux_layer_ids` counts them); False at a call's
+        first iteration, before any target forward."""
+        if is_first_iteration or model_outputs is None:
+            self._given_features = None
+            return False
+        if getattr(model_outputs, "hidden_states", None) is None:
+            raise ValueError("the target's forward returned no hidden states: an EAGLE head needs "
+                             "`output_hidden_states=True` in it (its `model_kwargs_overrides`)")
+        states = model_outputs.hidden_states
+        parts = [states[index] for index in self.head.aux_layer_ids]
+        self._given_features = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        return True
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, all_real: bool = False) -> None:
         """Wait for the prompt's features (the target's prompt forward, handed to the first :meth:`accept`)."""

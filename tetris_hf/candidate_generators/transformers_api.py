@@ -1,7 +1,9 @@
 """Our drafters as transformers ``CandidateGenerator``s: ``get_candidates`` and ``update_candidate_strategy`` built on
 the batched protocol (:meth:`~.drafter.Drafter.prefill`, ``propose``, ``accept``), so that transformers' own assisted
-decoding (``GenerationMixin._assisted_decoding``, one row) can draft with a draft model or prompt lookup. An EAGLE head
-is refused: it drafts from the target's hidden states, which that loop does not hand a candidate generator.
+decoding (``GenerationMixin._assisted_decoding``, one row) can draft with a draft model, prompt lookup or an EAGLE
+head. An EAGLE head drafts from the target's hidden states: it declares ``requires_model_outputs`` (with
+``model_kwargs_overrides = {"output_hidden_states": True}``), and the loop hands it each verify forward's outputs
+(``model_outputs``) at the next ``get_candidates``, where it reads the target's verdict on its last candidates.
 
 What that loop does with a candidate generator (transformers 5.23, ``generation/utils.py``, ``_assisted_decoding``):
 
@@ -11,6 +13,9 @@ What that loop does with a candidate generator (transformers 5.23, ``generation/
 - it keeps the first ``n`` candidates the target agrees with and the target's token after them, so the next
   ``input_ids`` is ``n + 1`` tokens longer (the last step may crop at ``max_length`` or EOS: then ``n`` is what it
   kept minus one, and the loop ends), and calls ``update_candidate_strategy(input_ids, scores, n)`` with those;
+- with ``requires_model_outputs`` it calls ``get_candidates(input_ids, model_outputs=..., is_first_iteration=...,
+  ...)`` instead, the outputs of the forward that verified the last candidates (``None`` at the first iteration,
+  before any target forward), and adds ``model_kwargs_overrides`` to each verify forward's inputs;
 - greedy ignores ``candidate_logits``; sampling with them runs speculative sampling with
   ``q = softmax(candidate_logits)`` (so we return ``log q``, the drafter's processed ``q``), and without them
   (deterministic drafts, prompt lookup) samples the target at every candidate and keeps those it matched.
@@ -55,7 +60,7 @@ class CandidateGeneratorAPI(CandidateGenerator):
 
     num_assistant_tokens: int = TetrisOptions.num_assistant_tokens
     max_length: int | None = None
-    reads_target_features = False  # drafts from the target's hidden states (an EAGLE head): not through this API
+    reads_target_features = False  # drafts from the target's hidden states (an EAGLE head): see model_outputs below
     _candidates: _Candidates | None = None  # the answer the target has not ruled on
     _seen: torch.Tensor | None = None  # (1, T) the sequence the drafter stands at, no candidates pending
 
@@ -72,6 +77,12 @@ class CandidateGeneratorAPI(CandidateGenerator):
             ``None`` for deterministic drafts (greedy, prompt lookup) and when ``k = 0``.
         """
         self._check_usable(input_ids)
+        if self.reads_target_features:
+            if not self.take_target_outputs(kwargs.get("model_outputs"), kwargs.get("is_first_iteration", True)):
+                # no target forward yet: decode one step plainly, whose forward reads the prompt (its features)
+                self.prefill(input_ids, torch.ones_like(input_ids), all_real=True)
+                self._candidates, self._seen = _Candidates(input_ids, input_ids.shape[1], 0), None
+                return input_ids, None
         if not self._settle(input_ids):
             self.prefill(input_ids, torch.ones_like(input_ids), all_real=True)
         length = input_ids.shape[1]
@@ -102,14 +113,17 @@ class CandidateGeneratorAPI(CandidateGenerator):
             raise ValueError(f"`num_matches` ({int(num_matches)}) does not fit `input_ids`: the last candidates "
                              f"followed {last.length} tokens, so {input_ids.shape[1]} tokens hold "
                              f"{input_ids.shape[1] - last.length - 1} accepted candidates and the target's token")
-        self._settle(input_ids)
+        if not self.reads_target_features:  # (a head settles at the next get_candidates, with the forward's outputs)
+            self._settle(input_ids)
+
+    def take_target_outputs(self, model_outputs, is_first_iteration: bool) -> bool:
+        """A drafter that reads the target's hidden states (an EAGLE head) takes those of the forward that verified its
+        last candidates, ``model_outputs`` (with ``hidden_states``, as ``model_kwargs_overrides`` asks); returns
+        False when there are none yet (the first iteration of a call)."""
+        raise NotImplementedError
 
     def _check_usable(self, input_ids: torch.Tensor) -> None:
         """Refuse what transformers' one-row loop cannot drive, before anything runs."""
-        if self.reads_target_features:
-            raise ValueError("an EAGLE head drafts from the target's hidden states at every position it reads, which "
-                             "transformers' assisted decoding does not hand a candidate generator: use "
-                             "`target.generate(..., assistant_model=head, custom_generate=\"tetris\")`")
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"get_candidates drafts for one row, as transformers' assisted decoding runs (its "
                              f"`num_matches` is one number), got input_ids of shape {tuple(input_ids.shape)}: for "
