@@ -49,3 +49,16 @@ def test_prompts_apart_and_a_bench_without_static_chunks(pair):
     summaries = report["runs"][3]
     assert [row["name"] for row in summaries] == ["hf-generate-batch", "stream-fixed", "stream-fixed-apart"]
     assert all(row["equal"] == "7/7" for row in summaries)
+
+
+def test_the_plain_stream_drafts_nothing_and_serves_every_request_as_generate_does(pair):
+    """``--strategies plain``: the stream with speculation off (``tetris_budget=0``), a continuous-batching engine
+    without drafts: one token a row-step, nothing drafted, every output equal."""
+    target, draft = pair
+    prompts = random_prompts(7, target.config.vocab_size, seed=7, min_length=2, max_length=30)
+    config = stream_bench.StreamBenchConfig(max_new_tokens=10, max_batch_sizes=(3,), systems=("generate-chunks",),
+                                            strategies=("plain",))
+    report = stream_bench.run_stream_bench(target, draft, prompts, {EOS}, PAD, config, log=lambda line: None)
+    plain = report["runs"][3][-1]
+    assert plain["name"] == "stream-plain" and plain["equal"] == "7/7"
+    assert plain["tokens_per_row_step"] == 1.0

@@ -253,7 +253,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--max-batch-size", type=number_list(int, 1), default=(16,), help="comma list")
     parser.add_argument("--strategies", default="tetris,fixed,adaptive",
-                        help="stream strategies (comma list), run after " + ", ".join(SYSTEMS))
+                        help="stream strategies (comma list; 'plain': the stream with speculation off), run after "
+                             + ", ".join(SYSTEMS))
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="baselines to run (comma list)")
     parser.add_argument("--draft", default=None, help="a draft model (default: the shipped one), or 'lookup'")
     parser.add_argument("--hybrid", action="store_true",
@@ -330,11 +331,13 @@ def run_stream_bench(target, draft, prompts: list[list[int]], eos: set[int], pad
                     "tetris-chunks", target, mine, config.max_new_tokens, b, eos, pad, custom_generate="tetris",
                     tetris_extra_tokens=config.extra_tokens, **speculative)))
         for strategy in config.strategies:
+            # "plain": the stream with speculation off (its drafter never drafts: tetris_budget=0)
+            settings = {"tetris_budget": 0} if strategy == "plain" else {"tetris_strategy": strategy}
             for ride in (True, False) if config.prompts_apart else (True,):
                 name = f"stream-{strategy}" + ("" if ride else "-apart")
-                plans.append((name, lambda b=batch_size, s=strategy, n=name, r=ride: run_stream(
-                    n, target, mine, config.max_new_tokens, b, eos, pad, tetris_strategy=s,
-                    tetris_extra_tokens=config.extra_tokens, ride_prompts=r, **speculative)))
+                plans.append((name, lambda b=batch_size, s=settings, n=name, r=ride: run_stream(
+                    n, target, mine, config.max_new_tokens, b, eos, pad, tetris_extra_tokens=config.extra_tokens,
+                    ride_prompts=r, **s, **speculative)))
         runs: dict[str, list[StreamRun]] = {name: [] for name, _ in plans}
         for repeat in range(config.repeats):
             for name, run in plans:
