@@ -99,7 +99,8 @@ class JoiningPrompts(NamedTuple):
     token: ``tokens`` ``(M, W)`` the prompts, then filler; ``lengths`` ``(M,)`` how many are real; ``num_tokens``
     their sum and ``width`` the longest (host ints); ``sequences`` ``(M, capacity)`` the rows they will be (each
     prompt from column 0) and ``lanes`` ``(M,)`` their original indices (which row's settings the processors
-    apply)."""
+    apply); on the host, ``prompt_lengths`` each prompt's length, ``limits`` each row's length limit and
+    ``eos_token_ids`` its end tokens (what the rows join the batch with)."""
 
     tokens: torch.Tensor
     lengths: torch.Tensor
@@ -107,6 +108,9 @@ class JoiningPrompts(NamedTuple):
     width: int
     sequences: torch.Tensor
     lanes: torch.Tensor
+    prompt_lengths: tuple[int, ...] = ()
+    limits: tuple[int, ...] = ()
+    eos_token_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def count(self) -> int:
