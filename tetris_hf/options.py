@@ -82,8 +82,10 @@ class TetrisOptions:
             or ``"dsd"`` (one ``k <= k + e`` for the batch, chosen per step).
         tetris_max_holes: cache slots a row may waste to rejected drafts before the cache is repacked.
         tetris_step_callback: called as ``fn(record, loop)`` after every step with the
-            :class:`~tetris_hf.step.StepRecord` and the :class:`~tetris_hf.decoding.BatchedSpeculativeLoop`
-            (``loop.partial_outputs()`` gives every row's tokens so far): live views, progress, demos.
+            :class:`~tetris_hf.step.StepRecord` and the :class:`~tetris_hf.decoding.BatchedSpeculativeLoop` (a
+            request stream's: its :class:`~tetris_hf.stream.StreamLoop`; both give ``loop.batch``, ``loop.stats``,
+            ``loop.strategy``, ``loop.drafter``; ``loop.partial_outputs()`` gives every row's tokens so far in
+            ``generate()``): live views, progress, demos.
         tetris_cost_profile: for ``adaptive`` and ``dsd``: ``None`` (measure this pair at first use, cached in memory
             and under ``$TETRIS_HF_CACHE``), a saved profile (JSON path or dict, see
             :class:`~tetris_hf.cost_model.CostProfile`), a curve file (``"curve.json"`` or

@@ -1,7 +1,7 @@
 """One speculative step, top to bottom, and what each of its phases produces.
 
 :func:`run_step` is the whole step: plan -> draft -> select -> verify -> roll back -> emit -> observe. It calls the
-phases of a :class:`StepPhases` (a chain of drafts per row, :class:`~tetris_hf.decoding.ChainStep`; a draft tree,
+phases of a :class:`StepPhases` (a chain of drafts per row, :class:`~tetris_hf.chain_step.ChainStep`; a draft tree,
 :class:`~tetris_hf.tree_step.TreeStep`; or the simulator's replay of recorded steps) and hands each phase's product to
 the next:
 

@@ -1,14 +1,15 @@
 """A request stream: speculative decoding over a live batch that requests join as others finish.
 
-:class:`StreamLoop` is the batched loop (:class:`~tetris_hf.decoding.BatchedSpeculativeLoop`) with rows that come and
-go: up to ``max_batch_size`` rows ("lanes"), each serving one request with its own prompt length, length limit and
-end tokens. Between steps, waiting requests take the free lanes (:meth:`StreamLoop.admit`). Where rows are decoding
-and the target reads packed, a prompt of at most ``prefill_chunk`` tokens rides in the next step's target forward: the
-target reads it after the decoding rows' blocks (attention runs on the two groups of rows apart,
-:class:`~tetris_hf.packing.BlockSplit`), its logits at the prompt's last token give the row's first token, and the row
-joins at the end of that step, its drafter reading the prompt then. Other prompts (an empty stream's, longer ones, a
-padded target's) are read at once, but their last tokens, in chunks, in forwards of their own; the last token then
-opens the row's first verified block. The budget of each step is spread over whichever rows are live then.
+:class:`StreamLoop` holds a :class:`~tetris_hf.loop_core.LoopCore` (the steps, as ``generate()``'s loop holds one) over
+rows that come and go: up to ``max_batch_size`` rows ("lanes"), each serving one request with its own prompt length,
+length limit and end tokens. Between steps, waiting requests take the free lanes (:meth:`StreamLoop.admit`). Where rows
+are decoding and the target reads packed, a prompt of at most ``prefill_chunk`` tokens rides in the next step's target
+forward (the core's step takes it as an argument, :class:`~tetris_hf.step.JoiningPrompts`): the target reads it after
+the decoding rows' blocks (attention runs on the two groups of rows apart, :class:`~tetris_hf.packing.BlockSplit`), its
+logits at the prompt's last token give the row's first token, and the row joins at the end of that step, its drafter
+reading the prompt then. Other prompts (an empty stream's, longer ones, a padded target's) are read at once, but their
+last tokens, in chunks, in forwards of their own; the last token then opens the row's first verified block. The budget
+of each step is spread over whichever rows are live then.
 
 :class:`RequestStream` is the single-threaded scheduler around it: requests in (checked, a bad one gets its error in
 its own result), first come first served, finished :class:`StreamOutput` s out. The manager and
