@@ -109,7 +109,7 @@ def test_draft_cache_catches_up_after_plain_steps():
     draft = noisy_copy(target, 0.3, seed=52)
     prompts = random_prompts(4, 97, seed=53, max_length=12)
     loop, padding = make_loop(target, draft, prompts, 30, num_assistant_tokens=2, tetris_max_holes=4)
-    loop.strategy = DraftsEveryThirdStep(TetrisOptions(num_assistant_tokens=2))
+    loop.core.strategy = DraftsEveryThirdStep(TetrisOptions(num_assistant_tokens=2))
     pending_widths = []
     with torch.no_grad():
         while not loop.done:

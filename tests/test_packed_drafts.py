@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
-from tetris_hf import decoding
+from tetris_hf import loop_core
 from tetris_hf.candidate_generators import batched_draft, build
 from tetris_hf.candidate_generators.batched_draft import pending_read, split_pending_read
 from tetris_hf.kv import SlotCache
@@ -98,7 +98,7 @@ def recorded_proposals(monkeypatch) -> list:
 def plain_steps_between_drafting_steps(monkeypatch) -> None:
     """The call's strategy drafts one step in three and decodes plainly in between, so the draft falls behind and
     catches up (as ``adaptive`` does when drafting does not pay, here on a fixed schedule)."""
-    real = decoding.make_strategy
+    real = loop_core.make_strategy
 
     def making(*args, **kwargs):
         strategy = real(*args, **kwargs)
@@ -106,7 +106,7 @@ def plain_steps_between_drafting_steps(monkeypatch) -> None:
         strategy.plan = lambda num_rows: plan(num_rows) if next(steps) % 3 == 0 else DraftPlan(0, 0)
         return strategy
 
-    monkeypatch.setattr(decoding, "make_strategy", making)
+    monkeypatch.setattr(loop_core, "make_strategy", making)
 
 
 def draft_run(monkeypatch, pack: bool, target, draft, prompts: list[list[int]], eos: int | None, plain_steps: bool,

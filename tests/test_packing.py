@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
-from tetris_hf import decoding
+from tetris_hf import loop_core
 from tetris_hf.cost_model import CostProfile, StepCostModel
 from tetris_hf.goodput import best_budget
 from tetris_hf.packed_probe import packs_exactly
@@ -47,7 +47,7 @@ class TokenCounter:
 def computed_and_selected(pack: bool, monkeypatch) -> tuple[int, int, torch.Tensor]:
     """A TETRIS call on rows that verify unevenly: tokens the target's forwards read after the prompt, tokens
     selected (verified drafts + one per active row and step, from ``tetris_stats``), and the output."""
-    monkeypatch.setattr(decoding, "packs_exactly", lambda model: pack)
+    monkeypatch.setattr(loop_core, "packs_exactly", lambda model: pack)
     target, draft = target_and_draft(64, seed=3, draft_kind="noisy", noise=0.5)
     input_ids, mask = left_pad(random_prompts(8, 64, seed=4))
     counter = TokenCounter(target)
@@ -77,7 +77,7 @@ def test_packed_steps_compute_only_the_selected_tokens(monkeypatch):
 @pytest.mark.parametrize("strategy,batch", [("tetris", 1), ("tetris", 3), ("fixed", 8), ("adaptive", 8), ("dsd", 3)])
 def test_greedy_rows_equal_the_target_alone_on_both_paths(pack, strategy, batch, monkeypatch):
     """Left padding, an EOS some rows meet early, a partial budget: every row is the target's own greedy text."""
-    monkeypatch.setattr(decoding, "packs_exactly", lambda model: pack)
+    monkeypatch.setattr(loop_core, "packs_exactly", lambda model: pack)
     target, draft = target_and_draft(64, seed=5, draft_kind="noisy", noise=0.4)
     prompts = random_prompts(batch, 64, seed=6)
     input_ids, mask = left_pad(prompts)
@@ -124,13 +124,13 @@ def test_packed_best_budget_is_the_brute_force_best(seed):
 
 def test_adaptive_prices_packed_steps_when_the_loop_packs(monkeypatch):
     seen = []
-    real = decoding.make_strategy
+    real = loop_core.make_strategy
 
     def spy(*args, **kwargs):
         seen.append(kwargs.get("packed"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(decoding, "make_strategy", spy)
+    monkeypatch.setattr(loop_core, "make_strategy", spy)
     target, draft = target_and_draft(64, seed=5, draft_kind="noisy", noise=0.4)
     input_ids, mask = left_pad(random_prompts(2, 64, seed=6))
     for pack in (True, False):

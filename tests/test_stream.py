@@ -138,7 +138,7 @@ def test_a_joining_prompt_rides_in_the_verification_forward(models):
         stream.step()
     finally:
         handle.remove()
-    record = stream.loop._records[-1]
+    record = stream.loop.core.records[-1]
     assert read == [record.target_tokens + 50]  # one forward: the row's block, then the prompt
     assert stream.loop.batch.num_rows == 2 and stream.loop.progress([1])[1] == list(range(3, 53)) + [
         alone(target, list(range(3, 53)), 1)[0]]
@@ -426,12 +426,12 @@ def test_stream_rows_equal_target_alone_eagle(tmp_path, head_format, max_batch_s
     their features from it), the others are read in forwards of their own."""
     from test_eagle_loop import load_pair
 
-    from tetris_hf.stream import StreamLoop
+    from tetris_hf.loop_core import LoopCore
 
     rode = []
-    join_read = StreamLoop._join_read
-    monkeypatch.setattr(StreamLoop, "_join_read",
-                        lambda loop, tokens: rode.append(loop.joining.count) or join_read(loop, tokens))
+    core_step = LoopCore.step
+    monkeypatch.setattr(LoopCore, "step", lambda core, joining=None: rode.append(
+        0 if joining is None else joining.count) or core_step(core, joining))
     target, head = load_pair(tmp_path, "llama", head_format)
     stream = RequestStream(target, assistant_model=head, max_batch_size=max_batch_size, prefill_chunk=6,
                            eos_token_id=None, tetris_strategy=strategy, num_assistant_tokens=3)

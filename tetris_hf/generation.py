@@ -8,46 +8,16 @@ padding checks, max length) runs unchanged and the loop receives what plain deco
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import functools
 import os
 
-from transformers import GenerationConfig
 from transformers.generation.utils import GenerationMixin
 
 from .checks import check_pair, check_prompt_shape
 from .decoding import tetris_decoding
-from .options import TetrisOptions
+from .options import pop_options
 
 STRATEGY_NAME = "tetris"
-OPTION_NAMES = tuple(option.name for option in dataclasses.fields(TetrisOptions))
-
-
-# generate()'s own arguments that tetris_hf serves itself, read from a generation config as well
-CONFIG_OPTIONS = ("num_assistant_tokens", "prompt_lookup_num_tokens", "max_matching_ngram_size")
-
-
-def _pop_options(kwargs: dict) -> TetrisOptions:
-    """Take tetris_hf's keyword arguments out of ``kwargs``; those ``generate()`` also knows
-    (:data:`CONFIG_OPTIONS`) also out of a generation config, which is replaced by a copy without them (else
-    ``generate()`` would pick a mode of its own for them, and refuse a batch)."""
-    values = {name: kwargs.pop(name) for name in OPTION_NAMES if name in kwargs}
-    config = kwargs.get("generation_config")
-    defaults = GenerationConfig()
-    if config is not None:
-        config = copy.deepcopy(config)
-        for name in CONFIG_OPTIONS:
-            value = getattr(config, name, None)
-            if name not in values and value is not None and value != getattr(defaults, name):
-                values[name] = value
-            setattr(config, name, getattr(defaults, name))
-        kwargs["generation_config"] = config
-    if values.get("prompt_lookup_num_tokens") is not None:
-        values.setdefault("num_assistant_tokens", values["prompt_lookup_num_tokens"])  # lookup's k is the window
-    elif values.get("tetris_suffix_num_tokens") is not None:
-        values.setdefault("num_assistant_tokens", values["tetris_suffix_num_tokens"])  # (so is the suffix draft's)
-    return TetrisOptions(**values)
 
 
 def generate(model, *args, **kwargs):
@@ -77,7 +47,7 @@ def generate(model, *args, **kwargs):
     assistant_model = kwargs.pop("assistant_model", None)
     streamer = kwargs.pop("streamer", None)  # the loop streams the prompt too, once it knows the batch is one row
     kwargs.pop("custom_generate", None)
-    options = _pop_options(kwargs)
+    options = pop_options(kwargs)
     check_pair(model, assistant_model, prompt_lookup=options.model_free_tokens is not None)
     prompt = args[0] if args else kwargs.get("inputs")
     if prompt is None:  # generate(input_ids=...) reaches a custom_generate folder as inputs=None, input_ids=...

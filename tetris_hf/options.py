@@ -1,9 +1,11 @@
 """tetris_hf's ``generate()`` options: :class:`TetrisOptions`, each value checked when it is built, before any model
-runs.
+runs; :func:`pop_options` takes them out of a call's keyword arguments.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -11,6 +13,7 @@ from pathlib import Path
 from typing import Mapping
 
 import torch
+from transformers import GenerationConfig
 
 from .cost_model import CostProfile
 from .suffix_cache import SuffixCache
@@ -79,8 +82,10 @@ class TetrisOptions:
             or ``"dsd"`` (one ``k <= k + e`` for the batch, chosen per step).
         tetris_max_holes: cache slots a row may waste to rejected drafts before the cache is repacked.
         tetris_step_callback: called as ``fn(record, loop)`` after every step with the
-            :class:`~tetris_hf.step.StepRecord` and the :class:`~tetris_hf.decoding.BatchedSpeculativeLoop`
-            (``loop.partial_outputs()`` gives every row's tokens so far): live views, progress, demos.
+            :class:`~tetris_hf.step.StepRecord` and the :class:`~tetris_hf.decoding.BatchedSpeculativeLoop` (a
+            request stream's: its :class:`~tetris_hf.stream.StreamLoop`; both give ``loop.batch``, ``loop.stats``,
+            ``loop.strategy``, ``loop.drafter``; ``loop.partial_outputs()`` gives every row's tokens so far in
+            ``generate()``): live views, progress, demos.
         tetris_cost_profile: for ``adaptive`` and ``dsd``: ``None`` (measure this pair at first use, cached in memory
             and under ``$TETRIS_HF_CACHE``), a saved profile (JSON path or dict, see
             :class:`~tetris_hf.cost_model.CostProfile`), a curve file (``"curve.json"`` or
@@ -241,3 +246,30 @@ class TetrisOptions:
         if self.tetris_draft_vocab is not None:
             raise ValueError("`tetris_draft_vocab` shapes a draft model's head and is not supported with prompt "
                              "lookup (alone, which has no head, or hybrid): drop it")
+
+
+OPTION_NAMES = tuple(option.name for option in dataclasses.fields(TetrisOptions))
+# generate()'s own arguments that tetris_hf serves itself, read from a generation config as well
+CONFIG_OPTIONS = ("num_assistant_tokens", "prompt_lookup_num_tokens", "max_matching_ngram_size")
+
+
+def pop_options(kwargs: dict) -> TetrisOptions:
+    """Take tetris_hf's keyword arguments out of ``kwargs``; those ``generate()`` also knows
+    (:data:`CONFIG_OPTIONS`) also out of a generation config, which is replaced by a copy without them (else
+    ``generate()`` would pick a mode of its own for them, and refuse a batch)."""
+    values = {name: kwargs.pop(name) for name in OPTION_NAMES if name in kwargs}
+    config = kwargs.get("generation_config")
+    defaults = GenerationConfig()
+    if config is not None:
+        config = copy.deepcopy(config)
+        for name in CONFIG_OPTIONS:
+            value = getattr(config, name, None)
+            if name not in values and value is not None and value != getattr(defaults, name):
+                values[name] = value
+            setattr(config, name, getattr(defaults, name))
+        kwargs["generation_config"] = config
+    if values.get("prompt_lookup_num_tokens") is not None:
+        values.setdefault("num_assistant_tokens", values["prompt_lookup_num_tokens"])  # lookup's k is the window
+    elif values.get("tetris_suffix_num_tokens") is not None:
+        values.setdefault("num_assistant_tokens", values["tetris_suffix_num_tokens"])  # (so is the suffix draft's)
+    return TetrisOptions(**values)

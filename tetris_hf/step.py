@@ -1,7 +1,7 @@
 """One speculative step, top to bottom, and what each of its phases produces.
 
 :func:`run_step` is the whole step: plan -> draft -> select -> verify -> roll back -> emit -> observe. It calls the
-phases of a :class:`StepPhases` (a chain of drafts per row, :class:`~tetris_hf.decoding.ChainStep`; a draft tree,
+phases of a :class:`StepPhases` (a chain of drafts per row, :class:`~tetris_hf.chain_step.ChainStep`; a draft tree,
 :class:`~tetris_hf.tree_step.TreeStep`; or the simulator's replay of recorded steps) and hands each phase's product to
 the next:
 
@@ -99,7 +99,8 @@ class JoiningPrompts(NamedTuple):
     token: ``tokens`` ``(M, W)`` the prompts, then filler; ``lengths`` ``(M,)`` how many are real; ``num_tokens``
     their sum and ``width`` the longest (host ints); ``sequences`` ``(M, capacity)`` the rows they will be (each
     prompt from column 0) and ``lanes`` ``(M,)`` their original indices (which row's settings the processors
-    apply)."""
+    apply); on the host, ``prompt_lengths`` each prompt's length, ``limits`` each row's length limit and
+    ``eos_token_ids`` its end tokens (what the rows join the batch with)."""
 
     tokens: torch.Tensor
     lengths: torch.Tensor
@@ -107,6 +108,9 @@ class JoiningPrompts(NamedTuple):
     width: int
     sequences: torch.Tensor
     lanes: torch.Tensor
+    prompt_lengths: tuple[int, ...] = ()
+    limits: tuple[int, ...] = ()
+    eos_token_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def count(self) -> int:

@@ -1,14 +1,15 @@
 """A request stream: speculative decoding over a live batch that requests join as others finish.
 
-:class:`StreamLoop` is the batched loop (:class:`~tetris_hf.decoding.BatchedSpeculativeLoop`) with rows that come and
-go: up to ``max_batch_size`` rows ("lanes"), each serving one request with its own prompt length, length limit and
-end tokens. Between steps, waiting requests take the free lanes (:meth:`StreamLoop.admit`). Where rows are decoding
-and the target reads packed, a prompt of at most ``prefill_chunk`` tokens rides in the next step's target forward: the
-target reads it after the decoding rows' blocks (attention runs on the two groups of rows apart,
-:class:`~tetris_hf.packing.BlockSplit`), its logits at the prompt's last token give the row's first token, and the row
-joins at the end of that step, its drafter reading the prompt then. Other prompts (an empty stream's, longer ones, a
-padded target's) are read at once, but their last tokens, in chunks, in forwards of their own; the last token then
-opens the row's first verified block. The budget of each step is spread over whichever rows are live then.
+:class:`StreamLoop` holds a :class:`~tetris_hf.loop_core.LoopCore` (the steps, as ``generate()``'s loop holds one) over
+rows that come and go: up to ``max_batch_size`` rows ("lanes"), each serving one request with its own prompt length,
+length limit and end tokens. Between steps, waiting requests take the free lanes (:meth:`StreamLoop.admit`). Where rows
+are decoding and the target reads packed, a prompt of at most ``prefill_chunk`` tokens rides in the next step's target
+forward (the core's step takes it as an argument, :class:`~tetris_hf.step.JoiningPrompts`): the target reads it after
+the decoding rows' blocks (attention runs on the two groups of rows apart, :class:`~tetris_hf.packing.BlockSplit`), its
+logits at the prompt's last token give the row's first token, and the row joins at the end of that step, its drafter
+reading the prompt then. Other prompts (an empty stream's, longer ones, a padded target's) are read at once, but their
+last tokens, in chunks, in forwards of their own; the last token then opens the row's first verified block. The budget
+of each step is spread over whichever rows are live then.
 
 :class:`RequestStream` is the single-threaded scheduler around it: requests in (checked, a bad one gets its error in
 its own result), first come first served, finished :class:`StreamOutput` s out. The manager and
@@ -33,15 +34,14 @@ from transformers.generation.continuous_batching.requests import RequestStatus
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
+from .batch import Retired
 from .checks import check_pair
-from .decoding import BatchedSpeculativeLoop
 from .logits.row_sampling import RowSamplingWarper
-from .options import TetrisOptions
+from .loop_core import HoldsCore, LoopCore
+from .options import TetrisOptions, pop_options
 from .outputs import TetrisStats
-from .batch import Batch, Retired
-from .step import JoiningPrompts
+from .step import JoiningPrompts, StepRecord
 from .stream_requests import RequestLimits, StreamOutput, StreamRequest, check_request
-from .timing import StepClock
 
 DEFAULT_PREFILL_CHUNK = 256  # prompt tokens a joining row reads per forward
 FOLD_EVERY = 64  # steps whose records a stream keeps before adding them to its totals
@@ -50,10 +50,12 @@ TOTALS = ("steps", "drafted_tokens", "verified_tokens", "accepted_tokens", "emit
           "lookup_accepted_tokens")
 
 
-class StreamLoop(BatchedSpeculativeLoop):
+class StreamLoop(HoldsCore):
     """The batched speculative loop over rows that join between steps (:meth:`admit`) and leave when they stop,
-    their tokens handed to :attr:`finished` as ``(lane, tokens)``. Rows are lanes ``0 .. max_batch_size - 1``
-    (:attr:`rows`), each row holding its prompt from column 0, unpadded.
+    their tokens handed out as ``(lane, tokens)`` (:meth:`take_finished`). It holds a
+    :class:`~tetris_hf.loop_core.LoopCore` (:attr:`core`), which steps the rows; admission, riding prompts, the
+    finished rows and the folded totals are its own. Rows are lanes ``0 .. max_batch_size - 1`` (``batch.rows``),
+    each row holding its prompt from column 0, unpadded.
 
     Args:
         model, assistant_model, logits_processor, generation_config, options: as for the batched loop (EOS and the
@@ -72,25 +74,21 @@ class StreamLoop(BatchedSpeculativeLoop):
         if options.tetris_compile:
             raise ValueError("a request stream runs eager: `tetris_compile=True` needs static shapes, which rows "
                              "joining mid-stream do not have")
-        device = model.get_input_embeddings().weight.device
         # the caches start small and grow by doubling as rows need (a row's capacity can be far above typical use)
         cache_length = min(max_length, 2 * DEFAULT_PREFILL_CHUNK)
-        self._setup(model, assistant_model, logits_processor, StoppingCriteriaList(), generation_config, options,
-                    device, 0, cache_length, max_length, cache_length=cache_length)
-        self.target_slots.max_rows = max_batch_size
+        self.core = LoopCore(model, assistant_model, logits_processor, StoppingCriteriaList(), generation_config,
+                             options, max_length, max_rows=max_batch_size, cache_length=cache_length)
         self.batch_size = max_batch_size
         self.prefill_chunk, self.ride_prompts = prefill_chunk, ride_prompts
-        empty = torch.zeros(0, 1, dtype=torch.long, device=device)
-        self.drafter.prefill(empty, empty, all_real=True)
-        self._compile_and_attach()
-        self.prompt_read = True  # rows come with their prompts read (admit)
-        self.input_ids = empty
-        self.batch = Batch.empty(self.sequence_capacity, self.pad_value, max_length, device)
+        self.step_callback = options.tetris_step_callback
         self.finished: list[tuple[int, list[int]]] = []  # (lane, tokens) of rows that left since last taken
+        self.joining: JoiningPrompts | None = None  # prompts the next step's forward reads (their rows join after it)
         self._riding: list[tuple] = []  # (lane, prompt, limit, end tokens) of the rows of `joining`
-        self._records = []
         self._totals = TetrisStats()
-        self.clock = StepClock(device)
+
+    @property
+    def done(self) -> bool:
+        return self.core.batch.num_rows == 0
 
     def admit(self, lanes: list[int], prompts: list[list[int]], limits: list[int],
               eos_token_ids: list[tuple[int, ...]]) -> None:
@@ -100,103 +98,45 @@ class StreamLoop(BatchedSpeculativeLoop):
         Where rows are decoding and the target reads packed, a prompt of at most ``prefill_chunk`` tokens is read in
         the next step's target forward, after the decoding rows' blocks (no forward of its own), the target's logits
         at its last token giving the row's first token, and its row joins at the end of that step (:attr:`joining`).
-        Other prompts are read now, but their last tokens, in chunks, in forwards of their own; each last token opens
-        its row's first verified block at the next step."""
-        # (a tree step's verification reads ancestor masks: prompts ride in chain steps only)
-        rides = self.ride_prompts and self.batch.num_rows > 0 and self.target_slots.packs and self.tree_width == 1
+        Other prompts are read now, but their last tokens, in chunks, in forwards of their own
+        (:meth:`~tetris_hf.loop_core.LoopCore.add_rows`); each last token opens its row's first verified block at the
+        next step."""
+        rides = self.ride_prompts and self.core.batch.num_rows > 0 and self.core.prompts_can_ride
         riding = [rides and len(prompt) <= self.prefill_chunk for prompt in prompts]
         now = [index for index, ride in enumerate(riding) if not ride]
         if now:
-            self._join_now(*([items[index] for index in now] for items in (lanes, prompts, limits, eos_token_ids)))
+            self.core.add_rows(*([items[index] for index in now] for items in (lanes, prompts, limits, eos_token_ids)),
+                               chunk=self.prefill_chunk)
         for index in (index for index, ride in enumerate(riding) if ride):
-            self._riding.append((lanes[index], prompts[index], limits[index], eos_token_ids[index]))
+            self._riding.append((lanes[index], prompts[index], limits[index], tuple(eos_token_ids[index])))
         if any(riding):
-            lengths = [len(prompt) for _, prompt, _, _ in self._riding]
-            rows = self._prompt_rows([prompt for _, prompt, _, _ in self._riding])
-            width = max(lengths)
-            lanes = torch.tensor([lane for lane, _, _, _ in self._riding], device=rows.device)
-            self.joining = JoiningPrompts(rows[:, :width].clone(), torch.tensor(lengths, device=rows.device),
-                                          sum(lengths), width, rows, lanes)
+            self.joining = self._joining_prompts()
 
-    def _finish(self, record, stopped: torch.Tensor, block=None):
-        """The rows whose prompts this step's forward read join the batch with their first tokens (a row may stop
-        there), then as for every loop (:meth:`~tetris_hf.decoding.BatchedSpeculativeLoop._finish`)."""
-        if self.joining is not None:
-            stopped = torch.cat([stopped, self._join_read(block.joining_tokens)])
-        return super()._finish(record, stopped)
+    def _joining_prompts(self) -> JoiningPrompts:
+        """The prompts waiting to ride in the next step's forward, as the step reads them."""
+        lanes, prompts, limits, eos_token_ids = zip(*self._riding)
+        lengths = tuple(len(prompt) for prompt in prompts)
+        rows = self.core.prompt_rows(list(prompts))
+        width = max(lengths)
+        device = rows.device
+        return JoiningPrompts(rows[:, :width].clone(), torch.tensor(lengths, device=device), sum(lengths), width, rows,
+                              torch.tensor(lanes, device=device), lengths, limits, eos_token_ids)
 
-    def _join_read(self, first_tokens: torch.Tensor) -> torch.Tensor:
-        """The rows of :attr:`joining`, whose prompts the target just read, join with their first tokens
-        ``first_tokens`` ``(M,)``: the drafter reads the prompts too. Returns ``(M,)`` which of them stopped at that
-        token."""
-        joining, riding, batch = self.joining, self._riding, self.batch
-        self.joining, self._riding = None, []
-        old_rows, rows = batch.num_rows, joining.sequences
-        lengths = [len(prompt) + 1 for _, prompt, _, _ in riding]  # each prompt and its first token
-        batch.add(joining.lanes, rows, lengths, first_tokens, [limit for _, _, limit, _ in riding],
-                  [eos for _, _, _, eos in riding])
-        stopped = ((batch.row_eos[old_rows:] == first_tokens[:, None]).any(dim=1)
-                   | (batch.lengths[old_rows:] >= batch.row_limits[old_rows:]))
-        self.drafter.add_rows(first_tokens, lengths)
-        # the block as the target read it (the decoding rows' part empty), and each token's successor in its row (an
-        # EAGLE head's pairs): the prompt's next token, the first token after the last
-        successors = rows[:, 1 : joining.width + 1]
-        old = joining.tokens.new_full((old_rows, joining.width), self.pad_value)
-        real_lengths = torch.cat([joining.lengths.new_zeros(old_rows), joining.lengths])
-        self.drafter.read_prompts(torch.cat([old, joining.tokens]), real_lengths, joining.num_tokens, batch.longest,
-                                  torch.cat([old, successors]), old_rows)
-        self._totals.emitted_tokens += joining.count  # (each emitted its first token outside the step's record)
-        return stopped
-
-    def _join_now(self, lanes: list[int], prompts: list[list[int]], limits: list[int],
-                  eos_token_ids: list[tuple[int, ...]]) -> None:
-        """Rows join now: both caches read their prompts but the last tokens, in forwards of their own."""
-        old_rows = self.batch.num_rows
-        rows = self._prompt_rows(prompts)
-        lengths = [len(prompt) for prompt in prompts]
-        last_tokens = rows.gather(1, torch.tensor(lengths, device=rows.device)[:, None] - 1)[:, 0]
-        self.batch.add(torch.tensor(lanes, device=rows.device), rows, lengths, last_tokens, limits, eos_token_ids)
-        self.target_slots.add_rows(len(prompts))
-        self.drafter.add_rows(last_tokens, lengths)
-        self._read_prompts(old_rows, prompts)
-
-    def _prompt_rows(self, prompts: list[list[int]]) -> torch.Tensor:
-        """``(M, capacity)`` the prompts from column 0, pad after them."""
-        rows = torch.full((len(prompts), self.sequence_capacity), self.pad_value, dtype=torch.long)
-        for index, prompt in enumerate(prompts):
-            rows[index, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-        return rows.to(self.batch.lengths.device)
-
-    def _read_prompts(self, old_rows: int, prompts: list[list[int]]) -> None:
-        """Both caches read the joining rows' prompts but their last tokens, ``prefill_chunk`` tokens a forward; the
-        other rows' blocks are empty (packed, they cost nothing; padded, they compute filler)."""
-        device, batch = self.batch.lengths.device, self.batch
-        to_read = [len(prompt) - 1 for prompt in prompts]
-        for start in range(0, max(to_read), self.prefill_chunk):
-            chunk = [min(max(length - start, 0), self.prefill_chunk) for length in to_read]
-            width = max(chunk)
-            block = torch.full((batch.num_rows, width), self.pad_value, dtype=torch.long)
-            successors = block.clone()  # each real token's successor in its prompt (an EAGLE head's pairs)
-            for index, (prompt, size) in enumerate(zip(prompts, chunk)):
-                if size:
-                    block[old_rows + index, :size] = torch.tensor(prompt[start : start + size])
-                    successors[old_rows + index, :size] = torch.tensor(prompt[start + 1 : start + size + 1])
-            block, successors = block.to(device), successors.to(device)
-            real_lengths = torch.tensor([0] * old_rows + chunk, device=device)
-            num_real = sum(chunk)
-            self.target_slots.forward(self.model, block, None, real_lengths=real_lengths, num_real=num_real,
-                                      discard_logits=True, first_row=old_rows)
-            # no row holds more real tokens than the longest row's length (a row's last token is never cached)
-            self.target_slots.compact(batch.longest)
-            self.drafter.read_prompts(block, real_lengths, num_real, batch.longest, successors, old_rows)
-
-    def step(self):
-        """One step (:meth:`~tetris_hf.decoding.BatchedSpeculativeLoop.step`); every :data:`FOLD_EVERY` steps the
-        records go into the totals."""
-        record = super().step()
-        if len(self._records) >= FOLD_EVERY:
+    def step(self) -> StepRecord:
+        """One step of the core (:meth:`~tetris_hf.loop_core.LoopCore.step`), the riding prompts read in it and their
+        rows joining after it; the rows that stopped go to :attr:`finished`; then the user's step callback. Every
+        :data:`FOLD_EVERY` steps the records go into the totals."""
+        joining, self.joining, self._riding = self.joining, None, []
+        result = self.core.step(joining)
+        if joining is not None:
+            self._totals.emitted_tokens += joining.count  # (each emitted its first token outside the step's record)
+        if result.retired is not None:
+            self._store_finished(result.retired)
+        if self.step_callback is not None:
+            self.step_callback(result.record, self)
+        if len(self.core.records) >= FOLD_EVERY:
             self.fold_records()
-        return record
+        return result.record
 
     @property
     def stats(self) -> TetrisStats:
@@ -207,22 +147,21 @@ class StreamLoop(BatchedSpeculativeLoop):
 
     def fold_records(self) -> None:
         """Add the steps recorded since the last fold to the totals and drop their records (one read)."""
-        if not self._records:
+        records = self.core.take_records()
+        if not records:
             return
-        steps = TetrisStats.from_steps(self._records, self.batch_size)
+        steps = TetrisStats.from_steps(records, self.batch_size)
         totals = self._totals
         for name in TOTALS:
             setattr(totals, name, getattr(totals, name) + getattr(steps, name))
         # (from_steps counts the first record as a prompt's read, which selects nothing: a stream has none)
-        totals.selected_tokens += self._records[0].rows.numel()
-        self._records.clear()
+        totals.selected_tokens += records[0].rows.numel()
 
     def remove(self, lanes: list[int]) -> None:
         """Take the rows of ``lanes`` (active ones) out of the batch now; their tokens go to :attr:`finished`."""
-        if not lanes:
-            return
-        stopped = torch.isin(self.batch.rows, torch.tensor(lanes, device=self.batch.rows.device))
-        self._retire(stopped, len(lanes))
+        retired = self.core.remove(lanes)
+        if retired is not None:
+            self._store_finished(retired)
 
     def _store_finished(self, retired: Retired) -> None:
         """Rows leaving: their lanes and tokens to the host (one read, only when rows stop)."""
@@ -230,9 +169,19 @@ class StreamLoop(BatchedSpeculativeLoop):
         tokens = retired.sequences[:, : max(lengths)].tolist()
         self.finished.extend((lane, row[:length]) for lane, row, length in zip(lanes, tokens, lengths))
 
+    def take_finished(self) -> list[tuple[int, list[int]]]:
+        """The ``(lane, tokens)`` of the rows that left since the last call (which this loop then forgets)."""
+        finished, self.finished = self.finished, []
+        return finished
+
     def progress(self, lanes: list[int]) -> dict[int, list[int]]:
         """Each active lane of ``lanes``: its tokens so far (one read; for requests that stream)."""
-        return self.batch.tokens_of(torch.isin(self.batch.rows, torch.tensor(lanes, device=self.batch.rows.device)))
+        batch = self.core.batch
+        return batch.tokens_of(torch.isin(batch.rows, torch.tensor(lanes, device=batch.rows.device)))
+
+    def close(self) -> None:
+        """Remove what the drafter put on the target (the stream is over)."""
+        self.core.close()
 
 
 def _as_ids(value) -> tuple[int, ...]:
@@ -284,14 +233,12 @@ class RequestStream:
                  generation_config: GenerationConfig | None = None, max_batch_size: int = 8,
                  max_length: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, ride_prompts: bool = True,
                  **kwargs):
-        from .generation import _pop_options  # (generation imports the loop; the loop does not import this)
-
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"`max_batch_size` must be a positive integer, got {max_batch_size!r}")
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"`prefill_chunk` must be a positive integer, got {prefill_chunk!r}")
         kwargs = dict(kwargs)
-        self.options = _pop_options(kwargs)
+        self.options = pop_options(kwargs)
         self.config = stream_config(model, generation_config, kwargs)
         if kwargs:
             raise TypeError(f"unknown arguments for a request stream: {sorted(kwargs)}")
@@ -454,7 +401,7 @@ class RequestStream:
 
     def _collect(self, now: float, error: str | None = None) -> None:
         """Hand out the rows that left the batch (and the streaming requests' new tokens)."""
-        for lane, tokens in self.loop.finished:
+        for lane, tokens in self.loop.take_finished():
             request = self.live.pop(lane)
             self._ids_in_flight.discard(request.request_id)
             output = request.output
@@ -463,7 +410,6 @@ class RequestStream:
             output.status = RequestStatus.FAILED if error else RequestStatus.FINISHED
             output.error = error
             self.done.append(output)
-        self.loop.finished.clear()
         streaming = [lane for lane, request in self.live.items() if request.streaming]
         if streaming:
             for lane, tokens in self.loop.progress(streaming).items():
