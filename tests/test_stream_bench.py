@@ -34,6 +34,10 @@ def test_every_run_serves_every_request_as_generate_does(pair, lookup, hybrid, t
     assert (stream["lookup_share"] is not None) == hybrid
     table = stream_bench.format_table(summaries, stream_bench.reference_name(summaries))
     assert "stream-tetris" in table and "x" in table
+    words = stream_bench.verdict(summaries)  # the table in words: the fastest run, its ratio, and each stream's why
+    fastest = max(summaries, key=lambda row: row["tokens_per_second"])
+    assert words.startswith(f"Fastest: {fastest['name']}") and "every output equal" in words
+    assert "stream-tetris:" in words and "stream-adaptive:" in words and "tokens a row-step" in words
     stream_bench.plot(report["medians"][3], tmp_path / "stream.png", "tiny")
     assert (tmp_path / "stream.png").stat().st_size > 1000
 

@@ -218,6 +218,38 @@ def format_table(summaries: list[dict], reference: str) -> str:
     return "\n".join(lines)
 
 
+def verdict(summaries: list[dict]) -> str:
+    """The table in words, for a newcomer: which run was fastest and by how much against the faster plain system
+    (transformers' ``generate_batch`` or static ``generate()`` chunks), whether every output matched, and why, from
+    the runs' own numbers: tokens a row-step (1 for plain decoding), acceptance, the share of verified drafts that
+    prompt lookup drafted, and rows kept busy."""
+    plain = [row for row in summaries if row["name"] in ("hf-generate-batch", "generate-chunks")]
+    if not plain:
+        return ""
+    best_plain = max(plain, key=lambda row: row["tokens_per_second"])
+    fastest = max(summaries, key=lambda row: row["tokens_per_second"])
+    ratio = fastest["tokens_per_second"] / best_plain["tokens_per_second"]
+    equal = all(row["equal"] == "-" or len(set(row["equal"].split("/"))) == 1 for row in summaries)  # "24/24"
+    lines = [f"Fastest: {fastest['name']}, {fastest['tokens_per_second']:.1f} tok/s = {ratio:.2f}x the faster plain "
+             f"system ({best_plain['name']}, {best_plain['tokens_per_second']:.1f} tok/s); "
+             + ("every output equal to plain greedy decoding's." if equal else "SOME OUTPUTS DIFFER (see '= generate').")]
+    for row in summaries:
+        if not row["name"].startswith("stream-") or row.get("tokens_per_row_step") is None:
+            continue
+        why = [f"{row['tokens_per_row_step']:.2f} tokens a row-step (plain: 1)"]
+        if row.get("acceptance") is not None and row["tokens_per_row_step"] > 1.005:
+            why.append(f"{row['acceptance']:.0%} of verified drafts accepted")
+        if row.get("lookup_share") is not None and row["tokens_per_row_step"] > 1.005:
+            why.append(f"{row['lookup_share']:.0%} of them drafted by prompt lookup")
+        if row.get("mean_live_rows") is not None:
+            why.append(f"{row['mean_live_rows']:.1f} rows busy a step")
+        relative = row["tokens_per_second"] / best_plain["tokens_per_second"]
+        lines.append(f"  {row['name']}: {relative:.2f}x; " + ", ".join(why))
+    lines.append("  (a stream keeps its rows full as requests end; speculation pays where each extra verified token "
+                 "costs little and drafts are often accepted)")
+    return "\n".join(lines)
+
+
 def plot(runs: list[StreamRun], path: Path, title: str) -> None:
     import matplotlib
 
@@ -422,8 +454,9 @@ def main(args) -> int:
                            for size, runs in report["medians"].items()}}
     for batch_size, summaries in report["runs"].items():
         table = format_table(summaries, reference_name(summaries))
-        log(f"\nmax_batch_size {batch_size}, {len(prompts)} requests, median of {args.repeats}:\n{table}\n")
-        (output / f"table-b{batch_size}.txt").write_text(table + "\n")
+        words = verdict(summaries)
+        log(f"\nmax_batch_size {batch_size}, {len(prompts)} requests, median of {args.repeats}:\n{table}\n\n{words}\n")
+        (output / f"table-b{batch_size}.txt").write_text(table + "\n\n" + words + "\n")
         plot(report["medians"][batch_size], output / f"stream-b{batch_size}.png",
              f"{args.prompts}: {len(prompts)} requests, max_batch_size {batch_size}")
     (output / "results.json").write_text(json.dumps(saved, indent=1, default=str))
