@@ -279,17 +279,27 @@ def batch_matches(sequences: torch.Tensor, starts: torch.Tensor, lengths: torch.
         columns); and ``tokens`` ``(B, W)``, the rows' real tokens, ``-1`` elsewhere.
     """
     rows, width = sequences.shape
-    columns = torch.arange(width, device=sequences.device)[None, :]
+    device = sequences.device
+    columns = torch.arange(width, device=device)[None, :]
     real = (columns >= starts[:, None]) & (columns < lengths[:, None])
     tokens = torch.where(real, sequences, -1)  # (B, W)
-    windows = torch.nn.functional.pad(tokens, (depth - 1, 0), value=-1).unfold(1, depth, 1)  # (B, W, d) ending at p
-    suffix = windows.gather(1, (lengths - 1).clamp(min=0)[:, None, None].expand(-1, 1, depth))  # (B, 1, d)
-    suffix = suffix.masked_fill(suffix < 0, -2)  # a row's own padding matches nothing
-    places = torch.arange(1, depth + 1, dtype=torch.int16, device=sequences.device)
-    haystack = windows.reshape(1, rows * width, depth) if peers else windows
-    context = depth - ((haystack != suffix) * places).amax(dim=-1).long()  # (B, B W) or (B, W)
+    last = (lengths - 1).clamp(min=0)[:, None]  # (B, 1)
+    # depth by depth, from the last token back: a column still matches after j + 1 tokens iff it matched after j
+    # and the token j places before it equals row b's token j places before its end (B * B * W compares a depth,
+    # no (B, B W, d) tensor)
+    padded = torch.nn.functional.pad(tokens, (depth, 0), value=-1)  # (B, d + W): column p is p + d
+    context = None
+    alive = None
+    for back in range(depth):
+        haystack = padded[:, depth - back: depth - back + width]  # (B, W): the token ``back`` places before p
+        wanted = tokens.gather(1, (last - back).clamp(min=0))  # (B, 1) row b's token ``back`` before its end
+        wanted = torch.where((last - back >= 0) & (wanted >= 0), wanted, -2)  # a row's own padding matches nothing
+        same = (haystack.reshape(1, -1) == wanted) if peers else (haystack == wanted)  # (B, B W) or (B, W)
+        alive = same if alive is None else alive.logical_and_(same)
+        context = alive.to(torch.uint8) if context is None else context.add_(alive)
     followed = (columns + 1 < lengths[:, None]) & real  # (B, W) a token follows in the same row
-    return torch.where(followed.reshape(1, -1) if peers else followed, context, 0), tokens
+    context = context.masked_fill_(~(followed.reshape(1, -1) if peers else followed), 0).long()
+    return context, tokens
 
 
 def batch_continuations(tokens: torch.Tensor, context: torch.Tensor, ngram: torch.Tensor, num: int,
