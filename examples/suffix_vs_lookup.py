@@ -1,7 +1,8 @@
 """Suffix drafts against prompt lookup at the same ``k``, in the loop: a request stream serves the same prompts with
 each drafter (greedy, so both emit the same tokens) and this prints tokens per row-step (tokens emitted per row per
 target forward), the share of row-steps that accepted anything, and the drafter's host time per step as a share of
-the step, for each prompt set.
+the step, for each prompt set; and, per drafter, how far drafts get: the share of row-steps that drafted anything and
+``P(cell j accepted | the cells before it were)`` for ``j = 1..k``.
 
 Requests are served in order through one stream of ``--max-batch-size`` rows: later requests draft from the cache of
 the ones that finished before them (and from the rows decoding beside them).
@@ -26,13 +27,20 @@ from tetris_hf.tools.models import load_target
 def serve(target, prompts: list[list[int]], drafter: str, k: int, strategy: str, max_batch_size: int,
           max_new_tokens: int, eos: int | None) -> dict:
     """Every prompt through one stream drafting with ``drafter`` (``"lookup"`` or ``"suffix"``); what it measured."""
-    counts = {"row_steps": 0, "emitted": 0, "accepted_rows": 0, "draft_s": 0.0, "step_s": 0.0, "steps": 0}
+    counts = {"row_steps": 0, "emitted": 0, "accepted_rows": 0, "draft_s": 0.0, "step_s": 0.0, "steps": 0,
+              "drafting_rows": 0, "reached": [0] * k, "accepted": [0] * k}
 
     def count(record, loop):
         counts["row_steps"] += record.rows.numel()
         emitted = record.emitted
         counts["emitted"] += int(emitted.sum())
         counts["accepted_rows"] += int((record.num_accepted > 0).sum())
+        drafted = torch.minimum(record.drafted_lengths, record.verify_lengths)  # (B,) cells drafted and verified
+        counts["drafting_rows"] += int((drafted > 0).sum())
+        for cell in range(k):
+            reached = (drafted > cell) & (record.num_accepted >= cell)  # the cells before it were accepted
+            counts["reached"][cell] += int(reached.sum())
+            counts["accepted"][cell] += int((reached & (record.num_accepted > cell)).sum())
         counts["draft_s"] += record.seconds.draft
         counts["step_s"] += sum(record.seconds)
         counts["steps"] += 1
@@ -62,7 +70,7 @@ def main() -> None:
     results = {}
     print(f"k = {args.k}, {args.strategy}, stream of {args.max_batch_size} rows, {args.max_new_tokens} new tokens")
     print(f"{'prompts':<16} {'drafter':<8} {'tok/row-step':>12} {'rows accepting':>14} {'draft/step':>10} "
-          f"{'seconds':>8}")
+          f"{'seconds':>8} {'rows drafting':>13}  P(cell j accepted | cells before were), j = 1..{args.k}")
     for name in args.prompts.split(","):
         texts, _ = prompt_texts(load_prompts(name), args.num_prompts, tokenizer, 256)
         prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
@@ -73,7 +81,9 @@ def main() -> None:
         for drafter, run in runs.items():
             per_row_step = run["emitted"] / run["row_steps"]
             print(f"{name:<16} {drafter:<8} {per_row_step:>12.3f} {run['accepted_rows'] / run['row_steps']:>14.2f} "
-                  f"{run['draft_s'] / run['step_s']:>10.3f} {run['seconds']:>8.1f}")
+                  f"{run['draft_s'] / run['step_s']:>10.3f} {run['seconds']:>8.1f} "
+                  f"{run['drafting_rows'] / run['row_steps']:>13.2f}  "
+                  + " ".join(f"{a / r:.2f}" if r else "-" for a, r in zip(run["accepted"], run["reached"])))
             results[f"{name}/{drafter}"] = {key: value for key, value in run.items() if key != "outputs"}
         ratio = (runs["suffix"]["emitted"] / runs["suffix"]["row_steps"]) / (
             runs["lookup"]["emitted"] / runs["lookup"]["row_steps"])
