@@ -8,6 +8,10 @@ Requests are served in order through one stream of ``--max-batch-size`` rows: la
 the ones that finished before them (and from the rows decoding beside them).
 
     python examples/suffix_vs_lookup.py --prompts humaneval-edit,extraction --num-prompts 16 --max-new-tokens 64
+
+``--time-proposal`` instead times one proposal of each drafter on the host (CPU time on this process's threads, the
+lower quartile of 30 calls) for ``--rows`` rows of ``--row-tokens`` tokens and a full suffix cache (256 requests of
+512 tokens), beside one plain decode step of the target at that batch and length.
 """
 
 from __future__ import annotations
@@ -18,7 +22,10 @@ import time
 
 import torch
 
+from tetris_hf.candidate_generators.prompt_lookup import BatchedPromptLookupCandidateGenerator
+from tetris_hf.candidate_generators.suffix import SuffixCandidateGenerator
 from tetris_hf.stream import RequestStream
+from tetris_hf.suffix_cache import SuffixCache
 from tetris_hf.tools.cli import prompt_texts
 from tetris_hf.tools.data import load_prompts
 from tetris_hf.tools.models import load_target
@@ -55,6 +62,50 @@ def serve(target, prompts: list[list[int]], drafter: str, k: int, strategy: str,
     return {**counts, "seconds": seconds, "outputs": [outputs[i] for i in ids]}
 
 
+def cpu_ms(call, repeats: int = 30) -> float:
+    """The lower quartile of ``call``'s CPU time in ms (a shared machine's other work stays out of it)."""
+    call()
+    times = []
+    for _ in range(repeats):
+        started = time.process_time()
+        call()
+        times.append(time.process_time() - started)
+    return sorted(times)[repeats // 4] * 1e3
+
+
+def time_proposal(target, rows: int, row_tokens: int, k: int) -> None:
+    """Host time of one proposal of each drafter against a plain decode step (random tokens with repeats)."""
+    generator = torch.Generator().manual_seed(0)
+    vocab = target.config.vocab_size
+    cache = SuffixCache()
+    for _ in range(cache.max_requests):  # a full cache; each request repeats a passage, as outputs do
+        request = torch.randint(vocab, (1, cache.width), generator=generator)
+        request[:, 200:300] = request[:, :100]
+        cache.add(request, torch.tensor([cache.width]))
+    sequences = torch.randint(vocab, (rows, row_tokens + k), generator=generator)
+    sequences[:, row_tokens - 100: row_tokens] = sequences[:, 100:200]
+    lengths = torch.full((rows,), row_tokens)
+    mask = torch.ones(rows, row_tokens, dtype=torch.long)
+    drafters = {"suffix": SuffixCandidateGenerator(max_tokens=k, cache=cache),
+                "lookup": BatchedPromptLookupCandidateGenerator(max_tokens=k)}
+    times = {}
+    for name, drafter in drafters.items():
+        drafter.prefill(sequences[:, :row_tokens], mask)
+        times[name] = cpu_ms(lambda: drafter.propose(sequences.clone(), lengths, k))
+    past = target(sequences[:, :row_tokens], use_cache=True).past_key_values
+    last = sequences[:, row_tokens - 1: row_tokens]
+
+    def plain_step():
+        target(last, past_key_values=past, use_cache=True)
+        past.crop(-1)  # the step's token leaves the cache again
+
+    step = cpu_ms(plain_step, repeats=12)
+    print(f"{rows} rows of {row_tokens} tokens, k = {k}, {torch.get_num_threads()} thread(s), CPU time:")
+    print(f"plain decode step of the target: {step:.1f} ms")
+    for name, milliseconds in times.items():
+        print(f"{name} proposal: {milliseconds:.2f} ms ({milliseconds / step:.1%} of a plain step)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", default="humaneval-edit,extraction")
@@ -64,9 +115,15 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--strategy", default="fixed")
     parser.add_argument("--json", help="also write the numbers here")
+    parser.add_argument("--time-proposal", action="store_true", help="time one proposal on the host instead")
+    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--row-tokens", type=int, default=600)
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     target, tokenizer = load_target()
+    if args.time_proposal:
+        time_proposal(target, args.rows, args.row_tokens, args.k)
+        return
     results = {}
     print(f"k = {args.k}, {args.strategy}, stream of {args.max_batch_size} rows, {args.max_new_tokens} new tokens")
     print(f"{'prompts':<16} {'drafter':<8} {'tok/row-step':>12} {'rows accepting':>14} {'draft/step':>10} "
