@@ -283,10 +283,10 @@ def batch_matches(sequences: torch.Tensor, starts: torch.Tensor, lengths: torch.
         peers: search every row (``B * B * W * depth`` compares); ``False``: each row only itself.
 
     Returns:
-        ``context`` ``(B, B * W)`` ``uint8``: for query row ``b`` and column ``p`` of row ``r`` (flattened ``r * W + p``), how
-        many tokens ending there equal row ``b``'s last ones (at most ``depth``), 0 where no token follows column
-        ``p`` in row ``r`` (its own end, padding, past its length); ``(B, W)`` without ``peers`` (row ``b``'s own
-        columns); and ``tokens`` ``(B, W)``, the rows' real tokens, ``-1`` elsewhere.
+        ``context`` ``(B, B * W)`` ``uint8``: for query row ``b`` and column ``p`` of row ``r`` (flattened
+        ``r * W + p``), how many tokens ending there equal row ``b``'s last ones (at most ``depth``), 0 where no token
+        follows column ``p`` in row ``r`` (its own end, padding, past its length); ``(B, W)`` without ``peers``
+        (row ``b``'s own columns); and ``tokens`` ``(B, W)``, the rows' real tokens, ``-1`` elsewhere.
     """
     rows, width = sequences.shape
     device = sequences.device
