@@ -118,10 +118,11 @@ class SuffixCache:
         self.max_requests, self.width, self.depth = max_requests, tokens_per_request, depth
         device = torch.device(device)
         self.tokens = torch.full((max_requests, tokens_per_request), -1, dtype=torch.long, device=device)  # (R, W)
-        self.keys = torch.full((depth, max_requests, tokens_per_request), NO_KEY, dtype=torch.long,
-                               device=device)  # (d, R, W) sorted along W
-        self.columns = torch.zeros((depth, max_requests, tokens_per_request), dtype=torch.int32,
-                                   device=device)  # (d, R, W) the column each sorted key ends at
+        # slot-major, so the written slots 0..R'-1 are one contiguous block to search
+        self.keys = torch.full((max_requests, depth, tokens_per_request), NO_KEY, dtype=torch.long,
+                               device=device)  # (R, d, W) sorted along W
+        self.columns = torch.zeros((max_requests, depth, tokens_per_request), dtype=torch.int32,
+                                   device=device)  # (R, d, W) the column each sorted key ends at
         self.next_slot = 0  # the slot the next request takes
         self.added = 0  # requests added over the cache's life
         self.lock = threading.RLock()
@@ -170,8 +171,8 @@ class SuffixCache:
         with self.lock:
             slots = (self.next_slot + torch.arange(num, device=device)) % self.max_requests
             self.tokens[slots] = tokens
-            self.keys[:, slots] = keys
-            self.columns[:, slots] = order.to(torch.int32)
+            self.keys[slots] = keys.transpose(0, 1)
+            self.columns[slots] = order.to(torch.int32).transpose(0, 1)
             self.next_slot = (self.next_slot + num) % self.max_requests
             self.added += num
 
@@ -186,41 +187,50 @@ class SuffixCache:
             sequences[row, : len(request)] = torch.tensor(request, dtype=torch.long)
         self.add(sequences, torch.tensor([len(request) for request in requests]))
 
+    @property
+    def searched(self) -> int:
+        """Slots a query searches, ``R'``: the ones written so far (the ring fills slots ``0, 1, ...`` in order
+        before it wraps), at least one; a host number, no device read."""
+        return max(1, self.num_requests)
+
     def ranges(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where each query key sits in every slot's sorted keys: ``lo``, ``hi`` ``(d, R, B)`` (the occurrences of
-        row ``b``'s last ``n`` tokens in slot ``r`` are ``keys[n - 1, r, lo:hi]``), for ``query`` ``(d, B)`` from
-        :func:`suffix_keys` (:data:`NO_KEY` never matches)."""
+        """Where each query key sits in every written slot's sorted keys: ``lo``, ``hi`` ``(d, R', B)``
+        (:attr:`searched` slots; the occurrences of row ``b``'s last ``n`` tokens in slot ``r`` are
+        ``keys[r, n - 1, lo:hi]``), for ``query`` ``(d, B)`` from :func:`suffix_keys` (:data:`NO_KEY` never
+        matches)."""
         depth, rows = query.shape
-        values = query[:, None, :].expand(depth, self.max_requests, rows).contiguous()
-        lo = torch.searchsorted(self.keys, values, side="left")
-        hi = torch.searchsorted(self.keys, values, side="right")
+        keys = self.keys[: self.searched]  # (R', d, W), contiguous
+        values = query[None].expand(keys.shape[0], depth, rows).contiguous()  # (R', d, B)
+        lo = torch.searchsorted(keys, values, side="left").transpose(0, 1)  # (d, R', B)
+        hi = torch.searchsorted(keys, values, side="right").transpose(0, 1)
         hi = torch.where(query[:, None, :] == NO_KEY, lo, hi)
         return lo, hi
 
     def continuations(self, lo: torch.Tensor, hi: torch.Tensor, ngram: torch.Tensor, num: int,
                       num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Up to ``num`` occurrences per row of its last ``ngram[b]`` tokens (``(B,)``, 0: none), newest slots
-        first, and the ``K = num_tokens`` tokens after each.
+        first, and the ``K = num_tokens`` tokens after each; ``lo``, ``hi`` ``(d, R', B)`` from :meth:`ranges`.
 
         Returns:
             ``tokens`` ``(B, num, K)`` (``-1`` past a request's end) and ``found`` ``(B, num)`` bool.
         """
         rows = ngram.shape[0]
         device = self.device
+        searched = lo.shape[1]  # R': every slot once the ring is full, else slots 0..R'-1 (next_slot == R')
         size = (ngram - 1).clamp(min=0)  # (B,)
-        count = (hi - lo).gather(0, size[None, None, :].expand(1, self.max_requests, rows))[0].T  # (B, R) by slot
+        count = (hi - lo).gather(0, size[None, None, :].expand(1, searched, rows))[0].T  # (B, R') by slot
         count = torch.where(ngram[:, None] > 0, count, 0)
-        newest = (self.next_slot - 1 - torch.arange(self.max_requests, device=device)) % self.max_requests  # (R,)
-        count = count[:, newest]  # (B, R) newest slot first
-        ends = count.cumsum(dim=1)  # (B, R)
+        newest = (self.next_slot - 1 - torch.arange(searched, device=device)) % searched  # (R',)
+        count = count[:, newest]  # (B, R') newest slot first
+        ends = count.cumsum(dim=1)  # (B, R')
         wanted = torch.arange(num, device=device).expand(rows, num).contiguous()  # (B, num)
-        rank = torch.searchsorted(ends, wanted, side="right").clamp(max=self.max_requests - 1)  # (B, num)
+        rank = torch.searchsorted(ends, wanted, side="right").clamp(max=searched - 1)  # (B, num)
         found = wanted < ends[:, -1:]
         offset = wanted - (ends.gather(1, rank) - count.gather(1, rank))
         slot = newest[rank]  # (B, num)
         first = lo[size[:, None], slot, torch.arange(rows, device=device)[:, None]]  # (B, num)
         place = (first + offset).clamp(max=self.width - 1)
-        column = self.columns[size[:, None], slot, place].long()  # (B, num) where the n-gram ends
+        column = self.columns[slot, size[:, None], place].long()  # (B, num) where the n-gram ends
         after = column[..., None] + 1 + torch.arange(num_tokens, device=device)  # (B, num, K)
         tokens = self.tokens[slot[..., None], after.clamp(max=self.width - 1)]
         tokens = torch.where((after < self.width) & found[..., None], tokens, -1)
@@ -273,23 +283,33 @@ def batch_matches(sequences: torch.Tensor, starts: torch.Tensor, lengths: torch.
         peers: search every row (``B * B * W * depth`` compares); ``False``: each row only itself.
 
     Returns:
-        ``context`` ``(B, B * W)``: for query row ``b`` and column ``p`` of row ``r`` (flattened ``r * W + p``), how
-        many tokens ending there equal row ``b``'s last ones (at most ``depth``), 0 where no token follows column
-        ``p`` in row ``r`` (its own end, padding, past its length); ``(B, W)`` without ``peers`` (row ``b``'s own
-        columns); and ``tokens`` ``(B, W)``, the rows' real tokens, ``-1`` elsewhere.
+        ``context`` ``(B, B * W)`` ``uint8``: for query row ``b`` and column ``p`` of row ``r`` (flattened
+        ``r * W + p``), how many tokens ending there equal row ``b``'s last ones (at most ``depth``), 0 where no token
+        follows column ``p`` in row ``r`` (its own end, padding, past its length); ``(B, W)`` without ``peers``
+        (row ``b``'s own columns); and ``tokens`` ``(B, W)``, the rows' real tokens, ``-1`` elsewhere.
     """
     rows, width = sequences.shape
-    columns = torch.arange(width, device=sequences.device)[None, :]
+    device = sequences.device
+    columns = torch.arange(width, device=device)[None, :]
     real = (columns >= starts[:, None]) & (columns < lengths[:, None])
     tokens = torch.where(real, sequences, -1)  # (B, W)
-    windows = torch.nn.functional.pad(tokens, (depth - 1, 0), value=-1).unfold(1, depth, 1)  # (B, W, d) ending at p
-    suffix = windows.gather(1, (lengths - 1).clamp(min=0)[:, None, None].expand(-1, 1, depth))  # (B, 1, d)
-    suffix = suffix.masked_fill(suffix < 0, -2)  # a row's own padding matches nothing
-    places = torch.arange(1, depth + 1, dtype=torch.int16, device=sequences.device)
-    haystack = windows.reshape(1, rows * width, depth) if peers else windows
-    context = depth - ((haystack != suffix) * places).amax(dim=-1).long()  # (B, B W) or (B, W)
+    last = (lengths - 1).clamp(min=0)[:, None]  # (B, 1)
+    # depth by depth, from the last token back: a column still matches after j + 1 tokens iff it matched after j
+    # and the token j places before it equals row b's token j places before its end (B * B * W compares a depth,
+    # no (B, B W, d) tensor)
+    padded = torch.nn.functional.pad(tokens, (depth, 0), value=-1)  # (B, d + W): column p is p + d
+    context = None
+    alive = None
+    for back in range(depth):
+        haystack = padded[:, depth - back: depth - back + width]  # (B, W): the token ``back`` places before p
+        wanted = tokens.gather(1, (last - back).clamp(min=0))  # (B, 1) row b's token ``back`` before its end
+        wanted = torch.where((last - back >= 0) & (wanted >= 0), wanted, -2)  # a row's own padding matches nothing
+        same = (haystack.reshape(1, -1) == wanted) if peers else (haystack == wanted)  # (B, B W) or (B, W)
+        alive = same if alive is None else alive.logical_and_(same)
+        context = alive.to(torch.uint8) if context is None else context.add_(alive)
     followed = (columns + 1 < lengths[:, None]) & real  # (B, W) a token follows in the same row
-    return torch.where(followed.reshape(1, -1) if peers else followed, context, 0), tokens
+    context = context.masked_fill_(~(followed.reshape(1, -1) if peers else followed), 0)
+    return context, tokens
 
 
 def batch_continuations(tokens: torch.Tensor, context: torch.Tensor, ngram: torch.Tensor, num: int,
@@ -307,15 +327,15 @@ def batch_continuations(tokens: torch.Tensor, context: torch.Tensor, ngram: torc
     rows, width = tokens.shape
     flat = context.shape[1]
     device = tokens.device
-    place = torch.arange(flat, device=device)[None, :]  # (1, B W) or (1, W)
+    # rank by (match length, the row's own, place) packed in one int32: length * 2 flat + own * flat + place
+    key = context.int() * (2 * flat) + torch.arange(flat, dtype=torch.int32, device=device)[None, :]  # (B, B W)
     if flat != width:
         row_base = 0  # peers: the place says which row
-        own = (place // width) == torch.arange(rows, device=device)[:, None]  # (B, B W)
+        key.view(rows, rows, width).diagonal(dim1=0, dim2=1).add_(flat)  # row b's own columns in row b's query
     else:
         row_base = torch.arange(rows, device=device)[:, None] * width  # each row itself
-        own = torch.ones_like(place, dtype=torch.bool)
-    key = (context * 2 + own) * flat + place
-    key = torch.where((context >= ngram[:, None]) & (ngram[:, None] > 0), key, -1)
+        key.add_(flat)
+    key = key.masked_fill_((context < ngram[:, None]) | (ngram[:, None] <= 0), -1)
     num = min(num, flat)
     key, chosen = key.topk(num, dim=1)  # (B, num)
     chosen = chosen + row_base

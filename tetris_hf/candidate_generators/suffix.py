@@ -129,7 +129,7 @@ class SuffixCandidateGenerator(Drafter):
         rows = sequences.shape[0]
         peers = rows * rows * width * self.depth <= PEER_BUDGET  # (else each row searches itself only)
         context, tokens = batch_matches(sequences[:, :width], self.starts, lengths, self.depth, peers)
-        own_match = context.amax(dim=1)  # (B,)
+        own_match = context.amax(dim=1).long()  # (B,)
         query = suffix_keys(sequences, self.starts, lengths, self.depth)  # (d, B)
         with self.cache.lock:
             lo, hi = self.cache.ranges(query)
