@@ -177,11 +177,10 @@ class _CostAware:
             self._count_for_guard(step)
             self._learn(step.token_log_probs, step.verify_lengths, step.num_accepted, step.sources())
 
-    def _new_plan(self, drafts: bool) -> None:
-        """A plan was made: the steps it runs (if it drafts) are tallied afresh for the guard."""
+    def _new_plan(self) -> None:
+        """A plan was made: the steps it runs (if it drafts, see :meth:`plan`) are tallied afresh for the guard."""
         self._plan_id += 1
         self._tally = _GuardTally()
-        self._step_plan_id = self._plan_id if drafts else -1
 
     def _count_for_guard(self, step: _ObservedStep) -> None:
         """Add one read step of the current drafting plan to the guard's tally: its tokens, and the tokens plain steps
@@ -197,7 +196,7 @@ class _CostAware:
         plain = cost.step_seconds(rows, 0, 0, 0)
         tally = self._tally = _GuardTally(self._tally.steps + 1,
                                           self._tally.tokens + float(step.num_accepted.sum()) + rows,
-                                          self._tally.plain_tokens + rows * seconds / plain if plain > 0 else 0.0)
+                                          self._tally.plain_tokens + (rows * seconds / plain if plain > 0 else 0.0))
         if tally.steps == self.guard_steps and tally.tokens >= tally.plain_tokens:
             self.memory.probe_interval = self.probe_interval_start  # drafting paid: probe soon when it stops paying
 
@@ -458,7 +457,7 @@ class AdaptiveBudget(_CostAware):
                 memory.plain_streak, memory.probe_interval = 0, min(2 * memory.probe_interval, self.max_probe_interval)
             self._planned = (num_rows, *self._choose(num_rows, cost))
             self._plan_age = 0
-            self._new_plan(self._planned[1].num_draft_tokens > 0)
+            self._new_plan()
         elif self.pool.shape[0] == 0 and self._pending:
             self._flush()  # the first drafted rows: whether a probe can teach anything depends on them
         self._plan_age += 1
