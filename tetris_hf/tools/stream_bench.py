@@ -237,7 +237,7 @@ def verdict(summaries: list[dict]) -> str:
         if not row["name"].startswith("stream-") or row.get("tokens_per_row_step") is None:
             continue
         why = [f"{row['tokens_per_row_step']:.2f} tokens a row-step (plain: 1)"]
-        if row.get("acceptance") is not None and row["tokens_per_row_step"] > 1.005:
+        if row.get("acceptance") and row["tokens_per_row_step"] > 1.005:  # (None or 0: nothing verified)
             why.append(f"{row['acceptance']:.0%} of verified drafts accepted")
         if row.get("lookup_share") is not None and row["tokens_per_row_step"] > 1.005:
             why.append(f"{row['lookup_share']:.0%} of them drafted by prompt lookup")
