@@ -12,6 +12,7 @@ from transformers.generation.continuous_batching.requests import RequestStatus
 
 import tetris_hf
 from tetris_hf import cost_model
+from test_stream import alone
 from tiny_models import PAD, noisy_copy, tiny_llama
 
 VOCAB = 64
@@ -21,13 +22,6 @@ VOCAB = 64
 def models():
     target = tiny_llama(VOCAB, seed=0)
     return target, noisy_copy(target, 0.3)
-
-
-def alone(target, prompt, max_new_tokens, eos_token_id=None):
-    ids = torch.tensor([prompt])
-    out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                          eos_token_id=eos_token_id, pad_token_id=PAD)
-    return out[0, len(prompt):].tolist()
 
 
 def manager_for(models, **kwargs):

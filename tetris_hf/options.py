@@ -221,12 +221,7 @@ class TetrisOptions:
         if self.prompt_lookup_num_tokens is not None:
             raise ValueError("`tetris_suffix_num_tokens` and `prompt_lookup_num_tokens` are two model-free drafts for "
                              "the same place (suffix drafts search the row's own tokens too): pass one of them")
-        if self.num_assistant_tokens != suffix:
-            raise ValueError(f"`tetris_suffix_num_tokens` ({suffix}) is the window k: drop `num_assistant_tokens` "
-                             f"({self.num_assistant_tokens}) or make them equal")
-        if self.tetris_draft_vocab is not None:
-            raise ValueError("`tetris_draft_vocab` shapes a draft model's head and is not supported with suffix drafts "
-                             "(alone or hybrid): drop it")
+        self._check_model_free_window("tetris_suffix_num_tokens", suffix, "suffix drafts (alone or hybrid)")
         if self.tetris_suffix_cache is not None and not isinstance(self.tetris_suffix_cache, SuffixCache):
             raise TypeError(f"`tetris_suffix_cache` must be a tetris_hf.suffix_cache.SuffixCache, got "
                             f"{type(self.tetris_suffix_cache).__name__}")
@@ -240,12 +235,17 @@ class TetrisOptions:
             return
         max_ngram = DEFAULT_MAX_NGRAM_SIZE if self.max_matching_ngram_size is None else self.max_matching_ngram_size
         check_lookup_sizes(lookup, max_ngram, self.tetris_min_ngram_size)
-        if self.num_assistant_tokens != lookup:
-            raise ValueError(f"`prompt_lookup_num_tokens` ({lookup}) is the window k: drop `num_assistant_tokens` "
+        self._check_model_free_window("prompt_lookup_num_tokens", lookup,
+                                      "prompt lookup (alone, which has no head, or hybrid)")
+
+    def _check_model_free_window(self, name: str, window: int, drafts: str) -> None:
+        """A model-free draft's window ``name`` is ``k``; no draft head to shape with ``tetris_draft_vocab``."""
+        if self.num_assistant_tokens != window:
+            raise ValueError(f"`{name}` ({window}) is the window k: drop `num_assistant_tokens` "
                              f"({self.num_assistant_tokens}) or make them equal")
         if self.tetris_draft_vocab is not None:
-            raise ValueError("`tetris_draft_vocab` shapes a draft model's head and is not supported with prompt "
-                             "lookup (alone, which has no head, or hybrid): drop it")
+            raise ValueError(f"`tetris_draft_vocab` shapes a draft model's head and is not supported with {drafts}: "
+                             "drop it")
 
 
 OPTION_NAMES = tuple(option.name for option in dataclasses.fields(TetrisOptions))
