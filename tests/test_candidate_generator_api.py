@@ -277,3 +277,16 @@ def test_an_eagle_head_drafts_what_it_would_from_scratch_through_the_adapter(tmp
     assert again[0, after.shape[1]:].tolist() == expected
     with pytest.raises(ValueError, match="output_hidden_states=True"):
         drafter.get_candidates(after, model_outputs=type(outputs)(logits=outputs.logits), is_first_iteration=False)
+
+
+def test_an_eagle_head_beside_prompt_lookup_is_refused_naming_custom_generate(tmp_path):
+    """Hybrid drafting with a head reads the target's features but does not ask transformers' loop for them."""
+    from tetris_hf.candidate_generators.hybrid import HybridCandidateGenerator
+
+    target = tiny_target("llama", num_layers=2, seed=5)
+    head = EagleDraft.from_pretrained(write_checkpoint(tmp_path / "eagle1", *eagle1_checkpoint(seed=1)),
+                                      target=target)
+    drafter = EagleCandidateGenerator(head, PositionwiseLogitsProcessor(LogitsProcessorList()), do_sample=False)
+    hybrid = HybridCandidateGenerator(BatchedPromptLookupCandidateGenerator(3, 1, max_tokens=8), drafter)
+    with pytest.raises(ValueError, match='hidden states.*custom_generate="tetris"'):
+        hybrid.get_candidates(torch.tensor([[5, 6, 7]]))

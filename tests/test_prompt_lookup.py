@@ -173,7 +173,9 @@ def test_rows_that_never_match_draft_nothing():
     assert out.tetris_stats.drafted_tokens == 0 and out.tetris_stats.verified_tokens == 0
 
 
-def sampled_lookup_joint(target, strategy, seed=0, **options):
+def sampled_model_free_joint(target, strategy, seed=0, **options):
+    """12,000 rows of ``sampling.PROMPT`` drafted without a model (prompt lookup or suffix drafts, by ``options``), the
+    first four sampled tokens counted: ``(counts, stats)``."""
     torch.manual_seed(seed)
     input_ids = torch.tensor([sampling.PROMPT] * sampling.ROWS)
     out = target.generate(input_ids, custom_generate="tetris", do_sample=True, temperature=1.0, top_k=0,
@@ -204,7 +206,7 @@ def lookup_sampling(monkeypatch):
 def test_sampled_sequences_follow_the_target_distribution(lookup_sampling, strategy, options):
     """The joint law of the first four tokens, with a partial budget (TETRIS verifies C = B of 3B cells)."""
     target, joint = lookup_sampling
-    counts, stats = sampled_lookup_joint(target, strategy, **options)
+    counts, stats = sampled_model_free_joint(target, strategy, **options)
     assert 0 < stats.accepted_tokens < stats.verified_tokens  # both branches taken
     if strategy == "tetris":
         assert stats.verified_tokens < stats.drafted_tokens  # selection left cells out
@@ -215,7 +217,7 @@ def test_chi_square_catches_a_rejection_that_keeps_the_drafted_token(lookup_samp
     """Teeth: after a rejected lookup draft, sampling from ``p`` (not ``p`` without the draft) is biased."""
     target, joint = lookup_sampling
     monkeypatch.setattr(verification, "residual_distribution", lambda target_probs, draft_probs: (target_probs, None))
-    counts, _ = sampled_lookup_joint(target, "fixed", prompt_lookup_num_tokens=2)
+    counts, _ = sampled_model_free_joint(target, "fixed", prompt_lookup_num_tokens=2)
     assert sampling.chi_square_p_value(counts, joint) < 1e-3
 
 

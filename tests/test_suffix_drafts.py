@@ -13,7 +13,7 @@ from tetris_hf.candidate_generators.suffix import SuffixCandidateGenerator
 from tetris_hf.stream import RequestStream
 from tetris_hf.suffix_cache import SuffixCache
 from test_greedy_exactness import assert_rows_equal, pick_eos, target_alone
-from test_prompt_lookup import lookup_generate, repetitive_prompts
+from test_prompt_lookup import lookup_generate, repetitive_prompts, sampled_model_free_joint
 from test_stream import check_exact, requests
 from tiny_models import EOS, PAD, left_pad, noisy_copy, sharpen, tiny_llama
 
@@ -130,19 +130,9 @@ SUFFIX_PROMPT = [3, 4, 5, 3, 4, 5, 3]
 def sampled_suffix_joint(target, strategy, seed=0, **options):
     """12,000 rows of one prompt, the first four sampled tokens counted; the cache is seeded with continuations of
     the prompt (so most cells come from it), the rows also search themselves."""
-    torch.manual_seed(seed)
     cache = SuffixCache(max_requests=8, tokens_per_request=16)
     cache.add_token_lists([SUFFIX_PROMPT + [4, 5, 3, 4], SUFFIX_PROMPT + [4, 2, 2], SUFFIX_PROMPT + [4, 5, 0]])
-    input_ids = torch.tensor([SUFFIX_PROMPT] * sampling.ROWS)
-    out = target.generate(input_ids, custom_generate="tetris", do_sample=True, temperature=1.0, top_k=0,
-                          max_new_tokens=4, eos_token_id=EOS, pad_token_id=PAD, tetris_strategy=strategy,
-                          return_dict_in_generate=True, tetris_suffix_cache=cache, **options)
-    generated = torch.nn.functional.pad(out.sequences[:, len(SUFFIX_PROMPT):],
-                                        (0, 4 - (out.sequences.shape[1] - len(SUFFIX_PROMPT))), value=PAD)
-    counts = {}
-    for row in generated.tolist():
-        counts[tuple(row)] = counts.get(tuple(row), 0) + 1
-    return counts, out.tetris_stats
+    return sampled_model_free_joint(target, strategy, seed, tetris_suffix_cache=cache, **options)
 
 
 @pytest.fixture

@@ -119,8 +119,11 @@ class CandidateGeneratorAPI(CandidateGenerator):
     def take_target_outputs(self, model_outputs, is_first_iteration: bool) -> bool:
         """A drafter that reads the target's hidden states (an EAGLE head) takes those of the forward that verified its
         last candidates, ``model_outputs`` (with ``hidden_states``, as ``model_kwargs_overrides`` asks); returns
-        False when there are none yet (the first iteration of a call)."""
-        raise NotImplementedError
+        False when there are none yet (the first iteration of a call). Here: a drafter that reads them but cannot take
+        them from transformers' loop (an EAGLE head beside prompt lookup) is refused."""
+        raise ValueError("this drafter reads the target's hidden states beside another source, which transformers' "
+                         "assisted decoding cannot drive: use `target.generate(..., assistant_model=head, "
+                         "custom_generate=\"tetris\")`")
 
     def _check_usable(self, input_ids: torch.Tensor) -> None:
         """Refuse what transformers' one-row loop cannot drive, before anything runs."""
