@@ -450,6 +450,12 @@ class EagleDraft(nn.Module):
         full = draft.new_full((*draft.shape[:-1], self.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.target_ids, draft)
 
+    def probe_forward(self, num_ids: int) -> "TokenFeatureCall":
+        """The head called with the target's features made from its tokens (a fixed random row per id below
+        ``num_ids``), so that two reads of one block see the same features: what
+        :func:`~tetris_hf.packed_probe.packs_exactly` reads a head with."""
+        return TokenFeatureCall(self, num_ids)
+
     def target_features(self, outputs) -> torch.Tensor:
         """``(B, T, F)`` this head's features from a target forward's ``outputs``, run with
         ``output_hidden_states=list(head.aux_layer_ids)`` (transformers then keeps those layers' states only)::
@@ -505,6 +511,22 @@ def select_features(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, 
     the final norm's output), concatenated in that order."""
     parts = [hidden_states[index] for index in layers]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
+class TokenFeatureCall:
+    """An :class:`EagleDraft` called through its ``forward`` with features made from its tokens (see
+    :meth:`EagleDraft.probe_forward`); attributes as the head's."""
+
+    def __init__(self, head: EagleDraft, num_ids: int):
+        self._head = head
+        generator = torch.Generator().manual_seed(0)
+        self._table = torch.randn(num_ids, head.feature_size, generator=generator).to(head.device, head.dtype)
+
+    def __call__(self, **kwargs):
+        return self._head.forward(**kwargs, target_features=self._table[kwargs["input_ids"]])
+
+    def __getattr__(self, name: str):
+        return getattr(self._head, name)
 
 
 class EagleCall:
