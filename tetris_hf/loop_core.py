@@ -140,9 +140,7 @@ class LoopCore:
         # the models that read packed (the probe passed them: their attention goes through the interface) run the
         # loop's attention for the call (closed by close); others keep theirs untouched, as some families branch on
         # the setting's name (a compiled step routes its own forwards)
-        draft_packs = draft_model is not None and options.tetris_pack and not options.tetris_compile and \
-            packs_exactly(draft_model)
-        routed = [part for part, packs in ((model, pack), (draft_model, draft_packs)) if packs]
+        routed = [part for part, packs in ((model, pack), (draft_model, self.drafter.pack)) if packs]
         self._routing = contextlib.ExitStack()
         self._routing.enter_context(routed_attention(*routed))
         self.context = StepContext(model, self.target_slots, self.drafter, self.logits_processor, self.stopper,

@@ -40,9 +40,11 @@ class Drafter(CandidateGeneratorAPI):
 
     ``feature_layers``: the target's hidden states (``output_hidden_states`` indices) the drafter reads, which every
     target forward then returns and the verdicts and prompt chunks carry (an EAGLE head's); ``None``: none.
+    ``pack``: its model reads blocks with filler packed (:mod:`tetris_hf.packing`; decided at construction).
     """
 
     feature_layers: tuple[int, ...] | None = None
+    pack: bool = False
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, all_real: bool = False) -> None:
         """Start on ``(B, T)`` left-padded prompts (``all_real``: no padding, known on the host)."""

@@ -106,6 +106,7 @@ class HybridCandidateGenerator(Drafter):
         self.lookup, self.model = lookup, model
         self.reads_target_features = model.reads_target_features
         self.feature_layers = model.feature_layers
+        self.pack = model.pack
         self.calibration: DraftAcceptance | None = None
         # the last proposal, until its verdict: (B, K) cells, (B,) lookup rows, (B, K) the model's log max q or None
         self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
