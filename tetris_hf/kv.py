@@ -33,6 +33,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .attention import AttentionLayout, check_tree_layout, grouped_attention, position_masks, real_prefix_mask
+from .cross_attention import CrossAttention
 from .packing import BlockSplit, Packing, packed_attention
 from .static_shapes import batch_bucket, standard_strides, static_capacity
 
@@ -216,6 +217,10 @@ class SlotCache:
         self.layout: AttentionLayout | None = None
         self._step_forward = None
         self.longest_bound = 0  # an upper bound on any row's real slots (tightened by compact(longest))
+        # An encoder-decoder's cross-attention (built at the first forward of a model with a `memory`, see
+        # tetris_hf.cross_attention): its rows move with the cache's, it is never rolled back nor repacked.
+        self.cross: CrossAttention | None = None
+        self.first_rows = torch.arange(batch_size, device=device)  # each row's index in the first batch (its memory)
 
     def _allocate_masks(self, device: torch.device) -> None:
         self.slot_mask = torch.zeros(self.batch_size, self.capacity, dtype=torch.bool, device=device)
@@ -304,6 +309,8 @@ class SlotCache:
         """
         if self.layout is None:
             self.layout = AttentionLayout.of(model)
+        if self.cross is None and getattr(model, "memory", None) is not None:  # (B0, S, d) for the first batch
+            self.cross = CrossAttention(model.memory[self.first_rows.to(model.memory.device)])
         block = input_ids.shape[1]
         if visibility is not None:
             check_tree_layout(self.layout, model)
@@ -405,8 +412,12 @@ class SlotCache:
              logits_to_keep: int | torch.Tensor) -> torch.Tensor:
         """``forward`` (the model's, or a compiled one) on the block, writing into this cache: its logits."""
         kwargs = {"logits_to_keep": logits_to_keep} if torch.is_tensor(logits_to_keep) or logits_to_keep else {}
+        past_key_values = self.cache
+        if self.cross is not None:  # an encoder-decoder's decoder: its cross-attention beside the slots
+            past_key_values, memory = self.cross.inputs(self.cache)
+            kwargs.update(memory)
         return forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       past_key_values=self.cache, use_cache=True, **kwargs).logits
+                       past_key_values=past_key_values, use_cache=True, **kwargs).logits
 
     @property
     def packs(self) -> bool:
@@ -557,6 +568,9 @@ class SlotCache:
         rows = rows_after_fill(targets, sources, num_rows)
         self.slot_mask, self.slot_positions = self.slot_mask[rows], self.slot_positions[rows]
         self.next_positions = self.next_positions[rows]
+        self.first_rows = self.first_rows[rows]
+        if self.cross is not None:
+            self.cross.select(rows)
         for layer in self._layers():  # layers may sit on different devices (a model split by accelerate)
             layer.fill_rows(targets, sources, num_rows, self.pointer)
         return rows
@@ -569,6 +583,9 @@ class SlotCache:
             return
         if self.static:
             raise RuntimeError("a static-shape cache (tetris_compile) cannot take rows mid-call")
+        if self.cross is not None:
+            raise RuntimeError("an encoder-decoder's cache cannot take rows mid-call (their encoder outputs are not here)")
+        self.first_rows = torch.nn.functional.pad(self.first_rows, (0, count), value=-1)
         extra = (0, 0, 0, count)
         self.slot_mask = torch.nn.functional.pad(self.slot_mask, extra)
         self.slot_positions = torch.nn.functional.pad(self.slot_positions, extra)
