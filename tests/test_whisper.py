@@ -61,6 +61,17 @@ def test_greedy_rows_equal_target_alone(whisper, kind, strategy, batch_size):
     assert stats.drafted_tokens > 0
 
 
+@pytest.mark.parametrize("strategy", ["tetris", "adaptive"])
+def test_a_draft_head_on_a_subset_of_the_vocabulary_is_still_exact(whisper, strategy):
+    """tetris_draft_vocab: the draft scores 64 of the 96 tokens (every other logit -inf); the target decides."""
+    target, drafts = whisper
+    audio = features(8, seed=1)
+    subset = torch.tensor([token for token in range(96) if token % 3 != 2])
+    out, stats = speculative(target, drafts["causal"], audio, strategy, tetris_draft_vocab=subset)
+    assert until_eos(out) == alone(target, audio)
+    assert 0 < stats.accepted_tokens < stats.verified_tokens
+
+
 def test_the_batch_has_eos_and_different_lengths(whisper):
     """The property the exactness test leans on: with 8 rows, some end early (EOS), at different lengths, and both
     drafts have tokens accepted and rejected."""

@@ -16,15 +16,18 @@ What changed in the cache (:mod:`tetris_hf.cross_attention`): each model's :clas
 its self-attention slots (rolled back and repacked as for any decoder), the cross-attention keys and values of each row,
 computed at the model's first forward and moved with the rows when rows retire; they are never rolled back.
 
-Refused with a message: timestamps and long-form audio (``return_timestamps=True``), no-speech detection, beam search,
-draft trees, compiled steps, prompt lookup and EAGLE heads on an encoder-decoder, and encoder-decoders other than
-Whisper (BART/T5-style: see :func:`unsupported_reason`).
+A draft may score a subset of the vocabulary (``tetris_draft_vocab``, :class:`DecoderView`'s ``head_ids``): Whisper's
+head is most of a small draft's cost. Refused with a message: timestamps and long-form audio
+(``return_timestamps=True``), no-speech detection, beam search, draft trees, compiled steps, prompt lookup and EAGLE
+heads on an encoder-decoder, and encoder-decoders other than Whisper (BART/T5-style: see :func:`unsupported_reason`).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
+import hashlib
 
 import torch
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
@@ -32,6 +35,7 @@ from transformers.generation.logits_process import SuppressTokensAtBeginLogitsPr
 from transformers.generation.utils import GenerationMixin
 from transformers.modeling_outputs import CausalLMOutput
 
+from .candidate_generators.reduced_vocab import resolve_token_ids
 from .checks import check_same_vocabulary
 from .decoding import tetris_decoding
 from .options import TetrisOptions, pop_options
@@ -68,20 +72,35 @@ class DecoderView(torch.nn.Module):
     :class:`~tetris_hf.kv.SlotCache` that first runs the view turns them into per-row cross-attention keys and values
     (:class:`~tetris_hf.cross_attention.CrossAttention`) and passes them back at every forward.
 
+    With ``head_ids`` (a draft's ``tetris_draft_vocab``, FR-Spec's reduced head as in
+    :mod:`~tetris_hf.candidate_generators.reduced_vocab`), the head scores those ``N`` tokens only and every other
+    logit is ``-inf``: Whisper's head (51,865 x d) costs a 2-layer decoder more than its layers do.
+
     Args:
         model: a ``WhisperForConditionalGeneration`` or a ``WhisperForCausalLM``.
         memory: ``(B, S, d)`` the encoder outputs this decoder attends to, one row per row of the call.
+        head_ids: ``(N,)`` token ids the head scores, or ``None`` (the whole vocabulary).
     """
 
-    def __init__(self, model: torch.nn.Module, memory: torch.Tensor):
+    def __init__(self, model: torch.nn.Module, memory: torch.Tensor, head_ids: torch.Tensor | None = None):
         super().__init__()
         self.model = model
         self.memory = memory
+        self.head_ids = head_ids
+        self.head_weight = None
+        self._config = model.config
+        if head_ids is not None:
+            self._config = copy.deepcopy(model.config)  # its own, so cost profiles tell it from the full head
+            self._config.tetris_draft_vocab = {"size": int(head_ids.numel()),
+                                               "sha1": hashlib.sha1(head_ids.cpu().numpy().tobytes()).hexdigest()[:12]}
+            weight = model.get_output_embeddings().weight
+            self.head_ids = head_ids.to(weight.device)
+            self.head_weight = weight.detach().index_select(0, self.head_ids)  # (N, d)
         self._timing_cache: tuple[object, DynamicCache] | None = None
 
     @property
     def config(self):
-        return self.model.config
+        return self._config
 
     @property
     def dtype(self) -> torch.dtype:
@@ -118,7 +137,11 @@ class DecoderView(torch.nn.Module):
                               use_cache=True).last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
-        return CausalLMOutput(logits=self.model.get_output_embeddings()(hidden))
+        if self.head_weight is None:
+            return CausalLMOutput(logits=self.model.get_output_embeddings()(hidden))
+        subset = hidden @ self.head_weight.T  # (B, L, N): Whisper's head has no bias
+        logits = subset.new_full((*subset.shape[:-1], self.config.vocab_size), -float("inf"))
+        return CausalLMOutput(logits=logits.index_copy_(-1, self.head_ids, subset))
 
     def _timing_inputs(self, cache, rows: int) -> tuple[EncoderDecoderCache, torch.Tensor]:
         if self._timing_cache is None or self._timing_cache[0] is not cache:
@@ -147,8 +170,7 @@ def check_encoder_decoder_pair(model: torch.nn.Module, assistant_model: torch.nn
     for name, value, default in (("prompt_lookup_num_tokens", options.prompt_lookup_num_tokens, None),
                                  ("tetris_suffix_num_tokens", options.tetris_suffix_num_tokens, None),
                                  ("tetris_tree_width", options.tetris_tree_width, 1),
-                                 ("tetris_compile", options.tetris_compile, False),
-                                 ("tetris_draft_vocab", options.tetris_draft_vocab, None)):
+                                 ("tetris_compile", options.tetris_compile, False)):
         if value != default and value is not None:
             raise ValueError(f"`{name}` is not supported with an encoder-decoder target yet (Whisper runs with a "
                              "draft model's chains); leave it unset")
@@ -220,20 +242,25 @@ def generate(model: torch.nn.Module, *args, **kwargs):
     kwargs.pop("custom_generate", None)
     options = dataclasses.replace(pop_options(kwargs), tetris_pack=False)  # a packed row would lose its memory
     check_encoder_decoder_pair(model, assistant_model, options)
+    head_ids = None
+    if options.tetris_draft_vocab is not None:  # the draft's view scores those tokens (not build_drafter's wrapper)
+        head_ids = resolve_token_ids(assistant_model, options.tetris_draft_vocab)
+        options = dataclasses.replace(options, tetris_draft_vocab=None)
     check_whisper_settings(kwargs.get("generation_config"), kwargs.get("logits_processor"))
     features = args[0] if args else kwargs.get("inputs", kwargs.get("input_features"))
-    if features is None or not torch.is_tensor(features) or features.dim() != 3:
-        raise ValueError("Whisper needs `input_features` of shape (batch_size, num_mel_bins, frames) "
-                         f"(got {None if features is None else tuple(getattr(features, 'shape', ()))})")
+    full_draft = type(assistant_model).__name__ != "WhisperForCausalLM"
+    if full_draft and (features is None or not torch.is_tensor(features) or features.dim() != 3):
+        raise ValueError("a full Whisper draft reads the audio itself: pass `input_features` of shape (batch_size, "
+                         "num_mel_bins, frames), not only `encoder_outputs`")
     kwargs["logits_processor"] = with_begin_suppression(model, kwargs.get("logits_processor"),
-                                                        kwargs.get("decoder_input_ids"), features.device)
+                                                        kwargs.get("decoder_input_ids"), model.device)
     draft_memory = None
-    if type(assistant_model).__name__ != "WhisperForCausalLM":  # a full draft: its own encoder, once per row
+    if full_draft:  # its own encoder, once per row
         with torch.no_grad():
             draft_features = features.to(assistant_model.device, assistant_model.dtype)
             draft_memory = assistant_model.get_encoder()(draft_features).last_hidden_state
     decoding = functools.partial(encoder_decoder_decoding, assistant_model=assistant_model,
-                                 draft_memory=draft_memory, options=options, streamer=streamer)
+                                 draft_memory=draft_memory, options=options, streamer=streamer, head_ids=head_ids)
     return GenerationMixin.generate(model, *args, custom_generate=decoding, **kwargs)
 
 
@@ -241,7 +268,7 @@ def generate(model: torch.nn.Module, *args, **kwargs):
 def encoder_decoder_decoding(model: torch.nn.Module, input_ids: torch.LongTensor, logits_processor,
                              stopping_criteria, generation_config, *, assistant_model: torch.nn.Module,
                              draft_memory: torch.Tensor | None, options: TetrisOptions, streamer=None,
-                             **model_kwargs):
+                             head_ids: torch.Tensor | None = None, **model_kwargs):
     """The batched loop on the two decoders, called by ``generate()`` after its preparation.
 
     Args:
@@ -251,6 +278,7 @@ def encoder_decoder_decoding(model: torch.nn.Module, input_ids: torch.LongTensor
         assistant_model: the draft (a full Whisper or a ``WhisperForCausalLM``).
         draft_memory: ``(B0, S, d')`` the full draft's encoder outputs (``None``: the draft reads the target's); ``B0``
             divides ``B`` (``num_return_sequences`` copies each row).
+        head_ids: ``(N,)`` the tokens the draft's head scores (``tetris_draft_vocab``), or ``None``.
         model_kwargs: ``encoder_outputs`` (the target's, ``(B, S, d)``), ``decoder_attention_mask`` ``(B, P)``.
     """
     encoder_outputs = model_kwargs.get("encoder_outputs")
@@ -263,7 +291,7 @@ def encoder_decoder_decoding(model: torch.nn.Module, input_ids: torch.LongTensor
     elif draft_memory.shape[0] != batch_size:  # num_return_sequences: rows repeated after the draft's encoder ran
         draft_memory = draft_memory.repeat_interleave(batch_size // draft_memory.shape[0], dim=0)
     target = DecoderView(model, memory)
-    draft = DecoderView(assistant_model, draft_memory)
+    draft = DecoderView(assistant_model, draft_memory, head_ids)
     result = tetris_decoding(target, input_ids, logits_processor, stopping_criteria, generation_config,
                              assistant_model=draft, options=options, streamer=streamer,
                              attention_mask=model_kwargs.get("decoder_attention_mask"))
