@@ -143,3 +143,38 @@ def test_sentences_keep_speakable_prose():
     text = "Write a short poem about the sea and the sky. x = f(3)\nWhat is 2+2? Tell me a story about a brave knight."
     assert sentences(text) == ["Write a short poem about the sea and the sky.",
                                "Tell me a story about a brave knight."]
+
+
+def test_speech_bench_without_the_model_names_its_installer(tmp_path, monkeypatch):
+    """The real model is installed only by the speech bench's own command; without it the bench says so."""
+    import argparse
+
+    from tetris_hf.tools import speech_bench
+    from tetris_hf.tools.cli import UsageError
+
+    monkeypatch.setenv("TETRIS_HF_CACHE", str(tmp_path))
+    parser = argparse.ArgumentParser()
+    speech_bench.add_arguments(parser)
+    with pytest.raises(UsageError, match="speech-bench.sh"):
+        speech_bench.main(parser.parse_args([]))
+
+
+def test_the_shipped_whisper_draft_is_complete_and_refuses_another_target():
+    """The shipped draft: its own 2 decoder layers (float16, no embeddings: the target's are shared), its
+    configuration and provenance, its token counts; and a target of another fingerprint is refused."""
+    from safetensors import safe_open
+
+    from tetris_hf.tools.distill_whisper import DEFAULT_WHISPER_DRAFT_DIR, SHARED, load_whisper_draft
+
+    meta = json.loads((DEFAULT_WHISPER_DRAFT_DIR / "draft_config.json").read_text())
+    assert meta["format"] == "tetris-hf-whisper-draft" and meta["config"]["decoder_layers"] == 2
+    assert meta["metadata"]["held_out_agreement"] > meta["metadata"]["held_out_agreement_init"]
+    with safe_open(str(DEFAULT_WHISPER_DRAFT_DIR / "draft.safetensors"), "pt") as file:
+        names = set(file.keys())
+        assert file.get_tensor("model.decoder.layers.1.fc1.weight").dtype == torch.float16
+    assert not names & set(SHARED) and {name.split(".")[3] for name in names if ".layers." in name} == {"0", "1"}
+    with safe_open(str(DEFAULT_WHISPER_DRAFT_DIR / "draft_vocab.safetensors"), "pt") as file:
+        assert file.get_tensor("token_counts").shape == (meta["config"]["vocab_size"],)
+    assert (DEFAULT_WHISPER_DRAFT_DIR / "PROVENANCE.md").is_file()
+    with pytest.raises(ValueError, match="another target"):
+        load_whisper_draft(tiny_whisper(seed=0))

@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--num-assistant-tokens", type=int, default=4, help="our k")
     parser.add_argument("--extra-tokens", type=int, default=2, help="our e (TETRIS drafts k + e)")
-    parser.add_argument("--draft-vocab", type=int, default=4096,
+    parser.add_argument("--draft-vocab", type=int, default=8192,
                         help="our draft's head scores its N most frequent tokens (tetris_draft_vocab; 0: all 51,865)")
     parser.add_argument("--draft", default=None, help="a draft folder (default: the shipped draft-whisper-base)")
     parser.add_argument("--output", default=None, help="write results.json and table.md here")
@@ -175,10 +175,12 @@ def main(args: argparse.Namespace) -> int:
                     for batch in args.batch_sizes}
 
     head = f"its head on {args.draft_vocab} tokens in our runs" if args.draft_vocab else "its full head"
+    hf = draft.generation_config._get_default_generation_params()  # what transformers' assisted generation uses
+    hf = {key: getattr(draft.generation_config, key, None) or hf.get(key) for key in
+          ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")}
     lines = [f"whisper-base + 2-layer draft ({head}; transformers' assisted generation with its defaults: "
-             f"{draft.generation_config.num_assistant_tokens} tokens, "
-             f"{draft.generation_config.num_assistant_tokens_schedule}, confidence threshold "
-             f"{draft.generation_config.assistant_confidence_threshold}), ours k={args.num_assistant_tokens}, "
+             f"{hf['num_assistant_tokens']} tokens, {hf['num_assistant_tokens_schedule']}, confidence threshold "
+             f"{hf['assistant_confidence_threshold']}, full head), ours k={args.num_assistant_tokens}, "
              f"e={args.extra_tokens}; {len(utterances)} espeak-ng utterances (synthetic speech: easier than "
              f"real), {args.repeats} repeats, {torch.get_num_threads()} CPU threads; decoding times (encoder "
              f"{encoder_seconds:.1f} s once, not included)",
