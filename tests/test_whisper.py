@@ -72,6 +72,31 @@ def test_a_draft_head_on_a_subset_of_the_vocabulary_is_still_exact(whisper, stra
     assert 0 < stats.accepted_tokens < stats.verified_tokens
 
 
+def test_the_speech_pipeline_batches_through_the_loop(whisper):
+    """pipeline("automatic-speech-recognition", batch_size=4, generate_kwargs={assistant_model, custom_generate}):
+    every clip's text is the one the pipeline gives clip by clip without speculation (its default is 5 beams, which
+    the loop refuses: num_beams=1)."""
+    import numpy as np
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import WhisperFeatureExtractor, WhisperTokenizerFast, pipeline
+
+    target, drafts = whisper
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(96)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = WhisperTokenizerFast(tokenizer_object=words, eos_token="w1", pad_token="w1")
+    # 60 frames (the tiny encoder's window) of 160 samples: one second at 9,600 samples a second
+    extractor = WhisperFeatureExtractor(feature_size=8, sampling_rate=9600, hop_length=160, chunk_length=1, n_fft=400)
+    asr = pipeline("automatic-speech-recognition", model=target, tokenizer=tokenizer, feature_extractor=extractor,
+                   device="cpu")
+    clips = [np.random.RandomState(i).randn(3000 + 1000 * i).astype(np.float32) for i in range(6)]
+    settings = dict(language="en", task="transcribe", max_new_tokens=12, num_beams=1)
+    alone_texts = [asr(clip, generate_kwargs=settings)["text"] for clip in clips]
+    batched = asr(clips, batch_size=4, generate_kwargs={**settings, "assistant_model": drafts["causal"],
+                                                        "custom_generate": "tetris"})
+    assert [result["text"] for result in batched] == alone_texts
+    assert len(set(alone_texts)) > 2
+
+
 def test_the_batch_has_eos_and_different_lengths(whisper):
     """The property the exactness test leans on: with 8 rows, some end early (EOS), at different lengths, and both
     drafts have tokens accepted and rejected."""
