@@ -43,6 +43,8 @@ SHIPPED = (
     "tetris_hf/tools/assets/eagle-smollm2-135m/model.safetensors",
     "tetris_hf/tools/assets/eagle-smollm2-135m/PROVENANCE.md",
     "tetris_hf/tools/assets/eagle-smollm2-135m/PROVENANCE.json",
+    "tetris_hf/tools/assets/draft-whisper-base/draft.safetensors",
+    "tetris_hf/tools/assets/draft-whisper-base/PROVENANCE.md",
     METRIC,
 )
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."]

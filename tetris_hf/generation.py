@@ -15,6 +15,8 @@ from transformers.generation.utils import GenerationMixin
 
 from .checks import check_pair, check_prompt_shape
 from .decoding import tetris_decoding
+from .encoder_decoder import generate as generate_encoder_decoder
+from .encoder_decoder import is_encoder_decoder
 from .options import pop_options
 
 STRATEGY_NAME = "tetris"
@@ -44,6 +46,8 @@ def generate(model, *args, **kwargs):
         What ``generate()`` returns: ``(B, T)`` sequences, or with ``return_dict_in_generate=True`` a
         :class:`~tetris_hf.outputs.TetrisGenerateOutput` with ``.sequences`` and ``.tetris_stats``.
     """
+    if is_encoder_decoder(model):  # Whisper: its decoders in the loop, see tetris_hf.encoder_decoder
+        return generate_encoder_decoder(model, *args, **kwargs)
     assistant_model = kwargs.pop("assistant_model", None)
     streamer = kwargs.pop("streamer", None)  # the loop streams the prompt too, once it knows the batch is one row
     kwargs.pop("custom_generate", None)

@@ -36,6 +36,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .attention import AttentionLayout, check_tree_layout, position_masks, real_prefix_mask
+from .cross_attention import CrossAttention
 from .packing import BlockSplit, Packing, is_routed, routed_attention
 from .static_shapes import batch_bucket, standard_strides, static_capacity
 
@@ -231,6 +232,10 @@ class SlotCache:
         self.layout: AttentionLayout | None = None
         self._step_forward = None
         self.longest_bound = 0  # an upper bound on any row's real slots (tightened by compact(longest))
+        # An encoder-decoder's cross-attention (built at the first forward of a model with a `memory`, see
+        # tetris_hf.cross_attention): its rows move with the cache's, it is never rolled back nor repacked.
+        self.cross: CrossAttention | None = None
+        self.first_rows = torch.arange(batch_size, device=device)  # each row's index in the first batch (its memory)
 
     def _allocate_masks(self, device: torch.device) -> None:
         self.slot_mask = torch.zeros(self.batch_size, self.capacity, dtype=torch.bool, device=device)
@@ -295,8 +300,7 @@ class SlotCache:
             ``(logits, features)``: ``features`` ``(B, L, F)`` the selected states concatenated (zeros at filler of
             a packed read; ``None`` for no index).
         """
-        if self.layout is None:
-            self.layout = AttentionLayout.of(model)
+        self._know(model)
         block = input_ids.shape[1]
         self._check_block(model, block, visibility, split, logits_to_keep)
         self._make_room(block)
@@ -320,6 +324,15 @@ class SlotCache:
         self.pointer, self.next_positions, self.longest_bound = end, next_positions, self.longest_bound + block
         logits = None if discard_logits else logits
         return logits if hidden_states is None else (logits, features)
+
+    def _know(self, model: torch.nn.Module) -> None:
+        """What the cache learns of ``model`` at its first forward: its attention layout and, for an
+        encoder-decoder's decoder (a model with a ``memory``, ``(B0, S, d)`` for the first batch), its
+        cross-attention."""
+        if self.layout is None:
+            self.layout = AttentionLayout.of(model)
+        if self.cross is None and getattr(model, "memory", None) is not None:
+            self.cross = CrossAttention(model.memory[self.first_rows.to(model.memory.device)])
 
     def _check_block(self, model: torch.nn.Module, block: int, visibility: torch.Tensor | None,
                      split: BlockSplit | None, logits_to_keep: int) -> None:
@@ -398,8 +411,12 @@ class SlotCache:
         to every attention layer)."""
         if torch.is_tensor(logits_to_keep) or logits_to_keep:
             extra = {**extra, "logits_to_keep": logits_to_keep}
+        past_key_values = self.cache
+        if self.cross is not None:  # an encoder-decoder's decoder: its cross-attention beside the slots
+            past_key_values, memory = self.cross.inputs(self.cache)
+            extra = {**extra, **memory}
         return forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       past_key_values=self.cache, use_cache=True, **extra)
+                       past_key_values=past_key_values, use_cache=True, **extra)
 
     @staticmethod
     def _features(outputs, extra: dict) -> torch.Tensor | None:
@@ -587,6 +604,9 @@ class SlotCache:
         rows = rows_after_fill(targets, sources, num_rows)
         self.slot_mask, self.slot_positions = self.slot_mask[rows], self.slot_positions[rows]
         self.next_positions = self.next_positions[rows]
+        self.first_rows = self.first_rows[rows]
+        if self.cross is not None:
+            self.cross.select(rows)
         for layer in self._layers():  # layers may sit on different devices (a model split by accelerate)
             layer.fill_rows(targets, sources, num_rows, self.pointer)
         return rows
@@ -599,6 +619,9 @@ class SlotCache:
             return
         if self.static:
             raise RuntimeError("a static-shape cache (tetris_compile) cannot take rows mid-call")
+        if self.cross is not None:
+            raise RuntimeError("an encoder-decoder's cache cannot take rows mid-call (their encoder outputs are not here)")
+        self.first_rows = torch.nn.functional.pad(self.first_rows, (0, count), value=-1)
         extra = (0, 0, 0, count)
         self.slot_mask = torch.nn.functional.pad(self.slot_mask, extra)
         self.slot_positions = torch.nn.functional.pad(self.slot_positions, extra)

@@ -26,6 +26,7 @@ from transformers.generation.logits_process import (
     NoRepeatNGramLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
     SequenceBiasLogitsProcessor,
+    SuppressTokensAtBeginLogitsProcessor,
 )
 
 from .row_sampling import RowSamplingWarper
@@ -187,6 +188,18 @@ def _min_new_tokens(processor: MinNewTokensLengthLogitsProcessor) -> BatchedProc
     return apply
 
 
+def _suppress_at_begin(processor: SuppressTokensAtBeginLogitsProcessor) -> BatchedProcessor:
+    """Whisper's: ``begin_suppress_tokens`` may not be the first generated token (the position whose prefix is
+    ``begin_index`` tokens long)."""
+    def apply(sequences, ends, rows, scores):
+        banned = torch.zeros(scores.shape[-1], dtype=torch.bool, device=scores.device)
+        banned[processor.begin_suppress_tokens.to(scores.device)] = True
+        at_begin = (ends == processor.begin_index)[:, :, None]
+        return scores.masked_fill(at_begin & banned, -math.inf)
+
+    return apply
+
+
 def _no_repeat_ngram(processor: NoRepeatNGramLogitsProcessor) -> BatchedProcessor:
     def apply(sequences, ends, rows, scores):
         return ban_repeated_ngrams(sequences, ends, scores, processor.ngram_size)
@@ -215,6 +228,7 @@ BATCHED_FORMS: dict[type, Callable[[LogitsProcessor], BatchedProcessor]] = {
     NoRepeatNGramLogitsProcessor: _no_repeat_ngram,
     SequenceBiasLogitsProcessor: _sequence_bias,
     NoBadWordsLogitsProcessor: _sequence_bias,
+    SuppressTokensAtBeginLogitsProcessor: _suppress_at_begin,
 }
 
 

@@ -14,6 +14,10 @@ import sys
 COMMANDS = {
     "bench": ("tetris_hf.tools.bench", "throughput, acceptance and VSR of TETRIS vs the baselines on real prompts"),
     "distill": ("tetris_hf.tools.distill", "train a small same-tokenizer draft for a target by KL distillation"),
+    "distill-whisper": ("tetris_hf.tools.distill_whisper", "train a 2-layer distil-whisper style draft for "
+                        "whisper-base on its own transcripts of synthesized speech"),
+    "speech-bench": ("tetris_hf.tools.speech_bench", "Whisper on synthesized speech: plain generate(), transformers' "
+                     "assisted generation and TETRIS at several batch sizes; exactness, WER, acceptance"),
     "train-eagle": ("tetris_hf.tools.train_eagle", "train an EAGLE-3 draft head for a target, with training-time test"),
     "stream-bench": ("tetris_hf.tools.stream_bench", "a stream of requests: continuous batching with TETRIS vs "
                      "transformers' generate_batch and static chunks"),
