@@ -35,7 +35,8 @@ from pathlib import Path
 
 import torch
 
-from .cli import UsageError, load_pair, load_prompt_set, number_list, prompt_texts, resolve_device
+from .cli import (UsageError, add_kernel_argument, apply_kernels, load_pair, load_prompt_set, number_list,
+                  prompt_texts, resolve_device)
 from .vllm_system import VLLM_SYSTEMS, VLLMSettings
 
 SYSTEMS = ("hf-generate-batch", "generate-chunks", "tetris-chunks")
@@ -329,6 +330,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts-apart", action="store_true",
                         help="each stream strategy also with joining prompts read in forwards of their own")
     parser.add_argument("--output", default="stream-out")
+    add_kernel_argument(parser)
 
 
 @dataclasses.dataclass
@@ -485,6 +487,7 @@ def main(args) -> int:
         draft = None
     else:
         target, draft, tokenizer, info = load_pair(args.target, args.draft, device)
+    kernels = apply_kernels(args, target, draft)
     prompt_set = load_prompt_set(args.prompts)
     texts, note = prompt_texts(prompt_set, args.num_prompts, tokenizer, args.max_prompt_tokens)
     prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
@@ -518,7 +521,7 @@ def main(args) -> int:
     log = (lambda line: print(line, flush=True)) if main_process else (lambda line: None)
     log(f"{len(prompts)} requests ({note}); prompt tokens {min(map(len, prompts))}-{max(map(len, prompts))}, "
         f"up to {args.max_new_tokens} new; {device}"
-        f"{f', {state.num_processes} processes' if state is not None else ''}\n{info}")
+        f"{f', {state.num_processes} processes' if state is not None else ''}\n{info}\n{kernels}")
     report = run_stream_bench(target, draft, prompts, eos, pad, config, state, log)
     if not main_process:
         return 0
