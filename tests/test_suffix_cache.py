@@ -3,6 +3,7 @@ every occurrence's continuation are found, the drafted chain is always a continu
 tokens, the vote counts add up, and eviction keeps the cap."""
 
 import collections
+import math
 import threading
 
 import pytest
@@ -11,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tetris_hf.candidate_generators.suffix import SuffixCandidateGenerator
-from tetris_hf.suffix_cache import (SuffixCache, batch_continuations, batch_matches, frequency_chain, longest_match,
-                                    suffix_keys)
+from tetris_hf.suffix_cache import (SuffixCache, batch_continuations, batch_matches, frequency_chain, frequency_tree,
+                                    longest_match, suffix_keys)
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 requests_strategy = st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=6)
@@ -113,6 +114,78 @@ def test_frequency_chain_takes_the_most_frequent_token_depth_by_depth(candidates
         assert total[0, depth + 1] <= chosen[0, depth] <= total[0, depth]
     shares = chosen / (total + 1)
     assert ((shares >= 0) & (shares < 1)).all()
+
+
+def step_log_conditional(shares: torch.Tensor) -> torch.Tensor:
+    """A calibration stand-in whose path sums are exact in float32 and float64 (integers), so ties match the
+    reference's."""
+    return -torch.floor((1 - shares) * 8) - 1
+
+
+def reference_tree(rows: list[list[int]], alive: list[bool], width: int) -> list[tuple]:
+    """The frequency tree by hand, level by level: each frontier node's ``width`` most voted next tokens among the
+    occurrences agreeing with its path (ties: the earliest occurrence), the ``width`` best candidates by path score
+    kept (ties: parent, then rank). Returns ``(token, parent, depth, score, share)`` per valid node, ``None``
+    elsewhere, in node order."""
+    owner = {i: 0 for i, keep in enumerate(alive) if keep}
+    frontier_scores, nodes = [0.0], []
+    for level in range(len(rows[0])):
+        owner = {i: f for i, f in owner.items() if rows[i][level] >= 0}
+        candidates = []  # (score, parent, token, share), parent-major then rank
+        for f, parent_score in enumerate(frontier_scores):
+            mine = sorted(i for i in owner if owner[i] == f)
+            votes = collections.Counter(rows[i][level] for i in mine)
+            first = {}
+            for i in mine:
+                first.setdefault(rows[i][level], i)
+            ranked = sorted(first, key=lambda token: (-votes[token], first[token]))[:width]
+            for rank in range(width):
+                if rank < len(ranked) and parent_score > float("-inf"):
+                    share = votes[ranked[rank]] / (len(mine) + 1)
+                    score = parent_score - math.floor((1 - share) * 8) - 1
+                    candidates.append((score, f, ranked[rank], share))
+                else:
+                    candidates.append((float("-inf"), f, None, 0.0))
+        kept = sorted(candidates, key=lambda candidate: -candidate[0])[:width]  # (stable: ties keep their order)
+        start = -1 if level == 0 else (level - 1) * width
+        nodes += [None if token is None else (token, -1 if start < 0 else start + f, level + 1, score, share)
+                  for score, f, token, share in kept]
+        index = {(f, token): k for k, (_, f, token, _) in enumerate(kept) if token is not None}
+        owner = {i: index[(f, rows[i][level])] for i, f in owner.items() if (f, rows[i][level]) in index}
+        frontier_scores = [score for score, *_ in kept]
+    return nodes
+
+
+@SETTINGS
+@given(st.lists(st.lists(st.integers(-1, 3), min_size=3, max_size=3), min_size=1, max_size=9),
+       st.lists(st.booleans(), min_size=9, max_size=9), st.integers(1, 3))
+def test_frequency_tree_equals_a_trie_built_by_hand(candidates, alive, width):
+    """The tree holds, level by level, the most voted distinct continuations of the occurrences (as the reference
+    counts them), siblings distinct, scores falling along paths; with ``width = 1`` it is the frequency chain."""
+    alive = alive[: len(candidates)]
+    rows = [c[: c.index(-1)] + [-1] * (3 - c.index(-1)) if -1 in c else c for c in candidates]
+    tree, shares = frequency_tree(torch.tensor([rows]), torch.tensor([alive]), width, step_log_conditional)
+    expected = reference_tree(rows, alive, width)
+    assert tree.tokens.shape == (1, 3 * width)
+    for node, want in enumerate(expected):
+        assert bool(tree.valid[0, node]) == (want is not None), node
+        if want is None:
+            assert tree.log_scores[0, node] == float("-inf") and shares[0, node] == 0
+            continue
+        token, parent, depth, score, share = want
+        assert (int(tree.tokens[0, node]), int(tree.parents[0, node]), int(tree.depths[0, node])) == \
+            (token, parent, depth), node
+        assert float(tree.log_scores[0, node]) == score and abs(float(shares[0, node]) - share) < 1e-6
+        if parent >= 0:  # a valid node's parent is valid and scores no lower
+            assert tree.valid[0, parent] and tree.log_scores[0, parent] >= tree.log_scores[0, node]
+    valid = tree.valid[0].tolist()
+    siblings = collections.Counter((int(tree.parents[0, n]), int(tree.tokens[0, n])) for n in range(3 * width)
+                                   if valid[n])
+    assert max(siblings.values(), default=1) == 1
+    if width == 1:
+        chain, count, _, _ = frequency_chain(torch.tensor([rows]), torch.tensor([alive]))
+        assert tree.valid[0].sum() == count[0]
+        assert tree.tokens[0, : int(count[0])].tolist() == chain[0, : int(count[0])].tolist()
 
 
 @SETTINGS

@@ -21,7 +21,8 @@ drafter), depth ``j`` of the chain is the continuation token most of the still-a
 occurrences that had another token drop out. Cell ``j`` carries ``count_j`` (occurrences that chose its token) and
 ``total_j`` (occurrences alive at depth ``j``); ``total_{j+1}`` is ``count_j`` minus the occurrences that ended there.
 E.g. continuations ``[a b]``, ``[a b]``, ``[a c]``, ``[d e]``: the chain is ``a b`` with counts ``3, 2`` out of
-``4, 3``.
+``4, 3``. :func:`frequency_tree` keeps the runners-up as branches: the ``w`` most voted next tokens of each of a
+level's ``w`` best nodes, the ``w`` best of those kept (a draft tree, ``tetris_tree_width=w``).
 
 Thread safety: :class:`SuffixCache` serialises :meth:`~SuffixCache.add` and a drafter's reads of one step through
 its :attr:`~SuffixCache.lock` (a stream's worker adds and reads; a user may seed it from another thread).
@@ -30,8 +31,11 @@ its :attr:`~SuffixCache.lock` (a stream's worker adds and reads; a user may seed
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
+
+from .trees import DraftTree, Expansion, append_nodes, empty_tree
 
 SUFFIX_DEPTH = 8  # the longest n-gram a row's recent tokens are matched by
 PEER_BUDGET = 1 << 24  # compared tokens (B * B * W * depth) up to which rows search each other, not just themselves
@@ -266,6 +270,77 @@ def frequency_chain(candidates: torch.Tensor, alive: torch.Tensor) -> tuple[torc
         alive = alive & (column == token)
     chosen, total = torch.stack(chosen, dim=1), torch.stack(total, dim=1)
     return torch.stack(tokens, dim=1), (chosen > 0).sum(dim=1), chosen, total
+
+
+def frequency_tree(candidates: torch.Tensor, alive: torch.Tensor, width: int,
+                   log_conditional: Callable[[torch.Tensor], torch.Tensor]) -> tuple[DraftTree, torch.Tensor]:
+    """The distinct continuations among each row's occurrences as a draft tree of ``K`` levels and ``width`` nodes a
+    level (``N = width * K``), the most voted first.
+
+    Level 1 holds the ``width`` next tokens most occurrences have (the root's children); each deeper level takes, for
+    each of the previous level's ``width`` nodes, its ``width`` most frequent next tokens among the occurrences that
+    agree with its path, and keeps the ``width`` best of those ``width * width`` candidates by path score. A node's
+    vote share is ``count / (total + 1)``: ``count`` occurrences agree with its path, ``total`` agreed with its
+    parent's and go on (as :func:`frequency_chain`'s cells). Its score is its parent's plus
+    ``log_conditional(share)``. Siblings carry distinct tokens; ties go to the earliest occurrence in ``C``'s order,
+    so with ``width = 1`` the tree is :func:`frequency_chain`'s chain.
+
+    E.g. continuations ``[a b]``, ``[a b]``, ``[a c]``, ``[d e]``, ``width = 2``: level 1 ``a`` (3 of 4), ``d`` (1 of
+    4); level 2 the best two of ``a``'s ``b`` (2 of 3), ``c`` (1 of 3) and ``d``'s ``e`` (1 of 1).
+
+    Args:
+        candidates: ``(B, C, K)`` the ``K`` tokens after each of ``C`` occurrences (``-1`` past its end).
+        alive: ``(B, C)`` bool, which occurrences count.
+        width: nodes a level (children per expanded node), ``>= 1``.
+        log_conditional: ``(B, M)`` vote shares -> ``(B, M)`` log conditional acceptance (``<= 0``; calibrated).
+
+    Returns:
+        The :class:`~tetris_hf.trees.DraftTree` (nodes ``[level * width, (level + 1) * width)`` at depth
+        ``level + 1``; an invalid node scores ``-inf``) and ``shares`` ``(B, N)`` each node's vote share (0 where
+        invalid). Nothing is read from the device.
+    """
+    rows, num, depth = candidates.shape
+    device = candidates.device
+    occurrence = torch.arange(num, device=device)
+    earlier = occurrence[None, :] < occurrence[:, None]  # (C, C): [c, c'] c' comes before c
+    owner = torch.where(alive, 0, -1)  # (B, C) the frontier node each occurrence agrees with (the root: 0), -1: none
+    frontier_scores = torch.zeros(rows, 1, device=device)
+    tree, shares = empty_tree(rows, device), []
+    for level in range(depth):
+        frontier = frontier_scores.shape[1]
+        token = candidates[:, :, level]  # (B, C)
+        owner = torch.where(token >= 0, owner, -1)  # an occurrence that ended drops out
+        same = (owner[:, :, None] == owner[:, None, :]) & (token[:, :, None] == token[:, None, :])  # (B, C, C)
+        same &= owner[:, None, :] >= 0
+        votes = same.sum(dim=2)  # (B, C) occurrences that agree with c's path and next token
+        first = (owner >= 0) & ~(same & earlier).any(dim=2)  # one occurrence stands for each (node, token)
+        key = torch.where(first, votes * num + (num - 1 - occurrence), -1)  # most votes, then the earliest
+        nodes = torch.arange(frontier, device=device)[None, :, None]
+        mine = owner[:, None, :] == nodes  # (B, F, C)
+        top_key, top = torch.where(mine, key[:, None, :], -1).topk(min(width, num), dim=2)  # (B, F, w')
+        if top.shape[2] < width:  # fewer occurrences than children: pad with nothing
+            pad = width - top.shape[2]
+            top_key = torch.nn.functional.pad(top_key, (0, pad), value=-1)
+            top = torch.nn.functional.pad(top, (0, pad))
+        valid = (top_key >= 0) & (frontier_scores[..., None] > float("-inf"))  # (B, F, w)
+        flat = top.flatten(1)  # (B, F w)
+        child_tokens = torch.where(valid, token.gather(1, flat).view(rows, frontier, width), 0)  # (0: no node)
+        share = votes.gather(1, flat).view(rows, frontier, width) / (mine.sum(dim=2)[..., None] + 1)
+        share = torch.where(valid, share, 0.0)
+        scores = frontier_scores[..., None] + log_conditional(share.flatten(1)).view(rows, frontier, width)
+        scores = scores.masked_fill(~valid, float("-inf"))
+        # the best `width` of the F * w candidates, ties in candidate order (parent, then rank)
+        order = torch.sort(scores.flatten(1), dim=1, descending=True, stable=True).indices[:, :width]  # (B, w)
+        kept = Expansion(torch.div(order, width, rounding_mode="floor"), child_tokens.flatten(1).gather(1, order),
+                         scores.flatten(1).gather(1, order), valid.flatten(1).gather(1, order))
+        tree = append_nodes(tree, kept, -1 if level == 0 else (level - 1) * width)
+        shares.append(share.flatten(1).gather(1, order))
+        # each occurrence follows the kept child of its node with its token (-1: none was kept)
+        follows = (kept.parents[:, None, :] == owner[:, :, None]) & (kept.tokens[:, None, :] == token[:, :, None])
+        follows &= kept.valid[:, None, :]  # (B, C, w)
+        owner = torch.where(follows.any(dim=2), follows.long().argmax(dim=2), -1)
+        frontier_scores = kept.log_scores
+    return tree, torch.cat(shares, dim=1)
 
 
 def batch_matches(sequences: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, depth: int,
