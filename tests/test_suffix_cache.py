@@ -3,7 +3,9 @@ every occurrence's continuation are found, the drafted chain is always a continu
 tokens, the vote counts add up, and eviction keeps the cap."""
 
 import collections
+import json
 import math
+import re
 import threading
 
 import pytest
@@ -279,6 +281,50 @@ def test_concurrent_adds_and_queries_keep_the_cache_consistent():
         thread.join()
     assert not errors
     assert cache.added == 200 and cache.num_requests == 16
+
+
+def test_a_saved_cache_seeds_an_equal_one_from_its_file(tmp_path):
+    """``save`` writes the requests held oldest first (after the ring wrapped too) as JSON lines; ``from_file`` reads
+    them into a cache that holds the same tokens in the same order and finds the same continuations."""
+    requests = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [2, 3, 12], [13, 2, 3, 14]]
+    cache = cache_of(requests, max_requests=3, width=5)  # the ring wrapped: holds requests 2-4 (last 5 tokens each)
+    path = tmp_path / "seed.jsonl"
+    assert cache.save(path) == 3
+    lines = path.read_text().splitlines()
+    assert [json.loads(line) for line in lines] == [[11], [2, 3, 12], [13, 2, 3, 14]]
+    seeded = SuffixCache.from_file(path, max_requests=3, tokens_per_request=5, depth=3)
+    assert seeded.num_requests == 3 and seeded.add_file(path) == 3  # (again: the ring takes them in order)
+    for row in ([2, 3], [4, 11], [13]):
+        assert query(seeded, row, 8, 2) == query(cache, row, 8, 2)
+    assert query(seeded, [2, 3], 8, 2) == (2, [[14], [12]])  # the newest request first
+    empty = SuffixCache(max_requests=2)
+    assert empty.save(tmp_path / "empty.jsonl") == 0 and (tmp_path / "empty.jsonl").read_text() == ""
+
+
+def test_a_seed_file_skips_blank_lines_and_keeps_long_requests_tail(tmp_path):
+    path = tmp_path / "seed.jsonl"
+    path.write_text("[1, 2, 3, 4, 5, 6]\n\n   \n[]\n[7, 8]\n")
+    cache = SuffixCache.from_file(path, vocab_size=9, max_requests=4, tokens_per_request=4, depth=2)
+    assert cache.num_requests == 2
+    assert cache.tokens[:2].tolist() == [[3, 4, 5, 6], [-1, -1, 7, 8]]
+
+
+@pytest.mark.parametrize("line, words", [
+    ("[1, 2", "not JSON"),
+    ('{"tokens": [1, 2]}', "a JSON dict, not an array of token ids"),
+    ("[1, -2]", "token -2 at position 1 is not an integer >= 0"),
+    ("[1, 2.5]", "token 2.5 at position 1 is not an integer >= 0"),
+    ("[true]", "token True at position 0 is not an integer >= 0"),
+    ('["a"]', "token 'a' at position 0"),
+    ("[3, 40]", "token 40 at position 1 is not below the vocabulary size 32"),
+])
+def test_a_bad_seed_file_is_refused_naming_its_line(tmp_path, line, words):
+    path = tmp_path / "seed.jsonl"
+    path.write_text("[1, 2, 3]\n\n" + line + "\n[4]\n")
+    cache = SuffixCache(max_requests=4)
+    with pytest.raises(ValueError, match=rf"seed\.jsonl:3: {re.escape(words)}"):
+        cache.add_file(path, vocab_size=32)
+    assert cache.added == 0  # nothing was added
 
 
 @pytest.mark.parametrize("name, value", [("max_requests", 0), ("tokens_per_request", 1), ("depth", True)])

@@ -24,12 +24,17 @@ E.g. continuations ``[a b]``, ``[a b]``, ``[a c]``, ``[d e]``: the chain is ``a 
 ``4, 3``. :func:`frequency_tree` keeps the runners-up as branches: the ``w`` most voted next tokens of each of a
 level's ``w`` best nodes, the ``w`` best of those kept (a draft tree, ``tetris_tree_width=w``).
 
+**Seed files** (:meth:`SuffixCache.from_file`, :meth:`~SuffixCache.add_file`, :meth:`~SuffixCache.save`): JSON lines,
+one request a line, each a JSON array of token ids (``[1, 15043, 29892]``), oldest first.
+
 Thread safety: :class:`SuffixCache` serialises :meth:`~SuffixCache.add` and a drafter's reads of one step through
 its :attr:`~SuffixCache.lock` (a stream's worker adds and reads; a user may seed it from another thread).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 from collections.abc import Callable
 
@@ -70,9 +75,10 @@ def ngram_keys(tokens: torch.Tensor, depth: int) -> torch.Tensor:
     for n in range(depth):  # the token n places before p joins the window
         if n == 0:
             shifted, shifted_real = values, real
-        else:
-            shifted = torch.nn.functional.pad(values[..., :-n], (n, 0), value=0)
-            shifted_real = torch.nn.functional.pad(real[..., :-n], (n, 0), value=False)
+        else:  # (a window wider than the tokens, n >= W, reaches before every column)
+            cut = min(n, values.shape[-1])
+            shifted = torch.nn.functional.pad(values[..., : values.shape[-1] - cut], (cut, 0), value=0)
+            shifted_real = torch.nn.functional.pad(real[..., : real.shape[-1] - cut], (cut, 0), value=False)
         hash1 = (hash1 + shifted * power1[n]) % _PRIMES[0]
         hash2 = (hash2 + shifted * power2[n]) % _PRIMES[1]
         complete = complete & shifted_real
@@ -191,6 +197,41 @@ class SuffixCache:
             sequences[row, : len(request)] = torch.tensor(request, dtype=torch.long)
         self.add(sequences, torch.tensor([len(request) for request in requests]))
 
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, vocab_size: int | None = None, **sizes) -> SuffixCache:
+        """A cache seeded from a file of earlier requests (:meth:`add_file`); ``sizes``: the constructor's
+        (``max_requests``, ``tokens_per_request``, ``depth``, ``device``)."""
+        cache = cls(**sizes)
+        cache.add_file(path, vocab_size)
+        return cache
+
+    def add_file(self, path: str | os.PathLike, vocab_size: int | None = None) -> int:
+        """Keep the requests of a seed file, in the file's order (the last line is the newest); returns how many.
+
+        **Format**: JSON lines, one request a line, each a JSON array of token ids (integers ``>= 0``, below
+        ``vocab_size`` when given), e.g. ``[1, 15043, 29892, 3186]``: a request's output, or its prompt and output
+        (what :meth:`save` writes). Blank lines are skipped; an empty array is a request of no tokens (skipped).
+        A request longer than ``tokens_per_request`` keeps its last tokens; a file of more than ``max_requests``
+        requests leaves the last ``max_requests``. Anything else is refused with the file, the line and what was
+        wrong, before anything is added.
+        """
+        requests = read_token_lists(path, vocab_size)
+        self.add_token_lists(requests)
+        return len(requests)
+
+    def save(self, path: str | os.PathLike) -> int:
+        """Write the requests held, oldest first, as a seed file :meth:`add_file` reads back into the same cache
+        (each request's last ``tokens_per_request`` tokens); returns how many. Reads the device (not for a step)."""
+        with self.lock:
+            held = self.num_requests
+            first = self.next_slot if self.added >= self.max_requests else 0
+            order = [(first + index) % self.max_requests for index in range(held)]
+            rows = self.tokens[order].tolist() if order else []
+        with open(path, "w", encoding="utf-8") as file:
+            for row in rows:
+                file.write(json.dumps([token for token in row if token >= 0]) + "\n")
+        return len(rows)
+
     @property
     def searched(self) -> int:
         """Slots a query searches, ``R'``: the ones written so far (the ring fills slots ``0, 1, ...`` in order
@@ -239,6 +280,36 @@ class SuffixCache:
         tokens = self.tokens[slot[..., None], after.clamp(max=self.width - 1)]
         tokens = torch.where((after < self.width) & found[..., None], tokens, -1)
         return tokens, found
+
+
+def read_token_lists(path: str | os.PathLike, vocab_size: int | None = None) -> list[list[int]]:
+    """The requests of a seed file (:meth:`SuffixCache.add_file` states the format): a list of token-id lists.
+    Raises ``ValueError`` naming the file and line of the first bad one (``FileNotFoundError`` if there is none)."""
+    requests = []
+    with open(path, encoding="utf-8") as file:
+        for number, line in enumerate(file, start=1):
+            if not line.strip():
+                continue
+            try:
+                tokens = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{os.fspath(path)}:{number}: not JSON ({error.msg}); a seed file holds one JSON "
+                                 f"array of token ids a line, e.g. [1, 15043, 29892]") from None
+            bad = None
+            if not isinstance(tokens, list):
+                bad = f"a JSON {type(tokens).__name__}, not an array of token ids"
+            else:
+                bad = next((f"token {token!r} at position {place} is not an integer >= 0"
+                            for place, token in enumerate(tokens)
+                            if isinstance(token, bool) or not isinstance(token, int) or token < 0), None)
+                if bad is None and vocab_size is not None:
+                    bad = next((f"token {token} at position {place} is not below the vocabulary size {vocab_size}"
+                                for place, token in enumerate(tokens) if token >= vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{os.fspath(path)}:{number}: {bad}; a seed file holds one JSON array of token ids "
+                                 f"a line, e.g. [1, 15043, 29892]")
+            requests.append(tokens)
+    return requests
 
 
 def frequency_chain(candidates: torch.Tensor, alive: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
