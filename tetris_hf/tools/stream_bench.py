@@ -17,6 +17,10 @@ Every request arrives at time 0 (a backlog, as a batch job or a burst of traffic
   engine start-up (an inductor compile) is reported apart, never counted in tokens/s. Without a usable vLLM python the
   run says so in one line and goes on with the other systems.
 
+The speculative runs draft with a draft model (``--draft``), prompt lookup (``--draft lookup``), both (``--hybrid``)
+or suffix drafts (``--draft suffix``: each run with a fresh cache of its own, seeded from ``--suffix-seed FILE`` when
+given: earlier outputs as JSON lines, one JSON array of token ids a line).
+
 Per run: output tokens/s, requests/s, time to first token and per-token latency (p50 / p99 over requests; per-token
 latency is a request's time from its first to its last token over the tokens between), the mean live rows a step,
 and whether every output equals plain ``generate()``'s (static chunks', or without them ``generate_batch``'s).
@@ -318,7 +322,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "vllm-ngram run vLLM's CPU engine from --vllm-python")
     parser.add_argument("--vllm-python", default=None,
                         help="the python of a venv with vLLM (scripts/setup_vllm.sh); default $TETRIS_HF_VLLM_PYTHON")
-    parser.add_argument("--draft", default=None, help="a draft model (default: the shipped one), or 'lookup'")
+    parser.add_argument("--draft", default=None, help="a draft model (default: the shipped one), 'lookup' (prompt "
+                        "lookup) or 'suffix' (suffix drafts: the batch's rows and a cache of finished requests)")
+    parser.add_argument("--suffix-seed", default=None, metavar="FILE",
+                        help="with --draft suffix: seed every run's cache from FILE, earlier outputs as JSON lines, "
+                             "one JSON array of token ids a line (tetris_hf.suffix_cache.SuffixCache.add_file)")
     parser.add_argument("--hybrid", action="store_true",
                         help="the draft model and prompt lookup together: each row drafts by lookup where it matches")
     parser.add_argument("--num-assistant-tokens", type=int, default=4, help="k")
@@ -341,7 +349,7 @@ class StreamBenchConfig:
     max_batch_sizes: tuple[int, ...] = (16,)
     systems: tuple[str, ...] = SYSTEMS
     strategies: tuple[str, ...] = ("tetris", "fixed", "adaptive")
-    lookup: bool = False
+    lookup: bool = False  # a model-free draft alone (prompt lookup, or suffix drafts with ``suffix``)
     hybrid: bool = False  # the draft model and prompt lookup, each row drafting by lookup where it matches
     num_assistant_tokens: int = 4
     extra_tokens: int = 2
@@ -349,6 +357,8 @@ class StreamBenchConfig:
     repeats: int = 1
     prompts_apart: bool = False  # each stream strategy also with ride_prompts=False
     vllm: VLLMSettings | None = None  # where vLLM runs from (systems vllm, vllm-ngram); None: they are not run
+    suffix: bool = False  # with ``lookup``: suffix drafts (tetris_suffix_num_tokens) in prompt lookup's place
+    suffix_seed: str | None = None  # a seed file every run's suffix cache starts from (SuffixCache.add_file)
 
 
 def _gather(run: StreamRun, indices: list[int]) -> StreamRun:
@@ -380,6 +390,19 @@ def run_stream_bench(target, draft, prompts: list[list[int]], eos: set[int], pad
     lookup = {"prompt_lookup_num_tokens": config.num_assistant_tokens, "max_matching_ngram_size": config.max_ngram}
     model = {"assistant_model": draft, "num_assistant_tokens": config.num_assistant_tokens}
     speculative = lookup if config.lookup else {**model, **lookup} if config.hybrid else model
+    if config.suffix:  # suffix drafts alone, each run with a cache of its own (seeded alike), spanning its chunks
+        speculative = {"tetris_suffix_num_tokens": config.num_assistant_tokens}
+    vocab_size = target.get_output_embeddings().weight.shape[0]
+
+    def drafts() -> dict:
+        """The speculative options of one run (a fresh suffix cache each, from the seed file when given)."""
+        if not config.suffix:
+            return speculative
+        from ..suffix_cache import SuffixCache
+
+        seeded = SuffixCache() if config.suffix_seed is None else SuffixCache.from_file(config.suffix_seed, vocab_size)
+        return {**speculative, "tetris_suffix_cache": seeded}
+
     report = {"runs": {}, "medians": {}, "startup": {}}
     systems = list(config.systems)
     wanted = [name for name in systems if name in VLLM_SYSTEMS]
@@ -423,7 +446,7 @@ def run_stream_bench(target, draft, prompts: list[list[int]], eos: set[int], pad
             else:
                 plans.append((name, lambda b=batch_size: run_chunks(
                     "tetris-chunks", target, mine, config.max_new_tokens, b, eos, pad, custom_generate="tetris",
-                    tetris_extra_tokens=config.extra_tokens, **speculative)))
+                    tetris_extra_tokens=config.extra_tokens, **drafts())))
         for strategy in config.strategies:
             # "plain": the stream with speculation off (its drafter never drafts: tetris_budget=0)
             settings = {"tetris_budget": 0} if strategy == "plain" else {"tetris_strategy": strategy}
@@ -431,7 +454,7 @@ def run_stream_bench(target, draft, prompts: list[list[int]], eos: set[int], pad
                 name = f"stream-{strategy}" + ("" if ride else "-apart")
                 plans.append((name, lambda b=batch_size, s=settings, n=name, r=ride: run_stream(
                     n, target, mine, config.max_new_tokens, b, eos, pad, tetris_extra_tokens=config.extra_tokens,
-                    ride_prompts=r, **s, **speculative)))
+                    ride_prompts=r, **s, **drafts())))
         runs: dict[str, list[StreamRun]] = {name: [] for name, _ in plans}
         try:
             for repeat in range(config.repeats):
@@ -479,11 +502,19 @@ def main(args) -> int:
     state = distributed_state(device)
     if state is not None and device.type == "cuda":
         device = state.device  # one GPU per process
-    lookup = args.draft == "lookup"
+    lookup, suffix = args.draft in ("lookup", "suffix"), args.draft == "suffix"
+    if args.suffix_seed is not None and not suffix:
+        raise UsageError("--suffix-seed seeds suffix drafts' cache: pass --draft suffix too")
+    if args.suffix_seed is not None and not Path(args.suffix_seed).is_file():
+        raise UsageError(f"--suffix-seed {args.suffix_seed!r}: no such file")
     if lookup:
         from .bench import load_lookup_target
 
         target, tokenizer, info = load_lookup_target(args.target, device, None, args.max_ngram)
+        if suffix:
+            info = dataclasses.replace(info, draft_kind="suffix", draft="suffix drafts (the batch's rows and a cache "
+                                       "of finished requests" + (f", seeded from {args.suffix_seed})"
+                                                                 if args.suffix_seed else ")"))
         draft = None
     else:
         target, draft, tokenizer, info = load_pair(args.target, args.draft, device)
@@ -512,11 +543,18 @@ def main(args) -> int:
             print(f"{error}; going on with the other systems", flush=True)
     if lookup and args.hybrid:
         raise UsageError("--hybrid drafts with the model and lookup together: give a draft model (or none), not "
-                         "--draft lookup")
+                         f"--draft {args.draft}")
     config = StreamBenchConfig(args.max_new_tokens, tuple(args.max_batch_size), systems,
                                tuple(name for name in args.strategies.split(",") if name), lookup, args.hybrid,
                                args.num_assistant_tokens, args.extra_tokens, args.max_ngram, args.repeats,
-                               args.prompts_apart, vllm)
+                               args.prompts_apart, vllm=vllm, suffix=suffix, suffix_seed=args.suffix_seed)
+    if args.suffix_seed is not None:  # a bad file fails now, naming its line, not after the baselines ran
+        from ..suffix_cache import read_token_lists
+
+        try:
+            read_token_lists(args.suffix_seed, target.get_output_embeddings().weight.shape[0])
+        except ValueError as error:
+            raise UsageError(f"--suffix-seed: {error}") from None
     main_process = state is None or state.is_main_process
     log = (lambda line: print(line, flush=True)) if main_process else (lambda line: None)
     log(f"{len(prompts)} requests ({note}); prompt tokens {min(map(len, prompts))}-{max(map(len, prompts))}, "
