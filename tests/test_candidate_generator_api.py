@@ -237,7 +237,7 @@ def test_transformers_loop_with_our_eagle_head_equals_the_target_greedy(monkeypa
         assert greedy(target, ids, NEW_TOKENS, assistant_model=head).tolist() == reference.tolist()
     ours = [hook for module in target.modules() for hooks in (module._forward_hooks, module._forward_pre_hooks)
             for hook in hooks.values() if getattr(hook, "__module__", "").startswith("tetris_hf")]
-    assert ours == [] and drafter.tap is None  # (transformers records hidden states through hooks of its own)
+    assert ours == []  # (transformers records hidden states through hooks of its own)
     # per call: the first step decodes plainly (no target forward yet), then 3 drafts a step, fewer only where the
     # length limit leaves no room (a random head on a random target is rejected: the accepting path is checked by hand
     # below)

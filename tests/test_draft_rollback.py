@@ -11,6 +11,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 
 from tetris_hf.candidate_generators.batched_draft import BatchedDraftCandidateGenerator, split_pending_read
 from tetris_hf.logits import PositionwiseLogitsProcessor
+from tetris_hf.batch import RowMoves
 from tetris_hf.step import ReadHints, Verdict
 from test_slot_cache import RecordingModel, cached_tokens
 from tiny_models import left_pad
@@ -99,16 +100,16 @@ def test_a_host_bound_below_k_queues_only_the_targets_token():
 @pytest.mark.parametrize("plain_width", [False, True], ids=["read", "plain-width"])
 def test_the_pending_read_trims_columns_that_are_filler_in_every_row_and_counts_the_rest(accepted, width,
                                                                                         plain_width):
-    """The loop reads ``pending_width()`` with its end-of-step read and hands it back: the block loses the columns
-    that are filler in every row, and the drafter learns how many tokens wait (its next forward reads them packed);
-    a plain width trims alike and leaves the count unknown."""
+    """The loop reads what ``accept`` returned with its end-of-step read and hands it back (``settle``): the block
+    loses the columns that are filler in every row, and the drafter learns how many tokens wait (its next forward
+    reads them packed); a plain width trims alike and leaves the count unknown."""
     drafter, _ = drafter_after_proposal(3)
-    drafter.accept(verdict(accepted))  # no host bound: two columns
+    to_read = drafter.accept(verdict(accepted))  # no host bound: two columns
     assert drafter.pending_tokens.shape[1] == 2 and drafter.pending_count is None
     real = 4 + sum(a == 3 for a in accepted)
-    read = int(drafter.pending_width())
+    read = int(to_read)
     assert split_pending_read(read, 2) == (width, real)
-    drafter.trim_pending(width if plain_width else read)
+    drafter.settle(width if plain_width else read)
     assert drafter.pending_tokens[:, -1].tolist() == [20, 21, 22, 23]
     assert drafter.pending_tokens.shape[1] == drafter.pending_mask.shape[1] == width
     assert drafter.pending_mask.sum().item() == real
@@ -149,7 +150,8 @@ def test_rolled_back_holes_are_repacked_once_they_exceed_max_holes():
 def test_fill_rows_moves_pending_blocks_with_their_rows():
     drafter, _ = drafter_after_proposal(3)
     drafter.accept(verdict([0, 1, 2, 3]))
-    drafter.fill_rows(torch.tensor([1]), torch.tensor([3]), 2)  # rows 1 and 2 finished: row 3 takes row 1's place
+    # rows 1 and 2 finished: row 3 takes row 1's place
+    drafter.settle(None, moves=RowMoves(torch.tensor([1]), torch.tensor([3]), 2))
     assert drafter.pending_tokens.tolist() == [[7, 20], [14, 23]]
     assert drafter.pending_mask.tolist() == [[0, 1], [1, 1]]
     assert cached_tokens(drafter.slots).tolist() == [[-1, 3, 4, -1, -1], [9, 10, 11, 12, 13]]

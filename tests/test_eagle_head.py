@@ -308,10 +308,8 @@ def test_feature_tap_captures_what_output_hidden_states_holds(tmp_path):
             [hidden[2], hidden[4], hidden[5]], dim=-1))):
         folder = write_checkpoint(tmp_path / make.__name__, *make())
         head = EagleDraft.from_pretrained(folder, target=target)
-        with head.tap(target) as tap:
-            target(input_ids, attention_mask=mask)
-            assert torch.equal(tap.features, expected)
-        assert not tap.handles
+        outputs = target(input_ids, attention_mask=mask, output_hidden_states=list(head.aux_layer_ids))
+        assert torch.equal(head.target_features(outputs), expected)
 
 
 @torch.no_grad()

@@ -38,9 +38,9 @@ def drafts_from_scratch(target, head, context: list[int], num_tokens: int) -> tu
     """The head on one row alone, no padding: the target reads ``context[:-1]`` (its features), the head reads
     ``context[1:]`` with them, then drafts ``num_tokens`` greedily from its own output."""
     ids = torch.tensor([context])
-    with head.tap(target) as tap:
-        target(ids[:, :-1]) if len(context) > 1 else None
-        features = tap.features if len(context) > 1 else None
+    features = None
+    if len(context) > 1:
+        features = head.target_features(target(ids[:, :-1], output_hidden_states=list(head.aux_layer_ids)))
     cache = DynamicCache()
     if features is None:  # one token: nothing to read yet
         raise AssertionError("the loop drafts only after the target has read a token")
@@ -61,9 +61,9 @@ def record_proposals(monkeypatch, drafter_class=EagleCandidateGenerator) -> list
     proposals = []
     real_propose = drafter_class.propose
 
-    def recording(self, sequences, lengths, num_tokens, rows=None, confidences=True):
+    def recording(self, sequences, lengths, num_tokens, rows=None, confidences=True, **options):
         context = sequences.clone()
-        proposal = real_propose(self, sequences, lengths, num_tokens, rows, confidences)
+        proposal = real_propose(self, sequences, lengths, num_tokens, rows, confidences, **options)
         if num_tokens:
             proposals.append((proposal.tokens.clone(), proposal.log_probs, context, lengths.clone(), rows.clone()))
         return proposal

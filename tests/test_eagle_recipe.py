@@ -85,9 +85,8 @@ def test_positions_whose_target_argmax_the_draft_vocabulary_lacks_are_not_scored
 
     monkeypatch.setattr(train_eagle, "ttt_loss", spy)
     optimizer = torch.optim.AdamW(head.parameters(), lr=1e-3)
-    with head.tap(target) as tap:
-        train_eagle.train_step(head, target, tap, samples, optimizer, steps=2, pad_id=0, rows=head.target_ids,
-                               micro_batch_size=2, in_draft_vocab=in_vocab)
+    train_eagle.train_step(head, target, samples, optimizer, steps=2, pad_id=0, rows=head.target_ids,
+                           micro_batch_size=2, in_draft_vocab=in_vocab)
     input_ids, attention_mask, assistant = train_eagle.pack(samples, 0, "cpu")
     with torch.no_grad():
         argmax = target(input_ids, attention_mask=attention_mask).logits.argmax(dim=-1)

@@ -389,22 +389,24 @@ def test_hybrid_with_trees_or_a_draft_vocab_is_refused(pair):
 
 def lookup_alone_on(monkeypatch, strategy_class=None, pattern=(False, True, True)) -> list:
     """Plans of ``strategy_class`` draft by lookup alone on the drafting steps ``pattern`` marks (cycled; no class:
-    plans as they are); returns the list of ``propose_lookup`` calls' row counts, filled as the loop runs."""
+    plans as they are); returns the row counts of ``propose(..., lookup_only=True)`` calls, filled as the loop runs."""
     real_plan = None if strategy_class is None else strategy_class.plan
-    real_propose_lookup = HybridCandidateGenerator.propose_lookup
+    real_propose = HybridCandidateGenerator.propose
     steps, calls = itertools.count(), []
 
     def plan(self, num_rows):
         planned = real_plan(self, num_rows)
         return planned._replace(lookup_only=pattern[next(steps) % len(pattern)] and planned.num_draft_tokens > 0)
 
-    def propose_lookup(self, sequences, lengths, num_tokens, rows=None, confidences=True):
-        calls.append(sequences.shape[0])
-        return real_propose_lookup(self, sequences, lengths, num_tokens, rows, confidences)
+    def propose(self, sequences, lengths, num_tokens, rows=None, confidences=True, *, lookup_only=False, **options):
+        if lookup_only:
+            calls.append(sequences.shape[0])
+        return real_propose(self, sequences, lengths, num_tokens, rows, confidences, lookup_only=lookup_only,
+                            **options)
 
     if strategy_class is not None:
         monkeypatch.setattr(strategy_class, "plan", plan)
-    monkeypatch.setattr(HybridCandidateGenerator, "propose_lookup", propose_lookup)
+    monkeypatch.setattr(HybridCandidateGenerator, "propose", propose)
     return calls
 
 

@@ -133,3 +133,17 @@ def test_the_circle_check_finds_a_circle_through_a_function_level_import():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert import_circles(graph) == [["a", "b", "c", "a"]]
     assert import_circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_drafter_protocol_has_at_most_seven_methods():
+    """The loop asks a drafter for six things (prefill, propose, accept, settle, join, catch_up); what it needs on the
+    host comes back in tensors the loop reads, not through methods of their own."""
+    import inspect
+
+    from tetris_hf.candidate_generators.drafter import Drafter
+    from tetris_hf.candidate_generators.transformers_api import CandidateGeneratorAPI
+
+    own = [name for name, member in vars(Drafter).items()
+           if inspect.isfunction(member) and not name.startswith("_")]
+    assert sorted(own) == ["accept", "catch_up", "join", "prefill", "propose", "settle"]
+    assert not set(own) & set(vars(CandidateGeneratorAPI))

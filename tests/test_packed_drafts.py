@@ -70,10 +70,10 @@ def packed_draft_forwards(monkeypatch, target) -> list[int]:
     computed = []
     real = SlotCache._packed_run
 
-    def spy(self, forward, model, input_ids, attention_mask, position_ids, packing, *args):
-        if model is not target:
+    def spy(self, forward, input_ids, attention_mask, position_ids, packing, *args):
+        if forward is not target:
             computed.append(packing.num_tokens)
-        return real(self, forward, model, input_ids, attention_mask, position_ids, packing, *args)
+        return real(self, forward, input_ids, attention_mask, position_ids, packing, *args)
 
     monkeypatch.setattr(SlotCache, "_packed_run", spy)
     return computed
@@ -84,8 +84,8 @@ def recorded_proposals(monkeypatch) -> list:
     proposals = []
     real = batched_draft.BatchedDraftCandidateGenerator.propose
 
-    def recording(self, sequences, lengths, num_tokens, rows=None, confidences=True):
-        proposal = real(self, sequences, lengths, num_tokens, rows, confidences)
+    def recording(self, sequences, lengths, num_tokens, rows=None, confidences=True, **options):
+        proposal = real(self, sequences, lengths, num_tokens, rows, confidences, **options)
         if num_tokens:
             log_probs = None if proposal.log_probs is None else proposal.log_probs.clone()
             proposals.append((proposal.tokens.clone(), log_probs))

@@ -11,7 +11,7 @@ from tetris_hf.goodput import best_budget
 from tetris_hf.packed_probe import packs_exactly
 from tetris_hf.packing import Packing
 from test_architectures import FULL_ATTENTION, SLIDING_WINDOW, tiny
-from test_greedy_exactness import generate_checked, pick_eos, target_alone
+from test_greedy_exactness import NEW_TOKENS, generate_checked, pick_eos, target_alone
 from tiny_models import PAD, left_pad, random_prompts, target_and_draft
 
 
@@ -212,3 +212,37 @@ def test_a_split_block_without_filler_is_read_whole():
     assert logits[0].shape == (3, 3, model.config.vocab_size)
     torch.testing.assert_close(logits[0][:2], logits[1][:2])
     torch.testing.assert_close(logits[0][2, 0], logits[1][2, 2])
+
+
+def test_a_call_routes_attention_through_the_loop_and_restores_it_storing_nothing_on_transformers():
+    """The packing travels as a forward argument to one attention function registered once; the models are routed
+    to it for the call only, and nothing is kept on the transformers module (several copies of the package share
+    nothing through it)."""
+    import transformers
+
+    from tetris_hf.packing import is_routed
+
+    target, draft = target_and_draft(97, seed=3, draft_kind="noisy")
+    seen = []
+    prompts = random_prompts(3, 97, seed=4)
+    input_ids, mask = left_pad(prompts)
+    out = target.generate(input_ids, attention_mask=mask, assistant_model=draft, custom_generate="tetris",
+                          max_new_tokens=NEW_TOKENS, tetris_strategy="tetris", pad_token_id=PAD, eos_token_id=None,
+                          tetris_step_callback=lambda record, loop: seen.append((is_routed(target), is_routed(draft))))
+    assert seen and all(routed == (True, True) for routed in seen)
+    assert target.config._attn_implementation == draft.config._attn_implementation == "sdpa"
+    assert not is_routed(target) and not is_routed(draft)
+    assert not [name for name in vars(transformers) if "tetris" in name.lower()]
+    generated = [row[input_ids.shape[1]:].tolist() for row in out]
+    assert generated == target_alone(target, prompts, None)
+
+
+def test_no_module_of_the_package_puts_a_hook_on_a_model():
+    """What a drafter reads of the target arrives in the verdict (the verify forward's hidden states), never through
+    a hook; a counter of transformers' steps is a stopping criterion."""
+    from pathlib import Path
+
+    package = Path(tetris_hf.__file__).parent
+    hooked = [str(path.relative_to(package)) for path in package.rglob("*.py")
+              if "register_forward_hook" in path.read_text() or "register_forward_pre_hook" in path.read_text()]
+    assert hooked == []

@@ -121,8 +121,8 @@ def test_chi_square_catches_selection_by_the_sampled_tokens_probability(pair, mo
     target, draft = pair
     real_propose = BatchedDraftCandidateGenerator.propose
 
-    def rank_by_sampled_token(self, sequences, lengths, num_tokens, rows=None, confidences=True):
-        proposal = real_propose(self, sequences, lengths, num_tokens, rows, confidences)
+    def rank_by_sampled_token(self, sequences, lengths, num_tokens, rows=None, confidences=True, **options):
+        proposal = real_propose(self, sequences, lengths, num_tokens, rows, confidences, **options)
         if proposal.probs is None:  # nothing drafted
             return proposal
         return proposal._replace(log_probs=proposal.probs.gather(2, proposal.tokens[..., None]).squeeze(2).log())

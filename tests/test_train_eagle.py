@@ -35,9 +35,8 @@ def peaked_target(dtype=torch.float32, attn_implementation="sdpa", seed=7):
 
 
 def features_of(head, target, input_ids):
-    with torch.no_grad(), head.tap(target) as tap:
-        target(input_ids)
-        return tap.features
+    with torch.no_grad():
+        return head.target_features(target(input_ids, output_hidden_states=list(head.aux_layer_ids)))
 
 
 def draft_from_cache(head, tokens: list[int], features: torch.Tensor, inputs: list[int]) -> tuple[list, list[int]]:
@@ -143,9 +142,8 @@ def test_training_lowers_the_loss_at_every_unrolled_step():
     head = EagleDraft.for_target(target, torch.arange(3, 96)).float()
     optimizer = torch.optim.AdamW(head.parameters(), lr=1e-2)
     rows = repetitive_rows(8)
-    with head.tap(target) as tap:
-        losses = [train_eagle.train_step(head, target, tap, rows, optimizer, steps=3, pad_id=0, rows=head.target_ids,
-                                         micro_batch_size=4) for _ in range(30)]
+    losses = [train_eagle.train_step(head, target, rows, optimizer, steps=3, pad_id=0, rows=head.target_ids,
+                                     micro_batch_size=4) for _ in range(30)]
     first, last = losses[0], losses[-1]
     assert all(after < 0.3 * before for before, after in zip(first, last)), (first, last)
 
@@ -156,9 +154,8 @@ def test_train_step_runs_the_head_once_per_unrolled_step_and_micro_batch():
     calls = []
     head.register_forward_hook(lambda module, args, kwargs_or_output: calls.append(1))
     optimizer = torch.optim.AdamW(head.parameters(), lr=1e-3)
-    with head.tap(target) as tap:
-        losses = train_eagle.train_step(head, target, tap, repetitive_rows(4, 12), optimizer, steps=5, pad_id=0,
-                                        rows=head.target_ids, micro_batch_size=2)
+    losses = train_eagle.train_step(head, target, repetitive_rows(4, 12), optimizer, steps=5, pad_id=0,
+                                    rows=head.target_ids, micro_batch_size=2)
     assert len(losses) == 5 and len(calls) == 2 * 5
 
 
@@ -173,11 +170,10 @@ def test_held_out_numbers_are_what_drafting_from_the_cache_gets_against_generate
     prompts = [[5, 9, 14], [7, 7, 50, 61, 8], [12, 33, 44, 12], [80, 3, 91, 4, 4, 4]]
     continuations = train_eagle.continue_greedily(target, prompts, 14, 0, [EOS])
     samples = [Sample(prompt + continuation, len(prompt) - 1) for prompt, continuation in zip(prompts, continuations)]
-    with head.tap(target) as tap:
-        for _ in range(15):
-            train_eagle.train_step(head, target, tap, samples, optimizer, steps=3, pad_id=0, rows=head.target_ids,
-                                   micro_batch_size=4)
-        held_out = train_eagle.prepare_held_out(target, tap, samples, 0, head.target_ids, 2, "cpu")
+    for _ in range(15):
+        train_eagle.train_step(head, target, samples, optimizer, steps=3, pad_id=0, rows=head.target_ids,
+                               micro_batch_size=4)
+    held_out = train_eagle.prepare_held_out(target, head.aux_layer_ids, samples, 0, head.target_ids, 2, "cpu")
     metrics = train_eagle.evaluate(head, held_out)
 
     agree = agree_count = accepted = chains = 0
@@ -324,8 +320,7 @@ def test_the_command_trains_resumes_to_the_same_weights_and_writes_a_loadable_he
     target, _ = load_target(material[0])
     head = EagleDraft.from_pretrained(whole, target=target)
     samples = held_out_rows(whole)
-    with head.tap(target) as tap:
-        held_out = train_eagle.prepare_held_out(target, tap, samples, 0, head.target_ids, 2, "cpu")
+    held_out = train_eagle.prepare_held_out(target, head.aux_layer_ids, samples, 0, head.target_ids, 2, "cpu")
     metrics = train_eagle.evaluate(head, held_out)
     assert round(metrics["agreement"], 4) == record["held_out"]["agreement"]
     assert round(metrics["accepted"], 4) == record["held_out"]["accepted"]

@@ -346,9 +346,7 @@ def eagle_law_from_scratch(target, head, context: list[int], path: list[int]) ->
     from transformers import DynamicCache
 
     ids = torch.tensor([context])
-    with head.tap(target) as tap:
-        target(ids[:, :-1])
-        features = tap.features
+    features = head.target_features(target(ids[:, :-1], output_hidden_states=list(head.aux_layer_ids)))
     cache = DynamicCache()
     out = head(ids[:, 1:], target_features=features, past_key_values=cache, use_cache=True)
     for token in path:

@@ -10,22 +10,38 @@ padding stretch, and a prepared mask also spares it a device read per forward. M
 causality by slot index, which is the order of positions within a row), as do attention implementations other than
 sdpa and eager (which then cannot serve a sliding window, nor a draft tree's ancestor mask: :func:`check_tree_layout`).
 
-A static step (``tetris_compile=True``) runs :func:`grouped_sdpa_attention` on sdpa models
-(:func:`grouped_attention`): each key-value head read in place by its group of query heads.
+A static step (``tetris_compile=True``) runs :func:`grouped_sdpa_attention` on sdpa models (through the loop's
+attention function, :mod:`tetris_hf.packing`): each key-value head read in place by its group of query heads.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import cache, cached_property
+from functools import cached_property
 
 import torch
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 MASK_IMPLEMENTATIONS = ("sdpa", "eager")  # attention implementations that take a prepared 4D mask
 ALIBI_FAMILIES = ("bloom", "mpt")  # their ALiBi biases come from the 2D mask's cumulative sum
+
+
+ROUTED_PREFIX = "tetris_"  # the loop's own attention function is registered as f"tetris_{base}:{module}"
+
+
+def routed_implementation(base: str, owner: str) -> str:
+    """The name the loop's attention function (:func:`tetris_hf.packing.loop_attention_forward`) is registered under
+    for models on ``base`` (``"sdpa"`` or ``"eager"``) by the module named ``owner`` (a process may hold several
+    copies of this package: the Hub folder's, a Space's)."""
+    return f"{ROUTED_PREFIX}{base}:{owner}"
+
+
+def base_implementation(name: str) -> str:
+    """The attention implementation a model runs under the loop's routing: ``"sdpa"`` for ``"tetris_sdpa:..."``,
+    any other name as it is."""
+    if name.startswith(ROUTED_PREFIX) and ":" in name:
+        return name[len(ROUTED_PREFIX) : name.index(":")]
+    return name
 
 
 @dataclass(frozen=True)
@@ -50,7 +66,7 @@ class AttentionLayout:
         window = getattr(config, "sliding_window", None)
         window = window if isinstance(window, int) and window > 0 else None
         layer_types = getattr(config, "layer_types", None)
-        implementation = config._attn_implementation or "eager"
+        implementation = base_implementation(config._attn_implementation or "eager")
         alibi = config.model_type in ALIBI_FAMILIES or bool(getattr(config, "alibi", False))
         prepared = implementation in MASK_IMPLEMENTATIONS and not alibi
         if isinstance(layer_types, (list, tuple)) and layer_types:
@@ -153,9 +169,6 @@ def real_prefix_mask(cached_valid: torch.Tensor, causal: torch.Tensor) -> torch.
     return torch.cat([cached_valid.expand(batch, 1, block, cached), causal.expand(batch, 1, block, block)], dim=-1)
 
 
-GROUPED_SDPA = "tetris_grouped_sdpa"  # the attention the static step runs on sdpa models (see grouped_attention)
-
-
 def grouped_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                            is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
@@ -174,30 +187,3 @@ def grouped_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: to
     output = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
                                                               dropout_p=dropout, scale=scaling, enable_gqa=True)
     return output.transpose(1, 2).contiguous(), None
-
-
-@cache
-def _register_grouped_sdpa() -> None:
-    """Register :func:`grouped_sdpa_attention` (and sdpa's masks) under :data:`GROUPED_SDPA`, once."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)
-    AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
-
-
-@contextlib.contextmanager
-def grouped_attention(model: torch.nn.Module) -> Iterator[None]:
-    """While a static step's compiled forward runs: a model on transformers' ``"sdpa"`` attention runs
-    :func:`grouped_sdpa_attention` instead (registered under :data:`GROUPED_SDPA`, with sdpa's masks); others as
-    they are. The model's setting is restored after, so its eager forwards are untouched."""
-    config = model.config
-    if config._attn_implementation != "sdpa":
-        yield
-        return
-    _register_grouped_sdpa()
-    config._attn_implementation = GROUPED_SDPA
-    try:
-        yield
-    finally:
-        config._attn_implementation = "sdpa"

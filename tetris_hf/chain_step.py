@@ -47,11 +47,17 @@ class StepContext:
     pad_value: int
     wants_confidences: bool
 
+    @property
+    def feature_layers(self) -> tuple[int, ...] | None:
+        """The target's hidden states every target forward returns for the drafter (an EAGLE head's)."""
+        return self.drafter.feature_layers
 
-def read_step(context: StepContext, batch: Batch, verified: torch.Tensor) -> StepRead:
+
+def read_step(context: StepContext, batch: Batch, verified: torch.Tensor,
+              drafter_lengths: torch.Tensor | None) -> StepRead:
     """A drafting step's one device read: ``verified`` ``(B,)`` cells each row verifies (their maximum sizes the
-    target's block), with the caches' fill levels and the rows' lengths (which tighten ``batch.longest``)."""
-    drafter_lengths = context.drafter.live_lengths()
+    target's block), with the caches' fill levels (``drafter_lengths`` ``(B,)``: the proposal's ``cached_lengths``)
+    and the rows' lengths (which tighten ``batch.longest``)."""
     read = [verified, context.target_slots.live_lengths(), batch.lengths]
     if drafter_lengths is not None:
         read.append(drafter_lengths)
@@ -79,11 +85,10 @@ class ChainStep(StepPhases):
 
     def draft(self, num_drafted: int, confidences: bool, lookup_only: bool = False) -> Proposal:
         drafter, batch = self.context.drafter, self.batch
-        # (lookup_only: a hybrid drafter's lookup part alone, the model running no forward)
-        propose = drafter.propose_lookup if lookup_only else drafter.propose
         # Confidences may cost a softmax per draft token: only for plans and callbacks that read them.
-        return propose(batch.sequences, batch.lengths, num_drafted, batch.rows,
-                       confidences or self.context.wants_confidences)
+        # (lookup_only: a hybrid drafter's lookup part alone, the model running no forward)
+        return drafter.propose(batch.sequences, batch.lengths, num_drafted, batch.rows,
+                               confidences or self.context.wants_confidences, lookup_only=lookup_only)
 
     def select(self, strategy: StepStrategy, proposal: Proposal, plan: DraftPlan) -> torch.Tensor:
         """``(B,)`` drafts each row verifies: the strategy's pick, within what each row may verify (a target token
@@ -106,7 +111,8 @@ class ChainStep(StepPhases):
             # Nothing to verify: the target reads each row's last token (no read, no filler, no holes).
             read, block_length, width, block, real_lengths = None, 0, 1, batch.last_tokens[:, None], None
         else:
-            read = read_step(context, batch, verify_lengths)  # the block length sizes the target's input
+            # the block length sizes the target's input
+            read = read_step(context, batch, verify_lengths, proposal.cached_lengths)
             block_length = read.block_length
             # [last emitted token, drafts 1..l_i] per row, padded to one length with masked drafts (compiled on CUDA:
             # padded with masked filler to a power of two, so that block shapes repeat)
@@ -125,8 +131,8 @@ class ChainStep(StepPhases):
             forward_block, real_lengths = joining.after(block, real_lengths, context.pad_value)
             num_real = split.tokens + joining.num_tokens
             target.add_rows(joining.count)
-        logits = target.forward(context.model, forward_block, None, step=True, real_lengths=real_lengths,
-                                num_real=num_real, split=split)
+        logits, features = target.forward(context.model, forward_block, None, step=True, real_lengths=real_lengths,
+                                          num_real=num_real, split=split, hidden_states=context.feature_layers or ())
         joining_tokens = None
         if joining is not None:
             joining_tokens = self.first_tokens(joining, logits[batch.num_rows :, 0])
@@ -144,8 +150,8 @@ class ChainStep(StepPhases):
             computed -= joining.num_tokens
             longest = None if longest is None else max(longest, joining.width)
         forward_width = forward_block.shape[1]
-        return Verdict(num_accepted, next_tokens, verify_lengths, hints=hints), \
-            TargetBlock(target.length - forward_width, forward_width, longest, computed, joining_tokens)
+        return Verdict(num_accepted, next_tokens, verify_lengths, hints=hints, features=features), \
+            TargetBlock(target.length - forward_width, forward_width, longest, computed, joining_tokens, features)
 
     def first_tokens(self, joining: JoiningPrompts, logits: torch.Tensor) -> torch.Tensor:
         """``(M,)`` the joining rows' first tokens, from the target's ``(M, V)`` logits at their prompts' last tokens:
@@ -157,14 +163,14 @@ class ChainStep(StepPhases):
         rows.scatter_(1, lengths[:, None], first_tokens[:, None])
         return first_tokens
 
-    def roll_back(self, proposal: Proposal, verdict: Verdict, block: TargetBlock) -> None:
+    def roll_back(self, proposal: Proposal, verdict: Verdict, block: TargetBlock) -> torch.Tensor | None:
         """The target keeps ``[last token, accepted drafts]`` of its block; the drafter keeps its accepted drafts."""
         target, joining = self.context.target_slots, self.joining
         if block.longest is not None:  # drafts were verified (joining rows keep their prompts)
             keep = verdict.num_accepted + 1
             target.keep_prefix(block.first_slot, keep if joining is None else torch.cat([keep, joining.lengths]))
         target.compact(block.longest)
-        self.context.drafter.accept(verdict)
+        return self.context.drafter.accept(verdict)
 
     def emit(self, verdict: Verdict) -> Emission:
         # (the accepted drafts already sit in place: they were drafted there)

@@ -105,17 +105,19 @@ class BatchedSpeculativeLoop(HoldsCore):
         core = self.core
         batch = core.batch
         num_rows = batch.num_rows
-        logits = core.target_slots.forward(core.model, self.input_ids, self.prompt_mask, logits_to_keep=1)
+        logits, features = core.target_slots.forward(core.model, self.input_ids, self.prompt_mask, logits_to_keep=1,
+                                                     hidden_states=core.context.feature_layers or ())
         target_scores = core.logits_processor(batch.sequences, batch.lengths, logits, batch.rows)
         no_drafts = self.input_ids.new_zeros(num_rows, 0)
         verify_lengths = torch.zeros(num_rows, dtype=torch.long, device=batch.lengths.device)
         num_accepted, next_tokens = verify(no_drafts, verify_lengths, target_scores, None, core.do_sample)
-        core.drafter.accept(Verdict(num_accepted, next_tokens, verify_lengths, hints=ReadHints(max_accepted=0)))
+        drafter_read = core.drafter.accept(Verdict(num_accepted, next_tokens, verify_lengths,
+                                                   hints=ReadHints(max_accepted=0), features=features))
         emission = batch.emit(num_accepted, next_tokens, 0, core.stopper)
         no_log_probs = target_scores.new_zeros(num_rows, 0)
         record = StepRecord(batch.rows, 0, 0, no_log_probs, verify_lengths, num_accepted, emission.emitted,
                             StepSeconds(0.0, time.perf_counter() - started, 0.0))
-        return core.end_step(record, emission.stopped)
+        return core.end_step(record, emission.stopped, drafter_read=drafter_read)
 
     def _stream_tokens(self, result: LoopStep) -> None:
         """The streamer (one row) gets the tokens the step emitted (its row still decoding, or just retired)."""
@@ -125,7 +127,7 @@ class BatchedSpeculativeLoop(HoldsCore):
             self.streamer.put(rows.sequences[0, end - result.record.emitted[0] : end].cpu())
 
     def close(self) -> None:
-        """Remove what the drafter put on the target (the call is over)."""
+        """The models' attention back to their own (the call is over)."""
         self.core.close()
 
     def _store_finished(self, retired: Retired) -> None:

@@ -27,14 +27,17 @@ dummy rows that write into buffer rows nobody reads and whose logits are dropped
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import weakref
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .attention import AttentionLayout, check_tree_layout, grouped_attention, position_masks, real_prefix_mask
+from .attention import AttentionLayout, check_tree_layout, position_masks, real_prefix_mask
 from .cross_attention import CrossAttention
-from .packing import BlockSplit, Packing, packed_attention
+from .packing import BlockSplit, Packing, is_routed, routed_attention
 from .static_shapes import batch_bucket, standard_strides, static_capacity
 
 
@@ -46,6 +49,18 @@ def slots_needed(layout: AttentionLayout, prompt_length: int, max_length: int, b
     if layout.reach is None:
         return max_length + margin
     return min(max_length, max(prompt_length, layout.reach)) + margin
+
+
+def takes_attention_arguments(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s forward takes arbitrary keyword arguments (which transformers hands down to its attention
+    layers)."""
+    return _takes_keywords(type(model))
+
+
+@functools.cache
+def _takes_keywords(model_class: type) -> bool:
+    parameters = inspect.signature(model_class.forward).parameters.values()
+    return any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters)
 
 
 class SlotLayer(CacheLayerMixin):
@@ -252,108 +267,83 @@ class SlotCache:
         """Slots per row in use, holes included."""
         return self.pointer
 
-    def forward(
-        self,
-        model: torch.nn.Module,
-        input_ids: torch.Tensor,
-        input_mask: torch.Tensor | None,
-        logits_to_keep: int = 0,
-        step: bool = False,
-        real_lengths: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        visibility: torch.Tensor | None = None,
-        num_real: int | None = None,
-        discard_logits: bool = False,
-        first_row: int = 0,
-        split: BlockSplit | None = None,
-    ) -> torch.Tensor | None:
-        """Run ``model`` on a block appended to every row, and cache it.
+    def forward(self, model: torch.nn.Module, input_ids: torch.Tensor, input_mask: torch.Tensor | None,
+                logits_to_keep: int = 0, step: bool = False, real_lengths: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, visibility: torch.Tensor | None = None,
+                num_real: int | None = None, discard_logits: bool = False, first_row: int = 0,
+                split: BlockSplit | None = None, hidden_states: tuple[int, ...] | None = None):
+        """Run ``model`` (a causal LM taking ``attention_mask``, ``position_ids``, ``past_key_values``) on a block
+        ``input_ids`` ``(B, L)`` appended to every row, and cache it. A real token's position is the number of real
+        tokens before it in its row; filler takes a neighbour's, which nothing sees.
 
-        Each real token's position is the number of real tokens before it in its row (cached ones included); filler
-        gets a neighbour's position (left filler the block's first real token's, right filler the last's), which
-        nothing ever sees (it is masked out as a key, its output unused).
+        Which tokens are real: ``input_mask`` ``(B, L)`` (1 real, 0 filler); ``None`` when all are, or when
+        ``real_lengths`` ``(B,)`` says row ``i``'s first ``real_lengths[i]`` are (a verified block: positions count on
+        and, on plain sdpa layouts, the mask needs no comparison of positions). ``num_real``: their sum, a host int,
+        with ``real_lengths`` or a left-padded ``input_mask``: the block is then read packed where the model can be
+        (:attr:`packs`, :mod:`tetris_hf.packing`; filler's logits are zeros, ``logits_to_keep=1`` keeps each row's
+        last real token's, the head computed there only).
 
-        Args:
-            model: a causal LM whose forward takes ``attention_mask``, ``position_ids``, ``past_key_values``.
-            input_ids: ``(B, L)`` the block (filler where ``input_mask`` is 0).
-            input_mask: ``(B, L)`` 1 for real tokens, 0 for filler; ``None`` when every token is real (the draft's
-                own tokens) or ``real_lengths`` says which are, which needs fewer operations.
-            logits_to_keep: keep logits for the last this-many positions only (0 = all).
-            step: a decoding step's forward (run through :attr:`step_forward` when set), not a prompt read.
-            real_lengths: ``(B,)``, in place of ``input_mask`` for a block whose real tokens come first in every row
-                (a verified block): row ``i``'s first ``real_lengths[i]`` tokens are real, filler after them. Positions
-                simply count on (filler's are never seen) and, on plain sdpa layouts, the mask is each row's real
-                cached slots followed by causality within the block, both known without comparing positions.
-            position_ids: ``(B, L)`` each token's position, in place of counting on from the cached ones (a draft
-                tree's nodes: the root's position plus their depth). ``next_positions`` still advances by the real
-                tokens written, a bound until :meth:`keep_slots` sets it.
-            visibility: ``(B, L, W)`` bool, ``W >= L``: which of the last ``W`` slots (the ``L`` being written and the
-                ``W - L`` before them) each token sees, in place of causality (a tree's ancestor mask; the slots before
-                them are seen by position as usual). Needs a layout that takes prepared masks.
-            num_real: the block's real tokens (a host int), with ``real_lengths`` or a left-padded ``input_mask``
-                (each row's real tokens its last ones): a block with filler is read packed where the model can be
-                (:attr:`packs`), the model reading only the real tokens (:mod:`tetris_hf.packing`); filler's logits
-                are then zeros, and ``logits_to_keep=1`` keeps each row's last real token's (the last column's of a
-                left-padded block), the head computed there only.
-            discard_logits: only the cache is wanted (prompts joining a stream, catch-ups): the head computes one
-                position and ``None`` is returned; such a block is read packed too.
-            first_row: rows before it have no real token in the block (known on the host: a stream's rows already
-                decoding while joining prompts are read); read packed, attention runs on the other rows only.
-            split: with ``real_lengths`` and ``num_real``, on a cache that packs: the block's first rows and the
-                rows after them (a stream's decoding rows, then the prompts of rows joining), attended apart at their
-                own widths; logits come out for the first rows' tokens and each later row's last token only, as
-                ``(B, split.width, V)``: a later row's in its column 0 (zeros after).
+        Other arguments: ``logits_to_keep`` the last this-many positions' logits only (0: all); ``step`` a decoding
+        step's forward (through :attr:`step_forward` when set); ``position_ids`` ``(B, L)`` in place of counting on (a
+        tree's nodes: the root's position plus their depth; ``next_positions`` then advances as a bound until
+        :meth:`keep_slots`); ``visibility`` ``(B, L, W)``, ``W >= L``, which of the last ``W`` slots each token sees, in
+        place of causality (a tree's ancestors; layouts with prepared masks); ``discard_logits``: only the cache is
+        wanted (the head computes one position, ``None`` returned); ``first_row``: no row before it has a real token
+        (read packed, attention skips them); ``split``: with ``real_lengths`` and ``num_real``, on a cache that packs,
+        the decoding rows and the joining prompts after them attended apart at their own widths, logits for the first
+        rows' tokens and each later row's last token only, ``(B, split.width, V)``; ``hidden_states``: indices of the
+        model's hidden states to return too (transformers' numbering: ``i`` < layers the input of layer ``i``, layers
+        the final norm's output; an EAGLE head's features), the forward keeping those only.
 
         Returns:
-            ``(B, L or logits_to_keep, V)`` logits, or ``None`` with ``discard_logits``.
+            ``(B, L or logits_to_keep, V)`` logits, or ``None`` with ``discard_logits``; with ``hidden_states``,
+            ``(logits, features)``: ``features`` ``(B, L, F)`` the selected states concatenated (zeros at filler of
+            a packed read; ``None`` for no index).
         """
         if self.layout is None:
             self.layout = AttentionLayout.of(model)
         if self.cross is None and getattr(model, "memory", None) is not None:  # (B0, S, d) for the first batch
             self.cross = CrossAttention(model.memory[self.first_rows.to(model.memory.device)])
         block = input_ids.shape[1]
+        self._check_block(model, block, visibility, split, logits_to_keep)
+        self._make_room(block)
+        start, end = self.pointer, self.pointer + block
+        position_ids, new_tokens = self._mark_slots(start, end, input_mask, real_lengths, position_ids)
+        next_positions = self.next_positions + new_tokens  # (before the forward: right after it, caches are cold)
+        extra = {"output_hidden_states": list(hidden_states)} if hidden_states else {}
+        # static shapes: a compiled step on prepared masks, once the first (eager) forward allocated the buffers
+        if step and self.static and self.layout.prepared and self.cache.layers and visibility is None:
+            logits, features = self._static_forward(model, input_ids, position_ids, start, end, logits_to_keep, extra)
+        else:
+            packing = self._packing(input_mask, real_lengths, num_real, block, logits_to_keep, first_row, split)
+            if split is not None and packing is None and num_real != input_ids.numel():  # (no filler: read whole)
+                raise ValueError("a split block is read packed: real_lengths and num_real, on a cache that packs")
+            attention_mask = self._attention_mask(position_ids, start, end, model.dtype, input_mask is None,
+                                                  input_mask is None and real_lengths is None, visibility)
+            # (compiled, on the shapes as they come, for models that take the 2D mask; never the first forward)
+            run = self._step_forward if step and self._step_forward is not None and self.cache.layers else model
+            logits, features = self._eager_forward(run, input_ids, attention_mask, position_ids, packing,
+                                                   logits_to_keep, discard_logits, split, extra)
+        self.pointer, self.next_positions, self.longest_bound = end, next_positions, self.longest_bound + block
+        logits = None if discard_logits else logits
+        return logits if hidden_states is None else (logits, features)
+
+    def _check_block(self, model: torch.nn.Module, block: int, visibility: torch.Tensor | None,
+                     split: BlockSplit | None, logits_to_keep: int) -> None:
+        """Refuse a forward :meth:`forward` cannot run as asked (its arguments)."""
         if visibility is not None:
             check_tree_layout(self.layout, model)
             if visibility.shape[-1] > block and self.pointer + block > self.capacity:  # repacking would move them
                 raise RuntimeError("a forward that sees slots written before it must fit the buffers: "
                                    "SlotCache.reserve before the first of them")
-        self._make_room(block)
-        start, end = self.pointer, self.pointer + block
-        position_ids, new_tokens = self._mark_slots(start, end, input_mask, real_lengths, position_ids)
-        # (worked out before the forward: operations right after a forward run on cold caches)
-        next_positions = self.next_positions + new_tokens
-        if step and self.static and self.layout.prepared and self.cache.layers and visibility is None:
-            # static shapes: a compiled step on a model that takes prepared masks, once the buffers exist (the first
-            # forward allocates them, eagerly)
-            with grouped_attention(model):
-                logits = self._static_forward(input_ids, position_ids, start, end, model.dtype, logits_to_keep)
-            self.tokens_read = batch_bucket(input_ids.shape[0], self.batch_size) * block
-        else:
-            attention_mask = self._attention_mask(position_ids, start, end, model.dtype, real_prefix=input_mask is None,
-                                                  all_real=input_mask is None and real_lengths is None,
-                                                  visibility=visibility)
-            # (compiled, on the shapes as they come, for models that take the 2D mask; never the forward that allocates)
-            run = self._step_forward if step and self._step_forward is not None and self.cache.layers else model
-            packing = self._packing(input_mask, real_lengths, num_real, block, logits_to_keep, first_row, split)
-            if split is not None and packing is None and num_real != input_ids.numel():  # (no filler: read whole)
-                raise ValueError("a split block is read packed: give real_lengths and num_real, on a cache that packs")
-            if split is not None and logits_to_keep:
-                raise ValueError("a split block keeps the logits the split says")
-            if packing is not None:
-                logits = self._packed_run(run, model, input_ids, attention_mask, position_ids, packing,
-                                          logits_to_keep, discard_logits)
-                self.tokens_read = num_real
-            else:
-                logits = self._run(run, input_ids, attention_mask, position_ids, 1 if discard_logits else logits_to_keep)
-                self.tokens_read = input_ids.numel()
-                if split is not None and not discard_logits:  # every row is as long: later rows' last tokens last
-                    logits = _later_rows_last(logits[: split.rows, : split.width], logits[split.rows :, -1])
-            if discard_logits:
-                logits = None
-        self.pointer = end
-        self.next_positions = next_positions
-        self.longest_bound += block
-        return logits
+        if split is not None and logits_to_keep:
+            raise ValueError("a split block keeps the logits the split says")
+
+    @staticmethod
+    def _routed(model: torch.nn.Module):
+        """The loop's attention for ``model`` during a packed or grouped forward, where nobody routed it for longer
+        (:func:`~tetris_hf.packing.routed_attention`: the loop does, for a whole call, the models that read so)."""
+        return contextlib.nullcontext() if is_routed(model) else routed_attention(model)
 
     def _mark_slots(self, start: int, end: int, input_mask: torch.Tensor | None, real_lengths: torch.Tensor | None,
                     position_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | int]:
@@ -409,15 +399,27 @@ class SlotCache:
         return position_masks(layout, self.slot_positions[:, :end], real[:, :end], position_ids, dtype)
 
     def _run(self, forward, input_ids: torch.Tensor, attention_mask, position_ids: torch.Tensor,
-             logits_to_keep: int | torch.Tensor) -> torch.Tensor:
-        """``forward`` (the model's, or a compiled one) on the block, writing into this cache: its logits."""
-        kwargs = {"logits_to_keep": logits_to_keep} if torch.is_tensor(logits_to_keep) or logits_to_keep else {}
+             logits_to_keep: int | torch.Tensor, extra: dict):
+        """``forward`` (the model's, or a compiled one) on the block, writing into this cache: its outputs.
+        ``extra``: more arguments of the forward (hidden states asked for; the attention's, which transformers hands
+        to every attention layer)."""
+        if torch.is_tensor(logits_to_keep) or logits_to_keep:
+            extra = {**extra, "logits_to_keep": logits_to_keep}
         past_key_values = self.cache
         if self.cross is not None:  # an encoder-decoder's decoder: its cross-attention beside the slots
             past_key_values, memory = self.cross.inputs(self.cache)
-            kwargs.update(memory)
+            extra = {**extra, **memory}
         return forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       past_key_values=past_key_values, use_cache=True, **kwargs).logits
+                       past_key_values=past_key_values, use_cache=True, **extra)
+
+    @staticmethod
+    def _features(outputs, extra: dict) -> torch.Tensor | None:
+        """``(B, L, F)`` the hidden states ``extra`` asked for, concatenated in its order (``None``: none asked)."""
+        layers = extra.get("output_hidden_states")
+        if layers is None:
+            return None
+        parts = [outputs.hidden_states[index] for index in layers]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
     @property
     def packs(self) -> bool:
@@ -440,14 +442,32 @@ class SlotCache:
             return Packing.of(real_lengths, num_real, width, first_row=first_row, split=split)
         return Packing.of_left_padded(input_mask, num_real)
 
-    def _packed_run(self, forward, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask,
-                    position_ids: torch.Tensor, packing: Packing, logits_to_keep: int,
-                    discard_logits: bool = False) -> torch.Tensor | None:
+    def _eager_forward(self, forward, input_ids: torch.Tensor, attention_mask, position_ids: torch.Tensor,
+                       packing: Packing | None, logits_to_keep: int, discard_logits: bool, split: BlockSplit | None,
+                       extra: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``forward`` on the shapes as they come: padded, or (``packing``) packed (:meth:`_packed_run`); its logits
+        (arranged as :meth:`forward` says) and the features ``extra`` asked for."""
+        if packing is not None:
+            logits, features = self._packed_run(forward, input_ids, attention_mask, position_ids, packing,
+                                                logits_to_keep, discard_logits, extra)
+            self.tokens_read = packing.num_tokens
+            return logits, features
+        outputs = self._run(forward, input_ids, attention_mask, position_ids, 1 if discard_logits else logits_to_keep,
+                            extra)
+        self.tokens_read = input_ids.numel()
+        logits = outputs.logits
+        if split is not None and not discard_logits:  # every row is as long: later rows' last tokens last
+            logits = _later_rows_last(logits[: split.rows, : split.width], logits[split.rows :, -1])
+        return logits, self._features(outputs, extra)
+
+    def _packed_run(self, forward, input_ids: torch.Tensor, attention_mask, position_ids: torch.Tensor,
+                    packing: Packing, logits_to_keep: int, discard_logits: bool,
+                    extra: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``forward`` on the block's real tokens only, ``(1, N)``: its logits unpacked to ``(B, L, V)``, or with
         ``logits_to_keep`` (1) those of each row's last real token, ``(B, 1, V)``, the head computed at those ``B``
         tokens only (transformers' ``logits_to_keep`` as a tensor of sequence indices); ``None`` with
         ``discard_logits`` (the head computes one position); with a :class:`~tetris_hf.packing.BlockSplit`, those of
-        its first rows only, ``(rows, width, V)``."""
+        its first rows only, ``(rows, width, V)``. The features ``extra`` asked for come unpacked, ``(B, L, F)``."""
         keep = 0  # every token's logits
         if discard_logits:
             keep = 1  # the head at one token, whichever
@@ -458,24 +478,29 @@ class SlotCache:
             keep = torch.cat([first_tokens, packing.ends[packing.split.rows :] - 1])
         self.packing = packing
         try:
-            with packed_attention(model, packing):
-                logits = self._run(forward, packing.pack(input_ids)[None], attention_mask,
-                                   packing.pack(position_ids)[None], keep)
+            with self._routed(forward):
+                outputs = self._run(forward, packing.pack(input_ids)[None], attention_mask,
+                                    packing.pack(position_ids)[None], keep, {**extra, "tetris_packing": packing})
         finally:
             self.packing = None
+        features = self._features(outputs, extra)
+        features = None if features is None else packing.unpack(features[0])
+        logits = outputs.logits
         if discard_logits:
-            return None
+            return None, features
         if logits_to_keep:
-            return logits[0][:, None]
+            return logits[0][:, None], features
         if packing.split is None:
-            return packing.unpack(logits[0])
+            return packing.unpack(logits[0]), features
         tokens = packing.split.tokens
-        return _later_rows_last(packing.first_rows().unpack(logits[0, :tokens]), logits[0, tokens:])
+        return _later_rows_last(packing.first_rows().unpack(logits[0, :tokens]), logits[0, tokens:]), features
 
-    def _static_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, start: int, end: int,
-                        dtype: torch.dtype, logits_to_keep: int) -> torch.Tensor:
+    def _static_forward(self, model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, start: int,
+                        end: int, logits_to_keep: int, extra: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:attr:`step_forward` on static shapes: the batch padded to :func:`~tetris_hf.static_shapes.batch_bucket`
-        rows, masks over the whole capacity, keys and values written at ``write_index`` (slots ``start..end - 1``).
+        rows, masks over the whole capacity, keys and values written at ``write_index`` (slots ``start..end - 1``);
+        on sdpa, each key-value head read in place by its query heads
+        (:func:`~tetris_hf.attention.grouped_sdpa_attention`).
 
         Dummy rows (after the real ones) see every slot of their buffer row (finite: written by real tokens, or
         zeros), so no query attends to nothing, where some sdpa kernels give NaN; their logits are dropped, and what
@@ -483,22 +508,27 @@ class SlotCache:
         count). Real rows always see some real token: their own, or one before it.
         """
         rows = input_ids.shape[0]
-        extra = batch_bucket(rows, self.batch_size) - rows
+        extra_rows = batch_bucket(rows, self.batch_size) - rows
         key_valid, key_positions = self.slot_mask, self.slot_positions
-        if extra:  # dummy rows: every slot real, at position 0, queried from position 0
-            pad = (0, 0, 0, extra)
+        if extra_rows:  # dummy rows: every slot real, at position 0, queried from position 0
+            pad = (0, 0, 0, extra_rows)
             input_ids = torch.nn.functional.pad(input_ids, pad)
             position_ids = torch.nn.functional.pad(position_ids, pad)
             key_valid = torch.nn.functional.pad(key_valid, pad, value=True)
             key_positions = torch.nn.functional.pad(key_positions, pad)
         input_ids, position_ids = standard_strides(input_ids), standard_strides(position_ids)
-        attention_mask = position_masks(self.layout, key_positions, key_valid, position_ids, dtype)
+        attention_mask = position_masks(self.layout, key_positions, key_valid, position_ids, model.dtype)
+        grouped = self.layout.implementation == "sdpa" and takes_attention_arguments(model)
         self.write_index = self.offsets[start:end]
         try:
-            logits = self._run(self._step_forward, input_ids, attention_mask, position_ids, logits_to_keep)
+            with self._routed(model) if grouped else contextlib.nullcontext():
+                outputs = self._run(self._step_forward, input_ids, attention_mask, position_ids, logits_to_keep,
+                                    {**extra, "tetris_grouped": True} if grouped else extra)
         finally:
             self.write_index = None
-        return logits[:rows] if extra else logits
+        self.tokens_read = (rows + extra_rows) * (end - start)
+        features = self._features(outputs, extra)
+        return outputs.logits[:rows], None if features is None else features[:rows]
 
     def _causal(self, block: int) -> torch.Tensor:
         """``(block, block)`` bool, True on and below the diagonal (kept, and grown, across forwards)."""

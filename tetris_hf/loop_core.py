@@ -11,6 +11,7 @@ core calls nothing above it: the rows that leave come back in the step's result,
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -27,7 +28,8 @@ from .logits import PositionwiseLogitsProcessor
 from .options import TetrisOptions
 from .packed_probe import packs_exactly
 from .static_shapes import block_width
-from .step import JoiningPrompts, StepRecord, run_step
+from .packing import routed_attention
+from .step import JoiningPrompts, JoiningRows, PromptChunk, StepRecord, run_step
 from .stopping import RowStopper
 from .strategies import make_strategy
 from .timing import StepClock
@@ -74,6 +76,17 @@ class LoopCore:
             num_rows, prompt_length = input_ids.shape
         self._build(model, assistant_model, logits_processor, stopping_criteria, generation_config, options, device,
                     num_rows, prompt_length, max_length, cache_length)
+        try:
+            self._start(model, options, device, input_ids, attention_mask, max_rows)
+        except BaseException:
+            self.close()  # (the models' attention back to their own)
+            raise
+        self.records: list[StepRecord] = []  # the steps since the user last took them (take_records)
+        self.clock = StepClock(device)
+
+    def _start(self, model: torch.nn.Module, options: TetrisOptions, device: torch.device,
+               input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, max_rows: int) -> None:
+        """The drafter on the prompts (or on no rows yet), the rows, and the target's compiled steps if asked."""
         if input_ids is None:
             self.target_slots.max_rows = max_rows
             empty = torch.zeros(0, 1, dtype=torch.long, device=device)
@@ -85,10 +98,6 @@ class LoopCore:
         if options.tetris_compile:
             check_compilable(model, "target")
             self.target_slots.step_forward = compiled_forward(model)
-            self.drafter.compile()
-        self.drafter.attach(model)  # hooks on the target, if it reads its forwards (an EAGLE head): the last setup
-        self.records: list[StepRecord] = []  # the steps since the user last took them (take_records)
-        self.clock = StepClock(device)
 
     def _build(self, model: torch.nn.Module, assistant_model: torch.nn.Module | None,
                logits_processor: LogitsProcessorList, stopping_criteria: StoppingCriteriaList, generation_config,
@@ -122,11 +131,18 @@ class LoopCore:
 
         self.drafter, draft_model = build_drafter(assistant_model, options, self.logits_processor, self.do_sample,
                                                   cache_capacity)
+
         # verify blocks packed: the target computes only the selected tokens (priced so by the cost-aware strategies)
         pack = options.tetris_pack and not options.tetris_compile and packs_exactly(model)
         self.strategy = make_strategy(options, model, draft_model, sampling=self.do_sample, packed=pack)
         self.target_slots = SlotCache(num_rows, device, options.tetris_max_holes, capacity=cache_capacity(model))
         self.target_slots.pack = pack
+        # the models that read packed (the probe passed them: their attention goes through the interface) run the
+        # loop's attention for the call (closed by close); others keep theirs untouched, as some families branch on
+        # the setting's name (a compiled step routes its own forwards)
+        routed = [part for part, packs in ((model, pack), (draft_model, self.drafter.pack)) if packs]
+        self._routing = contextlib.ExitStack()
+        self._routing.enter_context(routed_attention(*routed))
         self.context = StepContext(model, self.target_slots, self.drafter, self.logits_processor, self.stopper,
                                    self.do_sample, options.tetris_compile, self.pad_value,
                                    options.tetris_step_callback is not None)
@@ -141,11 +157,12 @@ class LoopCore:
         batch = self.batch
         room = max(self.max_length - batch.shortest - 1, 0)  # no row may verify more than this
         step = run_step(self.strategy, self.phases(joining), batch.num_rows, min(room, self.max_draft), self.clock)
-        stopped, joining_tokens = step.emission.stopped, None
+        stopped, joining_tokens, drafter_read = step.emission.stopped, None, step.drafter_read
         if joining is not None:
             joining_tokens = step.block.joining_tokens
-            stopped = torch.cat([stopped, self._join(joining, joining_tokens)])
-        return self.end_step(step.record, stopped, joining_tokens)
+            joined, drafter_read = self._join(joining, joining_tokens, step.block.features)
+            stopped = torch.cat([stopped, joined])
+        return self.end_step(step.record, stopped, joining_tokens, drafter_read)
 
     def phases(self, joining: JoiningPrompts | None = None) -> ChainStep | TreeStep:
         """A step's phases: every row drafts a chain (the forward reading ``joining``'s prompts too), or a tree."""
@@ -153,23 +170,26 @@ class LoopCore:
             return ChainStep(self.context, self.batch, joining)
         return TreeStep(self.context, self.batch, self.tree_width)
 
-    def end_step(self, record: StepRecord, stopped: torch.Tensor,
-                 joining_tokens: torch.Tensor | None = None) -> LoopStep:
+    def end_step(self, record: StepRecord, stopped: torch.Tensor, joining_tokens: torch.Tensor | None = None,
+                 drafter_read: torch.Tensor | None = None) -> LoopStep:
         """Keep the step's ``record`` and retire the rows that ``stopped`` ``(B,)`` (counted with a read the step
-        makes anyway, or known on the host). A step a user ran itself (``generate()``'s prompt read) ends here too."""
+        makes anyway, or known on the host); ``drafter_read``, what the drafter asked to read, comes along with that
+        read (:meth:`~tetris_hf.candidate_generators.drafter.Drafter.settle`). A step a user ran itself
+        (``generate()``'s prompt read) ends here too."""
         self.records.append(record)
-        batch = self.batch
+        batch, read = self.batch, None
         if batch.shortest >= self.max_length:
             num_stopped = batch.num_rows  # every row is at the length limit
         elif self.stopper.only_length and batch.row_limits is None and batch.longest < self.max_length:
             num_stopped = 0  # no row can have stopped: no need to ask the device
-        elif (pending_width := self.drafter.pending_width()) is None:  # nothing for the drafter to trim
+        elif drafter_read is None:
             num_stopped = int(stopped.sum())
-        else:  # a read the step makes anyway: how wide the draft's next block must be comes along
-            num_stopped, width = torch.stack([stopped.sum(), pending_width]).tolist()
-            self.drafter.trim_pending(width)
-        retired = self.retire(stopped, num_stopped) if num_stopped else None
-        return LoopStep(record, retired, joining_tokens)
+        else:  # a read the step makes anyway: what the drafter asked for comes along
+            num_stopped, read = torch.stack([stopped.sum(), drafter_read]).tolist()
+        if num_stopped:
+            return LoopStep(record, self.retire(stopped, num_stopped, read), joining_tokens)
+        self.drafter.settle(read)
+        return LoopStep(record, None, joining_tokens)
 
     def take_records(self) -> list[StepRecord]:
         """The step records kept since the last call, which the core then forgets (a stream folds them)."""
@@ -178,13 +198,13 @@ class LoopCore:
 
     # -- rows --------------------------------------------------------------------------------------------------------
 
-    def retire(self, stopped: torch.Tensor, num_stopped: int) -> Retired:
+    def retire(self, stopped: torch.Tensor, num_stopped: int, drafter_read: int | None = None) -> Retired:
         """Move the ``num_stopped`` rows that ``stopped`` ``(B,)`` marks out of the batch, both caches' rows moving as
-        the batch's (:meth:`~tetris_hf.batch.Batch.retire`); returns them (for the user to keep)."""
+        the batch's (:meth:`~tetris_hf.batch.Batch.retire`; the drafter settles ``drafter_read`` first); returns them
+        (for the user to keep)."""
         retired, moves = self.batch.retire(stopped, num_stopped)
-        self.drafter.remember(retired.rows, retired.sequences, retired.lengths)  # (a suffix cache keeps them)
         self.target_slots.fill_rows(*moves)
-        self.drafter.fill_rows(*moves)
+        self.drafter.settle(drafter_read, retired, moves)  # (a suffix cache keeps the retired rows)
         return retired
 
     def remove(self, rows: list[int]) -> Retired | None:
@@ -220,7 +240,7 @@ class LoopCore:
         last_tokens = sequences.gather(1, torch.tensor(lengths, device=device)[:, None] - 1)[:, 0]
         self.batch.add(torch.tensor(rows, device=device), sequences, lengths, last_tokens, limits, eos_token_ids)
         self.target_slots.add_rows(len(prompts))
-        self.drafter.add_rows(last_tokens, lengths)
+        self.drafter.join(JoiningRows(last_tokens, lengths))
         self._read_prompts(old_rows, prompts, chunk)
 
     def _read_prompts(self, old_rows: int, prompts: list[list[int]], chunk: int) -> None:
@@ -240,35 +260,37 @@ class LoopCore:
             block, successors = block.to(device), successors.to(device)
             real_lengths = torch.tensor([0] * old_rows + sizes, device=device)
             num_real = sum(sizes)
-            self.target_slots.forward(self.model, block, None, real_lengths=real_lengths, num_real=num_real,
-                                      discard_logits=True, first_row=old_rows)
+            _, features = self.target_slots.forward(self.model, block, None, real_lengths=real_lengths,
+                                                    num_real=num_real, discard_logits=True, first_row=old_rows,
+                                                    hidden_states=self.context.feature_layers or ())
             # no row holds more real tokens than the longest row's length (a row's last token is never cached)
             self.target_slots.compact(batch.longest)
-            self.drafter.read_prompts(block, real_lengths, num_real, batch.longest, successors, old_rows)
+            self.drafter.join(chunk=PromptChunk(block, real_lengths, num_real, batch.longest, successors, old_rows,
+                                                features))
 
-    def _join(self, joining: JoiningPrompts, first_tokens: torch.Tensor) -> torch.Tensor:
-        """The rows of ``joining``, whose prompts the step's target forward just read, join with their first tokens
-        ``first_tokens`` ``(M,)``: the drafter reads the prompts too. Returns ``(M,)`` which of them stopped at that
-        token."""
+    def _join(self, joining: JoiningPrompts, first_tokens: torch.Tensor,
+              features: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The rows of ``joining``, whose prompts the step's target forward just read (its hidden states for the
+        drafter: ``features``), join with their first tokens ``first_tokens`` ``(M,)``: the drafter reads the prompts
+        too. Returns ``(M,)`` which of them stopped at that token, and what the drafter now asks the loop to read."""
         batch = self.batch
         old_rows, rows = batch.num_rows, joining.sequences
         lengths = [length + 1 for length in joining.prompt_lengths]  # each prompt and its first token
         batch.add(joining.lanes, rows, lengths, first_tokens, list(joining.limits), list(joining.eos_token_ids))
         stopped = ((batch.row_eos[old_rows:] == first_tokens[:, None]).any(dim=1)
                    | (batch.lengths[old_rows:] >= batch.row_limits[old_rows:]))
-        self.drafter.add_rows(first_tokens, lengths)
         # the block as the target read it (the decoding rows' part empty), and each token's successor in its row (an
         # EAGLE head's pairs): the prompt's next token, the first token after the last
         successors = rows[:, 1 : joining.width + 1]
         old = joining.tokens.new_full((old_rows, joining.width), self.pad_value)
         real_lengths = torch.cat([joining.lengths.new_zeros(old_rows), joining.lengths])
-        self.drafter.read_prompts(torch.cat([old, joining.tokens]), real_lengths, joining.num_tokens, batch.longest,
-                                  torch.cat([old, successors]), old_rows)
-        return stopped
+        chunk = PromptChunk(torch.cat([old, joining.tokens]), real_lengths, joining.num_tokens, batch.longest,
+                            torch.cat([old, successors]), old_rows, features)
+        return stopped, self.drafter.join(JoiningRows(first_tokens, lengths), chunk)
 
     def close(self) -> None:
-        """Remove what the drafter put on the target (the loop is over)."""
-        self.drafter.detach()
+        """The models' attention back to their own (the loop is over)."""
+        self._routing.close()
 
 
 class HoldsCore:

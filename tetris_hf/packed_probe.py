@@ -35,24 +35,6 @@ def packs_exactly(model: torch.nn.Module) -> bool:
     return answer
 
 
-class _TokenFeatures:
-    """An EAGLE head (:mod:`~tetris_hf.candidate_generators.eagle`) called through its ``forward`` with the target's
-    features made from its tokens, a fixed random row per token id, so that a packed and a padded read of one block
-    see the same features; attributes as the head's."""
-
-    def __init__(self, head: torch.nn.Module):
-        self._head = head
-        num_ids = 1 + max(max(row) for row in PROMPT + BLOCK)
-        generator = torch.Generator().manual_seed(0)
-        self._table = torch.randn(num_ids, head.feature_size, generator=generator).to(head.device, head.dtype)
-
-    def __call__(self, **kwargs):
-        return self._head.forward(**kwargs, target_features=self._table[kwargs["input_ids"]])
-
-    def __getattr__(self, name: str):
-        return getattr(self._head, name)
-
-
 class _Unhooked:
     """``model`` called through its ``forward`` (accelerate's placement wrapper included), so that hooks the user put on
     the model itself do not see the probe; attributes as the model's."""
@@ -72,9 +54,10 @@ def _probe(model: torch.nn.Module) -> bool:
     device = model.get_input_embeddings().weight.device
     prompt, block = torch.tensor(PROMPT, device=device), torch.tensor(BLOCK, device=device)
     real_lengths = torch.tensor(REAL_LENGTHS, device=device)
-    from .candidate_generators.eagle import is_eagle_head  # (here: the drafters' package imports this module)
-
-    forward = _TokenFeatures(model) if is_eagle_head(model) else _Unhooked(model)
+    # an EAGLE head reads features too: it is called with features made from its tokens (the same in both reads)
+    probe_forward = getattr(model, "probe_forward", None)
+    num_ids = 1 + max(max(row) for row in PROMPT + BLOCK)
+    forward = probe_forward(num_ids) if callable(probe_forward) else _Unhooked(model)
     logits = []
     for pack in (False, True):
         cache = SlotCache(2, device, capacity=8)

@@ -5,10 +5,15 @@ A verified block is ``(B, L)``: row ``i`` holds its last token and the drafts se
 tokens, then filler up to the longest row's. Padded, the target computes all ``B x L`` positions; packed, it reads the
 ``N = sum(real_lengths)`` real tokens as a ``(1, N)`` sequence, with each token's own position (so RoPE is right), so
 every linear layer and the head compute ``N`` tokens only. The cache writes each token's keys and values in its row,
-at its slot (:class:`~tetris_hf.kv.SlotLayer`), and attention (:func:`packed_attention_forward`, registered in
-transformers' ``AttentionInterface``) unpacks the queries to their rows, attends with the row-layout mask the padded
-forward would use (a token sees its row's cache and the earlier tokens of its own block), and packs the output again.
-Attention is the small part of a step; the padding it still computes on is what the mask hides anyway.
+at its slot (:class:`~tetris_hf.kv.SlotLayer`), and attention (:func:`packed_attention`) unpacks the queries to their
+rows, attends with the row-layout mask the padded forward would use (a token sees its row's cache and the earlier tokens
+of its own block), and packs the output again. Attention is the small part of a step; the padding it still computes on
+is what the mask hides anyway.
+
+The packing travels as an argument of the forward (``tetris_packing=``), which transformers hands down to every
+attention layer; the layers run :func:`loop_attention_forward`, registered once in transformers'
+``AttentionInterface`` under a name of this module's copy, on models the loop routes there for its call
+(:func:`routed_attention`). Nothing is stored on the model's forwards or on the transformers module.
 
 E.g. real lengths ``[3, 1, 2]`` (``L = 3``): the model reads ``[a0 a1 a2 b0 c0 c1]``; ``rows = [0 0 0 1 2 2]``,
 ``columns = [0 1 2 0 0 1]``. A left-padded block (a draft's catch-up or pending tokens,
@@ -22,17 +27,14 @@ once, on a probe, against the padded forward.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import sys
 from collections.abc import Iterator
-from functools import cache
+from functools import cache, partial
 from typing import NamedTuple
 
 import torch
 
-# The attention a packed forward runs (see packed_attention), registered under a name of this copy of the module: a
-# process may hold more (the Hub folder's, another checkout's), each with its own packing state.
-PACKED = f"tetris_packed_{__name__}"
+from .attention import MASK_IMPLEMENTATIONS, grouped_sdpa_attention, routed_implementation
 
 
 class BlockSplit(NamedTuple):
@@ -122,46 +124,29 @@ class Packing(NamedTuple):
                        self.ends[: split.rows])
 
 
-class PackedCall(NamedTuple):
-    """A packed forward running: its packing, and the attention implementation the model was on."""
+def loop_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask, *, base: str, tetris_packing: Packing | None = None,
+                           tetris_grouped: bool = False, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The attention a routed model runs (:func:`routed_attention`): its own (``base``: transformers' sdpa, or its
+    family's eager attention) unless the forward's arguments ask otherwise. They reach every attention layer as
+    transformers passes a forward's keyword arguments down:
 
-    packing: Packing
-    implementation: str
-
-
-def _shared_variable() -> contextvars.ContextVar:
-    """The process's one "packed forward running" variable, kept on the transformers module: a process may hold
-    several copies of this module (the package, the Hub folder transformers copies, a Space's own copy), and a part
-    from one copy (an EAGLE head, its feature tap) must see the packing of a forward another copy runs."""
-    import transformers
-
-    variable = getattr(transformers, "_tetris_hf_packing", None)
-    if variable is None:
-        variable = contextvars.ContextVar("tetris_packing", default=None)
-        transformers._tetris_hf_packing = variable
-    return variable
+    - ``tetris_packing``: the forward reads a packed block (:func:`packed_attention`);
+    - ``tetris_grouped``: a static step's forward on sdpa: :func:`~tetris_hf.attention.grouped_sdpa_attention`.
+    """
+    attention = row_attention(module, base)
+    if tetris_packing is not None:
+        return packed_attention(attention, module, query, key, value, attention_mask, tetris_packing, **kwargs)
+    if tetris_grouped and base == "sdpa":
+        return grouped_sdpa_attention(module, query, key, value, attention_mask, **kwargs)
+    return attention(module, query, key, value, attention_mask, **kwargs)
 
 
-_current: contextvars.ContextVar[PackedCall | None] = _shared_variable()
-
-
-def current_packing() -> Packing | None:
-    """The packing of the forward running now in this thread (``None``: none is packed)."""
-    call = _current.get()
-    return None if call is None else call.packing
-
-
-def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                             attention_mask, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The model's own attention (sdpa, or its family's eager attention) for a packed forward: ``query``
-    ``(1, H, N, D)`` is unpacked to its rows ``(B, H, L, D)``, attends to ``key``/``value`` ``(B, H_kv, S, D)`` (each
-    row's cache, the block written in it) under the row-layout ``attention_mask`` ``(B, 1, L, S)``, and the output is
-    packed again: ``(1, N, H, D)``."""
-    call = _current.get()
-    attention = row_attention(module, "sdpa" if call is None else call.implementation)
-    if call is None:  # not a packed forward
-        return attention(module, query, key, value, attention_mask, **kwargs)
-    packing = call.packing
+def packed_attention(attention, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask, packing: Packing, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``attention`` (the model's own) for a packed forward: ``query`` ``(1, H, N, D)`` is unpacked to its rows
+    ``(B, H, L, D)``, attends to ``key``/``value`` ``(B, H_kv, S, D)`` (each row's cache, the block written in it)
+    under the row-layout ``attention_mask`` ``(B, 1, L, S)``, and the output is packed again: ``(1, N, H, D)``."""
     outputs, weights = [], None
     # each group of rows at its own width (rows before first_row have no query: they attend to nothing, left out)
     for first, end, width, first_token, end_token in packing.groups():
@@ -191,26 +176,39 @@ def row_attention(module: torch.nn.Module, implementation: str):
 
 
 @cache
-def _register_packed() -> None:
-    """Register :func:`packed_attention_forward` (and sdpa's masks) under :data:`PACKED`, once."""
+def _register(base: str) -> str:
+    """Register :func:`loop_attention_forward` for models on ``base`` (and ``base``'s masks), once; its name."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-    AttentionInterface.register(PACKED, packed_attention_forward)
-    AttentionMaskInterface.register(PACKED, sdpa_mask)
+    name = routed_implementation(base, __name__)
+    AttentionInterface.register(name, partial(loop_attention_forward, base=base))
+    AttentionMaskInterface.register(name, sdpa_mask if base == "sdpa" else eager_mask)
+    return name
 
 
 @contextlib.contextmanager
-def packed_attention(model: torch.nn.Module, packing: Packing) -> Iterator[None]:
-    """While a packed forward of ``model`` (on ``"sdpa"`` or ``"eager"`` attention) runs: its attention is
-    :func:`packed_attention_forward` with ``packing``; the setting is restored after."""
-    _register_packed()
-    config = model.config.get_text_config(decoder=True)
-    implementation = config._attn_implementation
-    config._attn_implementation = PACKED
-    token = _current.set(PackedCall(packing, implementation))
+def routed_attention(*models: torch.nn.Module) -> Iterator[None]:
+    """While it is open, ``models`` on ``"sdpa"`` or ``"eager"`` attention run :func:`loop_attention_forward`, which
+    is their own attention but where a forward's arguments ask for a packed or grouped read (their settings are
+    restored after; a model already routed, or on another implementation, stays as it is). The loop opens it once
+    for a call (:class:`~tetris_hf.loop_core.LoopCore`); a cache's forward opens it for its model where nobody
+    did."""
+    changed = []
+    for model in models:
+        config = model.config.get_text_config(decoder=True)
+        base = config._attn_implementation
+        if base in MASK_IMPLEMENTATIONS:
+            config._attn_implementation = _register(base)
+            changed.append((config, base))
     try:
         yield
     finally:
-        _current.reset(token)
-        config._attn_implementation = implementation
+        for config, base in reversed(changed):
+            config._attn_implementation = base
+
+
+def is_routed(model: torch.nn.Module) -> bool:
+    """Whether ``model`` runs this module's :func:`loop_attention_forward` now (:func:`routed_attention`)."""
+    implementation = model.config.get_text_config(decoder=True)._attn_implementation or ""
+    return implementation.endswith(f":{__name__}")

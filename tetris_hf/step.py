@@ -40,6 +40,8 @@ class Proposal(NamedTuple):
     ``lengths``: ``(B,)`` cells each row really drafted (``None``: all ``K``); cells past it are filler.
     ``lookup_rows``: ``(B,)`` bool, rows whose cells prompt lookup drafted (prompt lookup: every row; hybrid
     drafting: the rows that matched); ``None``: no row (a draft model alone).
+    ``cached_lengths``: ``(B,)`` the tokens the drafter's cache holds per row after drafting, which the loop reads with
+    the step's one read and hands back in the verdict's hints (``None``: it keeps no cache).
     """
 
     tokens: torch.Tensor
@@ -47,6 +49,7 @@ class Proposal(NamedTuple):
     probs: torch.Tensor | None
     lengths: torch.Tensor | None = None
     lookup_rows: torch.Tensor | None = None
+    cached_lengths: torch.Tensor | None = None
 
 
 class StepTree(NamedTuple):
@@ -72,8 +75,8 @@ class ReadHints(NamedTuple):
     """Host numbers the step's one device read gave, which spare a drafter reads of its own (``None``: unknown).
 
     ``max_accepted``: no row accepted more drafts (the longest verified block, or the deepest path that could be
-    accepted). ``cached_longest``: the most real tokens any row held in the drafter's cache when the loop read its
-    :meth:`~tetris_hf.candidate_generators.drafter.Drafter.live_lengths` this step.
+    accepted). ``cached_longest``: the most real tokens any row held in the drafter's cache when the loop read the
+    proposal's ``cached_lengths`` this step.
     """
 
     max_accepted: int | None = None
@@ -83,14 +86,41 @@ class ReadHints(NamedTuple):
 class Verdict(NamedTuple):
     """What the target decided about a proposal, per active row (``(B,)``): drafts accepted, the target's token after
     them, and cells verified. ``tree``: the tree step's trees and accepted paths (``None`` for a chain). ``hints``:
-    host bounds from the step's read (none by default). What the drafter rolls back by
-    (:meth:`~tetris_hf.candidate_generators.drafter.Drafter.accept`)."""
+    host bounds from the step's read (none by default). ``features``: ``(B, W, F)`` the target's hidden states the
+    drafter asked for (its ``feature_layers``) at every position of the block the target's forward read (``None``:
+    none asked). What the drafter rolls back by (:meth:`~tetris_hf.candidate_generators.drafter.Drafter.accept`)."""
 
     num_accepted: torch.Tensor
     next_tokens: torch.Tensor
     verify_lengths: torch.Tensor
     tree: StepTree | None = None
     hints: ReadHints = ReadHints()
+    features: torch.Tensor | None = None
+
+
+class JoiningRows(NamedTuple):
+    """Rows that join after the active ones (a request stream's): ``last_tokens`` ``(M,)`` the last token of each
+    one's prompt (or its first generated token, when its prompt rode in a step), which opens its first proposal, and
+    ``prompt_lengths`` (host ints) the tokens each row holds then. Their prompts follow in :class:`PromptChunk`."""
+
+    last_tokens: torch.Tensor
+    prompt_lengths: list[int]
+
+
+class PromptChunk(NamedTuple):
+    """A chunk of joining rows' prompts the target just read: ``tokens`` ``(B, L)``, row ``i``'s first
+    ``real_lengths[i]`` real (0 for rows not joining), ``num_real`` their sum; ``longest`` bounds any row's tokens;
+    ``next_tokens`` ``(B, L)`` each real token's successor in its row (what an EAGLE head pairs with the target's
+    feature there); ``first_row``: no row before it has a real token; ``features`` ``(B, L', F)``, ``L' >= L``, the
+    target's hidden states over the block its forward read (the drafter's ``feature_layers``; ``None``: none asked)."""
+
+    tokens: torch.Tensor
+    real_lengths: torch.Tensor
+    num_real: int
+    longest: int
+    next_tokens: torch.Tensor
+    first_row: int = 0
+    features: torch.Tensor | None = None
 
 
 class JoiningPrompts(NamedTuple):
@@ -131,13 +161,15 @@ class TargetBlock(NamedTuple):
     bound on the real slots any row holds after it (``None``: the step read nothing, the block holds no drafts), and
     the tokens the target's forward computed (packed: the real ones; padded: every row to the width).
     ``joining_tokens``: ``(M,)`` the first tokens of the rows whose prompts the forward read after the block
-    (:class:`JoiningPrompts`; ``None``: none)."""
+    (:class:`JoiningPrompts`; ``None``: none). ``features``: ``(B + M, W, F)`` the hidden states the forward returned
+    for the drafter, joining rows' included (``None``: none asked)."""
 
     first_slot: int
     width: int
     longest: int | None
     computed: int
     joining_tokens: torch.Tensor | None = None
+    features: torch.Tensor | None = None
 
 
 class Emission(NamedTuple):
@@ -197,7 +229,8 @@ class StepRecord:
 
 
 class Step(NamedTuple):
-    """Everything one step produced: the plan, ``K`` drafted, each phase's product and the step's record."""
+    """Everything one step produced: the plan, ``K`` drafted, each phase's product and the step's record;
+    ``drafter_read``: what the drafter asked the loop to read at the step's end (its ``accept``'s answer)."""
 
     plan: DraftPlan
     num_drafted: int
@@ -207,6 +240,7 @@ class Step(NamedTuple):
     emission: Emission
     record: StepRecord
     block: TargetBlock | None = None
+    drafter_read: torch.Tensor | None = None
 
 
 class StepPhases:
@@ -239,8 +273,8 @@ class StepPhases:
         """The target's forward over the selected cells and acceptance: the verdict, and where the block went."""
         raise NotImplementedError
 
-    def roll_back(self, proposal, verdict: Verdict, block: TargetBlock | None) -> None:
-        """Both caches drop what was rejected."""
+    def roll_back(self, proposal, verdict: Verdict, block: TargetBlock | None) -> torch.Tensor | None:
+        """Both caches drop what was rejected; returns what the drafter asks the loop to read at the step's end."""
 
     def emit(self, verdict: Verdict) -> Emission:
         """The accepted tokens and the target's token join the rows; stopping criteria apply."""
@@ -281,7 +315,7 @@ def run_step(strategy: StepStrategy, phases: StepPhases, num_rows: int, max_draf
         num_drafted = proposal.tokens.shape[1]
     selection = phases.select(strategy, proposal, plan)
     verdict, block = phases.verify(proposal, selection)
-    phases.roll_back(proposal, verdict, block)
+    drafter_read = phases.roll_back(proposal, verdict, block)
     clock.mark(Mark.VERIFY_END)
     emission = phases.emit(verdict)
     clock.mark(Mark.END)
@@ -293,4 +327,4 @@ def run_step(strategy: StepStrategy, phases: StepPhases, num_rows: int, max_draf
     record = StepRecord(phases.rows, num_drafted, plan.budget, observed.log_probs, verdict.verify_lengths,
                         verdict.num_accepted, emission.emitted, seconds or NO_SECONDS, observed.drafted, verdict.tree,
                         0 if block is None else block.computed, lookup_rows)
-    return Step(plan, num_drafted, proposal, selection, verdict, emission, record, block)
+    return Step(plan, num_drafted, proposal, selection, verdict, emission, record, block, drafter_read)

@@ -25,7 +25,7 @@ class DraftPlan(NamedTuple):
     is expected to pay. ``needs_confidences``: this step's :meth:`StepStrategy.select` or :meth:`StepStrategy.observe`
     reads the draft's confidences (else the loop may skip computing them, a softmax per draft token, and pass
     ``None``). ``lookup_only``: hybrid drafting, prompt lookup alone drafts (the model runs no forward; rows without a
-    match draft nothing, see :meth:`~tetris_hf.candidate_generators.hybrid.HybridCandidateGenerator.propose_lookup`).
+    match draft nothing, see a hybrid drafter's ``propose(..., lookup_only=True)``).
     """
 
     num_draft_tokens: int

@@ -180,7 +180,7 @@ class StreamLoop(HoldsCore):
         return batch.tokens_of(torch.isin(batch.rows, torch.tensor(lanes, device=batch.rows.device)))
 
     def close(self) -> None:
-        """Remove what the drafter put on the target (the stream is over)."""
+        """The models' attention back to their own (the stream is over)."""
         self.core.close()
 
 
@@ -446,7 +446,7 @@ class RequestStream:
         self._fail_in_flight(reason)
 
     def close(self) -> None:
-        """Remove what the drafter put on the target; the stream can start again (with a new loop)."""
+        """End the loop (the models' attention back to their own); the stream can start again (with a new loop)."""
         loop, self.loop = self.loop, None
         if loop is not None:
             loop.close()

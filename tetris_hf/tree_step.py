@@ -67,7 +67,8 @@ class TreeStep(ChainStep):
 
     def draft(self, depth: int, confidences: bool, lookup_only: bool = False) -> GrownTree:  # (no hybrid trees)
         batch, self.depth = self.batch, depth
-        return self.context.drafter.propose_tree(batch.sequences, batch.lengths, depth, self.width, batch.rows)
+        return self.context.drafter.propose(batch.sequences, batch.lengths, depth, batch.rows, confidences,
+                                            tree_width=self.width)
 
     def select(self, strategy: StepStrategy, grown: GrownTree, plan: DraftPlan) -> TreeSelection:
         """The strategy's ``select_tree``; a target token always follows the accepted path, so rows near their limit
@@ -84,15 +85,16 @@ class TreeStep(ChainStep):
         context, batch = self.context, self.batch
         tree, selected, depth = selection.candidates, selection.nodes, selection.depth
         target, verified = context.target_slots, selected.sum(dim=1)
-        read = read_step(context, batch, verified)  # the widest selection sizes the block
+        read = read_step(context, batch, verified, grown.cached_lengths)  # the widest selection sizes the block
         block = tree_block(selected, tree.parents, tree.depths, tree.tokens, batch.last_tokens, read.block_length,
                            context.pad_value)
         slots = block.tokens.shape[1]
         visibility = block.ancestor_mask.clone()
         visibility[:, :, 0] = True  # filler sees the root too (a query that sees nothing gives NaN in some kernels)
-        logits = target.forward(context.model, block.tokens, None, step=True, real_lengths=block.lengths,
-                                position_ids=target.next_positions[:, None] + block.position_offsets,
-                                visibility=visibility, num_real=read.num_verified + batch.num_rows)
+        logits, features = target.forward(context.model, block.tokens, None, step=True, real_lengths=block.lengths,
+                                          position_ids=target.next_positions[:, None] + block.position_offsets,
+                                          visibility=visibility, num_real=read.num_verified + batch.num_rows,
+                                          hidden_states=context.feature_layers or ())
         max_depth = min(depth, read.block_length)  # a host bound on the accepted path
         paths = None if context.logits_processor.prefix_free else \
             path_tokens(block.tokens, block.parents, block.position_offsets, max_depth)
@@ -110,15 +112,15 @@ class TreeStep(ChainStep):
         trees = StepTree(grown.tree, selected, batch.last_tokens, path_nodes, acceptance.num_accepted,
                          acceptance.next_tokens, path)
         verdict = Verdict(acceptance.num_accepted, acceptance.next_tokens, verified, trees,
-                          ReadHints(max_depth, read.drafter_longest))
+                          ReadHints(max_depth, read.drafter_longest), features)
         return verdict, TargetBlock(target.length - slots, slots, read.target_longest + slots, target.tokens_read)
 
-    def roll_back(self, grown: GrownTree, verdict: Verdict, block: TargetBlock) -> None:
+    def roll_back(self, grown: GrownTree, verdict: Verdict, block: TargetBlock) -> torch.Tensor | None:
         """Each cache keeps the root and the accepted path where they are (holes elsewhere)."""
         target = self.context.target_slots
         target.keep_slots(block.first_slot, kept_slots(verdict.tree.path_slots, block.width))
         target.compact(block.longest)
-        self.context.drafter.accept(verdict)
+        return self.context.drafter.accept(verdict)
 
     def emit(self, verdict: Verdict) -> Emission:
         """The accepted path's tokens go after each row's end (columns past the path are scratch that the target's

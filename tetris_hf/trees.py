@@ -177,11 +177,13 @@ class GrownTree(NamedTuple):
     root's; then each depth's frontier in node order), what sampling verification needs as ``q``.
     ``expanded_of_node`` ``(N,)`` long, the same for every row: each node's position in ``expanded_log_probs``, -1 for
     a node never expanded (a leaf of the layout).
+    ``cached_lengths`` ``(B,)``: as a chain :class:`~tetris_hf.step.Proposal`'s, the drafter's cache fill per row.
     """
 
     tree: DraftTree
     expanded_log_probs: Tensor
     expanded_of_node: Tensor
+    cached_lengths: Tensor | None = None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -714,22 +716,9 @@ def accept_tree_sampling(block_tokens: Tensor, block_parents: Tensor, target_pro
     for level in range(max_depth + 1):
         target, proposal = target_probs[rows, current], draft_probs[rows, current]  # (B, V)
         children = block_parents == current[:, None]  # (B, S); the root and filler have parent -1
-        sibling_rank = children.long().cumsum(dim=1) - 1
-        moved = torch.zeros_like(done)
-        for rank in range(max_children if level < max_depth else 0):
-            here = children & (sibling_rank == rank)
-            trying = here.any(dim=1) & ~done & ~moved
-            child = here.long().argmax(dim=1)
-            token = block_tokens[rows, child]
-            p_x = target.gather(1, token[:, None]).squeeze(1)
-            q_x = proposal.gather(1, token[:, None]).squeeze(1)
-            uniform = torch.rand(batch_size, dtype=target.dtype, generator=generator, device=device)
-            accept = trying & (uniform * q_x < p_x)  # probability min(1, p/q) without dividing by q
-            reject = trying & ~accept
-            moved |= accept
-            current = torch.where(accept, child, current)
-            target = torch.where(reject[:, None], residual_distribution(target, proposal)[0], target)
-            proposal = torch.where(reject[:, None], _without(proposal, token), proposal)
+        ranks = max_children if level < max_depth else 0
+        current, target, moved = _try_children(block_tokens, children, current, target, proposal, done, ranks,
+                                               generator)
         stop = ~done & ~moved
         final = torch.where(stop[:, None], target, final)
         done |= stop
@@ -737,6 +726,33 @@ def accept_tree_sampling(block_tokens: Tensor, block_parents: Tensor, target_pro
             path[:, level] = torch.where(moved, current, -1)
             num_accepted += moved.long()
     return TreeAcceptance(path, num_accepted, sample_tokens(final, generator))
+
+
+def _try_children(block_tokens: Tensor, children: Tensor, current: Tensor, target: Tensor, proposal: Tensor,
+                  done: Tensor, ranks: int, generator: torch.Generator | None) -> tuple[Tensor, Tensor, Tensor]:
+    """One depth of :func:`accept_tree_sampling`: each row not ``done`` tries the verified ``children`` ``(B, S)`` of
+    its ``current`` node ``(B,)`` in slot order, up to ``ranks`` of them, with the laws ``target`` and ``proposal``
+    ``(B, V)`` at that node, each rejection leaving the residual and removing the child from ``q``. Returns the new
+    current nodes, the law the next token is drawn from where no child was accepted, and ``(B,)`` which rows moved."""
+    batch_size, device = block_tokens.shape[0], block_tokens.device
+    rows = torch.arange(batch_size, device=device)
+    sibling_rank = children.long().cumsum(dim=1) - 1
+    moved = torch.zeros_like(done)
+    for rank in range(ranks):
+        here = children & (sibling_rank == rank)
+        trying = here.any(dim=1) & ~done & ~moved
+        child = here.long().argmax(dim=1)
+        token = block_tokens[rows, child]
+        p_x = target.gather(1, token[:, None]).squeeze(1)
+        q_x = proposal.gather(1, token[:, None]).squeeze(1)
+        uniform = torch.rand(batch_size, dtype=target.dtype, generator=generator, device=device)
+        accept = trying & (uniform * q_x < p_x)  # probability min(1, p/q) without dividing by q
+        reject = trying & ~accept
+        moved |= accept
+        current = torch.where(accept, child, current)
+        target = torch.where(reject[:, None], residual_distribution(target, proposal)[0], target)
+        proposal = torch.where(reject[:, None], _without(proposal, token), proposal)
+    return current, target, moved
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from ..kv import SlotCache
 from ..logits import PositionwiseLogitsProcessor, sample_tokens, vocab_argmax
 from ..tree_logits import process_at_nodes
 from ..trees import DraftTree, GrownTree, ancestor_mask, grow_tree, path_tokens
-from .drafter import Drafter, Proposal, Verdict
+from .drafter import Drafter, JoiningRows, PromptChunk, Proposal, Retired, RowMoves, Verdict
 
 
 def pending_read(mask: torch.Tensor) -> torch.Tensor:
@@ -76,8 +76,8 @@ def real_tokens(mask: torch.Tensor, all_real: bool) -> int:
 
 class BatchedDraftCandidateGenerator(Drafter):
     """Proposes draft tokens for a batch whose rows advance independently: the batched counterpart of transformers'
-    ``AssistedCandidateGenerator`` (which serves one row), driven by the loop through :meth:`propose`,
-    :meth:`accept` and :meth:`fill_rows` (and by transformers' own assisted decoding through ``get_candidates``).
+    ``AssistedCandidateGenerator`` (which serves one row), driven by the loop through the
+    :class:`~.drafter.Drafter` methods (and by transformers' own assisted decoding through ``get_candidates``).
 
     Args:
         assistant_model: the draft model (same vocabulary as the target).
@@ -86,6 +86,8 @@ class BatchedDraftCandidateGenerator(Drafter):
         do_sample: sample drafts from ``q`` (True) or take its argmax (False).
         generator: optional ``torch.Generator`` for sampling.
         max_holes, capacity: see :class:`~tetris_hf.kv.SlotCache`.
+        compile: run the draft's fixed-shape step forwards through ``torch.compile`` (``tetris_compile``); refused
+            here for a model that cannot be compiled.
     """
 
     def __init__(
@@ -96,7 +98,11 @@ class BatchedDraftCandidateGenerator(Drafter):
         generator: torch.Generator | None = None,
         max_holes: int = 32,
         capacity: int = 256,
+        compile: bool = False,
     ):
+        if compile:
+            check_compilable(assistant_model, "draft")
+        self.compile_steps = compile
         self.assistant_model = assistant_model
         self.logits_processor = logits_processor
         self.do_sample = do_sample
@@ -124,16 +130,17 @@ class BatchedDraftCandidateGenerator(Drafter):
             input_ids, attention_mask: ``(B, T)``, left-padded; every row's last column is a real token.
             all_real: the caller knows ``attention_mask`` has no padding (the first forward then needs no mask).
         """
-        self.slots = SlotCache(input_ids.shape[0], input_ids.device, self.max_holes, self.capacity)
-        self.slots.pack = self.pack
+        self._new_cache(input_ids)
         self.pending_tokens, self.pending_mask = input_ids, attention_mask.long()
         self.pending_real = all_real
         self.pending_count = real_tokens(attention_mask, all_real) if self.pack else None
 
-    def compile(self) -> None:
-        """The draft's step forwards through ``torch.compile`` (after :meth:`prefill`, which made the cache)."""
-        check_compilable(self.assistant_model, "draft")
-        self.slots.step_forward = compiled_forward(self.assistant_model)
+    def _new_cache(self, input_ids: torch.Tensor) -> None:
+        """An empty cache for ``input_ids``' rows (its step forwards compiled where asked)."""
+        self.slots = SlotCache(input_ids.shape[0], input_ids.device, self.max_holes, self.capacity)
+        self.slots.pack = self.pack
+        if self.compile_steps:
+            self.slots.step_forward = compiled_forward(self.assistant_model)
 
     def catch_up(self) -> None:
         """Read the pending tokens into the cache but the last column (which opens the next proposal): one forward.
@@ -154,9 +161,10 @@ class BatchedDraftCandidateGenerator(Drafter):
 
     def propose(
         self, sequences: torch.Tensor, lengths: torch.Tensor, num_tokens: int, rows: torch.Tensor | None = None,
-        confidences: bool = True,
-    ) -> Proposal:
-        """Draft ``num_tokens`` tokens after each row, writing them into ``sequences`` past ``lengths``.
+        confidences: bool = True, *, lookup_only: bool = False, tree_width: int = 1,
+    ) -> Proposal | GrownTree:
+        """Draft ``num_tokens`` tokens after each row, writing them into ``sequences`` past ``lengths`` (with
+        ``tree_width > 1``, a tree: :meth:`propose_tree`; ``lookup_only`` means nothing to a draft alone).
 
         Args:
             sequences: ``(B, T)`` the rows' tokens so far (left-padded prompt + emitted), valid up to ``lengths``;
@@ -177,16 +185,40 @@ class BatchedDraftCandidateGenerator(Drafter):
                 draws more often than unlikely ones, which biases the output (see
                 ``tests/test_sampling_distribution.py``).
             probs: ``(B, K, V)`` the processed draft distributions (only when sampling, else ``None``).
+            cached_lengths: ``(B,)`` the draft cache's fill per row after drafting.
         """
+        if tree_width > 1:
+            rows = torch.arange(sequences.shape[0], device=sequences.device) if rows is None else rows
+            return self.propose_tree(sequences, lengths, num_tokens, tree_width, rows)
         batch_size = sequences.shape[0]
         self._last_num_drafted = num_tokens
         if num_tokens == 0:
             empty = torch.empty(batch_size, 0, device=sequences.device)
-            return Proposal(empty.long(), (empty if confidences else None), None)
+            return Proposal(empty.long(), (empty if confidences else None), None,
+                            cached_lengths=self.slots.live_lengths())
         rows = torch.arange(batch_size, device=sequences.device) if rows is None else rows
         # Processors that read the tokens so far must see each draft before scoring the next; for the others the
         # drafts are written in one go at the end.
         write_each = not self.logits_processor.prefix_free
+        draft_tokens, token_log_probs, draft_probs = self._draft_chain(sequences, lengths, num_tokens, rows,
+                                                                       confidences, write_each)
+        self._last_draft = draft_tokens[-1]
+        self._last_num_drafted = len(draft_tokens)
+        drafts = torch.cat(draft_tokens, dim=1)
+        if not write_each:
+            sequences.scatter_(1, lengths[:, None] + self.slots.offsets[: drafts.shape[1]], drafts)
+        return Proposal(
+            drafts,
+            torch.cat(token_log_probs, dim=1) if confidences else None,
+            torch.cat(draft_probs, dim=1) if self.do_sample else None,
+            cached_lengths=self.slots.live_lengths(),
+        )
+
+    def _draft_chain(self, sequences: torch.Tensor, lengths: torch.Tensor, num_tokens: int, rows: torch.Tensor,
+                     confidences: bool, write_each: bool) -> tuple[list, list, list]:
+        """The chain's forwards, one draft per row each (the pending block first): each step's ``(B, 1)`` tokens,
+        ``(B, 1)`` confidences (with ``confidences``) and ``(B, 1, V)`` draft laws (sampling); fewer than
+        ``num_tokens`` where a confidence threshold stopped the chain (:attr:`stop_below`)."""
         tokens, mask = self.pending_tokens, (None if self.pending_real else self.pending_mask)
         draft_tokens, token_log_probs, draft_probs = [], [], []
         stop_below = None if self.stop_below is None else math.log(self.stop_below)
@@ -209,16 +241,7 @@ class BatchedDraftCandidateGenerator(Drafter):
             # (a device read: every row unsure of this draft, the chain stops here, its later cells unlikely)
             if stop_below is not None and step + 1 < num_tokens and bool((log_probs.amax(dim=-1) < stop_below).all()):
                 break
-        self._last_draft = next_tokens
-        self._last_num_drafted = len(draft_tokens)
-        drafts = torch.cat(draft_tokens, dim=1)
-        if not write_each:
-            sequences.scatter_(1, lengths[:, None] + self.slots.offsets[: drafts.shape[1]], drafts)
-        return Proposal(
-            drafts,
-            torch.cat(token_log_probs, dim=1) if confidences else None,
-            torch.cat(draft_probs, dim=1) if self.do_sample else None,
-        )
+        return draft_tokens, token_log_probs, draft_probs
 
     def propose_tree(self, sequences: torch.Tensor, lengths: torch.Tensor, depth: int, width: int,
                      rows: torch.Tensor) -> GrownTree:
@@ -261,9 +284,9 @@ class BatchedDraftCandidateGenerator(Drafter):
             return process_at_nodes(processor, sequences, lengths, rows, node_logits, paths, depths).log_softmax(-1)
 
         grown = grow_tree(root_log_probs, next_log_probs, depth, width, sample=self.do_sample,
-                                generator=self.generator)
+                          generator=self.generator)
         self._tree = (root_slot, depth, width, grown.tree.tokens)
-        return grown
+        return grown._replace(cached_lengths=slots.live_lengths())
 
     def _node_forward(self, tokens: torch.Tensor, parents: torch.Tensor, position_ids: torch.Tensor,
                       visibility: torch.Tensor) -> torch.Tensor:
@@ -305,7 +328,19 @@ class BatchedDraftCandidateGenerator(Drafter):
         return self.slots.forward(self.assistant_model, tokens, mask, logits_to_keep=1, step=True,
                                   num_real=self.pending_count if step == 0 else None)
 
-    def accept(self, verdict: Verdict) -> None:
+    def accept(self, verdict: Verdict) -> torch.Tensor | None:
+        """Roll the draft cache back to what the target accepted (:meth:`_roll_back`); returns what the loop reads
+        for :meth:`settle`: the pending block's widest row and real tokens (:func:`pending_read`), ``None`` when every
+        pending token is real (nothing to trim, the count known)."""
+        self._roll_back(verdict)
+        return self._to_read()
+
+    def _to_read(self) -> torch.Tensor | None:
+        """What the loop reads at the step's end for :meth:`settle` (:func:`pending_read`); ``None`` when every pending
+        token is real (nothing to trim, the count known)."""
+        return None if self.pending_real else pending_read(self.pending_mask)
+
+    def _roll_back(self, verdict: Verdict) -> None:
         """Roll the draft cache back to what the target accepted, and queue the tokens the draft has not read.
 
         Args:
@@ -340,13 +375,13 @@ class BatchedDraftCandidateGenerator(Drafter):
             all_accepted = (num_accepted == drafted).long()[:, None]  # draft K accepted but never read
             self.pending_tokens = torch.cat([self._last_draft, next_tokens[:, None]], dim=1)
             self.pending_mask = torch.cat([all_accepted, ones], dim=1)
-            self.pending_real, self.pending_count = False, None  # (until the loop's read says, see pending_width)
+            self.pending_real, self.pending_count = False, None  # (until the loop's read says, see settle)
         self.slots.compact(cached_longest)
 
-    def accept_cells(self, verdict: Verdict, cells: torch.Tensor, foreign: torch.Tensor) -> None:
-        """As :meth:`accept`, for a proposal whose rows ``foreign`` ``(B,)`` (bool) verified cells another drafter
-        drafted (hybrid drafting, :mod:`.hybrid`): ``cells`` ``(B, K)`` the tokens every row verified (this draft's
-        own in the other rows).
+    def accept_cells(self, verdict: Verdict, cells: torch.Tensor, foreign: torch.Tensor) -> torch.Tensor | None:
+        """As :meth:`accept` (and returns what it returns), for a proposal whose rows ``foreign`` ``(B,)`` (bool)
+        verified cells another drafter drafted (hybrid drafting, :mod:`.hybrid`): ``cells`` ``(B, K)`` the tokens
+        every row verified (this draft's own in the other rows).
 
         A foreign row keeps none of this draft's cached drafts and queues every token it accepted, then the target's;
         an own row keeps its accepted drafts but the K-th, as :meth:`accept` does. Pending is left-padded to
@@ -355,6 +390,10 @@ class BatchedDraftCandidateGenerator(Drafter):
         E.g. K = 3, own row ``[p | d1 d2]`` accepted 1, foreign row ``[r | e1 e2]`` (this draft's) accepted 2 lookup
         cells ``x1 x2``, ``W = 3``: caches ``[p | d1 .]`` and ``[r | . .]``; pending ``[. . t]`` and ``[x1 x2 u]``.
         """
+        self._roll_back_cells(verdict, cells, foreign)
+        return self._to_read()
+
+    def _roll_back_cells(self, verdict: Verdict, cells: torch.Tensor, foreign: torch.Tensor) -> None:
         drafted = self._last_num_drafted
         if drafted == 0:  # this draft drafted nothing (lookup alone did): what every row made final waits
             self._queue_after_pending(*final_tokens(cells, verdict))
@@ -380,7 +419,7 @@ class BatchedDraftCandidateGenerator(Drafter):
         order = left_packed_order(torch.cat([self.pending_mask, mask], dim=1))
         self.pending_tokens = torch.cat([self.pending_tokens, tokens], dim=1).gather(1, order)
         self.pending_mask = torch.cat([self.pending_mask, mask], dim=1).gather(1, order)
-        self.pending_real, self.pending_count = False, None  # (until the loop's read says, see pending_width)
+        self.pending_real, self.pending_count = False, None  # (until the loop's read says, see settle)
         return order
 
     def _pending_target_tokens(self, next_tokens: torch.Tensor, ones: torch.Tensor) -> None:
@@ -393,21 +432,18 @@ class BatchedDraftCandidateGenerator(Drafter):
         if self.pending_count is not None:
             self.pending_count += tokens
 
-    def live_lengths(self) -> torch.Tensor:
-        """``(B,)`` real tokens the draft's cache holds per row (see :meth:`~tetris_hf.kv.SlotCache.live_lengths`)."""
-        return self.slots.live_lengths()
+    def settle(self, read: int | None, finished: Retired | None = None, moves: RowMoves | None = None) -> None:
+        """``read``: what :meth:`accept` returned (:func:`pending_read`), read: keep the pending block's last
+        ``widest`` columns and its real tokens' count (its next forward then reads no column of filler alone, and
+        packed); then rows leave as ``moves`` says (:meth:`~tetris_hf.kv.SlotCache.fill_rows`)."""
+        if read is not None:
+            self._trim_pending(read)
+        if moves is not None:
+            self._fill_rows(*moves)
 
-    def pending_width(self) -> torch.Tensor | None:
-        """A 0-d device tensor, :func:`pending_read`: the most pending tokens any row holds (the block is left-packed,
-        so the columns before the last this-many are filler in every row) and how many wait in all; ``None`` when
-        every pending token is real (nothing to trim, the count known). Read it with another read and pass it to
-        :meth:`trim_pending`."""
-        return None if self.pending_real else pending_read(self.pending_mask)
-
-    def trim_pending(self, read: int) -> None:
-        """Keep the last ``widest`` columns of the pending block, the draft's next forward then reading no column of
-        filler alone, and keep the count of its real tokens (its next forward is read packed): ``read`` is what
-        :meth:`pending_width` was (or a plain width, which leaves the count as it was)."""
+    def _trim_pending(self, read: int) -> None:
+        """Keep the last ``widest`` columns of the pending block and the count of its real tokens: ``read`` is a
+        :func:`pending_read` (or a plain width, which leaves the count as it was)."""
         width, total = split_pending_read(read, self.pending_tokens.shape[1])
         if total is not None:
             self.pending_count = total
@@ -420,9 +456,19 @@ class BatchedDraftCandidateGenerator(Drafter):
         if width == 1:  # every row holds one pending token, the last column: real everywhere
             self.pending_real, self.pending_count = True, self.pending_tokens.shape[0]
 
-    def add_rows(self, last_tokens: torch.Tensor, prompt_lengths: list[int]) -> None:
-        """Rows join with empty caches, their last prompt token pending (left-padded to the pending block's width);
-        :meth:`read_prompts` caches the rest of their prompts before the next proposal reads it."""
+    def join(self, rows: JoiningRows | None = None, chunk: PromptChunk | None = None) -> torch.Tensor | None:
+        """Rows join with empty caches, their last tokens pending (:meth:`_add_rows`); a chunk of their prompts goes
+        into the draft's cache (:meth:`_read_prompts`) before the next proposal reads what waits. Returns what
+        :meth:`accept` would now (rows joining in a step: the loop reads this instead)."""
+        if rows is not None:
+            self._add_rows(rows)
+        if chunk is not None:
+            self._read_prompts(chunk)
+        return self._to_read()
+
+    def _add_rows(self, rows: JoiningRows) -> None:
+        """Rows join with empty caches, each one's last token pending (left-padded to the pending block's width)."""
+        last_tokens = rows.last_tokens
         count, width = last_tokens.shape[0], self.pending_tokens.shape[1]
         self.slots.add_rows(count)
         joining = torch.nn.functional.pad(last_tokens[:, None], (width - 1, 0))
@@ -434,14 +480,13 @@ class BatchedDraftCandidateGenerator(Drafter):
         self._add_to_count(count)
         self._ones = None  # (sized for the rows there were)
 
-    def read_prompts(self, tokens: torch.Tensor, real_lengths: torch.Tensor, num_real: int, longest: int,
-                     next_tokens: torch.Tensor, first_row: int = 0) -> None:
+    def _read_prompts(self, chunk: PromptChunk) -> None:
         """The joining rows' prompt chunk into the draft's cache (packed where the draft can be)."""
-        self.slots.forward(self.assistant_model, tokens, None, real_lengths=real_lengths, num_real=num_real,
-                           discard_logits=True, first_row=first_row)
-        self.slots.compact(longest)
+        self.slots.forward(self.assistant_model, chunk.tokens, None, real_lengths=chunk.real_lengths,
+                           num_real=chunk.num_real, discard_logits=True, first_row=chunk.first_row)
+        self.slots.compact(chunk.longest)
 
-    def fill_rows(self, targets: torch.Tensor, sources: torch.Tensor, num_rows: int) -> None:
+    def _fill_rows(self, targets: torch.Tensor, sources: torch.Tensor, num_rows: int) -> None:
         """Finished rows leave the batch: see :meth:`~tetris_hf.kv.SlotCache.fill_rows`."""
         rows = self.slots.fill_rows(targets, sources, num_rows)
         self.pending_tokens, self.pending_mask = self.pending_tokens[rows], self.pending_mask[rows]

@@ -30,7 +30,7 @@ def build_drafter(assistant_model: torch.nn.Module | None, options: TetrisOption
     - no ``assistant_model``: prompt lookup (:class:`~.prompt_lookup.BatchedPromptLookupCandidateGenerator`), drafting
       up to ``k + e`` tokens after n-grams of ``tetris_min_ngram_size..max_matching_ngram_size`` tokens;
     - an EAGLE head (:func:`~.eagle.is_eagle_head`): :class:`~.eagle_drafter.EagleCandidateGenerator` (not with
-      ``tetris_compile``: the head reads the target's hidden states through hooks);
+      ``tetris_compile`` yet: the compiled step forwards do not return the hidden states the head reads);
     - any other causal LM: :class:`~.batched_draft.BatchedDraftCandidateGenerator`, on the model's
       :class:`~.reduced_vocab.ReducedVocabDraft` when ``tetris_draft_vocab`` is set;
     - an ``assistant_model`` and ``prompt_lookup_num_tokens``: :class:`~.hybrid.HybridCandidateGenerator`, lookup
@@ -71,11 +71,11 @@ def build_drafter(assistant_model: torch.nn.Module | None, options: TetrisOption
     eagle = is_eagle_head(draft_model)
     if eagle and options.tetris_compile:
         raise ValueError("tetris_compile=True with an EAGLE head is not supported yet: the head reads the "
-                         "target's hidden states through hooks, which a compiled forward does not run; use "
+                         "target's hidden states, which the compiled step forwards do not return yet; use "
                          "tetris_compile=False")
     drafter_class = EagleCandidateGenerator if eagle else BatchedDraftCandidateGenerator
     drafter = drafter_class(draft_model, logits_processor, do_sample, max_holes=options.tetris_max_holes,
-                            capacity=cache_capacity(draft_model))
+                            capacity=cache_capacity(draft_model), compile=options.tetris_compile)
     drafter.pack = options.tetris_pack and not options.tetris_compile and packs_exactly(draft_model)
     drafter.stop_below = options.tetris_confidence_threshold
     if lookup is not None:

@@ -81,8 +81,8 @@ from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 from transformers.utils import ModelOutput, cached_file
 
+from ..attention import base_implementation
 from ..checks import output_vocab_size
-from ..packing import Packing, current_packing
 
 EAGLE1, EAGLE3 = "eagle1", "eagle3"
 CONFIG_NAME = "config.json"
@@ -269,37 +269,9 @@ class EagleDraft(nn.Module):
         source = "EagleDraft.for_target"
         aux = resolve_aux_layer_ids({}, (2, layers // 2, layers - 3) if aux_layer_ids is None else aux_layer_ids,
                                     layers, source)
-        if draft_vocab_ids is None:
-            target_ids = torch.arange(vocab)
-        else:
-            target_ids = torch.as_tensor(draft_vocab_ids).detach().to("cpu").flatten()
-            if target_ids.is_floating_point() or target_ids.dtype == torch.bool or target_ids.numel() == 0:
-                raise ValueError(f"{source}: `draft_vocab_ids` must be a non-empty 1-D tensor of token ids, got "
-                                 f"{target_ids.numel()} values of dtype {target_ids.dtype}")
-            target_ids = target_ids.long().sort().values
-            if int(target_ids[0]) < 0 or int(target_ids[-1]) >= vocab:
-                raise ValueError(f"{source}: `draft_vocab_ids` holds ids outside the target's vocabulary of {vocab} "
-                                 f"(min {int(target_ids[0])}, max {int(target_ids[-1])})")
-            if torch.unique(target_ids).numel() != target_ids.numel():
-                raise ValueError(f"{source}: `draft_vocab_ids` repeats token ids; give each once")
+        target_ids = _draft_vocab_ids(draft_vocab_ids, vocab, source)
         draft_vocab = target_ids.numel()
-        heads = target_config.num_attention_heads
-        config_dict = {
-            "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden,
-            "intermediate_size": target_config.intermediate_size, "num_attention_heads": heads,
-            "num_key_value_heads": getattr(target_config, "num_key_value_heads", None) or heads,
-            "head_dim": getattr(target_config, "head_dim", None) or hidden // heads,
-            "hidden_act": getattr(target_config, "hidden_act", "silu"),
-            "rms_norm_eps": getattr(target_config, "rms_norm_eps", 1e-6),
-            "max_position_embeddings": target_config.max_position_embeddings,
-            **_rope_fields(getattr(target_config, "rope_parameters", None)),
-            "num_hidden_layers": 1, "vocab_size": vocab, "draft_vocab_size": draft_vocab,
-            "target_hidden_size": hidden, "tie_word_embeddings": False,
-            **{name: getattr(target_config, name) for name in ("bos_token_id", "eos_token_id", "pad_token_id")
-               if getattr(target_config, name, None) is not None},
-            "eagle_config": {"use_aux_hidden_state": True,  # SpecForge's output-of-layer ids: hs[k] is id k - 1
-                             "eagle_aux_hidden_state_layer_ids": [index - 1 for index in aux]},
-        }
+        config_dict = _fresh_config(target_config, vocab, draft_vocab, aux)
         config = head_config(config_dict, {}, EAGLE3, vocab, target_config, source)
         with torch.device("cpu"):
             fresh = cls(config, EAGLE3, aux, 3 * hidden, False, False, draft_vocab, own_embedding=False).float()
@@ -427,6 +399,28 @@ class EagleDraft(nn.Module):
         Returns:
             :class:`EagleOutput`: ``logits`` ``(B, K, V)`` over the target's vocabulary, ``features`` ``(B, L, H)``.
         """
+        h, attention_input = self._inputs(input_ids, target_features, draft_features)
+        cache = past_key_values if use_cache is not False else None
+        if position_ids is None:
+            start = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(start, start + input_ids.shape[1], device=h.device)[None].expand(
+                input_ids.shape[0], -1)
+        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=attention_mask,
+                                  past_key_values=cache, position_ids=position_ids)
+        position_embeddings = self.rotary_emb(h, position_ids)
+        # (the loop's attention arguments, e.g. a packed read's packing, as transformers hands a forward's down)
+        attention_arguments = {name: value for name, value in kwargs.items() if name.startswith("tetris_")}
+        attended, _ = self.layer.self_attn(hidden_states=attention_input, position_embeddings=position_embeddings,
+                                           attention_mask=mask, past_key_values=cache, **attention_arguments)
+        h1 = h + attended
+        out = h1 + self.layer.mlp(self.layer.post_attention_layernorm(h1))  # (B, L, H)
+        kept = slice_logits_to_keep(out, logits_to_keep)
+        return EagleOutput(logits=self.logits(kept), features=out, past_key_values=past_key_values)
+
+    def _inputs(self, input_ids: torch.Tensor, target_features: torch.Tensor | None,
+                draft_features: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream ``h`` ``(B, L, H)`` and the layer's attention input (``(B, L, H)``, EAGLE-1; ``(B, L,
+        2H)``, EAGLE-3) from the tokens and exactly one of the two kinds of features (see :meth:`forward`)."""
         if (target_features is None) == (draft_features is None):
             raise ValueError("pass exactly one of `target_features` (the target's, for context and accepted tokens) "
                              "and `draft_features` (the head's own output, for drafted tokens)")
@@ -439,25 +433,11 @@ class EagleDraft(nn.Module):
             features, real = draft_features.to(self.dtype), False
         if self.feature_kind == EAGLE1:  # every position: fc(cat(embedding, feature)); the layer has no input norm
             h = self.fc(torch.cat([embedded, features], dim=-1))
-            attention_input = h
-        else:  # a real position: fc(cat3); a drafted one: the previous output as it is
-            h = self.fc(features) if real else features
-            layer = self.layer
-            attention_input = torch.cat([layer.input_layernorm(embedded), layer.hidden_norm(h)], dim=-1)  # (B, L, 2H)
-        cache = past_key_values if use_cache is not False else None
-        if position_ids is None:
-            start = cache.get_seq_length() if cache is not None else 0
-            position_ids = torch.arange(start, start + input_ids.shape[1], device=h.device)[None].expand(
-                input_ids.shape[0], -1)
-        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=attention_mask,
-                                  past_key_values=cache, position_ids=position_ids)
-        position_embeddings = self.rotary_emb(h, position_ids)
-        attended, _ = self.layer.self_attn(hidden_states=attention_input, position_embeddings=position_embeddings,
-                                           attention_mask=mask, past_key_values=cache)
-        h1 = h + attended
-        out = h1 + self.layer.mlp(self.layer.post_attention_layernorm(h1))  # (B, L, H)
-        kept = slice_logits_to_keep(out, logits_to_keep)
-        return EagleOutput(logits=self.logits(kept), features=out, past_key_values=past_key_values)
+            return h, h
+        # a real position: fc(cat3); a drafted one: the previous output as it is
+        h = self.fc(features) if real else features
+        layer = self.layer
+        return h, torch.cat([layer.input_layernorm(embedded), layer.hidden_norm(h)], dim=-1)  # (B, L, 2H)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """``(..., H)`` head outputs -> ``(..., V)`` logits over the target's vocabulary."""
@@ -470,17 +450,90 @@ class EagleDraft(nn.Module):
         full = draft.new_full((*draft.shape[:-1], self.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.target_ids, draft)
 
-    def tap(self, target: nn.Module) -> "FeatureTap":
-        """Hooks on ``target`` that keep, from each of its forwards, the features this head reads (see
-        :class:`FeatureTap`)."""
-        return FeatureTap(target, self.aux_layer_ids)
+    def probe_forward(self, num_ids: int) -> "TokenFeatureCall":
+        """The head called with the target's features made from its tokens (a fixed random row per id below
+        ``num_ids``), so that two reads of one block see the same features: what
+        :func:`~tetris_hf.packed_probe.packs_exactly` reads a head with."""
+        return TokenFeatureCall(self, num_ids)
+
+    def target_features(self, outputs) -> torch.Tensor:
+        """``(B, T, F)`` this head's features from a target forward's ``outputs``, run with
+        ``output_hidden_states=list(head.aux_layer_ids)`` (transformers then keeps those layers' states only)::
+
+            outputs = target(input_ids, output_hidden_states=list(head.aux_layer_ids))
+            features = head.target_features(outputs)
+        """
+        return select_features(outputs.hidden_states, self.aux_layer_ids)
+
+
+
+def _draft_vocab_ids(draft_vocab_ids: torch.Tensor | None, vocab: int, source: str) -> torch.Tensor:
+    """``(Vd,)`` the sorted target ids a fresh head scores (every id for ``None``); refuses ids out of range,
+    repeated, or none."""
+    if draft_vocab_ids is None:
+        return torch.arange(vocab)
+    target_ids = torch.as_tensor(draft_vocab_ids).detach().to("cpu").flatten()
+    if target_ids.is_floating_point() or target_ids.dtype == torch.bool or target_ids.numel() == 0:
+        raise ValueError(f"{source}: `draft_vocab_ids` must be a non-empty 1-D tensor of token ids, got "
+                         f"{target_ids.numel()} values of dtype {target_ids.dtype}")
+    target_ids = target_ids.long().sort().values
+    if int(target_ids[0]) < 0 or int(target_ids[-1]) >= vocab:
+        raise ValueError(f"{source}: `draft_vocab_ids` holds ids outside the target's vocabulary of {vocab} "
+                         f"(min {int(target_ids[0])}, max {int(target_ids[-1])})")
+    if torch.unique(target_ids).numel() != target_ids.numel():
+        raise ValueError(f"{source}: `draft_vocab_ids` repeats token ids; give each once")
+    return target_ids
+
+
+def _fresh_config(target_config, vocab: int, draft_vocab: int, aux: tuple[int, ...]) -> dict:
+    """The published ``config.json`` of a fresh EAGLE-3 head for a target of ``target_config``: the target's sizes,
+    one layer, ``draft_vocab`` of ``vocab`` ids scored, reading ``hs`` indices ``aux``."""
+    hidden, heads = target_config.hidden_size, target_config.num_attention_heads
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden,
+        "intermediate_size": target_config.intermediate_size, "num_attention_heads": heads,
+        "num_key_value_heads": getattr(target_config, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(target_config, "head_dim", None) or hidden // heads,
+        "hidden_act": getattr(target_config, "hidden_act", "silu"),
+        "rms_norm_eps": getattr(target_config, "rms_norm_eps", 1e-6),
+        "max_position_embeddings": target_config.max_position_embeddings,
+        **_rope_fields(getattr(target_config, "rope_parameters", None)),
+        "num_hidden_layers": 1, "vocab_size": vocab, "draft_vocab_size": draft_vocab,
+        "target_hidden_size": hidden, "tie_word_embeddings": False,
+        **{name: getattr(target_config, name) for name in ("bos_token_id", "eos_token_id", "pad_token_id")
+           if getattr(target_config, name, None) is not None},
+        "eagle_config": {"use_aux_hidden_state": True,  # SpecForge's output-of-layer ids: hs[k] is id k - 1
+                         "eagle_aux_hidden_state_layer_ids": [index - 1 for index in aux]},
+    }
+
+def select_features(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, ...]) -> torch.Tensor:
+    """``(B, T, F)`` the hidden states at ``layers`` (``hs[i]``, ``i < L`` the input of decoder layer ``i``, ``hs[L]``
+    the final norm's output), concatenated in that order."""
+    parts = [hidden_states[index] for index in layers]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
+class TokenFeatureCall:
+    """An :class:`EagleDraft` called through its ``forward`` with features made from its tokens (see
+    :meth:`EagleDraft.probe_forward`); attributes as the head's."""
+
+    def __init__(self, head: EagleDraft, num_ids: int):
+        self._head = head
+        generator = torch.Generator().manual_seed(0)
+        self._table = torch.randn(num_ids, head.feature_size, generator=generator).to(head.device, head.dtype)
+
+    def __call__(self, **kwargs):
+        return self._head.forward(**kwargs, target_features=self._table[kwargs["input_ids"]])
+
+    def __getattr__(self, name: str):
+        return getattr(self._head, name)
 
 
 class EagleCall:
     """:meth:`EagleDraft.forward` with its features bound, callable with a model's standard arguments; keeps the last
     :class:`EagleOutput` in ``outputs``. Has the head's ``config``, ``dtype`` and ``device`` (what SlotCache reads).
 
-    In a packed forward (:func:`~tetris_hf.packing.current_packing`: SlotCache reads the block's ``N`` real tokens as
+    In a packed forward (a ``tetris_packing`` argument: SlotCache reads the block's ``N`` real tokens as
     ``(1, N)``), the bound ``(B, L, ...)`` features are packed the same way and ``outputs.features`` is put back in its
     rows, ``(B, L, H)`` with zeros at filler."""
 
@@ -492,7 +545,7 @@ class EagleCall:
         self.outputs: EagleOutput | None = None
 
     def __call__(self, **kwargs) -> EagleOutput:
-        packing = current_packing()
+        packing = kwargs.get("tetris_packing")
         if packing is None:
             self.outputs = self.head(**kwargs, target_features=self.target_features,
                                      draft_features=self.draft_features)
@@ -503,65 +556,6 @@ class EagleCall:
         outputs.features = packing.unpack(outputs.features[0])
         self.outputs = outputs
         return outputs
-
-
-class FeatureTap:
-    """Forward hooks on a target that keep the hidden states an EAGLE head reads, without ``output_hidden_states``
-    (which keeps every layer's): ``hs[i]`` for ``i < L`` is the input of decoder layer ``i`` (a pre-hook), ``hs[L]`` the
-    final norm's output (a hook). Nothing is copied: the tensors the target computed are kept until the next forward.
-
-    Use as a context manager, or call :meth:`remove`::
-
-        with head.tap(target) as tap:
-            target(input_ids, attention_mask=mask, past_key_values=cache, ...)
-            features = tap.features   # (B, T, F), positions as in that forward
-    """
-
-    def __init__(self, target: nn.Module, aux_layer_ids: tuple[int, ...]):
-        decoder = target.get_decoder()
-        layers = decoder.layers
-        self.aux_layer_ids = tuple(aux_layer_ids)
-        self.captured: dict[int, torch.Tensor] = {}
-        self.packing: Packing | None = None  # the packing of the forward captured (its hidden states are (1, N, F))
-        self.handles = []
-        for index in dict.fromkeys(self.aux_layer_ids):
-            if index < len(layers):
-                hook = self._layer_input_hook(index)
-                self.handles.append(layers[index].register_forward_pre_hook(hook, with_kwargs=True))
-            else:
-                hook = self._output_hook(index)
-                self.handles.append(decoder.norm.register_forward_hook(hook))
-
-    def _layer_input_hook(self, index: int):
-        def hook(module, args, kwargs):
-            self.captured[index] = args[0] if args else kwargs["hidden_states"]
-            self.packing = current_packing()
-        return hook
-
-    def _output_hook(self, index: int):
-        def hook(module, args, output):
-            self.captured[index] = output
-            self.packing = current_packing()
-        return hook
-
-    @property
-    def features(self) -> torch.Tensor:
-        """``(B, T, F)``: the kept hidden states, concatenated in ``aux_layer_ids`` order (a packed forward's put back
-        in their rows, zeros at filler)."""
-        parts = [self.captured[index] for index in self.aux_layer_ids]
-        features = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-        return features if self.packing is None else self.packing.unpack(features[0])
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
-
-    def __enter__(self) -> "FeatureTap":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.remove()
 
 
 # -- reading and validating checkpoints ------------------------------------------------------------------------------
@@ -688,7 +682,7 @@ def head_config(config_dict: dict, tensors: dict, kind: str, target_vocab: int, 
                              f"({heads}); the config does not describe these weights")
         fields["head_dim"] = rows // heads  # the reference uses hidden_size // heads; the weights say which
     config = LlamaConfig(**fields)
-    implementation = getattr(target_config, "_attn_implementation", None) or "sdpa"
+    implementation = base_implementation(getattr(target_config, "_attn_implementation", None) or "sdpa")
     config._attn_implementation = implementation
     return config
 

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from ..kv import SlotCache
 from ..logits import PositionwiseLogitsProcessor
 from .batched_draft import BatchedDraftCandidateGenerator, final_tokens, real_tokens
-from .drafter import Verdict
-from .eagle import EagleDraft, FeatureTap
+from .drafter import JoiningRows, PromptChunk, Verdict
+from .eagle import EagleDraft, select_features
 
 
 class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
@@ -35,37 +34,30 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
     """
 
     reads_target_features = True
-    # transformers' assisted decoding hands the head each verify forward's outputs, with every hidden state
+    # transformers' assisted decoding hands the head each verify forward's outputs, with the hidden states it reads
     requires_model_outputs = True
-    model_kwargs_overrides = {"output_hidden_states": True}
 
     def __init__(self, head: EagleDraft, logits_processor: PositionwiseLogitsProcessor, do_sample: bool,
-                 generator: torch.Generator | None = None, max_holes: int = 32, capacity: int = 256):
-        super().__init__(head, logits_processor, do_sample, generator, max_holes, capacity)
+                 generator: torch.Generator | None = None, max_holes: int = 32, capacity: int = 256,
+                 compile: bool = False):
+        super().__init__(head, logits_processor, do_sample, generator, max_holes, capacity, compile)
         self.head = head
         self.pending_features: torch.Tensor | None = None  # (B, P, F) the target's features of the pending block
         self._prompt: tuple[torch.Tensor, torch.Tensor] | None = None  # (input_ids, mask) until the prompt's features
         self._drafts: torch.Tensor | None = None  # (B, K) the last proposal's tokens
         self._out: torch.Tensor | None = None  # (B, 1, H) the head's output at its last position
         self._tree_out: torch.Tensor | None = None  # (B, 1 + N, H) while a tree grows: at the root and its nodes
-        self.tap: FeatureTap | None = None  # hooks on the target (attach): its features at every position it reads
-        self._given_features: torch.Tensor | None = None  # (1, W, F) from transformers' loop (take_target_outputs)
+        self.feature_layers = tuple(head.aux_layer_ids)  # what every target forward returns for the head
+        self.model_kwargs_overrides = {"output_hidden_states": list(self.feature_layers)}
 
-    def attach(self, target: torch.nn.Module) -> None:
-        self.tap = self.head.tap(target)
-
-    def detach(self) -> None:
-        if self.tap is not None:
-            self.tap.remove()
-            self.tap = None
-
-    def _target_features(self) -> torch.Tensor:
-        """``(B, W, F)`` the target's features over the block its last forward read."""
-        if self.tap is not None:
-            return self.tap.features
-        if self._given_features is not None:
-            return self._given_features
-        raise ValueError("an EAGLE head needs the target's features of every target forward: attach() it first")
+    @staticmethod
+    def _features(verdict: Verdict | PromptChunk) -> torch.Tensor:
+        """``(B, W, F)`` the target's features over the block its forward read, as the verdict (or chunk) carries."""
+        if verdict.features is None:
+            raise ValueError("an EAGLE head needs the target's features of every target forward: run the target's "
+                             "forwards with output_hidden_states=list(head.aux_layer_ids) and pass them in the "
+                             "verdict's `features`")
+        return verdict.features
 
     def take_target_outputs(self, model_outputs, is_first_iteration: bool) -> bool:
         """transformers' assisted decoding: the features of the forward that verified the last candidates, from its
@@ -77,15 +69,12 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
         if getattr(model_outputs, "hidden_states", None) is None:
             raise ValueError("the target's forward returned no hidden states: an EAGLE head needs "
                              "`output_hidden_states=True` in it (its `model_kwargs_overrides`)")
-        states = model_outputs.hidden_states
-        parts = [states[index] for index in self.head.aux_layer_ids]
-        self._given_features = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        self._given_features = select_features(model_outputs.hidden_states, self.feature_layers)
         return True
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, all_real: bool = False) -> None:
         """Wait for the prompt's features (the target's prompt forward, handed to the first :meth:`accept`)."""
-        self.slots = SlotCache(input_ids.shape[0], input_ids.device, self.max_holes, self.capacity)
-        self.slots.pack = self.pack
+        self._new_cache(input_ids)
         self._prompt = (input_ids, attention_mask.long())
         self.pending_real = all_real
         self.pending_count = real_tokens(attention_mask, all_real) if self.pack else None  # (the prompt's block)
@@ -109,7 +98,7 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
         self._out = call.outputs.features[:, -1:]
         return logits
 
-    def propose_tree(self, sequences, lengths, depth, width, rows):
+    def propose_tree(self, sequences, lengths, depth, width, rows):  # (propose with tree_width > 1)
         self._tree_out = None  # (B, 1 + nodes so far, H) the head's output at the root and each expanded node
         grown = super().propose_tree(sequences, lengths, depth, width, rows)
         self._tree_out = None
@@ -130,7 +119,7 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
     def _accept_tree(self, verdict: Verdict) -> None:
         """Drop every drafted node and queue the accepted path and the target's token with the target's features at
         the root and the path's nodes (as :meth:`accept` does for a chain's accepted prefix)."""
-        features, path_nodes, path_slots = self._target_features(), verdict.tree.path_nodes, verdict.tree.path_slots
+        features, path_nodes, path_slots = self._features(verdict), verdict.tree.path_nodes, verdict.tree.path_slots
         max_accepted = verdict.hints.max_accepted
         root_slot, depth, _, tokens = self._tree
         self._tree = None
@@ -146,12 +135,14 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
         self._queue_final(path_tokens, verdict.next_tokens, verdict.num_accepted, path_features,
                           verdict.hints.cached_longest)
 
-    def propose(self, sequences, lengths, num_tokens, rows=None, confidences=True):
-        proposal = super().propose(sequences, lengths, num_tokens, rows, confidences)
-        self._drafts = proposal.tokens
+    def propose(self, sequences, lengths, num_tokens, rows=None, confidences=True, *, lookup_only=False,
+                tree_width=1):
+        proposal = super().propose(sequences, lengths, num_tokens, rows, confidences, tree_width=tree_width)
+        if tree_width == 1:
+            self._drafts = proposal.tokens
         return proposal
 
-    def accept(self, verdict: Verdict) -> None:
+    def _roll_back(self, verdict: Verdict) -> None:
         """Drop the drafted entries and queue what the target made final with its features over the block it just
         read: the prompt (first call), the row's last token and its verified drafts, or the last token alone (a plain
         step)."""
@@ -159,8 +150,8 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
             self._accept_tree(verdict)
             return
         num_accepted, next_tokens = verdict.num_accepted, verdict.next_tokens
-        # (the forward may have read rows after the verdict's: prompts of rows joining a stream, read_prompts' part)
-        features = self._target_features()[: next_tokens.shape[0]]
+        # (the forward may have read rows after the verdict's: prompts of rows joining a stream, the chunk's part)
+        features = self._features(verdict)[: next_tokens.shape[0]]
         max_accepted, cached_longest = verdict.hints
         ones = torch.ones_like(next_tokens[:, None])
         if self._prompt is not None:  # the prompt's read: [x1 .. x_{T-1}, t] with [f0 .. f_{T-1}]
@@ -184,18 +175,19 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
         self._queue_final(self._drafts[:, : width - 1], next_tokens, num_accepted, features[:, :width],
                           cached_longest)
 
-    def accept_cells(self, verdict: Verdict, cells: torch.Tensor, foreign: torch.Tensor) -> None:
-        """As :meth:`accept` when rows ``foreign`` ``(B,)`` verified cells another drafter drafted (hybrid drafting):
-        ``cells`` ``(B, K)`` every row's verified tokens. Every drafted entry is dropped whoever drafted the row, and
-        the accepted cells are re-read with the target's features at them: only which tokens to queue changes."""
+    def _roll_back_cells(self, verdict: Verdict, cells: torch.Tensor, foreign: torch.Tensor) -> None:
+        """As :meth:`_roll_back` when rows ``foreign`` ``(B,)`` verified cells another drafter drafted (hybrid
+        drafting): ``cells`` ``(B, K)`` every row's verified tokens. Every drafted entry is dropped whoever drafted the
+        row, and the accepted cells are re-read with the target's features at them: only which tokens to queue
+        changes."""
         if self._last_num_drafted > 0:
             self._drafts = cells
-            self.accept(verdict)
+            self._roll_back(verdict)
             return
         # the head drafted nothing (lookup alone did): what every row made final waits, each token with the target's
         # feature of the token before it (the block's columns 0 .. a)
         tokens, mask = final_tokens(cells, verdict)
-        features = self._target_features()[: tokens.shape[0], : tokens.shape[1]]
+        features = self._features(verdict)[: tokens.shape[0], : tokens.shape[1]]
         order = self._queue_after_pending(tokens, mask)
         self.pending_features = torch.cat([self.pending_features, features], dim=1).gather(
             1, order[..., None].expand(-1, -1, features.shape[-1]))
@@ -222,12 +214,13 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
         self.pending_count = num_accepted.shape[0] if width == 1 else None  # (else until the loop's read says)
         self.slots.compact(cached_longest)
 
-    def add_rows(self, last_tokens: torch.Tensor, prompt_lengths: list[int]) -> None:
+    def _add_rows(self, rows: JoiningRows) -> None:
         """Rows join (a request stream's) with empty caches and nothing pending: each prompt chunk the target reads
-        queues its tokens' successors with the target's features (:meth:`read_prompts`), so that a row of prompt
+        queues its tokens' successors with the target's features (:meth:`_read_prompts`), so that a row of prompt
         ``x0 .. x(P-1)`` ends with ``[x1 .. x(P-1)]`` and ``[f0 .. f(P-2)]`` pending, as a prompt read leaves it in
         ``generate()`` but for the target's token. A one-token prompt has no feature before it: its row waits with
         ``[x0]`` and a zero feature (its first drafts are poor, and verified like any)."""
+        last_tokens, prompt_lengths = rows
         count = last_tokens.shape[0]
         self.slots.add_rows(count)
         self._prompt = None  # a stream's rows come through here, not through a prompt read
@@ -247,13 +240,13 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
         self._set_pending(torch.cat([self.pending_tokens, tokens]), torch.cat([self.pending_mask, mask]),
                           torch.cat([self.pending_features, features]))
 
-    def read_prompts(self, tokens: torch.Tensor, real_lengths: torch.Tensor, num_real: int, longest: int,
-                     next_tokens: torch.Tensor, first_row: int = 0) -> None:
+    def _read_prompts(self, chunk: PromptChunk) -> None:
         """Queue the chunk's pairs (each position's successor, the target's feature there) after what waits (the
         target's forward read the chunk in its first ``L`` columns, and may have been wider: a verification's)."""
-        features = self._target_features()[:, : tokens.shape[1]]  # (B, L, F), zeros at filler
+        tokens, real_lengths = chunk.tokens, chunk.real_lengths
+        features = self._features(chunk)[:, : tokens.shape[1]]  # (B, L, F), zeros at filler
         mask = (torch.arange(tokens.shape[1], device=tokens.device)[None, :] < real_lengths[:, None]).long()
-        self._set_pending(torch.cat([self.pending_tokens, next_tokens], dim=1),
+        self._set_pending(torch.cat([self.pending_tokens, chunk.next_tokens], dim=1),
                           torch.cat([self.pending_mask, mask], dim=1),
                           torch.cat([self.pending_features, features.to(self.pending_features.dtype)], dim=1))
 
@@ -271,7 +264,7 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
             self.pending_features = self.pending_features[:, -width:]
         super()._keep_pending_columns(width)
 
-    def fill_rows(self, targets: torch.Tensor, sources: torch.Tensor, num_rows: int) -> None:
+    def _fill_rows(self, targets: torch.Tensor, sources: torch.Tensor, num_rows: int) -> None:
         rows = self.slots.fill_rows(targets, sources, num_rows)
         self.pending_tokens, self.pending_mask = self.pending_tokens[rows], self.pending_mask[rows]
         self.pending_features = self.pending_features[rows]

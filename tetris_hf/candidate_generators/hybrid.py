@@ -20,7 +20,7 @@ Sampling stays lossless: a lookup row's ``q`` is one-hot at its drafted tokens a
 distribution (``Proposal.probs`` mixes them per row), and neither confidence depends on the token drawn at its cell
 (lookup's on the match, the model's on ``max q``, a function of the row's earlier tokens).
 
-A step may draft by lookup alone (:meth:`HybridCandidateGenerator.propose_lookup`, which ``adaptive`` plans where
+A step may draft by lookup alone (``propose(..., lookup_only=True)``, which ``adaptive`` plans where
 the model's drafts do not pay for their forwards, :class:`~tetris_hf.strategies.AdaptiveBudget`): rows without a
 match then verify nothing, and the model reads what every row made final at its next proposal, as after plain steps.
 
@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from .batched_draft import BatchedDraftCandidateGenerator
-from .drafter import Drafter, Proposal, Verdict
+from .drafter import Drafter, JoiningRows, PromptChunk, Proposal, Retired, RowMoves, Verdict, check_chains
 from .prompt_lookup import BatchedPromptLookupCandidateGenerator
 from .suffix import SuffixCandidateGenerator
 
@@ -105,6 +105,8 @@ class HybridCandidateGenerator(Drafter):
                  model: BatchedDraftCandidateGenerator):
         self.lookup, self.model = lookup, model
         self.reads_target_features = model.reads_target_features
+        self.feature_layers = model.feature_layers
+        self.pack = model.pack
         self.calibration: DraftAcceptance | None = None
         # the last proposal, until its verdict: (B, K) cells, (B,) lookup rows, (B, K) the model's log max q or None
         self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
@@ -115,7 +117,8 @@ class HybridCandidateGenerator(Drafter):
         self.calibration = DraftAcceptance(input_ids.device)
 
     def propose(self, sequences: torch.Tensor, lengths: torch.Tensor, num_tokens: int,
-                rows: torch.Tensor | None = None, confidences: bool = True) -> Proposal:
+                rows: torch.Tensor | None = None, confidences: bool = True, *, lookup_only: bool = False,
+                tree_width: int = 1) -> Proposal:
         """Both parts draft ``K = num_tokens`` cells after each row (``sequences`` ``(B, T)``, valid up to ``lengths``
         ``(B,)``); each row keeps lookup's where lookup matched, the model's elsewhere, written into
         ``sequences[i, lengths[i]:]``.
@@ -124,8 +127,11 @@ class HybridCandidateGenerator(Drafter):
             A :class:`~.drafter.Proposal`: ``tokens`` ``(B, K)``; ``log_probs`` ``(B, K)`` log estimated acceptance
             (lookup's estimate, or the model's ``max q`` calibrated); ``probs`` ``(B, K, V)`` when sampling, one-hot
             at the drafted token in lookup rows; ``lengths`` ``(B,)`` lookup's count or ``K``; ``lookup_rows``
-            ``(B,)``.
+            ``(B,)``. With ``lookup_only``, lookup alone (:meth:`_propose_lookup`).
         """
+        check_chains(self, tree_width)
+        if lookup_only:
+            return self._propose_lookup(sequences, lengths, num_tokens, rows, confidences)
         # lookup first: a model whose processors read the prefix writes each draft before scoring the next
         looked = self.lookup.propose(sequences, lengths, num_tokens, rows, confidences)
         drafted = self.model.propose(sequences, lengths, num_tokens, rows, confidences)
@@ -144,70 +150,42 @@ class HybridCandidateGenerator(Drafter):
             one_hot = torch.zeros_like(drafted.probs).scatter_(2, tokens[..., None], 1.0)
             probs = torch.where(from_lookup[:, None, None], one_hot, drafted.probs)
         self._last = (tokens, from_lookup, drafted.log_probs)
-        return Proposal(tokens, log_probs, probs, torch.where(from_lookup, looked.lengths, num_tokens), from_lookup)
+        return Proposal(tokens, log_probs, probs, torch.where(from_lookup, looked.lengths, num_tokens), from_lookup,
+                        drafted.cached_lengths)
 
-    def propose_lookup(self, sequences: torch.Tensor, lengths: torch.Tensor, num_tokens: int,
-                       rows: torch.Tensor | None = None, confidences: bool = True) -> Proposal:
+    def _propose_lookup(self, sequences: torch.Tensor, lengths: torch.Tensor, num_tokens: int,
+                        rows: torch.Tensor | None, confidences: bool) -> Proposal:
         """Lookup alone drafts ``K = num_tokens`` cells where a row matches (the model runs no forward: rows without a
         match draft nothing); as :meth:`propose` otherwise. ``probs`` is ``None``: every drafted cell is lookup's,
         one-hot at its token."""
         if num_tokens == 0:
             return self.propose(sequences, lengths, 0, rows, confidences)
         looked = self.lookup.propose(sequences, lengths, num_tokens, rows, confidences)
-        self.model.propose(sequences, lengths, 0, rows, confidences)  # (its draft count this step: none)
+        idle = self.model.propose(sequences, lengths, 0, rows, confidences)  # (its draft count this step: none)
         from_lookup = looked.lengths > 0
         self._last = (looked.tokens, from_lookup, None)
-        return Proposal(looked.tokens, looked.log_probs, None, looked.lengths, from_lookup)
+        return Proposal(looked.tokens, looked.log_probs, None, looked.lengths, from_lookup, idle.cached_lengths)
 
-    def accept(self, verdict: Verdict) -> None:
+    def accept(self, verdict: Verdict) -> torch.Tensor | None:
         """Both parts learn the verdict: lookup its acceptance estimates (its rows), the calibration the model's
         cells (the other rows, when confidences were drafted), and the model rolls back to each row's accepted
-        cells, whoever drafted them."""
+        cells, whoever drafted them (what it asks the loop to read is what this returns)."""
         self.lookup.accept(verdict)
         if self._last is None:  # the prompt's read or a plain step: nothing was drafted
-            self.model.accept(verdict)
-            return
+            return self.model.accept(verdict)
         cells, from_lookup, model_log_probs = self._last
         self._last = None
         if model_log_probs is not None:
             self.calibration.update(model_log_probs, verdict.verify_lengths, verdict.num_accepted, ~from_lookup)
-        self.model.accept_cells(verdict, cells, from_lookup)
+        return self.model.accept_cells(verdict, cells, from_lookup)
 
-    def remember(self, rows: torch.Tensor, sequences: torch.Tensor, lengths: torch.Tensor) -> None:
-        self.lookup.remember(rows, sequences, lengths)
+    def settle(self, read: int | None, finished: Retired | None = None, moves: RowMoves | None = None) -> None:
+        self.lookup.settle(None, finished, moves)
+        self.model.settle(read, finished, moves)
 
-    def fill_rows(self, targets: torch.Tensor, sources: torch.Tensor, num_rows: int) -> None:
-        self.lookup.fill_rows(targets, sources, num_rows)
-        self.model.fill_rows(targets, sources, num_rows)
-
-    def add_rows(self, last_tokens: torch.Tensor, prompt_lengths: list[int]) -> None:
-        self.lookup.add_rows(last_tokens, prompt_lengths)
-        self.model.add_rows(last_tokens, prompt_lengths)
-
-    def read_prompts(self, tokens: torch.Tensor, real_lengths: torch.Tensor, num_real: int, longest: int,
-                     next_tokens: torch.Tensor, first_row: int = 0) -> None:
-        self.lookup.read_prompts(tokens, real_lengths, num_real, longest, next_tokens, first_row)
-        self.model.read_prompts(tokens, real_lengths, num_real, longest, next_tokens, first_row)
-
-    # what only the model has: its cache, its pending tokens, its compiled forwards, its hooks on the target
+    def join(self, rows: JoiningRows | None = None, chunk: PromptChunk | None = None) -> torch.Tensor | None:
+        self.lookup.join(rows, chunk)
+        return self.model.join(rows, chunk)
 
     def catch_up(self) -> None:
         self.model.catch_up()
-
-    def compile(self) -> None:
-        self.model.compile()
-
-    def attach(self, target: torch.nn.Module) -> None:
-        self.model.attach(target)
-
-    def detach(self) -> None:
-        self.model.detach()
-
-    def live_lengths(self) -> torch.Tensor | None:
-        return self.model.live_lengths()
-
-    def pending_width(self) -> torch.Tensor | None:
-        return self.model.pending_width()
-
-    def trim_pending(self, read: int) -> None:
-        self.model.trim_pending(read)

@@ -30,7 +30,7 @@ import torch
 
 from ..kv import rows_after_fill
 from ..options import DEFAULT_MAX_NGRAM_SIZE
-from .drafter import Drafter, Proposal, Verdict
+from .drafter import Drafter, JoiningRows, PromptChunk, Proposal, Retired, RowMoves, Verdict, check_chains
 
 CONTEXT_TOKENS = 16  # how far back an occurrence's match with the row's end is compared
 OCCURRENCES = ("best", "latest", "earliest")
@@ -182,7 +182,9 @@ class BatchedPromptLookupCandidateGenerator(Drafter):
         self.acceptance = LookupAcceptance(max(self.ngram_sizes), self.max_tokens, input_ids.device)
 
     def propose(self, sequences: torch.Tensor, lengths: torch.Tensor, num_tokens: int,
-                rows: torch.Tensor | None = None, confidences: bool = True) -> Proposal:
+                rows: torch.Tensor | None = None, confidences: bool = True, *, lookup_only: bool = False,
+                tree_width: int = 1) -> Proposal:
+        check_chains(self, tree_width)
         self._last_num_drafted = num_tokens
         if num_tokens == 0:
             empty = sequences.new_zeros(sequences.shape[0], 0)
@@ -204,15 +206,20 @@ class BatchedPromptLookupCandidateGenerator(Drafter):
         if drafted > 0:
             self.acceptance.update(self._ngram, verdict.verify_lengths, verdict.num_accepted)
 
-    def add_rows(self, last_tokens: torch.Tensor, prompt_lengths: list[int]) -> None:
-        """Rows join unpadded (their first real column is 0); the acceptance table is shared with them."""
-        self.starts = torch.cat([self.starts, self.starts.new_zeros(last_tokens.shape[0])])
-        self.width = max(self.width, *prompt_lengths)
-        if self._ngram is not None:
-            self._ngram = torch.cat([self._ngram, self._ngram.new_zeros(last_tokens.shape[0])])
+    def settle(self, read: int | None, finished: Retired | None = None, moves: RowMoves | None = None) -> None:
+        if moves is not None:
+            rows = rows_after_fill(*moves)
+            self.starts = self.starts[rows]
+            if self._ngram is not None:
+                self._ngram = self._ngram[rows]
 
-    def fill_rows(self, targets: torch.Tensor, sources: torch.Tensor, num_rows: int) -> None:
-        rows = rows_after_fill(targets, sources, num_rows)
-        self.starts = self.starts[rows]
+    def join(self, rows: JoiningRows | None = None, chunk: PromptChunk | None = None) -> None:
+        """Rows join unpadded (their first real column is 0); the acceptance table is shared with them. Lookup reads
+        their prompts from the rows themselves (``chunk`` is nothing to it)."""
+        if rows is None:
+            return
+        count = rows.last_tokens.shape[0]
+        self.starts = torch.cat([self.starts, self.starts.new_zeros(count)])
+        self.width = max(self.width, *rows.prompt_lengths)
         if self._ngram is not None:
-            self._ngram = self._ngram[rows]
+            self._ngram = torch.cat([self._ngram, self._ngram.new_zeros(count)])

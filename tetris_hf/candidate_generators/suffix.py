@@ -32,7 +32,7 @@ import torch
 from ..kv import rows_after_fill
 from ..suffix_cache import (PEER_BUDGET, SUFFIX_DEPTH, SuffixCache, batch_continuations, batch_matches,
                             frequency_chain, longest_match, suffix_keys)
-from .drafter import Drafter, Proposal, Verdict
+from .drafter import Drafter, JoiningRows, PromptChunk, Proposal, Retired, RowMoves, Verdict, check_chains
 
 LENGTH_CLASSES = (1, 2, 4)  # calibration groups by match length: n = 1, 2-3, 4 and more
 
@@ -146,7 +146,8 @@ class SuffixCandidateGenerator(Drafter):
         return drafts, counts, chosen / (total + 1), ngram
 
     def propose(self, sequences: torch.Tensor, lengths: torch.Tensor, num_tokens: int,
-                rows: torch.Tensor | None = None, confidences: bool = True) -> Proposal:
+                rows: torch.Tensor | None = None, confidences: bool = True, *, lookup_only: bool = False,
+                tree_width: int = 1) -> Proposal:
         """Draft ``K = num_tokens`` cells after each row of ``sequences`` ``(B, T)`` (valid up to ``lengths``
         ``(B,)``), written into ``sequences[i, lengths[i]:]``.
 
@@ -155,6 +156,7 @@ class SuffixCandidateGenerator(Drafter):
             acceptance (``-inf`` past a row's count); ``probs`` ``None`` (one-hot at the draft); ``lengths`` ``(B,)``
             cells drafted; ``lookup_rows`` every row (model-free cells).
         """
+        check_chains(self, tree_width)
         if num_tokens == 0:
             empty = sequences.new_zeros(sequences.shape[0], 0)
             self._last = None
@@ -179,22 +181,28 @@ class SuffixCandidateGenerator(Drafter):
             self.acceptance.update(shares, ngram, counts, verdict.verify_lengths, verdict.num_accepted)
             self._last = None
 
-    def add_rows(self, last_tokens: torch.Tensor, prompt_lengths: list[int]) -> None:
-        """Rows join unpadded (their first real column is 0)."""
-        self.starts = torch.cat([self.starts, self.starts.new_zeros(last_tokens.shape[0])])
-        self.width = max(self.width, *prompt_lengths)
+    def join(self, rows: JoiningRows | None = None, chunk: PromptChunk | None = None) -> None:
+        """Rows join unpadded (their first real column is 0); their prompts are read from the rows themselves."""
+        if rows is None:
+            return
+        extra = rows.last_tokens.shape[0]
+        self.starts = torch.cat([self.starts, self.starts.new_zeros(extra)])
+        self.width = max(self.width, *rows.prompt_lengths)
         if self._last is not None:
             ngram, shares, counts = self._last
-            extra = last_tokens.shape[0]
             self._last = (torch.cat([ngram, ngram.new_zeros(extra)]),
                           torch.cat([shares, shares.new_zeros(extra, shares.shape[1])]),
                           torch.cat([counts, counts.new_zeros(extra)]))
 
-    def fill_rows(self, targets: torch.Tensor, sources: torch.Tensor, num_rows: int) -> None:
-        rows = rows_after_fill(targets, sources, num_rows)
-        self.starts = self.starts[rows]
-        if self._last is not None:
-            self._last = tuple(part[rows] for part in self._last)
+    def settle(self, read: int | None, finished: Retired | None = None, moves: RowMoves | None = None) -> None:
+        """Rows that finished join the cache (:meth:`remember`); the others move as ``moves`` says."""
+        if finished is not None:
+            self.remember(*finished)
+        if moves is not None:
+            rows = rows_after_fill(*moves)
+            self.starts = self.starts[rows]
+            if self._last is not None:
+                self._last = tuple(part[rows] for part in self._last)
 
     def remember(self, rows: torch.Tensor, sequences: torch.Tensor, lengths: torch.Tensor) -> None:
         """Rows that finished join the cache: original indices ``rows`` ``(M,)``, tokens ``sequences`` ``(M, T)``

@@ -2,7 +2,7 @@
 the batched protocol (:meth:`~.drafter.Drafter.prefill`, ``propose``, ``accept``), so that transformers' own assisted
 decoding (``GenerationMixin._assisted_decoding``, one row) can draft with a draft model, prompt lookup or an EAGLE
 head. An EAGLE head drafts from the target's hidden states: it declares ``requires_model_outputs`` (with
-``model_kwargs_overrides = {"output_hidden_states": True}``), and the loop hands it each verify forward's outputs
+``model_kwargs_overrides = {"output_hidden_states": [the layers it reads]}``), and the loop hands it each verify forward's outputs
 (``model_outputs``) at the next ``get_candidates``, where it reads the target's verdict on its last candidates.
 
 What that loop does with a candidate generator (transformers 5.23, ``generation/utils.py``, ``_assisted_decoding``):
@@ -41,6 +41,7 @@ class _Candidates(NamedTuple):
     ids: torch.Tensor
     length: int  # T
     count: int
+    cached_lengths: torch.Tensor | None = None  # (1,) the drafter's cache fill after drafting (None: no cache)
 
 
 class CandidateGeneratorAPI(CandidateGenerator):
@@ -61,6 +62,7 @@ class CandidateGeneratorAPI(CandidateGenerator):
     num_assistant_tokens: int = TetrisOptions.num_assistant_tokens
     max_length: int | None = None
     reads_target_features = False  # drafts from the target's hidden states (an EAGLE head): see model_outputs below
+    _given_features: torch.Tensor | None = None  # (1, W, F) those of the last verify forward (take_target_outputs)
     _candidates: _Candidates | None = None  # the answer the target has not ruled on
     _seen: torch.Tensor | None = None  # (1, T) the sequence the drafter stands at, no candidates pending
 
@@ -92,7 +94,7 @@ class CandidateGeneratorAPI(CandidateGenerator):
         proposal = self.propose(sequences, lengths, num_tokens, confidences=False)
         count = num_tokens if proposal.lengths is None else int(proposal.lengths[0])
         candidates = sequences[:, : length + count]
-        self._candidates, self._seen = _Candidates(candidates, length, count), None
+        self._candidates, self._seen = _Candidates(candidates, length, count, proposal.cached_lengths), None
         # no q (deterministic drafts) or no drafts: None, which the loop needs for k = 0 (its speculative sampling
         # would take candidate_ids[:, -0:], the whole sequence, for the drafts)
         if count == 0 or proposal.probs is None:
@@ -154,13 +156,14 @@ class CandidateGeneratorAPI(CandidateGenerator):
             if not (0 <= accepted <= last.count and torch.equal(input_ids[:, : new_length - 1],
                                                                  last.ids[:, : new_length - 1])):
                 return False
-            live = self.live_lengths()
+            live = last.cached_lengths
             device = input_ids.device
-            self.accept(Verdict(
+            self.accept(Verdict(  # (what it asks the loop to read for it, it does without: one row, ≤ 2 columns)
                 num_accepted=torch.tensor([accepted], device=device),
                 next_tokens=input_ids[:, -1],
                 verify_lengths=torch.tensor([last.count], device=device),  # the loop verifies every candidate
                 hints=ReadHints(max_accepted=accepted, cached_longest=None if live is None else int(live.max())),
+                features=self._given_features,
             ))
             self._seen = input_ids
             return True

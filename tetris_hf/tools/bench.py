@@ -50,6 +50,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
 from .cli import UsageError, load_pair, load_prompt_set, number_list, prompt_texts, resolve_device
 from .divergence import RowDivergence
@@ -190,18 +191,16 @@ def _percentile(sorted_values: list[float], percent: float) -> float:
     return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (rank - low)
 
 
-class ForwardCounter:
-    """Counts a model's forward calls (a batched forward counts once)."""
+class StepCounter(StoppingCriteria):
+    """Counts the steps of transformers' own decoding loops (plain and assisted), which check their stopping
+    criteria once per target forward; stops nothing."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self):
         self.count = 0
-        self._handle = model.register_forward_hook(self._hook)
 
-    def _hook(self, *_):
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
         self.count += 1
-
-    def close(self) -> None:
-        self._handle.remove()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 class PeakMemory:
@@ -286,50 +285,49 @@ def run_strategy(
     trees = options.get("tetris_tree_width", 1) > 1
     positions = None if strategy in BASELINES or trees else PositionCounts()
     steps = None if strategy in BASELINES else []
-    counter = ForwardCounter(target)
+    counter = StepCounter()  # (transformers' loops: one target forward a step; ours report their steps)
+    baseline = dict(stopping_criteria=StoppingCriteriaList([counter]))
     torch.manual_seed(config.seed)
-    try:
-        with PeakMemory(device) as memory:
-            started = time.perf_counter()
-            for first in range(0, len(texts), batch_size):
-                batch = encode(tokenizer, texts[first : first + batch_size], device)
-                if strategy == "generate":
-                    sequences = target.generate(**batch, **common)
-                elif strategy == "hf-assisted":
-                    sequences = target.generate(**batch, assistant_model=draft, **common)
-                elif strategy == "hf-lookup":
-                    sequences = target.generate(**batch, **options, **common)
-                else:
-                    result = target.generate(
-                        **batch, **{**drafting(draft), **options}, custom_generate="tetris", tetris_strategy=strategy,
-                        return_dict_in_generate=True, **common,
-                    )
-                    sequences, stats = result.sequences, result.tetris_stats
-                    drafted += stats.drafted_tokens
-                    verified += stats.verified_tokens
-                    accepted += stats.accepted_tokens
-                    draft_seconds += stats.draft_seconds
-                    verify_seconds += stats.verify_seconds
-                    target_tokens += stats.target_tokens
-                    selected_tokens += stats.selected_tokens
-                    lookup_verified += stats.lookup_verified_tokens
-                    row_steps += sum(sum(v >= 0 for v in step) for step in stats.verified_per_step)
-                    if positions is not None:
-                        positions.add(stats.verified_per_step, stats.accepted_per_step)
-                    steps.append([[k, verified_row, accepted_row] for k, verified_row, accepted_row in zip(
-                        stats.num_drafted_per_step, stats.verified_per_step, stats.accepted_per_step)])
-                rows = generated_tokens(sequences, batch["input_ids"].shape[1], eos_ids)
-                if strategy == "generate":
-                    row_steps += sum(map(len, rows))  # one token per row per step, by construction
-                outputs.extend(rows)
-                latencies.extend([time.perf_counter() - started] * len(rows))
-                if progress is not None:
-                    progress.update(len(rows))
-            seconds = time.perf_counter() - started
-        if strategy in ONE_AT_A_TIME:
-            row_steps = counter.count  # one row, one target forward per step
-    finally:
-        counter.close()
+    with PeakMemory(device) as memory:
+        started = time.perf_counter()
+        for first in range(0, len(texts), batch_size):
+            batch = encode(tokenizer, texts[first : first + batch_size], device)
+            if strategy == "generate":
+                sequences = target.generate(**batch, **common, **baseline)
+            elif strategy == "hf-assisted":
+                sequences = target.generate(**batch, assistant_model=draft, **common, **baseline)
+            elif strategy == "hf-lookup":
+                sequences = target.generate(**batch, **options, **common, **baseline)
+            else:
+                result = target.generate(
+                    **batch, **{**drafting(draft), **options}, custom_generate="tetris", tetris_strategy=strategy,
+                    return_dict_in_generate=True, **common,
+                )
+                sequences, stats = result.sequences, result.tetris_stats
+                drafted += stats.drafted_tokens
+                verified += stats.verified_tokens
+                accepted += stats.accepted_tokens
+                draft_seconds += stats.draft_seconds
+                verify_seconds += stats.verify_seconds
+                target_tokens += stats.target_tokens
+                selected_tokens += stats.selected_tokens
+                lookup_verified += stats.lookup_verified_tokens
+                row_steps += sum(sum(v >= 0 for v in step) for step in stats.verified_per_step)
+                counter.count += len(stats.verified_per_step)  # one target forward a step
+                if positions is not None:
+                    positions.add(stats.verified_per_step, stats.accepted_per_step)
+                steps.append([[k, verified_row, accepted_row] for k, verified_row, accepted_row in zip(
+                    stats.num_drafted_per_step, stats.verified_per_step, stats.accepted_per_step)])
+            rows = generated_tokens(sequences, batch["input_ids"].shape[1], eos_ids)
+            if strategy == "generate":
+                row_steps += sum(map(len, rows))  # one token per row per step, by construction
+            outputs.extend(rows)
+            latencies.extend([time.perf_counter() - started] * len(rows))
+            if progress is not None:
+                progress.update(len(rows))
+        seconds = time.perf_counter() - started
+    if strategy in ONE_AT_A_TIME:
+        row_steps = counter.count  # one row, one target forward per step
     return RunResult(
         name=name,
         strategy=strategy,

@@ -72,6 +72,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from tetris_hf.candidate_generators.eagle import select_features
 from tetris_hf.tools.cli import UsageError, resolve_device, training_chats
 from tetris_hf.tools.distill import count_tokens, tokenize_chats, windows
 
@@ -304,15 +305,18 @@ def target_logits(target, hidden: torch.Tensor, rows: torch.Tensor | None = None
 
 
 @torch.no_grad()
-def target_pass(target, tap, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+def target_pass(target, layers: tuple[int, ...], input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One frozen target forward (decoder only, no ``output_hidden_states``; ``tap`` keeps the head's layers).
+    """One frozen target forward (decoder only, keeping the hidden states at ``layers`` only: the head's
+    ``aux_layer_ids``).
 
     Returns ``features`` ``(B, T, F)``, ``logits`` ``(B, T, Vd)`` over the draft vocabulary ``rows`` (all ``V`` when
     ``None``) and the final hidden states ``(B, T, H)``.
     """
-    hidden = target.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-    return tap.features, target_logits(target, hidden, rows), hidden
+    outputs = target.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                                   output_hidden_states=list(layers))
+    hidden = outputs.last_hidden_state
+    return select_features(outputs.hidden_states, layers), target_logits(target, hidden, rows), hidden
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -402,7 +406,7 @@ def ttt_loss(head, outputs: list[torch.Tensor], target_draft_logits: torch.Tenso
     return loss, sums
 
 
-def train_step(head, target, tap, samples: list[Sample], optimizer: torch.optim.Optimizer, *, steps: int,
+def train_step(head, target, samples: list[Sample], optimizer: torch.optim.Optimizer, *, steps: int,
                pad_id: int, rows: torch.Tensor | None, micro_batch_size: int,
                autocast_dtype: torch.dtype | None = None, in_draft_vocab: torch.Tensor | None = None) -> list[float]:
     """One optimiser step of the TTT loss on ``samples`` (micro-batches accumulate); returns each draft step's mean
@@ -422,7 +426,7 @@ def train_step(head, target, tap, samples: list[Sample], optimizer: torch.optim.
     for start in range(0, len(samples), micro_batch_size):
         input_ids, attention_mask, scored = pack(samples[start : start + micro_batch_size], pad_id, device)
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            features, target_draft, hidden = target_pass(target, tap, input_ids, attention_mask, rows)
+            features, target_draft, hidden = target_pass(target, head.aux_layer_ids, input_ids, attention_mask, rows)
             if in_draft_vocab is not None:
                 with torch.no_grad():
                     scored = scored & in_draft_vocab[target_logits(target, hidden).argmax(dim=-1)]
@@ -449,12 +453,12 @@ class HeldOut:
 
 
 @torch.no_grad()
-def prepare_held_out(target, tap, samples: list[Sample], pad_id: int, rows, micro_batch_size: int,
+def prepare_held_out(target, layers: tuple[int, ...], samples: list[Sample], pad_id: int, rows, micro_batch_size: int,
                      device) -> HeldOut:
     batches = []
     for start in range(0, len(samples), micro_batch_size):
         input_ids, attention_mask, scored = pack(samples[start : start + micro_batch_size], pad_id, device)
-        features, target_draft, hidden = target_pass(target, tap, input_ids, attention_mask, rows)
+        features, target_draft, hidden = target_pass(target, layers, input_ids, attention_mask, rows)
         argmax = target_logits(target, hidden).argmax(dim=-1)
         batches.append((input_ids, scored, features, target_draft, argmax))
     return HeldOut(batches, sum(len(sample.ids) for sample in samples))
@@ -919,7 +923,6 @@ def main(args) -> int:
         in_draft_vocab = torch.zeros(vocab, dtype=torch.bool, device=device)
         in_draft_vocab[rows] = True
         data_kind += ", where the target's argmax is in the draft vocabulary"
-    tap = head.tap(target)
 
     history: list[dict] = []
     step = seen = scored_seen = 0
@@ -933,7 +936,7 @@ def main(args) -> int:
         step, seen, scored_seen = saved["step"], saved["seen"], saved["scored"]
         history, sessions, seconds_before = saved["history"], saved["sessions"], saved["seconds"]
     with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
-        held_out = prepare_held_out(target, tap, held_samples, pad_id, rows, micro, device)
+        held_out = prepare_held_out(target, head.aux_layer_ids, held_samples, pad_id, rows, micro, device)
     held_scored = sum(sum(sample.scored()) for sample in held_samples)
     print(f"train-eagle: EAGLE-3 head for {target_name}: reads hs{list(head.aux_layer_ids)}, "
           f"{sum(p.numel() for p in params) / 1e6:.1f}M params, draft vocabulary {head.draft_vocab_size:,} of "
@@ -976,7 +979,7 @@ def main(args) -> int:
         samples = batches.next(args.batch_size)
         for group in optimizer.param_groups:  # linear from --lr to a tenth of it over the token budget
             group["lr"] = args.lr * (1.0 - 0.9 * min(seen / args.tokens, 1.0))
-        losses = train_step(head, target, tap, samples, optimizer, steps=args.ttt_steps, pad_id=pad_id, rows=rows,
+        losses = train_step(head, target, samples, optimizer, steps=args.ttt_steps, pad_id=pad_id, rows=rows,
                             micro_batch_size=micro, autocast_dtype=autocast, in_draft_vocab=in_draft_vocab)
         step += 1
         tokens = sum(len(sample.ids) for sample in samples)
