@@ -66,3 +66,38 @@ def test_the_plain_stream_drafts_nothing_and_serves_every_request_as_generate_do
     plain = report["runs"][3][-1]
     assert plain["name"] == "stream-plain" and plain["equal"] == "7/7"
     assert plain["tokens_per_row_step"] == 1.0
+
+
+def test_suffix_drafts_from_a_seed_file_serve_every_request_as_generate_does(pair, tmp_path):
+    """``--draft suffix --suffix-seed FILE``: every run drafts from a cache of its own seeded from the file (the
+    earlier outputs make the stream accept drafts from its first step); outputs equal static generate()'s."""
+    target, _ = pair
+    prompts = random_prompts(6, target.config.vocab_size, seed=8, min_length=2, max_length=20)
+    config = stream_bench.StreamBenchConfig(max_new_tokens=10, max_batch_sizes=(3,), systems=("generate-chunks",),
+                                            strategies=("fixed",), lookup=True, suffix=True)
+    unseeded = stream_bench.run_stream_bench(target, None, prompts, {EOS}, PAD, config, log=lambda line: None)
+    seed = tmp_path / "seed.jsonl"
+    seed.write_text("".join(f"{prompt + tokens}\n" for prompt, tokens in
+                            zip(prompts, unseeded["medians"][3][0].tokens)))  # what plain decoding wrote
+    config.suffix_seed = str(seed)
+    report = stream_bench.run_stream_bench(target, None, prompts, {EOS}, PAD, config, log=lambda line: None)
+    assert [row["name"] for row in report["runs"][3]] == ["generate-chunks", "stream-fixed"]
+    assert all(row["equal"] == "6/6" for row in report["runs"][3])
+    assert report["runs"][3][-1]["tokens_per_row_step"] > unseeded["runs"][3][-1]["tokens_per_row_step"]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--suffix-seed", "seed.jsonl"], "pass --draft suffix too"),
+    (["--draft", "suffix", "--suffix-seed", "no-such-file.jsonl"], "no such file"),
+])
+def test_a_suffix_seed_is_refused_without_suffix_drafts_or_a_file(argv, words, tmp_path, monkeypatch):
+    import argparse
+
+    from tetris_hf.tools.cli import UsageError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "seed.jsonl").write_text("[1, 2]\n")
+    parser = argparse.ArgumentParser()
+    stream_bench.add_arguments(parser)
+    with pytest.raises(UsageError, match=words):
+        stream_bench.main(parser.parse_args(["--device", "cpu", *argv]))

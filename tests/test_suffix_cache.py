@@ -3,6 +3,9 @@ every occurrence's continuation are found, the drafted chain is always a continu
 tokens, the vote counts add up, and eviction keeps the cap."""
 
 import collections
+import json
+import math
+import re
 import threading
 
 import pytest
@@ -11,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tetris_hf.candidate_generators.suffix import SuffixCandidateGenerator
-from tetris_hf.suffix_cache import (SuffixCache, batch_continuations, batch_matches, frequency_chain, longest_match,
-                                    suffix_keys)
+from tetris_hf.suffix_cache import (SuffixCache, batch_continuations, batch_matches, frequency_chain, frequency_tree,
+                                    longest_match, suffix_keys)
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 requests_strategy = st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=6)
@@ -115,6 +118,78 @@ def test_frequency_chain_takes_the_most_frequent_token_depth_by_depth(candidates
     assert ((shares >= 0) & (shares < 1)).all()
 
 
+def step_log_conditional(shares: torch.Tensor) -> torch.Tensor:
+    """A calibration stand-in whose path sums are exact in float32 and float64 (integers), so ties match the
+    reference's."""
+    return -torch.floor((1 - shares) * 8) - 1
+
+
+def reference_tree(rows: list[list[int]], alive: list[bool], width: int) -> list[tuple]:
+    """The frequency tree by hand, level by level: each frontier node's ``width`` most voted next tokens among the
+    occurrences agreeing with its path (ties: the earliest occurrence), the ``width`` best candidates by path score
+    kept (ties: parent, then rank). Returns ``(token, parent, depth, score, share)`` per valid node, ``None``
+    elsewhere, in node order."""
+    owner = {i: 0 for i, keep in enumerate(alive) if keep}
+    frontier_scores, nodes = [0.0], []
+    for level in range(len(rows[0])):
+        owner = {i: f for i, f in owner.items() if rows[i][level] >= 0}
+        candidates = []  # (score, parent, token, share), parent-major then rank
+        for f, parent_score in enumerate(frontier_scores):
+            mine = sorted(i for i in owner if owner[i] == f)
+            votes = collections.Counter(rows[i][level] for i in mine)
+            first = {}
+            for i in mine:
+                first.setdefault(rows[i][level], i)
+            ranked = sorted(first, key=lambda token: (-votes[token], first[token]))[:width]
+            for rank in range(width):
+                if rank < len(ranked) and parent_score > float("-inf"):
+                    share = votes[ranked[rank]] / (len(mine) + 1)
+                    score = parent_score - math.floor((1 - share) * 8) - 1
+                    candidates.append((score, f, ranked[rank], share))
+                else:
+                    candidates.append((float("-inf"), f, None, 0.0))
+        kept = sorted(candidates, key=lambda candidate: -candidate[0])[:width]  # (stable: ties keep their order)
+        start = -1 if level == 0 else (level - 1) * width
+        nodes += [None if token is None else (token, -1 if start < 0 else start + f, level + 1, score, share)
+                  for score, f, token, share in kept]
+        index = {(f, token): k for k, (_, f, token, _) in enumerate(kept) if token is not None}
+        owner = {i: index[(f, rows[i][level])] for i, f in owner.items() if (f, rows[i][level]) in index}
+        frontier_scores = [score for score, *_ in kept]
+    return nodes
+
+
+@SETTINGS
+@given(st.lists(st.lists(st.integers(-1, 3), min_size=3, max_size=3), min_size=1, max_size=9),
+       st.lists(st.booleans(), min_size=9, max_size=9), st.integers(1, 3))
+def test_frequency_tree_equals_a_trie_built_by_hand(candidates, alive, width):
+    """The tree holds, level by level, the most voted distinct continuations of the occurrences (as the reference
+    counts them), siblings distinct, scores falling along paths; with ``width = 1`` it is the frequency chain."""
+    alive = alive[: len(candidates)]
+    rows = [c[: c.index(-1)] + [-1] * (3 - c.index(-1)) if -1 in c else c for c in candidates]
+    tree, shares = frequency_tree(torch.tensor([rows]), torch.tensor([alive]), width, step_log_conditional)
+    expected = reference_tree(rows, alive, width)
+    assert tree.tokens.shape == (1, 3 * width)
+    for node, want in enumerate(expected):
+        assert bool(tree.valid[0, node]) == (want is not None), node
+        if want is None:
+            assert tree.log_scores[0, node] == float("-inf") and shares[0, node] == 0
+            continue
+        token, parent, depth, score, share = want
+        assert (int(tree.tokens[0, node]), int(tree.parents[0, node]), int(tree.depths[0, node])) == \
+            (token, parent, depth), node
+        assert float(tree.log_scores[0, node]) == score and abs(float(shares[0, node]) - share) < 1e-6
+        if parent >= 0:  # a valid node's parent is valid and scores no lower
+            assert tree.valid[0, parent] and tree.log_scores[0, parent] >= tree.log_scores[0, node]
+    valid = tree.valid[0].tolist()
+    siblings = collections.Counter((int(tree.parents[0, n]), int(tree.tokens[0, n])) for n in range(3 * width)
+                                   if valid[n])
+    assert max(siblings.values(), default=1) == 1
+    if width == 1:
+        chain, count, _, _ = frequency_chain(torch.tensor([rows]), torch.tensor([alive]))
+        assert tree.valid[0].sum() == count[0]
+        assert tree.tokens[0, : int(count[0])].tolist() == chain[0, : int(count[0])].tolist()
+
+
 @SETTINGS
 @given(st.lists(row_strategy, min_size=1, max_size=4), st.booleans())
 def test_batch_matches_equal_a_row_by_row_search(rows, peers):
@@ -206,6 +281,50 @@ def test_concurrent_adds_and_queries_keep_the_cache_consistent():
         thread.join()
     assert not errors
     assert cache.added == 200 and cache.num_requests == 16
+
+
+def test_a_saved_cache_seeds_an_equal_one_from_its_file(tmp_path):
+    """``save`` writes the requests held oldest first (after the ring wrapped too) as JSON lines; ``from_file`` reads
+    them into a cache that holds the same tokens in the same order and finds the same continuations."""
+    requests = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [2, 3, 12], [13, 2, 3, 14]]
+    cache = cache_of(requests, max_requests=3, width=5)  # the ring wrapped: holds requests 2-4 (last 5 tokens each)
+    path = tmp_path / "seed.jsonl"
+    assert cache.save(path) == 3
+    lines = path.read_text().splitlines()
+    assert [json.loads(line) for line in lines] == [[11], [2, 3, 12], [13, 2, 3, 14]]
+    seeded = SuffixCache.from_file(path, max_requests=3, tokens_per_request=5, depth=3)
+    assert seeded.num_requests == 3 and seeded.add_file(path) == 3  # (again: the ring takes them in order)
+    for row in ([2, 3], [4, 11], [13]):
+        assert query(seeded, row, 8, 2) == query(cache, row, 8, 2)
+    assert query(seeded, [2, 3], 8, 2) == (2, [[14], [12]])  # the newest request first
+    empty = SuffixCache(max_requests=2)
+    assert empty.save(tmp_path / "empty.jsonl") == 0 and (tmp_path / "empty.jsonl").read_text() == ""
+
+
+def test_a_seed_file_skips_blank_lines_and_keeps_long_requests_tail(tmp_path):
+    path = tmp_path / "seed.jsonl"
+    path.write_text("[1, 2, 3, 4, 5, 6]\n\n   \n[]\n[7, 8]\n")
+    cache = SuffixCache.from_file(path, vocab_size=9, max_requests=4, tokens_per_request=4, depth=2)
+    assert cache.num_requests == 2
+    assert cache.tokens[:2].tolist() == [[3, 4, 5, 6], [-1, -1, 7, 8]]
+
+
+@pytest.mark.parametrize("line, words", [
+    ("[1, 2", "not JSON"),
+    ('{"tokens": [1, 2]}', "a JSON dict, not an array of token ids"),
+    ("[1, -2]", "token -2 at position 1 is not an integer >= 0"),
+    ("[1, 2.5]", "token 2.5 at position 1 is not an integer >= 0"),
+    ("[true]", "token True at position 0 is not an integer >= 0"),
+    ('["a"]', "token 'a' at position 0"),
+    ("[3, 40]", "token 40 at position 1 is not below the vocabulary size 32"),
+])
+def test_a_bad_seed_file_is_refused_naming_its_line(tmp_path, line, words):
+    path = tmp_path / "seed.jsonl"
+    path.write_text("[1, 2, 3]\n\n" + line + "\n[4]\n")
+    cache = SuffixCache(max_requests=4)
+    with pytest.raises(ValueError, match=rf"seed\.jsonl:3: {re.escape(words)}"):
+        cache.add_file(path, vocab_size=32)
+    assert cache.added == 0  # nothing was added
 
 
 @pytest.mark.parametrize("name, value", [("max_requests", 0), ("tokens_per_request", 1), ("depth", True)])

@@ -1,13 +1,17 @@
-"""Suffix drafts in the loop (tetris_suffix_num_tokens): greedy rows equal the target alone in generate(), in the
-request stream with rows joining and in hybrid with a draft model; sampled rows follow the target's law (and a broken
-rejection fails that test); finished rows reach the cache; a step reads the device at most twice; bad settings are
-refused by name before any forward."""
+"""Suffix drafts in the loop (tetris_suffix_num_tokens), chains and trees (tetris_tree_width > 1): greedy rows equal
+the target alone in generate(), in the request stream with rows joining and (chains) in hybrid with a draft model;
+sampled rows follow the target's law (and a broken rejection, or a broken tree rule, fails that test); finished rows
+reach the cache; a step reads the device at most twice; bad settings are refused by name before any forward."""
+
+import functools
 
 import pytest
 import torch
 
 import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
 import tetris_hf.logits.verification as verification
+import tetris_hf.tree_step as tree_step
+import tetris_hf.trees as trees
 import test_sampling_distribution as sampling
 from tetris_hf.candidate_generators.suffix import SuffixCandidateGenerator
 from tetris_hf.stream import RequestStream
@@ -48,6 +52,26 @@ def test_greedy_rows_equal_the_target_alone(repetitive_target, batch_size, strat
         assert stats.accepted_tokens > 0  # suffix drafts were made, and right at times
 
 
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+@pytest.mark.parametrize("strategy,options", STRATEGIES)
+def test_greedy_tree_rows_equal_the_target_alone(repetitive_target, batch_size, strategy, options):
+    """Suffix trees (``tetris_tree_width > 1``): the most voted distinct continuations, nodes selected across rows."""
+    prompts = repetitive_prompts(batch_size, 24, seed=batch_size)
+    eos = pick_eos(repetitive_target, prompts) if batch_size > 1 else EOS
+    references = target_alone(repetitive_target, prompts, eos)
+    input_ids, mask = left_pad(prompts)
+    width = 3 if strategy == "fixed" else 2
+    out = lookup_generate(repetitive_target, input_ids, mask, eos, tetris_suffix_num_tokens=3,
+                          tetris_tree_width=width, tetris_strategy=strategy, **options)
+    assert_rows_equal(out.sequences, input_ids, mask, references)
+    stats = out.tetris_stats
+    assert stats.emitted_tokens == sum(len(reference) for reference in references)
+    if strategy != "adaptive":  # (which may find plain steps cheaper)
+        assert stats.accepted_tokens > 0
+    if batch_size > 1 and strategy in ("tetris", "fixed"):
+        assert stats.verified_tokens < stats.drafted_tokens  # the trees branched beyond what was verified
+
+
 def test_finished_rows_fill_the_cache_and_a_seeded_cache_drafts(repetitive_target):
     """A shared cache keeps every row of a call (padding left out); a second call on fresh prompts drafts from it
     what the first wrote, and stays exact."""
@@ -80,6 +104,20 @@ def test_stream_rows_equal_target_alone(strategy, max_batch_size):
                            tetris_strategy=strategy, tetris_suffix_num_tokens=3, tetris_suffix_cache=cache)
     check_exact(target, stream, requests(target, 12, seed=40 + max_batch_size, max_prompt=16))
     assert cache.added == 12 and cache.num_requests == 8
+
+
+@pytest.mark.parametrize("strategy", ["tetris", "fixed", "adaptive"])
+@pytest.mark.parametrize("max_batch_size", [1, 3, 8])
+def test_stream_tree_rows_equal_target_alone(strategy, max_batch_size):
+    """Suffix trees in the stream: rows join (their prompts read in forwards of their own), finished ones feed the
+    cache the next rows' trees draw from."""
+    target = sharpen(tiny_llama(seed=0), 4.0)
+    cache = SuffixCache(max_requests=8, tokens_per_request=32)
+    stream = RequestStream(target, max_batch_size=max_batch_size, prefill_chunk=5, eos_token_id=None,
+                           tetris_strategy=strategy, tetris_suffix_num_tokens=3, tetris_tree_width=2,
+                           tetris_suffix_cache=cache)
+    check_exact(target, stream, requests(target, 12, seed=60 + max_batch_size, max_prompt=16))
+    assert cache.added == 12
 
 
 def test_generate_batch_takes_the_option():
@@ -164,6 +202,88 @@ def test_chi_square_catches_a_rejection_that_keeps_the_drafted_token(suffix_samp
     assert sampling.chi_square_p_value(counts, joint) < 1e-3
 
 
+def likely_continuations(target, prompt: list[int], depth: int = 3, width: int = 2) -> list[list[int]]:
+    """``prompt`` followed by every path of the target's ``width`` likeliest tokens, ``depth`` deep, each repeated
+    ``1 + round(8 p)`` times (``p`` the path's probability): a cache whose trees branch where the target has mass."""
+    out = []
+
+    def walk(path: list[int], probability: float) -> None:
+        if len(path) == depth:
+            out.extend([prompt + path] * (1 + round(8 * probability)))
+            return
+        with torch.no_grad():
+            law = target(torch.tensor([prompt + path])).logits[0, -1].softmax(-1)
+        top = law.topk(width)
+        for token_probability, token in zip(top.values.tolist(), top.indices.tolist()):
+            walk(path + [token], probability * token_probability)
+
+    walk([], 1.0)
+    return out
+
+
+def sampled_tree_joint(target, strategy, monkeypatch, **options):
+    """12,000 rows of one prompt drafting suffix trees from a cache of the target's likely continuations, kept as
+    seeded (the rows that stop are not added: the tree's contents do not matter to the law, and thousands of rows
+    stopping at once would evict the seeds), the first four sampled tokens counted."""
+    monkeypatch.setattr(SuffixCandidateGenerator, "remember", lambda self, *finished: None)
+    cache = SuffixCache(max_requests=64, tokens_per_request=16)
+    cache.add_token_lists(likely_continuations(target, SUFFIX_PROMPT))
+    return sampled_model_free_joint(target, strategy, tetris_suffix_cache=cache, tetris_suffix_num_tokens=2,
+                                    **options)
+
+
+SAMPLED_TREES = [
+    ("tetris", {"tetris_tree_width": 2, "tetris_extra_tokens": 1, "tetris_budget": sampling.ROWS}),
+    ("fixed", {"tetris_tree_width": 2}),
+    ("adaptive", {"tetris_tree_width": 3, "tetris_cost_profile": sampling.CHEAP_VERIFY}),
+]
+
+
+@pytest.mark.parametrize("strategy,options", SAMPLED_TREES)
+def test_sampled_tree_sequences_follow_the_target_distribution(suffix_sampling, strategy, options, monkeypatch):
+    """Deterministic trees verified by a draw from the target's law at each node, followed while it lands on a
+    child (``trees.accept_tree_matching``): the joint law of the first four tokens."""
+    target, joint = suffix_sampling
+    counts, stats = sampled_tree_joint(target, strategy, monkeypatch, **options)
+    assert 0 < stats.accepted_tokens < stats.verified_tokens < stats.drafted_tokens  # branches left out, some taken
+    assert sampling.chi_square_p_value(counts, joint) > 1e-3
+
+
+def test_chi_square_catches_children_tried_each_by_its_own_odds(suffix_sampling, monkeypatch):
+    """Teeth: the chain's one-hot rule applied to each sibling in turn (child ``j`` accepted with probability
+    ``p(c_j)``, not ``p(c_j) / (1 - p(c_1) - ... - p(c_{j-1}))``; then a draw from ``p`` without the tried children)
+    under-emits later siblings, and the test sees it."""
+    target, joint = suffix_sampling
+
+    def each_by_its_own_odds(block_tokens, block_parents, target_probs, max_depth, generator=None):
+        rows = torch.arange(block_tokens.shape[0])
+        current = torch.zeros_like(rows)
+        path = torch.full((len(rows), max_depth), -1)
+        stopped = torch.zeros_like(rows, dtype=torch.bool)
+        next_tokens = torch.zeros_like(rows)
+        for level in range(max_depth + 1):
+            law = target_probs[rows, current]  # (B, V)
+            children = (block_parents == current[:, None]) & (level < max_depth)  # (B, S)
+            moved = torch.zeros_like(stopped)
+            for slot in range(1, block_tokens.shape[1]):
+                odds = law[rows, block_tokens[:, slot]]
+                accept = children[:, slot] & ~stopped & ~moved & (torch.rand(len(rows)) < odds)
+                current, moved = torch.where(accept, slot, current), moved | accept
+            if level < max_depth:
+                path[:, level] = torch.where(moved, current, -1)
+            tried = torch.zeros_like(law).scatter_add_(1, block_tokens, children.float()) > 0
+            rest = law.masked_fill(tried, 0.0)
+            stop = ~stopped & ~moved
+            next_tokens = torch.where(stop, verification.sample_tokens(rest / rest.sum(dim=1, keepdim=True)),
+                                      next_tokens)
+            stopped |= stop
+        return trees.TreeAcceptance(path, (path >= 0).sum(dim=1), next_tokens)
+
+    monkeypatch.setattr(tree_step, "accept_tree_matching", each_by_its_own_odds)
+    counts, _ = sampled_tree_joint(target, "fixed", monkeypatch, tetris_tree_width=2)
+    assert sampling.chi_square_p_value(counts, joint) < 1e-3
+
+
 # -- refusals and reads ----------------------------------------------------------------------------------------------
 
 
@@ -174,7 +294,9 @@ def test_chi_square_catches_a_rejection_that_keeps_the_drafted_token(suffix_samp
     ({"tetris_suffix_num_tokens": 2, "num_assistant_tokens": 3}, "make them equal"),
     ({"tetris_suffix_num_tokens": 2, "assistant_model": "DRAFT", "tetris_draft_vocab": 10},
      "not supported with suffix drafts"),
-    ({"tetris_suffix_num_tokens": 2, "assistant_model": "DRAFT", "tetris_tree_width": 2}, "suffix drafts"),
+    ({"tetris_suffix_num_tokens": 2, "assistant_model": "DRAFT", "tetris_tree_width": 2},
+     "tetris_tree_width` > 1 with `tetris_suffix_num_tokens` beside an `assistant_model`"),
+    ({"prompt_lookup_num_tokens": 2, "tetris_tree_width": 2}, "prompt lookup drafts one continuation"),
     ({"tetris_suffix_cache": SuffixCache(max_requests=2)}, "pass `tetris_suffix_num_tokens=` too"),
     ({"tetris_suffix_num_tokens": 2, "tetris_suffix_cache": {}}, "tetris_suffix_cache` must be"),
 ])
@@ -186,22 +308,23 @@ def test_bad_suffix_settings_are_refused_before_any_forward(options, message, mo
     def no_forward(*args, **kwargs):
         raise AssertionError("a forward ran before the refusal")
 
-    monkeypatch.setattr(target, "forward", no_forward)
+    monkeypatch.setattr(target, "forward", functools.wraps(target.forward)(no_forward))  # (its signature kept)
     input_ids, mask = left_pad([[3, 4, 3, 4], [5, 6]])
     with pytest.raises((ValueError, TypeError), match=message):
         target.generate(input_ids, attention_mask=mask, custom_generate="tetris", max_new_tokens=4, **options)
 
 
-@pytest.mark.parametrize("strategy", ["tetris", "fixed"])
-def test_a_suffix_step_reads_the_device_at_most_twice(repetitive_target, strategy):
-    """Suffix drafting reads nothing, and rows finishing into the cache read nothing either."""
+@pytest.mark.parametrize("strategy,width", [("tetris", 1), ("fixed", 1), ("tetris", 2), ("fixed", 3)])
+def test_a_suffix_step_reads_the_device_at_most_twice(repetitive_target, strategy, width):
+    """Suffix drafting (chains or trees) reads nothing, and rows finishing into the cache read nothing either."""
     from test_host_reads import host_reads
 
     prompts = repetitive_prompts(8, 24, seed=4)
     input_ids, mask = left_pad(prompts)
     with host_reads.HostReads() as reads:
         repetitive_target.generate(input_ids, attention_mask=mask, custom_generate="tetris", max_new_tokens=30,
-                                   tetris_suffix_num_tokens=3, tetris_strategy=strategy, eos_token_id=EOS,
+                                   tetris_suffix_num_tokens=3, tetris_tree_width=width, tetris_strategy=strategy,
+                                   eos_token_id=EOS,
                                    pad_token_id=PAD, tetris_step_callback=reads.step_done)
     steady = reads.per_step[2:-1]
     assert len(steady) >= 5

@@ -545,6 +545,70 @@ def test_sampling_accepts_the_first_child_when_target_equals_draft_and_none_when
     assert out.path.tolist() == [[-1, -1, -1]] and out.num_accepted.tolist() == [0] and out.next_tokens.tolist() == [5]
 
 
+def test_matching_acceptance_follows_the_targets_draws_down_the_tree():
+    """A deterministic tree (no ``q``): the path goes where the target's token lands on a child (the lower slot when
+    siblings repeat a token), and the token after it is the target's at the last node."""
+    vocab = 6
+    block_tokens = torch.tensor([[0, 2, 3, 4, 3, 3, 0]])
+    parents = torch.tensor([[-1, 0, 0, 1, 2, 2, -1]])  # root -> 2 (slot 1), 3 (slot 2); 2 -> 4; 3 -> 3, 3 again
+    p = torch.zeros(1, 7, vocab)
+    p[0, 0, 3] = p[0, 2, 3] = p[0, 4, 5] = 1.0  # root: 3, then 3 (slots 4 and 5 hold it: slot 4), then 5
+    p[0, [1, 3, 5, 6], 0] = 1.0
+    out = trees.accept_tree_matching(block_tokens, parents, p, max_depth=2)
+    assert out.path.tolist() == [[2, 4]] and out.num_accepted.tolist() == [2] and out.next_tokens.tolist() == [5]
+    p[0, 0] = torch.tensor([0.0, 0, 0, 0, 0, 1])  # a token no child holds: nothing accepted, that token next
+    out = trees.accept_tree_matching(block_tokens, parents, p, max_depth=2)
+    assert out.path.tolist() == [[-1, -1]] and out.num_accepted.tolist() == [0] and out.next_tokens.tolist() == [5]
+
+
+def test_matching_acceptance_emits_the_targets_law():
+    """Rows of one block: the first emitted token has the root's law, the second (when the first landed on a child)
+    that child's law; chi-square against the exact joint. Teeth: trying each child with probability ``p(child)`` in
+    turn (the chain's one-hot rule per sibling, not conditioned on the earlier ones' rejection) is detected."""
+    vocab, rows = 4, 20000
+    block_tokens = torch.tensor([[0, 1, 2, 3]]).expand(rows, 4)
+    parents = torch.tensor([[-1, 0, 0, 1]]).expand(rows, 4)  # root -> 1, 2; 1 -> 3
+    law = torch.softmax(torch.randn(4, vocab, generator=torch.Generator().manual_seed(3)) * 1.5, dim=-1)
+    expected = torch.zeros(vocab, vocab + 1)  # (first token, second token or "none": column vocab)
+    for first in range(vocab):
+        slot = {1: 1, 2: 2}.get(first)
+        if slot is None:
+            expected[first, vocab] = law[0, first]
+        else:
+            expected[first, :vocab] = law[0, first] * law[slot]
+
+    def counts_of(acceptance):
+        second = torch.where(acceptance.num_accepted > 0, acceptance.next_tokens, vocab)
+        first = torch.where(acceptance.num_accepted > 0, block_tokens[:, 1:].gather(1, (acceptance.path[:, :1] - 1)
+                                                                                    .clamp(min=0))[:, 0],
+                            acceptance.next_tokens)
+        return torch.zeros(vocab, vocab + 1).index_put_((first, second), torch.ones(rows), accumulate=True)
+
+    def pvalue_of(counts):
+        keep = expected.flatten() > 0
+        return chisquare(counts.flatten()[keep].numpy(), (expected.flatten()[keep] * rows).numpy()).pvalue
+
+    generator = torch.Generator().manual_seed(0)
+    probs = law[None].expand(rows, 4, vocab)
+    acceptance = trees.accept_tree_matching(block_tokens, parents, probs, max_depth=1, generator=generator)
+    assert pvalue_of(counts_of(acceptance)) > 1e-3
+
+    def each_child_by_its_own_odds(block_tokens, parents, target_probs, generator):
+        """The broken rule: child 1 accepted with probability p(1), else child 2 with probability p(2)."""
+        u = torch.rand(rows, 2, generator=generator)
+        p = target_probs[:, 0]
+        to_one, to_two = u[:, 0] < p[:, 1], u[:, 1] < p[:, 2]
+        rest = sample_tokens(p.index_fill(1, torch.tensor([1, 2]), 0.0), generator)
+        accepted = to_one | to_two
+        slot = torch.where(to_one, 1, 2)
+        path = torch.where(accepted, slot, -1)[:, None]
+        nexts = torch.where(accepted, sample_tokens(target_probs[torch.arange(rows), slot], generator), rest)
+        return trees.TreeAcceptance(path, accepted.long(), nexts)
+
+    broken = each_child_by_its_own_odds(block_tokens, parents, probs, generator)
+    assert pvalue_of(counts_of(broken)) < 1e-6
+
+
 CONTEXTS = torch.tensor([[0, 1], [2, 4], [3, 3], [4, 0]])  # (token before the root, root)
 
 

@@ -7,6 +7,7 @@ After ``import tetris_hf``::
 """
 
 from .candidate_generators.eagle import EagleDraft
+from .cpu_kernels import restore_linears, use_onednn_linears
 from .continuous import SpeculativeBatchingManager, generate_batch, init_continuous_batching
 from .generation import generate, register
 from .outputs import TetrisGenerateOutput, TetrisStats
@@ -16,6 +17,6 @@ from .pair_memory import load_pair_memory, save_pair_memory
 __version__ = "0.1.0"
 __all__ = ["EagleDraft", "SpeculativeBatchingManager", "TetrisGenerateOutput", "TetrisOptions", "TetrisStats",
            "generate", "generate_batch", "init_continuous_batching", "load_pair_memory", "register",
-           "save_pair_memory"]
+           "restore_linears", "save_pair_memory", "use_onednn_linears"]
 
 register()

@@ -300,10 +300,7 @@ class SlotCache:
             ``(logits, features)``: ``features`` ``(B, L, F)`` the selected states concatenated (zeros at filler of
             a packed read; ``None`` for no index).
         """
-        if self.layout is None:
-            self.layout = AttentionLayout.of(model)
-        if self.cross is None and getattr(model, "memory", None) is not None:  # (B0, S, d) for the first batch
-            self.cross = CrossAttention(model.memory[self.first_rows.to(model.memory.device)])
+        self._know(model)
         block = input_ids.shape[1]
         self._check_block(model, block, visibility, split, logits_to_keep)
         self._make_room(block)
@@ -327,6 +324,15 @@ class SlotCache:
         self.pointer, self.next_positions, self.longest_bound = end, next_positions, self.longest_bound + block
         logits = None if discard_logits else logits
         return logits if hidden_states is None else (logits, features)
+
+    def _know(self, model: torch.nn.Module) -> None:
+        """What the cache learns of ``model`` at its first forward: its attention layout and, for an
+        encoder-decoder's decoder (a model with a ``memory``, ``(B0, S, d)`` for the first batch), its
+        cross-attention."""
+        if self.layout is None:
+            self.layout = AttentionLayout.of(model)
+        if self.cross is None and getattr(model, "memory", None) is not None:
+            self.cross = CrossAttention(model.memory[self.first_rows.to(model.memory.device)])
 
     def _check_block(self, model: torch.nn.Module, block: int, visibility: torch.Tensor | None,
                      split: BlockSplit | None, logits_to_keep: int) -> None:

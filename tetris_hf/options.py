@@ -98,8 +98,10 @@ class TetrisOptions:
             on CUDA), see :mod:`tetris_hf.compiled`.
         tetris_tree_width: ``w``, children per expanded draft node (``>= 1``). ``1`` drafts chains; ``w > 1`` grows
             a tree per row (EAGLE-2: the ``w`` best children of each of a depth's ``w`` best nodes, ``K`` depths) and
-            the strategy selects nodes instead of cells (:mod:`tetris_hf.tree_step`). With a draft model or an EAGLE
-            head (not prompt lookup), not with ``tetris_compile``.
+            the strategy selects nodes instead of cells (:mod:`tetris_hf.tree_step`). With a draft model, an EAGLE
+            head or suffix drafts alone (the ``w`` most voted continuations, see
+            :mod:`tetris_hf.candidate_generators.suffix`); not prompt lookup, not suffix drafts beside a model, not
+            ``tetris_compile``.
         tetris_pack: read each verify block packed where the target can be (:mod:`tetris_hf.packing`): the target
             computes only every row's last token and the drafts selected for it, not a rectangle padded to the longest
             row; a draft model or EAGLE head reads its catch-ups and re-reads packed alike. ``False`` keeps the padded
@@ -193,9 +195,10 @@ class TetrisOptions:
             raise ValueError(f"`tetris_tree_width` must be an int >= 1 (1: draft chains), got {width!r}")
         if width == 1:
             return
-        if self.model_free_tokens is not None:
-            raise ValueError("`tetris_tree_width` > 1 grows trees with a draft model: prompt lookup and suffix drafts "
-                             "draft one continuation per row; use tetris_tree_width=1")
+        if self.prompt_lookup_num_tokens is not None:
+            raise ValueError("`tetris_tree_width` > 1 grows trees with a draft model or from suffix drafts "
+                             "(`tetris_suffix_num_tokens`): prompt lookup drafts one continuation per row; use "
+                             "tetris_tree_width=1")
         if self.tetris_compile:
             raise ValueError("`tetris_tree_width` > 1 with tetris_compile=True is not supported yet (tree forwards "
                              "take shapes and masks the compiled step does not); use tetris_compile=False")

@@ -21,7 +21,11 @@ drafter), depth ``j`` of the chain is the continuation token most of the still-a
 occurrences that had another token drop out. Cell ``j`` carries ``count_j`` (occurrences that chose its token) and
 ``total_j`` (occurrences alive at depth ``j``); ``total_{j+1}`` is ``count_j`` minus the occurrences that ended there.
 E.g. continuations ``[a b]``, ``[a b]``, ``[a c]``, ``[d e]``: the chain is ``a b`` with counts ``3, 2`` out of
-``4, 3``.
+``4, 3``. :func:`frequency_tree` keeps the runners-up as branches: the ``w`` most voted next tokens of each of a
+level's ``w`` best nodes, the ``w`` best of those kept (a draft tree, ``tetris_tree_width=w``).
+
+**Seed files** (:meth:`SuffixCache.from_file`, :meth:`~SuffixCache.add_file`, :meth:`~SuffixCache.save`): JSON lines,
+one request a line, each a JSON array of token ids (``[1, 15043, 29892]``), oldest first.
 
 Thread safety: :class:`SuffixCache` serialises :meth:`~SuffixCache.add` and a drafter's reads of one step through
 its :attr:`~SuffixCache.lock` (a stream's worker adds and reads; a user may seed it from another thread).
@@ -29,9 +33,14 @@ its :attr:`~SuffixCache.lock` (a stream's worker adds and reads; a user may seed
 
 from __future__ import annotations
 
+import json
+import os
 import threading
+from collections.abc import Callable
 
 import torch
+
+from .trees import DraftTree, Expansion, append_nodes, empty_tree
 
 SUFFIX_DEPTH = 8  # the longest n-gram a row's recent tokens are matched by
 PEER_BUDGET = 1 << 24  # compared tokens (B * B * W * depth) up to which rows search each other, not just themselves
@@ -66,9 +75,10 @@ def ngram_keys(tokens: torch.Tensor, depth: int) -> torch.Tensor:
     for n in range(depth):  # the token n places before p joins the window
         if n == 0:
             shifted, shifted_real = values, real
-        else:
-            shifted = torch.nn.functional.pad(values[..., :-n], (n, 0), value=0)
-            shifted_real = torch.nn.functional.pad(real[..., :-n], (n, 0), value=False)
+        else:  # (a window wider than the tokens, n >= W, reaches before every column)
+            cut = min(n, values.shape[-1])
+            shifted = torch.nn.functional.pad(values[..., : values.shape[-1] - cut], (cut, 0), value=0)
+            shifted_real = torch.nn.functional.pad(real[..., : real.shape[-1] - cut], (cut, 0), value=False)
         hash1 = (hash1 + shifted * power1[n]) % _PRIMES[0]
         hash2 = (hash2 + shifted * power2[n]) % _PRIMES[1]
         complete = complete & shifted_real
@@ -187,6 +197,41 @@ class SuffixCache:
             sequences[row, : len(request)] = torch.tensor(request, dtype=torch.long)
         self.add(sequences, torch.tensor([len(request) for request in requests]))
 
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, vocab_size: int | None = None, **sizes) -> SuffixCache:
+        """A cache seeded from a file of earlier requests (:meth:`add_file`); ``sizes``: the constructor's
+        (``max_requests``, ``tokens_per_request``, ``depth``, ``device``)."""
+        cache = cls(**sizes)
+        cache.add_file(path, vocab_size)
+        return cache
+
+    def add_file(self, path: str | os.PathLike, vocab_size: int | None = None) -> int:
+        """Keep the requests of a seed file, in the file's order (the last line is the newest); returns how many.
+
+        **Format**: JSON lines, one request a line, each a JSON array of token ids (integers ``>= 0``, below
+        ``vocab_size`` when given), e.g. ``[1, 15043, 29892, 3186]``: a request's output, or its prompt and output
+        (what :meth:`save` writes). Blank lines are skipped; an empty array is a request of no tokens (skipped).
+        A request longer than ``tokens_per_request`` keeps its last tokens; a file of more than ``max_requests``
+        requests leaves the last ``max_requests``. Anything else is refused with the file, the line and what was
+        wrong, before anything is added.
+        """
+        requests = read_token_lists(path, vocab_size)
+        self.add_token_lists(requests)
+        return len(requests)
+
+    def save(self, path: str | os.PathLike) -> int:
+        """Write the requests held, oldest first, as a seed file :meth:`add_file` reads back into the same cache
+        (each request's last ``tokens_per_request`` tokens); returns how many. Reads the device (not for a step)."""
+        with self.lock:
+            held = self.num_requests
+            first = self.next_slot if self.added >= self.max_requests else 0
+            order = [(first + index) % self.max_requests for index in range(held)]
+            rows = self.tokens[order].tolist() if order else []
+        with open(path, "w", encoding="utf-8") as file:
+            for row in rows:
+                file.write(json.dumps([token for token in row if token >= 0]) + "\n")
+        return len(rows)
+
     @property
     def searched(self) -> int:
         """Slots a query searches, ``R'``: the ones written so far (the ring fills slots ``0, 1, ...`` in order
@@ -237,6 +282,36 @@ class SuffixCache:
         return tokens, found
 
 
+def read_token_lists(path: str | os.PathLike, vocab_size: int | None = None) -> list[list[int]]:
+    """The requests of a seed file (:meth:`SuffixCache.add_file` states the format): a list of token-id lists.
+    Raises ``ValueError`` naming the file and line of the first bad one (``FileNotFoundError`` if there is none)."""
+    requests = []
+    with open(path, encoding="utf-8") as file:
+        for number, line in enumerate(file, start=1):
+            if not line.strip():
+                continue
+            try:
+                tokens = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{os.fspath(path)}:{number}: not JSON ({error.msg}); a seed file holds one JSON "
+                                 f"array of token ids a line, e.g. [1, 15043, 29892]") from None
+            bad = None
+            if not isinstance(tokens, list):
+                bad = f"a JSON {type(tokens).__name__}, not an array of token ids"
+            else:
+                bad = next((f"token {token!r} at position {place} is not an integer >= 0"
+                            for place, token in enumerate(tokens)
+                            if isinstance(token, bool) or not isinstance(token, int) or token < 0), None)
+                if bad is None and vocab_size is not None:
+                    bad = next((f"token {token} at position {place} is not below the vocabulary size {vocab_size}"
+                                for place, token in enumerate(tokens) if token >= vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{os.fspath(path)}:{number}: {bad}; a seed file holds one JSON array of token ids "
+                                 f"a line, e.g. [1, 15043, 29892]")
+            requests.append(tokens)
+    return requests
+
+
 def frequency_chain(candidates: torch.Tensor, alive: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
                                                                              torch.Tensor, torch.Tensor]:
     """The most frequent continuation, depth by depth, among each row's occurrences.
@@ -266,6 +341,77 @@ def frequency_chain(candidates: torch.Tensor, alive: torch.Tensor) -> tuple[torc
         alive = alive & (column == token)
     chosen, total = torch.stack(chosen, dim=1), torch.stack(total, dim=1)
     return torch.stack(tokens, dim=1), (chosen > 0).sum(dim=1), chosen, total
+
+
+def frequency_tree(candidates: torch.Tensor, alive: torch.Tensor, width: int,
+                   log_conditional: Callable[[torch.Tensor], torch.Tensor]) -> tuple[DraftTree, torch.Tensor]:
+    """The distinct continuations among each row's occurrences as a draft tree of ``K`` levels and ``width`` nodes a
+    level (``N = width * K``), the most voted first.
+
+    Level 1 holds the ``width`` next tokens most occurrences have (the root's children); each deeper level takes, for
+    each of the previous level's ``width`` nodes, its ``width`` most frequent next tokens among the occurrences that
+    agree with its path, and keeps the ``width`` best of those ``width * width`` candidates by path score. A node's
+    vote share is ``count / (total + 1)``: ``count`` occurrences agree with its path, ``total`` agreed with its
+    parent's and go on (as :func:`frequency_chain`'s cells). Its score is its parent's plus
+    ``log_conditional(share)``. Siblings carry distinct tokens; ties go to the earliest occurrence in ``C``'s order,
+    so with ``width = 1`` the tree is :func:`frequency_chain`'s chain.
+
+    E.g. continuations ``[a b]``, ``[a b]``, ``[a c]``, ``[d e]``, ``width = 2``: level 1 ``a`` (3 of 4), ``d`` (1 of
+    4); level 2 the best two of ``a``'s ``b`` (2 of 3), ``c`` (1 of 3) and ``d``'s ``e`` (1 of 1).
+
+    Args:
+        candidates: ``(B, C, K)`` the ``K`` tokens after each of ``C`` occurrences (``-1`` past its end).
+        alive: ``(B, C)`` bool, which occurrences count.
+        width: nodes a level (children per expanded node), ``>= 1``.
+        log_conditional: ``(B, M)`` vote shares -> ``(B, M)`` log conditional acceptance (``<= 0``; calibrated).
+
+    Returns:
+        The :class:`~tetris_hf.trees.DraftTree` (nodes ``[level * width, (level + 1) * width)`` at depth
+        ``level + 1``; an invalid node scores ``-inf``) and ``shares`` ``(B, N)`` each node's vote share (0 where
+        invalid). Nothing is read from the device.
+    """
+    rows, num, depth = candidates.shape
+    device = candidates.device
+    occurrence = torch.arange(num, device=device)
+    earlier = occurrence[None, :] < occurrence[:, None]  # (C, C): [c, c'] c' comes before c
+    owner = torch.where(alive, 0, -1)  # (B, C) the frontier node each occurrence agrees with (the root: 0), -1: none
+    frontier_scores = torch.zeros(rows, 1, device=device)
+    tree, shares = empty_tree(rows, device), []
+    for level in range(depth):
+        frontier = frontier_scores.shape[1]
+        token = candidates[:, :, level]  # (B, C)
+        owner = torch.where(token >= 0, owner, -1)  # an occurrence that ended drops out
+        same = (owner[:, :, None] == owner[:, None, :]) & (token[:, :, None] == token[:, None, :])  # (B, C, C)
+        same &= owner[:, None, :] >= 0
+        votes = same.sum(dim=2)  # (B, C) occurrences that agree with c's path and next token
+        first = (owner >= 0) & ~(same & earlier).any(dim=2)  # one occurrence stands for each (node, token)
+        key = torch.where(first, votes * num + (num - 1 - occurrence), -1)  # most votes, then the earliest
+        nodes = torch.arange(frontier, device=device)[None, :, None]
+        mine = owner[:, None, :] == nodes  # (B, F, C)
+        top_key, top = torch.where(mine, key[:, None, :], -1).topk(min(width, num), dim=2)  # (B, F, w')
+        if top.shape[2] < width:  # fewer occurrences than children: pad with nothing
+            pad = width - top.shape[2]
+            top_key = torch.nn.functional.pad(top_key, (0, pad), value=-1)
+            top = torch.nn.functional.pad(top, (0, pad))
+        valid = (top_key >= 0) & (frontier_scores[..., None] > float("-inf"))  # (B, F, w)
+        flat = top.flatten(1)  # (B, F w)
+        child_tokens = torch.where(valid, token.gather(1, flat).view(rows, frontier, width), 0)  # (0: no node)
+        share = votes.gather(1, flat).view(rows, frontier, width) / (mine.sum(dim=2)[..., None] + 1)
+        share = torch.where(valid, share, 0.0)
+        scores = frontier_scores[..., None] + log_conditional(share.flatten(1)).view(rows, frontier, width)
+        scores = scores.masked_fill(~valid, float("-inf"))
+        # the best `width` of the F * w candidates, ties in candidate order (parent, then rank)
+        order = torch.sort(scores.flatten(1), dim=1, descending=True, stable=True).indices[:, :width]  # (B, w)
+        kept = Expansion(torch.div(order, width, rounding_mode="floor"), child_tokens.flatten(1).gather(1, order),
+                         scores.flatten(1).gather(1, order), valid.flatten(1).gather(1, order))
+        tree = append_nodes(tree, kept, -1 if level == 0 else (level - 1) * width)
+        shares.append(share.flatten(1).gather(1, order))
+        # each occurrence follows the kept child of its node with its token (-1: none was kept)
+        follows = (kept.parents[:, None, :] == owner[:, :, None]) & (kept.tokens[:, None, :] == token[:, :, None])
+        follows &= kept.valid[:, None, :]  # (B, C, w)
+        owner = torch.where(follows.any(dim=2), follows.long().argmax(dim=2), -1)
+        frontier_scores = kept.log_scores
+    return tree, torch.cat(shares, dim=1)
 
 
 def batch_matches(sequences: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, depth: int,

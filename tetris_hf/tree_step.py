@@ -7,7 +7,8 @@ chain step:
 
 1. **Draft:** the draft model grows ``w K`` nodes per row, ``K`` the plan's drafts
    (:meth:`~tetris_hf.candidate_generators.BatchedDraftCandidateGenerator.propose_tree`; an EAGLE head's nodes
-   read its own output at their parents).
+   read its own output at their parents), or suffix drafts build them from the continuations they hold
+   (:meth:`~tetris_hf.candidate_generators.suffix.SuffixCandidateGenerator.propose`, a deterministic tree).
 2. **Select:** the strategy's ``select_tree`` (TETRIS: the batch's ``C`` best nodes by path score; ``fixed``: each
    row's ``k`` best; ``adaptive``: ``C`` from the cost model); nodes deeper than a row may still grow are no
    candidates.
@@ -15,7 +16,9 @@ chain step:
    a node seeing the row's cached tokens and its ancestors, at the root's position plus its depth; the processors run
    at every node on its own prefix. The step's one device read sizes the block (the most nodes a row selected), with
    the caches' fill levels, as a chain step's does. Then acceptance: greedy, the deepest selected path the target's
-   argmax follows; sampling, recursive rejection sampling over siblings (lossless, :mod:`tetris_hf.trees`).
+   argmax follows; sampling, recursive rejection sampling over siblings for a drafted tree, and for a deterministic
+   one (no ``q``) a draw from the target's law at each node, followed while it lands on a child (both lossless,
+   :mod:`tetris_hf.trees`).
 4. **Roll back:** both caches keep the root and the accepted path where they are (holes elsewhere).
 5. **Emit:** the accepted tokens go into the rows, and the loop emits as after a chain.
 
@@ -35,8 +38,8 @@ from .step import Emission, Observation, ReadHints, StepTree, TargetBlock, Verdi
 from .step_strategy import DraftPlan, StepStrategy
 from .tree_logits import process_at_nodes
 from .trees import (
-    DraftTree, GrownTree, accept_tree_greedy, accept_tree_sampling, block_draft_log_probs, conditional_log_probs,
-    kept_slots, path_tokens, tree_block,
+    DraftTree, GrownTree, accept_tree_greedy, accept_tree_matching, accept_tree_sampling, block_draft_log_probs,
+    conditional_log_probs, kept_slots, path_tokens, tree_block,
 )
 
 
@@ -100,7 +103,9 @@ class TreeStep(ChainStep):
             path_tokens(block.tokens, block.parents, block.position_offsets, max_depth)
         scores = process_at_nodes(context.logits_processor, batch.sequences, batch.lengths, batch.rows, logits, paths,
                                   block.position_offsets)
-        if context.do_sample:
+        if context.do_sample and grown.expanded_log_probs is None:  # a deterministic tree (suffix drafts)
+            acceptance = accept_tree_matching(block.tokens, block.parents, scores.softmax(dim=-1), max_depth)
+        elif context.do_sample:
             draft_probs = block_draft_log_probs(grown.expanded_log_probs, grown.expanded_of_node,
                                                 block.node_index).exp()
             acceptance = accept_tree_sampling(block.tokens, block.parents, scores.softmax(dim=-1), draft_probs,

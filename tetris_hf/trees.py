@@ -14,7 +14,8 @@ host integers the caller knows):
 2. select: :func:`select_tree_nodes` (TETRIS, one budget for the batch) or :func:`select_tree_fixed` (each row's
    best ``n`` nodes);
 3. verify: :func:`tree_block`, the target's input (tokens, positions, ancestor mask) for one forward;
-4. accept: :func:`accept_tree_greedy` or :func:`accept_tree_sampling` (lossless, see below);
+4. accept: :func:`accept_tree_greedy`, or when sampling :func:`accept_tree_sampling` (a drafted tree, lossless, see
+   below) or :func:`accept_tree_matching` (a deterministic tree: suffix drafts, lossless, see its docstring);
 5. roll back: :func:`kept_slots` (which block slots a cache keeps).
 
 **Representation.** ``B`` rows, each a tree of at most ``N`` nodes. The root is the row's last emitted token (not yet
@@ -103,6 +104,7 @@ __all__ = [
     "block_draft_log_probs",
     "accept_tree_greedy",
     "accept_tree_sampling",
+    "accept_tree_matching",
     "kept_slots",
     "path_products",
     "conditional_log_probs",
@@ -174,15 +176,16 @@ class GrownTree(NamedTuple):
 
     ``tree``: the :class:`DraftTree`.
     ``expanded_log_probs`` ``(B, E, V)``: the draft law each expanded node's children came from (position 0: the
-    root's; then each depth's frontier in node order), what sampling verification needs as ``q``.
+    root's; then each depth's frontier in node order), what sampling verification needs as ``q``; ``None`` for a
+    deterministic tree (drawn from no law: suffix drafts), which sampling verifies by :func:`accept_tree_matching`.
     ``expanded_of_node`` ``(N,)`` long, the same for every row: each node's position in ``expanded_log_probs``, -1 for
-    a node never expanded (a leaf of the layout).
+    a node never expanded (a leaf of the layout); ``None`` with ``expanded_log_probs``.
     ``cached_lengths`` ``(B,)``: as a chain :class:`~tetris_hf.step.Proposal`'s, the drafter's cache fill per row.
     """
 
     tree: DraftTree
-    expanded_log_probs: Tensor
-    expanded_of_node: Tensor
+    expanded_log_probs: Tensor | None
+    expanded_of_node: Tensor | None
     cached_lengths: Tensor | None = None
 
 
@@ -726,6 +729,49 @@ def accept_tree_sampling(block_tokens: Tensor, block_parents: Tensor, target_pro
             path[:, level] = torch.where(moved, current, -1)
             num_accepted += moved.long()
     return TreeAcceptance(path, num_accepted, sample_tokens(final, generator))
+
+
+def accept_tree_matching(block_tokens: Tensor, block_parents: Tensor, target_probs: Tensor, max_depth: int,
+                         generator: torch.Generator | None = None) -> TreeAcceptance:
+    """Lossless sampling verification of a deterministic tree (drafted from no law: suffix drafts): at each node of
+    the path, from the root down, draw ``x ~ p`` (the target's processed law there); move to the verified child whose
+    token is ``x`` (the lowest slot, should siblings repeat a token), else stop and emit ``x``.
+
+    Why it is lossless: every emitted token is a fresh draw ``x ~ p`` at the tokens emitted before it, whether it
+    lands on a child or not; the tree only decides how far one forward's draws reach. The tree (which nodes exist,
+    their scores, which are verified) is fixed before any draw and depends on no draw of this step, so it cannot bias
+    them. A chain is the case of one child per node: accept ``d`` with probability ``p(d)``, else draw from ``p``
+    without ``d``, the speculative rule with a one-hot ``q``. :func:`accept_tree_sampling` cannot serve here: its
+    ``q`` after a rejected one-hot child has no mass left.
+
+    E.g. root children ``[a, b]``, ``a``'s child ``c``: draw ``x_0 = b`` at the root -> move to ``b`` (a leaf), draw
+    ``x_1`` there -> emit ``b, x_1``, one accepted.
+
+    Args:
+        block_tokens, block_parents: ``(B, S)`` from :func:`tree_block`.
+        target_probs: ``(B, S, V)`` the target's (processed) distribution after each slot.
+        max_depth: host bound on the tree's depth (the path's width).
+        generator: random generator.
+
+    Returns:
+        :class:`TreeAcceptance`.
+    """
+    _check_count("max_depth", max_depth, 0)
+    batch_size = block_tokens.shape[0]
+    device = block_tokens.device
+    rows = torch.arange(batch_size, device=device)
+    current = torch.zeros(batch_size, dtype=torch.long, device=device)  # the root slot
+    moving = torch.ones(batch_size, dtype=torch.bool, device=device)
+    path = torch.full((batch_size, max_depth), -1, dtype=torch.long, device=device)
+    draws = sample_tokens(target_probs[rows, current], generator)  # (B,) x ~ p at the root
+    for level in range(max_depth):
+        children = (block_parents == current[:, None]) & (block_tokens == draws[:, None])  # (B, S)
+        moving = moving & children.any(dim=1)
+        current = torch.where(moving, children.long().argmax(dim=1), current)
+        path[:, level] = torch.where(moving, current, -1)
+        fresh = sample_tokens(target_probs[rows, current], generator)  # x ~ p at the new node
+        draws = torch.where(moving, fresh, draws)  # a row that stopped keeps the draw it emits
+    return TreeAcceptance(path, (path >= 0).sum(dim=1), draws)
 
 
 def _try_children(block_tokens: Tensor, children: Tensor, current: Tensor, target: Tensor, proposal: Tensor,

@@ -36,7 +36,8 @@ def build_drafter(assistant_model: torch.nn.Module | None, options: TetrisOption
     - an ``assistant_model`` and ``prompt_lookup_num_tokens``: :class:`~.hybrid.HybridCandidateGenerator`, lookup
       where a row matches and the head or model where it does not;
     - ``tetris_suffix_num_tokens``: :class:`~.suffix.SuffixCandidateGenerator` (drafts from the batch's rows and a
-      cache of earlier requests), alone or, with an ``assistant_model``, in lookup's place in the hybrid.
+      cache of earlier requests; trees too when alone), alone or, with an ``assistant_model``, in lookup's place in
+      the hybrid (chains only).
 
     With ``tetris_tree_width > 1`` the draft model's layout must take tree masks
     (:func:`~tetris_hf.attention.check_tree_layout`). Everything is refused before any forward. A draft model or head
@@ -65,6 +66,12 @@ def build_drafter(assistant_model: torch.nn.Module | None, options: TetrisOption
             max_tokens=max(max_draft, 1))
     if assistant_model is None:
         return lookup, None
+    if options.tetris_tree_width > 1 and options.tetris_suffix_num_tokens is not None:
+        raise ValueError("`tetris_tree_width` > 1 with `tetris_suffix_num_tokens` beside an `assistant_model` (hybrid "
+                         "drafting) is not supported: the hybrid merges chains only (a row's tree would have to come "
+                         "from one source, verified by that source's rule, the model's cache rolled back along a "
+                         "suffix path it did not draft); draft suffix trees alone (no assistant_model) or hybrid "
+                         "chains (tetris_tree_width=1)")
     draft_model = reduced_vocab_draft(assistant_model, options.tetris_draft_vocab)
     if options.tetris_tree_width > 1:  # a tree's nodes read ancestor masks
         check_tree_layout(AttentionLayout.of(draft_model), draft_model)

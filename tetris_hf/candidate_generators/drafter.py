@@ -29,7 +29,7 @@ def check_chains(drafter: "Drafter", tree_width: int) -> None:
     """Refuse a tree (``tree_width > 1``) from a drafter that drafts chains only."""
     if tree_width > 1:
         raise ValueError(f"{type(drafter).__name__} drafts chains only, not trees (tetris_tree_width > 1 needs a "
-                         f"draft model or an EAGLE head)")
+                         f"draft model, an EAGLE head or suffix drafts alone)")
 
 
 class Drafter(CandidateGeneratorAPI):
@@ -59,7 +59,7 @@ class Drafter(CandidateGeneratorAPI):
         ``lookup_only``: a hybrid drafter's model-free part alone drafts (its model runs no forward).
         ``tree_width > 1``: a :class:`~tetris_hf.trees.GrownTree` of ``num_tokens`` levels instead (``tree_width``
         children per expanded node), nothing written into ``sequences`` (drafters that grow trees: a draft model, an
-        EAGLE head)."""
+        EAGLE head, suffix drafts alone)."""
         raise NotImplementedError
 
     def accept(self, verdict: Verdict) -> torch.Tensor | None:

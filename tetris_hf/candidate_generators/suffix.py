@@ -21,6 +21,13 @@ online against what the target accepted (:class:`SuffixAcceptance`, by share and
 function of the row's tokens and the cache, deterministic: when sampling its ``q`` is one-hot at the drafted token,
 so a cell is accepted with probability ``p(x)`` and a rejection samples ``p`` without ``x``, as for prompt lookup.
 
+**Trees** (``tetris_tree_width=w > 1``, suffix drafts alone): the same occurrences give a tree of ``K`` levels of ``w``
+nodes (:func:`~tetris_hf.suffix_cache.frequency_tree`): the ``w`` most voted next tokens of each of a level's ``w``
+best nodes, the ``w`` best kept, each node scored by its path's calibrated vote shares, so TETRIS selects nodes across
+rows as for a draft model's trees. The tree is deterministic too: greedy verification is a model tree's, and sampling
+draws ``x ~ p`` at each node and follows the child whose token is ``x``
+(:func:`~tetris_hf.trees.accept_tree_matching`, lossless: every emitted token is such a draw). Not in the hybrid.
+
 Everything runs batched on the device with no device read; finished rows reach the cache through
 :meth:`SuffixCandidateGenerator.remember`, which the loop calls with the rows it retires (device tensors).
 """
@@ -31,8 +38,9 @@ import torch
 
 from ..kv import rows_after_fill
 from ..suffix_cache import (PEER_BUDGET, SUFFIX_DEPTH, SuffixCache, batch_continuations, batch_matches,
-                            frequency_chain, longest_match, suffix_keys)
-from .drafter import Drafter, JoiningRows, PromptChunk, Proposal, Retired, RowMoves, Verdict, check_chains
+                            frequency_chain, frequency_tree, longest_match, suffix_keys)
+from ..trees import GrownTree
+from .drafter import Drafter, JoiningRows, PromptChunk, Proposal, Retired, RowMoves, Verdict
 
 LENGTH_CLASSES = (1, 2, 4)  # calibration groups by match length: n = 1, 2-3, 4 and more
 
@@ -77,7 +85,11 @@ class SuffixAcceptance:
         ``(B,)`` cells, verified ``verify_lengths`` and accepted ``num_accepted`` ``(B,)``."""
         cells = torch.arange(shares.shape[1], device=shares.device)[None, :]
         tried = (cells < verify_lengths[:, None]) & (cells <= num_accepted[:, None]) & (cells < drafted[:, None])
-        accepted = tried & (cells < num_accepted[:, None])
+        self.count(shares, ngram, tried, tried & (cells < num_accepted[:, None]))
+
+    def count(self, shares: torch.Tensor, ngram: torch.Tensor, tried: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Count one step: cells (or tree nodes) with vote ``shares`` ``(B, M)`` in rows that matched ``ngram``
+        ``(B,)``, which the target ``tried`` (the cells before were accepted) and ``accepted``, both ``(B, M)``."""
         index = self.cells(shares, ngram).flatten()
         self.tried.mul_(self.memory).view(-1).index_add_(0, index, tried.flatten().float())
         self.accepted.mul_(self.memory).view(-1).index_add_(0, index, accepted.flatten().float())
@@ -105,8 +117,10 @@ class SuffixCandidateGenerator(Drafter):
         self.row_starts: torch.Tensor | None = None  # (B_call,) the same by original row (a call's left padding)
         self.width = 0  # a host bound on the rows' lengths
         self.acceptance: SuffixAcceptance | None = None
-        # the last proposal, until its verdict: (B,) match lengths, (B, K) vote shares, (B,) cells drafted
-        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # the last proposal, until its verdict: (B,) match lengths, (B, K) vote shares (a tree's (B, N)), (B,)
+        # cells drafted (a tree's: None)
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+        self._depth = 0  # the last proposal's K (a host number), until its verdict
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, all_real: bool = False) -> None:
         length = input_ids.shape[1]
@@ -120,11 +134,11 @@ class SuffixCandidateGenerator(Drafter):
             self.cache.to(device)
         self.acceptance = SuffixAcceptance(device)
 
-    def draft(self, sequences: torch.Tensor, lengths: torch.Tensor,
-              num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The chain for every row, reading nothing: ``tokens`` ``(B, K)`` (filler past a row's count: its last
-        token), ``counts`` ``(B,)``, ``shares`` ``(B, K)`` vote shares ``count / (total + 1)`` and ``ngram``
-        ``(B,)`` the match length (0: none)."""
+    def find_occurrences(self, sequences: torch.Tensor, lengths: torch.Tensor,
+                    num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's voting occurrences, reading nothing: ``candidates`` ``(B, C, K)`` the ``K`` tokens after each
+        (the batch's then the cache's, ``-1`` past an end), ``found`` ``(B, C)`` and ``ngram`` ``(B,)`` the match
+        length (0: none)."""
         width = min(self.width, sequences.shape[1])
         rows = sequences.shape[0]
         peers = rows * rows * width * self.depth <= PEER_BUDGET  # (else each row searches itself only)
@@ -138,8 +152,15 @@ class SuffixCandidateGenerator(Drafter):
             from_cache, cache_found = self.cache.continuations(lo, hi, torch.where(cached_match >= ngram, ngram, 0),
                                                                self.occurrences, num_tokens)
         from_batch, batch_found = batch_continuations(tokens, context, ngram, self.occurrences, num_tokens)
-        candidates = torch.cat([from_batch, from_cache], dim=1)
-        drafts, counts, chosen, total = frequency_chain(candidates, torch.cat([batch_found, cache_found], dim=1))
+        return torch.cat([from_batch, from_cache], dim=1), torch.cat([batch_found, cache_found], dim=1), ngram
+
+    def draft(self, sequences: torch.Tensor, lengths: torch.Tensor,
+              num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The chain for every row, reading nothing: ``tokens`` ``(B, K)`` (filler past a row's count: its last
+        token), ``counts`` ``(B,)``, ``shares`` ``(B, K)`` vote shares ``count / (total + 1)`` and ``ngram``
+        ``(B,)`` the match length (0: none)."""
+        candidates, found, ngram = self.find_occurrences(sequences, lengths, num_tokens)
+        drafts, counts, chosen, total = frequency_chain(candidates, found)
         last = sequences.gather(1, (lengths - 1)[:, None])
         cells = torch.arange(num_tokens, device=sequences.device)[None, :]
         drafts = torch.where(cells < counts[:, None], drafts, last)
@@ -147,39 +168,76 @@ class SuffixCandidateGenerator(Drafter):
 
     def propose(self, sequences: torch.Tensor, lengths: torch.Tensor, num_tokens: int,
                 rows: torch.Tensor | None = None, confidences: bool = True, *, lookup_only: bool = False,
-                tree_width: int = 1) -> Proposal:
+                tree_width: int = 1) -> Proposal | GrownTree:
         """Draft ``K = num_tokens`` cells after each row of ``sequences`` ``(B, T)`` (valid up to ``lengths``
-        ``(B,)``), written into ``sequences[i, lengths[i]:]``.
+        ``(B,)``), written into ``sequences[i, lengths[i]:]``; or, with ``tree_width = w > 1``, a tree of ``K``
+        levels (:meth:`propose_tree`).
 
         Returns:
             A :class:`~.drafter.Proposal`: ``tokens`` ``(B, K)``; ``log_probs`` ``(B, K)`` calibrated log
             acceptance (``-inf`` past a row's count); ``probs`` ``None`` (one-hot at the draft); ``lengths`` ``(B,)``
             cells drafted; ``lookup_rows`` every row (model-free cells).
         """
-        check_chains(self, tree_width)
+        if tree_width > 1:
+            return self.propose_tree(sequences, lengths, num_tokens, tree_width)
         if num_tokens == 0:
             empty = sequences.new_zeros(sequences.shape[0], 0)
-            self._last = None
+            self._last, self._depth = None, 0
             return Proposal(empty, empty.float() if confidences else None, None, None)
-        if num_tokens > self.max_tokens:
-            raise ValueError(f"asked for {num_tokens} suffix cells, the drafter was built for {self.max_tokens}")
+        self._check_size(num_tokens)
         drafts, counts, shares, ngram = self.draft(sequences, lengths, num_tokens)
         sequences.scatter_(1, lengths[:, None] + torch.arange(num_tokens, device=lengths.device), drafts)
-        self._last = (ngram, shares, counts)
+        self._last, self._depth = (ngram, shares, counts), num_tokens
         log_probs = None
         if confidences:
             cells = torch.arange(num_tokens, device=lengths.device)[None, :]
             log_probs = self.acceptance.log_probs(shares, ngram).masked_fill(cells >= counts[:, None], float("-inf"))
         return Proposal(drafts, log_probs, None, counts, torch.ones_like(counts, dtype=torch.bool))
 
+    def propose_tree(self, sequences: torch.Tensor, lengths: torch.Tensor, depth: int, width: int) -> GrownTree:
+        """A tree of ``K = depth`` levels of ``width`` nodes each per row (``N = width * K``), the distinct
+        continuations the row's occurrences hold, the most voted first
+        (:func:`~tetris_hf.suffix_cache.frequency_tree`); nothing is written into ``sequences``.
+
+        Returns:
+            A :class:`~tetris_hf.trees.GrownTree` whose nodes score the sum over their path of the calibrated log
+            acceptance of each node's vote share (as a chain's cells), ``expanded_log_probs`` ``None``: drawn from no
+            law, a sampled step verifies it by :func:`~tetris_hf.trees.accept_tree_matching`. A row with no
+            occurrence has no valid node.
+        """
+        self._check_size(depth)
+        candidates, found, ngram = self.find_occurrences(sequences, lengths, depth)
+        tree, shares = frequency_tree(candidates, found, width,
+                                      lambda share: self.acceptance.log_probs(share, ngram))
+        self._last, self._depth = (ngram, shares, None), depth
+        return GrownTree(tree, None, None)
+
+    def _check_size(self, num_tokens: int) -> None:
+        if num_tokens > self.max_tokens:
+            raise ValueError(f"asked for {num_tokens} suffix cells, the drafter was built for {self.max_tokens}")
+
     def accept(self, verdict: Verdict) -> None:
-        drafted = 0 if self._last is None else self._last[1].shape[1]
+        """Calibrate on what the target did with the last proposal: a chain's cells up to the first rejection; a
+        tree's verified nodes whose parent the accepted path reached (each one the target's token matched or not)."""
         max_accepted = verdict.hints.max_accepted
-        self.width += (drafted if max_accepted is None else min(max_accepted, drafted)) + 1
-        if self._last is not None:
-            ngram, shares, counts = self._last
+        self.width += (self._depth if max_accepted is None else min(max_accepted, self._depth)) + 1
+        self._depth = 0
+        if self._last is None:
+            return
+        ngram, shares, counts = self._last
+        self._last = None
+        if counts is not None:  # a chain
             self.acceptance.update(shares, ngram, counts, verdict.verify_lengths, verdict.num_accepted)
-            self._last = None
+            return
+        trees = verdict.tree
+        num_nodes = shares.shape[1]
+        path = trees.path_nodes
+        on_path = torch.zeros(path.shape[0], num_nodes + 1, dtype=torch.bool, device=path.device)
+        on_path = on_path.scatter_(1, torch.where(path >= 0, path, num_nodes), True)[:, :num_nodes]  # (B, N)
+        parents = trees.tree.parents
+        reached = torch.where(parents >= 0, on_path.gather(1, parents.clamp(min=0)), True)  # the parent was
+        tried = trees.selected & reached
+        self.acceptance.count(shares, ngram, tried, tried & on_path)
 
     def join(self, rows: JoiningRows | None = None, chunk: PromptChunk | None = None) -> None:
         """Rows join unpadded (their first real column is 0); their prompts are read from the rows themselves."""
@@ -192,7 +250,7 @@ class SuffixCandidateGenerator(Drafter):
             ngram, shares, counts = self._last
             self._last = (torch.cat([ngram, ngram.new_zeros(extra)]),
                           torch.cat([shares, shares.new_zeros(extra, shares.shape[1])]),
-                          torch.cat([counts, counts.new_zeros(extra)]))
+                          None if counts is None else torch.cat([counts, counts.new_zeros(extra)]))
 
     def settle(self, read: int | None, finished: Retired | None = None, moves: RowMoves | None = None) -> None:
         """Rows that finished join the cache (:meth:`remember`); the others move as ``moves`` says."""
@@ -202,7 +260,7 @@ class SuffixCandidateGenerator(Drafter):
             rows = rows_after_fill(*moves)
             self.starts = self.starts[rows]
             if self._last is not None:
-                self._last = tuple(part[rows] for part in self._last)
+                self._last = tuple(None if part is None else part[rows] for part in self._last)
 
     def remember(self, rows: torch.Tensor, sequences: torch.Tensor, lengths: torch.Tensor) -> None:
         """Rows that finished join the cache: original indices ``rows`` ``(M,)``, tokens ``sequences`` ``(M, T)``

@@ -52,7 +52,8 @@ from pathlib import Path
 import torch
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
-from .cli import UsageError, load_pair, load_prompt_set, number_list, prompt_texts, resolve_device
+from .cli import (UsageError, add_kernel_argument, apply_kernels, load_pair, load_prompt_set, number_list,
+                  prompt_texts, resolve_device)
 from .divergence import RowDivergence
 
 BASELINES = ("generate", "hf-assisted", "hf-lookup")
@@ -782,6 +783,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma list of draft tree widths (tetris_tree_width): every speculative run is repeated "
                              "for each width > 1, named '... w=W', at the same k, e and budget (default 1: chains)")
     parser.add_argument("--no-progress", action="store_true")
+    add_kernel_argument(parser)
 
 
 def draft_vocab_list(text: str) -> tuple[int | None, ...]:
@@ -951,13 +953,15 @@ def main(args) -> int:
         draft = None
     else:
         target, draft, tokenizer, info = load_pair(args.target, args.draft, device, quantization)
+    kernels = apply_kernels(args, target, draft)
+    print(kernels, flush=True)
     texts, note = prompt_texts(prompt_set, args.num_prompts, tokenizer, args.max_prompt_tokens)
     vocab_source = ensure_token_counts(draft, tokenizer, config.draft_vocabs)
     report = run_bench(target, draft, tokenizer, texts, config, show_progress=not args.no_progress, state=state)
     if not report["is_main_process"]:
         return 0
     report.update(pair=dataclasses.asdict(info), prompts={"set": args.prompts, "count": len(texts), "note": note},
-                  draft_vocab_source=vocab_source,
+                  draft_vocab_source=vocab_source, kernels=kernels,
                   device=str(device), torch=torch.__version__, threads=torch.get_num_threads(),
                   argv=sys.argv)
     output = Path(args.output)

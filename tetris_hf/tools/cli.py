@@ -79,6 +79,26 @@ def load_pair(target: str | None, draft: str | None, device, quantization_config
         raise UsageError(str(error)) from None
 
 
+def add_kernel_argument(parser: argparse.ArgumentParser) -> None:
+    """``--onednn-linears``: every model of the run on oneDNN's linear kernels (:mod:`tetris_hf.cpu_kernels`)."""
+    parser.add_argument("--onednn-linears", action="store_true",
+                        help="switch the target's and the draft's linear layers to oneDNN's kernels (CPU; every "
+                             "system of the run uses them): see tetris_hf.cpu_kernels")
+
+
+def apply_kernels(args, *models) -> str:
+    """The models on oneDNN's linear kernels where ``args.onednn_linears`` asks; a line saying which kernels run."""
+    if not getattr(args, "onednn_linears", False):
+        return "linear layers: PyTorch's own (MKL on CPU)"
+    from tetris_hf.cpu_kernels import use_onednn_linears
+
+    try:
+        switched = sum(use_onednn_linears(model) for model in models if model is not None)
+    except ValueError as error:
+        raise UsageError(f"--onednn-linears: {error}") from None
+    return f"linear layers: oneDNN ({switched} switched, every system)"
+
+
 def load_prompt_set(name: str):
     """``--prompts``: a prompt set by name or path (see :func:`tetris_hf.tools.data.load_prompts`), checked before any
     model loads."""

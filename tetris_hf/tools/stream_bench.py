@@ -11,6 +11,15 @@ Every request arrives at time 0 (a backlog, as a batch job or a burst of traffic
 - ``stream-STRATEGY``: :func:`tetris_hf.generate_batch`, rows joining as others finish, for each ``--strategies``;
 - ``stream-STRATEGY-apart`` (``--prompts-apart``): the same with every joining prompt read in forwards of its own,
   not in the verification forwards (``ride_prompts=False``).
+- ``vllm`` and ``vllm-ngram`` (asked for in ``--systems``): vLLM's CPU engine in a venv of its own
+  (``--vllm-python`` or ``$TETRIS_HF_VLLM_PYTHON``; :mod:`tetris_hf.tools.vllm_system`), without speculation and with
+  its n-gram lookup at the same k, on the same token ids, end tokens, max rows and threads, prefix caching off. Its
+  engine start-up (an inductor compile) is reported apart, never counted in tokens/s. Without a usable vLLM python the
+  run says so in one line and goes on with the other systems.
+
+The speculative runs draft with a draft model (``--draft``), prompt lookup (``--draft lookup``), both (``--hybrid``)
+or suffix drafts (``--draft suffix``: each run with a fresh cache of its own, seeded from ``--suffix-seed FILE`` when
+given: earlier outputs as JSON lines, one JSON array of token ids a line).
 
 Per run: output tokens/s, requests/s, time to first token and per-token latency (p50 / p99 over requests; per-token
 latency is a request's time from its first to its last token over the tokens between), the mean live rows a step,
@@ -30,9 +39,12 @@ from pathlib import Path
 
 import torch
 
-from .cli import UsageError, load_pair, load_prompt_set, number_list, prompt_texts, resolve_device
+from .cli import (UsageError, add_kernel_argument, apply_kernels, load_pair, load_prompt_set, number_list,
+                  prompt_texts, resolve_device)
+from .vllm_system import VLLM_SYSTEMS, VLLMSettings
 
 SYSTEMS = ("hf-generate-batch", "generate-chunks", "tetris-chunks")
+OPTIONAL_SYSTEMS = VLLM_SYSTEMS  # asked for by name in --systems, never run by default
 
 
 @dataclasses.dataclass
@@ -194,6 +206,21 @@ def run_stream(name: str, target, prompts: list[list[int]], max_new_tokens: int,
                      sum(map(len, tokens)) / max(row_steps[0], 1), stats.acceptance_rate, lookup_share)
 
 
+def run_vllm(name: str, engine, prompts: list[list[int]], max_new_tokens: int, eos: set[int]) -> StreamRun:
+    """One run of a started :class:`~tetris_hf.tools.vllm_system.VLLMEngine` on ``prompts``: every request added at
+    once, ``LLMEngine.step()`` until all end. Tokens a row-step count the rows that got tokens in each step; acceptance
+    is vLLM's own counter (accepted draft tokens / draft tokens)."""
+    reply = engine.generate(prompts, max_new_tokens, sorted(eos))
+    outputs = reply["outputs"]
+    tokens = [_cut(list(output["tokens"]), eos) for output in outputs]
+    spec = reply.get("spec") or {}
+    acceptance = (spec["num_accepted_tokens"] / spec["num_draft_tokens"] if spec.get("num_draft_tokens") else None)
+    return StreamRun(name, float(reply["seconds"]), [float(output["first_token"]) for output in outputs],
+                     [float(output["finished"]) for output in outputs], tokens,
+                     [(float(time_), int(rows)) for time_, rows in reply["occupancy"]],
+                     sum(map(len, tokens)) / max(int(reply["row_steps"]), 1), acceptance)
+
+
 def format_table(summaries: list[dict], reference: str) -> str:
     """One line per run: speed against ``reference``'s, latency, occupancy, and, for the stream, tokens a row-step,
     acceptance and (hybrid) the share of verified drafts lookup drafted."""
@@ -215,6 +242,9 @@ def format_table(summaries: list[dict], reference: str) -> str:
             f"{optional(row['mean_live_rows'], '.1f'):>5s} "
             f"{optional(row.get('tokens_per_row_step'), '.2f'):>12s} {optional(row.get('acceptance'), '.2f'):>6s} "
             f"{optional(row.get('lookup_share'), '.2f'):>6s} {row['equal']:>10s}")
+    started = [f"{row['name']} {row['startup_seconds']:.1f} s" for row in summaries if row.get("startup_seconds")]
+    if started:
+        lines.append("engine start-up, not counted in tok/s: " + ", ".join(started))
     return "\n".join(lines)
 
 
@@ -287,8 +317,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategies", default="tetris,fixed,adaptive",
                         help="stream strategies (comma list; 'plain': the stream with speculation off), run after "
                              + ", ".join(SYSTEMS))
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help="baselines to run (comma list)")
-    parser.add_argument("--draft", default=None, help="a draft model (default: the shipped one), or 'lookup'")
+    parser.add_argument("--systems", default=",".join(SYSTEMS),
+                        help=f"baselines to run (comma list): {', '.join(SYSTEMS + OPTIONAL_SYSTEMS)}; vllm and "
+                        "vllm-ngram run vLLM's CPU engine from --vllm-python")
+    parser.add_argument("--vllm-python", default=None,
+                        help="the python of a venv with vLLM (scripts/setup_vllm.sh); default $TETRIS_HF_VLLM_PYTHON")
+    parser.add_argument("--draft", default=None, help="a draft model (default: the shipped one), 'lookup' (prompt "
+                        "lookup) or 'suffix' (suffix drafts: the batch's rows and a cache of finished requests)")
+    parser.add_argument("--suffix-seed", default=None, metavar="FILE",
+                        help="with --draft suffix: seed every run's cache from FILE, earlier outputs as JSON lines, "
+                             "one JSON array of token ids a line (tetris_hf.suffix_cache.SuffixCache.add_file)")
     parser.add_argument("--hybrid", action="store_true",
                         help="the draft model and prompt lookup together: each row drafts by lookup where it matches")
     parser.add_argument("--num-assistant-tokens", type=int, default=4, help="k")
@@ -300,6 +338,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts-apart", action="store_true",
                         help="each stream strategy also with joining prompts read in forwards of their own")
     parser.add_argument("--output", default="stream-out")
+    add_kernel_argument(parser)
 
 
 @dataclasses.dataclass
@@ -310,13 +349,16 @@ class StreamBenchConfig:
     max_batch_sizes: tuple[int, ...] = (16,)
     systems: tuple[str, ...] = SYSTEMS
     strategies: tuple[str, ...] = ("tetris", "fixed", "adaptive")
-    lookup: bool = False
+    lookup: bool = False  # a model-free draft alone (prompt lookup, or suffix drafts with ``suffix``)
     hybrid: bool = False  # the draft model and prompt lookup, each row drafting by lookup where it matches
     num_assistant_tokens: int = 4
     extra_tokens: int = 2
     max_ngram: int = 3
     repeats: int = 1
     prompts_apart: bool = False  # each stream strategy also with ride_prompts=False
+    vllm: VLLMSettings | None = None  # where vLLM runs from (systems vllm, vllm-ngram); None: they are not run
+    suffix: bool = False  # with ``lookup``: suffix drafts (tetris_suffix_num_tokens) in prompt lookup's place
+    suffix_seed: str | None = None  # a seed file every run's suffix cache starts from (SuffixCache.add_file)
 
 
 def _gather(run: StreamRun, indices: list[int]) -> StreamRun:
@@ -348,20 +390,63 @@ def run_stream_bench(target, draft, prompts: list[list[int]], eos: set[int], pad
     lookup = {"prompt_lookup_num_tokens": config.num_assistant_tokens, "max_matching_ngram_size": config.max_ngram}
     model = {"assistant_model": draft, "num_assistant_tokens": config.num_assistant_tokens}
     speculative = lookup if config.lookup else {**model, **lookup} if config.hybrid else model
-    report = {"runs": {}, "medians": {}}
+    if config.suffix:  # suffix drafts alone, each run with a cache of its own (seeded alike), spanning its chunks
+        speculative = {"tetris_suffix_num_tokens": config.num_assistant_tokens}
+    vocab_size = target.get_output_embeddings().weight.shape[0]
+
+    def drafts() -> dict:
+        """The speculative options of one run (a fresh suffix cache each, from the seed file when given)."""
+        if not config.suffix:
+            return speculative
+        from ..suffix_cache import SuffixCache
+
+        seeded = SuffixCache() if config.suffix_seed is None else SuffixCache.from_file(config.suffix_seed, vocab_size)
+        return {**speculative, "tetris_suffix_cache": seeded}
+
+    report = {"runs": {}, "medians": {}, "startup": {}}
+    systems = list(config.systems)
+    wanted = [name for name in systems if name in VLLM_SYSTEMS]
+    if wanted and (config.vllm is None or state is not None):
+        why = ("no vLLM python (see --vllm-python)" if config.vllm is None
+               else "vLLM runs in one process, not under accelerate launch")
+        log(f"  {', '.join(wanted)} not run: {why}")
+        systems = [name for name in systems if name not in VLLM_SYSTEMS]
+    threads = torch.get_num_threads()
     for batch_size in config.max_batch_sizes:
         plans = []
-        for name in config.systems:
-            if name == "hf-generate-batch":
+        engines = {}  # vLLM system -> its engine, started at its first run (start-up timed apart)
+
+        def vllm_run(name: str, b: int) -> StreamRun:
+            from .vllm_system import VLLMEngine, speculative_config
+
+            if name not in engines:
+                log_path = Path(config.vllm.log_dir) / f"{name}-b{b}.log" if config.vllm.log_dir else None
+                engine = VLLMEngine(config.vllm.python, config.vllm.model, max_num_seqs=b,
+                                    max_model_len=max(map(len, mine)) + config.max_new_tokens, threads=threads,
+                                    speculative=speculative_config(name, config.num_assistant_tokens,
+                                                                   config.max_ngram),
+                                    log_path=log_path, worker=config.vllm.worker)
+                engines[name] = engine
+                engine.start()
+                report["startup"].setdefault(b, {})[name] = engine.startup_seconds
+                log(f"  B={b} {name}: engine started in {engine.startup_seconds:.1f} s (vLLM "
+                    f"{engine.ready.get('vllm_version', '?')}, {threads} threads bound to "
+                    f"{engine.ready.get('omp_bind')}; not counted in tok/s)")
+            return run_vllm(name, engines[name], mine, config.max_new_tokens, eos)
+
+        for name in systems:
+            if name in VLLM_SYSTEMS:
+                plans.append((name, lambda b=batch_size, n=name: vllm_run(n, b)))
+            elif name == "hf-generate-batch":
                 plans.append((name, lambda b=batch_size: run_hf_generate_batch(target, mine, config.max_new_tokens,
                                                                                b, eos, pad)))
             elif name == "generate-chunks":
-                plans.append((name, lambda b=batch_size: run_chunks(name, target, mine, config.max_new_tokens, b,
-                                                                    eos, pad)))
+                plans.append((name, lambda b=batch_size: run_chunks("generate-chunks", target, mine,
+                                                                    config.max_new_tokens, b, eos, pad)))
             else:
                 plans.append((name, lambda b=batch_size: run_chunks(
                     "tetris-chunks", target, mine, config.max_new_tokens, b, eos, pad, custom_generate="tetris",
-                    tetris_extra_tokens=config.extra_tokens, **speculative)))
+                    tetris_extra_tokens=config.extra_tokens, **drafts())))
         for strategy in config.strategies:
             # "plain": the stream with speculation off (its drafter never drafts: tetris_budget=0)
             settings = {"tetris_budget": 0} if strategy == "plain" else {"tetris_strategy": strategy}
@@ -369,15 +454,19 @@ def run_stream_bench(target, draft, prompts: list[list[int]], eos: set[int], pad
                 name = f"stream-{strategy}" + ("" if ride else "-apart")
                 plans.append((name, lambda b=batch_size, s=settings, n=name, r=ride: run_stream(
                     n, target, mine, config.max_new_tokens, b, eos, pad, tetris_extra_tokens=config.extra_tokens,
-                    ride_prompts=r, **s, **speculative)))
+                    ride_prompts=r, **s, **drafts())))
         runs: dict[str, list[StreamRun]] = {name: [] for name, _ in plans}
-        for repeat in range(config.repeats):
-            for name, run in plans:
-                with torch.no_grad():
-                    result = run()
-                runs[name].append(result if state is None else _gather(result, indices))
-                log(f"  B={batch_size} repeat {repeat + 1}/{config.repeats} {name}: "
-                    f"{runs[name][-1].summary()['tokens_per_second']:.1f} tok/s")
+        try:
+            for repeat in range(config.repeats):
+                for name, run in plans:
+                    with torch.no_grad():
+                        result = run()
+                    runs[name].append(result if state is None else _gather(result, indices))
+                    log(f"  B={batch_size} repeat {repeat + 1}/{config.repeats} {name}: "
+                        f"{runs[name][-1].summary()['tokens_per_second']:.1f} tok/s")
+        finally:
+            for engine in engines.values():
+                engine.close()
         # outputs are checked against static generate()'s, else transformers' generate_batch's (both plain greedy)
         baseline = next((name for name in ("generate-chunks", "hf-generate-batch") if name in runs), None)
         reference = runs[baseline][0].tokens if baseline else None
@@ -390,6 +479,9 @@ def run_stream_bench(target, draft, prompts: list[list[int]], eos: set[int], pad
             summary["repeats"] = speeds
             equal = sum(a == b for a, b in zip(median.tokens, reference)) if reference else None
             summary["equal"] = f"{equal}/{len(median.tokens)}" if equal is not None else "-"
+            startup = report["startup"].get(batch_size, {}).get(name)
+            if startup is not None:
+                summary["startup_seconds"] = startup  # vLLM's engine start-up: not in its tokens/s
             summaries.append(summary)
             medians.append(median)
         report["runs"][batch_size] = summaries
@@ -410,14 +502,23 @@ def main(args) -> int:
     state = distributed_state(device)
     if state is not None and device.type == "cuda":
         device = state.device  # one GPU per process
-    lookup = args.draft == "lookup"
+    lookup, suffix = args.draft in ("lookup", "suffix"), args.draft == "suffix"
+    if args.suffix_seed is not None and not suffix:
+        raise UsageError("--suffix-seed seeds suffix drafts' cache: pass --draft suffix too")
+    if args.suffix_seed is not None and not Path(args.suffix_seed).is_file():
+        raise UsageError(f"--suffix-seed {args.suffix_seed!r}: no such file")
     if lookup:
         from .bench import load_lookup_target
 
         target, tokenizer, info = load_lookup_target(args.target, device, None, args.max_ngram)
+        if suffix:
+            info = dataclasses.replace(info, draft_kind="suffix", draft="suffix drafts (the batch's rows and a cache "
+                                       "of finished requests" + (f", seeded from {args.suffix_seed})"
+                                                                 if args.suffix_seed else ")"))
         draft = None
     else:
         target, draft, tokenizer, info = load_pair(args.target, args.draft, device)
+    kernels = apply_kernels(args, target, draft)
     prompt_set = load_prompt_set(args.prompts)
     texts, note = prompt_texts(prompt_set, args.num_prompts, tokenizer, args.max_prompt_tokens)
     prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
@@ -427,21 +528,38 @@ def main(args) -> int:
         raise UsageError("the target has no eos_token_id: a stream of natural lengths needs one")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
     systems = tuple(name for name in args.systems.split(",") if name)
-    unknown = set(systems) - set(SYSTEMS)
+    unknown = set(systems) - set(SYSTEMS + OPTIONAL_SYSTEMS)
     if unknown:
-        raise UsageError(f"unknown --systems {sorted(unknown)}: choose from {', '.join(SYSTEMS)}")
+        raise UsageError(f"unknown --systems {sorted(unknown)}: choose from {', '.join(SYSTEMS + OPTIONAL_SYSTEMS)}")
+    vllm = None
+    if set(systems) & set(VLLM_SYSTEMS):
+        from .vllm_system import VLLMUnavailable, find_vllm, model_folder
+
+        try:
+            python, version = find_vllm(args.vllm_python)
+            vllm = VLLMSettings(python, model_folder(args.target), version, log_dir=args.output)
+            Path(args.output).mkdir(parents=True, exist_ok=True)
+        except VLLMUnavailable as error:
+            print(f"{error}; going on with the other systems", flush=True)
     if lookup and args.hybrid:
         raise UsageError("--hybrid drafts with the model and lookup together: give a draft model (or none), not "
-                         "--draft lookup")
+                         f"--draft {args.draft}")
     config = StreamBenchConfig(args.max_new_tokens, tuple(args.max_batch_size), systems,
                                tuple(name for name in args.strategies.split(",") if name), lookup, args.hybrid,
                                args.num_assistant_tokens, args.extra_tokens, args.max_ngram, args.repeats,
-                               args.prompts_apart)
+                               args.prompts_apart, vllm=vllm, suffix=suffix, suffix_seed=args.suffix_seed)
+    if args.suffix_seed is not None:  # a bad file fails now, naming its line, not after the baselines ran
+        from ..suffix_cache import read_token_lists
+
+        try:
+            read_token_lists(args.suffix_seed, target.get_output_embeddings().weight.shape[0])
+        except ValueError as error:
+            raise UsageError(f"--suffix-seed: {error}") from None
     main_process = state is None or state.is_main_process
     log = (lambda line: print(line, flush=True)) if main_process else (lambda line: None)
     log(f"{len(prompts)} requests ({note}); prompt tokens {min(map(len, prompts))}-{max(map(len, prompts))}, "
         f"up to {args.max_new_tokens} new; {device}"
-        f"{f', {state.num_processes} processes' if state is not None else ''}\n{info}")
+        f"{f', {state.num_processes} processes' if state is not None else ''}\n{info}\n{kernels}")
     report = run_stream_bench(target, draft, prompts, eos, pad, config, state, log)
     if not main_process:
         return 0
