@@ -44,3 +44,14 @@ def test_greedy_rows_equal_the_target_alone_with_onednn_linears():
 def test_a_model_with_nothing_to_switch_is_refused_by_name():
     with pytest.raises(ValueError, match="Embedding has no nn.Linear"):
         use_onednn_linears(torch.nn.Embedding(4, 4))
+
+
+def test_a_cost_profile_measured_on_one_kernel_is_not_read_for_the_other():
+    from tetris_hf.cost_model import profile_key
+
+    target, draft = target_and_draft(97, seed=3, draft_kind="noisy")
+    before = profile_key(target, draft), profile_key(target, None)
+    use_onednn_linears(target)
+    assert profile_key(target, draft) != before[0] and profile_key(target, None) != before[1]
+    restore_linears(target)
+    assert (profile_key(target, draft), profile_key(target, None)) == before

@@ -95,9 +95,11 @@ def test_lookup_runs_need_no_draft_model_and_equal_plain_generate(pair):
         assert live.draft == LOOKUP and len(live.drafted) == len(live.survival) == stats.steps
         # drafted_tokens counts the cells really drafted: the drafted counts of every active row of every step
         assert stats.drafted_tokens == sum(n for step in live.drafted for n in step if n is not None)
-        assert stats.accepted_tokens > 0  # the repeated words are copied
+        # the repeated words are copied (adaptive drafts where its measured step times say drafting pays, which a
+        # machine loaded by other jobs may deny: its output and its counts are what is checked there)
+        assert stats.accepted_tokens > 0 or strategy == ADAPTIVE
         board = live.board(3)
-        assert board.draft == LOOKUP and board.steps > 0
+        assert board.draft == LOOKUP and (board.steps > 0 or strategy == ADAPTIVE)
         for scores, drafted, verified in zip(board.survival_per_step, board.drafted_per_step,
                                              board.verified_per_step):
             assert [None if row is None else len(row) for row in scores] == drafted

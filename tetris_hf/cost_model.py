@@ -29,6 +29,8 @@ from typing import Mapping, Sequence
 
 import torch
 
+from .cpu_kernels import linear_kernels
+
 PROFILE_FORMAT = "tetris-hf-cost-profile"
 PROFILE_VERSION = 1
 
@@ -418,13 +420,16 @@ def _config_hash(model) -> str:
 
 
 def profile_key(model: torch.nn.Module, assistant_model: torch.nn.Module | None) -> str:
-    """What a measured profile depends on: both architectures (``None``: prompt lookup), device, dtype, torch version
-    and CPU threads."""
+    """What a measured profile depends on: both architectures (``None``: prompt lookup), device, dtype, torch version,
+    CPU threads and the linear layers' kernels (:func:`~tetris_hf.cpu_kernels.linear_kernels`)."""
     parts = [
         _config_hash(model), "prompt-lookup" if assistant_model is None else _config_hash(assistant_model),
         str(_model_device(model)),
         str(next(model.parameters()).dtype), torch.__version__, str(torch.get_num_threads()),
     ]
+    kernels = [linear_kernels(part) for part in (model, assistant_model) if part is not None]
+    if "onednn" in kernels:  # (keys of profiles measured before kernels were told apart stay as they were)
+        parts.append("linears:" + ",".join(kernels))
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:20]
 
 

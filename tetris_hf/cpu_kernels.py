@@ -54,6 +54,12 @@ def use_onednn_linears(model: nn.Module) -> int:
     return switched
 
 
+def linear_kernels(model: nn.Module) -> str:
+    """``"onednn"`` if some linear layer of ``model`` runs oneDNN's kernel (:func:`use_onednn_linears`), else
+    ``"aten"``: what a measured cost profile depends on."""
+    return "onednn" if any(type(module) is OneDNNLinear for module in model.modules()) else "aten"
+
+
 def restore_linears(model: nn.Module) -> int:
     """Switch :class:`OneDNNLinear` layers back to ``nn.Linear``; returns how many."""
     restored = 0

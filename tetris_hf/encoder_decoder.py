@@ -57,12 +57,13 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
         return None
     model_type = getattr(model.config, "model_type", "")
     if model_type in ("t5", "mt5", "umt5", "longt5", "switch_transformers", "pop2piano", "udop"):
-        return ("T5-style decoders add a relative position bias computed from cache slot indices, not from the "
-                "positions tetris_hf passes, so the holes rejected drafts leave would shift it (the missing piece: a "
-                "position bias read from `position_ids`)")
-    return (f"only Whisper ({', '.join(WHISPER_TARGETS)}) is wired so far; {name} would need a decoder view that "
-            "takes per-row `position_ids` and a prepared 4D self-attention mask, and its cross-attention keys and "
-            "values kept per row (tetris_hf.cross_attention), which is checked for Whisper only")
+        return ("an encoder-decoder other than Whisper: T5-style decoders add a relative position bias computed "
+                "from cache slot indices, not from the positions tetris_hf passes, so the holes rejected drafts "
+                "leave would shift it (the missing piece: a position bias read from `position_ids`)")
+    return (f"an encoder-decoder, and only Whisper ({', '.join(WHISPER_TARGETS)}) is wired so far; {name} would need "
+            "a decoder view that takes per-row `position_ids` and a prepared 4D self-attention mask, and its "
+            "cross-attention keys and values kept per row (tetris_hf.cross_attention), which is checked for Whisper "
+            "only")
 
 
 class DecoderView(torch.nn.Module):
