@@ -248,21 +248,22 @@ def likely_continuations(target, prompt: list[int], depth: int = 3, width: int =
     return out
 
 
-def sampled_tree_joint(target, strategy, monkeypatch, **options):
+def sampled_tree_joint(target, strategy, monkeypatch, seed=0, **options):
     """12,000 rows of one prompt drafting suffix trees from a cache of the target's likely continuations, kept as
     seeded (the rows that stop are not added: the tree's contents do not matter to the law, and thousands of rows
     stopping at once would evict the seeds), the first four sampled tokens counted."""
     monkeypatch.setattr(SuffixCandidateGenerator, "remember", lambda self, *finished: None)
     cache = SuffixCache(max_requests=64, tokens_per_request=16)
     cache.add_token_lists(likely_continuations(target, SUFFIX_PROMPT))
-    return sampled_model_free_joint(target, strategy, tetris_suffix_cache=cache, tetris_suffix_num_tokens=2,
+    return sampled_model_free_joint(target, strategy, seed, tetris_suffix_cache=cache, tetris_suffix_num_tokens=2,
                                     **options)
 
 
-SAMPLED_TREES = [
-    ("tetris", {"tetris_tree_width": 2, "tetris_extra_tokens": 1, "tetris_budget": sampling.ROWS}),
-    ("fixed", {"tetris_tree_width": 2}),
-    ("adaptive", {"tetris_tree_width": 3, "tetris_cost_profile": sampling.CHEAP_VERIFY}),
+SAMPLED_TREES = [  # each with a seed of its own: under one seed the matching rule can emit the very same draws
+    # whatever the tree (it decides only how far one forward's draws reach; tetris and fixed did), testing one sample
+    ("tetris", {"tetris_tree_width": 2, "tetris_extra_tokens": 1, "tetris_budget": sampling.ROWS, "seed": 1}),
+    ("fixed", {"tetris_tree_width": 2, "seed": 0}),
+    ("adaptive", {"tetris_tree_width": 3, "tetris_cost_profile": sampling.CHEAP_VERIFY, "seed": 2}),
 ]
 
 
