@@ -190,6 +190,14 @@ def test_frequency_tree_equals_a_trie_built_by_hand(candidates, alive, width):
         assert tree.tokens[0, : int(count[0])].tolist() == chain[0, : int(count[0])].tolist()
 
 
+def test_a_frequency_tree_of_no_levels_or_no_occurrence_has_no_valid_node():
+    tree, shares = frequency_tree(torch.zeros(2, 3, 0, dtype=torch.long), torch.ones(2, 3, dtype=torch.bool), 2,
+                                  step_log_conditional)
+    assert tree.tokens.shape == shares.shape == (2, 0)
+    tree, shares = frequency_tree(torch.tensor([[[4, 5]]]), torch.tensor([[False]]), 2, step_log_conditional)
+    assert not tree.valid.any() and (tree.tokens == 0).all() and (shares == 0).all()  # (no -1 token for the target)
+
+
 @SETTINGS
 @given(st.lists(row_strategy, min_size=1, max_size=4), st.booleans())
 def test_batch_matches_equal_a_row_by_row_search(rows, peers):

@@ -72,6 +72,33 @@ def test_greedy_tree_rows_equal_the_target_alone(repetitive_target, batch_size, 
         assert stats.verified_tokens < stats.drafted_tokens  # the trees branched beyond what was verified
 
 
+def test_a_tree_verdict_calibrates_the_nodes_whose_parent_was_reached():
+    """A node counts as tried when it was verified and its parent reached (the root, or a node on the accepted path),
+    as accepted when it is on the path; nodes below a rejection or never verified tell nothing."""
+    from tetris_hf.step import ReadHints, StepTree, Verdict
+
+    cache = SuffixCache(max_requests=4, tokens_per_request=16)
+    cache.add_token_lists([[3, 4, 5, 6], [3, 4, 5, 7], [3, 4, 8, 9]])
+    drafter = SuffixCandidateGenerator(max_tokens=2, cache=cache)
+    sequences = torch.tensor([[1, 3, 4, 0, 0, 0]])
+    drafter.prefill(sequences[:, :3], torch.ones(1, 3, dtype=torch.long))
+    grown = drafter.propose(sequences, torch.tensor([3]), 2, tree_width=2)
+    tree = grown.tree  # depth 1: 5 (2 of 3 votes), 8 (1); depth 2: 5's children 7, 6 (newest first)
+    assert tree.tokens[0].tolist() == [5, 8, 7, 6] and tree.parents[0].tolist() == [-1, -1, 0, 0]
+    assert grown.expanded_log_probs is None  # verified by matching when sampling
+    selected = torch.tensor([[True, True, True, False]])
+    path = torch.tensor([[1, -1]])  # 8 accepted (5 rejected: its verified child 7 tells nothing; 6 unverified)
+    verdict = Verdict(torch.tensor([1]), torch.tensor([2]), selected.sum(dim=1),
+                      StepTree(tree, selected, torch.tensor([4]), path, torch.tensor([1]), torch.tensor([2])),
+                      ReadHints(max_accepted=2))
+    drafter.accept(verdict)
+    shares = drafter.acceptance.cells(torch.tensor([[2 / 4, 1 / 4, 1 / 3]]), torch.tensor([3]))[0].tolist()
+    tried, accepted = drafter.acceptance.tried.flatten(), drafter.acceptance.accepted.flatten()
+    assert tried.sum() == 2 and accepted.sum() == 1
+    assert [float(tried[cell]) for cell in shares] == [1.0, 1.0, 0.0]
+    assert float(accepted[shares[1]]) == 1.0
+
+
 def test_finished_rows_fill_the_cache_and_a_seeded_cache_drafts(repetitive_target):
     """A shared cache keeps every row of a call (padding left out); a second call on fresh prompts drafts from it
     what the first wrote, and stays exact."""
@@ -221,21 +248,22 @@ def likely_continuations(target, prompt: list[int], depth: int = 3, width: int =
     return out
 
 
-def sampled_tree_joint(target, strategy, monkeypatch, **options):
+def sampled_tree_joint(target, strategy, monkeypatch, seed=0, **options):
     """12,000 rows of one prompt drafting suffix trees from a cache of the target's likely continuations, kept as
     seeded (the rows that stop are not added: the tree's contents do not matter to the law, and thousands of rows
     stopping at once would evict the seeds), the first four sampled tokens counted."""
     monkeypatch.setattr(SuffixCandidateGenerator, "remember", lambda self, *finished: None)
     cache = SuffixCache(max_requests=64, tokens_per_request=16)
     cache.add_token_lists(likely_continuations(target, SUFFIX_PROMPT))
-    return sampled_model_free_joint(target, strategy, tetris_suffix_cache=cache, tetris_suffix_num_tokens=2,
+    return sampled_model_free_joint(target, strategy, seed, tetris_suffix_cache=cache, tetris_suffix_num_tokens=2,
                                     **options)
 
 
-SAMPLED_TREES = [
-    ("tetris", {"tetris_tree_width": 2, "tetris_extra_tokens": 1, "tetris_budget": sampling.ROWS}),
-    ("fixed", {"tetris_tree_width": 2}),
-    ("adaptive", {"tetris_tree_width": 3, "tetris_cost_profile": sampling.CHEAP_VERIFY}),
+SAMPLED_TREES = [  # each with a seed of its own: under one seed the matching rule can emit the very same draws
+    # whatever the tree (it decides only how far one forward's draws reach; tetris and fixed did), testing one sample
+    ("tetris", {"tetris_tree_width": 2, "tetris_extra_tokens": 1, "tetris_budget": sampling.ROWS, "seed": 1}),
+    ("fixed", {"tetris_tree_width": 2, "seed": 0}),
+    ("adaptive", {"tetris_tree_width": 3, "tetris_cost_profile": sampling.CHEAP_VERIFY, "seed": 2}),
 ]
 
 

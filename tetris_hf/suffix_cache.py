@@ -376,7 +376,7 @@ def frequency_tree(candidates: torch.Tensor, alive: torch.Tensor, width: int,
     earlier = occurrence[None, :] < occurrence[:, None]  # (C, C): [c, c'] c' comes before c
     owner = torch.where(alive, 0, -1)  # (B, C) the frontier node each occurrence agrees with (the root: 0), -1: none
     frontier_scores = torch.zeros(rows, 1, device=device)
-    tree, shares = empty_tree(rows, device), []
+    tree, shares = empty_tree(rows, device), [torch.zeros(rows, 0, device=device)]
     for level in range(depth):
         frontier = frontier_scores.shape[1]
         token = candidates[:, :, level]  # (B, C)

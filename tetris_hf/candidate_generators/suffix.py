@@ -235,7 +235,7 @@ class SuffixCandidateGenerator(Drafter):
         on_path = torch.zeros(path.shape[0], num_nodes + 1, dtype=torch.bool, device=path.device)
         on_path = on_path.scatter_(1, torch.where(path >= 0, path, num_nodes), True)[:, :num_nodes]  # (B, N)
         parents = trees.tree.parents
-        reached = torch.where(parents >= 0, on_path.gather(1, parents.clamp(min=0)), True)  # the parent was
+        reached = torch.where(parents >= 0, on_path.gather(1, parents.clamp(min=0)), True)  # (the root always is)
         tried = trees.selected & reached
         self.acceptance.count(shares, ngram, tried, tried & on_path)
 

@@ -377,6 +377,23 @@ def _gather(run: StreamRun, indices: list[int]) -> StreamRun:
                      [item[1] for item in ordered], [item[2] for item in ordered], occupancy)
 
 
+def speculative_options(target, draft, config: StreamBenchConfig):
+    """A function giving each speculative run its drafting options: the draft model, prompt lookup, both, or suffix
+    drafts (each run with a fresh cache of its own, seeded from ``config.suffix_seed`` when given, spanning the run's
+    chunks or stream)."""
+    lookup = {"prompt_lookup_num_tokens": config.num_assistant_tokens, "max_matching_ngram_size": config.max_ngram}
+    model = {"assistant_model": draft, "num_assistant_tokens": config.num_assistant_tokens}
+    speculative = lookup if config.lookup else {**model, **lookup} if config.hybrid else model
+    if not config.suffix:
+        return lambda: speculative
+    from ..suffix_cache import SuffixCache
+
+    vocab_size = target.get_output_embeddings().weight.shape[0]
+    seed = config.suffix_seed
+    return lambda: {"tetris_suffix_num_tokens": config.num_assistant_tokens,
+                    "tetris_suffix_cache": SuffixCache() if seed is None else SuffixCache.from_file(seed, vocab_size)}
+
+
 def run_stream_bench(target, draft, prompts: list[list[int]], eos: set[int], pad: int, config: StreamBenchConfig,
                      state=None, log=print) -> dict:
     """Every system and stream strategy on ``prompts`` (token ids), ``config.repeats`` times in turn, at each batch
@@ -387,22 +404,7 @@ def run_stream_bench(target, draft, prompts: list[list[int]], eos: set[int], pad
         with state.split_between_processes(indices) as mine:
             indices = list(mine)
     mine = [prompts[index] for index in indices]
-    lookup = {"prompt_lookup_num_tokens": config.num_assistant_tokens, "max_matching_ngram_size": config.max_ngram}
-    model = {"assistant_model": draft, "num_assistant_tokens": config.num_assistant_tokens}
-    speculative = lookup if config.lookup else {**model, **lookup} if config.hybrid else model
-    if config.suffix:  # suffix drafts alone, each run with a cache of its own (seeded alike), spanning its chunks
-        speculative = {"tetris_suffix_num_tokens": config.num_assistant_tokens}
-    vocab_size = target.get_output_embeddings().weight.shape[0]
-
-    def drafts() -> dict:
-        """The speculative options of one run (a fresh suffix cache each, from the seed file when given)."""
-        if not config.suffix:
-            return speculative
-        from ..suffix_cache import SuffixCache
-
-        seeded = SuffixCache() if config.suffix_seed is None else SuffixCache.from_file(config.suffix_seed, vocab_size)
-        return {**speculative, "tetris_suffix_cache": seeded}
-
+    drafts = speculative_options(target, draft, config)
     report = {"runs": {}, "medians": {}, "startup": {}}
     systems = list(config.systems)
     wanted = [name for name in systems if name in VLLM_SYSTEMS]
@@ -495,6 +497,32 @@ def reference_name(summaries: list[dict]) -> str:
     return max(baselines, key=lambda row: row["tokens_per_second"])["name"] if baselines else summaries[0]["name"]
 
 
+def check_suffix_seed(path: str | None, suffix: bool, vocab_size: int | None = None) -> None:
+    """Refuse ``--suffix-seed`` without ``--draft suffix`` or a file; given the target's ``vocab_size``, a bad file
+    too, naming its line (before any run, not after the baselines ran)."""
+    if path is None:
+        return
+    if not suffix:
+        raise UsageError("--suffix-seed seeds suffix drafts' cache: pass --draft suffix too")
+    if not Path(path).is_file():
+        raise UsageError(f"--suffix-seed {path!r}: no such file")
+    if vocab_size is not None:
+        from ..suffix_cache import read_token_lists
+
+        try:
+            read_token_lists(path, vocab_size)
+        except ValueError as error:
+            raise UsageError(f"--suffix-seed: {error}") from None
+
+
+def suffix_target(info, target, seed: str | None):
+    """``--draft suffix``: the loaded target's description with suffix drafts as its draft, once the seed file (if
+    any) is known to be good for this target's vocabulary."""
+    check_suffix_seed(seed, True, target.get_output_embeddings().weight.shape[0])
+    return dataclasses.replace(info, draft_kind="suffix", draft="suffix drafts (the batch's rows and a cache of "
+                               "finished requests" + (f", seeded from {seed})" if seed else ")"))
+
+
 def main(args) -> int:
     from .bench import distributed_state
 
@@ -503,18 +531,13 @@ def main(args) -> int:
     if state is not None and device.type == "cuda":
         device = state.device  # one GPU per process
     lookup, suffix = args.draft in ("lookup", "suffix"), args.draft == "suffix"
-    if args.suffix_seed is not None and not suffix:
-        raise UsageError("--suffix-seed seeds suffix drafts' cache: pass --draft suffix too")
-    if args.suffix_seed is not None and not Path(args.suffix_seed).is_file():
-        raise UsageError(f"--suffix-seed {args.suffix_seed!r}: no such file")
+    check_suffix_seed(args.suffix_seed, suffix)
     if lookup:
         from .bench import load_lookup_target
 
         target, tokenizer, info = load_lookup_target(args.target, device, None, args.max_ngram)
         if suffix:
-            info = dataclasses.replace(info, draft_kind="suffix", draft="suffix drafts (the batch's rows and a cache "
-                                       "of finished requests" + (f", seeded from {args.suffix_seed})"
-                                                                 if args.suffix_seed else ")"))
+            info = suffix_target(info, target, args.suffix_seed)
         draft = None
     else:
         target, draft, tokenizer, info = load_pair(args.target, args.draft, device)
@@ -548,13 +571,6 @@ def main(args) -> int:
                                tuple(name for name in args.strategies.split(",") if name), lookup, args.hybrid,
                                args.num_assistant_tokens, args.extra_tokens, args.max_ngram, args.repeats,
                                args.prompts_apart, vllm=vllm, suffix=suffix, suffix_seed=args.suffix_seed)
-    if args.suffix_seed is not None:  # a bad file fails now, naming its line, not after the baselines ran
-        from ..suffix_cache import read_token_lists
-
-        try:
-            read_token_lists(args.suffix_seed, target.get_output_embeddings().weight.shape[0])
-        except ValueError as error:
-            raise UsageError(f"--suffix-seed: {error}") from None
     main_process = state is None or state.is_main_process
     log = (lambda line: print(line, flush=True)) if main_process else (lambda line: None)
     log(f"{len(prompts)} requests ({note}); prompt tokens {min(map(len, prompts))}-{max(map(len, prompts))}, "
