@@ -386,13 +386,8 @@ def frequency_tree(candidates: torch.Tensor, alive: torch.Tensor, width: int,
         votes = same.sum(dim=2)  # (B, C) occurrences that agree with c's path and next token
         first = (owner >= 0) & ~(same & earlier).any(dim=2)  # one occurrence stands for each (node, token)
         key = torch.where(first, votes * num + (num - 1 - occurrence), -1)  # most votes, then the earliest
-        nodes = torch.arange(frontier, device=device)[None, :, None]
-        mine = owner[:, None, :] == nodes  # (B, F, C)
-        top_key, top = torch.where(mine, key[:, None, :], -1).topk(min(width, num), dim=2)  # (B, F, w')
-        if top.shape[2] < width:  # fewer occurrences than children: pad with nothing
-            pad = width - top.shape[2]
-            top_key = torch.nn.functional.pad(top_key, (0, pad), value=-1)
-            top = torch.nn.functional.pad(top, (0, pad))
+        mine = owner[:, None, :] == torch.arange(frontier, device=device)[None, :, None]  # (B, F, C)
+        top_key, top = _best_children(mine, key, width)
         valid = (top_key >= 0) & (frontier_scores[..., None] > float("-inf"))  # (B, F, w)
         flat = top.flatten(1)  # (B, F w)
         child_tokens = torch.where(valid, token.gather(1, flat).view(rows, frontier, width), 0)  # (0: no node)
@@ -406,12 +401,29 @@ def frequency_tree(candidates: torch.Tensor, alive: torch.Tensor, width: int,
                          scores.flatten(1).gather(1, order), valid.flatten(1).gather(1, order))
         tree = append_nodes(tree, kept, -1 if level == 0 else (level - 1) * width)
         shares.append(share.flatten(1).gather(1, order))
-        # each occurrence follows the kept child of its node with its token (-1: none was kept)
-        follows = (kept.parents[:, None, :] == owner[:, :, None]) & (kept.tokens[:, None, :] == token[:, :, None])
-        follows &= kept.valid[:, None, :]  # (B, C, w)
-        owner = torch.where(follows.any(dim=2), follows.long().argmax(dim=2), -1)
-        frontier_scores = kept.log_scores
+        owner, frontier_scores = _follow(kept, owner, token), kept.log_scores
     return tree, torch.cat(shares, dim=1)
+
+
+def _best_children(mine: torch.Tensor, key: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each frontier node, the ``width`` best of its occurrences by ``key`` ``(B, C)`` (``mine`` ``(B, F, C)``:
+    which occurrences are the node's): ``(B, F, width)`` keys (``-1``: none) and occurrence indices, padded with
+    nothing where there are fewer occurrences than children."""
+    num = key.shape[1]
+    top_key, top = torch.where(mine, key[:, None, :], -1).topk(min(width, num), dim=2)  # (B, F, w')
+    if top.shape[2] < width:
+        pad = width - top.shape[2]
+        top_key = torch.nn.functional.pad(top_key, (0, pad), value=-1)
+        top = torch.nn.functional.pad(top, (0, pad))
+    return top_key, top
+
+
+def _follow(kept: Expansion, owner: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """``(B, C)`` the kept node each occurrence now agrees with: the kept child of its node ``owner`` with its
+    ``token`` (``-1``: none was kept)."""
+    follows = (kept.parents[:, None, :] == owner[:, :, None]) & (kept.tokens[:, None, :] == token[:, :, None])
+    follows &= kept.valid[:, None, :]  # (B, C, w)
+    return torch.where(follows.any(dim=2), follows.long().argmax(dim=2), -1)
 
 
 def batch_matches(sequences: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, depth: int,

@@ -56,14 +56,7 @@ def build_drafter(assistant_model: torch.nn.Module | None, options: TetrisOption
         ``None`` for prompt lookup alone.
     """
     max_draft = options.num_assistant_tokens + options.tetris_extra_tokens
-    lookup = None
-    if options.tetris_suffix_num_tokens is not None:  # the batch's rows and earlier requests draft
-        lookup = SuffixCandidateGenerator(max_tokens=max(max_draft, 1), cache=options.tetris_suffix_cache)
-    elif options.prompt_lookup_num_tokens is not None or assistant_model is None:  # the rows' own tokens draft
-        max_ngram = options.max_matching_ngram_size
-        lookup = BatchedPromptLookupCandidateGenerator(
-            DEFAULT_MAX_NGRAM_SIZE if max_ngram is None else max_ngram, options.tetris_min_ngram_size,
-            max_tokens=max(max_draft, 1))
+    lookup = _model_free(options, max_draft, assistant_model is None)
     if assistant_model is None:
         return lookup, None
     if options.tetris_tree_width > 1 and options.tetris_suffix_num_tokens is not None:
@@ -88,3 +81,15 @@ def build_drafter(assistant_model: torch.nn.Module | None, options: TetrisOption
     if lookup is not None:
         return HybridCandidateGenerator(lookup, drafter), draft_model
     return drafter, draft_model
+
+
+def _model_free(options: TetrisOptions, max_draft: int, alone: bool) -> Drafter | None:
+    """The model-free drafter the options ask for (or, ``alone``, with no model: prompt lookup), else ``None``."""
+    if options.tetris_suffix_num_tokens is not None:  # the batch's rows and earlier requests draft
+        return SuffixCandidateGenerator(max_tokens=max(max_draft, 1), cache=options.tetris_suffix_cache)
+    if options.prompt_lookup_num_tokens is not None or alone:  # the rows' own tokens draft
+        max_ngram = options.max_matching_ngram_size
+        return BatchedPromptLookupCandidateGenerator(
+            DEFAULT_MAX_NGRAM_SIZE if max_ngram is None else max_ngram, options.tetris_min_ngram_size,
+            max_tokens=max(max_draft, 1))
+    return None
