@@ -131,7 +131,7 @@ def _drop_quantization_marker(model) -> None:
         del model.config.quantization_config
 
 
-def _gguf_cache_path(path: Path) -> Path:
+def gguf_cache_path(path: Path) -> Path:
     """Where the safetensors conversion of a GGUF file is cached."""
     return cache_dir() / f"{path.stem}-{path.stat().st_size}-{_CACHE_FORMAT}"
 
@@ -140,7 +140,7 @@ def _load_gguf(path: Path, dtype: torch.dtype):
     """Load a GGUF checkpoint, converting it once and caching the result as safetensors."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    cached = _gguf_cache_path(path)
+    cached = gguf_cache_path(path)
     if (cached / "config.json").is_file() and (cached / "tokenizer_config.json").is_file():
         model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(cached)
@@ -213,7 +213,7 @@ def load_target(
     if quantization_config is not None:
         # Reload the same weights through bitsandbytes (GGUF targets from their cached conversion).
         source = name_or_path if name_or_path is not None and not str(name_or_path).endswith(".gguf") else \
-            _gguf_cache_path(Path(name_or_path).expanduser() if name_or_path is not None else default_target_path())
+            gguf_cache_path(Path(name_or_path).expanduser() if name_or_path is not None else default_target_path())
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=dtype, quantization_config=quantization_config, device_map={"": str(device or "cpu")}
         )

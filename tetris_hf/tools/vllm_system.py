@@ -215,11 +215,11 @@ class VLLMEngine:
 def model_folder(target_name: str | None) -> str:
     """The folder vLLM reads the target from: the fp32 ``save_pretrained`` folder (weights, config, tokenizer) that
     loading a GGUF target writes once (the default target included), a local model folder as it is, or a Hub id."""
-    from .models import _gguf_cache_path, default_target_path
+    from .models import gguf_cache_path, default_target_path
 
     if target_name is None or str(target_name).endswith(".gguf"):
         path = default_target_path() if target_name is None else Path(target_name).expanduser()
-        folder = _gguf_cache_path(path)
+        folder = gguf_cache_path(path)
         if not (folder / "config.json").is_file():
             raise VLLMUnavailable(f"vLLM not run: the converted target {folder} is missing (load the target once "
                                   "with tetris-hf first)")
