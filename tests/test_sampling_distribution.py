@@ -30,11 +30,17 @@ def exact_joint(target, temperature, top_p, new_tokens=NEW_TOKENS):
         logits = target(ids).logits[:, -1].float()
         return warpers(ids, logits).softmax(-1)[0]
 
+    return enumerated_joint(next_probs, new_tokens, EOS, PAD)
+
+
+def enumerated_joint(next_probs, new_tokens: int, eos: int, pad: int) -> dict:
+    """Every continuation of ``new_tokens`` tokens with its probability, ``next_probs(prefix)`` ``(V,)`` giving each
+    next token's: a row ends at ``eos`` (its later cells then hold ``pad``)."""
     joint = {}
     with torch.no_grad():
         def expand(prefix, probability):
-            if len(prefix) == new_tokens or (prefix and prefix[-1] == EOS):
-                joint[tuple(prefix) + (PAD,) * (new_tokens - len(prefix))] = probability
+            if len(prefix) == new_tokens or (prefix and prefix[-1] == eos):
+                joint[tuple(prefix) + (pad,) * (new_tokens - len(prefix))] = probability
                 return
             for token, p in enumerate(next_probs(prefix).tolist()):
                 if p > 0:

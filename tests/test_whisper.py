@@ -10,7 +10,7 @@ import tetris_hf  # noqa: F401
 import tetris_hf.logits.verification as verification
 from tetris_hf.cost_model import CostProfile
 from tetris_hf.kv import SlotCache
-from test_sampling_distribution import ROWS, chi_square_p_value
+from test_sampling_distribution import ROWS, chi_square_p_value, enumerated_joint
 from tiny_whisper import (EOS, causal_draft, features, full_draft, spread_weights, tiny_whisper, whisper_config,
                           whisper_generation_config)
 
@@ -225,17 +225,7 @@ def exact_whisper_joint(target, audio):
         logits[suppressed] = -float("inf")
         return logits.softmax(-1)
 
-    joint = {}
-    with torch.no_grad():
-        def expand(prefix, probability):
-            if len(prefix) == SAMPLED or (prefix and prefix[-1] == 1):
-                joint[tuple(prefix) + (1,) * (SAMPLED - len(prefix))] = probability
-                return
-            for token, p in enumerate(next_probs(prefix).tolist()):
-                if p > 0:
-                    expand(prefix + [token], probability * p)
-        expand([], 1.0)
-    return joint
+    return enumerated_joint(next_probs, SAMPLED, 1, 1)  # (EOS 1; a row that ended holds it)
 
 
 def sampled_whisper_joint(target, draft, audio, strategy="tetris", **options):
