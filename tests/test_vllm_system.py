@@ -118,6 +118,8 @@ def test_protocol_with_a_fake_worker_requests_replies_and_runs(monkeypatch, tmp_
     assert "engine start-up and warm-up, not counted in tok/s: vllm-ngram 13.0 s" in stream_bench.format_table(
         report["runs"][3], "generate-chunks")
     assert (tmp_path / "vllm-ngram-b3.log").is_file()
+    words = stream_bench.verdict(report["runs"][3])
+    assert "Against vLLM: generate-chunks" in words and "vLLM's best (vllm-ngram," in words
 
 
 def test_protocol_a_worker_error_is_raised_with_the_log_tail(tmp_path):
