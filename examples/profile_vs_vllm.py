@@ -7,8 +7,8 @@
 Every system serves the same requests (token ids, greedy, fp32, the target's end tokens, at most
 ``--max-batch-size`` rows, as many threads as this process has) three times:
 
-0. a warm-up with one new token a prompt (first-call costs; for a compiled path a full run follows, which compiles
-   and is reported apart as ``compile run``);
+0. a warm-up with two new tokens a prompt (first-call costs, a first decode or verify step among them; for a
+   compiled path a full run follows, which compiles and is reported apart as ``compile run``);
 1. a timed run (its tokens/s);
 2. the same run under ``torch.profiler`` (CPU activities; vLLM's inside its own process, see
    ``tetris_hf/tools/vllm_worker.py``): every op's self time, sorted into kinds by :func:`kind_of`;
@@ -46,6 +46,10 @@ from tetris_hf.tools import stream_bench
 from tetris_hf.tools.cli import load_prompt_set, prompt_texts
 from tetris_hf.tools.models import load_target
 
+# New tokens a prompt in the warm-up run: 2, so that a first decode (or verify) step runs in it too. (The first
+# recorded runs warmed up with 1: vLLM n-gram's timed run then went at 25.4 tok/s and its profiled run right after
+# at 76.2, one thread, 16 code edits: one-off costs of its first speculative steps.)
+WARM_UP_TOKENS = 2
 SYSTEMS = ("vllm", "vllm-ngram", "stream-plain", "stream-lookup", "static-lookup", "static-lookup-compiled",
            "generate")
 
@@ -132,7 +136,7 @@ def our_runner(system: str, target, prompts, max_new_tokens: int, batch_size: in
 def measure_ours(system: str, runner, max_new_tokens: int, log) -> dict:
     result = {}
     with torch.no_grad():
-        runner(1)  # warm-up: first-call costs (the cost profile, allocations) out of the timed runs
+        runner(WARM_UP_TOKENS)  # warm-up: first-call costs (the cost profile, allocations) out of the timed runs
         if system.endswith("compiled"):
             start = time.perf_counter()
             runner(max_new_tokens)
@@ -160,7 +164,7 @@ def measure_vllm(system: str, settings, prompts, max_new_tokens: int, batch_size
     with engine:
         engine.start()
         log(f"  {system}: engine start-up {engine.startup_seconds:.1f} s (not counted)")
-        engine.generate(prompts, 1, sorted(eos))  # warm-up, as ours
+        engine.generate(prompts, WARM_UP_TOKENS, sorted(eos))  # warm-up, as ours
         run = stream_bench.run_vllm(system, engine, prompts, max_new_tokens, eos)
         reply = engine.generate(prompts, max_new_tokens, sorted(eos), profile=True)
         prefill = engine.generate(prompts, 1, sorted(eos))

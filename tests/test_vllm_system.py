@@ -85,7 +85,7 @@ def test_settings_for_vllm_follow_the_bench():
 def test_protocol_with_a_fake_worker_requests_replies_and_runs(monkeypatch, tmp_path):
     """Protocol test (a fake worker, no vLLM): the engine config carries max_num_seqs = the batch size, the bench's
     k and n-gram sizes and the threads; each generate sends the token ids, max new tokens and end tokens; a reply
-    becomes a run whose rows are cut after their end token, with start-up reported apart."""
+    becomes a run whose rows are cut after their end token, with start-up and warm-up reported apart."""
     worker = tmp_path / "fake_worker.py"
     worker.write_text(FAKE_WORKER)
     record = tmp_path / "record.json"
@@ -106,17 +106,20 @@ def test_protocol_with_a_fake_worker_requests_replies_and_runs(monkeypatch, tmp_
     import torch
 
     assert sent["env"]["OMP_NUM_THREADS"] == str(torch.get_num_threads()) and sent["env"]["PYTHONPATH"] is None
-    assert len(sent["requests"]) == 2  # one engine, both repeats
-    assert sent["requests"][0] == {"op": "generate", "prompts": prompts, "max_tokens": 6, "stop_token_ids": [EOS],
+    assert len(sent["requests"]) == 3  # one engine: a warm-up (2 new tokens), then both repeats
+    assert [request["max_tokens"] for request in sent["requests"]] == [2, 6, 6]
+    assert sent["requests"][1] == {"op": "generate", "prompts": prompts, "max_tokens": 6, "stop_token_ids": [EOS],
                                    "profile": False}
     median = next(run for run in report["medians"][3] if run.name == "vllm-ngram")
     assert median.tokens == [prompt[:2] + [EOS] for prompt in prompts]  # the token after the end token is cut
     assert median.seconds == 0.5 and median.occupancy == [(0.1, 3), (0.2, 1)] and median.tokens_per_row_step == 9 / 4
     row = next(row for row in report["runs"][3] if row["name"] == "vllm-ngram")
-    assert row["startup_seconds"] == 12.5 and row["equal"].endswith("/3")
-    assert "engine start-up, not counted in tok/s: vllm-ngram 12.5 s" in stream_bench.format_table(
+    assert row["startup_seconds"] == 13.0 and row["equal"].endswith("/3")  # start-up 12.5 s + warm-up 0.5 s
+    assert "engine start-up and warm-up, not counted in tok/s: vllm-ngram 13.0 s" in stream_bench.format_table(
         report["runs"][3], "generate-chunks")
     assert (tmp_path / "vllm-ngram-b3.log").is_file()
+    words = stream_bench.verdict(report["runs"][3])
+    assert "Against vLLM: generate-chunks" in words and "vLLM's best (vllm-ngram," in words
 
 
 def test_protocol_a_worker_error_is_raised_with_the_log_tail(tmp_path):
