@@ -48,9 +48,10 @@ class StepContext:
     wants_confidences: bool
 
     @property
-    def feature_layers(self) -> tuple[int, ...] | None:
-        """The target's hidden states every target forward returns for the drafter (an EAGLE head's)."""
-        return self.drafter.feature_layers
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target's hidden states every target forward returns for the drafter (an EAGLE head's; none for
+        others): what :meth:`~tetris_hf.kv.SlotCache.forward` takes as ``hidden_states``."""
+        return self.drafter.feature_layers or ()
 
 
 def read_step(context: StepContext, batch: Batch, verified: torch.Tensor,
@@ -132,7 +133,7 @@ class ChainStep(StepPhases):
             num_real = split.tokens + joining.num_tokens
             target.add_rows(joining.count)
         logits, features = target.forward(context.model, forward_block, None, step=True, real_lengths=real_lengths,
-                                          num_real=num_real, split=split, hidden_states=context.feature_layers or ())
+                                          num_real=num_real, split=split, hidden_states=context.feature_layers)
         joining_tokens = None
         if joining is not None:
             joining_tokens = self.first_tokens(joining, logits[batch.num_rows :, 0])

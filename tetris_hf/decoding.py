@@ -106,7 +106,7 @@ class BatchedSpeculativeLoop(HoldsCore):
         batch = core.batch
         num_rows = batch.num_rows
         logits, features = core.target_slots.forward(core.model, self.input_ids, self.prompt_mask, logits_to_keep=1,
-                                                     hidden_states=core.context.feature_layers or ())
+                                                     hidden_states=core.context.feature_layers)
         target_scores = core.logits_processor(batch.sequences, batch.lengths, logits, batch.rows)
         no_drafts = self.input_ids.new_zeros(num_rows, 0)
         verify_lengths = torch.zeros(num_rows, dtype=torch.long, device=batch.lengths.device)

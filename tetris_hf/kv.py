@@ -63,6 +63,13 @@ def _takes_keywords(model_class: type) -> bool:
     return any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters)
 
 
+def select_features(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, ...]) -> torch.Tensor:
+    """``(B, T, F)`` the hidden states at ``layers`` (``hs[i]``, ``i < L`` the input of decoder layer ``i``, ``hs[L]``
+    the final norm's output), concatenated in that order."""
+    parts = [hidden_states[index] for index in layers]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
 class SlotLayer(CacheLayerMixin):
     """One layer's keys and values, ``(B, H, capacity, D)`` allocated at its first write, written at the cache's
     shared pointer. Returns the written prefix ``[:, :, :pointer + L]`` (a view, no copy); in a static-shape forward
@@ -422,10 +429,7 @@ class SlotCache:
     def _features(outputs, extra: dict) -> torch.Tensor | None:
         """``(B, L, F)`` the hidden states ``extra`` asked for, concatenated in its order (``None``: none asked)."""
         layers = extra.get("output_hidden_states")
-        if layers is None:
-            return None
-        parts = [outputs.hidden_states[index] for index in layers]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        return None if layers is None else select_features(outputs.hidden_states, layers)
 
     @property
     def packs(self) -> bool:

@@ -97,7 +97,7 @@ class TreeStep(ChainStep):
         logits, features = target.forward(context.model, block.tokens, None, step=True, real_lengths=block.lengths,
                                           position_ids=target.next_positions[:, None] + block.position_offsets,
                                           visibility=visibility, num_real=read.num_verified + batch.num_rows,
-                                          hidden_states=context.feature_layers or ())
+                                          hidden_states=context.feature_layers)
         max_depth = min(depth, read.block_length)  # a host bound on the accepted path
         paths = None if context.logits_processor.prefix_free else \
             path_tokens(block.tokens, block.parents, block.position_offsets, max_depth)

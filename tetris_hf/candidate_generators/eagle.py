@@ -83,6 +83,7 @@ from transformers.utils import ModelOutput, cached_file
 
 from ..attention import base_implementation
 from ..checks import output_vocab_size
+from ..kv import select_features
 
 EAGLE1, EAGLE3 = "eagle1", "eagle3"
 CONFIG_NAME = "config.json"
@@ -505,12 +506,6 @@ def _fresh_config(target_config, vocab: int, draft_vocab: int, aux: tuple[int, .
         "eagle_config": {"use_aux_hidden_state": True,  # SpecForge's output-of-layer ids: hs[k] is id k - 1
                          "eagle_aux_hidden_state_layer_ids": [index - 1 for index in aux]},
     }
-
-def select_features(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, ...]) -> torch.Tensor:
-    """``(B, T, F)`` the hidden states at ``layers`` (``hs[i]``, ``i < L`` the input of decoder layer ``i``, ``hs[L]``
-    the final norm's output), concatenated in that order."""
-    parts = [hidden_states[index] for index in layers]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
 class TokenFeatureCall:
