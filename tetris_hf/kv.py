@@ -518,7 +518,7 @@ class SlotCache:
         count). Real rows always see some real token: their own, or one before it.
         """
         rows = input_ids.shape[0]
-        extra_rows = batch_bucket(rows, self.batch_size) - rows
+        extra_rows = batch_bucket(rows, self.cache.layers[0].static_keys.shape[0]) - rows  # (the buffers' rows)
         key_valid, key_positions = self.slot_mask, self.slot_positions
         if extra_rows:  # dummy rows: every slot real, at position 0, queried from position 0
             pad = (0, 0, 0, extra_rows)
@@ -621,8 +621,6 @@ class SlotCache:
         :attr:`max_rows` was too small."""
         if count <= 0:
             return
-        if self.static:
-            raise RuntimeError("a static-shape cache (tetris_compile) cannot take rows mid-call")
         if self.cross is not None:
             raise RuntimeError("an encoder-decoder's cache cannot take rows mid-call (their encoder outputs are not here)")
         self.first_rows = torch.nn.functional.pad(self.first_rows, (0, count), value=-1)
@@ -689,6 +687,7 @@ class SlotCache:
         if self.pointer + block <= self.capacity:
             return
         capacity = max(2 * self.capacity, self.pointer + block)
+        capacity = static_capacity(capacity) if self.static else capacity
         extra = capacity - self.capacity
         # (a static cache: new shapes for its compiled steps, so new graphs; slots_needed sizes it never to grow)
         self.slot_mask = torch.nn.functional.pad(self.slot_mask, (0, extra))

@@ -75,9 +75,9 @@ class LoopCore:
             device = input_ids.device
             num_rows, prompt_length = input_ids.shape
         self._build(model, assistant_model, logits_processor, stopping_criteria, generation_config, options, device,
-                    num_rows, prompt_length, max_length, cache_length)
+                    num_rows, prompt_length, max_length, cache_length, max_rows)
         try:
-            self._start(model, options, device, input_ids, attention_mask, max_rows)
+            self._start(model, options, device, input_ids, attention_mask)
         except BaseException:
             self.close()  # (the models' attention back to their own)
             raise
@@ -85,10 +85,9 @@ class LoopCore:
         self.clock = StepClock(device)
 
     def _start(self, model: torch.nn.Module, options: TetrisOptions, device: torch.device,
-               input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, max_rows: int) -> None:
+               input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> None:
         """The drafter on the prompts (or on no rows yet), the rows, and the target's compiled steps if asked."""
         if input_ids is None:
-            self.target_slots.max_rows = max_rows
             empty = torch.zeros(0, 1, dtype=torch.long, device=device)
             self.drafter.prefill(empty, empty, all_real=True)
             self.batch = Batch.empty(self.sequence_capacity, self.pad_value, self.max_length, device)
@@ -102,10 +101,10 @@ class LoopCore:
     def _build(self, model: torch.nn.Module, assistant_model: torch.nn.Module | None,
                logits_processor: LogitsProcessorList, stopping_criteria: StoppingCriteriaList, generation_config,
                options: TetrisOptions, device: torch.device, num_rows: int, prompt_length: int, max_length: int,
-               cache_length: int | None) -> None:
+               cache_length: int | None, max_rows: int) -> None:
         """The models' roles, the drafter, the strategy, the target's cache (for ``num_rows`` rows of prompts up to
         ``prompt_length`` and lengths up to ``max_length``; sized for ``cache_length`` tokens a row instead, when
-        given, growing as rows need) and the step's context."""
+        given, growing as rows need; up to ``max_rows`` rows where they join later) and the step's context."""
         self.model = model
         self.logits_processor = PositionwiseLogitsProcessor(logits_processor)
         # generate()'s length limit (also a criterion, which a stopper applies with any other given)
@@ -130,12 +129,13 @@ class LoopCore:
                                 block, options.tetris_max_holes)
 
         self.drafter, draft_model = build_drafter(assistant_model, options, self.logits_processor, self.do_sample,
-                                                  cache_capacity)
+                                                  cache_capacity, max_rows)
 
         # verify blocks packed: the target computes only the selected tokens (priced so by the cost-aware strategies)
         pack = options.tetris_pack and not options.tetris_compile and packs_exactly(model)
         self.strategy = make_strategy(options, model, draft_model, sampling=self.do_sample, packed=pack)
         self.target_slots = SlotCache(num_rows, device, options.tetris_max_holes, capacity=cache_capacity(model))
+        self.target_slots.max_rows = max(num_rows, max_rows)
         self.target_slots.pack = pack
         # the models that read packed (the probe passed them: their attention goes through the interface) run the
         # loop's attention for the call (closed by close); others keep theirs untouched, as some families branch on

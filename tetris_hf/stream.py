@@ -71,9 +71,6 @@ class StreamLoop(HoldsCore):
                  logits_processor: LogitsProcessorList, generation_config, options: TetrisOptions,
                  max_batch_size: int, max_length: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  ride_prompts: bool = True):
-        if options.tetris_compile:
-            raise ValueError("a request stream runs eager: `tetris_compile=True` needs static shapes, which rows "
-                             "joining mid-stream do not have")
         # the caches start small and grow by doubling as rows need (a row's capacity can be far above typical use)
         cache_length = min(max_length, 2 * DEFAULT_PREFILL_CHUNK)
         self.core = LoopCore(model, assistant_model, logits_processor, StoppingCriteriaList(), generation_config,

@@ -114,6 +114,7 @@ class BatchedDraftCandidateGenerator(Drafter):
         self.pending_mask: torch.Tensor | None = None  # (B, P)
         self.pending_real = False  # known on the host: every pending token is real (the next forward needs no mask)
         self.pack = False  # read blocks with filler packed: set where the draft model packs exactly (build_drafter)
+        self.max_rows = 0  # the most rows its cache will hold, where rows join later (a stream's; build_drafter)
         # stop a chain once every row's draft is less sure than this (tetris_confidence_threshold; build_drafter)
         self.stop_below: float | None = None
         self.pending_count: int | None = None  # real pending tokens, known on the host (None: not known, read padded)
@@ -138,6 +139,7 @@ class BatchedDraftCandidateGenerator(Drafter):
     def _new_cache(self, input_ids: torch.Tensor) -> None:
         """An empty cache for ``input_ids``' rows (its step forwards compiled where asked)."""
         self.slots = SlotCache(input_ids.shape[0], input_ids.device, self.max_holes, self.capacity)
+        self.slots.max_rows = max(self.slots.max_rows, self.max_rows)
         self.slots.pack = self.pack
         if self.compile_steps:
             self.slots.step_forward = compiled_forward(self.assistant_model)

@@ -24,7 +24,8 @@ from .suffix import SuffixCandidateGenerator
 
 def build_drafter(assistant_model: torch.nn.Module | None, options: TetrisOptions,
                   logits_processor: PositionwiseLogitsProcessor, do_sample: bool,
-                  cache_capacity: Callable[[torch.nn.Module], int]) -> tuple[Drafter, torch.nn.Module | None]:
+                  cache_capacity: Callable[[torch.nn.Module], int],
+                  max_rows: int = 0) -> tuple[Drafter, torch.nn.Module | None]:
     """The drafter ``assistant_model`` and ``options`` ask for, and the model it drafts with.
 
     - no ``assistant_model``: prompt lookup (:class:`~.prompt_lookup.BatchedPromptLookupCandidateGenerator`), drafting
@@ -49,6 +50,7 @@ def build_drafter(assistant_model: torch.nn.Module | None, options: TetrisOption
         options: the call's options.
         logits_processor, do_sample: what a draft model samples with (the loop's).
         cache_capacity: the slots a model's cache needs for this call (its layout refuses what it cannot mask).
+        max_rows: the most rows a draft model's cache will hold, where rows join later (a stream's; 0: the prompts').
 
     Returns:
         ``(drafter, draft_model)``: ``draft_model`` is what drafts (the reduced-vocabulary draft where there is one,
@@ -78,6 +80,7 @@ def build_drafter(assistant_model: torch.nn.Module | None, options: TetrisOption
                             capacity=cache_capacity(draft_model), compile=options.tetris_compile)
     drafter.pack = options.tetris_pack and not options.tetris_compile and packs_exactly(draft_model)
     drafter.stop_below = options.tetris_confidence_threshold
+    drafter.max_rows = max_rows
     if lookup is not None:
         return HybridCandidateGenerator(lookup, drafter), draft_model
     return drafter, draft_model
