@@ -221,8 +221,6 @@ def test_a_failing_step_fails_the_requests_in_flight_and_the_stream_goes_on(mode
 
 def test_refuses_what_it_cannot_stream(models):
     target, draft = models
-    with pytest.raises(ValueError, match="tetris_compile"):
-        RequestStream(target, assistant_model=draft, tetris_compile=True)
     with pytest.raises(ValueError, match="needs a draft"):
         RequestStream(target)
     with pytest.raises(ValueError, match="max_batch_size"):
