@@ -31,7 +31,7 @@ def build_drafter(assistant_model: torch.nn.Module | None, options: TetrisOption
     - no ``assistant_model``: prompt lookup (:class:`~.prompt_lookup.BatchedPromptLookupCandidateGenerator`), drafting
       up to ``k + e`` tokens after n-grams of ``tetris_min_ngram_size..max_matching_ngram_size`` tokens;
     - an EAGLE head (:func:`~.eagle.is_eagle_head`): :class:`~.eagle_drafter.EagleCandidateGenerator` (not with
-      ``tetris_compile`` yet: the compiled step forwards do not return the hidden states the head reads);
+      ``tetris_compile`` yet: a cache's compiled step forward does not pass the features bound to each head call);
     - any other causal LM: :class:`~.batched_draft.BatchedDraftCandidateGenerator`, on the model's
       :class:`~.reduced_vocab.ReducedVocabDraft` when ``tetris_draft_vocab`` is set;
     - an ``assistant_model`` and ``prompt_lookup_num_tokens``: :class:`~.hybrid.HybridCandidateGenerator`, lookup
@@ -72,9 +72,9 @@ def build_drafter(assistant_model: torch.nn.Module | None, options: TetrisOption
         check_tree_layout(AttentionLayout.of(draft_model), draft_model)
     eagle = is_eagle_head(draft_model)
     if eagle and options.tetris_compile:
-        raise ValueError("tetris_compile=True with an EAGLE head is not supported yet: the head reads the "
-                         "target's hidden states, which the compiled step forwards do not return yet; use "
-                         "tetris_compile=False")
+        raise ValueError("tetris_compile=True with an EAGLE head is not supported yet: each head forward takes the "
+                         "target's or its own features bound to that call (EagleCall), which a cache's one compiled "
+                         "step forward (SlotCache.step_forward) does not pass yet; use tetris_compile=False")
     drafter_class = EagleCandidateGenerator if eagle else BatchedDraftCandidateGenerator
     drafter = drafter_class(draft_model, logits_processor, do_sample, max_holes=options.tetris_max_holes,
                             capacity=cache_capacity(draft_model), compile=options.tetris_compile)
