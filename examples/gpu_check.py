@@ -56,8 +56,14 @@ it is cut (SIGALRM) and the script moves on, keeping the cells it finished (on a
    (:class:`GraphCounter`), and the steady step time next to the eager variant's. Skipped, with the reason printed,
    on a CPU or where ``TetrisOptions`` has no ``tetris_compile`` field.
 
-On a CPU (``--device cpu``) parts 4 and 5 are skipped with the reason printed; models run in fp32 there, where
-speculative output must equal plain ``generate()`` exactly.
+6. ``<pair>: compiled stream``: the request stream with ``tetris_compile=True`` on a backlog of ``4 x`` the largest
+   batch size's requests, TETRIS and fixed (``examples/compile_stream.py``): the eager stream's seconds, the compiled
+   stream's first run (seconds, compile seconds, graphs dynamo compiled, CUDA graphs recorded) and a warm run, and
+   the outputs equal to the eager stream's. EAGLE pairs are skipped (refused with compile).
+
+On a CPU (``--device cpu``) parts 4 and 5 are skipped with the reason printed, and part 6 runs small (the first
+pair, 4 rows, 8 requests, fixed k = 2) so that the smoke run exercises it; models run in fp32 there, where speculative output must equal
+plain ``generate()`` exactly.
 """
 
 from __future__ import annotations
@@ -112,7 +118,7 @@ PROMPTS = [
 ]
 # Nominal seconds per part (GPU); --time-limit cuts whatever does not fit.
 BUDGETS = {"load": 60, "build": 45, "eager": 50, "host reads": 10, "stream": 60, "nf4": 30, "int8": 30,
-           "compiled": 50}
+           "compiled": 50, "compiled stream": 60}
 
 
 def parse_args(argv=None):
@@ -705,16 +711,7 @@ class Check:
         from tetris_hf.tools.stream_bench import StreamBenchConfig, format_table, reference_name, run_stream_bench
 
         pair, batch = self.pairs[name], max(self.args.batch_sizes)
-        prompts = self.pairs[name].prompts
-        if prompts.tokenizer is not None:
-            texts = [PROMPTS[i % len(PROMPTS)] * (1 + i % 3) for i in range(4 * batch)]
-            requests = [prompts.tokenizer(text)["input_ids"] for text in texts]
-            eos, pad = pair.eos or {prompts.tokenizer.eos_token_id}, prompts.tokenizer.pad_token_id
-        else:
-            generator = torch.Generator().manual_seed(self.args.seed)
-            requests = [torch.randint(3, prompts.vocab_size, (int(length),), generator=generator).tolist()
-                        for length in torch.randint(16, 129, (4 * batch,), generator=generator)]
-            eos, pad = {3}, PAD  # a token a random target emits about once in vocab_size
+        requests, eos, pad = self._backlog(pair, 4 * batch)
         config = StreamBenchConfig(max_new_tokens=self.args.new_tokens, max_batch_sizes=(batch,),
                                    strategies=("tetris", "fixed"), num_assistant_tokens=self.args.k,
                                    extra_tokens=self.args.extra, prompts_apart=True)
@@ -726,6 +723,48 @@ class Check:
         self.report.setdefault("stream", []).append({"pair": name, "batch": batch, "requests": len(requests),
                                                      "runs": summaries})
         print(format_table(summaries, reference_name(summaries)), flush=True)
+
+    def _backlog(self, pair: Pair, count: int) -> tuple[list[list[int]], set[int], int]:
+        """``count`` requests (the built-in prompts repeated 1-3 times, else random ids of 16-128 tokens), the end
+        tokens and the pad token."""
+        prompts = pair.prompts
+        if prompts.tokenizer is not None:
+            texts = [PROMPTS[i % len(PROMPTS)] * (1 + i % 3) for i in range(count)]
+            return ([prompts.tokenizer(text)["input_ids"] for text in texts],
+                    pair.eos or {prompts.tokenizer.eos_token_id}, prompts.tokenizer.pad_token_id)
+        generator = torch.Generator().manual_seed(self.args.seed)
+        requests = [torch.randint(3, prompts.vocab_size, (int(length),), generator=generator).tolist()
+                    for length in torch.randint(16, 129, (count,), generator=generator)]
+        return requests, {3}, PAD  # (3: a token a random target emits about once in vocab_size)
+
+    def compiled_stream(self, name: str) -> None:
+        """The request stream with ``tetris_compile=True`` (rows joining between compiled steps, prompts read eagerly)
+        on a backlog of ``4 x`` the largest batch size's requests, TETRIS and fixed: the eager stream, the compiled
+        stream's first run (compiling: seconds, compile seconds, graphs) and a warm one, outputs against the eager
+        stream's (``examples/compile_stream.py``). On a CPU a small version (the first pair only, 4 rows, 8 requests,
+        fixed k = 2: a few graphs), so that the smoke run exercises it."""
+        from compile_stream import measure
+
+        pair = self.pairs[name]
+        if getattr(pair.draft, "feature_kind", None) is not None:
+            raise Skip("an EAGLE head runs eager: tetris_compile refuses it (each head forward takes features bound "
+                       "to that call, which the cache's compiled step forward does not pass yet)")
+        on_gpu = torch.device(self.args.device).type == "cuda"
+        if not on_gpu and name != next(iter(self.pairs)):
+            raise Skip("on a CPU the smoke run compiles the first pair's stream only (compiling takes CPU minutes)")
+        batch = max(self.args.batch_sizes) if on_gpu else 4
+        requests, eos, pad = self._backlog(pair, 4 * batch if on_gpu else 2 * batch)
+        k, extra = (self.args.k, self.args.extra) if on_gpu else (2, 0)
+        for strategy in ("tetris", "fixed") if on_gpu else ("fixed",):
+            with GraphCounter() as graphs:
+                row = measure(pair.target, pair.draft, requests, eos, pad, batch, self.args.new_tokens, strategy, k,
+                              extra)
+            row.update(pair=name, cuda_graphs_recorded=graphs.recorded, cuda_graphs_replayed=graphs.replayed)
+            self.report.setdefault("compiled_stream", []).append(row)
+            self.write()
+            print(f"    {name} {strategy} B={batch}: eager {row['eager_s']} s, compiled first {row['first_s']} s "
+                  f"(compiling {row['compile_s']} s, {row['graphs']} graphs), warm {row['warm_s']} s, "
+                  f"= eager {row['equal']}/{row['outputs']}", flush=True)
 
     def quantized(self, name: str, precision: str) -> None:
         if torch.device(self.args.device).type != "cuda":
@@ -771,7 +810,8 @@ class Check:
             raise Skip(reason)
         pair = self.pairs[name]
         if getattr(pair.draft, "feature_kind", None) is not None:
-            raise Skip("an EAGLE head runs eager: tetris_compile refuses it (its feature taps are forward hooks)")
+            raise Skip("an EAGLE head runs eager: tetris_compile refuses it (each head forward takes features bound "
+                       "to that call, which the cache's compiled step forward does not pass yet)")
         for batch in self.args.batch_sizes:
             reference = pair.references.get(batch)
             time_cell(pair, batch, "compiled", True, self.args, self.record_timing, reference=reference)
@@ -796,6 +836,8 @@ class Check:
                 self.part(f"{quantized}: {precision}", precision, self.quantized, quantized, precision)
         for name in pairs:
             self.part(f"{name}: compiled", "compiled", self.compiled, name)
+        for name in pairs:
+            self.part(f"{name}: compiled stream", "compiled stream", self.compiled_stream, name)
 
 
 # ----------------------------------------------------------------------------------------------------------- report
@@ -866,6 +908,16 @@ def markdown(report: dict) -> str:
                              f"{result.get('compile_s', '-')} | {result.get('graphs_recorded_warmup')} + "
                              f"{result.get('graphs_recorded')} | {result.get('graphs_replayed')} | "
                              f"{before if before is not None else '-'} | {result.get('step_ms', '-')} |")
+    if report.get("compiled_stream"):
+        lines += ["", "The request stream compiled (tetris_compile=True): eager stream, the compiled stream's first "
+                  "run (compiling) and a warm run, seconds; graphs dynamo compiled in the first run; outputs equal to "
+                  "the eager stream's.", "",
+                  "| pair | strategy | B | requests | eager s | first s | compile s | graphs | CUDA graphs recorded | "
+                  "warm s | = eager |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+        for row in report["compiled_stream"]:
+            lines.append(f"| {row['pair']} | {row['strategy']} | {row['max_batch_size']} | {row['requests']} | "
+                         f"{row['eager_s']} | {row['first_s']} | {row['compile_s']} | {row['graphs']} | "
+                         f"{row['cuda_graphs_recorded']} | {row['warm_s']} | {row['equal']}/{row['outputs']} |")
     for cell in report.get("stream", []):
         lines += ["", f"A stream of {cell['requests']} requests, {cell['pair']}, max_batch_size {cell['batch']}: "
                   "tokens/s, against the faster of transformers' generate_batch and static generate() in chunks.", "",
