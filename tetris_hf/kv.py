@@ -20,9 +20,11 @@ accepted path that is not a prefix of its block. Models on the 2D mask cannot sa
 record one graph per distinct input shape, so the step forwards see a few shapes only. The capacity is fixed for the
 call (rounded up, :func:`~tetris_hf.static_shapes.static_capacity`) and every step forward attends over all of it
 (masks ``(B, 1, L, capacity)``, unwritten slots and holes masked out; keys and values are written at a slot index
-tensor, not a Python pointer); the batch is padded to a few sizes (:func:`~tetris_hf.static_shapes.batch_bucket`) with
-dummy rows that write into buffer rows nobody reads and whose logits are dropped; the block lengths come from the loop
-(powers of two). Prompt reads and catch-ups stay eager, with the tight shapes of the eager path.
+tensor, not a Python pointer); the batch is padded to a few sizes (:func:`~tetris_hf.static_shapes.batch_bucket` of
+the buffers' rows: the call's batch, or :attr:`SlotCache.max_rows` for a stream) with dummy rows that write into
+buffer rows nobody reads and whose logits are dropped; the block lengths come from the loop (powers of two on CUDA).
+Rows may join (:meth:`SlotCache.add_rows`, a stream's) in buffer rows the padding wrote, which their masks hide. Prompt
+reads and catch-ups stay eager, with the tight shapes of the eager path.
 """
 
 from __future__ import annotations
@@ -618,7 +620,7 @@ class SlotCache:
     def add_rows(self, count: int) -> None:
         """``count`` empty rows join after the active ones (a request stream's new requests): every slot written so
         far is a hole in them and their next position is 0. Nothing is copied; the buffers grow only if
-        :attr:`max_rows` was too small."""
+        :attr:`max_rows` was too small (a static cache's then give its padded batches a new bucket)."""
         if count <= 0:
             return
         if self.cross is not None:

@@ -6,14 +6,16 @@ input shape. So the step forwards see a few shapes only (:class:`~tetris_hf.kv.S
 - the KV width: the cache's whole capacity, fixed for the call (:func:`static_capacity`), unwritten slots masked;
 - the block: the target's verify block padded to a power of two on CUDA (:func:`block_width`, by the loop; a CPU
   compiles each of its at most ``k + e + 1`` widths), the draft's 1 or 2;
-- the batch: padded with dummy rows to :func:`batch_bucket` (the call's batch size, then 16, 4: powers of four), so
-  rows retiring change the shape only when the batch drops a bucket.
+- the batch: padded with dummy rows to :func:`batch_bucket` of the rows the cache holds (the call's batch size, a
+  request stream's ``max_batch_size``; then 16, 4: powers of four), so rows retiring, and in a stream rows joining,
+  change the shape only when the live count crosses a bucket, never once per row count.
 
 On CUDA a call with batch ``B`` and blocks up to ``2^j`` gives the target at most ``(j + 1) * len(batch_buckets(B))``
 shapes, however many tokens it generates (B = 16 drafting up to 5 tokens a row, blocks of up to 8: 4 x 2 = 8); on a
 CPU, with ``K = k + e`` drafts a row, at most ``(K + 1) * len(batch_buckets(B))`` (6 x 2 = 12). The draft sees at
 most ``2 * len(batch_buckets(B))``. Calls whose caches round to the same capacity, and batches that share buckets,
-reuse them.
+reuse them. A request stream (``B = max_batch_size``) has the same bound per capacity; its caches start at the
+capacity of a few chunks and double when a row needs more, each capacity its own set of shapes.
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ def block_width(length: int, compiled: bool, device: torch.device) -> int:
 
 
 def batch_bucket(rows: int, batch_size: int) -> int:
-    """The padded batch of a compiled step with ``rows`` active rows in a call of ``batch_size`` rows: the least power
-    of four (4, 16, 64, ...) that holds them, at most ``batch_size``.
+    """The padded batch of a compiled step with ``rows`` active rows in a call of ``batch_size`` rows (a stream's
+    ``max_batch_size``): the least power of four (4, 16, 64, ...) that holds them, at most ``batch_size``.
 
     E.g. ``batch_size`` 16: 5..16 rows run as 16, 1..4 as 4. On a GPU a decoding forward reads the weights whatever
     its batch, so a few padded rows cost little, and fewer buckets mean fewer graphs.

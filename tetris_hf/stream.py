@@ -9,7 +9,9 @@ the decoding rows' blocks (attention runs on the two groups of rows apart, :clas
 logits at the prompt's last token give the row's first token, and the row joins at the end of that step, its drafter
 reading the prompt then. Other prompts (an empty stream's, longer ones, a padded target's) are read at once, but their
 last tokens, in chunks, in forwards of their own; the last token then opens the row's first verified block. The budget
-of each step is spread over whichever rows are live then.
+of each step is spread over whichever rows are live then. With ``tetris_compile=True`` the steps run compiled on the
+static shapes of :mod:`tetris_hf.static_shapes` (the live rows padded to the buckets of ``max_batch_size``), and every
+prompt is read eagerly in forwards of its own.
 
 :class:`RequestStream` is the single-threaded scheduler around it: requests in (checked, a bad one gets its error in
 its own result), first come first served, finished :class:`StreamOutput` s out. The manager and
