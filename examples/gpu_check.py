@@ -62,8 +62,8 @@ it is cut (SIGALRM) and the script moves on, keeping the cells it finished (on a
    the outputs equal to the eager stream's. EAGLE pairs are skipped (refused with compile).
 
 On a CPU (``--device cpu``) parts 4 and 5 are skipped with the reason printed, and part 6 runs small (the first
-pair, 4 rows, 8 requests, fixed k = 2) so that the smoke run exercises it; models run in fp32 there, where speculative output must equal
-plain ``generate()`` exactly.
+pair, 4 rows, 8 requests, fixed k = 2) so that the smoke run exercises it; models run in fp32 there, where
+speculative output must equal plain ``generate()`` exactly.
 """
 
 from __future__ import annotations
