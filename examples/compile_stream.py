@@ -8,7 +8,8 @@ Prints, per strategy: the eager stream's seconds, the compiled stream's first ru
 the CPU seconds it took, the C++ compiler's included, as wall seconds are inflated on a shared machine), the graphs
 dynamo compiled in it per call, its warm run, and how many outputs equal the eager stream's. A fresh process and
 ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1`` (or a new ``TORCHINDUCTOR_CACHE_DIR``) measure a cold compile (inductor
-otherwise reuses the kernels of an earlier process with the same shapes). :func:`measure` is what ``examples/gpu_check.py`` runs too.
+otherwise reuses the kernels of an earlier process with the same shapes). :func:`measure` is what
+``examples/gpu_check.py`` runs too.
 """
 
 from __future__ import annotations
