@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+import tetris_hf
 import tetris_hf.compiled as compiled
 import tetris_hf.logits.verification as verification
 from tetris_hf.static_shapes import batch_buckets
@@ -52,6 +53,26 @@ def test_compiled_stream_rows_equal_target_alone(name, fresh_dynamo):
     widths = options.get("num_assistant_tokens", 0) + options.get("tetris_extra_tokens", 0) + 1
     graphs = counters["stats"]["unique_graphs"]
     assert graphs == 1 if name == "plain" else 0 < graphs <= widths + 2, (name, dict(counters["stats"]))
+
+
+def test_generate_batch_and_the_manager_run_compiled(fresh_dynamo):
+    """transformers' call shapes over the compiled stream: ``generate_batch`` on this thread and the manager on its
+    own (dynamo compiling there), every output the target alone's."""
+    target = tiny_llama(seed=0)
+    draft = noisy_copy(target, 0.3)
+    options = dict(assistant_model=draft, max_batch_size=3, eos_token_id=None, tetris_compile=True,
+                   **STRATEGIES["fixed"])
+    settings = requests(target, 5, seed=62)
+    results = tetris_hf.generate_batch(target, [prompt for prompt, _, _ in settings], max_new_tokens=6, **options)
+    for (prompt, _, _), output in zip(settings, results.values()):
+        assert output.error is None and output.generated_tokens == alone(target, prompt, 6)
+    with tetris_hf.init_continuous_batching(target, **options) as manager:
+        ids = {manager.add_request(prompt, max_new_tokens=max_new, eos_token_id=eos): (prompt, max_new, eos)
+               for prompt, max_new, eos in settings}
+        outputs = {request_id: manager.get_result(request_id, timeout=300) for request_id in ids}
+    for request_id, (prompt, max_new, eos) in ids.items():
+        assert outputs[request_id].generated_tokens == alone(target, prompt, max_new, eos)
+    assert counters["stats"]["unique_graphs"] > 0
 
 
 def test_rows_joining_and_leaving_keep_the_shapes_few(recorder, block_widths):
