@@ -691,7 +691,8 @@ class SlotCache:
         capacity = max(2 * self.capacity, self.pointer + block)
         capacity = static_capacity(capacity) if self.static else capacity
         extra = capacity - self.capacity
-        # (a static cache: new shapes for its compiled steps, so new graphs; slots_needed sizes it never to grow)
+        # (a static cache: new shapes for its compiled steps, so new graphs; slots_needed sizes a generate() call's
+        # never to grow, a stream's grows by doubling, in multiples of CAPACITY_STEP)
         self.slot_mask = torch.nn.functional.pad(self.slot_mask, (0, extra))
         self.slot_positions = torch.nn.functional.pad(self.slot_positions, (0, extra))
         for layer in self._layers():
