@@ -92,15 +92,15 @@ def test_rows_joining_and_leaving_keep_the_shapes_few(recorder, block_widths):
 
 
 def test_a_row_outgrowing_the_static_capacity_doubles_it_and_stays_exact(recorder):
-    """A stream's caches start at the capacity of a few chunks (768 slots here): a row that needs more doubles it (a
-    second KV width, so new graphs, once), exactly."""
+    """A stream's caches start small (256 slots when static): a row that needs more doubles it (a second KV width, so
+    new graphs, once), exactly."""
     target = tiny_llama(seed=0)
     draft = noisy_copy(target, 0.3)
     stream = RequestStream(target, assistant_model=draft, max_batch_size=2, eos_token_id=None, tetris_compile=True,
                            num_assistant_tokens=2)
-    long_prompt = [3 + index % 60 for index in range(730)]
-    check_exact(target, stream, [(long_prompt, 60, None), ([5, 6, 7], 20, None)])
-    assert {shape[1][-1] for shape in recorder.of(target)} == {768, 1536}
+    long_prompt = [3 + index % 60 for index in range(200)]
+    check_exact(target, stream, [(long_prompt, 80, None), ([5, 6, 7], 20, None)])
+    assert {shape[1][-1] for shape in recorder.of(target)} == {256, 512}
 
 
 def test_a_steady_compiled_stream_step_reads_the_device_at_most_twice(monkeypatch):
