@@ -908,16 +908,7 @@ def markdown(report: dict) -> str:
                              f"{result.get('compile_s', '-')} | {result.get('graphs_recorded_warmup')} + "
                              f"{result.get('graphs_recorded')} | {result.get('graphs_replayed')} | "
                              f"{before if before is not None else '-'} | {result.get('step_ms', '-')} |")
-    if report.get("compiled_stream"):
-        lines += ["", "The request stream compiled (tetris_compile=True): eager stream, the compiled stream's first "
-                  "run (compiling) and a warm run, seconds; graphs dynamo compiled in the first run; outputs equal to "
-                  "the eager stream's.", "",
-                  "| pair | strategy | B | requests | eager s | first s | compile s | graphs | CUDA graphs recorded | "
-                  "warm s | = eager |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-        for row in report["compiled_stream"]:
-            lines.append(f"| {row['pair']} | {row['strategy']} | {row['max_batch_size']} | {row['requests']} | "
-                         f"{row['eager_s']} | {row['first_s']} | {row['compile_s']} | {row['graphs']} | "
-                         f"{row['cuda_graphs_recorded']} | {row['warm_s']} | {row['equal']}/{row['outputs']} |")
+    lines += compiled_stream_lines(report.get("compiled_stream", []))
     for cell in report.get("stream", []):
         lines += ["", f"A stream of {cell['requests']} requests, {cell['pair']}, max_batch_size {cell['batch']}: "
                   "tokens/s, against the faster of transformers' generate_batch and static generate() in chunks.", "",
@@ -939,6 +930,22 @@ def markdown(report: dict) -> str:
             lines.append(f"| {cell['pair']} | {cell['mode']} | {'yes' if cell['compiled'] else 'no'} | "
                          f"{cell['batch']} | {cell['steps']} | {cell['steady_median']} | {cell['steady_max']} |")
     return "\n".join(lines) + "\n"
+
+
+def compiled_stream_lines(rows: list[dict]) -> list[str]:
+    """The compiled stream's table (part 6), or nothing."""
+    if not rows:
+        return []
+    lines = ["", "The request stream compiled (tetris_compile=True): eager stream, the compiled stream's first run "
+             "(compiling) and a warm run, seconds; graphs dynamo compiled in the first run; outputs equal to the "
+             "eager stream's.", "",
+             "| pair | strategy | B | requests | eager s | first s | compile s | graphs | CUDA graphs recorded | "
+             "warm s | = eager |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for row in rows:
+        lines.append(f"| {row['pair']} | {row['strategy']} | {row['max_batch_size']} | {row['requests']} | "
+                     f"{row['eager_s']} | {row['first_s']} | {row['compile_s']} | {row['graphs']} | "
+                     f"{row['cuda_graphs_recorded']} | {row['warm_s']} | {row['equal']}/{row['outputs']} |")
+    return lines
 
 
 # ------------------------------------------------------------------------------------------------------------- main

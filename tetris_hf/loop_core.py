@@ -129,7 +129,7 @@ class LoopCore:
                                 block, options.tetris_max_holes)
 
         self.drafter, draft_model = build_drafter(assistant_model, options, self.logits_processor, self.do_sample,
-                                                  cache_capacity, max_rows)
+                                                  max_rows, cache_capacity)
 
         # verify blocks packed: the target computes only the selected tokens (priced so by the cost-aware strategies)
         pack = options.tetris_pack and not options.tetris_compile and packs_exactly(model)

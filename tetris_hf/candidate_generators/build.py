@@ -23,9 +23,8 @@ from .suffix import SuffixCandidateGenerator
 
 
 def build_drafter(assistant_model: torch.nn.Module | None, options: TetrisOptions,
-                  logits_processor: PositionwiseLogitsProcessor, do_sample: bool,
-                  cache_capacity: Callable[[torch.nn.Module], int],
-                  max_rows: int = 0) -> tuple[Drafter, torch.nn.Module | None]:
+                  logits_processor: PositionwiseLogitsProcessor, do_sample: bool, max_rows: int,
+                  cache_capacity: Callable[[torch.nn.Module], int]) -> tuple[Drafter, torch.nn.Module | None]:
     """The drafter ``assistant_model`` and ``options`` ask for, and the model it drafts with.
 
     - no ``assistant_model``: prompt lookup (:class:`~.prompt_lookup.BatchedPromptLookupCandidateGenerator`), drafting
@@ -49,8 +48,8 @@ def build_drafter(assistant_model: torch.nn.Module | None, options: TetrisOption
         assistant_model: the draft causal LM or EAGLE head, or ``None`` for prompt lookup alone.
         options: the call's options.
         logits_processor, do_sample: what a draft model samples with (the loop's).
-        cache_capacity: the slots a model's cache needs for this call (its layout refuses what it cannot mask).
         max_rows: the most rows a draft model's cache will hold, where rows join later (a stream's; 0: the prompts').
+        cache_capacity: the slots a model's cache needs for this call (its layout refuses what it cannot mask).
 
     Returns:
         ``(drafter, draft_model)``: ``draft_model`` is what drafts (the reduced-vocabulary draft where there is one,
@@ -72,9 +71,8 @@ def build_drafter(assistant_model: torch.nn.Module | None, options: TetrisOption
         check_tree_layout(AttentionLayout.of(draft_model), draft_model)
     eagle = is_eagle_head(draft_model)
     if eagle and options.tetris_compile:
-        raise ValueError("tetris_compile=True with an EAGLE head is not supported yet: each head forward takes the "
-                         "target's or its own features bound to that call (EagleCall), which a cache's one compiled "
-                         "step forward (SlotCache.step_forward) does not pass yet; use tetris_compile=False")
+        raise ValueError("tetris_compile=True with an EAGLE head is not supported yet: its features are bound to each "
+                         "head call (EagleCall), which SlotCache.step_forward does not pass; use tetris_compile=False")
     drafter_class = EagleCandidateGenerator if eagle else BatchedDraftCandidateGenerator
     drafter = drafter_class(draft_model, logits_processor, do_sample, max_holes=options.tetris_max_holes,
                             capacity=cache_capacity(draft_model), compile=options.tetris_compile)
