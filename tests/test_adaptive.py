@@ -322,6 +322,22 @@ def test_the_guard_reads_measured_time_where_the_model_is_wrong_about_cost():
     assert drafted[:3] == [4, 4, 4] and drafted[3:] == [0] * 5 and strategy.guarded
 
 
+def test_the_guard_does_not_stop_a_plan_that_pays_for_two_unlucky_steps():
+    """Accepted drafts come in bursts (a copied span, then nothing): one row's first two steps of a plan emitting 1
+    and 2 tokens where plain steps would have emitted 1.86 each is within a row's spread, not proof that drafting
+    loses; the steps after them accept everything, and the plan stands. A plan that loses every step is still
+    stopped after ``guard_steps`` (the tests above)."""
+    strategy = AdaptiveBudget(TetrisOptions(tetris_strategy="adaptive", num_assistant_tokens=4, tetris_extra_tokens=0),
+                              StepCostModel(profile(lambda r, t: 10.0 + 0.2 * r * t, 2.0)))
+    strategy.calibrator.update_cells(torch.full((400,), 0.9), torch.arange(400) % 10 != 0)
+    strategy.remember(torch.full((64, 4), 0.9).log())
+    strategy._open_step(1)
+    ratio = strategy.cost.step_seconds(1, 4, 4, 4) / strategy.cost.step_seconds(1, 0, 0, 0)
+    assert 1 + 2 < 2 * ratio < 2 + 2  # the two steps' 3 tokens: below plain's, by less than a token a step
+    accepted = iter([0, 1] + [4] * 40)
+    assert drive(strategy, 24, accepted=lambda k: next(accepted), num_rows=1) == [4] * 24 and not strategy.guarded
+
+
 def test_the_guard_leaves_a_plan_that_pays_alone():
     strategy = sure_strategy(learn_costs=False)
     assert drive(strategy, 40, accepted=lambda k: k) == [4] * 40 and not strategy.guarded

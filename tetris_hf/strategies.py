@@ -125,6 +125,8 @@ class _CostAware:
     probe_overhead = 0.05
     smoothing = 0.3
     guard_steps = 2
+    guard_confidence = 1.0  # standard errors by which a plan's mean gain a step must fall below 0 for the guard
+    guard_row_spread = 1.0  # the least spread of a row's tokens a step the guard assumes (two steps can agree by chance)
 
     def __init__(self, options: TetrisOptions, cost: StepCostModel | Callable[[int, int], StepCostModel],
                  learn_costs: bool = False, memory: PairMemory | None = None):
@@ -194,16 +196,15 @@ class _CostAware:
             seconds = cost.step_seconds(rows, 0 if step.lookup_only else step.num_drafted,
                                         _longest(step.verify_lengths), total_verified)
         plain = cost.step_seconds(rows, 0, 0, 0)
-        tally = self._tally = _GuardTally(self._tally.steps + 1,
-                                          self._tally.tokens + float(step.num_accepted.sum()) + rows,
-                                          self._tally.plain_tokens + (rows * seconds / plain if plain > 0 else 0.0))
+        tally = self._tally = self._tally.add(float(step.num_accepted.sum()) + rows,
+                                              rows * seconds / plain if plain > 0 else 0.0, rows)
         if tally.steps == self.guard_steps and tally.tokens >= tally.plain_tokens:
             self.memory.probe_interval = self.probe_interval_start  # drafting paid: probe soon when it stops paying
 
     def _drafting_lost(self) -> bool:
-        """The guard's verdict on the current plan: enough of its steps read, and fewer tokens than plain steps."""
-        tally = self._tally
-        return tally.steps >= self.guard_steps and tally.tokens < tally.plain_tokens
+        """The guard's verdict on the current plan: enough of its steps read, and fewer tokens than plain steps would
+        have emitted, beyond the steps' own spread (see :meth:`_GuardTally.lost`)."""
+        return self._tally.lost(self.guard_steps, self.guard_confidence, self.guard_row_spread)
 
     def _flush(self) -> None:
         """Read and learn from every pending step."""
@@ -287,12 +288,32 @@ class _ObservedStep(NamedTuple):
 
 
 class _GuardTally(NamedTuple):
-    """The guard's count of a drafting plan's read steps: how many, the tokens they emitted, and the tokens plain
-    steps would have emitted in their time."""
+    """The guard's count of a drafting plan's read steps: how many, the tokens they emitted, the tokens plain steps
+    would have emitted in their time, the sum of each step's squared gain (its tokens less plain's) and the rows."""
 
     steps: int = 0
     tokens: float = 0.0
     plain_tokens: float = 0.0
+    square_gain: float = 0.0
+    rows: int = 0
+
+    def add(self, tokens: float, plain_tokens: float, rows: int) -> "_GuardTally":
+        """The tally with one more step: ``tokens`` emitted where plain steps would have emitted ``plain_tokens``."""
+        gain = tokens - plain_tokens
+        return _GuardTally(self.steps + 1, self.tokens + tokens, self.plain_tokens + plain_tokens,
+                           self.square_gain + gain * gain, self.rows + rows)
+
+    def lost(self, min_steps: int, confidence: float, row_spread: float) -> bool:
+        """Whether the plan's drafting lost: after ``min_steps`` steps, the mean gain a step is below 0 by more than
+        ``confidence`` standard errors. A step's variance is the steps' sample variance, but at least
+        ``row_spread ** 2`` a row: accepted runs come in bursts (a copied span, then none), so two steps that happen to
+        agree must not read as certain, while a plan whose every step loses clearly still stops after ``min_steps``."""
+        n = self.steps
+        if n < min_steps:
+            return False
+        mean = (self.tokens - self.plain_tokens) / n
+        variance = max((self.square_gain - n * mean * mean) / max(n - 1, 1), row_spread ** 2 * self.rows / n)
+        return mean + confidence * math.sqrt(variance / n) < 0
 
 
 def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
