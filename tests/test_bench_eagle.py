@@ -9,7 +9,6 @@ import pytest
 from tetris_hf.candidate_generators.eagle import EagleDraft
 from tetris_hf.tools.bench import PositionCounts
 from tetris_hf.tools.cli import main as cli_main
-from tetris_hf.tools.eagle_export import save_head
 from tiny_models import tiny_llama
 from tiny_tokenizer import SENTENCES, tiny_tokenizer
 
@@ -21,7 +20,7 @@ def saved_pair(tmp_path_factory):
     folder = tmp_path_factory.mktemp("eagle-bench")
     target.save_pretrained(folder / "target")
     tokenizer.save_pretrained(folder / "target")
-    save_head(EagleDraft.for_target(target), folder / "head")
+    EagleDraft.for_target(target).save_pretrained(folder / "head")
     prompts = folder / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": sentence}) + "\n" for sentence in SENTENCES[:4]))
     return folder

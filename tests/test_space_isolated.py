@@ -105,10 +105,9 @@ def _save_eagle_head(target, folder: Path) -> None:
     import torch
 
     from tetris_hf.candidate_generators.eagle import EagleDraft
-    from tetris_hf.tools.eagle_export import save_head
 
     torch.manual_seed(9)
-    save_head(EagleDraft.for_target(target, aux_layer_ids=(0, 1, 1)), folder)
+    EagleDraft.for_target(target, aux_layer_ids=(0, 1, 1)).save_pretrained(folder)
 
 
 def _save_tetris_draft(target, folder: Path) -> None:

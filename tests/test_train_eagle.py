@@ -23,7 +23,6 @@ from tiny_models import EOS
 from tetris_hf.candidate_generators.eagle import EagleDraft
 from tetris_hf.tools import train_eagle
 from tetris_hf.tools.cli import UsageError, build_parser
-from tetris_hf.tools.eagle_export import save_head
 from tetris_hf.tools.train_eagle import Sample
 
 GAIN = 30.0  # output head scale of the tiny targets: peaked distributions, so greedy tokens have no near ties
@@ -220,7 +219,7 @@ def test_a_saved_head_loads_back_in_the_published_format_and_drafts_the_same_tok
     with torch.no_grad():
         for param in head.parameters():
             param.add_(0.05 * torch.randn_like(param))  # not the initial weights
-    save_head(head, tmp_path)
+    head.save_pretrained(tmp_path)
 
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1

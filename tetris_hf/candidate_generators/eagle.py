@@ -247,8 +247,8 @@ class EagleDraft(nn.Module):
     def for_target(cls, target: nn.Module, draft_vocab_ids: torch.Tensor | None = None,
                    aux_layer_ids: tuple[int, ...] | list[int] | None = None) -> "EagleDraft":
         """A fresh EAGLE-3 head for ``target``, to be trained (``tetris-hf train-eagle``), built through the same
-        loader as a published checkpoint (:meth:`from_state_dict`), so it is exactly what
-        :func:`tetris_hf.tools.train_eagle.save_head` then :meth:`from_pretrained` give back.
+        loader as a published checkpoint (:meth:`from_state_dict`), so it is exactly what :meth:`save_pretrained` then
+        :meth:`from_pretrained` give back.
 
         The layer and ``fc`` are randomly initialised (PyTorch's defaults, from the global RNG: seed it first);
         ``lm_head`` starts as the target's output rows of the draft vocabulary and ``norm`` with the scale of the
@@ -276,7 +276,7 @@ class EagleDraft(nn.Module):
         config = head_config(config_dict, {}, EAGLE3, vocab, target_config, source)
         with torch.device("cpu"):
             fresh = cls(config, EAGLE3, aux, 3 * hidden, False, False, draft_vocab, own_embedding=False).float()
-        tensors = {published_name(name, EAGLE3): tensor.detach() for name, tensor in fresh.state_dict().items()}
+        tensors = {_published_name(name, EAGLE3): tensor.detach() for name, tensor in fresh.state_dict().items()}
         output = target.get_output_embeddings()
         if output is not None and tuple(output.weight.shape) == (vocab, hidden):
             tensors["lm_head.weight"] = output.weight.detach().float().cpu()[target_ids].clone()
@@ -289,6 +289,49 @@ class EagleDraft(nn.Module):
             tensors["d2t"] = target_ids - torch.arange(draft_vocab)  # draft id + d2t[draft id] = target id
             tensors["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, target_ids, True)
         return cls.from_state_dict(config_dict, tensors, target, aux_layer_ids=aux, source=source)
+
+    def save_pretrained(self, directory: str | os.PathLike, dtype: torch.dtype | None = None) -> str:
+        """Write the head in the published format :meth:`from_pretrained` reads: ``config.json`` and
+        ``model.safetensors`` (tensor names and config keys of ``shared/facts/eagle-formats.md``; EAGLE-3 in SpecForge's
+        layout: ``architectures: ["LlamaForCausalLMEagle3"]``, ``eagle_config`` with output-of-layer ids, ``d2t``
+        int64 and ``t2d`` bool for a reduced vocabulary). The target's embedding and head are not written (an own
+        embedding is). ``dtype``: of the weights written (default: the head's). Returns the directory."""
+        config = self.config
+        rope = getattr(config, "rope_parameters", None)
+        fields = {
+            "architectures": ["LlamaForCausalLMEagle3" if self.feature_kind == EAGLE3 else "LlamaForCausalLM"],
+            "model_type": "llama", "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+            "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
+            "head_dim": config.head_dim, "hidden_act": config.hidden_act, "rms_norm_eps": config.rms_norm_eps,
+            "max_position_embeddings": config.max_position_embeddings, **_rope_fields(rope), "num_hidden_layers": 1,
+            "vocab_size": self.vocab_size, "tie_word_embeddings": False,
+        }
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if getattr(config, name, None) is not None:
+                fields[name] = getattr(config, name)
+        if self.feature_kind == EAGLE3:
+            fields.update(draft_vocab_size=self.draft_vocab_size,
+                          target_hidden_size=self.feature_size // len(self.aux_layer_ids),
+                          eagle_config={"use_aux_hidden_state": True,
+                                        "eagle_aux_hidden_state_layer_ids": [i - 1 for i in self.aux_layer_ids]})
+        else:
+            fields["bias"] = self.fc.bias is not None
+            if self.layer.self_attn.q_proj.bias is not None:
+                fields["qkv_bias"] = True
+        fields["torch_dtype"] = str(dtype or self.dtype).removeprefix("torch.")
+        tensors = {_published_name(name, self.feature_kind): tensor.detach().to("cpu", dtype or tensor.dtype)
+                   .contiguous() for name, tensor in self.state_dict().items()}
+        if self.feature_kind == EAGLE3 and self.target_ids is not None:
+            target_ids = self.target_ids.to("cpu", torch.long)
+            tensors["d2t"] = target_ids - torch.arange(target_ids.numel())
+            tensors["t2d"] = torch.zeros(self.vocab_size, dtype=torch.bool).index_fill_(0, target_ids, True)
+        from safetensors.torch import save_file
+
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, CONFIG_NAME), "w", encoding="utf-8") as file:
+            json.dump(fields, file, indent=2)
+        save_file(tensors, os.path.join(directory, WEIGHTS_NAMES[0]), metadata={"format": "pt"})
+        return os.fspath(directory)
 
     # -- the model surface (what SlotCache and the loop read) --------------------------------------------------------
 
@@ -455,7 +498,7 @@ def _fresh_config(target_config, vocab: int, draft_vocab: int, aux: tuple[int, .
         "hidden_act": getattr(target_config, "hidden_act", "silu"),
         "rms_norm_eps": getattr(target_config, "rms_norm_eps", 1e-6),
         "max_position_embeddings": target_config.max_position_embeddings,
-        **rope_fields(getattr(target_config, "rope_parameters", None)),
+        **_rope_fields(getattr(target_config, "rope_parameters", None)),
         "num_hidden_layers": 1, "vocab_size": vocab, "draft_vocab_size": draft_vocab,
         "target_hidden_size": hidden, "tie_word_embeddings": False,
         **{name: getattr(target_config, name) for name in ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -718,15 +761,15 @@ def check_width(name: str, features: torch.Tensor, width: int, input_ids: torch.
                          "(input_ids' shape plus the feature width)")
 
 
-# -- writing checkpoints (EagleDraft.for_target, tetris_hf.tools.train_eagle.save_head) ----------------------------
+# -- writing checkpoints (EagleDraft.for_target, EagleDraft.save_pretrained) ----------------------------------------
 
 
-def published_name(name: str, kind: str) -> str:
+def _published_name(name: str, kind: str) -> str:
     """A head parameter's name in the published checkpoint (``layer.*`` -> ``midlayer.*`` / ``layers.0.*``)."""
     return LAYER_PREFIXES[kind] + name[len("layer."):] if name.startswith("layer.") else name
 
 
-def rope_fields(rope: dict | None) -> dict:
+def _rope_fields(rope: dict | None) -> dict:
     """transformers' ``rope_parameters`` as published config.json keys: ``rope_theta``, and ``rope_scaling`` for a
     scaled RoPE (the full-attention layers' for configs that hold one per layer type)."""
     if not isinstance(rope, dict):

@@ -14,7 +14,7 @@ assistant tokens only (the continuations; with ``--no-self-distill``, the assist
 every position, chat template, system prompt and user turns included. ``--init-head DIR`` starts from a trained head
 (its weights and draft vocabulary; its held-out numbers are then step 0's, the "before" of a fine-tune), and
 ``--train-prompts N`` keeps the first N training chats, to bound generation on a CPU. The output is the published
-EAGLE-3 format (:func:`tetris_hf.tools.eagle_export.save_head`) plus ``PROVENANCE.json``/``PROVENANCE.md``.
+EAGLE-3 format (:meth:`EagleDraft.save_pretrained`) plus ``PROVENANCE.json``/``PROVENANCE.md``.
 
 Training-time test (TTT), :func:`unroll`. A training row ``x_0 .. x_{T-1}`` with the target's features
 ``f_0 .. f_{T-1}`` and distributions ``p_0 .. p_{T-1}`` (``p_t`` is over ``x_{t+1}``). Draft step ``s`` for root ``j``
@@ -75,7 +75,6 @@ import torch.nn.functional as F
 from tetris_hf.candidate_generators.eagle import select_features
 from tetris_hf.tools.cli import UsageError, resolve_device, training_chats
 from tetris_hf.tools.distill import count_tokens, tokenize_chats, windows
-from tetris_hf.tools.eagle_export import save_head
 
 STEP_WEIGHT = 0.8  # loss weight of draft step s: STEP_WEIGHT ** (s - 1)
 ACCEPT_K = 4  # drafts per simulated chain for the held-out accepted length and conditional acceptance
@@ -1005,7 +1004,7 @@ def main(args) -> int:
         history.append(_history_entry(step, seen, metrics, losses or None))
         print(_metrics_line(step, seen, metrics, "final"))
     checkpoint()
-    save_head(head, output)
+    head.save_pretrained(output)
     seconds = seconds_before + session_seconds()
     record = {
         "format": "EAGLE-3 head, SpecForge layout (config.json: LlamaForCausalLMEagle3, draft_vocab_size, "
