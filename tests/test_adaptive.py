@@ -338,6 +338,22 @@ def test_the_guard_does_not_stop_a_plan_that_pays_for_two_unlucky_steps():
     assert drive(strategy, 24, accepted=lambda k: next(accepted), num_rows=1) == [4] * 24 and not strategy.guarded
 
 
+def test_the_guard_judges_drafting_across_a_batch_that_changes_size_every_step():
+    """In a request stream rows join and leave every few steps, and each change of size makes a new plan: drafting
+    that loses every step must still be stopped, so the tally carries over plans that go on drafting."""
+    strategy = sure_strategy(learn_costs=False)
+    drafted = []
+    for step in range(12):
+        num_rows = 4 - step % 2  # 4, 3, 4, 3, ...: a new plan every step
+        plan = strategy.plan(num_rows)
+        drafted.append(plan.num_draft_tokens)
+        log_probs = torch.full((num_rows, plan.num_draft_tokens), 0.9).log()
+        lengths = strategy.select(log_probs, torch.full((num_rows,), plan.num_draft_tokens), plan) \
+            if plan.num_draft_tokens else torch.zeros(num_rows, dtype=torch.long)
+        strategy.observe(log_probs, lengths, torch.zeros_like(lengths))  # every draft rejected
+    assert drafted[:3] == [4, 4, 4] and strategy.guarded and drafted[-1] == 0
+
+
 def test_the_guard_leaves_a_plan_that_pays_alone():
     strategy = sure_strategy(learn_costs=False)
     assert drive(strategy, 40, accepted=lambda k: k) == [4] * 40 and not strategy.guarded
