@@ -128,8 +128,8 @@ class _CostAware:
     smoothing = 0.3
     guard_steps = 2
     guard_confidence = 1.0  # standard errors by which a plan's mean gain a step must fall below 0 for the guard
-    guard_row_spread = 1.0  # the least spread of a row's tokens a step the guard assumes (two steps can agree by chance)
-    guard_decay = 0.9  # the weight of a drafting step in the guard's tally falls by this much a newer one (~10 steps)
+    guard_row_spread = 0.5  # the least spread of a row's tokens a step the guard assumes (two steps can agree by chance)
+    guard_decay = 0.95  # the weight of a drafting step in the guard's tally falls by this much a newer one (~20 steps)
 
     def __init__(self, options: TetrisOptions, cost: StepCostModel | Callable[[int, int], StepCostModel],
                  learn_costs: bool = False, memory: PairMemory | None = None):
