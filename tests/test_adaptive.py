@@ -322,6 +322,38 @@ def test_the_guard_reads_measured_time_where_the_model_is_wrong_about_cost():
     assert drafted[:3] == [4, 4, 4] and drafted[3:] == [0] * 5 and strategy.guarded
 
 
+def test_the_guard_does_not_stop_a_plan_that_pays_for_two_unlucky_steps():
+    """Accepted drafts come in bursts (a copied span, then nothing): one row's first two steps of a plan emitting 1
+    and 2 tokens where plain steps would have emitted 1.86 each is within a row's spread, not proof that drafting
+    loses; the steps after them accept everything, and the plan stands. A plan that loses every step is still
+    stopped after ``guard_steps`` (the tests above)."""
+    strategy = AdaptiveBudget(TetrisOptions(tetris_strategy="adaptive", num_assistant_tokens=4, tetris_extra_tokens=0),
+                              StepCostModel(profile(lambda r, t: 10.0 + 0.2 * r * t, 2.0)))
+    strategy.calibrator.update_cells(torch.full((400,), 0.9), torch.arange(400) % 10 != 0)
+    strategy.remember(torch.full((64, 4), 0.9).log())
+    strategy._open_step(1)
+    ratio = strategy.cost.step_seconds(1, 4, 4, 4) / strategy.cost.step_seconds(1, 0, 0, 0)
+    assert 1 + 2 < 2 * ratio < 2 + 2  # the two steps' 3 tokens: below plain's, by less than a token a step
+    accepted = iter([0, 1] + [4] * 40)
+    assert drive(strategy, 24, accepted=lambda k: next(accepted), num_rows=1) == [4] * 24 and not strategy.guarded
+
+
+def test_the_guard_judges_drafting_across_a_batch_that_changes_size_every_step():
+    """In a request stream rows join and leave every few steps, and each change of size makes a new plan: drafting
+    that loses every step must still be stopped, so the tally carries over plans that go on drafting."""
+    strategy = sure_strategy(learn_costs=False)
+    drafted = []
+    for step in range(12):
+        num_rows = 4 - step % 2  # 4, 3, 4, 3, ...: a new plan every step
+        plan = strategy.plan(num_rows)
+        drafted.append(plan.num_draft_tokens)
+        log_probs = torch.full((num_rows, plan.num_draft_tokens), 0.9).log()
+        lengths = strategy.select(log_probs, torch.full((num_rows,), plan.num_draft_tokens), plan) \
+            if plan.num_draft_tokens else torch.zeros(num_rows, dtype=torch.long)
+        strategy.observe(log_probs, lengths, torch.zeros_like(lengths))  # every draft rejected
+    assert drafted[:3] == [4, 4, 4] and strategy.guarded and drafted[-1] == 0
+
+
 def test_the_guard_leaves_a_plan_that_pays_alone():
     strategy = sure_strategy(learn_costs=False)
     assert drive(strategy, 40, accepted=lambda k: k) == [4] * 40 and not strategy.guarded

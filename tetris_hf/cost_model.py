@@ -124,12 +124,11 @@ def _curve_id(row: Mapping) -> str:
     raise ValueError(f"curve row {dict(row)} names no model (a 'model' or 'layers' key)")
 
 
-def curve_models(path: str | os.PathLike) -> dict[str, str]:
-    """The models of a curve file and their role guess: ``{id: "target" | "draft"}``.
+def curve_models(rows: list[dict]) -> dict[str, str]:
+    """The models of a curve file's rows and their role guess: ``{id: "target" | "draft"}``.
 
     A model timed at more than one token per row (``L > 1``) is a target, one timed at ``L = 1`` only a draft.
     """
-    rows = _curve_rows(json.loads(Path(path).read_text()))
     roles: dict[str, str] = {}
     for row in rows:
         model = _curve_id(row)
@@ -153,7 +152,7 @@ def profile_from_curve(path: str | os.PathLike, target: str | None = None, draft
         rows = _curve_rows(json.loads(path.read_text()))
     except (OSError, json.JSONDecodeError) as error:
         raise ValueError(f"cannot read curve file {path}: {error}") from error
-    roles = curve_models(path)
+    roles = curve_models(rows)
     target = target or next((m for m, role in roles.items() if role == "target"), None)
     draft = draft or next((m for m, role in roles.items() if role == "draft"), None)
     for name, value in (("target", target), ("draft", draft)):

@@ -33,10 +33,7 @@ def check_lookup_sizes(num_tokens, max_ngram_size, min_ngram_size) -> None:
     """Refuse impossible lookup settings (before anything runs), naming the argument."""
     for name, value in (("prompt_lookup_num_tokens", num_tokens), ("max_matching_ngram_size", max_ngram_size),
                         ("tetris_min_ngram_size", min_ngram_size)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"`{name}` must be an integer, got {value!r} ({type(value).__name__})")
-        if value < 1:
-            raise ValueError(f"`{name}` must be >= 1, got {value}")
+        _check_count(name, value, 1)
     if min_ngram_size > max_ngram_size:
         raise ValueError(f"`tetris_min_ngram_size` ({min_ngram_size}) is above `max_matching_ngram_size` "
                          f"({max_ngram_size}): lookup would try no n-gram size")
@@ -217,10 +214,7 @@ class TetrisOptions:
                 raise ValueError("`tetris_suffix_cache` is what suffix drafts read: pass `tetris_suffix_num_tokens=` "
                                  "too")
             return
-        if isinstance(suffix, bool) or not isinstance(suffix, int):
-            raise TypeError(f"`tetris_suffix_num_tokens` must be an integer, got {suffix!r} ({type(suffix).__name__})")
-        if suffix < 1:
-            raise ValueError(f"`tetris_suffix_num_tokens` must be >= 1, got {suffix}")
+        _check_count("tetris_suffix_num_tokens", suffix, 1)
         if self.prompt_lookup_num_tokens is not None:
             raise ValueError("`tetris_suffix_num_tokens` and `prompt_lookup_num_tokens` are two model-free drafts for "
                              "the same place (suffix drafts search the row's own tokens too): pass one of them")

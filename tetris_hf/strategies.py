@@ -99,10 +99,12 @@ class _CostAware:
     model's predictions and the ratios smoothed into ``draft_scale`` and ``target_scale`` (exponential moving
     averages); its other seconds are smoothed into ``step_overhead``. A given profile or a replay does not learn.
 
-    The realized-rate guard: the steps a drafting plan runs are tallied as they are read (tokens emitted against the
+    The realized-rate guard: the steps drafting plans run are tallied as they are read (tokens emitted against the
     tokens plain steps would have emitted in the same time: measured seconds where the strategy learns from step times,
-    else the cost model's price of each step as it ran, so that a sampled call stays reproducible). Once
-    ``guard_steps`` of them have been read and drafting has emitted fewer, the plan is dropped and the strategy
+    else the cost model's price of each step as it ran, so that a sampled call stays reproducible), the recent ones
+    weighted most, over plans that follow one another while drafting goes on (a stream's batch changes size every few
+    steps). Once ``guard_steps`` of them have been read and drafting has emitted fewer, by more than a standard error
+    (:meth:`_GuardTally.lost`: two unlucky steps of a copying plan are not proof), the plan is dropped and the strategy
     decodes plainly until a probe has drafted (:attr:`guarded`), however well the model of acceptance and cost
     predicted drafting would do: what was realized outranks what was predicted. This bounds what a wrong prior or a
     lucky probe costs to the few steps before the guard reads them, and each time the guard stops a plan the probe
@@ -125,6 +127,9 @@ class _CostAware:
     probe_overhead = 0.05
     smoothing = 0.3
     guard_steps = 2
+    guard_confidence = 1.0  # standard errors by which a plan's mean gain a step must fall below 0 for the guard
+    guard_row_spread = 0.5  # the least spread of a row's tokens a step the guard assumes (two steps can agree by chance)
+    guard_decay = 0.95  # the weight of a drafting step in the guard's tally falls by this much a newer one (~20 steps)
 
     def __init__(self, options: TetrisOptions, cost: StepCostModel | Callable[[int, int], StepCostModel],
                  learn_costs: bool = False, memory: PairMemory | None = None):
@@ -178,7 +183,9 @@ class _CostAware:
             self._learn(step.token_log_probs, step.verify_lengths, step.num_accepted, step.sources())
 
     def _new_plan(self) -> None:
-        """A plan was made: the steps it runs (if it drafts, see :meth:`plan`) are tallied afresh for the guard."""
+        """Drafting (re)starts, after plain steps, a probe or the guard: the steps it runs are tallied afresh. A new plan
+        that goes on drafting (the batch changed size, or the plan aged) keeps the tally: in a stream the batch changes
+        size every few steps, and a tally begun afresh at each change would never hold the steps to judge."""
         self._plan_id += 1
         self._tally = _GuardTally()
 
@@ -194,16 +201,15 @@ class _CostAware:
             seconds = cost.step_seconds(rows, 0 if step.lookup_only else step.num_drafted,
                                         _longest(step.verify_lengths), total_verified)
         plain = cost.step_seconds(rows, 0, 0, 0)
-        tally = self._tally = _GuardTally(self._tally.steps + 1,
-                                          self._tally.tokens + float(step.num_accepted.sum()) + rows,
-                                          self._tally.plain_tokens + (rows * seconds / plain if plain > 0 else 0.0))
+        tally = self._tally = self._tally.add(float(step.num_accepted.sum()) + rows,
+                                              rows * seconds / plain if plain > 0 else 0.0, rows, self.guard_decay)
         if tally.steps == self.guard_steps and tally.tokens >= tally.plain_tokens:
             self.memory.probe_interval = self.probe_interval_start  # drafting paid: probe soon when it stops paying
 
     def _drafting_lost(self) -> bool:
-        """The guard's verdict on the current plan: enough of its steps read, and fewer tokens than plain steps."""
-        tally = self._tally
-        return tally.steps >= self.guard_steps and tally.tokens < tally.plain_tokens
+        """The guard's verdict on the current plan: enough of its steps read, and fewer tokens than plain steps would
+        have emitted, beyond the steps' own spread (see :meth:`_GuardTally.lost`)."""
+        return self._tally.lost(self.guard_steps, self.guard_confidence, self.guard_row_spread)
 
     def _flush(self) -> None:
         """Read and learn from every pending step."""
@@ -287,12 +293,37 @@ class _ObservedStep(NamedTuple):
 
 
 class _GuardTally(NamedTuple):
-    """The guard's count of a drafting plan's read steps: how many, the tokens they emitted, and the tokens plain
-    steps would have emitted in their time."""
+    """The guard's count of the drafting steps read since drafting last (re)started: how many, and, each step weighted
+    by ``decay`` per newer step (the recent ones count most), their weight, the tokens they emitted, the tokens plain
+    steps would have emitted in their time, each step's squared gain (its tokens less plain's) and the rows."""
 
     steps: int = 0
+    weight: float = 0.0
     tokens: float = 0.0
     plain_tokens: float = 0.0
+    square_gain: float = 0.0
+    rows: float = 0.0
+
+    def add(self, tokens: float, plain_tokens: float, rows: int, decay: float) -> "_GuardTally":
+        """The tally with one more step: ``tokens`` emitted where plain steps would have emitted ``plain_tokens``."""
+        gain = tokens - plain_tokens
+        return _GuardTally(self.steps + 1, decay * self.weight + 1, decay * self.tokens + tokens,
+                           decay * self.plain_tokens + plain_tokens, decay * self.square_gain + gain * gain,
+                           decay * self.rows + rows)
+
+    def lost(self, min_steps: int, confidence: float, row_spread: float) -> bool:
+        """Whether drafting lost: after ``min_steps`` steps, the (weighted) mean gain a step is below 0 by more than
+        ``confidence`` standard errors. A step's variance is the steps' sample variance, but at least
+        ``row_spread ** 2`` a row: accepted runs come in bursts (a copied span, then none), so two steps that happen to
+        agree must not read as certain, while drafting whose every step loses clearly still stops after
+        ``min_steps``."""
+        n = self.weight
+        if self.steps < min_steps or n <= 0:
+            return False
+        mean = (self.tokens - self.plain_tokens) / n
+        spread = (self.square_gain / n - mean * mean) * n / max(n - 1, 1e-9) if n > 1 else 0.0
+        variance = max(spread, row_spread ** 2 * self.rows / n)
+        return mean + confidence * math.sqrt(variance / n) < 0
 
 
 def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -455,9 +486,11 @@ class AdaptiveBudget(_CostAware):
                 self.guarded = True  # the guard: drafting emitted less than plain steps would have in its time
                 memory = self.memory  # (and probes back off, as after one that did not change the plan)
                 memory.plain_streak, memory.probe_interval = 0, min(2 * memory.probe_interval, self.max_probe_interval)
+            was_drafting = self._planned is not None and self._planned[1].num_draft_tokens > 0 and not self.guarded
             self._planned = (num_rows, *self._choose(num_rows, cost))
             self._plan_age = 0
-            self._new_plan()
+            if not (was_drafting and self._planned[1].num_draft_tokens > 0):
+                self._new_plan()
         elif self.pool.shape[0] == 0 and self._pending:
             self._flush()  # the first drafted rows: whether a probe can teach anything depends on them
         self._plan_age += 1

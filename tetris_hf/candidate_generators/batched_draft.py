@@ -404,16 +404,26 @@ class BatchedDraftCandidateGenerator(Drafter):
         kept = torch.where(foreign, 0, num_accepted.clamp(max=drafted - 1))  # accepted drafts the cache holds
         self.slots.keep_prefix(self.slots.length - (drafted - 1), kept)
         final, _ = final_tokens(cells[:, :drafted], verdict)
+        # (B,) accepted cells the draft has not read, then t
+        self._queue_right_aligned(final, kept, num_accepted - kept + 1, cached_longest)
+
+    def _queue_right_aligned(self, final: torch.Tensor, first: torch.Tensor, count: torch.Tensor,
+                             cached_longest: int | None) -> torch.Tensor:
+        """Wait with ``count`` ``(B,)`` tokens of ``final`` ``(B, W)`` from column ``first`` ``(B,)`` on, each row's
+        moved to its end (the pending block is left-padded); then compact the cache. Returns ``(B, W)`` the column of
+        ``final`` each pending column holds (for what else the pending columns carry).
+
+        E.g. W = 3, rows ``[x1 x2 t]`` from 0, 3 tokens and ``[x1 t .]`` from 1, 1 token: ``[x1 x2 t]`` and ``[. . t]``.
+        """
         width = final.shape[1]
-        unread = num_accepted - kept + 1  # (B,) accepted cells the draft has not read, then t
-        columns = torch.arange(width, device=num_accepted.device)[None, :]
-        source = kept[:, None] + columns - (width - unread)[:, None]  # the final token column c holds
-        real = columns >= (width - unread)[:, None]
-        self.pending_tokens = final.gather(1, source.clamp(min=0, max=width - 1))
-        self.pending_mask = real.long()
+        columns = torch.arange(width, device=final.device)[None, :]
+        source = (first[:, None] + columns - (width - count)[:, None]).clamp(min=0, max=width - 1)
+        self.pending_tokens = final.gather(1, source)
+        self.pending_mask = (columns >= (width - count)[:, None]).long()
         self.pending_real = width == 1
-        self.pending_count = num_accepted.shape[0] if width == 1 else None  # (else until the loop's read says)
+        self.pending_count = final.shape[0] if width == 1 else None  # (else until the loop's read says)
         self.slots.compact(cached_longest)
+        return source
 
     def _queue_after_pending(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``tokens`` ``(B, W)`` (real where ``mask``) wait after the pending ones, the block left-packed again.
@@ -488,12 +498,11 @@ class BatchedDraftCandidateGenerator(Drafter):
                            num_real=chunk.num_real, discard_logits=True, first_row=chunk.first_row)
         self.slots.compact(chunk.longest)
 
-    def _fill_rows(self, targets: torch.Tensor, sources: torch.Tensor, num_rows: int) -> None:
-        """Finished rows leave the batch: see :meth:`~tetris_hf.kv.SlotCache.fill_rows`."""
+    def _fill_rows(self, targets: torch.Tensor, sources: torch.Tensor, num_rows: int) -> torch.Tensor:
+        """Finished rows leave the batch: see :meth:`~tetris_hf.kv.SlotCache.fill_rows` (whose row order this
+        returns)."""
         rows = self.slots.fill_rows(targets, sources, num_rows)
         self.pending_tokens, self.pending_mask = self.pending_tokens[rows], self.pending_mask[rows]
-        self._count_after_fill()
-
-    def _count_after_fill(self) -> None:
-        """Rows left: the pending count is known only where every pending token is real."""
+        # rows left: the pending count is known only where every pending token is real
         self.pending_count = self.pending_tokens.numel() if self.pending_real else None
+        return rows

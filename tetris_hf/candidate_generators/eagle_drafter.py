@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..logits import PositionwiseLogitsProcessor
-from .batched_draft import BatchedDraftCandidateGenerator, final_tokens, real_tokens
+from .batched_draft import BatchedDraftCandidateGenerator, final_tokens, left_packed_order, real_tokens
 from .drafter import JoiningRows, PromptChunk, Verdict
 from .eagle import EagleDraft, select_features
 
@@ -132,8 +132,7 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
         root = torch.zeros((path_slots.shape[0], 1), dtype=path_slots.dtype, device=path_slots.device)  # block slot 0
         feature_slots = torch.cat([root, path_slots[:, : width - 1].clamp(min=0)], 1)  # (path_slots may be (B, 0))
         path_features = features.gather(1, feature_slots[..., None].expand(-1, -1, features.shape[-1]))
-        self._queue_final(path_tokens, verdict.next_tokens, verdict.num_accepted, path_features,
-                          verdict.hints.cached_longest)
+        self._queue_final(path_tokens, verdict, path_features)
 
     def propose(self, sequences, lengths, num_tokens, rows=None, confidences=True, *, lookup_only=False,
                 tree_width=1):
@@ -152,7 +151,6 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
         num_accepted, next_tokens = verdict.num_accepted, verdict.next_tokens
         # (the forward may have read rows after the verdict's: prompts of rows joining a stream, the chunk's part)
         features = self._features(verdict)[: next_tokens.shape[0]]
-        max_accepted, cached_longest = verdict.hints
         ones = torch.ones_like(next_tokens[:, None])
         if self._prompt is not None:  # the prompt's read: [x1 .. x_{T-1}, t] with [f0 .. f_{T-1}]
             input_ids, mask = self._prompt
@@ -170,10 +168,7 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
         # The cache holds the old pending block, then drafts 1..K-1 (read with the head's own features): drop those.
         if drafted > 1:
             self.slots.keep_prefix(self.slots.length - (drafted - 1), torch.zeros_like(num_accepted))
-        # Queue [d1 .. da, t] with [f_n .. f_{n+a}].
-        width = (drafted if max_accepted is None else min(max_accepted, drafted)) + 1
-        self._queue_final(self._drafts[:, : width - 1], next_tokens, num_accepted, features[:, :width],
-                          cached_longest)
+        self._queue_final(self._drafts[:, :drafted], verdict, features)  # [d1 .. da, t] with [f_n .. f_{n+a}]
 
     def _roll_back_cells(self, verdict: Verdict, cells: torch.Tensor, foreign: torch.Tensor) -> None:
         """As :meth:`_roll_back` when rows ``foreign`` ``(B,)`` verified cells another drafter drafted (hybrid
@@ -192,27 +187,18 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
         self.pending_features = torch.cat([self.pending_features, features], dim=1).gather(
             1, order[..., None].expand(-1, -1, features.shape[-1]))
 
-    def _queue_final(self, candidates: torch.Tensor, next_tokens: torch.Tensor, num_accepted: torch.Tensor,
-                     features: torch.Tensor, cached_longest: int | None) -> None:
+    def _queue_final(self, candidates: torch.Tensor, verdict: Verdict, features: torch.Tensor) -> None:
         """Queue what the target made final, ``[x1 .. xa, t]`` (``a = num_accepted``: the first ``a`` of
-        ``candidates`` ``(B, W - 1)``, then the target's token ``t``), each with its column of ``features``
-        ``(B, W, F)``, left-padded to the ``W`` of the longest; then compact the cache.
+        ``candidates`` ``(B, K)``, then the target's token ``t``: :func:`~.batched_draft.final_tokens`), each with its
+        column of ``features`` ``(B, >= W, F)``, left-padded to the ``W`` of the longest; then compact the cache.
 
         E.g. W = 3, a = [0, 2]: rows [. . t] and [x1 x2 t], features [. . f0] and [f0 f1 f2].
         """
-        width = candidates.shape[1] + 1
-        final = torch.cat([candidates, next_tokens[:, None]], dim=1)
-        final = final.scatter(1, num_accepted[:, None], next_tokens[:, None])  # t right after the accepted ones
-        columns = torch.arange(width, device=num_accepted.device)
-        source = columns[None, :] - (width - 1 - num_accepted)[:, None]  # (B, W): the final token each column holds
-        real = source >= 0
-        source = source.clamp(min=0)
-        self.pending_tokens = final.gather(1, source)
+        final, _ = final_tokens(candidates, verdict)
+        num_accepted = verdict.num_accepted
+        source = self._queue_right_aligned(final, torch.zeros_like(num_accepted), num_accepted + 1,
+                                           verdict.hints.cached_longest)
         self.pending_features = features.gather(1, source[..., None].expand(-1, -1, features.shape[-1]))
-        self.pending_mask = real.long()
-        self.pending_real = width == 1
-        self.pending_count = num_accepted.shape[0] if width == 1 else None  # (else until the loop's read says)
-        self.slots.compact(cached_longest)
 
     def _add_rows(self, rows: JoiningRows) -> None:
         """Rows join (a request stream's) with empty caches and nothing pending: each prompt chunk the target reads
@@ -253,8 +239,7 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
     def _set_pending(self, tokens: torch.Tensor, mask: torch.Tensor, features: torch.Tensor) -> None:
         """Wait with these ``(B, W)`` tokens and mask and ``(B, W, F)`` features, each row's real columns moved to
         its end, in order (the pending block is left-padded)."""
-        # a stable sort puts filler (0) first and real columns (1) after, each in its own order
-        order = torch.sort(mask.to(torch.uint8), dim=1, stable=True).indices
+        order = left_packed_order(mask)
         self.pending_tokens, self.pending_mask = tokens.gather(1, order), mask.gather(1, order)
         self.pending_features = features.gather(1, order[..., None].expand(-1, -1, features.shape[-1]))
         self.pending_real, self.pending_count = False, None  # (counted again by the loop's end-of-step read)
@@ -264,10 +249,9 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
             self.pending_features = self.pending_features[:, -width:]
         super()._keep_pending_columns(width)
 
-    def _fill_rows(self, targets: torch.Tensor, sources: torch.Tensor, num_rows: int) -> None:
-        rows = self.slots.fill_rows(targets, sources, num_rows)
-        self.pending_tokens, self.pending_mask = self.pending_tokens[rows], self.pending_mask[rows]
+    def _fill_rows(self, targets: torch.Tensor, sources: torch.Tensor, num_rows: int) -> torch.Tensor:
+        rows = super()._fill_rows(targets, sources, num_rows)
         self.pending_features = self.pending_features[rows]
-        self._count_after_fill()
         if self._drafts is not None:
             self._drafts = self._drafts[rows]
+        return rows

@@ -35,20 +35,21 @@ from __future__ import annotations
 import torch
 
 from .batched_draft import BatchedDraftCandidateGenerator
+from .calibration import OnlineRates
 from .drafter import Drafter, JoiningRows, PromptChunk, Proposal, Retired, RowMoves, Verdict, check_chains
 from .prompt_lookup import BatchedPromptLookupCandidateGenerator
 from .suffix import SuffixCandidateGenerator
 
 
-class DraftAcceptance:
+class DraftAcceptance(OnlineRates):
     """A draft model's confidences calibrated online: ``P(cell accepted | the cells before it were)`` as a function of
     the cell's ``max q``, on the device.
 
-    ``max q`` is cut into ``num_bins`` equal bins on [0, 1]. Bin ``b``'s estimate is ``(accepted + s c_b) / (tried +
-    s)``: a Beta prior of strength ``s`` around the bin's centre ``c_b`` (a calibrated draft), updated by every model
-    cell the target reached (cells after a rejection tell nothing and are not counted). Counts decay by ``memory`` per
-    step. A cell's estimate interpolates linearly between bin centres. E.g. a draft that says 0.95 and is accepted 30%
-    of the time: after a few hundred such cells its top bin says about 0.3.
+    ``max q`` is cut into ``num_bins`` equal bins on [0, 1]. Bin ``b``'s estimate is a cell of an
+    :class:`~.calibration.OnlineRates` table around the bin's centre ``c_b`` (a calibrated draft), updated by every
+    model cell the target reached; counts decay by ``memory`` per step. A cell's estimate interpolates linearly
+    between bin centres. E.g. a draft that says 0.95 and is accepted 30% of the time: after a few hundred such cells
+    its top bin says about 0.3.
 
     Args:
         device: where the counts live.
@@ -58,16 +59,9 @@ class DraftAcceptance:
     """
 
     def __init__(self, device: torch.device, num_bins: int = 10, prior_strength: float = 4.0, memory: float = 0.99):
+        super().__init__((torch.arange(num_bins, dtype=torch.float32, device=device) + 0.5) / num_bins,
+                         prior_strength, memory)
         self.num_bins = num_bins
-        self.prior = (torch.arange(num_bins, dtype=torch.float32, device=device) + 0.5) / num_bins
-        self.prior_strength = prior_strength
-        self.memory = memory
-        self.tried = torch.zeros(num_bins, device=device)
-        self.accepted = torch.zeros(num_bins, device=device)
-
-    def rates(self) -> torch.Tensor:
-        """``(num_bins,)`` estimated acceptance per bin."""
-        return (self.accepted + self.prior_strength * self.prior) / (self.tried + self.prior_strength)
 
     def log_probs(self, draft_log_probs: torch.Tensor) -> torch.Tensor:
         """``(B, K)`` log estimated acceptance of cells whose ``log max q`` is ``draft_log_probs`` ``(B, K)``."""
@@ -84,10 +78,8 @@ class DraftAcceptance:
         (bool: those the model drafted for) verified ``verify_lengths`` and accepted ``num_accepted`` ``(B,)``."""
         cells = torch.arange(draft_log_probs.shape[1], device=draft_log_probs.device)[None, :]
         tried = (cells < verify_lengths[:, None]) & (cells <= num_accepted[:, None]) & rows[:, None]
-        accepted = tried & (cells < num_accepted[:, None])
-        bins = (draft_log_probs.float().exp() * self.num_bins).long().clamp(0, self.num_bins - 1).flatten()
-        self.tried.mul_(self.memory).index_add_(0, bins, tried.flatten().float())
-        self.accepted.mul_(self.memory).index_add_(0, bins, accepted.flatten().float())
+        bins = (draft_log_probs.float().exp() * self.num_bins).long().clamp(0, self.num_bins - 1)
+        self.count(bins, tried, tried & (cells < num_accepted[:, None]))
 
 
 class HybridCandidateGenerator(Drafter):

@@ -30,6 +30,7 @@ import torch
 
 from ..kv import rows_after_fill
 from ..options import DEFAULT_MAX_NGRAM_SIZE
+from .calibration import OnlineRates
 from .drafter import Drafter, JoiningRows, PromptChunk, Proposal, Retired, RowMoves, Verdict, check_chains
 
 CONTEXT_TOKENS = 16  # how far back an occurrence's match with the row's end is compared
@@ -113,14 +114,13 @@ def lookup_drafts(sequences: torch.Tensor, starts: torch.Tensor, lengths: torch.
     return sequences.gather(1, positions), counts, ngram
 
 
-class LookupAcceptance:
+class LookupAcceptance(OnlineRates):
     """Online estimate of how often a lookup cell is accepted, by matched n-gram size and cell position.
 
     Cell ``j`` of a row that matched an ``n``-gram is accepted, given that cells ``1..j-1`` were, with probability
-    ``a[n, j]``, estimated as ``(accepted + s * prior[j]) / (tried + s)``: a Beta prior of strength ``s`` around
-    ``prior[j] = prior_first * prior_decay^j`` (later cells copy further from the match and drift more often), updated
-    by every verified cell the target reached (cells after a rejection tell nothing and are not counted). Counts
-    decay by ``memory`` per step, so the estimate follows the requests as they change.
+    ``a[n, j]``, an :class:`~.calibration.OnlineRates` table around ``prior[j] = prior_first * prior_decay^j`` (later
+    cells copy further from the match and drift more often), updated by every verified cell the target reached;
+    counts decay by ``memory`` per step.
 
     Args:
         max_ngram_size: largest n-gram size (rows are indexed by ``n``; 0 is unused).
@@ -130,19 +130,14 @@ class LookupAcceptance:
 
     def __init__(self, max_ngram_size: int, num_cells: int, device: torch.device, prior_first: float = 0.5,
                  prior_decay: float = 0.9, prior_strength: float = 4.0, memory: float = 0.99):
-        shape = (max_ngram_size + 1, num_cells)
+        prior = prior_first * prior_decay ** torch.arange(num_cells, dtype=torch.float32, device=device)
+        super().__init__(prior.expand(max_ngram_size + 1, num_cells), prior_strength, memory)
         self.num_cells = num_cells
-        self.prior = (prior_first * prior_decay ** torch.arange(num_cells, dtype=torch.float32, device=device))
-        self.prior_strength = prior_strength
-        self.memory = memory
-        self.tried = torch.zeros(shape, device=device)
-        self.accepted = torch.zeros(shape, device=device)
 
     def log_probs(self, ngram: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """``(B, K)`` log acceptance of each cell of rows that matched ``ngram`` ``(B,)`` (``-inf`` where nothing
         matched)."""
-        rate = (self.accepted + self.prior_strength * self.prior) / (self.tried + self.prior_strength)
-        scores = rate[ngram, :num_tokens].log()
+        scores = self.rates()[ngram, :num_tokens].log()
         return scores.masked_fill((ngram == 0)[:, None], float("-inf"))
 
     def update(self, ngram: torch.Tensor, verify_lengths: torch.Tensor, num_accepted: torch.Tensor) -> None:
@@ -150,10 +145,7 @@ class LookupAcceptance:
         cells (the target reached cells ``0..num_accepted``, those below ``verify_lengths``)."""
         cells = torch.arange(self.num_cells, device=ngram.device)[None, :]
         tried = (cells < verify_lengths[:, None]) & (cells <= num_accepted[:, None])
-        accepted = cells < num_accepted[:, None]
-        index = (ngram[:, None] * self.num_cells + cells).flatten()
-        self.tried.mul_(self.memory).view(-1).index_add_(0, index, tried.flatten().float())
-        self.accepted.mul_(self.memory).view(-1).index_add_(0, index, (accepted & tried).flatten().float())
+        self.count(ngram[:, None] * self.num_cells + cells, tried, tried & (cells < num_accepted[:, None]))
 
 
 class BatchedPromptLookupCandidateGenerator(Drafter):

@@ -40,18 +40,18 @@ from ..kv import rows_after_fill
 from ..suffix_cache import (PEER_BUDGET, SUFFIX_DEPTH, SuffixCache, batch_continuations, batch_matches,
                             frequency_chain, frequency_tree, longest_match, suffix_keys)
 from ..trees import GrownTree
+from .calibration import OnlineRates
 from .drafter import Drafter, JoiningRows, PromptChunk, Proposal, Retired, RowMoves, Verdict
 
 LENGTH_CLASSES = (1, 2, 4)  # calibration groups by match length: n = 1, 2-3, 4 and more
 
 
-class SuffixAcceptance:
+class SuffixAcceptance(OnlineRates):
     """A suffix cell's vote share calibrated online: ``P(cell accepted | the cells before it were)`` by the share's
     bin and the match length's class (:data:`LENGTH_CLASSES`).
 
-    Bin ``(c, b)``'s estimate is ``(accepted + s * centre_b) / (tried + s)``: a Beta prior of strength ``s`` around
-    the bin's centre (the share taken at its word), updated by every suffix cell the target reached (cells after a
-    rejection tell nothing); counts decay by ``memory`` per step.
+    Bin ``(c, b)``'s estimate is an :class:`~.calibration.OnlineRates` cell around the bin's centre (the share taken
+    at its word), updated by every suffix cell the target reached; counts decay by ``memory`` per step.
 
     Args:
         device: where the counts live.
@@ -59,12 +59,9 @@ class SuffixAcceptance:
     """
 
     def __init__(self, device: torch.device, num_bins: int = 10, prior_strength: float = 4.0, memory: float = 0.99):
+        centres = (torch.arange(num_bins, dtype=torch.float32, device=device) + 0.5) / num_bins
+        super().__init__(centres.expand(len(LENGTH_CLASSES), num_bins), prior_strength, memory)
         self.num_bins = num_bins
-        shape = (len(LENGTH_CLASSES), num_bins)
-        self.prior = ((torch.arange(num_bins, dtype=torch.float32, device=device) + 0.5) / num_bins).expand(shape)
-        self.prior_strength, self.memory = prior_strength, memory
-        self.tried = torch.zeros(shape, device=device)
-        self.accepted = torch.zeros(shape, device=device)
         self.bounds = torch.tensor(LENGTH_CLASSES[1:], device=device)
 
     def cells(self, shares: torch.Tensor, ngram: torch.Tensor) -> torch.Tensor:
@@ -76,8 +73,7 @@ class SuffixAcceptance:
 
     def log_probs(self, shares: torch.Tensor, ngram: torch.Tensor) -> torch.Tensor:
         """``(B, K)`` log estimated acceptance."""
-        rates = (self.accepted + self.prior_strength * self.prior) / (self.tried + self.prior_strength)
-        return rates.flatten()[self.cells(shares, ngram)].log()
+        return self.rates().flatten()[self.cells(shares, ngram)].log()
 
     def update(self, shares: torch.Tensor, ngram: torch.Tensor, drafted: torch.Tensor, verify_lengths: torch.Tensor,
                num_accepted: torch.Tensor) -> None:
@@ -85,14 +81,7 @@ class SuffixAcceptance:
         ``(B,)`` cells, verified ``verify_lengths`` and accepted ``num_accepted`` ``(B,)``."""
         cells = torch.arange(shares.shape[1], device=shares.device)[None, :]
         tried = (cells < verify_lengths[:, None]) & (cells <= num_accepted[:, None]) & (cells < drafted[:, None])
-        self.count(shares, ngram, tried, tried & (cells < num_accepted[:, None]))
-
-    def count(self, shares: torch.Tensor, ngram: torch.Tensor, tried: torch.Tensor, accepted: torch.Tensor) -> None:
-        """Count one step: cells (or tree nodes) with vote ``shares`` ``(B, M)`` in rows that matched ``ngram``
-        ``(B,)``, which the target ``tried`` (the cells before were accepted) and ``accepted``, both ``(B, M)``."""
-        index = self.cells(shares, ngram).flatten()
-        self.tried.mul_(self.memory).view(-1).index_add_(0, index, tried.flatten().float())
-        self.accepted.mul_(self.memory).view(-1).index_add_(0, index, accepted.flatten().float())
+        self.count(self.cells(shares, ngram), tried, tried & (cells < num_accepted[:, None]))
 
 
 class SuffixCandidateGenerator(Drafter):
@@ -237,7 +226,7 @@ class SuffixCandidateGenerator(Drafter):
         parents = trees.tree.parents
         reached = torch.where(parents >= 0, on_path.gather(1, parents.clamp(min=0)), True)  # (the root always is)
         tried = trees.selected & reached
-        self.acceptance.count(shares, ngram, tried, tried & on_path)
+        self.acceptance.count(self.acceptance.cells(shares, ngram), tried, tried & on_path)
 
     def join(self, rows: JoiningRows | None = None, chunk: PromptChunk | None = None) -> None:
         """Rows join unpadded (their first real column is 0); their prompts are read from the rows themselves."""

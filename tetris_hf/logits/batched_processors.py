@@ -174,10 +174,8 @@ def _repetition_penalty(processor: RepetitionPenaltyLogitsProcessor) -> BatchedP
 
 
 def _min_length(processor: MinLengthLogitsProcessor) -> BatchedProcessor:
-    def apply(sequences, ends, rows, scores):
-        return suppress_eos_below(ends, processor.min_length, processor.eos_token_id, scores)
-
-    return apply
+    return lambda sequences, ends, rows, scores: suppress_eos_below(ends, processor.min_length,
+                                                                    processor.eos_token_id, scores)
 
 
 def _min_new_tokens(processor: MinNewTokensLengthLogitsProcessor) -> BatchedProcessor:
@@ -201,10 +199,7 @@ def _suppress_at_begin(processor: SuppressTokensAtBeginLogitsProcessor) -> Batch
 
 
 def _no_repeat_ngram(processor: NoRepeatNGramLogitsProcessor) -> BatchedProcessor:
-    def apply(sequences, ends, rows, scores):
-        return ban_repeated_ngrams(sequences, ends, scores, processor.ngram_size)
-
-    return apply
+    return lambda sequences, ends, rows, scores: ban_repeated_ngrams(sequences, ends, scores, processor.ngram_size)
 
 
 def _sequence_bias(processor: SequenceBiasLogitsProcessor) -> BatchedProcessor:

@@ -13,6 +13,7 @@ applies in order, the processors around it batched.
 from __future__ import annotations
 
 import copy
+import itertools
 
 import torch
 from transformers.generation.logits_process import (
@@ -96,14 +97,8 @@ def _runs(logits_processor: LogitsProcessorList) -> list[tuple[str, list[int]]]:
 
     E.g. [repetition penalty, custom, temperature, top-k] -> [(batched, [0]), (per_row, [1]), (flat, [2, 3])].
     """
-    runs: list[tuple[str, list[int]]] = []
-    for index, processor in enumerate(logits_processor):
-        kind = _kind(processor)
-        if runs and runs[-1][0] == kind:
-            runs[-1][1].append(index)
-        else:
-            runs.append((kind, [index]))
-    return runs
+    grouped = itertools.groupby(enumerate(logits_processor), key=lambda item: _kind(item[1]))
+    return [(kind, [index for index, _ in run]) for kind, run in grouped]
 
 
 def _apply_flat(processors: LogitsProcessorList, scores: torch.Tensor) -> torch.Tensor:

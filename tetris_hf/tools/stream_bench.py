@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import statistics
 import time
@@ -332,7 +333,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-python", default=None,
                         help="the python of a venv with vLLM (scripts/setup_vllm.sh); default $TETRIS_HF_VLLM_PYTHON")
     parser.add_argument("--draft", default=None, help="a draft model (default: the shipped one), 'lookup' (prompt "
-                        "lookup) or 'suffix' (suffix drafts: the batch's rows and a cache of finished requests)")
+                        "lookup), 'suffix' (suffix drafts: the batch's rows and a cache of finished requests), or "
+                        "'lookup,suffix' (every stream strategy once with each, named stream-<strategy>-<source>)")
     parser.add_argument("--suffix-seed", default=None, metavar="FILE",
                         help="with --draft suffix: seed every run's cache from FILE, earlier outputs as JSON lines, "
                              "one JSON array of token ids a line (tetris_hf.suffix_cache.SuffixCache.add_file)")
@@ -367,6 +369,7 @@ class StreamBenchConfig:
     prompts_apart: bool = False  # each stream strategy also with ride_prompts=False
     vllm: VLLMSettings | None = None  # where vLLM runs from (systems vllm, vllm-ngram); None: they are not run
     suffix: bool = False  # with ``lookup``: suffix drafts (tetris_suffix_num_tokens) in prompt lookup's place
+    sources: tuple[str, ...] = ()  # ("lookup", "suffix"): every stream strategy once per model-free source
     suffix_seed: str | None = None  # a seed file every run's suffix cache starts from (SuffixCache.add_file)
 
 
@@ -386,14 +389,14 @@ def _gather(run: StreamRun, indices: list[int]) -> StreamRun:
                      [item[1] for item in ordered], [item[2] for item in ordered], occupancy)
 
 
-def speculative_options(target, draft, config: StreamBenchConfig):
+def speculative_options(target, draft, config: StreamBenchConfig, suffix: bool | None = None):
     """A function giving each speculative run its drafting options: the draft model, prompt lookup, both, or suffix
     drafts (each run with a fresh cache of its own, seeded from ``config.suffix_seed`` when given, spanning the run's
-    chunks or stream)."""
+    chunks or stream). ``suffix`` overrides ``config.suffix`` (runs comparing the model-free sources)."""
     lookup = {"prompt_lookup_num_tokens": config.num_assistant_tokens, "max_matching_ngram_size": config.max_ngram}
     model = {"assistant_model": draft, "num_assistant_tokens": config.num_assistant_tokens}
     speculative = lookup if config.lookup else {**model, **lookup} if config.hybrid else model
-    if not config.suffix:
+    if not (config.suffix if suffix is None else suffix):
         return lambda: speculative
     from ..suffix_cache import SuffixCache
 
@@ -464,11 +467,13 @@ def run_stream_bench(target, draft, prompts: list[list[int]], eos: set[int], pad
         for strategy in config.strategies:
             # "plain": the stream with speculation off (its drafter never drafts: tetris_budget=0)
             settings = {"tetris_budget": 0} if strategy == "plain" else {"tetris_strategy": strategy}
-            for ride in (True, False) if config.prompts_apart else (True,):
-                name = f"stream-{strategy}" + ("" if ride else "-apart")
-                plans.append((name, lambda b=batch_size, s=settings, n=name, r=ride: run_stream(
+            sources = config.sources if config.sources and strategy != "plain" else ("",)
+            for ride, source in itertools.product((True, False) if config.prompts_apart else (True,), sources):
+                name = f"stream-{strategy}" + ("" if ride else "-apart") + (f"-{source}" if source else "")
+                options = speculative_options(target, draft, config, source == "suffix") if source else drafts
+                plans.append((name, lambda b=batch_size, s=settings, n=name, r=ride, o=options: run_stream(
                     n, target, mine, config.max_new_tokens, b, eos, pad, tetris_extra_tokens=config.extra_tokens,
-                    ride_prompts=r, **s, **drafts())))
+                    ride_prompts=r, **s, **o())))
         runs: dict[str, list[StreamRun]] = {name: [] for name, _ in plans}
         try:
             for repeat in range(config.repeats):
@@ -542,13 +547,16 @@ def main(args) -> int:
     state = distributed_state(device)
     if state is not None and device.type == "cuda":
         device = state.device  # one GPU per process
-    lookup, suffix = args.draft in ("lookup", "suffix"), args.draft == "suffix"
-    check_suffix_seed(args.suffix_seed, suffix)
+    sources = tuple(args.draft.split(",")) if args.draft and set(args.draft.split(",")) <= {"lookup", "suffix"} else ()
+    lookup, suffix = bool(sources), sources[:1] == ("suffix",)
+    if len(sources) > 1 and len(set(sources)) != len(sources):
+        raise UsageError(f"--draft {args.draft}: name each model-free source once")
+    check_suffix_seed(args.suffix_seed, "suffix" in sources)
     if lookup:
         from .bench import load_lookup_target
 
         target, tokenizer, info = load_lookup_target(args.target, device, None, args.max_ngram)
-        if suffix:
+        if "suffix" in sources:
             info = suffix_target(info, target, args.suffix_seed)
         draft = None
     else:
@@ -582,7 +590,8 @@ def main(args) -> int:
     config = StreamBenchConfig(args.max_new_tokens, tuple(args.max_batch_size), systems,
                                tuple(name for name in args.strategies.split(",") if name), lookup, args.hybrid,
                                args.num_assistant_tokens, args.extra_tokens, args.max_ngram, args.repeats,
-                               args.prompts_apart, vllm=vllm, suffix=suffix, suffix_seed=args.suffix_seed)
+                               args.prompts_apart, vllm=vllm, suffix=suffix, suffix_seed=args.suffix_seed,
+                               sources=sources if len(sources) > 1 else ())
     main_process = state is None or state.is_main_process
     log = (lambda line: print(line, flush=True)) if main_process else (lambda line: None)
     log(f"{len(prompts)} requests ({note}); prompt tokens {min(map(len, prompts))}-{max(map(len, prompts))}, "
