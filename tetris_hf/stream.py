@@ -46,7 +46,7 @@ from .step import JoiningPrompts, StepRecord
 from .stream_requests import RequestLimits, StreamOutput, StreamRequest, check_request
 
 DEFAULT_PREFILL_CHUNK = 256  # prompt tokens a joining row reads per forward
-INITIAL_CACHE_LENGTH = 128  # tokens a row's cache holds at first, plus margins (a static cache's: 256 slots)
+COMPILED_CACHE_LENGTH = 128  # tokens a compiled stream's rows hold at first, plus margins (256 static slots)
 FOLD_EVERY = 64  # steps whose records a stream keeps before adding them to its totals
 TOTALS = ("steps", "drafted_tokens", "verified_tokens", "accepted_tokens", "emitted_tokens", "draft_seconds",
           "verify_seconds", "target_tokens", "selected_tokens", "lookup_drafted_tokens", "lookup_verified_tokens",
@@ -74,9 +74,9 @@ class StreamLoop(HoldsCore):
                  logits_processor: LogitsProcessorList, generation_config, options: TetrisOptions,
                  max_batch_size: int, max_length: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  ride_prompts: bool = True):
-        # the caches start small and grow by doubling as rows need (a row's capacity can be far above typical use; a
-        # compiled step attends over its cache's whole capacity)
-        cache_length = min(max_length, INITIAL_CACHE_LENGTH)
+        # the caches start small and grow by doubling as rows need (a row's capacity can be far above typical use); a
+        # compiled step attends over its cache's whole capacity, so its caches start smaller still
+        cache_length = min(max_length, COMPILED_CACHE_LENGTH if options.tetris_compile else 2 * DEFAULT_PREFILL_CHUNK)
         self.core = LoopCore(model, assistant_model, logits_processor, StoppingCriteriaList(), generation_config,
                              options, max_length, max_rows=max_batch_size, cache_length=cache_length)
         self.batch_size = max_batch_size
