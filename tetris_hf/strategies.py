@@ -128,7 +128,7 @@ class _CostAware:
     smoothing = 0.3
     guard_steps = 2
     guard_confidence = 1.0  # standard errors by which a plan's mean gain a step must fall below 0 for the guard
-    guard_row_spread = 0.5  # the least spread of a row's tokens a step the guard assumes (two steps can agree by chance)
+    guard_row_spread = 0.5  # the least spread of a row's tokens a step, as the guard assumes it (steps agree by chance)
     guard_decay = 0.95  # the weight of a drafting step in the guard's tally falls by this much a newer one (~20 steps)
 
     def __init__(self, options: TetrisOptions, cost: StepCostModel | Callable[[int, int], StepCostModel],
@@ -142,7 +142,7 @@ class _CostAware:
         self._read_steps: list[_ObservedStep] = []  # observed steps read (host counts), not learnt from yet
         self._lookup_only_step = False  # the plan of the step running drafts by prompt lookup alone (hybrid)
         self.guarded = False  # the guard stopped drafting: plain steps until a probe has drafted
-        self._plan_id = 0  # the drafting plan steps are tallied under (a new one at each plan)
+        self._plan_id = 0  # what drafting steps are tallied under (a new one each time drafting restarts)
         self._step_plan_id = -1  # the plan the step being run belongs to (-1: a probe or a plain step)
         self._tally = _GuardTally()
 
@@ -183,9 +183,9 @@ class _CostAware:
             self._learn(step.token_log_probs, step.verify_lengths, step.num_accepted, step.sources())
 
     def _new_plan(self) -> None:
-        """Drafting (re)starts, after plain steps, a probe or the guard: the steps it runs are tallied afresh. A new plan
-        that goes on drafting (the batch changed size, or the plan aged) keeps the tally: in a stream the batch changes
-        size every few steps, and a tally begun afresh at each change would never hold the steps to judge."""
+        """Drafting (re)starts, after plain steps, a probe or the guard: the steps it runs are tallied afresh. A new
+        plan that goes on drafting (the batch changed size, or the plan aged) keeps the tally: in a stream the batch
+        changes size every few steps, and a tally begun afresh at each change would never hold the steps to judge."""
         self._plan_id += 1
         self._tally = _GuardTally()
 
@@ -207,8 +207,8 @@ class _CostAware:
             self.memory.probe_interval = self.probe_interval_start  # drafting paid: probe soon when it stops paying
 
     def _drafting_lost(self) -> bool:
-        """The guard's verdict on the current plan: enough of its steps read, and fewer tokens than plain steps would
-        have emitted, beyond the steps' own spread (see :meth:`_GuardTally.lost`)."""
+        """The guard's verdict on drafting since it restarted: enough steps read, and fewer tokens than plain steps
+        would have emitted, beyond the steps' own spread (see :meth:`_GuardTally.lost`)."""
         return self._tally.lost(self.guard_steps, self.guard_confidence, self.guard_row_spread)
 
     def _flush(self) -> None:
