@@ -88,6 +88,7 @@ class BatchedDraftCandidateGenerator(Drafter):
         max_holes, capacity: see :class:`~tetris_hf.kv.SlotCache`.
         compile: run the draft's fixed-shape step forwards through ``torch.compile`` (``tetris_compile``); refused
             here for a model that cannot be compiled.
+        max_rows: the most rows its cache will hold, where rows join later (a stream's; 0: the prompts').
     """
 
     def __init__(
@@ -99,6 +100,7 @@ class BatchedDraftCandidateGenerator(Drafter):
         max_holes: int = 32,
         capacity: int = 256,
         compile: bool = False,
+        max_rows: int = 0,
     ):
         if compile:
             check_compilable(assistant_model, "draft")
@@ -114,7 +116,7 @@ class BatchedDraftCandidateGenerator(Drafter):
         self.pending_mask: torch.Tensor | None = None  # (B, P)
         self.pending_real = False  # known on the host: every pending token is real (the next forward needs no mask)
         self.pack = False  # read blocks with filler packed: set where the draft model packs exactly (build_drafter)
-        self.max_rows = 0  # the most rows its cache will hold, where rows join later (a stream's; build_drafter)
+        self.max_rows = max_rows
         # stop a chain once every row's draft is less sure than this (tetris_confidence_threshold; build_drafter)
         self.stop_below: float | None = None
         self.pending_count: int | None = None  # real pending tokens, known on the host (None: not known, read padded)

@@ -75,10 +75,9 @@ def build_drafter(assistant_model: torch.nn.Module | None, options: TetrisOption
                          "head call (EagleCall), which SlotCache.step_forward does not pass; use tetris_compile=False")
     drafter_class = EagleCandidateGenerator if eagle else BatchedDraftCandidateGenerator
     drafter = drafter_class(draft_model, logits_processor, do_sample, max_holes=options.tetris_max_holes,
-                            capacity=cache_capacity(draft_model), compile=options.tetris_compile)
+                            capacity=cache_capacity(draft_model), compile=options.tetris_compile, max_rows=max_rows)
     drafter.pack = options.tetris_pack and not options.tetris_compile and packs_exactly(draft_model)
     drafter.stop_below = options.tetris_confidence_threshold
-    drafter.max_rows = max_rows
     if lookup is not None:
         return HybridCandidateGenerator(lookup, drafter), draft_model
     return drafter, draft_model

@@ -39,8 +39,8 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
 
     def __init__(self, head: EagleDraft, logits_processor: PositionwiseLogitsProcessor, do_sample: bool,
                  generator: torch.Generator | None = None, max_holes: int = 32, capacity: int = 256,
-                 compile: bool = False):
-        super().__init__(head, logits_processor, do_sample, generator, max_holes, capacity, compile)
+                 compile: bool = False, max_rows: int = 0):
+        super().__init__(head, logits_processor, do_sample, generator, max_holes, capacity, compile, max_rows)
         self.head = head
         self.pending_features: torch.Tensor | None = None  # (B, P, F) the target's features of the pending block
         self._prompt: tuple[torch.Tensor, torch.Tensor] | None = None  # (input_ids, mask) until the prompt's features
