@@ -344,3 +344,36 @@ def test_repacking_changes_nothing_a_real_model_computes():
         fresh = [model(torch.tensor([text])).logits[0, -1] for text in ([5, 6, 11, 15], [7, 8, 9, 10, 16])]
     torch.testing.assert_close(repacked, with_holes, atol=1e-5, rtol=0)
     torch.testing.assert_close(repacked[:, -1], torch.stack(fresh), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("layout, unmasked", [
+    (FULL_SDPA, True),  # plain causality: sdpa's own (a mask would make transformers expand every key-value head)
+    (AttentionLayout({SLIDING: 3}, False, "sdpa", True), False),
+    (AttentionLayout({FULL: None, SLIDING: 3}, True, "sdpa", True), False),
+    (AttentionLayout({FULL: None}, False, "eager", True), False),
+], ids=["sdpa", "window", "hybrid", "eager"])
+def test_only_a_first_block_of_real_tokens_on_plain_sdpa_goes_without_a_mask(layout, unmasked):
+    model, slots = RecordingModel(), new_cache(2, layout=layout, capacity=16)
+    slots.forward(model, torch.tensor([[A, B, C], [C, D, E]]), None)
+    assert (model.calls[-1]["attention_mask"] is None) == unmasked
+    slots.forward(model, torch.tensor([[X], [E]]), None)  # a later block: the cached slots need a mask
+    assert model.calls[-1]["attention_mask"] is not None
+    padded, slots = RecordingModel(), new_cache(2, layout=layout, capacity=16)
+    feed(slots, padded, [[PAD, A, B], [C, D, E]], [[0, 1, 1], [1, 1, 1]])
+    assert padded.calls[-1]["attention_mask"] is not None
+    counted, slots = RecordingModel(), new_cache(2, layout=layout, capacity=16)  # a mask of ones, its sum counted
+    slots.forward(counted, torch.tensor([[A, B], [C, D]]), torch.ones(2, 2, dtype=torch.long), num_real=4)
+    assert (counted.calls[-1]["attention_mask"] is None) == unmasked
+
+
+def test_a_first_block_read_without_a_mask_computes_what_the_model_alone_does():
+    model = tiny_llama(32, num_layers=2, seed=5, hidden_size=16)
+    prompts = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]])
+    with torch.no_grad():
+        slots = SlotCache(2, torch.device("cpu"), capacity=16)
+        first = slots.forward(model, prompts, None)
+        assert slots.layout.plain_sdpa
+        after = slots.forward(model, torch.tensor([[11], [12]]), None)
+        alone = model(torch.cat([prompts, torch.tensor([[11], [12]])], dim=1)).logits
+    torch.testing.assert_close(first, alone[:, :4], atol=1e-5, rtol=0)
+    torch.testing.assert_close(after[:, -1], alone[:, -1], atol=1e-5, rtol=0)

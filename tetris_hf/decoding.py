@@ -69,7 +69,7 @@ class BatchedSpeculativeLoop(HoldsCore):
         self.streamer = streamer
         self.step_callback = options.tetris_step_callback
         self.input_ids = input_ids
-        self.prompt_mask = attention_mask
+        self.prompt_mask = None if self.core.prompts_all_real else attention_mask  # (None: every token real)
         self.prompt_read = False  # the first step reads the prompt and emits the first token, as generate() does
         self.outputs = self.core.batch.sequences.clone()  # finished rows, by original index
         self.output_lengths = self.core.batch.lengths.clone()

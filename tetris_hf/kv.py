@@ -324,8 +324,9 @@ class SlotCache:
             packing = self._packing(input_mask, real_lengths, num_real, block, logits_to_keep, first_row, split)
             if split is not None and packing is None and num_real != input_ids.numel():  # (no filler: read whole)
                 raise ValueError("a split block is read packed: real_lengths and num_real, on a cache that packs")
-            attention_mask = self._attention_mask(position_ids, start, end, model.dtype, input_mask is None,
-                                                  input_mask is None and real_lengths is None, visibility)
+            all_real = input_mask is None and real_lengths is None or num_real == input_ids.numel()
+            attention_mask = self._attention_mask(position_ids, start, end, model.dtype, input_mask is None or all_real,
+                                                  all_real, visibility)
             # (compiled, on the shapes as they come, for models that take the 2D mask; never the first forward)
             run = self._step_forward if step and self._step_forward is not None and self.cache.layers else model
             logits, features = self._eager_forward(run, input_ids, attention_mask, position_ids, packing,
@@ -407,6 +408,8 @@ class SlotCache:
             return position_masks(layout, self.slot_positions[:, :end], real[:, :end], position_ids, dtype, visibility)
         if not layout.prepared:  # causality by slot index is causality by position: the 2D mask of real slots
             return real[:, :end].long()
+        if layout.plain_sdpa and all_real and start == 0:  # a first block, no filler: plain causality, which sdpa
+            return None  # runs itself (given a mask, transformers expands every key-value head and sdpa runs slower)
         if layout.plain_sdpa and all_real and end - start == 1:  # one real token after every cached one: the real slots
             return real[:, None, None, :end]
         if layout.plain_sdpa and real_prefix:  # the real cached slots, then causality within the block

@@ -90,9 +90,11 @@ class LoopCore:
         if input_ids is None:
             empty = torch.zeros(0, 1, dtype=torch.long, device=device)
             self.drafter.prefill(empty, empty, all_real=True)
+            self.prompts_all_real = True
             self.batch = Batch.empty(self.sequence_capacity, self.pad_value, self.max_length, device)
         else:  # (lazy: a draft model reads the prompts when it first drafts)
-            self.drafter.prefill(input_ids, attention_mask, all_real=bool(attention_mask.all()))
+            self.prompts_all_real = bool(attention_mask.all())  # (a read once a call: unpadded prompts read unmasked)
+            self.drafter.prefill(input_ids, attention_mask, all_real=self.prompts_all_real)
             self.batch = Batch.of_prompts(input_ids, self.sequence_capacity, self.pad_value, self.max_length)
         if options.tetris_compile:
             check_compilable(model, "target")
