@@ -246,3 +246,43 @@ def test_no_module_of_the_package_puts_a_hook_on_a_model():
     hooked = [str(path.relative_to(package)) for path in package.rglob("*.py")
               if "register_forward_hook" in path.read_text() or "register_forward_pre_hook" in path.read_text()]
     assert hooked == []
+
+
+@pytest.mark.parametrize("family, own_block", [("llama", True), ("mistral_window", False)])
+def test_joining_prompts_attend_to_their_own_block_causally_and_read_as_the_model_alone(family, own_block, monkeypatch):
+    """Rows that just joined read their prompts (real tokens first, nothing real before them in their rows): on a plain
+    sdpa layout they attend causally to their own block's slots, unmasked, not over the whole cache under a mask; a
+    windowed model keeps its mask. Either way each prompt's last logits and its cached keys are the model's alone."""
+    from tetris_hf.kv import SlotCache
+    from tetris_hf.packing import BlockSplit
+
+    model_type, overrides = {**FULL_ATTENTION, **SLIDING_WINDOW}[family]
+    model = tiny(model_type, 2, seed=7, overrides=overrides)
+    history = torch.randint(4, 60, (2, 9))
+    joining = [[21, 22, 23, 24, 25], [31, 32, 33]]
+    block = torch.tensor([[7, PAD, PAD, PAD, PAD], [9, PAD, PAD, PAD, PAD], joining[0], joining[1] + [PAD, PAD]])
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, value, attn_mask=None, **kwargs):
+        calls.append((query.shape[0], key.shape[-2], attn_mask is None, kwargs.get("is_causal", False)))
+        return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    cache = SlotCache(2, torch.device("cpu"), capacity=64)
+    cache.pack = True
+    with torch.no_grad():
+        cache.forward(model, history, None)
+        cache.add_rows(2)
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+        logits = cache.forward(model, block, None, real_lengths=torch.tensor([1, 1, 5, 3]), num_real=10,
+                               split=BlockSplit(2, 1, 2))
+        monkeypatch.undo()
+        alone = [model(torch.tensor([prompt])).logits[0, -1] for prompt in joining]
+    for row, expected in zip((2, 3), alone):
+        torch.testing.assert_close(logits[row, 0], expected, atol=1e-5, rtol=0)
+    # per layer: the decoding rows' group (1 query each, over the whole cache, masked), then the joining rows'
+    decoding, joining_rows = calls[0::2], calls[1::2]
+    assert len(joining_rows) == 2 and all(call[1:3] == (9 + 5, False) for call in decoding)
+    expected = (5, True, True) if own_block else (9 + 5, False, False)
+    assert all(call[1:] == expected for call in joining_rows), joining_rows
+    assert cache.new_from is None  # the rows hold their prompts now: a later block attends under the mask

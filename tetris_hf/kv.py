@@ -228,6 +228,7 @@ class SlotCache:
         self.max_rows = batch_size  # rows the buffers are allocated for (a stream raises it before the first forward)
         self.capacity = max(int(capacity), 1)
         self.pointer = 0  # slots written per row, holes included (host-side: no device read needed)
+        self.new_from = None  # rows from this one on joined since the last forward: nothing real in them yet
         self.static = False  # see step_forward
         self.write_index: torch.Tensor | None = None  # (L,) the slots a static-shape forward writes, during it
         self.pack = False  # read blocks with filler packed (see packs); set by whoever checked the model can be
@@ -332,6 +333,7 @@ class SlotCache:
             logits, features = self._eager_forward(run, input_ids, attention_mask, position_ids, packing,
                                                    logits_to_keep, discard_logits, split, extra)
         self.pointer, self.next_positions, self.longest_bound = end, next_positions, self.longest_bound + block
+        self.new_from = None  # (every row may now hold real tokens)
         logits = None if discard_logits else logits
         return logits if hidden_states is None else (logits, features)
 
@@ -454,7 +456,8 @@ class SlotCache:
         if not 0 < num_real < rows * width:
             return None
         if real_lengths is not None:  # a verified block (or joining prompts): real tokens first
-            return Packing.of(real_lengths, num_real, width, first_row=first_row, split=split)
+            new_from = self.new_from if self.layout.plain_sdpa else None
+            return Packing.of(real_lengths, num_real, width, first_row=first_row, split=split, new_from=new_from)
         return Packing.of_left_padded(input_mask, num_real)
 
     def _eager_forward(self, forward, input_ids: torch.Tensor, attention_mask, position_ids: torch.Tensor,
@@ -611,6 +614,7 @@ class SlotCache:
             ``(num_rows,)`` each remaining row's former index.
         """
         rows = rows_after_fill(targets, sources, num_rows)
+        self.new_from = None  # (rows move: which are new is no longer known)
         self.slot_mask, self.slot_positions = self.slot_mask[rows], self.slot_positions[rows]
         self.next_positions = self.next_positions[rows]
         self.first_rows = self.first_rows[rows]
@@ -628,6 +632,8 @@ class SlotCache:
             return
         if self.cross is not None:
             raise RuntimeError("an encoder-decoder's cache cannot take rows mid-call (their encoder outputs are not here)")
+        if self.new_from is None:
+            self.new_from = self.slot_mask.shape[0]
         self.first_rows = torch.nn.functional.pad(self.first_rows, (0, count), value=-1)
         extra = (0, 0, 0, count)
         self.slot_mask = torch.nn.functional.pad(self.slot_mask, extra)

@@ -56,7 +56,9 @@ class Packing(NamedTuple):
     each, in row order; ``ends``: ``(B,)`` the index after each row's last packed token; ``first_row``: rows before
     it hold no token (known on the host: a request stream's rows already decoding, while joining prompts are read),
     so attention runs on the rows from it on only; ``split``: the block's rows in two groups (:class:`BlockSplit`),
-    or ``None``."""
+    or ``None``; ``new_from``: the rows from it on hold nothing real before the block, whose real tokens come first
+    in every row (rows that just joined, reading their prompts), so a group of them attends causally among its own
+    block only, with no mask (plain sdpa layouts; ``None``: no such rows)."""
 
     rows: torch.Tensor
     columns: torch.Tensor
@@ -65,19 +67,22 @@ class Packing(NamedTuple):
     ends: torch.Tensor
     first_row: int = 0
     split: BlockSplit | None = None
+    new_from: int | None = None
 
     @classmethod
     def of(cls, real_lengths: torch.Tensor, num_tokens: int, width: int,
-           first_columns: torch.Tensor | None = None, first_row: int = 0, split: BlockSplit | None = None) -> Packing:
+           first_columns: torch.Tensor | None = None, first_row: int = 0, split: BlockSplit | None = None,
+           new_from: int | None = None) -> Packing:
         """The packing of a block whose row ``i`` has ``real_lengths[i]`` ``(B,)`` consecutive real tokens, its first
         ones (a verified block) or from column ``first_columns[i]`` ``(B,)`` on; ``num_tokens``: their sum, known on
         the host (no device read here); ``width``: ``L``; ``first_row``: no row before it has a real token;
-        ``split``: its rows in two groups."""
+        ``split``: its rows in two groups; ``new_from``: see :class:`Packing` (real tokens first only)."""
         ends = real_lengths.cumsum(dim=0)
         tokens = torch.arange(num_tokens, device=real_lengths.device)
         rows = torch.searchsorted(ends, tokens, right=True)
         starts = ends - real_lengths if first_columns is None else ends - real_lengths - first_columns
-        return cls(rows, tokens - starts[rows], real_lengths.shape[0], width, ends, first_row, split)
+        new_from = new_from if first_columns is None else None
+        return cls(rows, tokens - starts[rows], real_lengths.shape[0], width, ends, first_row, split, new_from)
 
     @classmethod
     def of_left_padded(cls, input_mask: torch.Tensor, num_tokens: int) -> Packing:
@@ -153,6 +158,14 @@ def packed_attention(attention, module: torch.nn.Module, query: torch.Tensor, ke
         rows, columns = packing.rows[first_token:end_token] - first, packing.columns[first_token:end_token]
         queries = query.new_zeros(end - first, query.shape[1], width, query.shape[-1])
         queries[rows, :, columns] = query[0, :, first_token:end_token].transpose(0, 1)
+        if packing.new_from is not None and first >= packing.new_from and not isinstance(attention_mask, dict):
+            # rows that just joined: each token sees its own row's block up to itself, which causality alone says
+            # (filler comes after the real tokens, seen by filler only): the block's slots, not the whole cache
+            start = key.shape[-2] - packing.width
+            keys, values = key[first:end, :, start : start + width], value[first:end, :, start : start + width]
+            output, weights = attention(module, queries, keys, values, None, **{**kwargs, "is_causal": True})
+            outputs.append(output[rows, columns])
+            continue
         mask = attention_mask
         if isinstance(mask, torch.Tensor):  # (B or 1, 1, L, S)
             mask = mask[first:end] if mask.shape[0] > 1 else mask
