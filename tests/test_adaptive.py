@@ -357,3 +357,50 @@ def test_the_guard_judges_drafting_across_a_batch_that_changes_size_every_step()
 def test_the_guard_leaves_a_plan_that_pays_alone():
     strategy = sure_strategy(learn_costs=False)
     assert drive(strategy, 40, accepted=lambda k: k) == [4] * 40 and not strategy.guarded
+
+
+def test_the_guards_verdict_carries_to_the_next_call_on_the_pair():
+    """A call whose guard stopped drafting leaves the pair guarded: the next call (a new strategy on the same memory)
+    decodes plainly until a probe drafts, instead of drafting again on the plan the guard just dropped."""
+    first = sure_strategy(learn_costs=False)
+    assert drive(first, 4, accepted=lambda k: 0) == [4, 4, 4, 0] and first.guarded
+    following = AdaptiveBudget(TetrisOptions(tetris_strategy="adaptive", num_assistant_tokens=4, tetris_extra_tokens=0),
+                               first.cost, memory=first.memory)
+    drafted = drive(following, 40, accepted=lambda k: 0)
+    probe = drafted.index(1)
+    assert probe > 0 and all(k == 0 for k in drafted[:probe])  # plain until the probe, which lifts the guard
+    fresh = sure_strategy(learn_costs=False)  # (a pair with no verdict drafts at once)
+    assert drive(fresh, 1, accepted=lambda k: 0) == [4]
+
+
+def test_two_lucky_steps_of_a_losing_plan_do_not_restart_the_probe_schedule():
+    """The probe interval starts again only once drafting paid beyond a standard error, as sure as the guard must be
+    that it lost: two steps that happen to emit plain's tokens are not proof."""
+    strategy = sure_strategy(learn_costs=False)
+    strategy.memory.probe_interval = 64
+    ratio = strategy._open_step(4).step_seconds(4, 4, 4, 16) / strategy.cost.step_seconds(4, 0, 0, 0)
+    assert 4 * 1 < 4 * ratio < 4 * 2  # plain steps would emit between 1 and 2 tokens a row in a drafting step's time
+    accepted = iter([1, 0])  # a step above plain's tokens, one below: together just above, within their spread
+    drive(strategy, 3, accepted=lambda k: next(accepted, 0))
+    assert strategy.memory.probe_interval == 64
+    winning = sure_strategy(learn_costs=False)
+    winning.memory.probe_interval = 64
+    drive(winning, 12, accepted=lambda k: k)  # every draft accepted: it pays, step after step
+    assert winning.memory.probe_interval == winning.probe_interval_start
+
+
+def test_the_guard_prices_plain_steps_as_measured_where_it_learns_from_time():
+    """A cost model whose plain step is 3x too dear (its scale fitted on drafting steps) would call a losing plan a
+    win; where the strategy learns from step times, the guard prices a plain step as the plain steps it read took."""
+    strategy = sure_strategy(learn_costs=True)
+    strategy._open_step(4)
+    strategy.guarded = True  # plain steps first, measured at 10 ms
+    plain = StepSeconds(draft=0.0, verify=0.010, other=0.0)
+    drive(strategy, 3, accepted=lambda k: 0, seconds=plain)
+    strategy._flush()  # (steps are read lazily, with the next read the loop makes)
+    assert strategy._plain_seconds[4] == pytest.approx(0.010)
+    strategy.guarded = False
+    strategy._planned = None
+    strategy.cost.target_scale = 3.0  # the model now prices a plain step at about 3x what it took
+    drafted = drive(strategy, 12, accepted=lambda k: 1, seconds=StepSeconds(draft=0.004, verify=0.026, other=0.0))
+    assert strategy.guarded and drafted[-1] == 0  # 2 tokens a row in 30 ms against 1 in 10 ms: drafting lost

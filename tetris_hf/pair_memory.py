@@ -22,7 +22,8 @@ class PairMemory:
 
     ``calibrator``: acceptance by draft probability; ``pool``: ``(P, W)`` log q of recently drafted rows, newest
     first; ``dsd_acceptance``: DSD's running acceptance rate; ``plain_streak`` and ``probe_interval``: the probe
-    schedule (so that a pair known not to pay is probed ever more rarely, call after call).
+    schedule (so that a pair known not to pay is probed ever more rarely, call after call); ``guarded``: the guard's
+    last verdict stands (the next call decodes plainly until a probe drafts).
     """
 
     calibrator: AcceptanceCalibrator = field(default_factory=AcceptanceCalibrator)
@@ -31,6 +32,7 @@ class PairMemory:
     dsd_acceptance: float | None = None
     plain_streak: int = 0
     probe_interval: int = 8
+    guarded: bool = False  # the realized-rate guard stopped drafting and no probe has drafted since
 
 
 # draft -> target -> {hybrid: PairMemory}
@@ -92,7 +94,7 @@ def save_pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module | 
                        "accepted": calibrator.accepted, "rejected": calibrator.rejected,
                        "memory": calibrator.memory},
         "pool": memory.pool, "pool_sources": memory.pool_sources, "dsd_acceptance": memory.dsd_acceptance,
-        "plain_streak": memory.plain_streak, "probe_interval": memory.probe_interval,
+        "plain_streak": memory.plain_streak, "probe_interval": memory.probe_interval, "guarded": memory.guarded,
     }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -125,7 +127,7 @@ def load_pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module | 
     calibrator.prior_accepted, calibrator.prior_rejected = saved["prior_accepted"], saved["prior_rejected"]
     calibrator.accepted, calibrator.rejected = saved["accepted"], saved["rejected"]
     memory = PairMemory(calibrator, state["pool"], state["pool_sources"], state["dsd_acceptance"],
-                        state["plain_streak"], state["probe_interval"])
+                        state["plain_streak"], state["probe_interval"], bool(state.get("guarded", False)))
     draft_key = _PROMPT_LOOKUP if assistant_model is None else assistant_model
     _PAIR_MEMORY.setdefault(draft_key, weakref.WeakKeyDictionary()).setdefault(model, {})[hybrid] = memory
     return memory

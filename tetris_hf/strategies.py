@@ -108,8 +108,8 @@ class _CostAware:
     decodes plainly until a probe has drafted (:attr:`guarded`), however well the model of acceptance and cost
     predicted drafting would do: what was realized outranks what was predicted. This bounds what a wrong prior or a
     lucky probe costs to the few steps before the guard reads them, and each time the guard stops a plan the probe
-    interval doubles (it starts again only once the guard has seen a plan's drafting pay), so a model that keeps
-    predicting wrongly costs fewer and fewer steps.
+    interval doubles (it starts again only once the guard has seen drafting pay beyond a standard error), so a model
+    that keeps predicting wrongly costs fewer and fewer steps.
 
     Probing: a strategy that decodes plainly learns nothing about acceptance, so while it decodes plainly every
     ``probe_interval``-th step drafts one token per row and verifies them all. The interval starts at 8 steps, or
@@ -141,10 +141,20 @@ class _CostAware:
         self._pending: list[_ObservedStep] = []  # observed steps not read yet (their counts still on the device)
         self._read_steps: list[_ObservedStep] = []  # observed steps read (host counts), not learnt from yet
         self._lookup_only_step = False  # the plan of the step running drafts by prompt lookup alone (hybrid)
-        self.guarded = False  # the guard stopped drafting: plain steps until a probe has drafted
         self._plan_id = 0  # what drafting steps are tallied under (a new one each time drafting restarts)
         self._step_plan_id = -1  # the plan the step being run belongs to (-1: a probe or a plain step)
         self._tally = _GuardTally()
+        self._plain_seconds: dict[int, float] = {}  # rows -> a plain step's measured seconds (smoothed), the guard's price
+
+    @property
+    def guarded(self) -> bool:
+        """The guard stopped drafting: plain steps until a probe has drafted. Kept in the pair's memory, so that the
+        next call on the pair starts where this one left off, not drafting on the plan the guard just dropped."""
+        return self.memory.guarded
+
+    @guarded.setter
+    def guarded(self, value: bool) -> None:
+        self.memory.guarded = value
 
     def observe(self, token_log_probs: torch.Tensor | None, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
                 seconds: StepSeconds | None = None, num_drafted: int | None = None,
@@ -179,6 +189,7 @@ class _CostAware:
             # (a step that drafted by lookup alone ran no draft forward: nothing to correct the draft's cost by)
             self._correct_costs(step.verify_lengths.numel(), 0 if step.lookup_only else step.num_drafted,
                                 _longest(step.verify_lengths), int(step.verify_lengths.sum()), step.seconds)
+            self._time_plain_step(step)
             self._count_for_guard(step)
             self._learn(step.token_log_probs, step.verify_lengths, step.num_accepted, step.sources())
 
@@ -188,6 +199,16 @@ class _CostAware:
         changes size every few steps, and a tally begun afresh at each change would never hold the steps to judge."""
         self._plan_id += 1
         self._tally = _GuardTally()
+
+    def _time_plain_step(self, step: _ObservedStep) -> None:
+        """Smooth a read plain step's measured seconds into the guard's price of a plain step at its rows (a step that
+        also read joining prompts is slower: a sample is taken at most 1.5 times the price so far)."""
+        rows = step.verify_lengths.numel()
+        if not self.learn_costs or step.seconds is None or step.num_drafted or rows == 0:
+            return
+        seconds, old = sum(step.seconds), self._plain_seconds.get(rows)
+        if seconds > 0:
+            self._plain_seconds[rows] = seconds if old is None else self._smooth(old, min(seconds, 1.5 * old))
 
     def _count_for_guard(self, step: _ObservedStep) -> None:
         """Add one read step of the current drafting plan to the guard's tally: its tokens, and the tokens plain steps
@@ -200,10 +221,13 @@ class _CostAware:
         if seconds <= 0:  # (not learning from time, or not measured yet: the model's price of the step as it ran)
             seconds = cost.step_seconds(rows, 0 if step.lookup_only else step.num_drafted,
                                         _longest(step.verify_lengths), total_verified)
-        plain = cost.step_seconds(rows, 0, 0, 0)
+        # a plain step's price: as measured at these rows where the strategy learns from step times (a cost model whose
+        # shape is off but whose scale was fitted on drafting steps misprices plain ones), else the model's
+        plain = self._plain_seconds.get(rows) if self.learn_costs else None
+        plain = plain if plain is not None else cost.step_seconds(rows, 0, 0, 0)
         tally = self._tally = self._tally.add(float(step.num_accepted.sum()) + rows,
                                               rows * seconds / plain if plain > 0 else 0.0, rows, self.guard_decay)
-        if tally.steps == self.guard_steps and tally.tokens >= tally.plain_tokens:
+        if tally.won(self.guard_steps, self.guard_confidence, self.guard_row_spread):
             self.memory.probe_interval = self.probe_interval_start  # drafting paid: probe soon when it stops paying
 
     def _drafting_lost(self) -> bool:
@@ -317,13 +341,25 @@ class _GuardTally(NamedTuple):
         ``row_spread ** 2`` a row: accepted runs come in bursts (a copied span, then none), so two steps that happen to
         agree must not read as certain, while drafting whose every step loses clearly still stops after
         ``min_steps``."""
+        bounds = self._gain_bounds(min_steps, confidence, row_spread)
+        return bounds is not None and bounds[1] < 0
+
+    def won(self, min_steps: int, confidence: float, row_spread: float) -> bool:
+        """Whether drafting paid, as sure as :meth:`lost` must be of the opposite: the mean gain a step above 0 by
+        more than ``confidence`` standard errors (two lucky steps of a plan that loses are not proof that it pays)."""
+        bounds = self._gain_bounds(min_steps, confidence, row_spread)
+        return bounds is not None and bounds[0] > 0
+
+    def _gain_bounds(self, min_steps: int, confidence: float, row_spread: float) -> tuple[float, float] | None:
+        """``(mean - confidence x standard error, mean + confidence x standard error)`` of the gain a step, or
+        ``None`` before ``min_steps`` steps."""
         n = self.weight
         if self.steps < min_steps or n <= 0:
-            return False
+            return None
         mean = (self.tokens - self.plain_tokens) / n
         spread = (self.square_gain / n - mean * mean) * n / max(n - 1, 1e-9) if n > 1 else 0.0
-        variance = max(spread, row_spread ** 2 * self.rows / n)
-        return mean + confidence * math.sqrt(variance / n) < 0
+        error = confidence * math.sqrt(max(spread, row_spread ** 2 * self.rows / n) / n)
+        return mean - error, mean + error
 
 
 def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
