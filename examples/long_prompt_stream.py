@@ -28,8 +28,7 @@ def main() -> None:
     args = parser.parse_args()
     target, tokenizer = load_target(None)
     texts, _ = prompt_texts(load_prompt_set("sharegpt"), args.num_prompts, tokenizer, 2048)
-    prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                  return_dict=True)["input_ids"]) for text in texts]
+    prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]  # (chats rendered already)
     eos = {tokenizer.eos_token_id}
     print(f"{len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, the longest {max(map(len, prompts))}")
 

@@ -15,6 +15,7 @@ import time
 import torch
 
 import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
+from tetris_hf.tools.bench import encode
 from tetris_hf.tools.cli import load_pair, load_prompt_set, prompt_texts
 
 
@@ -32,10 +33,7 @@ def main() -> None:
     num_batches = args.batches or (4 if batch_size == 1 else 2)
     texts, _ = prompt_texts(load_prompt_set(args.prompts), num_batches * batch_size, tokenizer, 512)
     tokenizer.padding_side = "left"
-    chats = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                           tokenize=False) for text in texts]
-    batches = [tokenizer(chats[i : i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
-               for i in range(0, len(chats), batch_size)]
+    batches = [encode(tokenizer, texts[i : i + batch_size], target.device) for i in range(0, len(texts), batch_size)]
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     loop = dict(assistant_model=draft, custom_generate="tetris", **common)
     systems = {

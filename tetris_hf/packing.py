@@ -158,7 +158,7 @@ def packed_attention(attention, module: torch.nn.Module, query: torch.Tensor, ke
         rows, columns = packing.rows[first_token:end_token] - first, packing.columns[first_token:end_token]
         queries = query.new_zeros(end - first, query.shape[1], width, query.shape[-1])
         queries[rows, :, columns] = query[0, :, first_token:end_token].transpose(0, 1)
-        if packing.new_from is not None and first >= packing.new_from and not isinstance(attention_mask, dict):
+        if packing.new_from is not None and first >= packing.new_from:  # (set on plain sdpa layouts only)
             # rows that just joined: each token sees its own row's block up to itself, which causality alone says
             # (filler comes after the real tokens, seen by filler only): the block's slots, not the whole cache
             start = key.shape[-2] - packing.width
