@@ -55,3 +55,19 @@ def test_a_cost_profile_measured_on_one_kernel_is_not_read_for_the_other():
     assert profile_key(target, draft) != before[0] and profile_key(target, None) != before[1]
     restore_linears(target)
     assert (profile_key(target, draft), profile_key(target, None)) == before
+
+
+def test_the_reordered_weight_follows_the_weight_when_it_changes():
+    layer = torch.nn.Linear(8, 6)
+    use_onednn_linears(layer)
+    rows = torch.randn(3, 8)
+    with torch.no_grad():
+        first = layer(rows)
+        layer.weight.mul_(2)  # in place: a new version of the same storage
+        torch.testing.assert_close(layer(rows), torch.nn.functional.linear(rows, layer.weight, layer.bias))
+        layer.load_state_dict({"weight": torch.randn(6, 8), "bias": torch.zeros(6)})
+        torch.testing.assert_close(layer(rows), rows @ layer.weight.T)
+        torch.testing.assert_close(layer(rows[:1]), rows[:1] @ layer.weight.T)  # one row: F.linear
+    assert not torch.allclose(first, layer(rows).detach())
+    restore_linears(layer)
+    assert "_onednn_packed" not in layer.__dict__
