@@ -10,8 +10,9 @@ padding stretch, and a prepared mask also spares it a device read per forward. M
 causality by slot index, which is the order of positions within a row), as do attention implementations other than
 sdpa and eager (which then cannot serve a sliding window, nor a draft tree's ancestor mask: :func:`check_tree_layout`).
 
-A static step (``tetris_compile=True``) runs :func:`grouped_sdpa_attention` on sdpa models (through the loop's
-attention function, :mod:`tetris_hf.packing`): each key-value head read in place by its group of query heads.
+A static step (``tetris_compile=True``), and every masked block of several queries on the CPU, runs
+:func:`grouped_sdpa_attention` on sdpa models (through the loop's attention function, :mod:`tetris_hf.packing`): each
+key-value head read in place by its group of query heads.
 """
 
 from __future__ import annotations
@@ -173,13 +174,16 @@ def grouped_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: to
                            attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                            is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' sdpa attention, but a key-value head is read in place by its group of query heads
-    (``enable_gqa``). transformers does that only without a mask; with one it expands the keys and values to every
-    query head first, which over a static cache's whole capacity is most of a compiled CPU step's generated work
-    (docs/gpu.md). ``query`` ``(B, H, L, D)``, ``key``/``value`` ``(B, H_kv, W, D)``; returns ``(B, L, H, D)``."""
+    (``enable_gqa``). transformers does that only without a mask (or for one query, outside a compiled graph); with one
+    it expands the keys and values to every query head first: over a static cache's whole capacity that is most of a
+    compiled CPU step's generated work (docs/gpu.md), and on the CPU a copy of the cache a layer for every verified
+    block (the loop's attention, :func:`tetris_hf.packing.loop_attention_forward`). ``query`` ``(B, H, L, D)``, ``key``/``value`` ``(B, H_kv, W, D)``; returns ``(B, L, H, D)``."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     unusual = any(kwargs.get(name) is not None for name in ("softcap", "position_bias", "s_aux", "sinks"))
-    if getattr(module, "num_key_value_groups", 1) == 1 or unusual or attention_mask is None:
+    # (one query outside a compiled graph: transformers folds the query heads onto the key-value heads, no copy)
+    single = query.shape[2] == 1 and not torch.compiler.is_compiling()
+    if getattr(module, "num_key_value_groups", 1) == 1 or unusual or attention_mask is None or single:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     if attention_mask.dim() == 4:
