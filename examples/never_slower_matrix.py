@@ -51,9 +51,9 @@ def cells() -> list[tuple[str, list[str]]]:
                                                         "--num-assistant-tokens", "2", "--extra-tokens", "2",
                                                         *flag, *common]))
     out.append(("stream-sharegpt-128", ["stream-bench", "--prompts", "sharegpt", "--num-prompts", "128",
-                                        "--max-batch-size", "16", "--max-new-tokens", "32", "--max-prompt-tokens", "512", "--strategies",
-                                        "plain,adaptive", "--systems", "hf-generate-batch,generate-chunks",
-                                        "--repeats", "3"]))
+                                        "--max-batch-size", "16", "--max-new-tokens", "32", "--max-prompt-tokens",
+                                        "512", "--strategies", "plain,adaptive", "--systems",
+                                        "hf-generate-batch,generate-chunks", "--repeats", "3"]))
     return out
 
 

@@ -1,12 +1,14 @@
 """The same systems with MKL's and with oneDNN's linear kernels, side by side in one process.
 
     python examples/onednn_linears.py --prompts humaneval-edit --num-prompts 16 --max-new-tokens 64 --repeats 3
+    python examples/onednn_linears.py --kernels mkl,onednn-unpacked,onednn     # oneDNN on the weight as it is, too
 
 Runs static ``generate()`` in chunks and the request stream (prompt lookup, ``adaptive`` and plain, by default) on
 the offline target, each repeat once with the target's ``nn.Linear`` layers as they are (MKL's ``sgemm``) and once
 switched to oneDNN (:func:`tetris_hf.cpu_kernels.use_onednn_linears`), interleaved, and prints tokens per second,
 each system's ratio oneDNN / MKL, and whether the two kernels' outputs agree (greedy; fp32 results differ in the last
-bits, so a near-tie may flip a token: the count says how often).
+bits, so a near-tie may flip a token: the count says how often). ``onednn-unpacked`` multiplies with oneDNN on the
+weight as it is, not on :class:`~tetris_hf.cpu_kernels.OneDNNLinear`'s reordered copy: what the reorder gains.
 """
 
 from __future__ import annotations
@@ -16,10 +18,36 @@ import statistics
 
 import torch
 
-from tetris_hf.cpu_kernels import restore_linears, use_onednn_linears
+from tetris_hf.cpu_kernels import OneDNNLinear, restore_linears, use_onednn_linears
 from tetris_hf.tools.bench import load_lookup_target
 from tetris_hf.tools.cli import load_prompt_set, prompt_texts
 from tetris_hf.tools.stream_bench import run_chunks, run_stream
+
+
+class UnpackedOneDNNLinear(OneDNNLinear):
+    """oneDNN's kernel on the weight as it is (every call), one row included."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(input, self.weight, self.bias, "none", [], "")
+
+
+def switch(model: torch.nn.Module, kernel: str) -> int:
+    """Switch ``model``'s linear layers to ``kernel`` (``"mkl"``: as they are); returns how many were switched."""
+    if kernel == "mkl":
+        return 0
+    switched = use_onednn_linears(model)
+    if kernel == "onednn-unpacked":
+        for module in model.modules():
+            if type(module) is OneDNNLinear:
+                module.__class__ = UnpackedOneDNNLinear
+    return switched
+
+
+def unswitch(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if type(module) is UnpackedOneDNNLinear:
+            module.__class__ = OneDNNLinear
+    restore_linears(model)
 
 
 def main() -> None:
@@ -31,6 +59,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--systems", default="static,stream-plain,stream-lookup,stream-adaptive")
+    parser.add_argument("--kernels", default="mkl,onednn", help="comma list of mkl, onednn-unpacked, onednn")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, tokenizer, info = load_lookup_target(None, torch.device("cpu"), None, 3)
@@ -52,27 +81,30 @@ def main() -> None:
     chosen = [name for name in args.systems.split(",") if name]
     print(f"{len(prompts)} requests ({note}), up to {args.max_new_tokens} new, {args.max_batch_size} rows, "
           f"{args.threads} thread(s)\n{info}")
-    speeds = {(name, kernel): [] for name in chosen for kernel in ("mkl", "onednn")}
+    kernels = [kernel for kernel in args.kernels.split(",") if kernel]
+    speeds = {(name, kernel): [] for name in chosen for kernel in kernels}
     outputs = {}
+    switched = 0
     for repeat in range(args.repeats):
-        for kernel in ("mkl", "onednn"):
-            if kernel == "onednn":
-                switched = use_onednn_linears(target)
-            for name in chosen:
-                run = systems[name]()
-                speeds[name, kernel].append(sum(map(len, run.tokens)) / run.seconds)
-                outputs[name, kernel] = run.tokens
-            if kernel == "onednn":
-                restore_linears(target)
+        for kernel in kernels:
+            switched = switch(target, kernel) or switched
+            try:
+                for name in chosen:
+                    run = systems[name]()
+                    speeds[name, kernel].append(sum(map(len, run.tokens)) / run.seconds)
+                    outputs[name, kernel] = run.tokens
+            finally:
+                unswitch(target)
         print(f"repeat {repeat + 1}: " + ", ".join(f"{name} {kernel} {speeds[name, kernel][-1]:.1f}"
-                                                   for name in chosen for kernel in ("mkl", "onednn")), flush=True)
-    print(f"\n{switched} linear layers switched; median of {args.repeats} interleaved repeats")
-    print(f"{'system':<18}{'MKL tok/s':>11}{'oneDNN tok/s':>14}{'ratio':>8}{'rows equal':>12}")
+                                                   for name in chosen for kernel in kernels), flush=True)
+    print(f"\n{switched} linear layers switched; median of {args.repeats} interleaved repeats; ratios to {kernels[0]}")
+    print(f"{'system':<18}" + "".join(f"{kernel + ' tok/s':>24}" for kernel in kernels) + f"{'rows equal':>12}")
     for name in chosen:
-        mkl, onednn = (statistics.median(speeds[name, kernel]) for kernel in ("mkl", "onednn"))
-        same = sum(a == b for a, b in zip(outputs[name, "mkl"], outputs[name, "onednn"]))
-        print(f"{name:<18}{mkl:>11.1f}{onednn:>14.1f}{onednn / mkl:>7.2f}x{same:>8}/{len(prompts)}")
-
+        medians = [statistics.median(speeds[name, kernel]) for kernel in kernels]
+        cells = [f"{m:.1f}" + ("" if i == 0 else f" ({m / medians[0]:.2f}x)") for i, m in enumerate(medians)]
+        same = sum(all(rows[0] == row for row in rows[1:])
+                   for rows in zip(*(outputs[name, kernel] for kernel in kernels)))
+        print(f"{name:<18}" + "".join(f"{cell:>24}" for cell in cells) + f"{same:>8}/{len(prompts)}")
 
 if __name__ == "__main__":
     main()

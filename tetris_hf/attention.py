@@ -177,7 +177,8 @@ def grouped_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: to
     (``enable_gqa``). transformers does that only without a mask (or for one query, outside a compiled graph); with one
     it expands the keys and values to every query head first: over a static cache's whole capacity that is most of a
     compiled CPU step's generated work (docs/gpu.md), and on the CPU a copy of the cache a layer for every verified
-    block (the loop's attention, :func:`tetris_hf.packing.loop_attention_forward`). ``query`` ``(B, H, L, D)``, ``key``/``value`` ``(B, H_kv, W, D)``; returns ``(B, L, H, D)``."""
+    block (the loop's attention, :func:`tetris_hf.packing.loop_attention_forward`). ``query`` ``(B, H, L, D)``,
+    ``key``/``value`` ``(B, H_kv, W, D)``; returns ``(B, L, H, D)``."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     unusual = any(kwargs.get(name) is not None for name in ("softcap", "position_bias", "s_aux", "sinks"))
