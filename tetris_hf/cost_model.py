@@ -427,7 +427,7 @@ def profile_key(model: torch.nn.Module, assistant_model: torch.nn.Module | None)
         str(next(model.parameters()).dtype), torch.__version__, str(torch.get_num_threads()),
     ]
     kernels = [linear_kernels(part) for part in (model, assistant_model) if part is not None]
-    if any(kernel != "aten" for kernel in kernels):  # (keys of profiles measured before kernels were told apart stay as they were)
+    if any(kernel != "aten" for kernel in kernels):  # (keys of profiles measured before kernels were told apart stay)
         parts.append("linears:" + ",".join(kernels))
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:20]
 
