@@ -356,7 +356,7 @@ def test_only_a_first_block_of_real_tokens_on_plain_sdpa_goes_without_a_mask(lay
     model, slots = RecordingModel(), new_cache(2, layout=layout, capacity=16)
     slots.forward(model, torch.tensor([[A, B, C], [C, D, E]]), None)
     assert (model.calls[-1]["attention_mask"] is None) == unmasked
-    slots.forward(model, torch.tensor([[X], [E]]), None)  # a later block: the cached slots need a mask
+    slots.forward(model, torch.tensor([[X, A], [E, B]]), None)  # a later block of two: causality needs a mask
     assert model.calls[-1]["attention_mask"] is not None
     padded, slots = RecordingModel(), new_cache(2, layout=layout, capacity=16)
     feed(slots, padded, [[PAD, A, B], [C, D, E]], [[0, 1, 1], [1, 1, 1]])
@@ -377,3 +377,46 @@ def test_a_first_block_read_without_a_mask_computes_what_the_model_alone_does():
         alone = model(torch.cat([prompts, torch.tensor([[11], [12]])], dim=1)).logits
     torch.testing.assert_close(first, alone[:, :4], atol=1e-5, rtol=0)
     torch.testing.assert_close(after[:, -1], alone[:, -1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("layout, unmasked", [(FULL_SDPA, True), (AttentionLayout({FULL: None}, False, "eager", True),
+                                                                   False)], ids=["sdpa", "eager"])
+def test_one_token_after_slots_all_real_goes_without_a_mask_until_a_hole_may_exist(layout, unmasked):
+    model, slots = RecordingModel(), new_cache(2, layout=layout, capacity=16)
+    slots.forward(model, torch.tensor([[A, B, C], [C, D, E]]), None)
+    slots.forward(model, torch.tensor([[X], [E]]), torch.ones(2, 1, dtype=torch.long), num_real=2)  # a plain step
+    assert (model.calls[-1]["attention_mask"] is None) == unmasked
+    start = slots.pointer
+    slots.forward(model, torch.tensor([[A, B], [C, D]]), None, real_lengths=torch.tensor([2, 2]), num_real=4)
+    slots.keep_prefix(start, torch.tensor([2, 1]))  # a rejected draft: a hole in row 1
+    slots.forward(model, torch.tensor([[X], [E]]), None)
+    assert model.calls[-1]["attention_mask"] is not None  # the hole must stay unseen
+    for hole in ("padded", "joined"):
+        model, slots = RecordingModel(), new_cache(2, layout=layout, capacity=16)
+        if hole == "padded":
+            feed(slots, model, [[PAD, A, B], [C, D, E]], [[0, 1, 1], [1, 1, 1]])
+        else:
+            slots.forward(model, torch.tensor([[A, B, C], [C, D, E]]), None)
+            slots.add_rows(1)
+            slots.forward(model, torch.tensor([[X], [E], [A]]), None)
+        slots.forward(model, torch.tensor([[X], [E]] + ([[B]] if hole == "joined" else [])), None)
+        assert model.calls[-1]["attention_mask"] is not None, hole
+
+
+def test_plain_decoding_steps_compute_bit_for_bit_what_transformers_own_steps_do():
+    """One real token after slots all real goes to sdpa unmasked, as transformers' own decoding step does: the same
+    kernel on the same numbers, so the logits are equal to the last bit (a mask of ones took another kernel)."""
+    model = tiny_llama(97, num_layers=3, seed=7)
+    prompt, tokens = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]]), [13, 14, 15, 16, 17, 18]
+    with torch.no_grad():
+        past = model(prompt, use_cache=True).past_key_values
+        transformers_steps = []
+        for token in tokens:
+            out = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            transformers_steps.append(out.logits[0, -1])
+        slots = SlotCache(1, torch.device("cpu"), capacity=64)
+        slots.forward(model, prompt, None)
+        ours = [slots.forward(model, torch.tensor([[token]]), None)[0, -1] for token in tokens]
+    assert slots.dense
+    assert torch.equal(torch.stack(ours), torch.stack(transformers_steps))

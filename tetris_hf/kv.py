@@ -228,6 +228,8 @@ class SlotCache:
         self.max_rows = batch_size  # rows the buffers are allocated for (a stream raises it before the first forward)
         self.capacity = max(int(capacity), 1)
         self.pointer = 0  # slots written per row, holes included (host-side: no device read needed)
+        # every written slot of every row is real: no filler written, nothing rolled back, no row added (host-side)
+        self.dense = True
         self.new_from = None  # rows from this one on joined since the last forward: nothing real in them yet
         self.static = False  # see step_forward
         self.write_index: torch.Tensor | None = None  # (L,) the slots a static-shape forward writes, during it
@@ -318,6 +320,7 @@ class SlotCache:
         position_ids, new_tokens = self._mark_slots(start, end, input_mask, real_lengths, position_ids)
         next_positions = self.next_positions + new_tokens  # (before the forward: right after it, caches are cold)
         extra = {"output_hidden_states": list(hidden_states)} if hidden_states else {}
+        all_real = input_mask is None and real_lengths is None or num_real == input_ids.numel()
         # static shapes: a compiled step on prepared masks, once the first (eager) forward allocated the buffers
         if step and self.static and self.layout.prepared and self.cache.layers and visibility is None:
             logits, features = self._static_forward(model, input_ids, position_ids, start, end, logits_to_keep, extra)
@@ -325,7 +328,6 @@ class SlotCache:
             packing = self._packing(input_mask, real_lengths, num_real, block, logits_to_keep, first_row, split)
             if split is not None and packing is None and num_real != input_ids.numel():  # (no filler: read whole)
                 raise ValueError("a split block is read packed: real_lengths and num_real, on a cache that packs")
-            all_real = input_mask is None and real_lengths is None or num_real == input_ids.numel()
             attention_mask = self._attention_mask(position_ids, start, end, model.dtype, input_mask is None or all_real,
                                                   all_real, visibility)
             # (compiled, on the shapes as they come, for models that take the 2D mask; never the first forward)
@@ -334,6 +336,7 @@ class SlotCache:
                                                    logits_to_keep, discard_logits, split, extra)
         self.pointer, self.next_positions, self.longest_bound = end, next_positions, self.longest_bound + block
         self.new_from = None  # (every row may now hold real tokens)
+        self.dense = self.dense and all_real and visibility is None
         logits = None if discard_logits else logits
         return logits if hidden_states is None else (logits, features)
 
@@ -412,8 +415,10 @@ class SlotCache:
             return real[:, :end].long()
         if layout.plain_sdpa and all_real and start == 0:  # a first block, no filler: plain causality, which sdpa
             return None  # runs itself (given a mask, transformers expands every key-value head and sdpa runs slower)
-        if layout.plain_sdpa and all_real and end - start == 1:  # one real token after every cached one: the real slots
-            return real[:, None, None, :end]
+        if layout.plain_sdpa and all_real and end - start == 1:  # one real token after every cached one
+            # it sees every slot where all are real (a plain decoding step, as transformers' own runs it: sdpa with no
+            # mask, each key-value head read in place), else the real slots
+            return None if self.dense else real[:, None, None, :end]
         if layout.plain_sdpa and real_prefix:  # the real cached slots, then causality within the block
             return real_prefix_mask(real[:, None, None, :start], self._causal(end - start))
         return position_masks(layout, self.slot_positions[:, :end], real[:, :end], position_ids, dtype)
@@ -573,6 +578,7 @@ class SlotCache:
         """
         if start == self.pointer:
             return
+        self.dense = False
         self.slot_mask[:, start : self.pointer] = self.offsets[: self.pointer - start] < keep[:, None]
         self.next_positions = self.slot_positions[:, start] + keep
 
@@ -591,6 +597,7 @@ class SlotCache:
         """
         kept = self.slot_mask[:, start : self.pointer]  # a view: changed in place
         kept &= keep
+        self.dense = False
         self.next_positions = self.slot_positions[:, start] + kept.sum(dim=1)
 
     def reserve(self, slots: int) -> None:
@@ -634,6 +641,7 @@ class SlotCache:
             raise RuntimeError("an encoder-decoder's cache cannot take rows mid-call (their encoder outputs are not here)")
         if self.new_from is None:
             self.new_from = self.slot_mask.shape[0]
+        self.dense = self.dense and self.pointer == 0
         self.first_rows = torch.nn.functional.pad(self.first_rows, (0, count), value=-1)
         extra = (0, 0, 0, count)
         self.slot_mask = torch.nn.functional.pad(self.slot_mask, extra)
@@ -672,6 +680,7 @@ class SlotCache:
         if reach is not None:  # older than every window of the next query (position >= next_positions)
             expired = self.slot_positions[:, : self.pointer] <= (self.next_positions - reach)[:, None]
             self.slot_mask[:, : self.pointer].masked_fill_(expired, False)
+            self.dense = False
             self.longest_bound = min(self.longest_bound, reach)  # positions next - reach + 1 .. next - 1 remain
         width = min(self.longest_bound, self.pointer)
         if not force and self.pointer - width <= self.max_holes:
@@ -685,6 +694,7 @@ class SlotCache:
         self.slot_mask[:, :width] = sorted_mask[:, self.pointer - width :]
         self.slot_positions[:, :width] = positions
         self.slot_mask[:, width:] = False
+        self.dense = False  # (rows' real slots now end at width, after holes where they hold fewer)
         flat_index: dict = {}
         for layer in self._layers():
             layer.repack(order, flat_index)
