@@ -23,8 +23,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import tetris_hf.packing as packing
 from tetris_hf.tools.bench import load_lookup_target
-from tetris_hf.tools.cli import load_prompt_set, prompt_texts
-from tetris_hf.tools.stream_bench import run_stream
+from tetris_hf.tools.stream_bench import run_stream, stream_prompts
 
 
 def main() -> None:
@@ -38,11 +37,7 @@ def main() -> None:
     parser.add_argument("--systems", default="stream-plain,stream-lookup,stream-adaptive")
     args = parser.parse_args()
     target, tokenizer, info = load_lookup_target(None, torch.device("cpu"), None, 3)
-    texts, note = prompt_texts(load_prompt_set(args.prompts), args.num_prompts, tokenizer, args.max_prompt_tokens)
-    prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
-    eos_id = target.generation_config.eos_token_id
-    eos = {int(eos_id)} if isinstance(eos_id, int) else set(eos_id)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+    prompts, note, eos, pad = stream_prompts(target, tokenizer, args.prompts, args.num_prompts, args.max_prompt_tokens)
     lookup = dict(prompt_lookup_num_tokens=4, max_matching_ngram_size=3)
     options = {"stream-plain": dict(tetris_budget=0), "stream-lookup": dict(tetris_strategy="fixed"),
                "stream-adaptive": dict(tetris_strategy="adaptive")}

@@ -20,8 +20,7 @@ import torch
 
 from tetris_hf.cpu_kernels import OneDNNLinear, restore_linears, use_onednn_linears
 from tetris_hf.tools.bench import load_lookup_target
-from tetris_hf.tools.cli import load_prompt_set, prompt_texts
-from tetris_hf.tools.stream_bench import run_chunks, run_stream
+from tetris_hf.tools.stream_bench import run_chunks, run_stream, stream_prompts
 
 
 class UnpackedOneDNNLinear(OneDNNLinear):
@@ -63,11 +62,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, tokenizer, info = load_lookup_target(None, torch.device("cpu"), None, 3)
-    texts, note = prompt_texts(load_prompt_set(args.prompts), args.num_prompts, tokenizer, 2048)
-    prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
-    eos = {int(target.generation_config.eos_token_id)} if isinstance(target.generation_config.eos_token_id, int) \
-        else set(target.generation_config.eos_token_id)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+    prompts, note, eos, pad = stream_prompts(target, tokenizer, args.prompts, args.num_prompts, 2048)
     lookup = dict(prompt_lookup_num_tokens=4, max_matching_ngram_size=3)
     systems = {
         "static": lambda: run_chunks("static", target, prompts, args.max_new_tokens, args.max_batch_size, eos, pad),

@@ -43,7 +43,6 @@ import torch
 
 import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
 from tetris_hf.tools import stream_bench
-from tetris_hf.tools.cli import load_prompt_set, prompt_texts
 from tetris_hf.tools.models import load_target
 
 # New tokens a prompt in the warm-up run: 2, so that a first decode (or verify) step runs in it too. (The first
@@ -251,11 +250,8 @@ def main() -> int:
     log = lambda line: print(line, flush=True)  # noqa: E731
 
     target, tokenizer = load_target(None)
-    texts, note = prompt_texts(load_prompt_set(args.prompts), args.num_prompts, tokenizer, args.max_prompt_tokens)
-    prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
-    eos_setting = target.generation_config.eos_token_id
-    eos = {int(token) for token in ([eos_setting] if isinstance(eos_setting, int) else eos_setting)}
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+    prompts, note, eos, pad = stream_bench.stream_prompts(target, tokenizer, args.prompts, args.num_prompts,
+                                                          args.max_prompt_tokens)
     log(f"{len(prompts)} prompts ({note}), {min(map(len, prompts))}-{max(map(len, prompts))} tokens, up to "
         f"{args.max_new_tokens} new, at most {args.max_batch_size} rows, {torch.get_num_threads()} threads")
 

@@ -406,6 +406,24 @@ def speculative_options(target, draft, config: StreamBenchConfig, suffix: bool |
                     "tetris_suffix_cache": SuffixCache() if seed is None else SuffixCache.from_file(seed, vocab_size)}
 
 
+def stream_prompts(target, tokenizer, prompts: str, num_prompts: int,
+                   max_prompt_tokens: int) -> tuple[list[list[int]], str, set[int], int]:
+    """The prompt set named ``prompts`` as a stream takes it: ``(token ids of each prompt, the set's note, the
+    target's end tokens, the pad token)`` (pad: the tokenizer's, else the smallest end token).
+
+    Raises:
+        UsageError: the target has no ``eos_token_id`` (a stream of natural lengths needs one).
+    """
+    texts, note = prompt_texts(load_prompt_set(prompts), num_prompts, tokenizer, max_prompt_tokens)
+    token_ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    eos_setting = target.generation_config.eos_token_id
+    eos = {int(token) for token in ([eos_setting] if isinstance(eos_setting, int) else eos_setting or [])}
+    if not eos:
+        raise UsageError("the target has no eos_token_id: a stream of natural lengths needs one")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+    return token_ids, note, eos, pad
+
+
 def run_stream_bench(target, draft, prompts: list[list[int]], eos: set[int], pad: int, config: StreamBenchConfig,
                      state=None, log=print) -> dict:
     """Every system and stream strategy on ``prompts`` (token ids), ``config.repeats`` times in turn, at each batch
@@ -562,14 +580,7 @@ def main(args) -> int:
     else:
         target, draft, tokenizer, info = load_pair(args.target, args.draft, device)
     kernels = apply_kernels(args, target, draft)
-    prompt_set = load_prompt_set(args.prompts)
-    texts, note = prompt_texts(prompt_set, args.num_prompts, tokenizer, args.max_prompt_tokens)
-    prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
-    eos_setting = target.generation_config.eos_token_id
-    eos = {int(token) for token in ([eos_setting] if isinstance(eos_setting, int) else eos_setting or [])}
-    if not eos:
-        raise UsageError("the target has no eos_token_id: a stream of natural lengths needs one")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+    prompts, note, eos, pad = stream_prompts(target, tokenizer, args.prompts, args.num_prompts, args.max_prompt_tokens)
     systems = tuple(name for name in args.systems.split(",") if name)
     unknown = set(systems) - set(SYSTEMS + OPTIONAL_SYSTEMS)
     if unknown:
