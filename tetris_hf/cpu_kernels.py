@@ -27,10 +27,9 @@ class OneDNNLinear(nn.Linear):
     An fp32 weight is multiplied in oneDNN's own blocked layout, reordered once (``_reorder_linear_weight``, what
     inductor's freezing does) and kept beside the weight, which stays the parameter that ``state_dict``, tied
     embeddings and optimizers see; the copy is made again whenever the weight changes (its storage or its version).
-    Measured on one thread, a ``(16 x 576) @ (576 x 1536)`` product: 330 us with ``F.linear``, 188 with oneDNN on the
-    weight as it is, 131 on the reordered copy; 2 to 8 rows gain most (1.7-2.1x over the weight as it is). A single
-    row, where the reorder gains nothing and ``F.linear`` is faster on narrow layers (7 against 15 us at 576 -> 192),
-    goes to ``F.linear``. The copy costs as much memory again as the switched weights.
+    A single row, where the reorder gains nothing and MKL's kernel is the faster on narrow layers, goes to
+    ``F.linear``. The copy costs as much memory again as the switched weights. Measured in docs/benchmarks.md ("oneDNN
+    weights reordered once").
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -47,6 +46,7 @@ class OneDNNLinear(nn.Linear):
         packed = self.__dict__.get("_onednn_packed")
         if packed is None or packed[0] != key:
             with torch.no_grad():
+                # (16: the rows oneDNN picks the layout for; a block of any other row count reads the same copy)
                 packed = self.__dict__["_onednn_packed"] = (key, torch.ops.mkldnn._reorder_linear_weight(weight, 16))
         return packed[1]
 

@@ -140,8 +140,8 @@ def loop_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     - ``tetris_grouped``: a static step's forward on sdpa: :func:`~tetris_hf.attention.grouped_sdpa_attention`.
     """
     # on the CPU a masked block of several queries reads each key-value head in place (transformers would copy the
-    # keys and values to every query head first, a copy of the whole cache a layer: 4.3 against 1.8 ms a layer at 16
-    # rows x 5 queries x 400 keys, the same numbers); elsewhere only in static steps, where the fused kernels that
+    # keys and values to every query head first, a copy of the whole cache a layer, for the same sums: measured in
+    # docs/benchmarks.md, "Keys read in place"); elsewhere only in static steps, where the fused kernels that
     # transformers keeps a masked GQA block off do not run anyway
     grouped = base == "sdpa" and (tetris_grouped or query.device.type == "cpu")
     attention = grouped_sdpa_attention if grouped else row_attention(module, base)
