@@ -1,17 +1,7 @@
-"""What one speculative step costs on this machine, and how likely a drafted cell is to be accepted.
-
-Two pieces feed the ``adaptive`` and ``dsd`` strategies:
-
-- :class:`StepCostModel`: seconds of one draft forward per proposed token as a function of the rows ``B``, and of one
-  target verification forward as a function of ``(B, L)``, ``L`` the block length per row (1 = plain decoding). A
-  padded block is ``L = 1 + max verified drafts`` per row; a packed one (:mod:`tetris_hf.packing`) computes
-  ``B + total verified`` tokens, priced as the same tokens spread evenly over the rows (the same context read). It interpolates a
-  :class:`CostProfile`: forward times measured on the real models at first use (:func:`measure_profile`, a few
-  seconds), cached in memory and on disk per model pair, device, dtype and thread count (:func:`cost_model_for`), or
-  read from a saved profile (:func:`load_profile`: a JSON file or a dict), or built from a curve file such as the
-  H200 measurements in ``shared/data`` (:func:`profile_from_curve`).
-- :class:`AcceptanceCalibrator`: ``P(cell j accepted | cells 1..j-1 accepted, draft probability q_j)`` by bins of
-  ``q`` with a Beta prior, updated online from what verification accepted and rejected.
+"""What one speculative step costs on this machine (:class:`StepCostModel`, interpolating a measured
+:class:`CostProfile`: :func:`cost_model_for`, :func:`measure_profile`, :func:`load_profile`), and how likely a drafted
+cell is to be accepted (:class:`AcceptanceCalibrator`); they feed the ``adaptive`` and ``dsd`` strategies. Design:
+docs/design.md, "The cost model and the budget".
 """
 
 from __future__ import annotations
@@ -41,17 +31,11 @@ PROFILE_VERSION = 1
 
 @dataclass
 class CostProfile:
-    """Measured forward times in milliseconds.
+    """Measured forward times in milliseconds, on a KV cache."""
 
-    Attributes:
-        target: ``{(rows, tokens): ms}``, one target forward over ``rows`` x ``tokens`` new tokens on a KV cache.
-        draft: ``{rows: ms}``, one draft forward over ``rows`` x 1 token (the cost of one proposed token per row).
-        meta: free-form description (models, device, dtype, where the numbers came from).
-    """
-
-    target: dict[tuple[int, int], float]
-    draft: dict[int, float]
-    meta: dict = field(default_factory=dict)
+    target: dict[tuple[int, int], float]  # {(rows, tokens): ms}, one target forward over rows x tokens new tokens
+    draft: dict[int, float]  # {rows: ms}, one draft forward over rows x 1 token (one proposed token per row)
+    meta: dict = field(default_factory=dict)  # free-form: models, device, dtype, where the numbers came from
 
     def __post_init__(self):
         if not self.target:
@@ -67,9 +51,8 @@ class CostProfile:
 
     def covers(self, rows: int, tokens: int) -> bool:
         """Whether the measured grid reaches ``rows`` and ``tokens`` (no extrapolation needed)."""
-        return max(r for r, _ in self.target) >= rows and max(t for _, t in self.target) >= tokens and max(
-            self.draft
-        ) >= rows
+        target_rows, target_tokens = max(r for r, _ in self.target), max(t for _, t in self.target)
+        return target_rows >= rows and target_tokens >= tokens and max(self.draft) >= rows
 
     def merged(self, other: "CostProfile") -> "CostProfile":
         """This profile with ``other``'s cells added (``other`` wins where both have a cell)."""
@@ -137,10 +120,8 @@ def curve_models(rows: list[dict]) -> dict[str, str]:
 
 
 def profile_from_curve(path: str | os.PathLike, target: str | None = None, draft: str | None = None) -> CostProfile:
-    """A profile from a curve file of forward times (the ``shared/data/*_curve_*.json`` format).
-
-    Rows look like ``{"model": "target8b-bf16", "B": 32, "L": 4, "ms": 31.5}`` (``"layers": 30`` may stand for the
-    model name: it becomes ``"layers=30"``); the file is a list of rows or ``{"rows": [...]}``.
+    """A profile from a curve file of forward times: a list of rows like ``{"model": "target8b-bf16", "B": 32, "L": 4,
+    "ms": 31.5}`` (or ``"layers": 30`` for the model, read as ``"layers=30"``), or ``{"rows": [...]}``.
 
     Args:
         path: the curve file.
@@ -166,12 +147,9 @@ def profile_from_curve(path: str | os.PathLike, target: str | None = None, draft
             target_ms.setdefault((rows_b, tokens), []).append(ms)
         if model == draft and tokens == 1:
             draft_ms.setdefault(rows_b, []).append(ms)
-    meta = {"source": f"curve {path.name}", "target": target, "draft": draft}
-    return CostProfile(
-        {cell: statistics.median(v) for cell, v in target_ms.items()},
-        {cell: statistics.median(v) for cell, v in draft_ms.items()},
-        meta,
-    )
+    return CostProfile({cell: statistics.median(v) for cell, v in target_ms.items()},
+                       {cell: statistics.median(v) for cell, v in draft_ms.items()},
+                       {"source": f"curve {path.name}", "target": target, "draft": draft})
 
 
 def load_profile(source: "str | os.PathLike | Mapping | CostProfile") -> CostProfile:
@@ -216,9 +194,7 @@ def _isotonic(values: list[float]) -> list[float]:
 def _interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     """Piecewise linear through ``(xs, ys)`` (xs increasing); beyond the ends, the end segment's slope (never
     negative), or flat with one point."""
-    if len(xs) == 1:
-        return ys[0]
-    if x <= xs[0]:
+    if len(xs) == 1 or x <= xs[0]:
         return ys[0]
     index = 1
     while index < len(xs) - 1 and x > xs[index]:
@@ -229,19 +205,14 @@ def _interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
 
 
 class StepCostModel:
-    """Seconds of one speculative step, from a :class:`CostProfile`.
-
-    The target grid (rows x tokens) is completed along tokens where cells are missing, made non-decreasing in both
-    (isotonic fit along tokens, then rows, then a running max: measured GPU curves are noisy and an optimiser would
-    otherwise exploit the noise), and interpolated piecewise-linearly, extrapolating with the last segment's slope.
+    """Seconds of one speculative step: a monotone, piecewise-linear interpolation of a :class:`CostProfile`.
 
     Args:
         profile: the measurements.
-        draft_scale, target_scale: multiply the profile's times (online corrections; plain attributes that a
-            strategy updates as it measures its own steps).
+        draft_scale, target_scale: multiply the profile's times (online corrections a strategy updates).
         step_overhead: seconds added to every step (what the loop spends outside the two forwards).
-        packed: the loop reads verify blocks packed: a verification is priced by the tokens it computes (every row's
-            last token and the cells verified), not by a rectangle padded to the deepest row.
+        packed: price a verification by the tokens it computes (every row's last token and the cells verified), not
+            by a rectangle padded to the deepest row.
     """
 
     def __init__(self, profile: CostProfile, *, draft_scale: float = 1.0, target_scale: float = 1.0,
@@ -333,9 +304,8 @@ def _feature_inputs(model, input_ids: torch.Tensor) -> dict:
 
 def _timed_forwards(model, rows: int, tokens_list: Sequence[int], context: int, repeats: int,
                     logits_to_keep: int = 0) -> dict[int, float]:
-    """Fastest of ``repeats`` forwards over ``rows`` x ``L`` new tokens on a ``context``-token KV cache, in ms, for
-    each ``L`` (the minimum: on a shared machine other processes only ever add time; the strategies correct the
-    level online)."""
+    """``{L: ms}``, the fastest of ``repeats`` forwards over ``rows`` x ``L`` new tokens on a ``context``-token KV
+    cache, for each ``L`` in ``tokens_list``."""
     from transformers import DynamicCache
 
     device = _model_device(model)
@@ -344,7 +314,8 @@ def _timed_forwards(model, rows: int, tokens_list: Sequence[int], context: int, 
     prompt = torch.randint(min(3, vocab - 1), vocab, (rows, context), generator=generator).to(device)
     cache = DynamicCache()
     with torch.no_grad():
-        model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1, **_feature_inputs(model, prompt))
+        model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1,
+              **_feature_inputs(model, prompt))
         results = {}
         for tokens in tokens_list:
             block = torch.randint(min(3, vocab - 1), vocab, (rows, tokens), generator=generator).to(device)
@@ -372,13 +343,9 @@ LOOKUP_DRAFT_MS = 0.01  # prompt lookup's draft "forward": a few tensor operatio
 def measure_profile(model: torch.nn.Module, assistant_model: torch.nn.Module | None, *, rows: Sequence[int],
                     tokens: Sequence[int], context: int = 32, repeats: int = 2,
                     skip: CostProfile | None = None) -> CostProfile:
-    """Time the target over ``rows`` x ``tokens`` and the draft over ``rows`` x 1 on real KV caches
-    (``assistant_model=None``: prompt lookup, whose draft cost is taken as :data:`LOOKUP_DRAFT_MS`, corrected online).
-
-    Each row count gets one warm-up forward, then every shape runs ``repeats`` times (the fastest is kept). Cells
-    already in ``skip`` are not measured again. On 2 quiet CPU cores the SmolLM2-135M pair over rows {1, 4, 16, 32}
-    x tokens {1, 2, 4, 7} takes ~10-15 s; tiny test models well under a second.
-    """
+    """Time the target over ``rows`` x ``tokens`` and the draft over ``rows`` x 1 on real KV caches, the fastest of
+    ``repeats`` after a warm-up (``assistant_model=None``: prompt lookup, priced :data:`LOOKUP_DRAFT_MS`); cells
+    already in ``skip`` are not measured again."""
     target, draft = {}, {}
     for r in sorted(set(rows)):
         missing = [t for t in sorted(set(tokens)) if skip is None or (r, t) not in skip.target]
@@ -433,11 +400,7 @@ def profile_key(model: torch.nn.Module, assistant_model: torch.nn.Module | None)
 
 
 def cache_dir() -> Path:
-    """tetris_hf's cache folder: ``$TETRIS_HF_CACHE`` or ``~/.cache/tetris_hf`` (cost profiles, converted models).
-
-    Defined here, in the library, so that the exported Hub strategy does not depend on the model tools (which cache
-    converted models here too).
-    """
+    """tetris_hf's cache folder: ``$TETRIS_HF_CACHE`` or ``~/.cache/tetris_hf`` (cost profiles, converted models)."""
     root = os.environ.get("TETRIS_HF_CACHE")
     return Path(root).expanduser() if root else Path.home() / ".cache" / "tetris_hf"
 
@@ -454,12 +417,8 @@ def cost_model_for(model: torch.nn.Module, assistant_model: torch.nn.Module | No
                    source: "str | os.PathLike | Mapping | CostProfile | None" = None,
                    use_disk: bool = True, packed: bool = False) -> StepCostModel:
     """The cost model of this pair (``packed``: see :class:`StepCostModel`): from ``source`` when given, else measured
-    once and cached.
-
-    Measured profiles are kept in memory and, with ``use_disk``, in :func:`profile_cache_dir` under
-    :func:`profile_key`. A cached profile that does not reach ``num_rows`` rows or ``max_tokens`` tokens is extended
-    by measuring only the missing cells.
-    """
+    once and cached in memory and (``use_disk``) under :func:`profile_cache_dir`; a cached profile short of
+    ``num_rows`` or ``max_tokens`` is extended by measuring the missing cells."""
     if source is not None:
         return StepCostModel(load_profile(source), packed=packed)
     key = profile_key(model, assistant_model)
@@ -498,17 +457,10 @@ def clear_memory_cache() -> None:
 
 class AcceptanceCalibrator:
     """``P(cell accepted | the cells before it in its row were accepted)`` as a function of the cell's draft
-    probability ``q``, learnt online.
-
-    ``q`` is cut into ``num_bins`` equal bins on [0, 1]. Each bin holds a Beta posterior whose prior mean is the bin's
-    centre (a calibrated draft) with weight ``prior_strength`` pseudo-observations. Observed counts fade with
-    ``memory`` (a count seen ``memory`` cells ago weighs ``1/e``), so the estimate follows a drifting stream.
-    :meth:`predict` interpolates the posterior means linearly between bin centres; with ``optimism=z`` it interpolates
-    ``mean + z x standard deviation`` of each posterior instead (an upper confidence bound: what acceptance could
-    still be, given how little has been seen).
+    probability ``q``, learnt online: a Beta posterior per bin of ``q``, prior mean the bin's centre.
 
     Args:
-        num_bins: bins of ``q``.
+        num_bins: equal bins of ``q`` on [0, 1].
         prior_strength: pseudo-observations per bin.
         memory: cells after which an observation's weight has decayed by ``e`` (``None``: never forget).
     """
@@ -525,6 +477,7 @@ class AcceptanceCalibrator:
         self.memory = memory
 
     def bins(self, probs: torch.Tensor) -> torch.Tensor:
+        """The bin of each draft probability in ``probs`` (any shape), long."""
         return (probs.double().clamp(0, 1) * self.num_bins).long().clamp(max=self.num_bins - 1)
 
     def means(self) -> torch.Tensor:
@@ -541,8 +494,8 @@ class AcceptanceCalibrator:
         return (alpha / total + optimism * spread).clamp(max=1.0)
 
     def predict(self, probs: torch.Tensor, optimism: float = 0.0) -> torch.Tensor:
-        """Acceptance probability of cells with draft probabilities ``probs`` (any shape; float64 result); with
-        ``optimism > 0``, its upper confidence bound (see :meth:`upper_bounds`)."""
+        """Acceptance probability of cells with draft probabilities ``probs`` (any shape; float64 result),
+        interpolated between bin centres; with ``optimism > 0``, its upper confidence bound (:meth:`upper_bounds`)."""
         means = self.upper_bounds(optimism) if optimism else self.means()
         position = (probs.double().clamp(0, 1) * self.num_bins - 0.5).clamp(0, self.num_bins - 1)
         low = position.floor().long()
@@ -571,10 +524,8 @@ class AcceptanceCalibrator:
         Args:
             token_log_probs: ``(B, K)`` ``log q`` of each drafted cell.
             verify_lengths: ``(B,)`` cells each row verified.
-            num_accepted: ``(B,)`` cells accepted before the first rejection.
-
-        Row ``i``'s cells ``1..n_i`` count as accepted and cell ``n_i + 1`` as rejected when ``n_i < l_i``; later
-        cells were never reached and say nothing.
+            num_accepted: ``(B,)`` cells accepted before the first rejection: they count as accepted, the next
+                verified one as rejected; later cells say nothing.
         """
         if token_log_probs.numel() == 0:
             return

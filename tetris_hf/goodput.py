@@ -1,9 +1,6 @@
-"""Goodput: the draft length ``K`` and verify budget ``C`` that maximise expected emitted tokens per second.
-
-Pure functions of tensors and a :class:`~tetris_hf.cost_model.StepCostModel`, used by the ``adaptive`` and ``dsd``
-strategies (:mod:`tetris_hf.strategies`): :func:`best_budget` (``C`` over drafted chains), :func:`best_tree_budget`
-(``C`` over drafted trees), :func:`plan_step` (``K`` and ``C`` before drafting) and :func:`dsd_window` (one ``k`` for
-the batch under a geometric acceptance model).
+"""Goodput: the draft length ``K`` and verify budget ``C`` that maximise expected emitted tokens per second, for the
+``adaptive`` and ``dsd`` strategies: :func:`best_budget`, :func:`best_tree_budget`, :func:`plan_step`,
+:func:`dsd_window`. Design: docs/design.md, "The cost model and the budget".
 """
 
 from __future__ import annotations
@@ -26,13 +23,8 @@ class BudgetChoice(NamedTuple):
 
 def best_budget(survival: torch.Tensor, max_lengths: torch.Tensor, fixed_seconds: float,
                 verify_seconds: torch.Tensor, max_budget: int | None = None, packed: bool = False) -> BudgetChoice:
-    """The TETRIS budget ``C`` that maximises expected emitted tokens per second, for one or more batches.
-
-    Cells are taken in TETRIS greedy order (highest survival first, ties to the lower row then the earlier position,
-    as :func:`~tetris_hf.selection.select_tetris`). Verifying the first ``c`` cells of that order emits in
-    expectation ``B + sum of their survivals`` tokens (each row its accepted prefix plus one target token) and costs
-    ``fixed_seconds + verify_seconds[c]`` when the target reads them packed, or ``fixed_seconds + verify_seconds[l]``,
-    ``l`` the deepest position among them, when every row's block is padded to it.
+    """The TETRIS budget ``C`` that maximises expected emitted tokens per second, for one or more batches: the first
+    ``c`` cells in :func:`~tetris_hf.selection.select_tetris`' order emit ``B`` plus their survivals.
 
     Args:
         survival: ``(B, K)`` or ``(N, B, K)``: probability that cells ``1..j`` of a row are all accepted
@@ -76,12 +68,7 @@ def best_budget(survival: torch.Tensor, max_lengths: torch.Tensor, fixed_seconds
 def best_tree_budget(survival: torch.Tensor, candidate: torch.Tensor, fixed_seconds: float,
                      verify_seconds: torch.Tensor, max_budget: int | None = None, packed: bool = False) -> int:
     """:func:`best_budget` over draft trees: the ``C`` maximising expected emitted tokens per second when the ``C``
-    best nodes of the batch are verified.
-
-    Nodes are taken in :func:`~tetris_hf.trees.select_tree_nodes`' order for scores ``log survival`` (survival
-    descending, ties to the lower row, then the lower node). Verifying the first ``c`` emits in expectation ``B`` plus
-    their survivals and costs ``fixed_seconds + verify_seconds[c]`` read packed, or ``fixed_seconds +
-    verify_seconds[n]``, ``n`` the most nodes one row verifies among them, padded.
+    best nodes of the batch (:func:`~tetris_hf.trees.select_tree_nodes`' order) are verified.
 
     Args:
         survival: ``(B, N)`` probability that the whole path to a node is accepted (never above its parent's).
@@ -111,8 +98,8 @@ def best_tree_budget(survival: torch.Tensor, candidate: torch.Tensor, fixed_seco
 
 
 class GoodputPlan(NamedTuple):
-    """What :func:`plan_step` expects of a plan: draft ``num_draft_tokens`` per row (0 = plain decoding), verify about ``budget`` cells,
-    expecting ``tokens`` emitted in ``seconds``."""
+    """What :func:`plan_step` expects of a plan: draft ``num_draft_tokens`` per row (0 = plain decoding), verify about
+    ``budget`` cells, expecting ``tokens`` emitted in ``seconds``."""
 
     num_draft_tokens: int
     budget: int
@@ -130,9 +117,7 @@ def plan_step(acceptance: torch.Tensor, num_rows: int, max_draft: int, cost: Ste
 
     Args:
         acceptance: ``(P, max_draft)`` conditional acceptance probabilities of recently drafted rows (``P >= 0``),
-            standing in for the rows about to be drafted. They are cut into batches of ``num_rows`` rows (rows
-            repeated when ``P < num_rows``); each batch gets its best ``C`` (:func:`best_budget`) and each ``K`` is
-            scored by total expected tokens over total seconds.
+            standing in for the rows about to be drafted.
         num_rows: ``B``.
         max_draft: largest ``K`` considered.
         cost: the step cost model.

@@ -54,9 +54,10 @@ def check_draft_vocab_spec(spec) -> None:
             raise ValueError("`tetris_draft_vocab` is an empty tensor: the draft needs at least one token to propose")
         if int(spec.min()) < 0:
             raise ValueError(f"`tetris_draft_vocab` holds a negative token id ({int(spec.min())})")
-        if torch.unique(spec).numel() != spec.numel():
-            raise ValueError(f"`tetris_draft_vocab` holds duplicate token ids ({spec.numel() - torch.unique(spec).numel()} "
-                             "repeats): give each token once")
+        repeats = spec.numel() - torch.unique(spec).numel()
+        if repeats:
+            raise ValueError(f"`tetris_draft_vocab` holds duplicate token ids ({repeats} repeats): give each token "
+                             "once")
         return
     if isinstance(spec, bool) or not isinstance(spec, int):
         raise TypeError(f"`tetris_draft_vocab` must be an int N (the N most frequent tokens) or a 1-D tensor of token "
@@ -67,64 +68,29 @@ def check_draft_vocab_spec(spec) -> None:
 
 @dataclass(frozen=True)
 class TetrisOptions:
-    """The ``generate()`` keyword arguments of tetris_hf, validated.
+    """The ``generate()`` keyword arguments of tetris_hf, validated; the README's options table says more of each.
 
     Args:
         num_assistant_tokens: ``k``, the base draft window per row (``>= 1``).
-        tetris_extra_tokens: ``e``, extra proposals per row: TETRIS drafts ``K = k + e`` (``>= 0``).
-        tetris_budget: ``C``, draft tokens verified per step across the batch (``>= 0``); ``None`` = ``k`` x active
-            rows.
-        tetris_strategy: ``"tetris"`` (select the top-``C`` cells), ``"fixed"`` (every row verifies its first ``k``),
-            ``"adaptive"`` (``C`` and ``K <= k + e`` chosen per step from a cost model; ``tetris_budget`` caps ``C``)
-            or ``"dsd"`` (one ``k <= k + e`` for the batch, chosen per step).
+        tetris_extra_tokens: ``e``, extra proposals per row: each row drafts ``K = k + e`` (``>= 0``).
+        tetris_budget: ``C``, drafts verified per step across the batch (``>= 0``); ``None``: ``k`` x active rows.
+        tetris_strategy: ``"tetris"``, ``"fixed"``, ``"adaptive"`` or ``"dsd"`` (docs/design.md, "Selection").
         tetris_max_holes: cache slots a row may waste to rejected drafts before the cache is repacked.
-        tetris_step_callback: called as ``fn(record, loop)`` after every step with the
-            :class:`~tetris_hf.step.StepRecord` and the :class:`~tetris_hf.decoding.BatchedSpeculativeLoop` (a
-            request stream's: its :class:`~tetris_hf.stream.StreamLoop`; both give ``loop.batch``, ``loop.stats``,
-            ``loop.strategy``, ``loop.drafter``; ``loop.partial_outputs()`` gives every row's tokens so far in
-            ``generate()``): live views, progress, demos.
-        tetris_cost_profile: for ``adaptive`` and ``dsd``: ``None`` (measure this pair at first use, cached in memory
-            and under ``$TETRIS_HF_CACHE``), a saved profile (JSON path or dict, see
-            :class:`~tetris_hf.cost_model.CostProfile`), a curve file (``"curve.json"`` or
-            ``"curve.json:TARGET:DRAFT"``) or a :class:`~tetris_hf.cost_model.CostProfile`.
-        tetris_draft_vocab: ``None`` (the draft scores the whole vocabulary), an int ``N`` (its head scores only the
-            ``N`` most frequent tokens of the frequency table the draft carries) or a 1-D tensor of token ids; every
-            other token gets no draft probability. Lossless (the target verifies as before). See
-            :mod:`tetris_hf.candidate_generators.reduced_vocab`.
-        tetris_compile: run the target's verify forward and the draft's step through ``torch.compile`` (CUDA graphs
-            on CUDA), see :mod:`tetris_hf.compiled`.
-        tetris_tree_width: ``w``, children per expanded draft node (``>= 1``). ``1`` drafts chains; ``w > 1`` grows
-            a tree per row (EAGLE-2: the ``w`` best children of each of a depth's ``w`` best nodes, ``K`` depths) and
-            the strategy selects nodes instead of cells (:mod:`tetris_hf.tree_step`). With a draft model, an EAGLE
-            head or suffix drafts alone (the ``w`` most voted continuations, see
-            :mod:`tetris_hf.candidate_generators.suffix`); not prompt lookup, not suffix drafts beside a model, not
-            ``tetris_compile``.
-        tetris_pack: read each verify block packed where the target can be (:mod:`tetris_hf.packing`): the target
-            computes only every row's last token and the drafts selected for it, not a rectangle padded to the longest
-            row; a draft model or EAGLE head reads its catch-ups and re-reads packed alike. ``False`` keeps the padded
-            blocks (to compare). Families whose attention does not go through transformers' ``AttentionInterface``
-            are read padded either way.
-        prompt_lookup_num_tokens: draft by prompt lookup: each row copies up to this many tokens that followed an
-            earlier occurrence of its last n-gram in its own prompt and output (the one with the most to copy, then
-            the longest match with the row's end, then the latest); it is ``k`` (``num_assistant_tokens`` follows
-            it). See :mod:`tetris_hf.candidate_generators.prompt_lookup`. With an ``assistant_model`` too (a draft
-            model or an EAGLE head), hybrid drafting: each row drafts by lookup where it matches and by the model where
-            it does not (:mod:`tetris_hf.candidate_generators.hybrid`).
-        tetris_suffix_num_tokens: draft from a suffix cache: each row drafts up to this many tokens, the continuation
-            most often seen after its last tokens in the batch's rows and in earlier requests' outputs, each with a
-            calibrated probability; it is ``k`` (``num_assistant_tokens`` follows it). Not with
-            ``prompt_lookup_num_tokens``; with an ``assistant_model``, it is the hybrid's model-free part in
-            lookup's place. See :mod:`tetris_hf.candidate_generators.suffix`.
-        tetris_suffix_cache: a :class:`~tetris_hf.suffix_cache.SuffixCache` to draft from and add finished rows to,
-            shared between calls (seeded with earlier outputs, say); ``None``: a new one per call (a stream: per
-            stream).
+        tetris_step_callback: ``fn(record, loop)`` after every step: the :class:`~tetris_hf.step.StepRecord` and the
+            loop (``loop.batch``, ``loop.stats``, ``loop.strategy``, ``loop.drafter``; in ``generate()`` also
+            ``loop.partial_outputs()``).
+        tetris_cost_profile: for ``adaptive`` and ``dsd``, what :func:`~tetris_hf.cost_model.load_profile` takes;
+            ``None``: measured at first use and cached.
+        tetris_draft_vocab: the tokens a draft model's head scores: an int ``N`` (the most frequent) or a 1-D tensor.
+        tetris_compile: run the target's verify forward and the draft's step through ``torch.compile``.
+        tetris_tree_width: ``w``, children per expanded draft node; ``w > 1`` drafts a tree per row.
+        tetris_pack: read each verify block packed where the target can be (:mod:`tetris_hf.packing`).
+        prompt_lookup_num_tokens: draft by prompt lookup, up to this many tokens per row (it is ``k``).
+        tetris_suffix_num_tokens: draft from a suffix cache, up to this many tokens per row (it is ``k``).
+        tetris_suffix_cache: a :class:`~tetris_hf.suffix_cache.SuffixCache` shared between calls.
         max_matching_ngram_size: the longest n-gram prompt lookup matches (default 3).
         tetris_min_ngram_size: the shortest n-gram prompt lookup matches (default 1).
-        tetris_confidence_threshold: a draft model or EAGLE head stops drafting a step's chain once every row's last
-            draft had ``max q`` below this (in ``(0, 1)``; transformers' ``assistant_confidence_threshold``, which its
-            assisted generation applies at 0.4). Costs one device read per draft token, so it suits small batches
-            (B = 1); lossless (``max q`` does not depend on the token drawn). ``None`` (default): every step drafts
-            its ``K``. Chains only (not trees, not prompt lookup).
+        tetris_confidence_threshold: a model's chain stops once every row's last draft has ``max q`` below this.
     """
 
     num_assistant_tokens: int = 4

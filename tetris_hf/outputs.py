@@ -10,43 +10,24 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 @dataclass
 class TetrisStats:
-    """Counts of one batched speculative ``generate()`` call.
+    """Counts of one batched speculative ``generate()`` call (docs/design.md, "What ``return_dict_in_generate=True``
+    returns"). Per-step lists have ``steps`` entries; per-row ones hold ``-1`` for rows already finished. ``lookup_*``
+    count the cells of rows prompt lookup drafted for (alone or in hybrid drafting), ``model_*`` the rest."""
 
-    Totals: ``steps`` (target forwards: the first reads the prompt and emits one token per row, as ``generate()``'s
-    first forward does; each later one verifies a step's drafts), ``drafted_tokens`` (cells drafted over all rows: a
-    prompt-lookup row without a match drafts none),
-    ``verified_tokens`` (drafts the target checked), ``accepted_tokens`` (verified drafts accepted before the first
-    rejection), ``emitted_tokens`` (tokens added to the outputs, after stopping criteria). ``draft_seconds`` and
-    ``verify_seconds``: wall time of the draft and of the target side of the loop. ``target_tokens``: tokens the
-    target's forwards computed after the prompt's (packed, each active row's last token and its verified drafts;
-    padded, every row to the longest block); ``selected_tokens``: what a packed read computes, the verified drafts plus
-    one token per active row, over the same steps.
-
-    Per step ``s`` (lists of length ``steps``): ``num_drafted_per_step[s]`` (``K`` that step), ``budget_per_step[s]``,
-    ``target_tokens_per_step[s]`` (0 at the prompt's step), and per original batch row ``r``:
-    ``verified_per_step[s][r]`` and ``accepted_per_step[s][r]`` (``-1`` for rows that had already finished).
-
-    By source (prompt lookup, alone or in hybrid drafting, against a draft model or EAGLE head): ``lookup_drafted_tokens``,
-    ``lookup_verified_tokens`` and ``lookup_accepted_tokens`` count the cells of rows prompt lookup drafted for, and
-    ``lookup_drafted_per_step[s]`` and ``lookup_accepted_per_step[s]`` per step; the model's are the rest
-    (``model_drafted_tokens``, ``model_verified_tokens``, ``model_accepted_tokens``). Which source each row took at a
-    step is the :class:`~tetris_hf.step.StepRecord`'s ``lookup_rows`` (``tetris_step_callback``).
-    """
-
-    steps: int = 0
-    drafted_tokens: int = 0
-    verified_tokens: int = 0
-    accepted_tokens: int = 0
-    emitted_tokens: int = 0
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
-    target_tokens: int = 0
-    selected_tokens: int = 0
-    num_drafted_per_step: list[int] = field(default_factory=list)
+    steps: int = 0  # target forwards: the first reads the prompt, each later one verifies a step's drafts
+    drafted_tokens: int = 0  # cells drafted over all rows
+    verified_tokens: int = 0  # drafts the target checked
+    accepted_tokens: int = 0  # verified drafts accepted before the first rejection
+    emitted_tokens: int = 0  # tokens added to the outputs, after stopping criteria
+    draft_seconds: float = 0.0  # wall time of the draft side of the loop
+    verify_seconds: float = 0.0  # and of the target side
+    target_tokens: int = 0  # tokens the target's forwards computed after the prompt's (padded: to the longest block)
+    selected_tokens: int = 0  # what a packed read computes: the verified drafts plus one token per active row
+    num_drafted_per_step: list[int] = field(default_factory=list)  # K that step
     budget_per_step: list[int] = field(default_factory=list)
-    verified_per_step: list[list[int]] = field(default_factory=list)
-    accepted_per_step: list[list[int]] = field(default_factory=list)
-    target_tokens_per_step: list[int] = field(default_factory=list)
+    verified_per_step: list[list[int]] = field(default_factory=list)  # [s][r], r an original batch row
+    accepted_per_step: list[list[int]] = field(default_factory=list)  # [s][r]
+    target_tokens_per_step: list[int] = field(default_factory=list)  # 0 at the prompt's step
     lookup_drafted_tokens: int = 0
     lookup_verified_tokens: int = 0
     lookup_accepted_tokens: int = 0
@@ -123,15 +104,10 @@ class TetrisStats:
         return stats
 
     def to_dict(self) -> dict:
-        return {
-            **asdict(self),
-            "acceptance_rate": self.acceptance_rate,
-            "verification_success_rate": self.verification_success_rate,
-            "computed_per_selected": self.computed_per_selected,
-            "model_drafted_tokens": self.model_drafted_tokens,
-            "model_verified_tokens": self.model_verified_tokens,
-            "model_accepted_tokens": self.model_accepted_tokens,
-        }
+        """The fields and the derived rates and counts, by name."""
+        derived = ("acceptance_rate", "verification_success_rate", "computed_per_selected", "model_drafted_tokens",
+                   "model_verified_tokens", "model_accepted_tokens")
+        return {**asdict(self), **{name: getattr(self, name) for name in derived}}
 
 
 @dataclass

@@ -1,7 +1,5 @@
-"""Which drafted tokens the target verifies this step.
-
-Every function here returns ``verify_lengths`` of shape ``(B,)``: row ``i`` verifies its first ``verify_lengths[i]``
-drafted tokens. A row may verify none (it then emits one plain target token this step).
+"""Which drafted tokens the target verifies this step: every function returns ``verify_lengths`` ``(B,)``, row ``i``
+verifying its first ``verify_lengths[i]`` drafts (0: one plain target token). Design: docs/design.md, "Selection".
 """
 
 from __future__ import annotations
@@ -14,9 +12,8 @@ def cumulative_log_probs(draft_token_log_probs: torch.Tensor) -> torch.Tensor:
 
     Args:
         draft_token_log_probs: ``(B, K)``, row ``i``'s draft log-probability at position ``j``: the drafted token's
-            ``log q`` when greedy; when sampling, the draft's confidence ``log max q`` (see
-            :meth:`~tetris_hf.candidate_generators.BatchedDraftCandidateGenerator.propose`: a score must not depend on
-            which token was drawn at that cell, or sampling stops being lossless).
+            ``log q`` when greedy; when sampling, the confidence ``log max q`` (never the drawn token's, or sampling
+            stops being lossless).
 
     Returns:
         ``(B, K)`` scores, non-increasing along each row.
@@ -25,18 +22,14 @@ def cumulative_log_probs(draft_token_log_probs: torch.Tensor) -> torch.Tensor:
 
 
 def select_tetris(scores: torch.Tensor, max_lengths: torch.Tensor, budget: int) -> torch.Tensor:
-    """Verify the ``budget`` highest-scoring cells over the whole batch (TETRIS, arXiv 2502.15197).
-
-    Because scores never increase along a row, the chosen cells of each row form a prefix, so the result is a
-    per-row length. Ties go to the lower row, then the earlier position (a stable sort over row-major cells), which
-    keeps every row's selection a prefix even when scores repeat.
+    """Verify the ``budget`` highest-scoring cells over the whole batch (TETRIS, arXiv 2502.15197); ties go to the
+    lower row, then the earlier position, so every row's chosen cells form a prefix.
 
     Args:
         scores: ``(B, K)`` cell scores, non-increasing along each row (see :func:`cumulative_log_probs`).
-        max_lengths: ``(B,)`` how many of a row's cells may be verified at most (cells at or past it are not
-            candidates: the row is finished, or close to its length limit).
-        budget: total cells to verify across the batch, ``>= 0``. A budget above the number of candidate cells
-            verifies them all.
+        max_lengths: ``(B,)`` how many of a row's cells may be verified at most (the row may be finished, or close
+            to its length limit).
+        budget: total cells to verify across the batch, ``>= 0``.
 
     Returns:
         ``(B,)`` long tensor of verified lengths; ``verify_lengths.sum() == min(budget, candidate cells)``.
@@ -75,11 +68,12 @@ def select_fixed(max_lengths: torch.Tensor, num_tokens: int) -> torch.Tensor:
 
 def select_fixed_budget(lengths: torch.Tensor, budget: int, longest: int) -> torch.Tensor:
     """Trim ``lengths`` ``(B,)`` (each at most ``longest``) so they sum to at most ``budget``, longest rows first (of
-    equal rows, the earlier row first), without reading the device.
+    equal rows, the earlier row first), without reading the device: every row is cut to the largest level ``t`` that
+    fits, and the last rows longer than ``t`` keep ``t + 1`` while the budget lasts. E.g. ``[3, 3, 3]``, budget 7 ->
+    ``[2, 2, 3]``.
 
-    Trimming one cell at a time from the longest row ends with every row cut to a level ``t`` or, for the last
-    ``r`` rows that were longer than ``t``, ``t + 1``: ``t`` is the largest level whose cut fits the budget and ``r``
-    what the budget has left. E.g. ``[3, 3, 3]`` with budget 7: ``t = 2``, ``r = 1`` -> ``[2, 2, 3]``.
+    Returns:
+        ``(B,)`` trimmed lengths.
     """
     levels = torch.arange(longest + 1, device=lengths.device)
     cut = torch.minimum(lengths[:, None], levels[None, :]).sum(dim=0)  # (levels,) total at each level

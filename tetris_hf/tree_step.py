@@ -1,28 +1,7 @@
-"""A step's phases when every row drafts a tree (``tetris_tree_width=w > 1``): the strategy selects nodes, the target
-verifies every selected node in one forward, each row accepts one path, both caches roll back.
-
-The maths is :mod:`tetris_hf.trees`; :class:`TreeStep` runs it on the loop's models and caches, in
-:func:`~tetris_hf.step.run_step`'s order. Only drafting, selection, verification and what rolls back differ from a
-chain step:
-
-1. **Draft:** the draft model grows ``w K`` nodes per row, ``K`` the plan's drafts
-   (:meth:`~tetris_hf.candidate_generators.BatchedDraftCandidateGenerator.propose_tree`; an EAGLE head's nodes
-   read its own output at their parents), or suffix drafts build them from the continuations they hold
-   (:meth:`~tetris_hf.candidate_generators.suffix.SuffixCandidateGenerator.propose`, a deterministic tree).
-2. **Select:** the strategy's ``select_tree`` (TETRIS: the batch's ``C`` best nodes by path score; ``fixed``: each
-   row's ``k`` best; ``adaptive``: ``C`` from the cost model); nodes deeper than a row may still grow are no
-   candidates.
-3. **Verify:** one target forward over ``[root, selected nodes, filler]`` per row (:func:`~tetris_hf.trees.tree_block`),
-   a node seeing the row's cached tokens and its ancestors, at the root's position plus its depth; the processors run
-   at every node on its own prefix. The step's one device read sizes the block (the most nodes a row selected), with
-   the caches' fill levels, as a chain step's does. Then acceptance: greedy, the deepest selected path the target's
-   argmax follows; sampling, recursive rejection sampling over siblings for a drafted tree, and for a deterministic
-   one (no ``q``) a draw from the target's law at each node, followed while it lands on a child (both lossless,
-   :mod:`tetris_hf.trees`).
-4. **Roll back:** both caches keep the root and the accepted path where they are (holes elsewhere).
-5. **Emit:** the accepted tokens go into the rows, and the loop emits as after a chain.
-
-The strategy observes a chain per row (:func:`observed_chain`): the accepted path, then down the best children.
+"""A step's phases when every row drafts a tree (``tetris_tree_width=w > 1``): :class:`TreeStep` runs the maths of
+:mod:`tetris_hf.trees` on the loop's models and caches, in :func:`~tetris_hf.step.run_step`'s order; only drafting,
+selection, verification, roll back and where the accepted tokens come from differ from a chain step. The strategy
+observes a chain per row (:func:`observed_chain`). Design: docs/design.md, "Draft trees".
 """
 
 from __future__ import annotations
@@ -44,20 +23,17 @@ from .trees import (
 
 
 class TreeSelection(NamedTuple):
-    """What a tree step selected: ``candidates``, the drafted tree with the nodes no row may take marked invalid
-    (deeper than a row may still grow); ``nodes`` ``(B, N)`` bool, the verified nodes (an ancestor-closed subtree per
-    row); ``depth``: the tree's levels, ``K``."""
+    """What a tree step selected."""
 
-    candidates: DraftTree
-    nodes: torch.Tensor
-    depth: int
+    candidates: DraftTree  # the drafted tree, nodes deeper than a row may still grow marked invalid
+    nodes: torch.Tensor  # (B, N) bool, the verified nodes (an ancestor-closed subtree per row)
+    depth: int  # the tree's levels, K
 
 
 class TreeStep(ChainStep):
-    """A step's phases when every row drafts a tree of ``width`` children per expanded node: a chain step's but for
-    drafting, selection, verification, roll back and where the accepted tokens come from. A step that drafts nothing
-    is a chain step (:attr:`plain`). Trees are not read beside joining prompts: a tree step's verification reads
-    ancestor masks, which riding does not split."""
+    """A step's phases when every row drafts a tree of ``width`` children per expanded node. A step that drafts
+    nothing is a chain step (:attr:`plain`). Trees are not read beside joining prompts: their ancestor masks are not
+    split by riding."""
 
     def __init__(self, context: StepContext, batch: Batch, width: int):
         super().__init__(context, batch)
@@ -148,15 +124,16 @@ class TreeStep(ChainStep):
 def observed_chain(tree: DraftTree, selected: torch.Tensor, path_nodes: torch.Tensor,
                    num_accepted: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A chain per row for strategies that learn from chains (``adaptive``, ``dsd``): the accepted path, then from its
-    last node down the best child at each depth (the first child tried, then the best continuation).
+    last node down the best child at each depth. E.g. accepted path [0, 3], node 3's best child 5 unselected: chain
+    [0, 3, 5], verified 2.
+
+    Args:
+        tree: the candidates, ``(B, N)`` fields; selected: ``(B, N)`` bool; path_nodes: ``(B, D)`` accepted nodes,
+            -1 after; num_accepted: ``(B,)``; depth: ``K``.
 
     Returns:
-        ``(B, K)`` each chain node's conditional ``log q`` (its score minus its parent's; ``-inf`` past the tree) and
-        ``(B,)`` how many of the chain's first nodes were verified (the accepted ones, then a selected best child counts
-        as the rejected cell).
-
-    E.g. accepted path [0, 3] in a depth-3 tree whose node 3 has best child 5, unselected: chain [0, 3, 5],
-    verified 2, accepted 2.
+        ``(B, K)`` each chain node's conditional ``log q`` (``-inf`` past the tree) and ``(B,)`` how many of the
+        chain's first nodes were verified (the accepted ones, then a selected best child as the rejected cell).
     """
     batch_size, num_nodes = tree.tokens.shape
     device = tree.tokens.device

@@ -1,78 +1,9 @@
-"""TETRIS over draft trees (issue #24): expand, select, lay out, accept and roll back, as batched tensor functions.
+"""TETRIS over draft trees (EAGLE-2 expansion, one budget for the batch), as batched tensor functions that read nothing
+from the device: every shape comes from host integers the caller knows.
 
-A chain drafts one token per depth; a tree drafts several children per node, and the target verifies every selected
-node in one forward with an ancestor mask (EAGLE-2, arXiv 2406.16858; SpecInfer, arXiv 2305.09781). TETRIS selection
-carries over unchanged: a node's score is the log of its cumulative draft probability, it never increases from a
-node to its children, so the budget's ``C`` best nodes over the whole batch form a subtree of every row.
-
-The steps, each a pure function with tensors as its only interface (no device read inside: every shape comes from
-host integers the caller knows):
-
-1. draft: :func:`expand_frontier` (greedy, the ``width`` most likely children of each frontier node) or
-   :func:`expand_frontier_sampled` (sampling: children drawn without replacement), :func:`append_nodes` to add a
-   depth to the tree, :func:`grow_tree` running both with a per-depth draft callback;
-2. select: :func:`select_tree_nodes` (TETRIS, one budget for the batch) or :func:`select_tree_fixed` (each row's
-   best ``n`` nodes);
-3. verify: :func:`tree_block`, the target's input (tokens, positions, ancestor mask) for one forward;
-4. accept: :func:`accept_tree_greedy`, or when sampling :func:`accept_tree_sampling` (a drafted tree, lossless, see
-   below) or :func:`accept_tree_matching` (a deterministic tree: suffix drafts, lossless, see its docstring);
-5. roll back: :func:`kept_slots` (which block slots a cache keeps).
-
-**Representation.** ``B`` rows, each a tree of at most ``N`` nodes. The root is the row's last emitted token (not yet
-verified, not a node); nodes are numbered in creation order, depth by depth, and within a depth by descending score,
-so a node's parent always has a smaller index. Per node, all ``(B, N)``:
-
-- ``tokens``: the drafted token;
-- ``parents``: the parent's node index, ``-1`` for the root's children;
-- ``depths``: 1 for the root's children;
-- ``log_scores``: cumulative path score (greedy: ``sum log q`` of the path's tokens; sampling: see below), never
-  larger than the parent's;
-- ``valid``: a real node (``False``: a slot the static layout reserves but nothing was drafted into, or a draw past
-  the support of ``q``).
-
-Worked example (one row, width 2, depth 2, two nodes kept per depth)::
-
-    root "r": q(the) = .82, q(a) = .15         -> nodes 0 "the" (-0.2), 1 "a" (-1.9)
-    depth 2: children of "the": cat -0.7, dog -1.4; of "a": cat -2.2, big -2.4 -> the best two are kept
-    tokens  [the, a, cat, dog]   parents [-1, -1, 0, 0]   depths [1, 1, 2, 2]
-    scores  [-0.2, -1.9, -0.7, -1.4]
-    select_tree_nodes(..., budget=3) -> [T, F, T, T]   (the three best; "a" lost to the deeper "cat" and "dog")
-    tree_block -> tokens [r, the, cat, dog], offsets [0, 1, 2, 2], parents [-1, 0, 1, 1],
-                  mask   r: r | the: r the | cat: r the cat | dog: r the dog
-    target argmax at r = the, at the = dog -> accepted path slots [1, 3], 2 accepted, next token = argmax at "dog"
-    kept_slots -> [T, T, F, T]
-
-**Sampling, and why it stays lossless.** :func:`accept_tree_sampling` runs recursive rejection sampling without
-replacement (RRS-wor; SpecInfer's multi-draft rule, with the draft law updated for distinct siblings) at each node of
-the path: try the node's verified children in the order they were drawn; child ``c_j`` is accepted with probability
-``min(1, p_j(c_j) / q_j(c_j))``, where ``q_j`` is ``q`` without ``c_1..c_{j-1}``, renormalised (the law ``c_j`` was
-drawn from), and ``p_1 = p``; on a rejection ``p_{j+1} = norm(max(p_j - q_j, 0))``; if no child is accepted the token
-is drawn from the last ``p_j`` (from ``p`` itself, a bonus token, at a node with no verified child).
-
-Proof, by induction from the last verified child: steps ``j, j+1, ...`` emit a token of law ``p_j`` whatever
-``c_1..c_{j-1}`` were. With no child left the token is drawn from ``p_j``. Otherwise step ``j`` emits ``y = c_j``
-with probability ``min(p_j(y), q_j(y))``; it rejects with probability ``1 - sum min(p_j, q_j)`` whatever ``c_j`` was,
-and the later steps then emit ``p_{j+1}`` (induction: true for any ``c_j``, however ``q_{j+1}`` depends on it); and
-``min(p_j, q_j) + (1 - sum min(p_j, q_j)) norm(max(p_j - q_j, 0)) = p_j``. So each emitted token has the target's law
-given the tokens before it, and an accepted child's own children were drawn from ``q`` given its path, so the same
-holds one level down. (A rejected ``c_j`` has ``p_{j+1}(c_j) = 0``: the residual never lands on a rejected sibling.)
-
-The argument needs, at every node, that whether ``c_j`` is verified is decided without looking at ``c_j``, at its
-later siblings (drawn after it, they carry information about it), or at anything drawn below them; earlier siblings,
-their subtrees and the other rows are fine. The functions here guarantee it when used together:
-
-- siblings are drawn without replacement (Gumbel-top-k: perturbed ``log q`` sorted descending is a sequential draw
-  without replacement) and stored in draw order (the index order among siblings);
-- a sampled child's score is its parent's plus the log of the ``r``-th largest ``q`` (``r`` its draw rank): it
-  depends on the parent's path, never on the drawn token (with width 1, the chain's ``log max q`` confidence);
-- every decision (which candidates become nodes, which form the frontier, which are selected, under the budget and
-  the per-row cap ``max_per_row``) keeps a node iff fewer than ``k`` nodes above it in one fixed order are kept:
-  score descending, ties to the lower row, then the lower index. So whether a node exists and is verified depends
-  only on the nodes above it, and theirs only on nodes above them. A node's token enters only its descendants'
-  scores, and they, its later siblings and their subtrees all sit below it.
-
-EAGLE-2's score, the drawn token's own ``log q`` (right for greedy), breaks this: a likely draw would be verified more
-often than an unlikely one; ``tests/test_trees.py`` shows the bias.
+Draft (:func:`grow_tree`), select (:func:`select_tree_nodes`, :func:`select_tree_fixed`), verify (:func:`tree_block`),
+accept (:func:`accept_tree_greedy`, :func:`accept_tree_sampling`, :func:`accept_tree_matching`), roll back
+(:func:`kept_slots`). The representation, a worked example and the losslessness proof: docs/design.md, "Draft trees".
 """
 
 from __future__ import annotations
@@ -85,102 +16,63 @@ from torch import Tensor
 from .logits.verification import residual_distribution, sample_tokens
 
 __all__ = [
-    "DraftTree",
-    "Expansion",
-    "TreeBlock",
-    "TreeAcceptance",
-    "GrownTree",
-    "empty_tree",
-    "expand_frontier",
-    "expand_frontier_sampled",
-    "gumbel_top_k",
-    "append_nodes",
-    "frontier_log_scores",
-    "grow_tree",
-    "select_tree_nodes",
-    "select_tree_fixed",
-    "tree_block",
-    "ancestor_mask",
-    "block_draft_log_probs",
-    "accept_tree_greedy",
-    "accept_tree_sampling",
-    "accept_tree_matching",
-    "kept_slots",
-    "path_products",
-    "conditional_log_probs",
+    "DraftTree", "Expansion", "TreeBlock", "TreeAcceptance", "GrownTree", "empty_tree", "expand_frontier",
+    "expand_frontier_sampled", "gumbel_top_k", "append_nodes", "frontier_log_scores", "grow_tree", "select_tree_nodes",
+    "select_tree_fixed", "tree_block", "ancestor_mask", "block_draft_log_probs", "accept_tree_greedy",
+    "accept_tree_sampling", "accept_tree_matching", "kept_slots", "path_products", "conditional_log_probs",
     "path_tokens",
 ]
 
 
 class DraftTree(NamedTuple):
-    """``B`` trees of ``N`` nodes, every field ``(B, N)`` (see the module docstring)."""
+    """``B`` trees of ``N`` nodes, every field ``(B, N)``. The root (the row's last emitted token) is no node; nodes
+    come depth by depth, best first within a depth, so a parent's index is lower than its children's."""
 
     tokens: Tensor  # long
     parents: Tensor  # long, -1 for the root's children
     depths: Tensor  # long, 1-based
-    log_scores: Tensor  # float, never above the parent's
-    valid: Tensor  # bool
+    log_scores: Tensor  # float, cumulative path score, never above the parent's
+    valid: Tensor  # bool; False: a reserved slot nothing was drafted into, or a draw past the support of q
 
 
 class Expansion(NamedTuple):
-    """One depth's new nodes, ``K`` per row, best first (all ``(B, K)``).
+    """One depth's new nodes, ``K`` per row, best first (ties in candidate order), every field ``(B, K)``."""
 
-    ``parents``: the parent's position within the frontier (``0..F-1``); ``tokens``; ``log_scores`` (cumulative,
-    descending along each row, ties in candidate order); ``valid``: ``False`` for a child of an invalid frontier node
-    (score ``-inf``) or a token of draft probability 0.
-    """
-
-    parents: Tensor
+    parents: Tensor  # the parent's position within the frontier, 0..F-1
     tokens: Tensor
-    log_scores: Tensor
-    valid: Tensor
+    log_scores: Tensor  # cumulative, descending along each row
+    valid: Tensor  # False: a child of an invalid frontier node, or a token of draft probability 0
 
 
 class TreeBlock(NamedTuple):
-    """The target's input for one verification forward, ``S = 1 + M`` slots per row.
+    """The target's input for one verification forward, ``S = 1 + M`` slots per row, real slots first. The caller's
+    4D mask adds the row's cached prefix to ``ancestor_mask``."""
 
-    ``tokens`` ``(B, S)``: ``[root, selected nodes in node order, filler]``.
-    ``position_offsets`` ``(B, S)``: depth (root 0, filler 0); a slot's position is the row's length plus it.
-    ``ancestor_mask`` ``(B, S, S)`` bool: slot ``i`` sees slot ``j`` within the block iff ``j`` is ``i`` or one of its
-    ancestors (the root included); filler sees only itself. (The caller's 4D mask adds the row's cached prefix, seen
-    by every real slot.)
-    ``parents`` ``(B, S)``: the parent's slot (0 for the root's children), ``-1`` for the root and filler.
-    ``node_index`` ``(B, M)``: the tree node in slot ``1 + m``, ``-1`` for filler.
-    ``lengths`` ``(B,)``: real slots, root included (``1 + selected nodes``); they come first in every row.
-    """
-
-    tokens: Tensor
-    position_offsets: Tensor
-    ancestor_mask: Tensor
-    parents: Tensor
-    node_index: Tensor
-    lengths: Tensor
+    tokens: Tensor  # (B, S) [root, selected nodes in node order, filler]
+    position_offsets: Tensor  # (B, S) depth (root and filler 0), added to the row's length
+    ancestor_mask: Tensor  # (B, S, S) bool, [b, i, j]: j is i or an ancestor of i (filler: only itself)
+    parents: Tensor  # (B, S) the parent's slot (0 for the root's children), -1 for the root and filler
+    node_index: Tensor  # (B, M) the tree node in slot 1 + m, -1 for filler
+    lengths: Tensor  # (B,) real slots, 1 + selected nodes
 
 
 class TreeAcceptance(NamedTuple):
-    """What the target did with a verified block.
+    """What the target did with a verified block: a row emits ``block.tokens[path[:num_accepted]]``, then
+    ``next_tokens``."""
 
-    ``path`` ``(B, D)``: block slots of the accepted nodes from depth 1 down, ``-1`` after the last.
-    ``num_accepted`` ``(B,)``: accepted drafts (the path's length).
-    ``next_tokens`` ``(B,)``: the target's token after them (a correction, or a bonus token after a leaf).
-    A row emits ``block.tokens[path[:num_accepted]]`` then ``next_tokens``.
-    """
-
-    path: Tensor
-    num_accepted: Tensor
-    next_tokens: Tensor
+    path: Tensor  # (B, D) block slots of the accepted nodes from depth 1 down, -1 after the last
+    num_accepted: Tensor  # (B,) accepted drafts (the path's length)
+    next_tokens: Tensor  # (B,) the target's token after them (a correction, or a bonus token after a leaf)
 
 
 class GrownTree(NamedTuple):
-    """:func:`grow_tree`'s result.
+    """:func:`grow_tree`'s result: the :class:`DraftTree` and what sampling verification needs as ``q``.
 
-    ``tree``: the :class:`DraftTree`.
     ``expanded_log_probs`` ``(B, E, V)``: the draft law each expanded node's children came from (position 0: the
-    root's; then each depth's frontier in node order), what sampling verification needs as ``q``; ``None`` for a
-    deterministic tree (drawn from no law: suffix drafts), which sampling verifies by :func:`accept_tree_matching`.
-    ``expanded_of_node`` ``(N,)`` long, the same for every row: each node's position in ``expanded_log_probs``, -1 for
-    a node never expanded (a leaf of the layout); ``None`` with ``expanded_log_probs``.
-    ``cached_lengths`` ``(B,)``: as a chain :class:`~tetris_hf.step.Proposal`'s, the drafter's cache fill per row.
+    root's; then each depth's frontier in node order); ``None`` for a deterministic tree (suffix drafts, verified by
+    :func:`accept_tree_matching`). ``expanded_of_node`` ``(N,)`` long, the same for every row: each node's position
+    in ``expanded_log_probs``, -1 for a node never expanded; ``None`` with it. ``cached_lengths`` ``(B,)``: the
+    drafter's cache fill per row, as a chain :class:`~tetris_hf.step.Proposal`'s.
     """
 
     tree: DraftTree
@@ -189,9 +81,8 @@ class GrownTree(NamedTuple):
     cached_lengths: Tensor | None = None
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------
 # Helpers
-# ----------------------------------------------------------------------------------------------------------------
 
 
 def _check_count(name: str, value: int, minimum: int) -> int:
@@ -206,11 +97,8 @@ def _jump_rounds(length: int) -> int:
 
 
 def _path_reduce(values: Tensor, parents: Tensor, combine: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
-    """Each node's value combined with all its ancestors' (``combine`` associative), ``(B, N)`` -> ``(B, N)``.
-
-    Pointer jumping: after round ``k`` a node holds the combination over itself and its ``2^k - 1`` nearest
-    ancestors, and jumps ``2^k`` up; ``ceil(log2 N)`` rounds, no host read. ``parents``: -1 above the top.
-    """
+    """Each node's value combined with all its ancestors' (``combine`` associative), ``(B, N)`` -> ``(B, N)``, by
+    pointer jumping (``ceil(log2 N)`` rounds, no host read); ``parents``: -1 above the top."""
     jump = parents
     for _ in range(_jump_rounds(values.shape[-1])):
         has_jump = jump >= 0
@@ -241,9 +129,8 @@ def _self_loops(parents: Tensor) -> Tensor:
     return torch.where(parents >= 0, parents, slots)
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------
 # 1. Draft: expansion
-# ----------------------------------------------------------------------------------------------------------------
 
 
 def empty_tree(batch_size: int, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
@@ -292,19 +179,15 @@ def _check_expansion(frontier_scores: Tensor, child_log_probs: Tensor, width: in
 def expand_frontier(frontier_scores: Tensor, child_log_probs: Tensor, width: int, keep: int | None = None
                     ) -> Expansion:
     """Greedy tree drafting's step (EAGLE-2): the ``width`` most likely children of every frontier node, scored by
-    cumulative ``log q``, and the ``keep`` best of those ``F * width`` candidates.
-
-    With ``keep = width`` (the default) the tree holds only the frontier; ``keep = F * width`` keeps every candidate
-    (EAGLE-2's pool: the leaves cost no draft forward and give selection more choice). The next frontier is the first
-    ``width`` of the result. With ``width = 1`` the tree is the greedy chain (argmax at each depth, scores
-    ``cumsum(log max q)``).
+    cumulative ``log q``, and the ``keep`` best of those ``F * width`` candidates (``width = 1``: the greedy chain).
 
     Args:
         frontier_scores: ``(B, F)`` cumulative scores of the nodes being expanded (``-inf`` for an invalid one); the
             root is a frontier of one node of score 0.
         child_log_probs: ``(B, F, V)`` log-softmax of the draft at each frontier node.
         width: children per frontier node.
-        keep: candidates kept, ``1..F * width``.
+        keep: candidates kept, ``1..F * width`` (default ``width``: only the next frontier; ``F * width``: every
+            candidate, EAGLE-2's pool of leaves).
 
     Returns:
         :class:`Expansion` of ``keep`` nodes per row.
@@ -319,11 +202,8 @@ def expand_frontier(frontier_scores: Tensor, child_log_probs: Tensor, width: int
 
 def gumbel_top_k(log_probs: Tensor, k: int, generator: torch.Generator | None = None) -> Tensor:
     """``k`` draws without replacement from ``softmax(log_probs)`` over the last dimension, in draw order:
-    ``(..., V) -> (..., k)`` long.
-
-    The indices of the ``k`` largest ``log q + G`` (``G`` i.i.d. standard Gumbel), sorted descending, have the law of
-    drawing one token from ``q``, then one from ``q`` without it renormalised, and so on (the Gumbel-top-k trick).
-    Draws past the support of ``q`` (fewer than ``k`` tokens with ``q > 0``) are arbitrary tokens of ``q = 0``.
+    ``(..., V) -> (..., k)`` long: the ``k`` largest ``log q + G``, ``G`` i.i.d. standard Gumbel (the Gumbel-top-k
+    trick). Draws past the support of ``q`` are arbitrary tokens of ``q = 0``.
     """
     noise = torch.empty_like(log_probs).exponential_(1, generator=generator)  # G = -log E, E ~ Exp(1)
     perturbed = log_probs - noise.clamp(min=torch.finfo(noise.dtype).tiny).log()
@@ -335,13 +215,8 @@ def expand_frontier_sampled(frontier_scores: Tensor, child_log_probs: Tensor, wi
     """Sampling tree drafting's step: every frontier node draws ``width`` distinct children from its ``q`` (without
     replacement, in draw order), and the ``keep`` best candidates are kept.
 
-    A child of draw rank ``r`` scores its parent's score plus the log of the ``r``-th largest ``q``: a confidence that
-    does not depend on which token was drawn, as lossless verification needs (module docstring). Scores fall with the
-    rank, so every node keeps a prefix of its draws, in draw order. With ``width = 1`` this is the sampled chain (one
-    draw from ``q`` per depth, scores ``cumsum(log max q)``).
-
-    What :func:`accept_tree_sampling` needs of the tree, and gets from this: siblings drawn without replacement from
-    the ``q`` it is given, stored in draw order, and kept or dropped without regard to their tokens.
+    A child of draw rank ``r`` scores its parent's score plus the log of the ``r``-th largest ``q``, which does not
+    depend on the token drawn (what lossless verification needs: docs/design.md, "Draft trees").
 
     Args:
         frontier_scores, child_log_probs, width, keep: as in :func:`expand_frontier`.
@@ -390,18 +265,14 @@ def frontier_log_scores(tree: DraftTree, frontier: slice) -> Tensor:
 def grow_tree(root_log_probs: Tensor, next_log_probs: Callable[[DraftTree, slice], Tensor], depth: int,
               width: int, keep: int | None = None, sample: bool = False,
               generator: torch.Generator | None = None) -> GrownTree:
-    """Draft a tree of ``depth`` levels (EAGLE-2's expansion), one draft call per level below the first.
-
-    Depth 1 holds the root's ``width`` best (or drawn) children; each further depth expands the previous depth's
-    first ``width`` nodes (its best) into ``width`` children each and keeps ``keep`` of them. Node layout (the same for
-    every row): depth 1 at ``0 .. width - 1``, depth ``d >= 2`` at ``width + (d - 2) * keep ..``, so
-    ``N = width + (depth - 1) * keep``.
+    """Draft a tree of ``depth`` levels (EAGLE-2's expansion), one draft call per level below the first: each depth
+    expands the previous one's best ``width`` nodes into ``width`` children each and keeps ``keep``. Depth 1 is at
+    nodes ``0 .. width - 1``, depth ``d >= 2`` at ``width + (d - 2) * keep ..``, so ``N = width + (depth - 1) * keep``.
 
     Args:
         root_log_probs: ``(B, V)`` the draft's log-softmax after the root token.
-        next_log_probs: ``(tree, frontier) -> (B, F, V)`` the draft's log-softmax after each frontier node, where
-            ``frontier`` is a slice of node indices (each node sees its ancestors only, at position length + depth:
-            an EAGLE head's forward with the tree's ancestor mask).
+        next_log_probs: ``(tree, frontier) -> (B, F, V)`` the draft's log-softmax after each node of ``frontier`` (a
+            slice of node indices), each seeing its ancestors only, at position length + depth.
         depth: levels, ``>= 1``.
         width, keep: as in :func:`expand_frontier` (``keep <= width * width``).
         sample: draw children (:func:`expand_frontier_sampled`) instead of taking the top ones.
@@ -438,21 +309,15 @@ def grow_tree(root_log_probs: Tensor, next_log_probs: Callable[[DraftTree, slice
     return GrownTree(tree, torch.cat(expanded, dim=1), expanded_of_node)
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------
 # 2. Select
-# ----------------------------------------------------------------------------------------------------------------
 
 
 def select_tree_nodes(log_scores: Tensor, valid: Tensor, parents: Tensor, budget: int,
                       max_per_row: int | None = None) -> Tensor:
-    """TETRIS over trees: verify the ``budget`` best nodes of the whole batch.
-
-    Order: score descending, ties to the lower row, then to the lower node index (a stable sort of the row-major
-    nodes). Scores never increase from a node to its children and a parent's index is lower, so a node never comes
-    before its ancestors and every row's selection is a subtree. (Scores are first clamped to their path's minimum,
-    a no-op on a well-formed tree, so this holds for any input.) With ``max_per_row`` a row whose best nodes fill it
-    takes no more, and the budget goes on down the order (still the best selection under both limits: the limits
-    form a laminar matroid, on which the greedy is optimal).
+    """TETRIS over trees: verify the ``budget`` best nodes of the whole batch, score descending, ties to the lower row,
+    then the lower node index; every row's selection is a subtree. With ``max_per_row`` a full row takes no more and
+    the budget goes on down the order (the greedy stays optimal: the two limits form a laminar matroid).
 
     Args:
         log_scores: ``(B, N)`` cumulative path scores.
@@ -504,26 +369,22 @@ def select_tree_fixed(log_scores: Tensor, valid: Tensor, parents: Tensor, nodes_
     return (_row_ranks(scores, valid) < nodes_per_row) & valid
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------
 # 3. Verify: the block
-# ----------------------------------------------------------------------------------------------------------------
 
 
 def tree_block(selected: Tensor, parents: Tensor, depths: Tensor, tokens: Tensor, root_tokens: Tensor,
                max_nodes: int, filler_token: int = 0) -> TreeBlock:
     """Lay out every row's selected subtree for one target forward: ``[root, selected nodes in node order, filler]``.
 
-    Node order is breadth-first, so parents come before children, and a kept path's slots are in position order.
-    ``max_nodes`` (``M``) is a host bound on the selected nodes per row: ``min(budget, N)`` for TETRIS, or the
-    ``max_per_row`` it was given; ``nodes_per_row`` for fixed selection. A row with more keeps its first ``M`` nodes,
-    still a subtree, but when sampling that cut is not blind to the drawn tokens (which nodes come before a node can
-    depend on its descendants' scores): cap rows in selection instead (``max_per_row``), which is.
+    A row with more than ``max_nodes`` keeps its first ``M``, still a subtree, but when sampling that cut is not blind
+    to the drawn tokens: cap rows in selection instead (``max_per_row``).
 
     Args:
         selected: ``(B, N)`` bool, ancestor-closed (from :func:`select_tree_nodes` or :func:`select_tree_fixed`).
         parents, depths, tokens: ``(B, N)`` the tree.
         root_tokens: ``(B,)`` each row's last emitted token.
-        max_nodes: ``M >= 0``.
+        max_nodes: ``M >= 0``, a host bound on the selected nodes per row.
         filler_token: the token in filler slots (never seen by a real slot).
 
     Returns:
@@ -562,14 +423,9 @@ def tree_block(selected: Tensor, parents: Tensor, depths: Tensor, tokens: Tensor
 
 def path_tokens(tokens: Tensor, parents: Tensor, depths: Tensor, max_depth: int, filler: int = 0) -> Tensor:
     """The tokens on the path to every node, from depth 1 down to the node itself: ``(B, S, max_depth)``, column
-    ``d - 1`` the ancestor at depth ``d`` (the node at its own depth), ``filler`` past the node's depth.
-
-    Works on a tree's nodes (``parents`` -1 above depth 1) and on a :class:`TreeBlock` (``parents`` 0 above depth 1:
-    the root, at depth 0, is not on any path). What a logits processor that reads the tokens so far needs at a node:
-    the row's tokens, then these.
-
-    E.g. block tokens [r, the, cat, dog], parents [-1, 0, 1, 1], depths [0, 1, 2, 2], max_depth 2 ->
-    [[f, f], [the, f], [the, cat], [the, dog]].
+    ``d - 1`` the ancestor at depth ``d``, ``filler`` past the node's depth; for a tree's nodes or a
+    :class:`TreeBlock`'s slots (the root, at depth 0, is on no path). E.g. block tokens [r, the, cat, dog], parents
+    [-1, 0, 1, 1], depths [0, 1, 2, 2] -> [[f, f], [the, f], [the, cat], [the, dog]].
 
     Args:
         tokens, parents, depths: ``(B, S)``.
@@ -588,10 +444,8 @@ def path_tokens(tokens: Tensor, parents: Tensor, depths: Tensor, max_depth: int,
 
 
 def ancestor_mask(block_parents: Tensor) -> Tensor:
-    """``(B, S)`` block parents -> ``(B, S, S)`` bool, ``[b, i, j]``: slot ``j`` is slot ``i`` or an ancestor of it.
-
-    Pointer jumping on the mask's rows: ``ceil(log2 S)`` rounds of a ``(B, S, S)`` gather.
-    """
+    """``(B, S)`` block parents -> ``(B, S, S)`` bool, ``[b, i, j]``: slot ``j`` is slot ``i`` or an ancestor of it
+    (pointer jumping, ``ceil(log2 S)`` rounds)."""
     batch_size, slots = block_parents.shape
     mask = torch.eye(slots, dtype=torch.bool, device=block_parents.device).expand(batch_size, slots, slots)
     jump = _self_loops(block_parents)
@@ -602,9 +456,8 @@ def ancestor_mask(block_parents: Tensor) -> Tensor:
 
 
 def block_draft_log_probs(expanded_log_probs: Tensor, expanded_of_node: Tensor, node_index: Tensor) -> Tensor:
-    """The draft law ``q`` each block slot's children were drawn from: ``(B, S, V)``, slot 0 the root's.
-
-    Slots whose node was never expanded (they have no children) get the root's law, which nothing reads.
+    """The draft law ``q`` each block slot's children were drawn from: ``(B, S, V)``, slot 0 the root's (also given,
+    unread, to slots never expanded).
 
     Args:
         expanded_log_probs: ``(B, E, V)`` and expanded_of_node ``(N,)`` from :func:`grow_tree`.
@@ -617,9 +470,8 @@ def block_draft_log_probs(expanded_log_probs: Tensor, expanded_of_node: Tensor, 
     return expanded_log_probs.gather(1, position[..., None].expand(-1, -1, vocab))
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------
 # 4. Accept
-# ----------------------------------------------------------------------------------------------------------------
 
 
 def _path_to(last: Tensor, depth: Tensor, block_parents: Tensor, max_depth: int) -> Tensor:
@@ -679,20 +531,12 @@ def _without(proposal: Tensor, token: Tensor) -> Tensor:
 def accept_tree_sampling(block_tokens: Tensor, block_parents: Tensor, target_probs: Tensor, draft_probs: Tensor,
                          max_depth: int, max_children: int, generator: torch.Generator | None = None
                          ) -> TreeAcceptance:
-    """Lossless tree verification: recursive rejection sampling without replacement over each node's children,
-    from the root down (module docstring: the rule and its proof).
-
-    At the current node (the root first): for its verified children ``c_1, c_2, ...`` in slot order (their draw
-    order), accept ``c_j`` with probability ``min(1, p_j(c_j) / q_j(c_j))``, ``q_j = q`` without the earlier
-    siblings, renormalised; on a rejection ``p_{j+1} = norm(max(p_j - q_j, 0))``. An accepted child becomes the
-    current node (its ``p`` and ``q`` are fresh); when none is, the next token is drawn from the last ``p_j`` (the
-    bonus token from ``p`` at a node with no verified child). One pass per depth, one step per sibling rank, every row
-    at once.
-
-    Preconditions (met by :func:`expand_frontier_sampled` with :func:`select_tree_nodes` / :func:`select_tree_fixed`
-    and :func:`tree_block`): each node's children were drawn without replacement from ``draft_probs`` at that node,
-    the verified ones are the first of those draws, in slot order, and which are verified never depended on their
-    tokens.
+    """Lossless tree verification: recursive rejection sampling without replacement over each node's verified
+    children, from the root down. Child ``c_j`` is accepted with probability ``min(1, p_j(c_j) / q_j(c_j))``, ``q_j``
+    being ``q`` without the earlier siblings, renormalised; a rejection leaves ``p_{j+1} = norm(max(p_j - q_j, 0))``;
+    with no child accepted the next token is drawn from the last ``p_j``. Needs children drawn without replacement
+    and verified blind to their tokens (:func:`expand_frontier_sampled`, then this module's selection and
+    :func:`tree_block`); the proof: docs/design.md, "Draft trees".
 
     Args:
         block_tokens, block_parents: ``(B, S)`` from :func:`tree_block`.
@@ -735,17 +579,8 @@ def accept_tree_matching(block_tokens: Tensor, block_parents: Tensor, target_pro
                          generator: torch.Generator | None = None) -> TreeAcceptance:
     """Lossless sampling verification of a deterministic tree (drafted from no law: suffix drafts): at each node of
     the path, from the root down, draw ``x ~ p`` (the target's processed law there); move to the verified child whose
-    token is ``x`` (the lowest slot, should siblings repeat a token), else stop and emit ``x``.
-
-    Why it is lossless: every emitted token is a fresh draw ``x ~ p`` at the tokens emitted before it, whether it
-    lands on a child or not; the tree only decides how far one forward's draws reach. The tree (which nodes exist,
-    their scores, which are verified) is fixed before any draw and depends on no draw of this step, so it cannot bias
-    them. A chain is the case of one child per node: accept ``d`` with probability ``p(d)``, else draw from ``p``
-    without ``d``, the speculative rule with a one-hot ``q``. :func:`accept_tree_sampling` cannot serve here: its
-    ``q`` after a rejected one-hot child has no mass left.
-
-    E.g. root children ``[a, b]``, ``a``'s child ``c``: draw ``x_0 = b`` at the root -> move to ``b`` (a leaf), draw
-    ``x_1`` there -> emit ``b, x_1``, one accepted.
+    token is ``x`` (the lowest slot, should siblings repeat a token), else stop and emit ``x``. Every emitted token is
+    a fresh draw from ``p``; the tree, fixed before any draw, only decides how far one forward's draws reach.
 
     Args:
         block_tokens, block_parents: ``(B, S)`` from :func:`tree_block`.
@@ -801,16 +636,13 @@ def _try_children(block_tokens: Tensor, children: Tensor, current: Tensor, targe
     return current, target, moved
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------
 # 5. Roll back
-# ----------------------------------------------------------------------------------------------------------------
 
 
 def kept_slots(path: Tensor, slots: int) -> Tensor:
-    """The block slots a KV cache keeps after acceptance, ``(B, S)`` bool: the root and the accepted nodes.
-
-    They are non-contiguous in general (E.g. path [1, 3] of a 4-slot block -> [T, T, F, T]) but in position order:
-    a cache with holes (``SlotCache``) keeps them where they are.
+    """The block slots a KV cache keeps after acceptance, ``(B, S)`` bool: the root and the accepted nodes, in
+    position order but not contiguous (path [1, 3] of a 4-slot block -> [T, T, F, T]).
 
     Args:
         path: ``(B, D)`` :attr:`TreeAcceptance.path` (-1 padded).
@@ -823,9 +655,8 @@ def kept_slots(path: Tensor, slots: int) -> Tensor:
     return keep[:, :slots]
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------
 # Analysis
-# ----------------------------------------------------------------------------------------------------------------
 
 
 def path_products(values: Tensor, parents: Tensor) -> Tensor:

@@ -1,9 +1,5 @@
-"""The index of each row's largest score over a vocabulary, as ``torch.argmax`` finds it, cheaper on the CPU.
-
-torch's CPU ``argmax`` is not vectorised, and the loop takes several vocabulary-wide argmaxes a step (each greedy
-draft token, every verified position). NumPy's ``argmax`` is vectorised and follows the same rules (the first maximum;
-NaN counts as the largest), so CPU float tensors go through it on a zero-copy view (the measured difference is in
-``docs/development.md``). Other devices and dtypes NumPy lacks (bfloat16) take ``torch.argmax``.
+"""The index of each row's largest score over a vocabulary, as ``torch.argmax`` finds it, through NumPy's vectorised
+``argmax`` for CPU float tensors (why: docs/development.md, "Why NumPy's argmax on the CPU").
 """
 
 from __future__ import annotations

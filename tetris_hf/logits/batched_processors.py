@@ -1,15 +1,6 @@
-"""transformers' prefix-reading logits processors, for every row and every position of a block at once.
-
-Plain ``generate()`` calls each processor on ``(input_ids (B, T), scores (B, V))``: one prefix length for all rows.
-Speculative decoding scores ``L`` positions of each row, and row ``i``'s position ``j`` has its own prefix,
-``sequences[i, :ends[i, j]]`` (left padding included). The functions here give, in one pass on the device and
-without reading it from the host, what the processor would give on each of those prefixes alone:
-
-- a length rule (min length, min new tokens) compares ``ends`` with its threshold instead of ``input_ids.shape[-1]``;
-- a rule on the tokens so far (repetition penalty, no-repeat n-gram, sequence bias and bad words) reads the whole
-  ``sequences`` row and masks what lies at or past each position's end.
-
-Only the exact types in :data:`BATCHED_FORMS` are covered: a subclass may read the prefix in ways these do not.
+"""transformers' prefix-reading logits processors (the exact types in :data:`BATCHED_FORMS`) for every row and
+position of a block at once, each position ``j`` of row ``i`` on its own prefix ``sequences[i, :ends[i, j]]``, in one
+pass on the device (:func:`batched_form`). Design: docs/design.md, "Verification".
 """
 
 from __future__ import annotations
@@ -19,13 +10,8 @@ from typing import Callable
 
 import torch
 from transformers.generation.logits_process import (
-    LogitsProcessor,
-    MinLengthLogitsProcessor,
-    MinNewTokensLengthLogitsProcessor,
-    NoBadWordsLogitsProcessor,
-    NoRepeatNGramLogitsProcessor,
-    RepetitionPenaltyLogitsProcessor,
-    SequenceBiasLogitsProcessor,
+    LogitsProcessor, MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor, NoBadWordsLogitsProcessor,
+    NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor,
     SuppressTokensAtBeginLogitsProcessor,
 )
 
@@ -42,19 +28,16 @@ def prefix_ends(prefix_lengths: torch.Tensor, offset: int, num_positions: int) -
 
 
 def tails(sequences: torch.Tensor, ends: torch.Tensor, width: int) -> torch.Tensor:
-    """``(B, L, width)`` the ``width`` tokens before each end, ``sequences[i, ends[i, j] - width : ends[i, j]]``.
-
-    Where a prefix is shorter than ``width`` the missing tokens are arbitrary: callers mask those positions.
-    """
+    """``(B, L, width)`` the ``width`` tokens before each end, ``sequences[i, ends[i, j] - width : ends[i, j]]``
+    (arbitrary where the prefix is shorter: callers mask those positions)."""
     # E.g. ends [[5, 6]], width 2 -> columns [[[3, 4], [4, 5]]]
     columns = ends[:, :, None] - width + torch.arange(width, device=ends.device)
     columns = columns.clamp(0, sequences.shape[1] - 1)
     return sequences.gather(1, columns.flatten(1)).view(*columns.shape)
 
 
-def penalize_repeats(
-    sequences: torch.Tensor, ends: torch.Tensor, scores: torch.Tensor, penalty: float, ignore_before: torch.Tensor
-) -> torch.Tensor:
+def penalize_repeats(sequences: torch.Tensor, ends: torch.Tensor, scores: torch.Tensor, penalty: float,
+                     ignore_before: torch.Tensor) -> torch.Tensor:
     """Repetition penalty: every token seen in ``sequences[i, ignore_before[i] : ends[i, j]]`` has its score divided
     by ``penalty`` (multiplied where negative), once however often it occurs.
 
@@ -81,9 +64,8 @@ def penalize_repeats(
     return torch.where(seen, penalized, scores)
 
 
-def suppress_eos_below(
-    lengths: torch.Tensor, minimum: int, eos_token_id: torch.Tensor, scores: torch.Tensor
-) -> torch.Tensor:
+def suppress_eos_below(lengths: torch.Tensor, minimum: int, eos_token_id: torch.Tensor, scores: torch.Tensor
+                       ) -> torch.Tensor:
     """Min length: the EOS scores are ``-inf`` where ``lengths < minimum``.
 
     Args:
@@ -97,14 +79,10 @@ def suppress_eos_below(
     return scores.masked_fill((lengths < minimum)[:, :, None] & is_eos, -math.inf)
 
 
-def ban_repeated_ngrams(
-    sequences: torch.Tensor, ends: torch.Tensor, scores: torch.Tensor, ngram_size: int
-) -> torch.Tensor:
-    """No-repeat n-gram: a token that would complete an n-gram already in the prefix gets ``-inf``.
-
-    At a position with prefix ``s = sequences[i, :e]`` (``e >= n``), every window ``s[k : k + n]`` whose first
-    ``n - 1`` tokens equal the prefix's last ``n - 1`` bans its last token. Windows must lie inside the prefix
-    (``k + n <= e``). E.g. n = 2, prefix [7 8 7]: the window [7 8] starts with the suffix [7], so 8 is banned.
+def ban_repeated_ngrams(sequences: torch.Tensor, ends: torch.Tensor, scores: torch.Tensor, ngram_size: int
+                        ) -> torch.Tensor:
+    """No-repeat n-gram: a token that would complete an n-gram already in the prefix gets ``-inf`` (e.g. n = 2,
+    prefix [7 8 7]: the window [7 8] starts with the suffix [7], so 8 is banned).
 
     Args:
         sequences: ``(B, T)``.
@@ -129,13 +107,8 @@ def ban_repeated_ngrams(
     return scores.masked_fill(banned[..., :vocab_size], -math.inf)
 
 
-def bias_sequences(
-    sequences: torch.Tensor,
-    ends: torch.Tensor,
-    scores: torch.Tensor,
-    length_1_bias: torch.Tensor,
-    multi_token_biases: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-) -> torch.Tensor:
+def bias_sequences(sequences: torch.Tensor, ends: torch.Tensor, scores: torch.Tensor, length_1_bias: torch.Tensor,
+                   multi_token_biases: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """Sequence bias (and bad words, a bias of ``-inf``): a biased sequence's bias goes to its last token where the
     prefix ends with the rest of it; one-token sequences always.
 
@@ -228,10 +201,7 @@ BATCHED_FORMS: dict[type, Callable[[LogitsProcessor], BatchedProcessor]] = {
 
 
 def batched_form(processor: LogitsProcessor) -> BatchedProcessor | None:
-    """``processor`` for every row and position at once, or ``None`` when its exact type has no batched form.
-
-    The form reads the processor's attributes at each call, so state transformers sets later (the sequence bias's
-    tensors, prepared on the first call) is seen.
-    """
+    """``processor`` for every row and position at once (reading its attributes at each call, so state transformers
+    sets later is seen), or ``None`` when its exact type has no batched form."""
     make = BATCHED_FORMS.get(type(processor))
     return None if make is None else make(processor)

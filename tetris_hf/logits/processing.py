@@ -1,13 +1,5 @@
-"""Apply transformers' logits processors to many positions at once, as plain ``generate()`` would at each of them.
-
-Plain ``generate()`` calls its ``LogitsProcessorList`` once per step on ``(input_ids (B, T), scores (B, V))`` with the
-sequence so far. Speculative decoding needs the processed distribution at several positions of several rows at once,
-each with its own prefix. Processors that ignore ``input_ids`` (temperature, top-k, top-p, ...) are applied to every
-position in one call; the prefix-reading processors transformers ships (repetition penalty, min length, min new
-tokens, no-repeat n-gram, sequence bias, bad words) run in their batched forms from :mod:`.batched_processors`, which
-read each row's own prefix on the device. Any other processor (a subclass, a custom one, ``prefix_allowed_tokens_fn``)
-is called per row and per position on exactly the prefix plain ``generate()`` would have passed it; the list still
-applies in order, the processors around it batched.
+"""Apply transformers' logits processors at many positions of many rows at once, each on its own prefix, as plain
+``generate()`` would at each of them (:class:`PositionwiseLogitsProcessor`). Design: docs/design.md, "Verification".
 """
 
 from __future__ import annotations
@@ -17,20 +9,9 @@ import itertools
 
 import torch
 from transformers.generation.logits_process import (
-    EpsilonLogitsWarper,
-    EtaLogitsWarper,
-    InfNanRemoveLogitsProcessor,
-    LogitNormalization,
-    LogitsProcessorList,
-    MinPLogitsWarper,
-    PrefixConstrainedLogitsProcessor,
-    RepetitionPenaltyLogitsProcessor,
-    SuppressTokensLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopHLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    TypicalLogitsWarper,
+    EpsilonLogitsWarper, EtaLogitsWarper, InfNanRemoveLogitsProcessor, LogitNormalization, LogitsProcessorList,
+    MinPLogitsWarper, PrefixConstrainedLogitsProcessor, RepetitionPenaltyLogitsProcessor, SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper, TopHLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, TypicalLogitsWarper,
 )
 
 from .batched_processors import BATCHED_FORMS, batched_form, prefix_ends
@@ -38,16 +19,8 @@ from .row_sampling import RowSamplingWarper
 
 # Processors whose output depends on the scores alone, never on the tokens so far.
 PREFIX_FREE_PROCESSORS = (
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    TopHLogitsWarper,
-    MinPLogitsWarper,
-    TypicalLogitsWarper,
-    EpsilonLogitsWarper,
-    EtaLogitsWarper,
-    InfNanRemoveLogitsProcessor,
-    LogitNormalization,
+    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, TopHLogitsWarper, MinPLogitsWarper,
+    TypicalLogitsWarper, EpsilonLogitsWarper, EtaLogitsWarper, InfNanRemoveLogitsProcessor, LogitNormalization,
     SuppressTokensLogitsProcessor,
 )
 
@@ -60,11 +33,8 @@ def is_prefix_free(logits_processor: LogitsProcessorList) -> bool:
 
 
 def _for_one_row(processor, row: int):
-    """``processor`` as it applies to original batch row ``row`` when called on that row alone (a batch of one).
-
-    Two of transformers' processors hold per-row state indexed by batch position: the repetition penalty's
-    per-row prompt offsets (left padding to ignore) and ``prefix_allowed_tokens_fn``'s ``batch_id``.
-    """
+    """``processor`` as it applies to original batch row ``row`` when called on that row alone (a batch of one): the
+    repetition penalty's per-row prompt offsets and ``prefix_allowed_tokens_fn``'s ``batch_id`` are re-indexed."""
     if isinstance(processor, RepetitionPenaltyLogitsProcessor) and isinstance(
         processor.prompt_ignore_length, torch.Tensor
     ):
@@ -93,10 +63,8 @@ def _kind(processor) -> str:
 
 
 def _runs(logits_processor: LogitsProcessorList) -> list[tuple[str, list[int]]]:
-    """The list in order as runs of consecutive processors of one kind: ``(kind, indices)``.
-
-    E.g. [repetition penalty, custom, temperature, top-k] -> [(batched, [0]), (per_row, [1]), (flat, [2, 3])].
-    """
+    """The list in order as runs of consecutive processors of one kind: ``(kind, indices)``. E.g. [repetition
+    penalty, custom, temperature, top-k] -> [(batched, [0]), (per_row, [1]), (flat, [2, 3])]."""
     grouped = itertools.groupby(enumerate(logits_processor), key=lambda item: _kind(item[1]))
     return [(kind, [index for index, _ in run]) for kind, run in grouped]
 
@@ -116,8 +84,8 @@ class PositionwiseLogitsProcessor:
         logits_processor: the processors ``generate()`` prepared for the whole batch (may be empty).
 
     Attributes:
-        prefix_free: no processor reads the tokens so far (a draft then need not write each token into
-            ``sequences`` before scoring the next; the batched prefix-reading forms do read them).
+        prefix_free: no processor reads the tokens so far (a draft need not write each token into ``sequences``
+            before scoring the next).
         per_row: the processors that run per row and position (no batched form): their indices in the list.
     """
 
@@ -143,15 +111,10 @@ class PositionwiseLogitsProcessor:
             self._row_lists[key] = LogitsProcessorList(_for_one_row(self.logits_processor[i], row) for i in indices)
         return self._row_lists[key]
 
-    def __call__(
-        self, sequences: torch.Tensor, prefix_lengths: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor,
-        offset: int = 0,
-    ) -> torch.Tensor:
-        """Processed scores at ``L`` consecutive positions of each row, in float32.
-
-        Position ``j`` of row ``i`` predicts the token after ``sequences[i, :prefix_lengths[i] + offset + j]``: that
-        prefix is what plain batched ``generate()`` would pass the processors there (left padding included).
-        Without per-row processors (:attr:`per_row` empty) this reads nothing from the device.
+    def __call__(self, sequences: torch.Tensor, prefix_lengths: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor,
+                 offset: int = 0) -> torch.Tensor:
+        """Processed scores at ``L`` consecutive positions of each row: position ``j`` of row ``i`` predicts the token
+        after ``sequences[i, :prefix_lengths[i] + offset + j]``. Reads nothing from the device unless :attr:`per_row`.
 
         Args:
             sequences: ``(B, T)`` each row's tokens, followed by the tokens being scored (drafts);
@@ -175,10 +138,8 @@ class PositionwiseLogitsProcessor:
                 scores = self._apply_per_row(stage, sequences, prefix_lengths, scores, rows, offset)
         return scores
 
-    def _apply_per_row(
-        self, indices: list[int], sequences: torch.Tensor, prefix_lengths: torch.Tensor, scores: torch.Tensor,
-        rows: torch.Tensor, offset: int,
-    ) -> torch.Tensor:
+    def _apply_per_row(self, indices: list[int], sequences: torch.Tensor, prefix_lengths: torch.Tensor,
+                       scores: torch.Tensor, rows: torch.Tensor, offset: int) -> torch.Tensor:
         """The processors at ``indices`` called on each row and position alone, on its exact prefix (host reads)."""
         processed = torch.empty_like(scores)
         for index, (row, length) in enumerate(zip(rows.tolist(), prefix_lengths.tolist())):

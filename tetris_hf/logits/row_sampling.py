@@ -1,10 +1,6 @@
-"""Each row's own temperature, top-k and top-p: the sampling settings of a request stream's requests.
-
-transformers' continuous batching takes ``temperature``, ``top_k`` and ``top_p`` per request. Here they are one
-processor, :class:`RowSamplingWarper`, with a value per row (lane) of the batch, applied at every position of each
-row in transformers' own order and with its own rules (:class:`~transformers.TemperatureLogitsWarper`, then
-:class:`~transformers.TopKLogitsWarper`, then :class:`~transformers.TopPLogitsWarper`, each keeping at least one
-token). The draft's distribution is processed by the same warper, so verification stays lossless per request.
+"""Each row's own temperature, top-k and top-p (a request stream's per-request sampling settings), applied as
+transformers' temperature, top-k and top-p warpers are, in that order (:class:`RowSamplingWarper`). The draft's
+distribution goes through the same warper, so verification stays lossless per request.
 """
 
 from __future__ import annotations
