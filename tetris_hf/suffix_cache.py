@@ -1,34 +1,8 @@
-"""A suffix cache of earlier requests' tokens, and the frequency-scored chain a row's recent tokens draft from it.
-
-Pure tensor code on any device (no model, no device read); the drafter that uses it is
-:mod:`tetris_hf.candidate_generators.suffix`.
-
-**The cache** (:class:`SuffixCache`) holds the last ``tokens_per_request`` tokens of each of the last
-``max_requests`` requests it was given, one slot each, right-aligned (``-1`` where a request was shorter). A slot is
-indexed by n-gram: for each ``n`` in ``1..depth`` and each column ``p`` followed by a token, the key of the ``n``
-tokens ending at ``p`` (two polynomial hashes mod primes below ``2^31``, packed into one ``int64``); each slot's keys
-are sorted per ``n``, with the columns they came from. Adding a request writes one slot and sorts its keys; the
-oldest request is overwritten once every slot is full (a ring). Memory is fixed when it is built:
-``max_requests * tokens_per_request * (8 + 12 * depth)`` bytes (tokens, keys and ``int32`` columns).
-
-**Matching**: a row's last ``depth`` tokens give one key per ``n``; ``searchsorted`` in every slot finds, per
-``n``, the range of sorted keys equal to it. The longest ``n`` with any occurrence is the cache's match
-(:meth:`SuffixCache.ranges`, :func:`longest_match`); up to ``num`` occurrences of the winning n-gram, newest slots
-first, each bring the ``K`` tokens that followed them (:meth:`SuffixCache.continuations`).
-
-**Scoring** (:func:`frequency_chain`): among a row's occurrences (the cache's and the batch's own, gathered by the
-drafter), depth ``j`` of the chain is the continuation token most of the still-agreeing occurrences have there; the
-occurrences that had another token drop out. Cell ``j`` carries ``count_j`` (occurrences that chose its token) and
-``total_j`` (occurrences alive at depth ``j``); ``total_{j+1}`` is ``count_j`` minus the occurrences that ended there.
-E.g. continuations ``[a b]``, ``[a b]``, ``[a c]``, ``[d e]``: the chain is ``a b`` with counts ``3, 2`` out of
-``4, 3``. :func:`frequency_tree` keeps the runners-up as branches: the ``w`` most voted next tokens of each of a
-level's ``w`` best nodes, the ``w`` best of those kept (a draft tree, ``tetris_tree_width=w``).
-
-**Seed files** (:meth:`SuffixCache.from_file`, :meth:`~SuffixCache.add_file`, :meth:`~SuffixCache.save`): JSON lines,
-one request a line, each a JSON array of token ids (``[1, 15043, 29892]``), oldest first.
-
-Thread safety: :class:`SuffixCache` serialises :meth:`~SuffixCache.add` and a drafter's reads of one step through
-its :attr:`~SuffixCache.lock` (a stream's worker adds and reads; a user may seed it from another thread).
+"""A suffix cache of earlier requests' tokens (:class:`SuffixCache`), the batch searched as one
+(:func:`batch_matches`), and the frequency-voted chain or tree a row's recent tokens draft from their occurrences
+(:func:`frequency_chain`, :func:`frequency_tree`). Pure tensor code, no device read; the drafter is
+:mod:`tetris_hf.candidate_generators.suffix`. Design (layout, memory, matching, scoring): docs/design.md, section
+"Suffix drafts".
 """
 
 from __future__ import annotations
@@ -51,20 +25,14 @@ _BASES = (1_000_003, 972_663_749)  # multipliers below both primes
 
 def _powers(depth: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(depth,)`` ``base^i mod prime`` for both hashes."""
-    out = []
-    for prime, base in zip(_PRIMES, _BASES):
-        values, power = [], 1
-        for _ in range(depth):
-            values.append(power)
-            power = power * base % prime
-        out.append(torch.tensor(values, dtype=torch.long, device=device))
-    return out[0], out[1]
+    return tuple(torch.tensor([pow(base, i, prime) for i in range(depth)], dtype=torch.long, device=device)
+                 for prime, base in zip(_PRIMES, _BASES))
 
 
 def ngram_keys(tokens: torch.Tensor, depth: int) -> torch.Tensor:
     """``(depth, *lead, W)``: entry ``[n - 1, ..., p]`` is the key of the ``n`` tokens ending at column ``p`` of
     ``tokens`` ``(*lead, W)`` (``-1``: no token), :data:`NO_KEY` where that window reaches a ``-1`` or the row's
-    start. Equal n-grams get equal keys; different ones collide with probability about ``2^-62``."""
+    start (two polynomial hashes: different n-grams collide with probability about ``2^-62``)."""
     power1, power2 = _powers(depth, tokens.device)
     real = tokens >= 0
     values = (tokens + 1).clamp(min=0)
@@ -72,13 +40,10 @@ def ngram_keys(tokens: torch.Tensor, depth: int) -> torch.Tensor:
     hash2 = torch.zeros_like(values)
     complete = torch.ones_like(real)
     keys = []
-    for n in range(depth):  # the token n places before p joins the window
-        if n == 0:
-            shifted, shifted_real = values, real
-        else:  # (a window wider than the tokens, n >= W, reaches before every column)
-            cut = min(n, values.shape[-1])
-            shifted = torch.nn.functional.pad(values[..., : values.shape[-1] - cut], (cut, 0), value=0)
-            shifted_real = torch.nn.functional.pad(real[..., : real.shape[-1] - cut], (cut, 0), value=False)
+    for n in range(depth):  # the token n places before p joins the window (n >= W: before every column)
+        cut = min(n, values.shape[-1])
+        shifted = torch.nn.functional.pad(values[..., : values.shape[-1] - cut], (cut, 0), value=0)
+        shifted_real = torch.nn.functional.pad(real[..., : real.shape[-1] - cut], (cut, 0), value=False)
         hash1 = (hash1 + shifted * power1[n]) % _PRIMES[0]
         hash2 = (hash2 + shifted * power2[n]) % _PRIMES[1]
         complete = complete & shifted_real
@@ -88,12 +53,7 @@ def ngram_keys(tokens: torch.Tensor, depth: int) -> torch.Tensor:
 
 def suffix_keys(sequences: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, depth: int) -> torch.Tensor:
     """``(depth, B)``: the key of each row's last ``n`` tokens, ``n = 1..depth`` (:data:`NO_KEY` where the row holds
-    fewer than ``n`` real tokens).
-
-    Args:
-        sequences: ``(B, T)``; row ``i`` real in ``[starts[i], lengths[i])``, ``lengths >= 1``.
-        starts, lengths: ``(B,)``.
-    """
+    fewer), for ``sequences`` ``(B, T)`` real in ``[starts[i], lengths[i])`` (``(B,)`` each, ``lengths >= 1``)."""
     columns = (lengths - depth)[:, None] + torch.arange(depth, device=sequences.device)[None, :]  # (B, d)
     window = sequences.gather(1, columns.clamp(min=0))
     window = torch.where(columns >= starts[:, None], window, -1)
@@ -109,14 +69,9 @@ def longest_match(counts: torch.Tensor) -> torch.Tensor:
 
 
 class SuffixCache:
-    """Earlier requests' tokens, indexed by n-gram (see the module docstring); a ring of ``max_requests`` slots of
-    ``tokens_per_request`` tokens each.
-
-    Args:
-        max_requests: requests kept (the oldest is overwritten by the next once all are full), ``>= 1``.
-        tokens_per_request: each request's last tokens kept (prompt and output together), ``>= 2``.
-        depth: the longest n-gram matched.
-        device: where the tensors live (:meth:`to` moves them).
+    """Earlier requests' tokens, indexed by n-gram: a ring of ``max_requests`` (``>= 1``) slots, each the last
+    ``tokens_per_request`` (``>= 2``) tokens of a request, right-aligned, keys sorted per ``n = 1..depth``, on
+    ``device``. Thread-safe through :attr:`lock`.
     """
 
     def __init__(self, max_requests: int = 256, tokens_per_request: int = 512, depth: int = SUFFIX_DEPTH,
@@ -159,8 +114,7 @@ class SuffixCache:
 
     def add(self, sequences: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor | None = None) -> None:
         """Keep requests: row ``i`` of ``sequences`` ``(M, T)`` holds real tokens in ``[starts[i], lengths[i])``
-        (``starts`` ``(M,)``, default 0; ``lengths`` ``(M,)``); each takes the next slot, its last
-        ``tokens_per_request`` tokens right-aligned. Reads nothing from the device."""
+        (``(M,)`` each, ``starts`` default 0); each takes the next slot. Reads nothing from the device."""
         num = sequences.shape[0]
         if num == 0:
             return
@@ -206,22 +160,17 @@ class SuffixCache:
         return cache
 
     def add_file(self, path: str | os.PathLike, vocab_size: int | None = None) -> int:
-        """Keep the requests of a seed file, in the file's order (the last line is the newest); returns how many.
-
-        **Format**: JSON lines, one request a line, each a JSON array of token ids (integers ``>= 0``, below
-        ``vocab_size`` when given), e.g. ``[1, 15043, 29892, 3186]``: a request's output, or its prompt and output
-        (what :meth:`save` writes). Blank lines are skipped; an empty array is a request of no tokens (skipped).
-        A request longer than ``tokens_per_request`` keeps its last tokens; a file of more than ``max_requests``
-        requests leaves the last ``max_requests``. Anything else is refused with the file, the line and what was
-        wrong, before anything is added.
+        """Keep the requests of a seed file, oldest first; returns how many. JSON lines, each a JSON array of token ids
+        (integers ``>= 0``, below ``vocab_size`` when given), e.g. ``[1, 15043, 29892]``; blank lines and empty arrays
+        are skipped. Anything else raises ``ValueError`` naming the file and line, before anything is added.
         """
         requests = read_token_lists(path, vocab_size)
         self.add_token_lists(requests)
         return len(requests)
 
     def save(self, path: str | os.PathLike) -> int:
-        """Write the requests held, oldest first, as a seed file :meth:`add_file` reads back into the same cache
-        (each request's last ``tokens_per_request`` tokens); returns how many. Reads the device (not for a step)."""
+        """Write the requests held, oldest first, as a seed file :meth:`add_file` reads back; returns how many. Reads
+        the device (not for a step)."""
         with self.lock:
             held = self.num_requests
             first = self.next_slot if self.added >= self.max_requests else 0
@@ -234,15 +183,13 @@ class SuffixCache:
 
     @property
     def searched(self) -> int:
-        """Slots a query searches, ``R'``: the ones written so far (the ring fills slots ``0, 1, ...`` in order
-        before it wraps), at least one; a host number, no device read."""
+        """Slots a query searches, ``R'``: the ones written so far (at least one); a host number."""
         return max(1, self.num_requests)
 
     def ranges(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where each query key sits in every written slot's sorted keys: ``lo``, ``hi`` ``(d, R', B)``
-        (:attr:`searched` slots; the occurrences of row ``b``'s last ``n`` tokens in slot ``r`` are
-        ``keys[r, n - 1, lo:hi]``), for ``query`` ``(d, B)`` from :func:`suffix_keys` (:data:`NO_KEY` never
-        matches)."""
+        """Where each key of ``query`` ``(d, B)`` (:func:`suffix_keys`) sits in every written slot's sorted keys:
+        ``lo``, ``hi`` ``(d, R', B)`` (row ``b``'s last ``n`` tokens occur in slot ``r`` at
+        ``keys[r, n - 1, lo:hi]``)."""
         depth, rows = query.shape
         keys = self.keys[: self.searched]  # (R', d, W), contiguous
         values = query[None].expand(keys.shape[0], depth, rows).contiguous()  # (R', d, B)
@@ -254,11 +201,8 @@ class SuffixCache:
     def continuations(self, lo: torch.Tensor, hi: torch.Tensor, ngram: torch.Tensor, num: int,
                       num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Up to ``num`` occurrences per row of its last ``ngram[b]`` tokens (``(B,)``, 0: none), newest slots
-        first, and the ``K = num_tokens`` tokens after each; ``lo``, ``hi`` ``(d, R', B)`` from :meth:`ranges`.
-
-        Returns:
-            ``tokens`` ``(B, num, K)`` (``-1`` past a request's end) and ``found`` ``(B, num)`` bool.
-        """
+        first (``lo``, ``hi`` ``(d, R', B)`` from :meth:`ranges`): ``tokens`` ``(B, num, K)``, the ``K = num_tokens``
+        after each (``-1`` past a request's end), and ``found`` ``(B, num)`` bool."""
         rows = ngram.shape[0]
         device = self.device
         searched = lo.shape[1]  # R': every slot once the ring is full, else slots 0..R'-1 (next_slot == R')
@@ -283,9 +227,9 @@ class SuffixCache:
 
 
 def read_token_lists(path: str | os.PathLike, vocab_size: int | None = None) -> list[list[int]]:
-    """The requests of a seed file (:meth:`SuffixCache.add_file` states the format): a list of token-id lists.
-    Raises ``ValueError`` naming the file and line of the first bad one (``FileNotFoundError`` if there is none)."""
-    requests = []
+    """The requests of a seed file (:meth:`SuffixCache.add_file`) as token-id lists; ``ValueError`` naming the file
+    and line of the first bad one."""
+    requests, hint = [], "a seed file holds one JSON array of token ids a line, e.g. [1, 15043, 29892]"
     with open(path, encoding="utf-8") as file:
         for number, line in enumerate(file, start=1):
             if not line.strip():
@@ -293,9 +237,7 @@ def read_token_lists(path: str | os.PathLike, vocab_size: int | None = None) -> 
             try:
                 tokens = json.loads(line)
             except json.JSONDecodeError as error:
-                raise ValueError(f"{os.fspath(path)}:{number}: not JSON ({error.msg}); a seed file holds one JSON "
-                                 f"array of token ids a line, e.g. [1, 15043, 29892]") from None
-            bad = None
+                raise ValueError(f"{os.fspath(path)}:{number}: not JSON ({error.msg}); {hint}") from None
             if not isinstance(tokens, list):
                 bad = f"a JSON {type(tokens).__name__}, not an array of token ids"
             else:
@@ -306,24 +248,19 @@ def read_token_lists(path: str | os.PathLike, vocab_size: int | None = None) -> 
                     bad = next((f"token {token} at position {place} is not below the vocabulary size {vocab_size}"
                                 for place, token in enumerate(tokens) if token >= vocab_size), None)
             if bad is not None:
-                raise ValueError(f"{os.fspath(path)}:{number}: {bad}; a seed file holds one JSON array of token ids "
-                                 f"a line, e.g. [1, 15043, 29892]")
+                raise ValueError(f"{os.fspath(path)}:{number}: {bad}; {hint}")
             requests.append(tokens)
     return requests
 
 
 def frequency_chain(candidates: torch.Tensor, alive: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
                                                                              torch.Tensor, torch.Tensor]:
-    """The most frequent continuation, depth by depth, among each row's occurrences.
-
-    Args:
-        candidates: ``(B, C, K)`` the ``K`` tokens after each of ``C`` occurrences (``-1`` past its end).
-        alive: ``(B, C)`` bool, which occurrences count.
+    """The most frequent continuation, depth by depth, among the ``(B, C, K)`` ``candidates`` (the ``K`` tokens after
+    each of ``C`` occurrences, ``-1`` past its end) that are ``alive`` ``(B, C)``; ties go to the earliest.
 
     Returns:
         ``tokens`` ``(B, K)`` (0 past a row's count), ``counts`` ``(B,)`` cells drafted, ``chosen`` ``(B, K)``
-        occurrences that had the drafted token at each depth and ``total`` ``(B, K)`` occurrences alive there
-        (0 past the count). Ties go to the earliest occurrence in ``C``'s order.
+        occurrences that had the drafted token at each depth and ``total`` ``(B, K)`` occurrences alive there.
     """
     rows, _, num_tokens = candidates.shape
     tokens, chosen, total = [], [], []
@@ -346,29 +283,22 @@ def frequency_chain(candidates: torch.Tensor, alive: torch.Tensor) -> tuple[torc
 def frequency_tree(candidates: torch.Tensor, alive: torch.Tensor, width: int,
                    log_conditional: Callable[[torch.Tensor], torch.Tensor]) -> tuple[DraftTree, torch.Tensor]:
     """The distinct continuations among each row's occurrences as a draft tree of ``K`` levels and ``width`` nodes a
-    level (``N = width * K``), the most voted first.
-
-    Level 1 holds the ``width`` next tokens most occurrences have (the root's children); each deeper level takes, for
-    each of the previous level's ``width`` nodes, its ``width`` most frequent next tokens among the occurrences that
-    agree with its path, and keeps the ``width`` best of those ``width * width`` candidates by path score. A node's
-    vote share is ``count / (total + 1)``: ``count`` occurrences agree with its path, ``total`` agreed with its
-    parent's and go on (as :func:`frequency_chain`'s cells). Its score is its parent's plus
-    ``log_conditional(share)``. Siblings carry distinct tokens; ties go to the earliest occurrence in ``C``'s order,
-    so with ``width = 1`` the tree is :func:`frequency_chain`'s chain.
+    level (``N = width * K``): each level the ``width`` most voted next tokens of each of the previous level's nodes,
+    the ``width`` best of those by path score kept. A node's share is ``count / (total + 1)``, its score its parent's
+    plus ``log_conditional(share)``; ties go to the earliest occurrence, so ``width = 1`` gives
+    :func:`frequency_chain`'s chain.
 
     E.g. continuations ``[a b]``, ``[a b]``, ``[a c]``, ``[d e]``, ``width = 2``: level 1 ``a`` (3 of 4), ``d`` (1 of
     4); level 2 the best two of ``a``'s ``b`` (2 of 3), ``c`` (1 of 3) and ``d``'s ``e`` (1 of 1).
 
     Args:
-        candidates: ``(B, C, K)`` the ``K`` tokens after each of ``C`` occurrences (``-1`` past its end).
-        alive: ``(B, C)`` bool, which occurrences count.
+        candidates, alive: as for :func:`frequency_chain`.
         width: nodes a level (children per expanded node), ``>= 1``.
-        log_conditional: ``(B, M)`` vote shares -> ``(B, M)`` log conditional acceptance (``<= 0``; calibrated).
+        log_conditional: ``(B, M)`` vote shares -> ``(B, M)`` log conditional acceptance (``<= 0``).
 
     Returns:
-        The :class:`~tetris_hf.trees.DraftTree` (nodes ``[level * width, (level + 1) * width)`` at depth
-        ``level + 1``; an invalid node scores ``-inf``) and ``shares`` ``(B, N)`` each node's vote share (0 where
-        invalid). Nothing is read from the device.
+        The :class:`~tetris_hf.trees.DraftTree` (an invalid node scores ``-inf``) and ``shares`` ``(B, N)`` each
+        node's vote share (0 where invalid).
     """
     rows, num, depth = candidates.shape
     device = candidates.device
@@ -407,8 +337,7 @@ def frequency_tree(candidates: torch.Tensor, alive: torch.Tensor, width: int,
 
 def _best_children(mine: torch.Tensor, key: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """For each frontier node, the ``width`` best of its occurrences by ``key`` ``(B, C)`` (``mine`` ``(B, F, C)``:
-    which occurrences are the node's): ``(B, F, width)`` keys (``-1``: none) and occurrence indices, padded with
-    nothing where there are fewer occurrences than children."""
+    which are the node's): ``(B, F, width)`` keys (``-1``: none) and occurrence indices."""
     num = key.shape[1]
     top_key, top = torch.where(mine, key[:, None, :], -1).topk(min(width, num), dim=2)  # (B, F, w')
     if top.shape[2] < width:
@@ -428,23 +357,21 @@ def _follow(kept: Expansion, owner: torch.Tensor, token: torch.Tensor) -> torch.
 
 def batch_matches(sequences: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, depth: int,
                   peers: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """How far every column of every row of a batch matches each row's last tokens: the batch's own rows as a
-    cache (a row's own earlier tokens, and every other row's).
+    """How far every column of every row of a batch matches each row's last tokens (a row's own earlier tokens, and
+    every other row's).
 
     E.g. rows ``[a b c a b]`` and ``[x a b d]`` (no padding), ``depth = 3``: row 0's last tokens ``a b`` end at row 0
     column 1 (2 tokens, followed by ``c``) and row 1 column 2 (2 tokens, followed by ``d``).
 
     Args:
-        sequences: ``(B, W)`` (a host bound on the rows' lengths); row ``i`` real in ``[starts[i], lengths[i])``.
-        starts, lengths: ``(B,)``.
+        sequences: ``(B, W)``; row ``i`` real in ``[starts[i], lengths[i])`` (``(B,)`` each).
         depth: the most tokens compared.
         peers: search every row (``B * B * W * depth`` compares); ``False``: each row only itself.
 
     Returns:
-        ``context`` ``(B, B * W)`` ``uint8``: for query row ``b`` and column ``p`` of row ``r`` (flattened
-        ``r * W + p``), how many tokens ending there equal row ``b``'s last ones (at most ``depth``), 0 where no token
-        follows column ``p`` in row ``r`` (its own end, padding, past its length); ``(B, W)`` without ``peers``
-        (row ``b``'s own columns); and ``tokens`` ``(B, W)``, the rows' real tokens, ``-1`` elsewhere.
+        ``context`` ``(B, B * W)`` ``uint8`` (``(B, W)`` without ``peers``): for query row ``b`` and column ``p`` of
+        row ``r`` (``r * W + p``), how many tokens ending there equal row ``b``'s last ones, 0 where no token follows;
+        and ``tokens`` ``(B, W)``, the rows' real tokens, ``-1`` elsewhere.
     """
     rows, width = sequences.shape
     device = sequences.device
@@ -453,8 +380,7 @@ def batch_matches(sequences: torch.Tensor, starts: torch.Tensor, lengths: torch.
     tokens = torch.where(real, sequences, -1)  # (B, W)
     last = (lengths - 1).clamp(min=0)[:, None]  # (B, 1)
     # depth by depth, from the last token back: a column still matches after j + 1 tokens iff it matched after j
-    # and the token j places before it equals row b's token j places before its end (B * B * W compares a depth,
-    # no (B, B W, d) tensor)
+    # and the token j places before it equals row b's token j places before its end
     padded = torch.nn.functional.pad(tokens, (depth, 0), value=-1)  # (B, d + W): column p is p + d
     context = None
     alive = None
@@ -473,15 +399,9 @@ def batch_matches(sequences: torch.Tensor, starts: torch.Tensor, lengths: torch.
 def batch_continuations(tokens: torch.Tensor, context: torch.Tensor, ngram: torch.Tensor, num: int,
                         num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to ``num`` of each row's occurrences in the batch that match at least ``ngram[b]`` tokens (``(B,)``, 0:
-    none): the longest matches first, then the row's own, then the latest; and the ``K`` tokens after each.
-
-    Args:
-        tokens: ``(B, W)`` the rows' real tokens, ``-1`` elsewhere (from :func:`batch_matches`).
-        context: ``(B, B * W)`` from :func:`batch_matches`, or ``(B, W)`` (each row itself).
-
-    Returns:
-        ``candidates`` ``(B, num, K)`` (``-1`` past a row's end) and ``found`` ``(B, num)`` bool.
-    """
+    none), the longest matches first, then the row's own, then the latest (``tokens`` ``(B, W)`` and ``context``
+    from :func:`batch_matches`): ``candidates`` ``(B, num, K)``, the ``K`` tokens after each (``-1`` past a row's
+    end), and ``found`` ``(B, num)`` bool."""
     rows, width = tokens.shape
     flat = context.shape[1]
     device = tokens.device

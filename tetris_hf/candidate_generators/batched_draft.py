@@ -1,16 +1,6 @@
-"""The draft side: a small model proposes ``K`` tokens for every active row of a left-padded batch.
-
-The draft keeps its own KV cache (:class:`~tetris_hf.kv.SlotCache`). Tokens the draft has not yet read wait in a
-left-padded ``pending`` block that starts the next proposal: after a drafting step, the target's correction or bonus
-token (and a last accepted draft never fed back); while the loop decodes plainly, everything emitted since the draft
-last ran. The draft is lazy: it reads the prompt only when it first drafts, so a call that never drafts never runs it.
-
-Where the draft model reads blocks packed (:attr:`BatchedDraftCandidateGenerator.pack`, :mod:`tetris_hf.packing`), a
-pending block whose real tokens are counted on the host (``pending_count``) is read packed: the model computes its real
-tokens only. The count is known without a read of its own: the prompt's is read when the call starts (with the loop's
-own read of the prompt mask), a plain step adds a token per row, a one-column block holds one per row, and the loop's
-end-of-step read carries it (:func:`pending_read`) for the blocks a verification leaves; rows leaving make it unknown
-until then, and the block is read padded.
+"""The draft side: a small model proposes ``K`` tokens (or a tree) for every active row of a left-padded batch
+(:class:`BatchedDraftCandidateGenerator`), keeping its own :class:`~tetris_hf.kv.SlotCache` and a left-padded block of
+tokens it has not read yet. Design: docs/design.md, section "The drafter protocol".
 """
 
 from __future__ import annotations
@@ -28,9 +18,8 @@ from .drafter import Drafter, JoiningRows, PromptChunk, Proposal, Retired, RowMo
 
 
 def pending_read(mask: torch.Tensor) -> torch.Tensor:
-    """A left-padded pending block's ``mask`` ``(B, P)`` as one 0-d integer, for the loop's end-of-step read: the most
-    real tokens any row holds (``widest``) and their sum (``total >= 1``: every row's last token is real), as
-    ``widest + (P + 1) * total``.
+    """A left-padded pending block's ``mask`` ``(B, P)`` as one 0-d integer for the loop's end-of-step read:
+    ``widest + (P + 1) * total`` (the most real tokens a row holds, and their sum).
 
     E.g. mask ``[[0 1], [1 1]]``: widest 2, total 3 -> 2 + 3 * 3 = 11.
     """
@@ -47,9 +36,8 @@ def split_pending_read(read: int, columns: int) -> tuple[int, int | None]:
 
 
 def final_tokens(cells: torch.Tensor, verdict: Verdict) -> tuple[torch.Tensor, torch.Tensor]:
-    """What a verdict made final in each row, ``[c1 .. ca, t]`` (``a = num_accepted``: the first ``a`` of ``cells``
-    ``(B, K)``, then the target's token ``t``), as ``(B, W)`` tokens and a mask, real first then filler (``W =
-    min(max_accepted, K) + 1``).
+    """What a verdict made final in each row, ``[c1 .. ca, t]`` (the first ``num_accepted`` of ``cells`` ``(B, K)``,
+    then the target's token), as ``(B, W)`` tokens and mask, real first (``W = min(max_accepted, K) + 1``).
 
     E.g. cells ``[[x1 x2], [y1 y2]]``, 2 and 0 accepted, tokens t and u: ``[[x1 x2 t], [u . .]]``, mask
     ``[[1 1 1], [1 0 0]]``."""
@@ -62,8 +50,7 @@ def final_tokens(cells: torch.Tensor, verdict: Verdict) -> tuple[torch.Tensor, t
 
 
 def left_packed_order(mask: torch.Tensor) -> torch.Tensor:
-    """``(B, P)`` the column order that left-packs a block whose ``mask`` ``(B, P)`` may have filler anywhere: filler
-    first, then the real tokens in their order (gather the block's columns by it).
+    """``(B, P)`` the column order that left-packs a block with filler anywhere in ``mask`` ``(B, P)``.
 
     E.g. mask ``[[0 1 1 0], [1 0 1 1]]`` -> ``[[0 3 1 2], [1 0 2 3]]``."""
     return mask.argsort(dim=1, stable=True)
@@ -75,33 +62,20 @@ def real_tokens(mask: torch.Tensor, all_real: bool) -> int:
 
 
 class BatchedDraftCandidateGenerator(Drafter):
-    """Proposes draft tokens for a batch whose rows advance independently: the batched counterpart of transformers'
-    ``AssistedCandidateGenerator`` (which serves one row), driven by the loop through the
-    :class:`~.drafter.Drafter` methods (and by transformers' own assisted decoding through ``get_candidates``).
+    """A draft model (``assistant_model``, the target's vocabulary) proposing for a batch whose rows advance
+    independently: the batched counterpart of transformers' ``AssistedCandidateGenerator``.
 
     Args:
-        assistant_model: the draft model (same vocabulary as the target).
-        logits_processor: the target's processors (positionwise); the draft's distribution is processed the same way
-            before it proposes, so ``q`` is the draft's estimate of the processed ``p``.
-        do_sample: sample drafts from ``q`` (True) or take its argmax (False).
-        generator: optional ``torch.Generator`` for sampling.
-        max_holes, capacity: see :class:`~tetris_hf.kv.SlotCache`.
-        compile: run the draft's fixed-shape step forwards through ``torch.compile`` (``tetris_compile``); refused
-            here for a model that cannot be compiled.
+        logits_processor: the target's processors, applied to the draft's logits too (``q`` estimates the processed
+            ``p``).
+        do_sample, generator: draw drafts from ``q`` (else take its argmax).
+        max_holes, capacity: see :class:`~tetris_hf.kv.SlotCache`; compile: ``tetris_compile``.
         max_rows: the most rows its cache will hold, where rows join later (a stream's; 0: the prompts').
     """
 
-    def __init__(
-        self,
-        assistant_model: torch.nn.Module,
-        logits_processor: PositionwiseLogitsProcessor,
-        do_sample: bool,
-        generator: torch.Generator | None = None,
-        max_holes: int = 32,
-        capacity: int = 256,
-        compile: bool = False,
-        max_rows: int = 0,
-    ):
+    def __init__(self, assistant_model: torch.nn.Module, logits_processor: PositionwiseLogitsProcessor,
+                 do_sample: bool, generator: torch.Generator | None = None, max_holes: int = 32, capacity: int = 256,
+                 compile: bool = False, max_rows: int = 0):
         if compile:
             check_compilable(assistant_model, "draft")
         self.compile_steps = compile
@@ -126,13 +100,7 @@ class BatchedDraftCandidateGenerator(Drafter):
         self._tree: tuple[int, int, int, torch.Tensor] | None = None  # the last tree: root slot, depth, width, tokens
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, all_real: bool = False) -> None:
-        """Start on a left-padded prompt batch: an empty cache, the whole prompt pending (read at the first proposal
-        or :meth:`catch_up`).
-
-        Args:
-            input_ids, attention_mask: ``(B, T)``, left-padded; every row's last column is a real token.
-            all_real: the caller knows ``attention_mask`` has no padding (the first forward then needs no mask).
-        """
+        """Start on ``(B, T)`` left-padded prompts (``all_real``: no padding): an empty cache, the prompt pending."""
         self._new_cache(input_ids)
         self.pending_tokens, self.pending_mask = input_ids, attention_mask.long()
         self.pending_real = all_real
@@ -147,12 +115,8 @@ class BatchedDraftCandidateGenerator(Drafter):
             self.slots.step_forward = compiled_forward(self.assistant_model)
 
     def catch_up(self) -> None:
-        """Read the pending tokens into the cache but the last column (which opens the next proposal): one forward.
-
-        Optional (the next proposal reads whatever is pending); it splits off what the draft skipped while the loop
-        decoded plainly, so that proposal times measure drafting alone. Does nothing when at most a drafting step's
-        leftovers (two columns) are pending.
-        """
+        """Read the pending tokens but the last column into the cache (one forward; nothing for two columns or
+        fewer), so that proposal times measure drafting alone."""
         if self.pending_tokens.shape[1] <= 2:
             return
         self.slots.prefill(self.assistant_model, self.pending_tokens, self.pending_mask, self.pending_count)
@@ -163,33 +127,20 @@ class BatchedDraftCandidateGenerator(Drafter):
         self.pending_tokens, self.pending_mask = self.pending_tokens[:, -1:], self.pending_mask[:, -1:]
         self.pending_real, self.pending_count = True, self.pending_tokens.shape[0]
 
-    def propose(
-        self, sequences: torch.Tensor, lengths: torch.Tensor, num_tokens: int, rows: torch.Tensor | None = None,
-        confidences: bool = True, *, lookup_only: bool = False, tree_width: int = 1,
-    ) -> Proposal | GrownTree:
-        """Draft ``num_tokens`` tokens after each row, writing them into ``sequences`` past ``lengths`` (with
+    def propose(self, sequences: torch.Tensor, lengths: torch.Tensor, num_tokens: int, rows: torch.Tensor | None = None,
+                confidences: bool = True, *, lookup_only: bool = False, tree_width: int = 1) -> Proposal | GrownTree:
+        """Draft ``num_tokens`` tokens after each row, written into ``sequences`` past ``lengths`` (with
         ``tree_width > 1``, a tree: :meth:`propose_tree`; ``lookup_only`` means nothing to a draft alone).
 
         Args:
-            sequences: ``(B, T)`` the rows' tokens so far (left-padded prompt + emitted), valid up to ``lengths``;
-                the drafts are written into ``sequences[i, lengths[i]:lengths[i] + num_tokens]`` (scratch space that
-                accepted tokens later overwrite). Needs ``T >= lengths.max() + num_tokens``.
-            lengths: ``(B,)``.
-            num_tokens: ``K >= 0``.
-            rows: ``(B,)`` each row's index in the original batch (for per-row processor state); default ``arange``.
-            confidences: compute ``token_log_probs`` (else ``None``: greedy drafting then takes no softmax).
+            sequences: ``(B, T)``, valid up to ``lengths`` ``(B,)``; ``T >= lengths.max() + num_tokens``, ``K >= 0``.
+            rows: ``(B,)`` each row's index in the original batch (per-row processor state); default ``arange``.
+            confidences: compute ``log_probs`` (else ``None``).
 
         Returns:
-            A :class:`~.drafter.Proposal`, every row drafting all ``K`` cells:
-            tokens: ``(B, K)``.
-            log_probs: ``(B, K)`` (``None`` without ``confidences``) the draft's confidence at each position,
-                ``log max_x q(x)`` under the processed draft distribution: the drafted token's ``log q`` when greedy
-                (it is the argmax), and when sampling a number that does not depend on which token was drawn.
-                Selection ranks cells by it, and a ranking by the drawn token's own probability would verify likely
-                draws more often than unlikely ones, which biases the output (see
-                ``tests/test_sampling_distribution.py``).
-            probs: ``(B, K, V)`` the processed draft distributions (only when sampling, else ``None``).
-            cached_lengths: ``(B,)`` the draft cache's fill per row after drafting.
+            A :class:`~.drafter.Proposal`: ``tokens`` ``(B, K)``; ``log_probs`` ``(B, K)`` ``log max_x q(x)``, which
+            does not depend on the token drawn (ranking by the drawn token's ``q`` would bias sampling); ``probs``
+            ``(B, K, V)`` the processed ``q`` when sampling, else ``None``; ``cached_lengths`` ``(B,)``.
         """
         if tree_width > 1:
             rows = torch.arange(sequences.shape[0], device=sequences.device) if rows is None else rows
@@ -211,18 +162,14 @@ class BatchedDraftCandidateGenerator(Drafter):
         drafts = torch.cat(draft_tokens, dim=1)
         if not write_each:
             sequences.scatter_(1, lengths[:, None] + self.slots.offsets[: drafts.shape[1]], drafts)
-        return Proposal(
-            drafts,
-            torch.cat(token_log_probs, dim=1) if confidences else None,
-            torch.cat(draft_probs, dim=1) if self.do_sample else None,
-            cached_lengths=self.slots.live_lengths(),
-        )
+        return Proposal(drafts, torch.cat(token_log_probs, dim=1) if confidences else None,
+                        torch.cat(draft_probs, dim=1) if self.do_sample else None,
+                        cached_lengths=self.slots.live_lengths())
 
     def _draft_chain(self, sequences: torch.Tensor, lengths: torch.Tensor, num_tokens: int, rows: torch.Tensor,
                      confidences: bool, write_each: bool) -> tuple[list, list, list]:
-        """The chain's forwards, one draft per row each (the pending block first): each step's ``(B, 1)`` tokens,
-        ``(B, 1)`` confidences (with ``confidences``) and ``(B, 1, V)`` draft laws (sampling); fewer than
-        ``num_tokens`` where a confidence threshold stopped the chain (:attr:`stop_below`)."""
+        """The chain's forwards (the pending block first): lists of each step's ``(B, 1)`` tokens, ``(B, 1)``
+        confidences and ``(B, 1, V)`` draft laws (sampling); shorter where :attr:`stop_below` stopped the chain."""
         tokens, mask = self.pending_tokens, (None if self.pending_real else self.pending_mask)
         draft_tokens, token_log_probs, draft_probs = [], [], []
         stop_below = None if self.stop_below is None else math.log(self.stop_below)
@@ -249,23 +196,11 @@ class BatchedDraftCandidateGenerator(Drafter):
 
     def propose_tree(self, sequences: torch.Tensor, lengths: torch.Tensor, depth: int, width: int,
                      rows: torch.Tensor) -> GrownTree:
-        """Draft a tree of ``depth`` levels after each row (EAGLE-2's expansion, :func:`~tetris_hf.trees.grow_tree`):
-        the ``width`` best (greedy) or drawn (sampling) children of each of a depth's ``width`` best nodes.
+        """Draft a tree of ``depth`` levels after each row (EAGLE-2's expansion, :func:`~tetris_hf.trees.grow_tree`) in
+        ``depth`` forwards, each node processed on its own prefix; nothing is written into ``sequences``.
 
-        ``depth`` forwards, as a chain of ``depth`` drafts: the pending block (which ends with the root, the row's last
-        token), then each depth's nodes but the last, ``width`` per row, into the draft's cache at the root's position
-        plus their depth, each seeing the row's cached tokens and its ancestors only. The draft's distribution at a node
-        is processed on that node's own prefix (the row's tokens, then the path to it). Nothing is written into
-        ``sequences``.
-
-        Args:
-            sequences: ``(B, T)`` the rows' tokens, valid up to ``lengths`` ``(B,)``; ``T >= lengths.max() + depth``.
-            depth: ``K >= 1``.
-            width: ``w >= 1``.
-            rows: ``(B,)`` original batch indices.
-
-        Returns:
-            :class:`~tetris_hf.trees.GrownTree` of ``w K`` nodes per row; :meth:`accept` rolls it back (a verdict with a ``tree``).
+        ``sequences`` ``(B, T)``, valid up to ``lengths`` ``(B,)``, ``T >= lengths.max() + depth``; ``rows`` ``(B,)``
+        original batch indices. Returns a :class:`~tetris_hf.trees.GrownTree` of ``width * depth`` nodes per row.
         """
         slots, processor = self.slots, self.logits_processor
         self._last_num_drafted = depth
@@ -294,15 +229,14 @@ class BatchedDraftCandidateGenerator(Drafter):
 
     def _node_forward(self, tokens: torch.Tensor, parents: torch.Tensor, position_ids: torch.Tensor,
                       visibility: torch.Tensor) -> torch.Tensor:
-        """A tree depth's forward: ``(B, F)`` frontier nodes (``parents``: their parents' node indices, -1 for the
-        root) at ``position_ids`` ``(B, F)``, seeing ``visibility`` ``(B, F, nodes so far)``; ``(B, F, V)`` logits."""
+        """A tree depth's forward: ``(B, F)`` frontier nodes (``parents`` ``(B, F)``, -1 for the root) at
+        ``position_ids`` ``(B, F)``, seeing ``visibility`` ``(B, F, nodes so far)``; ``(B, F, V)`` logits."""
         return self.slots.forward(self.assistant_model, tokens, None, step=True, position_ids=position_ids,
                                   visibility=visibility)
 
     def _accept_tree(self, verdict: Verdict) -> None:
-        """Roll the draft's cache back to the accepted path of the last :meth:`propose_tree` and queue what it has not
-        read: as :meth:`accept` does for a chain, with the kept nodes where they are (holes between them).
-        ``verdict.tree.path_nodes`` ``(B, D)``: the path's tree nodes from depth 1 down, -1 after it."""
+        """Roll the cache back to the accepted path of the last tree (kept nodes stay where they are, holes between)
+        and queue what it has not read; ``verdict.tree.path_nodes`` ``(B, D)``, -1 after the path."""
         path_nodes, next_tokens = verdict.tree.path_nodes, verdict.next_tokens
         max_accepted, cached_longest = verdict.hints
         root_slot, depth, width, tokens = self._tree
@@ -327,33 +261,24 @@ class BatchedDraftCandidateGenerator(Drafter):
         self.slots.compact(cached_longest)
 
     def _draft_forward(self, step: int, tokens: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """Draft step ``step``'s forward: the pending block (step 0, packed where its count is known) or the last
-        draft, ``(B, P or 1)``; returns the ``(B, 1, V)`` logits after the block's last token."""
+        """Draft step ``step``'s forward over the pending block (step 0) or the last draft, ``(B, P or 1)``; returns
+        the ``(B, 1, V)`` logits after its last token."""
         return self.slots.forward(self.assistant_model, tokens, mask, logits_to_keep=1, step=True,
                                   num_real=self.pending_count if step == 0 else None)
 
     def accept(self, verdict: Verdict) -> torch.Tensor | None:
-        """Roll the draft cache back to what the target accepted (:meth:`_roll_back`); returns what the loop reads
-        for :meth:`settle`: the pending block's widest row and real tokens (:func:`pending_read`), ``None`` when every
-        pending token is real (nothing to trim, the count known)."""
+        """Roll the draft cache back to what the target accepted; returns what the loop reads for :meth:`settle`."""
         self._roll_back(verdict)
         return self._to_read()
 
     def _to_read(self) -> torch.Tensor | None:
         """What the loop reads at the step's end for :meth:`settle` (:func:`pending_read`); ``None`` when every pending
-        token is real (nothing to trim, the count known)."""
+        token is real."""
         return None if self.pending_real else pending_read(self.pending_mask)
 
     def _roll_back(self, verdict: Verdict) -> None:
-        """Roll the draft cache back to what the target accepted, and queue the tokens the draft has not read.
-
-        Args:
-            verdict: ``num_accepted`` ``(B,)`` drafts of the last proposal the target accepted and ``next_tokens``
-                ``(B,)`` its token after them (``verify_lengths`` is not needed: the accepted drafts say it all);
-                ``tree`` after a tree. Its hints: ``max_accepted`` below ``K`` means no row accepted its last draft,
-                so only the target's token waits (a one-column block, no device read); ``cached_longest`` bounds what
-                repacking keeps.
-        """
+        """Roll the draft cache back to ``verdict.num_accepted`` ``(B,)`` and queue what the draft has not read
+        (``next_tokens`` ``(B,)``, and the K-th draft where a row accepted it)."""
         if verdict.tree is not None:
             self._accept_tree(verdict)
             return
@@ -383,16 +308,12 @@ class BatchedDraftCandidateGenerator(Drafter):
         self.slots.compact(cached_longest)
 
     def accept_cells(self, verdict: Verdict, cells: torch.Tensor, foreign: torch.Tensor) -> torch.Tensor | None:
-        """As :meth:`accept` (and returns what it returns), for a proposal whose rows ``foreign`` ``(B,)`` (bool)
-        verified cells another drafter drafted (hybrid drafting, :mod:`.hybrid`): ``cells`` ``(B, K)`` the tokens
-        every row verified (this draft's own in the other rows).
+        """As :meth:`accept`, where rows ``foreign`` ``(B,)`` (bool) verified another drafter's cells (hybrid
+        drafting): ``cells`` ``(B, K)`` the tokens every row verified. A foreign row keeps none of this draft's cached
+        drafts and queues every token it accepted, then the target's.
 
-        A foreign row keeps none of this draft's cached drafts and queues every token it accepted, then the target's;
-        an own row keeps its accepted drafts but the K-th, as :meth:`accept` does. Pending is left-padded to
-        ``W = min(max_accepted, K) + 1`` columns.
-
-        E.g. K = 3, own row ``[p | d1 d2]`` accepted 1, foreign row ``[r | e1 e2]`` (this draft's) accepted 2 lookup
-        cells ``x1 x2``, ``W = 3``: caches ``[p | d1 .]`` and ``[r | . .]``; pending ``[. . t]`` and ``[x1 x2 u]``.
+        E.g. K = 3, own row ``[p | d1 d2]`` accepted 1, foreign row ``[r | e1 e2]`` accepted 2 lookup cells
+        ``x1 x2``: caches ``[p | d1 .]`` and ``[r | . .]``; pending ``[. . t]`` and ``[x1 x2 u]``.
         """
         self._roll_back_cells(verdict, cells, foreign)
         return self._to_read()
@@ -411,9 +332,8 @@ class BatchedDraftCandidateGenerator(Drafter):
 
     def _queue_right_aligned(self, final: torch.Tensor, first: torch.Tensor, count: torch.Tensor,
                              cached_longest: int | None) -> torch.Tensor:
-        """Wait with ``count`` ``(B,)`` tokens of ``final`` ``(B, W)`` from column ``first`` ``(B,)`` on, each row's
-        moved to its end (the pending block is left-padded); then compact the cache. Returns ``(B, W)`` the column of
-        ``final`` each pending column holds (for what else the pending columns carry).
+        """Wait with ``count`` ``(B,)`` tokens of ``final`` ``(B, W)`` from column ``first`` ``(B,)`` on, left-padded;
+        then compact the cache. Returns ``(B, W)`` the column of ``final`` each pending column holds.
 
         E.g. W = 3, rows ``[x1 x2 t]`` from 0, 3 tokens and ``[x1 t .]`` from 1, 1 token: ``[x1 x2 t]`` and ``[. . t]``.
         """
@@ -427,14 +347,12 @@ class BatchedDraftCandidateGenerator(Drafter):
         self.slots.compact(cached_longest)
         return source
 
-    def _queue_after_pending(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """``tokens`` ``(B, W)`` (real where ``mask``) wait after the pending ones, the block left-packed again.
-        Returns the ``(B, P + W)`` column order that packed it (for what else the pending columns carry)."""
+    def _queue_after_pending(self, tokens: torch.Tensor, mask: torch.Tensor) -> None:
+        """``tokens`` ``(B, W)`` (real where ``mask``) wait after the pending ones, left-packed."""
         order = left_packed_order(torch.cat([self.pending_mask, mask], dim=1))
         self.pending_tokens = torch.cat([self.pending_tokens, tokens], dim=1).gather(1, order)
         self.pending_mask = torch.cat([self.pending_mask, mask], dim=1).gather(1, order)
         self.pending_real, self.pending_count = False, None  # (until the loop's read says, see settle)
-        return order
 
     def _pending_target_tokens(self, next_tokens: torch.Tensor, ones: torch.Tensor) -> None:
         """Only the target's tokens ``(B,)`` wait: one column, real in every row."""
@@ -447,17 +365,16 @@ class BatchedDraftCandidateGenerator(Drafter):
             self.pending_count += tokens
 
     def settle(self, read: int | None, finished: Retired | None = None, moves: RowMoves | None = None) -> None:
-        """``read``: what :meth:`accept` returned (:func:`pending_read`), read: keep the pending block's last
-        ``widest`` columns and its real tokens' count (its next forward then reads no column of filler alone, and
-        packed); then rows leave as ``moves`` says (:meth:`~tetris_hf.kv.SlotCache.fill_rows`)."""
+        """``read`` (a :func:`pending_read`): keep the pending block's last ``widest`` columns and its real tokens'
+        count; then rows leave as ``moves`` says."""
         if read is not None:
             self._trim_pending(read)
         if moves is not None:
             self._fill_rows(*moves)
 
     def _trim_pending(self, read: int) -> None:
-        """Keep the last ``widest`` columns of the pending block and the count of its real tokens: ``read`` is a
-        :func:`pending_read` (or a plain width, which leaves the count as it was)."""
+        """Keep the last ``widest`` columns of the pending block and its real-token count (``read``: a
+        :func:`pending_read`, or a plain width)."""
         width, total = split_pending_read(read, self.pending_tokens.shape[1])
         if total is not None:
             self.pending_count = total
@@ -471,9 +388,8 @@ class BatchedDraftCandidateGenerator(Drafter):
             self.pending_real, self.pending_count = True, self.pending_tokens.shape[0]
 
     def join(self, rows: JoiningRows | None = None, chunk: PromptChunk | None = None) -> torch.Tensor | None:
-        """Rows join with empty caches, their last tokens pending (:meth:`_add_rows`); a chunk of their prompts goes
-        into the draft's cache (:meth:`_read_prompts`) before the next proposal reads what waits. Returns what
-        :meth:`accept` would now (rows joining in a step: the loop reads this instead)."""
+        """Rows join with empty caches, their last tokens pending; a chunk of their prompts goes into the draft's
+        cache. Returns what :meth:`accept` would now."""
         if rows is not None:
             self._add_rows(rows)
         if chunk is not None:
@@ -501,8 +417,7 @@ class BatchedDraftCandidateGenerator(Drafter):
         self.slots.compact(chunk.longest)
 
     def _fill_rows(self, targets: torch.Tensor, sources: torch.Tensor, num_rows: int) -> torch.Tensor:
-        """Finished rows leave the batch: see :meth:`~tetris_hf.kv.SlotCache.fill_rows` (whose row order this
-        returns)."""
+        """Finished rows leave (:meth:`~tetris_hf.kv.SlotCache.fill_rows`, whose row order this returns)."""
         rows = self.slots.fill_rows(targets, sources, num_rows)
         self.pending_tokens, self.pending_mask = self.pending_tokens[rows], self.pending_mask[rows]
         # rows left: the pending count is known only where every pending token is real

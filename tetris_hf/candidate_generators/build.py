@@ -1,6 +1,4 @@
-"""Which drafter a call gets: the one place that decides between prompt lookup, suffix drafts, an EAGLE head, a draft
-model (its head reduced to ``tetris_draft_vocab`` or not) and lookup or suffix drafts with either (hybrid drafting), and refuses what the chosen
-one cannot do."""
+"""Which drafter a call gets (:func:`build_drafter`), and the refusals of what the chosen one cannot do."""
 
 from __future__ import annotations
 
@@ -25,36 +23,14 @@ from .suffix import SuffixCandidateGenerator
 def build_drafter(assistant_model: torch.nn.Module | None, options: TetrisOptions,
                   logits_processor: PositionwiseLogitsProcessor, do_sample: bool, max_rows: int,
                   cache_capacity: Callable[[torch.nn.Module], int]) -> tuple[Drafter, torch.nn.Module | None]:
-    """The drafter ``assistant_model`` and ``options`` ask for, and the model it drafts with.
+    """The drafter ``assistant_model`` and ``options`` ask for, and the model it drafts with: prompt lookup (no
+    model), suffix drafts (``tetris_suffix_num_tokens``), an EAGLE head, a draft model (its head reduced by
+    ``tetris_draft_vocab``), or lookup or suffix drafts beside either (the hybrid). Everything is refused before any
+    forward; a draft packs (``tetris_pack``) where :func:`~tetris_hf.packed_probe.packs_exactly` holds.
 
-    - no ``assistant_model``: prompt lookup (:class:`~.prompt_lookup.BatchedPromptLookupCandidateGenerator`), drafting
-      up to ``k + e`` tokens after n-grams of ``tetris_min_ngram_size..max_matching_ngram_size`` tokens;
-    - an EAGLE head (:func:`~.eagle.is_eagle_head`): :class:`~.eagle_drafter.EagleCandidateGenerator` (not with
-      ``tetris_compile`` yet: a cache's compiled step forward does not pass the features bound to each head call);
-    - any other causal LM: :class:`~.batched_draft.BatchedDraftCandidateGenerator`, on the model's
-      :class:`~.reduced_vocab.ReducedVocabDraft` when ``tetris_draft_vocab`` is set;
-    - an ``assistant_model`` and ``prompt_lookup_num_tokens``: :class:`~.hybrid.HybridCandidateGenerator`, lookup
-      where a row matches and the head or model where it does not;
-    - ``tetris_suffix_num_tokens``: :class:`~.suffix.SuffixCandidateGenerator` (drafts from the batch's rows and a
-      cache of earlier requests; trees too when alone), alone or, with an ``assistant_model``, in lookup's place in
-      the hybrid (chains only).
-
-    With ``tetris_tree_width > 1`` the draft model's layout must take tree masks
-    (:func:`~tetris_hf.attention.check_tree_layout`). Everything is refused before any forward. A draft model or head
-    reads its blocks with filler packed (``tetris_pack``, not with ``tetris_compile``) where it packs exactly
-    (:func:`~tetris_hf.packed_probe.packs_exactly`).
-
-    Args:
-        assistant_model: the draft causal LM or EAGLE head, or ``None`` for prompt lookup alone.
-        options: the call's options.
-        logits_processor, do_sample: what a draft model samples with (the loop's).
-        max_rows: the most rows a draft model's cache will hold, where rows join later (a stream's; 0: the prompts').
-        cache_capacity: the slots a model's cache needs for this call (its layout refuses what it cannot mask).
-
-    Returns:
-        ``(drafter, draft_model)``: ``draft_model`` is what drafts (the reduced-vocabulary draft where there is one,
-        which the cost-aware strategies profile; with lookup, the model, which a hybrid step runs over every row),
-        ``None`` for prompt lookup alone.
+    ``logits_processor``, ``do_sample``: the loop's; ``max_rows``: the most rows a draft model's cache will hold
+    (0: the prompts'); ``cache_capacity``: the slots a model's cache needs. Returns ``(drafter, draft_model)``, the
+    model that drafts (the reduced-vocabulary draft where there is one; ``None`` with no model).
     """
     max_draft = options.num_assistant_tokens + options.tetris_extra_tokens
     lookup = _model_free(options, max_draft, assistant_model is None)

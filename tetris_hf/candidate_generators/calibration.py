@@ -8,16 +8,9 @@ import torch
 
 
 class OnlineRates:
-    """A table of acceptance rates: cell ``c``'s estimate is ``(accepted + s * prior_c) / (tried + s)``, a Beta prior
-    of strength ``s`` around ``prior_c``, updated by the cells the target reached (cells after a rejection tell
-    nothing and are not counted); counts decay by ``memory`` per step, so the estimates follow the requests as they
-    change.
-
-    Args:
-        prior: the prior rate of every cell (its shape is the table's).
-        prior_strength: ``s``, pseudo-observations per cell.
-        memory: the counts' decay per step.
-    """
+    """A table of acceptance rates, the table's shape ``prior``'s: cell ``c``'s estimate is
+    ``(accepted + s * prior_c) / (tried + s)`` (``s = prior_strength``), counted over the cells the target reached;
+    counts decay by ``memory`` per step."""
 
     def __init__(self, prior: torch.Tensor, prior_strength: float, memory: float):
         self.prior, self.prior_strength, self.memory = prior, prior_strength, memory

@@ -1,69 +1,8 @@
 """EAGLE draft heads (EAGLE-1 and EAGLE-3) loaded from their published checkpoints, runnable like a causal LM.
 
-An EAGLE head is one decoder layer that drafts from the target's own hidden states ("features"): the target computes
-them anyway while it verifies, so a draft token costs one small layer and an output head.
-:meth:`EagleDraft.from_pretrained` reads the checkpoints the public trainers write (SafeAILab/EAGLE, SpecForge),
-validates them against the target before anything runs, and returns a module whose ``forward`` takes what any
-transformers causal LM takes (``input_ids``, ``attention_mask``, ``position_ids``, ``past_key_values``,
-``logits_to_keep``) plus the features, and returns ``.logits`` over the TARGET's vocabulary and ``.features`` (what the
-next draft step reads). Its attention is transformers' own ``LlamaAttention`` (every published head is a Llama layer,
-whatever the target family: the reference code builds the same layer for Llama, Qwen and Mixtral targets), so it runs
-on any transformers ``Cache``, :class:`tetris_hf.kv.SlotCache` included (see :meth:`EagleDraft.with_features`).
-
-Terms (notation of ``shared/facts/eagle-formats.md``): ``H`` the hidden size, ``L`` the target's decoder layers, ``V``
-the target's vocabulary, ``hs[i]`` transformers' ``output_hidden_states[i]``: ``hs[0]`` the embeddings, ``hs[i]`` the
-INPUT of decoder layer ``i`` (= the output of layer ``i - 1``), ``hs[L]`` the output of the final norm.
-
-Alignment (both versions). Head position ``j`` reads the target's feature at position ``j`` together with the
-embedding of token ``j + 1``, and predicts token ``j + 2``. E.g. a row ``x0 x1 x2 x3`` whose newest token ``x3`` came
-out of the last verification (the target has read ``x0 x1 x2`` only, so features ``f0 f1 f2`` exist)::
-
-    head position   0         1         2
-    input_ids       x1        x2        x3         (the token AFTER the feature's token)
-    features        f0        f1        f2         (target_features: the target's, at positions 0 1 2)
-    predicts        x2        x3        d4         (the last one is the first draft token)
-
-then drafting goes on from the head's own output ``o2`` (``.features`` at position 2)::
-
-    head position   3         4
-    input_ids       d4        d5
-    features        o2        o3                   (draft_features: the head's previous output)
-    predicts        d5        d6
-
-Position ids are the feature's positions (a constant offset changes nothing: RoPE is relative). Every context
-position's cache entry is computed from the target's real feature; after a verification the accepted tokens are read
-again with the features the verify forward produced (the drafted entries are dropped), and drafted positions use the
-head's own output.
-
-Features (``head.feature_kind``, ``head.aux_layer_ids`` in ``hs`` indices, ``head.feature_size`` = F):
-
-- ``"eagle1"``: ``hs[L]``, the target's last hidden state AFTER its final norm (``aux_layer_ids == (L,)``, F = H).
-  ``x = fc(cat(embed(token), feature))``; the layer has no input norm: ``h1 = x + attn(x)``,
-  ``out = h1 + mlp(post_attention_layernorm(h1))``; logits = the target's ``lm_head(out)`` with no norm before it. A
-  drafted position's feature is ``out``, and goes through ``fc`` again.
-- ``"eagle3"``: ``cat(hs[a], hs[b], hs[c])`` (F = 3H), the inputs of three target layers, low, mid, high. A real
-  position's ``h = fc(cat3)``; a drafted position's ``h`` is the head's previous pre-norm output (no ``fc``).
-  ``x = cat(input_layernorm(embed(token)), hidden_norm(h))`` (2H), ``h1 = h + attn(x)``,
-  ``out = h1 + mlp(post_attention_layernorm(h1))``; draft logits = ``lm_head(norm(out))``; the next feature is ``out``,
-  before the norm.
-
-How the EAGLE-3 layers are chosen (engines disagree, so this says which reading this module follows):
-
-- default: ``hs`` indices ``(2, L // 2, L - 3)``, the inputs of those decoder layers, which is what the reference
-  trainer captures (SafeAILab/EAGLE ``eagle/model/modeling_llama_kv.py``, ``LlamaModel.forward`` keeps the hidden state
-  just BEFORE running layers ``2``, ``L // 2`` and ``L - 3``);
-- ``eagle_config.eagle_aux_hidden_state_layer_ids`` in config.json is read as OUTPUT-of-layer ids, the way SpecForge
-  (the trainer that writes the field) and SGLang read it: id ``k`` is ``hs[k + 1]``. SpecForge's defaults
-  ``[1, L // 2 - 1, L - 4]`` are thus the reference trainer's layers (sgl-project/SpecForge
-  ``specforge/algorithms/model_providers.py``, ``resolve_eagle_capture_layers``, and
-  ``tests/test_runtime/test_server_capture_gate.py``: "capture layer id L (sglang convention) == hidden_states[L+1]").
-  vLLM takes the ids verbatim as layer inputs, one layer lower than this; llama.cpp ignores the field;
-- ``aux_layer_ids=`` of :meth:`EagleDraft.from_pretrained` overrides both, in ``hs`` indices, verbatim.
-
-Reduced draft vocabulary (EAGLE-3): the head scores ``Vd`` draft tokens; draft id ``i`` is target id
-``i + d2t[i]``. :meth:`EagleDraft.forward` scatters the ``Vd`` logits into a ``V``-wide row that is ``-inf`` at every
-target token outside the draft vocabulary, so ``softmax`` of it is the head's distribution ``q`` over the target's
-vocabulary, which lossless verification needs (the residual ``max(p - q, 0)`` covers the tokens ``q`` never proposes).
+:class:`EagleDraft` (``from_pretrained``, ``for_target``, ``save_pretrained``) drafts from the target's hidden states
+("features") and returns logits over the target's vocabulary. Notation (``hs``, ``H``, ``L``, ``V``), alignment, both
+versions' formulas and which layers EAGLE-3 reads: docs/design.md, section "EAGLE heads".
 """
 
 from __future__ import annotations
@@ -99,15 +38,9 @@ TARGET_ONLY_FIELDS = ("model_type", "sliding_window", "use_sliding_window", "max
 
 @dataclass
 class EagleOutput(ModelOutput):
-    """What :meth:`EagleDraft.forward` returns.
-
-    Args:
-        logits: ``(B, K, V)`` over the target's vocabulary (``K`` = ``logits_to_keep`` or the block length); ``-inf``
-            outside a reduced draft vocabulary.
-        features: ``(B, L, H)`` the head's output at every block position: the feature a drafted token at the next
-            position reads (pass it back as ``draft_features``).
-        past_key_values: the cache it wrote to.
-    """
+    """What :meth:`EagleDraft.forward` returns: ``logits`` ``(B, K, V)`` over the target's vocabulary (``-inf``
+    outside a reduced draft vocabulary), ``features`` ``(B, L, H)`` the head's output at every block position (the next
+    drafted token's ``draft_features``), and the cache it wrote to."""
 
     logits: torch.Tensor | None = None
     features: torch.Tensor | None = None
@@ -124,16 +57,11 @@ class _Borrowed:
 
 
 class EagleDraft(nn.Module):
-    """An EAGLE-1 or EAGLE-3 head on a target model. Build it with :meth:`from_pretrained`.
+    """An EAGLE-1 or EAGLE-3 head on a target model. Build it with :meth:`from_pretrained` (or :meth:`for_target`).
 
-    Attributes:
-        feature_kind: ``"eagle1"`` or ``"eagle3"``.
-        aux_layer_ids: the target hidden states the head reads, ``hs`` indices (``output_hidden_states`` convention:
-            ``i < L`` the input of decoder layer ``i``, ``L`` the final norm's output), concatenated in this order.
-        feature_size: F, the last dimension of ``target_features``.
-        config: a ``LlamaConfig`` of the head (``vocab_size`` the target's ``V``, ``draft_vocab_size`` the head's,
-            ``_attn_implementation`` the target's), so :class:`tetris_hf.attention.AttentionLayout` reads it like a
-            model's.
+    Attributes: ``feature_kind`` (``"eagle1"`` or ``"eagle3"``); ``aux_layer_ids``, the target hidden states read, in
+    ``hs`` indices, concatenated in this order; ``feature_size`` F; ``config``, the head's ``LlamaConfig``
+    (``vocab_size`` the target's ``V``).
     """
 
     def __init__(self, config: LlamaConfig, kind: str, aux_layer_ids: tuple[int, ...], feature_size: int,
@@ -169,32 +97,17 @@ class EagleDraft(nn.Module):
     # -- loading -----------------------------------------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained(
-        cls,
-        path_or_repo_id: str | os.PathLike,
-        target: nn.Module,
-        aux_layer_ids: tuple[int, ...] | list[int] | None = None,
-        revision: str | None = None,
-        cache_dir: str | os.PathLike | None = None,
-        local_files_only: bool | None = None,
-        token: str | bool | None = None,
-    ) -> "EagleDraft":
-        """Load a published EAGLE-1 or EAGLE-3 head for ``target``, on the target's device and in its dtype.
+    def from_pretrained(cls, path_or_repo_id: str | os.PathLike, target: nn.Module,
+                        aux_layer_ids: tuple[int, ...] | list[int] | None = None, revision: str | None = None,
+                        cache_dir: str | os.PathLike | None = None, local_files_only: bool | None = None,
+                        token: str | bool | None = None) -> "EagleDraft":
+        """Load a published EAGLE-1 or EAGLE-3 head for ``target``, on its device and in its dtype, from a folder or a
+        Hub repo (``revision``, ``cache_dir``, ``local_files_only``, ``token`` as in transformers); the embedding is
+        the checkpoint's, else the target's (shared). ``aux_layer_ids`` (EAGLE-3 only): ``hs`` indices to read in
+        place of the config's.
 
-        Reads ``config.json`` and ``model.safetensors`` (else ``pytorch_model.bin``, loaded with ``weights_only=True``)
-        from a local folder or a Hub repo (``revision``, ``cache_dir``, ``local_files_only``, ``token`` as in
-        transformers). The format is told by the tensor names (``midlayer.*``: EAGLE-3, ``layers.0.*``: EAGLE-1). The
-        embedding is the checkpoint's ``embed_tokens.weight`` when it has one, else the target's input embedding
-        (shared, not copied); an EAGLE-1 head's output head is the target's.
-
-        Args:
-            aux_layer_ids: EAGLE-3 only: the target hidden states to read, ``hs`` indices (see the module docstring),
-                in place of the config's or the default ``(2, L // 2, L - 3)``.
-
-        Raises:
-            ValueError, before anything runs, naming the field and what to change: a hidden size or vocabulary that
-            differs from the target's, ``d2t`` entries outside the target's vocabulary, layer ids the target does not
-            have, missing or misshapen tensors, an unreadable (truncated, corrupt) weights file.
+        Raises ValueError before anything runs, naming the field: sizes or a vocabulary that differ from the target's,
+        ``d2t`` entries outside it, layer ids it does not have, missing or misshapen tensors, an unreadable file.
         """
         hub = {name: value for name, value in dict(revision=revision, cache_dir=cache_dir,
                                                    local_files_only=local_files_only, token=token).items()
@@ -246,23 +159,15 @@ class EagleDraft(nn.Module):
     @classmethod
     def for_target(cls, target: nn.Module, draft_vocab_ids: torch.Tensor | None = None,
                    aux_layer_ids: tuple[int, ...] | list[int] | None = None) -> "EagleDraft":
-        """A fresh EAGLE-3 head for ``target``, to be trained (``tetris-hf train-eagle``), built through the same
-        loader as a published checkpoint (:meth:`from_state_dict`), so it is exactly what :meth:`save_pretrained` then
-        :meth:`from_pretrained` give back.
-
-        The layer and ``fc`` are randomly initialised (PyTorch's defaults, from the global RNG: seed it first);
-        ``lm_head`` starts as the target's output rows of the draft vocabulary and ``norm`` with the scale of the
-        target's final norm (random/ones where the target has none), so that a head output close to the target's last
-        hidden state already gives the target's distribution: the first steps learn features, not token geometry.
-        Sizes (heads, head size, MLP width, activation, RMS epsilon, RoPE) are the target's.
+        """A fresh EAGLE-3 head for ``target``, to be trained, built through :meth:`from_state_dict` (so it is what
+        :meth:`save_pretrained` then :meth:`from_pretrained` give back). Random layer and ``fc`` (seed the global RNG
+        first); ``lm_head`` the target's output rows, ``norm`` the scale of its final norm.
 
         Args:
-            draft_vocab_ids: ``(Vd,)`` the target token ids the head scores (e.g. the ``Vd`` most frequent), distinct;
-                ``None``: the whole vocabulary (no ``d2t``/``t2d``).
+            draft_vocab_ids: ``(Vd,)`` distinct target token ids the head scores; ``None``: the whole vocabulary.
             aux_layer_ids: ``hs`` indices of the three target hidden states to read (default ``(2, L // 2, L - 3)``).
 
-        Raises:
-            ValueError: token ids out of range, repeated or empty; layer ids the target does not have.
+        Raises ValueError for token ids out of range, repeated or empty, and layer ids the target does not have.
         """
         target_config = target.config.get_text_config(decoder=True)
         hidden, layers = target_config.hidden_size, target_config.num_hidden_layers
@@ -272,7 +177,8 @@ class EagleDraft(nn.Module):
                                     layers, source)
         target_ids = _draft_vocab_ids(draft_vocab_ids, vocab, source)
         draft_vocab = target_ids.numel()
-        config_dict = _fresh_config(target_config, vocab, draft_vocab, aux)
+        config_dict = {**_llama_fields(target_config, "LlamaForCausalLMEagle3", vocab),
+                       **_eagle3_fields(draft_vocab, hidden, aux)}
         config = head_config(config_dict, {}, EAGLE3, vocab, target_config, source)
         with torch.device("cpu"):
             fresh = cls(config, EAGLE3, aux, 3 * hidden, False, False, draft_vocab, own_embedding=False).float()
@@ -286,34 +192,18 @@ class EagleDraft(nn.Module):
                 ones = norm.weight.new_ones(1, hidden)
                 tensors["norm.weight"] = norm(ones)[0].float().cpu()
         if draft_vocab < vocab:
-            tensors["d2t"] = target_ids - torch.arange(draft_vocab)  # draft id + d2t[draft id] = target id
-            tensors["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, target_ids, True)
+            tensors.update(_vocab_map(target_ids, vocab))
         return cls.from_state_dict(config_dict, tensors, target, aux_layer_ids=aux, source=source)
 
     def save_pretrained(self, directory: str | os.PathLike, dtype: torch.dtype | None = None) -> str:
-        """Write the head in the published format :meth:`from_pretrained` reads: ``config.json`` and
-        ``model.safetensors`` (tensor names and config keys of ``shared/facts/eagle-formats.md``; EAGLE-3 in SpecForge's
-        layout: ``architectures: ["LlamaForCausalLMEagle3"]``, ``eagle_config`` with output-of-layer ids, ``d2t``
-        int64 and ``t2d`` bool for a reduced vocabulary). The target's embedding and head are not written (an own
-        embedding is). ``dtype``: of the weights written (default: the head's). Returns the directory."""
-        config = self.config
-        rope = getattr(config, "rope_parameters", None)
-        fields = {
-            "architectures": ["LlamaForCausalLMEagle3" if self.feature_kind == EAGLE3 else "LlamaForCausalLM"],
-            "model_type": "llama", "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
-            "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
-            "head_dim": config.head_dim, "hidden_act": config.hidden_act, "rms_norm_eps": config.rms_norm_eps,
-            "max_position_embeddings": config.max_position_embeddings, **_rope_fields(rope), "num_hidden_layers": 1,
-            "vocab_size": self.vocab_size, "tie_word_embeddings": False,
-        }
-        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            if getattr(config, name, None) is not None:
-                fields[name] = getattr(config, name)
-        if self.feature_kind == EAGLE3:
-            fields.update(draft_vocab_size=self.draft_vocab_size,
-                          target_hidden_size=self.feature_size // len(self.aux_layer_ids),
-                          eagle_config={"use_aux_hidden_state": True,
-                                        "eagle_aux_hidden_state_layer_ids": [i - 1 for i in self.aux_layer_ids]})
+        """Write the head in the published format :meth:`from_pretrained` reads (``config.json``,
+        ``model.safetensors``; EAGLE-3 in SpecForge's layout). The target's embedding and head are not written.
+        ``dtype``: of the weights written (default: the head's). Returns the directory."""
+        eagle3 = self.feature_kind == EAGLE3
+        fields = _llama_fields(self.config, "LlamaForCausalLMEagle3" if eagle3 else "LlamaForCausalLM", self.vocab_size)
+        if eagle3:
+            fields.update(_eagle3_fields(self.draft_vocab_size, self.feature_size // len(self.aux_layer_ids),
+                                         self.aux_layer_ids))
         else:
             fields["bias"] = self.fc.bias is not None
             if self.layer.self_attn.q_proj.bias is not None:
@@ -321,10 +211,8 @@ class EagleDraft(nn.Module):
         fields["torch_dtype"] = str(dtype or self.dtype).removeprefix("torch.")
         tensors = {_published_name(name, self.feature_kind): tensor.detach().to("cpu", dtype or tensor.dtype)
                    .contiguous() for name, tensor in self.state_dict().items()}
-        if self.feature_kind == EAGLE3 and self.target_ids is not None:
-            target_ids = self.target_ids.to("cpu", torch.long)
-            tensors["d2t"] = target_ids - torch.arange(target_ids.numel())
-            tensors["t2d"] = torch.zeros(self.vocab_size, dtype=torch.bool).index_fill_(0, target_ids, True)
+        if eagle3 and self.target_ids is not None:
+            tensors.update(_vocab_map(self.target_ids.to("cpu", torch.long), self.vocab_size))
         from safetensors.torch import save_file
 
         os.makedirs(directory, exist_ok=True)
@@ -347,55 +235,37 @@ class EagleDraft(nn.Module):
         return self.embed_tokens if self._borrowed.embed_tokens is None else self._borrowed.embed_tokens
 
     def get_output_embeddings(self) -> nn.Module | None:
-        """The module whose rows are the logits' columns: the target's ``lm_head`` (EAGLE-1), the head's own when its
-        vocabulary is the target's; ``None`` for a reduced draft vocabulary (its ``Vd`` rows are scattered into
-        ``config.vocab_size`` columns)."""
+        """The module whose rows are the logits' columns: the target's ``lm_head`` (EAGLE-1) or the head's own;
+        ``None`` for a reduced draft vocabulary."""
         if self.feature_kind == EAGLE1:
             return self._borrowed.lm_head
         return self.lm_head if self.target_ids is None else None
 
     def with_features(self, target_features: torch.Tensor | None = None,
                       draft_features: torch.Tensor | None = None) -> "EagleCall":
-        """The head with this block's features bound, for drivers that call a model with the standard arguments
-        only (:meth:`tetris_hf.kv.SlotCache.forward`)::
-
-            call = head.with_features(target_features=features)   # (B, L, F)
-            logits = slot_cache.forward(call, input_ids, input_mask)
-            next_features = call.outputs.features                  # (B, L, H)
-        """
+        """The head with this block's features bound (``(B, L, F)`` target or ``(B, L, H)`` draft), for drivers that
+        pass a model's standard arguments only (:meth:`tetris_hf.kv.SlotCache.forward`); the output lands in
+        ``call.outputs``."""
         return EagleCall(self, target_features, draft_features)
 
     # -- forward -----------------------------------------------------------------------------------------------------
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
-        use_cache: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
-        target_features: torch.Tensor | None = None,
-        draft_features: torch.Tensor | None = None,
-        **kwargs,
-    ) -> EagleOutput:
-        """One block of head positions, batched (left padding, holes and per-row positions come in the mask and the
-        positions, as for any transformers model).
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, past_key_values: Cache | None = None,
+                use_cache: bool | None = None, logits_to_keep: int | torch.Tensor = 0,
+                target_features: torch.Tensor | None = None, draft_features: torch.Tensor | None = None,
+                **kwargs) -> EagleOutput:
+        """One block of head positions, batched (padding, holes and per-row positions in the mask and positions).
 
         Args:
-            input_ids: ``(B, L)`` at head position ``j``, the token AFTER feature ``j``'s token (see the module
-                docstring's alignment).
-            attention_mask: a 2D ``(B, cached + L)`` mask of real tokens (1) and padding (0), or a prepared 4D mask
-                (used as given, e.g. SlotCache's); ``None``: every token real, causal.
+            input_ids: ``(B, L)`` at head position ``j``, the token AFTER feature ``j``'s token.
+            attention_mask: ``(B, cached + L)`` 2D mask of real tokens, or a prepared 4D mask; ``None``: causal.
             position_ids: ``(B, L)`` the features' positions; ``None``: counting on from the cache's length.
-            past_key_values: the head's own cache (one layer), appended to; ``None``: no cache.
-            use_cache: ``False`` to not write ``past_key_values``.
-            logits_to_keep: logits for the last this-many positions only (0: all), or positions (as transformers'
-                ``slice_logits_to_keep`` reads them).
-            target_features: ``(B, L, F)`` the target's features at the block's positions (context and accepted
-                tokens).
-            draft_features: ``(B, L, H)`` the head's own output at the previous positions (drafted tokens): the
-                ``features`` of the forward that drafted them. Exactly one of the two.
+            past_key_values: the head's own cache (one layer), appended to unless ``use_cache`` is ``False``.
+            logits_to_keep: as transformers' ``slice_logits_to_keep`` reads it (0: every position).
+            target_features: ``(B, L, F)`` the target's features (context and accepted tokens), or
+            draft_features: ``(B, L, H)`` the head's own output at the previous positions (drafted tokens); exactly
+                one of the two.
 
         Returns:
             :class:`EagleOutput`: ``logits`` ``(B, K, V)`` over the target's vocabulary, ``features`` ``(B, L, H)``.
@@ -420,8 +290,8 @@ class EagleDraft(nn.Module):
 
     def _inputs(self, input_ids: torch.Tensor, target_features: torch.Tensor | None,
                 draft_features: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual stream ``h`` ``(B, L, H)`` and the layer's attention input (``(B, L, H)``, EAGLE-1; ``(B, L,
-        2H)``, EAGLE-3) from the tokens and exactly one of the two kinds of features (see :meth:`forward`)."""
+        """The residual stream ``h`` ``(B, L, H)`` and the attention input (``(B, L, H)`` EAGLE-1, ``(B, L, 2H)``
+        EAGLE-3)."""
         if (target_features is None) == (draft_features is None):
             raise ValueError("pass exactly one of `target_features` (the target's, for context and accepted tokens) "
                              "and `draft_features` (the head's own output, for drafted tokens)")
@@ -447,70 +317,23 @@ class EagleDraft(nn.Module):
         draft = self.lm_head(self.norm(out))  # (..., Vd)
         if self.target_ids is None:
             return draft
-        # E.g. Vd 3, V 6, d2t [0, 2, 3]: target ids [0, 3, 5]; draft row [a b c] -> [a -inf -inf b -inf c].
         full = draft.new_full((*draft.shape[:-1], self.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.target_ids, draft)
 
     def probe_forward(self, num_ids: int) -> "TokenFeatureCall":
-        """The head called with the target's features made from its tokens (a fixed random row per id below
-        ``num_ids``), so that two reads of one block see the same features: what
-        :func:`~tetris_hf.packed_probe.packs_exactly` reads a head with."""
+        """The head called with features made from its tokens (a fixed random row per id below ``num_ids``), as
+        :func:`~tetris_hf.packed_probe.packs_exactly` reads it."""
         return TokenFeatureCall(self, num_ids)
 
     def target_features(self, outputs) -> torch.Tensor:
-        """``(B, T, F)`` this head's features from a target forward's ``outputs``, run with
-        ``output_hidden_states=list(head.aux_layer_ids)`` (transformers then keeps those layers' states only)::
-
-            outputs = target(input_ids, output_hidden_states=list(head.aux_layer_ids))
-            features = head.target_features(outputs)
-        """
+        """``(B, T, F)`` this head's features from a target forward run with
+        ``output_hidden_states=list(head.aux_layer_ids)``."""
         return select_features(outputs.hidden_states, self.aux_layer_ids)
 
 
 
-def _draft_vocab_ids(draft_vocab_ids: torch.Tensor | None, vocab: int, source: str) -> torch.Tensor:
-    """``(Vd,)`` the sorted target ids a fresh head scores (every id for ``None``); refuses ids out of range,
-    repeated, or none."""
-    if draft_vocab_ids is None:
-        return torch.arange(vocab)
-    target_ids = torch.as_tensor(draft_vocab_ids).detach().to("cpu").flatten()
-    if target_ids.is_floating_point() or target_ids.dtype == torch.bool or target_ids.numel() == 0:
-        raise ValueError(f"{source}: `draft_vocab_ids` must be a non-empty 1-D tensor of token ids, got "
-                         f"{target_ids.numel()} values of dtype {target_ids.dtype}")
-    target_ids = target_ids.long().sort().values
-    if int(target_ids[0]) < 0 or int(target_ids[-1]) >= vocab:
-        raise ValueError(f"{source}: `draft_vocab_ids` holds ids outside the target's vocabulary of {vocab} "
-                         f"(min {int(target_ids[0])}, max {int(target_ids[-1])})")
-    if torch.unique(target_ids).numel() != target_ids.numel():
-        raise ValueError(f"{source}: `draft_vocab_ids` repeats token ids; give each once")
-    return target_ids
-
-
-def _fresh_config(target_config, vocab: int, draft_vocab: int, aux: tuple[int, ...]) -> dict:
-    """The published ``config.json`` of a fresh EAGLE-3 head for a target of ``target_config``: the target's sizes,
-    one layer, ``draft_vocab`` of ``vocab`` ids scored, reading ``hs`` indices ``aux``."""
-    hidden, heads = target_config.hidden_size, target_config.num_attention_heads
-    return {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden,
-        "intermediate_size": target_config.intermediate_size, "num_attention_heads": heads,
-        "num_key_value_heads": getattr(target_config, "num_key_value_heads", None) or heads,
-        "head_dim": getattr(target_config, "head_dim", None) or hidden // heads,
-        "hidden_act": getattr(target_config, "hidden_act", "silu"),
-        "rms_norm_eps": getattr(target_config, "rms_norm_eps", 1e-6),
-        "max_position_embeddings": target_config.max_position_embeddings,
-        **_rope_fields(getattr(target_config, "rope_parameters", None)),
-        "num_hidden_layers": 1, "vocab_size": vocab, "draft_vocab_size": draft_vocab,
-        "target_hidden_size": hidden, "tie_word_embeddings": False,
-        **{name: getattr(target_config, name) for name in ("bos_token_id", "eos_token_id", "pad_token_id")
-           if getattr(target_config, name, None) is not None},
-        "eagle_config": {"use_aux_hidden_state": True,  # SpecForge's output-of-layer ids: hs[k] is id k - 1
-                         "eagle_aux_hidden_state_layer_ids": [index - 1 for index in aux]},
-    }
-
-
 class TokenFeatureCall:
-    """An :class:`EagleDraft` called through its ``forward`` with features made from its tokens (see
-    :meth:`EagleDraft.probe_forward`); attributes as the head's."""
+    """:meth:`EagleDraft.probe_forward`'s callable; attributes as the head's."""
 
     def __init__(self, head: EagleDraft, num_ids: int):
         self._head = head
@@ -526,11 +349,8 @@ class TokenFeatureCall:
 
 class EagleCall:
     """:meth:`EagleDraft.forward` with its features bound, callable with a model's standard arguments; keeps the last
-    :class:`EagleOutput` in ``outputs``. Has the head's ``config``, ``dtype`` and ``device`` (what SlotCache reads).
-
-    In a packed forward (a ``tetris_packing`` argument: SlotCache reads the block's ``N`` real tokens as
-    ``(1, N)``), the bound ``(B, L, ...)`` features are packed the same way and ``outputs.features`` is put back in its
-    rows, ``(B, L, H)`` with zeros at filler."""
+    :class:`EagleOutput` in ``outputs``. In a packed forward (``tetris_packing``) the bound ``(B, L, ...)`` features
+    are packed the same way and ``outputs.features`` is unpacked to ``(B, L, H)``, zeros at filler."""
 
     def __init__(self, head: EagleDraft, target_features: torch.Tensor | None,
                  draft_features: torch.Tensor | None):
@@ -557,10 +377,8 @@ class EagleCall:
 
 
 def read_checkpoint(path_or_repo_id, **hub) -> tuple[dict, dict[str, torch.Tensor], str]:
-    """``config.json`` as a dict, the tensors (on CPU, as stored) and a name for the weights file (for messages).
-
-    ``hub``: ``revision``, ``cache_dir``, ``local_files_only``, ``token`` (for a Hub repo id).
-    """
+    """``config.json`` as a dict, the tensors (CPU, as stored) and the weights file's name; ``hub``: transformers'
+    ``revision``, ``cache_dir``, ``local_files_only``, ``token``."""
     path_or_repo_id = os.fspath(path_or_repo_id)
     config_path = cached_file(path_or_repo_id, CONFIG_NAME, _raise_exceptions_for_missing_entries=False, **hub)
     if config_path is None:
@@ -580,7 +398,7 @@ def read_checkpoint(path_or_repo_id, **hub) -> tuple[dict, dict[str, torch.Tenso
 
 
 def load_tensors(path: str) -> dict[str, torch.Tensor]:
-    """The tensors of a ``.safetensors`` or ``.bin`` file; a ``ValueError`` saying so for a truncated or corrupt one."""
+    """The tensors of a ``.safetensors`` or ``.bin`` file; ``ValueError`` for a truncated or corrupt one."""
     try:
         if path.endswith(".safetensors"):
             from safetensors.torch import load_file
@@ -632,8 +450,8 @@ def check_config(config_dict: dict, kind: str, target_hidden: int, target_vocab:
 
 
 def resolve_aux_layer_ids(config_dict: dict, explicit, num_layers: int, source: str) -> tuple[int, ...]:
-    """The EAGLE-3 head's target hidden states in ``hs`` indices (see the module docstring for the three readings);
-    each must be the input of one of the target's ``num_layers`` layers."""
+    """The EAGLE-3 head's target hidden states in ``hs`` indices (``explicit``, else the config's output-of-layer
+    ids plus one, else the default), each the input of one of the target's ``num_layers`` layers."""
     if explicit is not None:
         ids, field = tuple(int(index) for index in explicit), "aux_layer_ids"
         shown = ids
@@ -663,8 +481,8 @@ def resolve_aux_layer_ids(config_dict: dict, explicit, num_layers: int, source: 
 
 def head_config(config_dict: dict, tensors: dict, kind: str, target_vocab: int, target_config,
                 source: str) -> LlamaConfig:
-    """The head's ``LlamaConfig``: config.json's fields (a missing ``rope_theta`` is Llama's 10000), one layer, the
-    target's vocabulary and attention implementation, and the head size the attention weights have."""
+    """The head's ``LlamaConfig``: config.json's fields, one layer, the target's vocabulary and attention
+    implementation, and the head size the attention weights have."""
     fields = {name: value for name, value in config_dict.items()
               if not name.startswith("_") and name not in TARGET_ONLY_FIELDS}
     fields.update(num_hidden_layers=1, vocab_size=target_vocab, attention_bias=False, mlp_bias=False)
@@ -677,20 +495,15 @@ def head_config(config_dict: dict, tensors: dict, kind: str, target_vocab: int, 
                              f"({heads}); the config does not describe these weights")
         fields["head_dim"] = rows // heads  # the reference uses hidden_size // heads; the weights say which
     config = LlamaConfig(**fields)
-    implementation = base_implementation(getattr(target_config, "_attn_implementation", None) or "sdpa")
-    config._attn_implementation = implementation
+    config._attn_implementation = base_implementation(getattr(target_config, "_attn_implementation", None) or "sdpa")
     return config
 
 
 def checkpoint_state(head: EagleDraft, tensors: dict[str, torch.Tensor], kind: str, source: str,
                      bias_field: bool) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors under the head's parameter names, every one present and of the right shape.
-
-    ``bias_field``: config.json has a ``bias`` key (else the reference code gives an EAGLE-1 fc a bias).
-    """
-    prefix = LAYER_PREFIXES[kind]
-    published = {(prefix + name[len("layer."):] if name.startswith("layer.") else name): name
-                 for name in head.state_dict()}  # published name -> head name
+    """The checkpoint's tensors under the head's parameter names, every one present and of the right shape
+    (``bias_field``: config.json has a ``bias`` key, for the message)."""
+    published = {_published_name(name, kind): name for name in head.state_dict()}  # published name -> head name
     missing = [name for name in published if name not in tensors]
     if missing:
         hint = ""
@@ -717,8 +530,7 @@ def checkpoint_state(head: EagleDraft, tensors: dict[str, torch.Tensor], kind: s
 
 def draft_to_target(tensors: dict[str, torch.Tensor], draft_vocab: int, target_vocab: int,
                     source: str) -> torch.Tensor | None:
-    """``(Vd,)`` the target id of each draft id (``i + d2t[i]``), or ``None`` when the draft vocabulary is the
-    target's (the reference then ignores ``d2t``); validated: in range, distinct, and agreeing with ``t2d``."""
+    """``(Vd,)`` the target id of each draft id (``i + d2t[i]``), validated; ``None`` for the target's vocabulary."""
     if draft_vocab == target_vocab:
         return None
     if draft_vocab > target_vocab:
@@ -750,8 +562,8 @@ def draft_to_target(tensors: dict[str, torch.Tensor], draft_vocab: int, target_v
 
 
 def is_eagle_head(model: nn.Module) -> bool:
-    """Whether ``model`` is an :class:`EagleDraft`, whichever copy of this module defined its class (the package's,
-    the Hub folder's that transformers loads, a Space's): told by the ``feature_kind`` every head carries."""
+    """Whether ``model`` is an :class:`EagleDraft`, whichever copy of this module defined its class (told by its
+    ``feature_kind``)."""
     return getattr(model, "feature_kind", None) in (EAGLE1, EAGLE3) and hasattr(model, "aux_layer_ids")
 
 
@@ -770,8 +582,7 @@ def _published_name(name: str, kind: str) -> str:
 
 
 def _rope_fields(rope: dict | None) -> dict:
-    """transformers' ``rope_parameters`` as published config.json keys: ``rope_theta``, and ``rope_scaling`` for a
-    scaled RoPE (the full-attention layers' for configs that hold one per layer type)."""
+    """transformers' ``rope_parameters`` as published ``rope_theta`` (and ``rope_scaling`` for a scaled RoPE)."""
     if not isinstance(rope, dict):
         return {}
     rope = rope.get("full_attention", rope)
@@ -779,3 +590,53 @@ def _rope_fields(rope: dict | None) -> dict:
     if rope.get("rope_type", "default") != "default":
         fields["rope_scaling"] = {key: value for key, value in rope.items() if key != "rope_theta"}
     return fields
+
+
+def _draft_vocab_ids(draft_vocab_ids: torch.Tensor | None, vocab: int, source: str) -> torch.Tensor:
+    """``(Vd,)`` the sorted target ids a fresh head scores (every id for ``None``), validated."""
+    if draft_vocab_ids is None:
+        return torch.arange(vocab)
+    target_ids = torch.as_tensor(draft_vocab_ids).detach().to("cpu").flatten()
+    if target_ids.is_floating_point() or target_ids.dtype == torch.bool or target_ids.numel() == 0:
+        raise ValueError(f"{source}: `draft_vocab_ids` must be a non-empty 1-D tensor of token ids, got "
+                         f"{target_ids.numel()} values of dtype {target_ids.dtype}")
+    target_ids = target_ids.long().sort().values
+    if int(target_ids[0]) < 0 or int(target_ids[-1]) >= vocab:
+        raise ValueError(f"{source}: `draft_vocab_ids` holds ids outside the target's vocabulary of {vocab} "
+                         f"(min {int(target_ids[0])}, max {int(target_ids[-1])})")
+    if torch.unique(target_ids).numel() != target_ids.numel():
+        raise ValueError(f"{source}: `draft_vocab_ids` repeats token ids; give each once")
+    return target_ids
+
+
+def _llama_fields(config, architecture: str, vocab: int) -> dict:
+    """The published ``config.json`` fields of a one-layer head with ``config``'s sizes (a target's, or the head's
+    own ``LlamaConfig``) scoring ``vocab`` target tokens."""
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    return {
+        "architectures": [architecture], "model_type": "llama", "hidden_size": hidden,
+        "intermediate_size": config.intermediate_size, "num_attention_heads": heads,
+        "num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(config, "head_dim", None) or hidden // heads,
+        "hidden_act": getattr(config, "hidden_act", "silu"), "rms_norm_eps": getattr(config, "rms_norm_eps", 1e-6),
+        "max_position_embeddings": config.max_position_embeddings,
+        **_rope_fields(getattr(config, "rope_parameters", None)), "num_hidden_layers": 1, "vocab_size": vocab,
+        "tie_word_embeddings": False,
+        **{name: getattr(config, name) for name in ("bos_token_id", "eos_token_id", "pad_token_id")
+           if getattr(config, name, None) is not None},
+    }
+
+
+def _eagle3_fields(draft_vocab: int, target_hidden: int, aux: tuple[int, ...]) -> dict:
+    """An EAGLE-3 head's own config.json fields; ``aux`` in ``hs`` indices, written as SpecForge's output-of-layer ids
+    (``hs[k]`` is id ``k - 1``)."""
+    return {"draft_vocab_size": draft_vocab, "target_hidden_size": target_hidden,
+            "eagle_config": {"use_aux_hidden_state": True,
+                             "eagle_aux_hidden_state_layer_ids": [index - 1 for index in aux]}}
+
+
+def _vocab_map(target_ids: torch.Tensor, vocab: int) -> dict[str, torch.Tensor]:
+    """``d2t`` ``(Vd,)`` int64 (draft id + ``d2t[draft id]`` = target id) and ``t2d`` ``(V,)`` bool of the sorted
+    ``target_ids`` ``(Vd,)``."""
+    return {"d2t": target_ids - torch.arange(target_ids.numel()),
+            "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, target_ids, True)}

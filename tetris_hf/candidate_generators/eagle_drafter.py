@@ -1,16 +1,6 @@
-"""An EAGLE head drafting for a batch: the target's own features in, draft tokens out.
-
-Column ``j`` of the head's input pairs the target's feature at position ``j`` with token ``j + 1`` (see
-:mod:`.eagle`). The target computes features at every position it reads: the prompt, every verified block and every
-plain step's token. After each target forward the drafter queues, per row, the tokens that forward made final
-(accepted drafts and the target's token) with the features the target computed for the positions before them; the
-head reads that queue at its next proposal (one forward, which also gives the first draft), then drafts on from its
-own output features. Drafted positions are never kept: after a verification they become holes in the head's cache and
-the accepted tokens are read again with the target's real features.
-
-E.g. a row ``x0 .. x4`` whose target read ``x4, d1, d2`` (features ``f4 f5 f6``), accepting ``d1`` and adding ``t``:
-the head drops its drafted entries and queues ``[d1 t]`` with ``[f4 f5]``; its next forward reads them and predicts
-the token after ``t``.
+"""An EAGLE head drafting for a batch (:class:`EagleCandidateGenerator`): the target's own features in, draft tokens
+out; drafted positions are dropped after verification and the accepted tokens re-read with the target's features.
+Alignment and a worked example: docs/design.md, section "EAGLE heads".
 """
 
 from __future__ import annotations
@@ -24,14 +14,8 @@ from .eagle import EagleDraft, select_features
 
 
 class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
-    """:class:`~.batched_draft.BatchedDraftCandidateGenerator` for an :class:`~.eagle.EagleDraft`: the pending block
-    carries the target's features, drafted steps read the head's own output, and every drafted entry is dropped after
-    verification.
-
-    Args:
-        head: the EAGLE head (on the target's device and dtype).
-        logits_processor, do_sample, generator, max_holes, capacity: as for the base class.
-    """
+    """:class:`~.batched_draft.BatchedDraftCandidateGenerator` for an EAGLE ``head`` (on the target's device and
+    dtype): the pending block carries the target's features ``(B, P, F)``, drafted steps read the head's output."""
 
     reads_target_features = True
     # transformers' assisted decoding hands the head each verify forward's outputs, with the hidden states it reads
@@ -60,9 +44,8 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
         return verdict.features
 
     def take_target_outputs(self, model_outputs, is_first_iteration: bool) -> bool:
-        """transformers' assisted decoding: the features of the forward that verified the last candidates, from its
-        ``hidden_states`` (``hs`` indices, as :attr:`~.eagle.EagleDraft.aux_layer_ids` counts them); False at a call's
-        first iteration, before any target forward."""
+        """transformers' assisted decoding: keep the features of the forward that verified the last candidates;
+        False at a call's first iteration, before any target forward."""
         if is_first_iteration or model_outputs is None:
             self._given_features = None
             return False
@@ -117,8 +100,8 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
         return logits
 
     def _accept_tree(self, verdict: Verdict) -> None:
-        """Drop every drafted node and queue the accepted path and the target's token with the target's features at
-        the root and the path's nodes (as :meth:`accept` does for a chain's accepted prefix)."""
+        """Drop every drafted node; queue the accepted path and the target's token with the target's features at the
+        root and the path's nodes."""
         features, path_nodes, path_slots = self._features(verdict), verdict.tree.path_nodes, verdict.tree.path_slots
         max_accepted = verdict.hints.max_accepted
         root_slot, depth, _, tokens = self._tree
@@ -143,8 +126,7 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
 
     def _roll_back(self, verdict: Verdict) -> None:
         """Drop the drafted entries and queue what the target made final with its features over the block it just
-        read: the prompt (first call), the row's last token and its verified drafts, or the last token alone (a plain
-        step)."""
+        read (the prompt, a verified block, or a plain step's token)."""
         if verdict.tree is not None:
             self._accept_tree(verdict)
             return
@@ -171,10 +153,8 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
         self._queue_final(self._drafts[:, :drafted], verdict, features)  # [d1 .. da, t] with [f_n .. f_{n+a}]
 
     def _roll_back_cells(self, verdict: Verdict, cells: torch.Tensor, foreign: torch.Tensor) -> None:
-        """As :meth:`_roll_back` when rows ``foreign`` ``(B,)`` verified cells another drafter drafted (hybrid
-        drafting): ``cells`` ``(B, K)`` every row's verified tokens. Every drafted entry is dropped whoever drafted the
-        row, and the accepted cells are re-read with the target's features at them: only which tokens to queue
-        changes."""
+        """As :meth:`_roll_back`, queueing ``cells`` ``(B, K)`` (every row's verified tokens, whoever drafted them;
+        ``foreign`` ``(B,)`` is not needed: every drafted entry is dropped anyway)."""
         if self._last_num_drafted > 0:
             self._drafts = cells
             self._roll_back(verdict)
@@ -183,14 +163,12 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
         # feature of the token before it (the block's columns 0 .. a)
         tokens, mask = final_tokens(cells, verdict)
         features = self._features(verdict)[: tokens.shape[0], : tokens.shape[1]]
-        order = self._queue_after_pending(tokens, mask)
-        self.pending_features = torch.cat([self.pending_features, features], dim=1).gather(
-            1, order[..., None].expand(-1, -1, features.shape[-1]))
+        self._set_pending(torch.cat([self.pending_tokens, tokens], dim=1), torch.cat([self.pending_mask, mask], dim=1),
+                          torch.cat([self.pending_features, features], dim=1))
 
     def _queue_final(self, candidates: torch.Tensor, verdict: Verdict, features: torch.Tensor) -> None:
-        """Queue what the target made final, ``[x1 .. xa, t]`` (``a = num_accepted``: the first ``a`` of
-        ``candidates`` ``(B, K)``, then the target's token ``t``: :func:`~.batched_draft.final_tokens`), each with its
-        column of ``features`` ``(B, >= W, F)``, left-padded to the ``W`` of the longest; then compact the cache.
+        """Queue ``[x1 .. xa, t]`` (:func:`~.batched_draft.final_tokens` of ``candidates`` ``(B, K)``), each with its
+        column of ``features`` ``(B, >= W, F)``, left-padded; then compact the cache.
 
         E.g. W = 3, a = [0, 2]: rows [. . t] and [x1 x2 t], features [. . f0] and [f0 f1 f2].
         """
@@ -201,11 +179,8 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
         self.pending_features = features.gather(1, source[..., None].expand(-1, -1, features.shape[-1]))
 
     def _add_rows(self, rows: JoiningRows) -> None:
-        """Rows join (a request stream's) with empty caches and nothing pending: each prompt chunk the target reads
-        queues its tokens' successors with the target's features (:meth:`_read_prompts`), so that a row of prompt
-        ``x0 .. x(P-1)`` ends with ``[x1 .. x(P-1)]`` and ``[f0 .. f(P-2)]`` pending, as a prompt read leaves it in
-        ``generate()`` but for the target's token. A one-token prompt has no feature before it: its row waits with
-        ``[x0]`` and a zero feature (its first drafts are poor, and verified like any)."""
+        """Rows join with empty caches and nothing pending (their prompt chunks queue ``[x1 .. x(P-1)]`` with
+        ``[f0 .. f(P-2)]``, :meth:`_read_prompts`); a one-token prompt waits with ``[x0]`` and a zero feature."""
         last_tokens, prompt_lengths = rows
         count = last_tokens.shape[0]
         self.slots.add_rows(count)
@@ -227,8 +202,7 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
                           torch.cat([self.pending_features, features]))
 
     def _read_prompts(self, chunk: PromptChunk) -> None:
-        """Queue the chunk's pairs (each position's successor, the target's feature there) after what waits (the
-        target's forward read the chunk in its first ``L`` columns, and may have been wider: a verification's)."""
+        """Queue the chunk's pairs (each position's successor, the target's feature there) after what waits."""
         tokens, real_lengths = chunk.tokens, chunk.real_lengths
         features = self._features(chunk)[:, : tokens.shape[1]]  # (B, L, F), zeros at filler
         mask = (torch.arange(tokens.shape[1], device=tokens.device)[None, :] < real_lengths[:, None]).long()
@@ -237,8 +211,7 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
                           torch.cat([self.pending_features, features.to(self.pending_features.dtype)], dim=1))
 
     def _set_pending(self, tokens: torch.Tensor, mask: torch.Tensor, features: torch.Tensor) -> None:
-        """Wait with these ``(B, W)`` tokens and mask and ``(B, W, F)`` features, each row's real columns moved to
-        its end, in order (the pending block is left-padded)."""
+        """Wait with these ``(B, W)`` tokens and mask and ``(B, W, F)`` features, left-packed."""
         order = left_packed_order(mask)
         self.pending_tokens, self.pending_mask = tokens.gather(1, order), mask.gather(1, order)
         self.pending_features = features.gather(1, order[..., None].expand(-1, -1, features.shape[-1]))

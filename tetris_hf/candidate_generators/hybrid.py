@@ -1,33 +1,7 @@
-"""Hybrid drafting: prompt lookup where a row finds a match, a draft model (or an EAGLE head) where it does not, one
-verification for both, and every cell ranked by a calibrated estimate of its acceptance.
-
-Each step both parts draft: lookup searches every row (a few tensor operations), the model drafts ``K`` cells for
-every row (one batch). Row ``i`` takes lookup's cells where lookup matched (``counts[i] > 0``; it verifies at most
-those), the model's elsewhere, chosen with ``torch.where`` (no device read). E.g. ``K = 3``, rows ``a`` (matched,
-2 cells) and ``b`` (no match): tokens ``[x1 x2 .]`` and ``[d1 d2 d3]``, lengths ``[2, 3]``.
-
-Every cell's confidence is on one scale, the estimated probability that the target accepts it given that the cells
-before it were:
-
-- a lookup cell: :class:`~.prompt_lookup.LookupAcceptance`, by matched n-gram size and position (suffix drafts in
-  lookup's place, ``tetris_suffix_num_tokens``: :class:`~.suffix.SuffixAcceptance`, by vote share and match length);
-- a model cell: its ``max q`` through :class:`DraftAcceptance`, bins of ``max q`` calibrated online against what the
-  target accepted of the model's cells (a draft that is sure of itself and often wrong is brought down).
-
-So TETRIS's top ``C`` cells of the batch compare a lookup row's cells with a model row's fairly.
-
-Sampling stays lossless: a lookup row's ``q`` is one-hot at its drafted tokens and a model row's the model's
-distribution (``Proposal.probs`` mixes them per row), and neither confidence depends on the token drawn at its cell
-(lookup's on the match, the model's on ``max q``, a function of the row's earlier tokens).
-
-A step may draft by lookup alone (``propose(..., lookup_only=True)``, which ``adaptive`` plans where
-the model's drafts do not pay for their forwards, :class:`~tetris_hf.strategies.AdaptiveBudget`): rows without a
-match then verify nothing, and the model reads what every row made final at its next proposal, as after plain steps.
-
-Roll back: the model's cache holds the model's own drafts in every row. A row that verified lookup cells keeps none
-of them and queues the tokens it accepted (then the target's) for the model's next proposal
-(:meth:`~.batched_draft.BatchedDraftCandidateGenerator.accept_cells`); an EAGLE head re-reads every accepted token
-with the target's features whoever drafted it (:meth:`~.eagle_drafter.EagleCandidateGenerator.accept_cells`).
+"""Hybrid drafting (:class:`HybridCandidateGenerator`): prompt lookup (or suffix drafts) where a row finds a match, a
+draft model or EAGLE head where it does not, one verification for both, every cell ranked by its calibrated estimate
+of acceptance (:class:`DraftAcceptance` for the model's). Design and why sampling stays lossless: docs/design.md,
+section "Hybrid drafting".
 """
 
 from __future__ import annotations
@@ -43,20 +17,8 @@ from .suffix import SuffixCandidateGenerator
 
 class DraftAcceptance(OnlineRates):
     """A draft model's confidences calibrated online: ``P(cell accepted | the cells before it were)`` as a function of
-    the cell's ``max q``, on the device.
-
-    ``max q`` is cut into ``num_bins`` equal bins on [0, 1]. Bin ``b``'s estimate is a cell of an
-    :class:`~.calibration.OnlineRates` table around the bin's centre ``c_b`` (a calibrated draft), updated by every
-    model cell the target reached; counts decay by ``memory`` per step. A cell's estimate interpolates linearly
-    between bin centres. E.g. a draft that says 0.95 and is accepted 30% of the time: after a few hundred such cells
-    its top bin says about 0.3.
-
-    Args:
-        device: where the counts live.
-        num_bins: bins of ``max q``.
-        prior_strength: ``s``, pseudo-observations per bin.
-        memory: the counts' decay per step.
-    """
+    the cell's ``max q``, in ``num_bins`` equal bins (an :class:`~.calibration.OnlineRates` table whose prior is each
+    bin's centre), interpolated linearly between bin centres."""
 
     def __init__(self, device: torch.device, num_bins: int = 10, prior_strength: float = 4.0, memory: float = 0.99):
         super().__init__((torch.arange(num_bins, dtype=torch.float32, device=device) + 0.5) / num_bins,
@@ -83,15 +45,8 @@ class DraftAcceptance(OnlineRates):
 
 
 class HybridCandidateGenerator(Drafter):
-    """Prompt lookup and a draft model (or EAGLE head) drafting together, a source per row each step (see the module
-    docstring). Everything the loop hands a drafter goes to both parts; what is per row (the cache, the pending
-    tokens) is the model's, lookup keeps only each row's first real column.
-
-    Args:
-        lookup: the model-free part: prompt lookup, or suffix drafts (``tetris_suffix_num_tokens``,
-            :class:`~.suffix.SuffixCandidateGenerator`), ``K`` at most its ``max_tokens``.
-        model: the draft model's or EAGLE head's drafter.
-    """
+    """The model-free ``lookup`` (prompt lookup or suffix drafts, ``K`` at most its ``max_tokens``) and a draft model's
+    or EAGLE head's drafter ``model`` drafting together, a source per row each step."""
 
     def __init__(self, lookup: BatchedPromptLookupCandidateGenerator | SuffixCandidateGenerator,
                  model: BatchedDraftCandidateGenerator):
@@ -111,9 +66,8 @@ class HybridCandidateGenerator(Drafter):
     def propose(self, sequences: torch.Tensor, lengths: torch.Tensor, num_tokens: int,
                 rows: torch.Tensor | None = None, confidences: bool = True, *, lookup_only: bool = False,
                 tree_width: int = 1) -> Proposal:
-        """Both parts draft ``K = num_tokens`` cells after each row (``sequences`` ``(B, T)``, valid up to ``lengths``
-        ``(B,)``); each row keeps lookup's where lookup matched, the model's elsewhere, written into
-        ``sequences[i, lengths[i]:]``.
+        """Both parts draft ``K = num_tokens`` cells after each row of ``sequences`` ``(B, T)`` (valid up to ``lengths``
+        ``(B,)``); a row keeps lookup's where lookup matched, the model's elsewhere.
 
         Returns:
             A :class:`~.drafter.Proposal`: ``tokens`` ``(B, K)``; ``log_probs`` ``(B, K)`` log estimated acceptance
@@ -147,9 +101,7 @@ class HybridCandidateGenerator(Drafter):
 
     def _propose_lookup(self, sequences: torch.Tensor, lengths: torch.Tensor, num_tokens: int,
                         rows: torch.Tensor | None, confidences: bool) -> Proposal:
-        """Lookup alone drafts ``K = num_tokens`` cells where a row matches (the model runs no forward: rows without a
-        match draft nothing); as :meth:`propose` otherwise. ``probs`` is ``None``: every drafted cell is lookup's,
-        one-hot at its token."""
+        """Lookup alone drafts where a row matches (the model runs no forward); ``probs`` ``None``."""
         if num_tokens == 0:
             return self.propose(sequences, lengths, 0, rows, confidences)
         looked = self.lookup.propose(sequences, lengths, num_tokens, rows, confidences)
@@ -159,9 +111,8 @@ class HybridCandidateGenerator(Drafter):
         return Proposal(looked.tokens, looked.log_probs, None, looked.lengths, from_lookup, idle.cached_lengths)
 
     def accept(self, verdict: Verdict) -> torch.Tensor | None:
-        """Both parts learn the verdict: lookup its acceptance estimates (its rows), the calibration the model's
-        cells (the other rows, when confidences were drafted), and the model rolls back to each row's accepted
-        cells, whoever drafted them (what it asks the loop to read is what this returns)."""
+        """Both parts learn the verdict: lookup its estimates, the calibration the model's cells, and the model rolls
+        back to each row's accepted cells, whoever drafted them (returning what it asks the loop to read)."""
         self.lookup.accept(verdict)
         if self._last is None:  # the prompt's read or a plain step: nothing was drafted
             return self.model.accept(verdict)

@@ -1,27 +1,7 @@
-"""Prompt-lookup drafts for every row of a batch: no draft model, the row's own tokens are the draft.
-
-Each step, row ``i`` looks for its last ``n`` tokens earlier in its own prompt and output, for ``n`` up to the
-longest allowed n-gram; the longest ``n`` that matches wins. Among that n-gram's occurrences it copies from the one
-(:func:`lookup_drafts`, ``occurrence="best"``):
-
-1. with the most tokens after it to copy, up to ``K`` (the output's own recent copy of a passage is cut short by the
-   row's end, while the passage it copies goes on);
-2. then whose match with the row's end is longest, up to ``CONTEXT_TOKENS`` tokens (the passage the row is working
-   through agrees with it beyond the n-gram);
-3. then the latest (a long generation that repeats itself repeats what it wrote last).
-
-Replayed on the target's own greedy outputs (``examples/lookup_occurrence.py``, ``docs/lookup-occurrence.txt``) this
-beats both the latest occurrence alone and the earliest (transformers' one-row rule) on code edits, summaries and
-chat. The row drafts the tokens that followed that occurrence, up to ``K``, never past its own end. A row without a
-match drafts nothing that step. Left padding is never matched.
-
-Every drafted cell gets a confidence TETRIS can rank across rows: the estimated probability that the target accepts
-it given that the cells before it were accepted, by the n-gram length ``n`` that matched and the cell's position
-``j``, learnt during the call from what the target accepted (:class:`LookupAcceptance`). A lookup draft is
-deterministic given the row, so when sampling its ``q`` is one-hot at the drafted token: a cell is accepted with
-probability ``p(x)`` and a rejection samples ``p`` without ``x``.
-
-Everything runs batched on the device (no loop over rows, no device reads).
+"""Prompt-lookup drafts for every row of a batch (:class:`BatchedPromptLookupCandidateGenerator`,
+:func:`lookup_drafts`): the tokens after an earlier occurrence of the row's longest matching suffix n-gram, batched on
+the device with no device read, each cell ranked by :class:`LookupAcceptance`. Which occurrence, and why:
+docs/design.md, section "The drafter protocol".
 """
 
 from __future__ import annotations
@@ -38,16 +18,10 @@ OCCURRENCES = ("best", "latest", "earliest")
 
 
 def context_matches(haystack: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, depth: int) -> torch.Tensor:
-    """``(B, W)``: for every column ``p``, how many tokens ending at ``p`` equal the row's last tokens, at most
-    ``depth`` (left padding matches nothing).
+    """``(B, W)``: for every column ``p`` of ``haystack`` ``(B, W)`` (row ``i`` real in ``[starts[i], lengths[i])``,
+    ``(B,)`` each), how many tokens ending at ``p`` equal the row's last tokens, at most ``depth``.
 
-    E.g. a row ``[a b c d b c]``, ``depth = 4``: ``[0 0 2 0 0 4]``; column 2 (``a b c``) matches ``b c``, column 5
-    is the row's end itself.
-
-    Args:
-        haystack: ``(B, W)`` tokens; row ``i`` holds real tokens in ``[starts[i], lengths[i])``, ``lengths <= W``.
-        starts, lengths: ``(B,)``.
-        depth: the most tokens compared.
+    E.g. a row ``[a b c d b c]``, ``depth = 4``: ``[0 0 2 0 0 4]`` (column 5 is the row's end itself).
     """
     columns = torch.arange(haystack.shape[1], device=haystack.device)
     real = torch.where(columns[None, :] >= starts[:, None], haystack, -1)  # padding: -1, matches no suffix token
@@ -64,26 +38,18 @@ def lookup_drafts(sequences: torch.Tensor, starts: torch.Tensor, lengths: torch.
                   ngram_sizes: range, width: int | None = None,
                   occurrence: str = "best") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Batched prompt lookup: for every row, the tokens after an earlier occurrence of its longest matching suffix
-    n-gram.
-
-    E.g. a row ``[a b c d b c]`` (no padding), sizes 2..1, ``K = 3``: its last 2-gram ``b c`` occurs at 1, followed
-    by ``d b c``, but only up to the row's end: drafts ``[d b c]``, 3 cells, ``n = 2``.
+    n-gram (e.g. a row ``[a b c d b c]``, sizes 2..1, ``K = 3``: ``b c`` occurs at 1, drafts ``[d b c]``, ``n = 2``).
 
     Args:
-        sequences: ``(B, T)`` tokens; row ``i`` holds real tokens in ``[starts[i], lengths[i])``.
-        starts: ``(B,)`` first real column of each row (left padding before it is never matched).
-        lengths: ``(B,)``.
+        sequences: ``(B, T)`` tokens; row ``i`` real in ``[starts[i], lengths[i])`` (``(B,)`` each).
         num_tokens: ``K``.
         ngram_sizes: n-gram sizes to try, e.g. ``range(1, 4)``; the largest that matches wins.
-        width: a host bound on ``lengths.max()`` (columns past it are not searched), default ``T``.
-        occurrence: which occurrence of that n-gram: ``"best"`` (the most tokens to copy, up to ``K``, then the
-            longest match with the row's end, then the latest: see the module's docstring), ``"latest"``, or
-            ``"earliest"`` (transformers' one-row lookup); the last two are kept to measure the choice
-            (``examples/lookup_occurrence.py``).
+        width: a host bound on ``lengths.max()``, default ``T``.
+        occurrence: ``"best"`` (the most tokens to copy, up to ``K``, then the longest match with the row's end,
+            then the latest), ``"latest"``, or ``"earliest"`` (transformers' one-row rule; both kept to measure).
 
     Returns:
-        drafts ``(B, K)`` (filler past each row's count: its last real token), counts ``(B,)`` drafted cells,
-        ``ngram`` ``(B,)`` the n-gram size that matched (0: no match, nothing drafted).
+        drafts ``(B, K)`` (past a row's count: its last real token), counts ``(B,)``, ``ngram`` ``(B,)`` (0: none).
     """
     if occurrence not in OCCURRENCES:
         raise ValueError(f"occurrence must be one of {OCCURRENCES}, got {occurrence!r}")
@@ -115,18 +81,9 @@ def lookup_drafts(sequences: torch.Tensor, starts: torch.Tensor, lengths: torch.
 
 
 class LookupAcceptance(OnlineRates):
-    """Online estimate of how often a lookup cell is accepted, by matched n-gram size and cell position.
-
-    Cell ``j`` of a row that matched an ``n``-gram is accepted, given that cells ``1..j-1`` were, with probability
-    ``a[n, j]``, an :class:`~.calibration.OnlineRates` table around ``prior[j] = prior_first * prior_decay^j`` (later
-    cells copy further from the match and drift more often), updated by every verified cell the target reached;
-    counts decay by ``memory`` per step.
-
-    Args:
-        max_ngram_size: largest n-gram size (rows are indexed by ``n``; 0 is unused).
-        num_cells: ``K``, cells per row.
-        device: where the counts live.
-    """
+    """Online estimate of how often a lookup cell is accepted given the cells before it were, by matched n-gram size
+    ``n <= max_ngram_size`` and cell position ``j < num_cells``: an :class:`~.calibration.OnlineRates` table around
+    ``prior_first * prior_decay^j``."""
 
     def __init__(self, max_ngram_size: int, num_cells: int, device: torch.device, prior_first: float = 0.5,
                  prior_decay: float = 0.9, prior_strength: float = 4.0, memory: float = 0.99):
@@ -149,14 +106,8 @@ class LookupAcceptance(OnlineRates):
 
 
 class BatchedPromptLookupCandidateGenerator(Drafter):
-    """Prompt-lookup drafting for a batch whose rows advance independently: the batched counterpart of transformers'
-    ``PromptLookupCandidateGenerator`` (which serves one row), driven through :class:`~.drafter.Drafter`.
-
-    Args:
-        max_ngram_size: ``max_matching_ngram_size``, the longest suffix n-gram looked up.
-        min_ngram_size: the shortest (1: a single token may match).
-        max_tokens: the most cells any proposal drafts (sizes the acceptance table).
-    """
+    """Prompt-lookup drafting for a batch (the batched ``PromptLookupCandidateGenerator``): n-grams of
+    ``min_ngram_size..max_ngram_size`` tokens, at most ``max_tokens`` cells a proposal."""
 
     def __init__(self, max_ngram_size: int = DEFAULT_MAX_NGRAM_SIZE, min_ngram_size: int = 1, max_tokens: int = 8):
         self.ngram_sizes = range(min_ngram_size, max_ngram_size + 1)
@@ -206,8 +157,7 @@ class BatchedPromptLookupCandidateGenerator(Drafter):
                 self._ngram = self._ngram[rows]
 
     def join(self, rows: JoiningRows | None = None, chunk: PromptChunk | None = None) -> None:
-        """Rows join unpadded (their first real column is 0); the acceptance table is shared with them. Lookup reads
-        their prompts from the rows themselves (``chunk`` is nothing to it)."""
+        """Rows join unpadded (their first real column is 0); lookup reads their prompts from the rows themselves."""
         if rows is None:
             return
         count = rows.last_tokens.shape[0]

@@ -1,16 +1,7 @@
-"""Reduced-vocabulary drafts: the draft scores only a subset of the vocabulary (FR-Spec, arXiv 2502.14856).
-
-A shallow draft spends most of its time in its output head (SmolLM2-135M: 49,152 x 576 multiply-adds per token against
-~2 x 4M for two decoder layers). :class:`ReducedVocabDraft` wraps any transformers causal LM so that its head computes
-logits for ``N`` chosen tokens only (its hidden state times those ``N`` head rows) and returns them in a full-vocabulary
-tensor where every other token is ``-inf``. Logits processors and sampling then see a distribution with no mass outside
-the subset. Output stays lossless: greedy verification compares with the target's argmax whatever the draft proposed,
-and rejection sampling draws the correction from the residual ``max(p - q, 0)``, which covers the tokens ``q`` never
-proposes.
-
-The subset is ``tetris_draft_vocab=`` of ``generate()``: an int ``N`` (the ``N`` most frequent tokens of the token
-frequency table attached to the draft, see :func:`attach_token_counts` and :func:`token_counts`) or a 1-D tensor of
-token ids.
+"""Reduced-vocabulary drafts (``tetris_draft_vocab=``, FR-Spec): :class:`ReducedVocabDraft` wraps a causal LM so that
+its head scores ``N`` chosen tokens only, every other token ``-inf``; :func:`reduced_vocab_draft` picks the subset (an
+int ``N`` from the draft's frequency table, :func:`attach_token_counts`, or token ids). Design and why it is lossless:
+docs/design.md, section "Reduced-vocabulary drafts".
 """
 
 from __future__ import annotations
@@ -33,11 +24,7 @@ _WRAPPERS_ATTRIBUTE = "_tetris_reduced_vocab_drafts"  # {subset digest: ReducedV
 
 
 def token_counts(tokenizer, texts, vocab_size: int) -> torch.Tensor:
-    """How often each token id occurs in ``texts`` tokenized by ``tokenizer`` (no special tokens added).
-
-    Returns:
-        ``(vocab_size,)`` int64 counts.
-    """
+    """``(vocab_size,)`` int64: how often each token id occurs in ``texts`` tokenized (no special tokens added)."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     texts = list(texts)
     for start in range(0, len(texts), 256):
@@ -47,12 +34,8 @@ def token_counts(tokenizer, texts, vocab_size: int) -> torch.Tensor:
 
 
 def attach_token_counts(model: nn.Module, counts: torch.Tensor, source: str) -> None:
-    """Give ``model`` the frequency table ``tetris_draft_vocab=N`` picks its ``N`` tokens from.
-
-    Args:
-        counts: ``(V,)`` non-negative counts, ``V`` the model's output vocabulary.
-        source: what was counted (shown in descriptions and stored with the draft).
-    """
+    """Give ``model`` the frequency table ``tetris_draft_vocab=N`` picks its ``N`` tokens from: ``counts`` ``(V,)``
+    non-negative, ``V`` the model's output vocabulary; ``source`` says what was counted."""
     vocab = output_vocab_size(model)
     if counts.dim() != 1 or counts.shape[0] != vocab:
         raise ValueError(f"token counts must have shape ({vocab},) for this model, got {tuple(counts.shape)}")
@@ -68,11 +51,8 @@ def most_frequent(counts: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def resolve_token_ids(model: nn.Module, spec) -> torch.Tensor:
-    """The token ids ``spec`` (``tetris_draft_vocab``) names for ``model``: ``(N,)`` int64, sorted, on CPU.
-
-    Raises ValueError for an ``N`` larger than the vocabulary, ids out of range, an empty subset, duplicates, or an int
-    ``N`` for a draft that carries no frequency table.
-    """
+    """The token ids ``spec`` (``tetris_draft_vocab``) names for ``model``: ``(N,)`` int64, sorted, on CPU. Raises
+    ValueError for a bad subset or an int ``N`` for a draft that carries no frequency table."""
     check_draft_vocab_spec(spec)
     vocab = output_vocab_size(model)
     if isinstance(spec, torch.Tensor):
@@ -94,9 +74,8 @@ def resolve_token_ids(model: nn.Module, spec) -> torch.Tensor:
 
 
 def _scaled(logits: torch.Tensor, config) -> torch.Tensor:
-    """The element-wise post-processing transformers 5.23 applies after the head (Gemma 2/3/3n/4 final-logit
-    soft-capping, Cohere's ``logit_scale``, Granite's ``logits_scaling``). Being element-wise, it gives the same value
-    on the subset as on the full vocabulary. Anything else is caught by :meth:`ReducedVocabDraft.check_against`."""
+    """The element-wise post-processing transformers applies after the head (Gemma's final-logit soft-capping,
+    Cohere's ``logit_scale``, Granite's ``logits_scaling``), the same on the subset as on the full vocabulary."""
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     cap = getattr(text_config, "final_logit_softcapping", None)
     if cap is not None:
@@ -111,18 +90,11 @@ def _scaled(logits: torch.Tensor, config) -> torch.Tensor:
 
 
 class ReducedVocabDraft(nn.Module):
-    """A causal LM whose head scores only ``token_ids``; every other token's logit is ``-inf``.
+    """A causal LM whose head scores only ``token_ids``; every other token's logit is ``-inf``. Its forward takes what
+    a causal LM's takes and runs the model's decoder, the subset's head rows (and bias), then the post-head scaling.
 
-    Its forward takes what a causal LM forward takes (``input_ids``, ``attention_mask`` (2-D, 4-D or a dict of masks per
-    layer type: passed through unchanged), ``position_ids``, ``past_key_values``, ``use_cache``, ``logits_to_keep``)
-    and runs the model's decoder (``model.get_decoder()``), then the kept hidden states times the subset's head rows
-    (plus their bias), then the model's post-head scaling (:func:`_scaled`).
-
-    Args:
-        model: the draft causal LM (it is not modified; the wrapper holds a copy of the ``N`` head rows, refreshed
-            when the head's weights change in place).
-        token_ids: ``(N,)`` distinct token ids, ``0 <= id < V``.
-        source: one line saying where the subset came from.
+    ``model`` is not modified (the wrapper copies the ``N`` head rows, again when they change); ``token_ids``:
+    ``(N,)`` distinct ids below ``V``; ``source``: where the subset came from, one line.
     """
 
     def __init__(self, model: nn.Module, token_ids: torch.Tensor, source: str = "given token ids"):
@@ -169,8 +141,8 @@ class ReducedVocabDraft(nn.Module):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 use_cache=None, logits_to_keep: int | torch.Tensor = 0, **kwargs) -> CausalLMOutputWithPast:
-        """Returns ``.logits`` ``(B, L_kept, V)``: the subset's logits in place, ``-inf`` elsewhere, and
-        ``.past_key_values``. ``L_kept``: as for the wrapped model (``logits_to_keep``; 0 keeps every position)."""
+        """Returns ``.logits`` ``(B, L_kept, V)`` (``-inf`` outside the subset; ``L_kept`` per ``logits_to_keep``) and
+        ``.past_key_values``."""
         self._refresh_head()
         outputs = self.model.get_decoder()(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -188,8 +160,8 @@ class ReducedVocabDraft(nn.Module):
 
     @torch.no_grad()
     def check_against(self, tokens: int = 6) -> None:
-        """Run the full model and this wrapper on one short random sequence; raise ValueError unless the subset's
-        logits agree (a model family whose head output is processed in a way :func:`_scaled` does not know)."""
+        """Raise ValueError unless this wrapper's subset logits agree with the full model's on a short random
+        sequence (a family whose head output is processed in a way :func:`_scaled` does not know)."""
         device = self.model.get_input_embeddings().weight.device
         generator = torch.Generator().manual_seed(0)
         probe = torch.randint(0, self.vocab_size, (1, tokens), generator=generator).to(device)
@@ -200,7 +172,8 @@ class ReducedVocabDraft(nn.Module):
         tolerance = (2e-2 if half else 1e-4) * (1.0 + float(expected.abs().max()))
         outside = torch.ones(self.vocab_size, dtype=torch.bool, device=got_full.device)
         outside[self.token_ids.to(got_full.device)] = False
-        if not torch.allclose(got, expected, rtol=0, atol=tolerance) or not bool(torch.isneginf(got_full[..., outside]).all()):
+        agrees = torch.allclose(got, expected, rtol=0, atol=tolerance)
+        if not agrees or not bool(torch.isneginf(got_full[..., outside]).all()):
             difference = float((got - expected).abs().max())
             raise ValueError(
                 f"`tetris_draft_vocab` cannot restrict {type(self.model).__name__}'s head: its logits differ from the "
@@ -210,12 +183,8 @@ class ReducedVocabDraft(nn.Module):
 
 
 def reduced_vocab_draft(model: nn.Module, spec) -> nn.Module:
-    """``model`` itself when ``spec`` (``tetris_draft_vocab``) is ``None``, else its :class:`ReducedVocabDraft`.
-
-    Wrappers are cached on the model per subset, so repeated ``generate()`` calls reuse the head copy and what
-    ``adaptive`` learnt about the pair. Every refusal (bad ``spec``) comes before any forward pass; a new wrapper is
-    then checked once against the full model (:meth:`ReducedVocabDraft.check_against`).
-    """
+    """``model`` itself when ``spec`` (``tetris_draft_vocab``) is ``None``, else its :class:`ReducedVocabDraft`, cached
+    on the model per subset and checked once against the full model. Refusals come before any forward."""
     if spec is None:
         return model
     if isinstance(model, ReducedVocabDraft):

@@ -1,35 +1,8 @@
-"""Suffix drafts for every row of a batch: the continuation most often seen after the row's recent tokens, in the
-batch's own rows and in a cache of earlier requests (``tetris_suffix_num_tokens=k``).
-
-Each step, row ``b``'s last ``n`` tokens (``n`` up to :data:`~tetris_hf.suffix_cache.SUFFIX_DEPTH`) are looked up:
-
-1. in the batch (:func:`~tetris_hf.suffix_cache.batch_matches`): its own prompt and output and every other active
-   row's (in ``generate()`` every row's output is another row's history); above
-   :data:`~tetris_hf.suffix_cache.PEER_BUDGET` compared tokens (``B * B * W * depth``) each row searches itself only;
-2. in the :class:`~tetris_hf.suffix_cache.SuffixCache` of requests that finished earlier (in ``generate()`` the
-   call's rows that stopped; in a stream every finished request; a cache given as ``tetris_suffix_cache`` is shared
-   between calls and may be seeded with earlier outputs).
-
-The longest ``n`` found in either wins; up to :attr:`SuffixCandidateGenerator.occurrences` occurrences from each
-(the batch's longest matches first, the row's own before others', then the latest; the cache's newest requests
-first) vote, depth by depth, for the chain's next token (:func:`~tetris_hf.suffix_cache.frequency_chain`). A row
-with no occurrence drafts nothing that step.
-
-Every drafted cell gets a confidence TETRIS can rank against other rows' and a draft model's:
-``P(cell accepted | the cells before it were)``, from the cell's vote share ``count / (total + 1)`` calibrated
-online against what the target accepted (:class:`SuffixAcceptance`, by share and match length). A suffix draft is a
-function of the row's tokens and the cache, deterministic: when sampling its ``q`` is one-hot at the drafted token,
-so a cell is accepted with probability ``p(x)`` and a rejection samples ``p`` without ``x``, as for prompt lookup.
-
-**Trees** (``tetris_tree_width=w > 1``, suffix drafts alone): the same occurrences give a tree of ``K`` levels of ``w``
-nodes (:func:`~tetris_hf.suffix_cache.frequency_tree`): the ``w`` most voted next tokens of each of a level's ``w``
-best nodes, the ``w`` best kept, each node scored by its path's calibrated vote shares, so TETRIS selects nodes across
-rows as for a draft model's trees. The tree is deterministic too: greedy verification is a model tree's, and sampling
-draws ``x ~ p`` at each node and follows the child whose token is ``x``
-(:func:`~tetris_hf.trees.accept_tree_matching`, lossless: every emitted token is such a draw). Not in the hybrid.
-
-Everything runs batched on the device with no device read; finished rows reach the cache through
-:meth:`SuffixCandidateGenerator.remember`, which the loop calls with the rows it retires (device tensors).
+"""Suffix drafts for every row of a batch (``tetris_suffix_num_tokens=k``, :class:`SuffixCandidateGenerator`): the
+continuation most often seen after the row's recent tokens, in the batch's own rows and in a
+:class:`~tetris_hf.suffix_cache.SuffixCache` of earlier requests, ranked by vote share calibrated online
+(:class:`SuffixAcceptance`); chains, or trees when alone. Design and why it is lossless: docs/design.md, section
+"Suffix drafts".
 """
 
 from __future__ import annotations
@@ -48,15 +21,8 @@ LENGTH_CLASSES = (1, 2, 4)  # calibration groups by match length: n = 1, 2-3, 4 
 
 class SuffixAcceptance(OnlineRates):
     """A suffix cell's vote share calibrated online: ``P(cell accepted | the cells before it were)`` by the share's
-    bin and the match length's class (:data:`LENGTH_CLASSES`).
-
-    Bin ``(c, b)``'s estimate is an :class:`~.calibration.OnlineRates` cell around the bin's centre (the share taken
-    at its word), updated by every suffix cell the target reached; counts decay by ``memory`` per step.
-
-    Args:
-        device: where the counts live.
-        num_bins: equal bins of the share on [0, 1].
-    """
+    bin (``num_bins`` equal ones) and the match length's class (:data:`LENGTH_CLASSES`), an
+    :class:`~.calibration.OnlineRates` table whose prior is each bin's centre."""
 
     def __init__(self, device: torch.device, num_bins: int = 10, prior_strength: float = 4.0, memory: float = 0.99):
         centres = (torch.arange(num_bins, dtype=torch.float32, device=device) + 0.5) / num_bins
@@ -85,15 +51,14 @@ class SuffixAcceptance(OnlineRates):
 
 
 class SuffixCandidateGenerator(Drafter):
-    """Suffix drafting (see the module docstring), driven through :class:`~.drafter.Drafter`; usable alone or as
-    the model-free part of :class:`~.hybrid.HybridCandidateGenerator`.
+    """Suffix drafting, driven through :class:`~.drafter.Drafter`; alone or as the model-free part of
+    :class:`~.hybrid.HybridCandidateGenerator`.
 
     Args:
         max_tokens: the most cells any proposal drafts (``k + e``).
-        cache: the :class:`~tetris_hf.suffix_cache.SuffixCache` of earlier requests (shared when given; a new one on
-            the rows' device otherwise).
+        cache: the :class:`~tetris_hf.suffix_cache.SuffixCache` to share (else a new one).
         occurrences: occurrences that vote, from the batch and from the cache each.
-        depth: the longest match (the cache's depth when one is given).
+        depth: the longest match (the cache's, when given).
     """
 
     def __init__(self, max_tokens: int = 8, cache: SuffixCache | None = None, occurrences: int = 32,
@@ -125,9 +90,8 @@ class SuffixCandidateGenerator(Drafter):
 
     def find_occurrences(self, sequences: torch.Tensor, lengths: torch.Tensor,
                     num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Each row's voting occurrences, reading nothing: ``candidates`` ``(B, C, K)`` the ``K`` tokens after each
-        (the batch's then the cache's, ``-1`` past an end), ``found`` ``(B, C)`` and ``ngram`` ``(B,)`` the match
-        length (0: none)."""
+        """Each row's voting occurrences: ``candidates`` ``(B, C, K)`` the ``K`` tokens after each (the batch's then
+        the cache's, ``-1`` past an end), ``found`` ``(B, C)`` and ``ngram`` ``(B,)`` the match length (0: none)."""
         width = min(self.width, sequences.shape[1])
         rows = sequences.shape[0]
         peers = rows * rows * width * self.depth <= PEER_BUDGET  # (else each row searches itself only)
@@ -145,9 +109,8 @@ class SuffixCandidateGenerator(Drafter):
 
     def draft(self, sequences: torch.Tensor, lengths: torch.Tensor,
               num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The chain for every row, reading nothing: ``tokens`` ``(B, K)`` (filler past a row's count: its last
-        token), ``counts`` ``(B,)``, ``shares`` ``(B, K)`` vote shares ``count / (total + 1)`` and ``ngram``
-        ``(B,)`` the match length (0: none)."""
+        """The chain for every row: ``tokens`` ``(B, K)`` (past a row's count: its last token), ``counts`` ``(B,)``,
+        ``shares`` ``(B, K)`` vote shares ``count / (total + 1)`` and ``ngram`` ``(B,)`` the match length."""
         candidates, found, ngram = self.find_occurrences(sequences, lengths, num_tokens)
         drafts, counts, chosen, total = frequency_chain(candidates, found)
         last = sequences.gather(1, (lengths - 1)[:, None])
@@ -159,8 +122,7 @@ class SuffixCandidateGenerator(Drafter):
                 rows: torch.Tensor | None = None, confidences: bool = True, *, lookup_only: bool = False,
                 tree_width: int = 1) -> Proposal | GrownTree:
         """Draft ``K = num_tokens`` cells after each row of ``sequences`` ``(B, T)`` (valid up to ``lengths``
-        ``(B,)``), written into ``sequences[i, lengths[i]:]``; or, with ``tree_width = w > 1``, a tree of ``K``
-        levels (:meth:`propose_tree`).
+        ``(B,)``), written into ``sequences[i, lengths[i]:]``; with ``tree_width > 1`` a tree (:meth:`propose_tree`).
 
         Returns:
             A :class:`~.drafter.Proposal`: ``tokens`` ``(B, K)``; ``log_probs`` ``(B, K)`` calibrated log
@@ -184,16 +146,9 @@ class SuffixCandidateGenerator(Drafter):
         return Proposal(drafts, log_probs, None, counts, torch.ones_like(counts, dtype=torch.bool))
 
     def propose_tree(self, sequences: torch.Tensor, lengths: torch.Tensor, depth: int, width: int) -> GrownTree:
-        """A tree of ``K = depth`` levels of ``width`` nodes each per row (``N = width * K``), the distinct
-        continuations the row's occurrences hold, the most voted first
-        (:func:`~tetris_hf.suffix_cache.frequency_tree`); nothing is written into ``sequences``.
-
-        Returns:
-            A :class:`~tetris_hf.trees.GrownTree` whose nodes score the sum over their path of the calibrated log
-            acceptance of each node's vote share (as a chain's cells), ``expanded_log_probs`` ``None``: drawn from no
-            law, a sampled step verifies it by :func:`~tetris_hf.trees.accept_tree_matching`. A row with no
-            occurrence has no valid node.
-        """
+        """A :class:`~tetris_hf.trees.GrownTree` of ``K = depth`` levels of ``width`` nodes per row
+        (:func:`~tetris_hf.suffix_cache.frequency_tree`), scored by their path's calibrated log acceptance;
+        ``expanded_log_probs`` ``None`` (sampling verifies it by matching). Nothing is written into ``sequences``."""
         self._check_size(depth)
         candidates, found, ngram = self.find_occurrences(sequences, lengths, depth)
         tree, shares = frequency_tree(candidates, found, width,
@@ -206,8 +161,8 @@ class SuffixCandidateGenerator(Drafter):
             raise ValueError(f"asked for {num_tokens} suffix cells, the drafter was built for {self.max_tokens}")
 
     def accept(self, verdict: Verdict) -> None:
-        """Calibrate on what the target did with the last proposal: a chain's cells up to the first rejection; a
-        tree's verified nodes whose parent the accepted path reached (each one the target's token matched or not)."""
+        """Calibrate on the verdict: a chain's cells up to the first rejection; a tree's verified nodes whose parent
+        the accepted path reached."""
         max_accepted = verdict.hints.max_accepted
         self.width += (self._depth if max_accepted is None else min(max_accepted, self._depth)) + 1
         self._depth = 0
@@ -236,10 +191,8 @@ class SuffixCandidateGenerator(Drafter):
         self.starts = torch.cat([self.starts, self.starts.new_zeros(extra)])
         self.width = max(self.width, *rows.prompt_lengths)
         if self._last is not None:
-            ngram, shares, counts = self._last
-            self._last = (torch.cat([ngram, ngram.new_zeros(extra)]),
-                          torch.cat([shares, shares.new_zeros(extra, shares.shape[1])]),
-                          None if counts is None else torch.cat([counts, counts.new_zeros(extra)]))
+            self._last = tuple(None if part is None else torch.cat([part, part.new_zeros(extra, *part.shape[1:])])
+                               for part in self._last)
 
     def settle(self, read: int | None, finished: Retired | None = None, moves: RowMoves | None = None) -> None:
         """Rows that finished join the cache (:meth:`remember`); the others move as ``moves`` says."""
@@ -253,7 +206,7 @@ class SuffixCandidateGenerator(Drafter):
 
     def remember(self, rows: torch.Tensor, sequences: torch.Tensor, lengths: torch.Tensor) -> None:
         """Rows that finished join the cache: original indices ``rows`` ``(M,)``, tokens ``sequences`` ``(M, T)``
-        holding ``lengths`` ``(M,)`` (a call's rows keep their left padding out; a stream's rows have none)."""
+        holding ``lengths`` ``(M,)`` (a call's left padding left out)."""
         known = self.row_starts.shape[0]
         if known == 0:
             starts = torch.zeros_like(lengths)
