@@ -1,18 +1,6 @@
-"""Attention over a slot cache: a model's attention layout, masks from real positions, and grouped sdpa attention.
-
-:class:`AttentionLayout` reads which attention a model's layers use (full or a sliding window, one mask or one per
-layer type) and whether it takes a prepared 4D mask. :func:`position_masks` builds that mask from each slot's real
-position: a query sees a key iff the key's slot holds a real token, the key's position is not after the query's and, on
-sliding-window layers, is within the window; hybrid models (Gemma 2/3, Qwen2, ...) get one mask per layer type
-(``"full_attention"``, ``"sliding_attention"``). transformers would measure windows in slots, which holes and left
-padding stretch, and a prepared mask also spares it a device read per forward. Models that derive ALiBi biases from the
-2D mask (BLOOM, MPT, Falcon with ``alibi``) get the 2D ``(B, slots)`` mask of real slots instead (transformers adds
-causality by slot index, which is the order of positions within a row), as do attention implementations other than
-sdpa and eager (which then cannot serve a sliding window, nor a draft tree's ancestor mask: :func:`check_tree_layout`).
-
-A static step (``tetris_compile=True``), and every masked block of several queries on the CPU, runs
-:func:`grouped_sdpa_attention` on sdpa models (through the loop's attention function, :mod:`tetris_hf.packing`): each
-key-value head read in place by its group of query heads.
+"""Attention over a slot cache: a model's attention layout (:class:`AttentionLayout`), masks from real positions
+(:func:`position_masks`), and :func:`grouped_sdpa_attention` (each key-value head read in place). Design:
+docs/design.md, "The slot cache".
 """
 
 from __future__ import annotations
@@ -25,15 +13,12 @@ import torch
 FULL, SLIDING = "full_attention", "sliding_attention"
 MASK_IMPLEMENTATIONS = ("sdpa", "eager")  # attention implementations that take a prepared 4D mask
 ALIBI_FAMILIES = ("bloom", "mpt")  # their ALiBi biases come from the 2D mask's cumulative sum
-
-
 ROUTED_PREFIX = "tetris_"  # the loop's own attention function is registered as f"tetris_{base}:{module}"
 
 
 def routed_implementation(base: str, owner: str) -> str:
-    """The name the loop's attention function (:func:`tetris_hf.packing.loop_attention_forward`) is registered under
-    for models on ``base`` (``"sdpa"`` or ``"eager"``) by the module named ``owner`` (a process may hold several
-    copies of this package: the Hub folder's, a Space's)."""
+    """The name :func:`tetris_hf.packing.loop_attention_forward` is registered under for models on ``base`` by the
+    module named ``owner`` (a process may hold several copies of this package: the Hub folder's, a Space's)."""
     return f"{ROUTED_PREFIX}{base}:{owner}"
 
 
@@ -83,11 +68,9 @@ class AttentionLayout:
             if SLIDING in layout.windows and layout.windows[SLIDING] is None:
                 raise ValueError(f"{config.model_type}: sliding-attention layers without a `sliding_window` size")
             if not prepared:
-                raise ValueError(
-                    f"{config.model_type} with attn_implementation={implementation!r}: tetris_hf builds sliding-window "
-                    f"masks from real positions, which needs one of {MASK_IMPLEMENTATIONS}; load the model with "
-                    "attn_implementation='sdpa'"
-                )
+                raise ValueError(f"{config.model_type} with attn_implementation={implementation!r}: tetris_hf builds "
+                                 f"sliding-window masks from real positions, which needs one of "
+                                 f"{MASK_IMPLEMENTATIONS}; load the model with attn_implementation='sdpa'")
         return layout
 
     @cached_property  # (properties of a frozen layout, asked for at every forward)
@@ -121,8 +104,8 @@ def check_tree_layout(layout: AttentionLayout, model: torch.nn.Module) -> None:
 
 def position_masks(layout: AttentionLayout, key_positions: torch.Tensor, key_valid: torch.Tensor,
                    query_positions: torch.Tensor, dtype: torch.dtype, visibility: torch.Tensor | None = None):
-    """Prepared 4D masks in which query ``i`` sees key ``j`` iff slot ``j`` holds a real token, ``pos_j <= pos_i``
-    and, on sliding layers, ``pos_i - pos_j < window``.
+    """Prepared 4D masks: query ``i`` sees key ``j`` iff slot ``j`` is real, ``pos_j <= pos_i`` and, on sliding
+    layers, ``pos_i - pos_j < window``.
 
     Args:
         key_positions, key_valid: ``(B, S)`` every slot's position, and whether it holds a real token.
@@ -154,17 +137,9 @@ def position_masks(layout: AttentionLayout, key_positions: torch.Tensor, key_val
 
 
 def real_prefix_mask(cached_valid: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
-    """The mask of a block whose real tokens come first in every row, on a plain sdpa layout
-    (:attr:`AttentionLayout.plain_sdpa`): a real token sees the real cached slots and the block up to itself (all real
-    before it); what filler sees does not matter. No positions are compared.
-
-    Args:
-        cached_valid: ``(B, 1, 1, S)`` whether each cached slot holds a real token.
-        causal: ``(L, L)`` bool, True on and below the diagonal.
-
-    Returns:
-        ``(B, 1, L, S + L)`` bool (True = attend).
-    """
+    """The ``(B, 1, L, S + L)`` bool mask (True = attend) of a block whose real tokens come first in every row, on a
+    plain sdpa layout: a real token sees the real cached slots (``cached_valid`` ``(B, 1, 1, S)``) and the block up to
+    itself (``causal`` ``(L, L)``, True on and below the diagonal); what filler sees does not matter."""
     batch, cached = cached_valid.shape[0], cached_valid.shape[-1]
     block = causal.shape[0]
     return torch.cat([cached_valid.expand(batch, 1, block, cached), causal.expand(batch, 1, block, block)], dim=-1)
@@ -173,12 +148,9 @@ def real_prefix_mask(cached_valid: torch.Tensor, causal: torch.Tensor) -> torch.
 def grouped_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                            is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' sdpa attention, but a key-value head is read in place by its group of query heads
-    (``enable_gqa``). transformers does that only without a mask (or for one query, outside a compiled graph); with one
-    it expands the keys and values to every query head first: over a static cache's whole capacity that is most of a
-    compiled CPU step's generated work (docs/gpu.md), and on the CPU a copy of the cache a layer for every verified
-    block (the loop's attention, :func:`tetris_hf.packing.loop_attention_forward`). ``query`` ``(B, H, L, D)``,
-    ``key``/``value`` ``(B, H_kv, W, D)``; returns ``(B, L, H, D)``."""
+    """transformers' sdpa attention, but with a mask too a key-value head is read in place by its group of query
+    heads (``enable_gqa``), where transformers would copy the keys and values to every query head first (docs/gpu.md).
+    ``query`` ``(B, H, L, D)``, ``key``/``value`` ``(B, H_kv, W, D)``; returns ``(B, L, H, D)``."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     unusual = any(kwargs.get(name) is not None for name in ("softcap", "position_bias", "s_aux", "sinks"))

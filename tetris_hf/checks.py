@@ -1,21 +1,11 @@
 """The refusals of a ``generate()`` call's inputs, each made once, before any model runs a forward.
 
-Where each runs:
-
-- :func:`~tetris_hf.generation.generate`, before transformers' own preparation reads the prompt:
-  :func:`check_pair` (the draft, its vocabulary, the families served) and :func:`check_prompt_shape` (a 2-D,
-  non-empty prompt; transformers would index an empty one).
-- :class:`~tetris_hf.options.TetrisOptions`, when it is built: every option's value, and the combinations of options
-  that cannot run together (a tree drafted by prompt lookup, trees with ``tetris_compile``).
-- :func:`~tetris_hf.decoding.tetris_decoding`, on what transformers prepared: :func:`check_generation_config`,
-  :func:`check_prompt_mask` (the mask the loop reads, which transformers may have inferred from padding) and
-  :func:`check_streamer` (the batch after ``num_return_sequences`` expanded it).
-
-What a model's layout or placement cannot serve is refused where the layout is read: :mod:`tetris_hf.families`,
-:mod:`tetris_hf.attention` (cache layouts and tree masks), :mod:`tetris_hf.compiled` (``tetris_compile``),
-:func:`~tetris_hf.candidate_generators.build_drafter` (what the chosen drafter cannot do) and
-:mod:`tetris_hf.candidate_generators.reduced_vocab` (a ``tetris_draft_vocab`` the draft cannot take; its
-``reduced_vocab_draft``, public, checks the value again for callers that built no options).
+:func:`check_pair` and :func:`check_prompt_shape` run in :func:`~tetris_hf.generation.generate` before transformers'
+preparation; :func:`check_generation_config`, :func:`check_prompt_mask` and :func:`check_streamer` in
+:func:`~tetris_hf.decoding.tetris_decoding` on what it prepared. Options are checked by
+:class:`~tetris_hf.options.TetrisOptions`; what a model cannot serve, where its layout is read
+(:mod:`tetris_hf.families`, :mod:`tetris_hf.attention`, :mod:`tetris_hf.compiled`, ``build_drafter``,
+:mod:`tetris_hf.candidate_generators.reduced_vocab`).
 """
 
 from __future__ import annotations
@@ -27,9 +17,8 @@ from .families import check_supported
 
 
 def output_vocab_size(model: torch.nn.Module) -> int:
-    """The last dimension of the model's logits: the rows of its output head, else (no head, e.g. an EAGLE-3 head
-    whose reduced vocabulary is scattered into the target's) its text config's ``vocab_size`` (a multimodal config
-    has none of its own)."""
+    """The last dimension of the model's logits: the rows of its output head, else (no head, e.g. an EAGLE-3 head)
+    its text config's ``vocab_size``."""
     head = model.get_output_embeddings()
     if head is not None:
         return int(head.weight.shape[0])
@@ -37,17 +26,15 @@ def output_vocab_size(model: torch.nn.Module) -> int:
 
 
 def check_pair(model: torch.nn.Module, assistant_model: torch.nn.Module | None, prompt_lookup: bool = False) -> None:
-    """Refuse a missing draft (unless ``prompt_lookup``, which needs none; with a draft too, each row drafts by
-    lookup or by the draft, see :mod:`~tetris_hf.candidate_generators.hybrid`), one whose vocabulary differs from the
-    target's, and models the loop cannot serve (:func:`~tetris_hf.families.check_supported`)."""
+    """Refuse a missing draft (unless ``prompt_lookup``), one whose vocabulary differs from the target's, and models
+    the loop cannot serve (:func:`~tetris_hf.families.check_supported`)."""
     if prompt_lookup and assistant_model is None:
         check_supported(model, "target")
         return
     if assistant_model is None:
-        raise ValueError(
-            "custom_generate='tetris' needs a draft: pass `assistant_model=` (a small causal LM with the target's "
-            "tokenizer) or `prompt_lookup_num_tokens=` (drafts copied from each row's own prompt and output)"
-        )
+        raise ValueError("custom_generate='tetris' needs a draft: pass `assistant_model=` (a small causal LM with the "
+                         "target's tokenizer) or `prompt_lookup_num_tokens=` (drafts copied from each row's own prompt "
+                         "and output)")
     if not hasattr(assistant_model, "get_output_embeddings"):
         raise TypeError(f"`assistant_model` must be a transformers causal LM, got {type(assistant_model).__name__}")
     check_same_vocabulary(model, assistant_model)
@@ -60,10 +47,8 @@ def check_same_vocabulary(model: torch.nn.Module, assistant_model: torch.nn.Modu
     sizes)."""
     target_vocab, draft_vocab = output_vocab_size(model), output_vocab_size(assistant_model)
     if target_vocab != draft_vocab:
-        raise ValueError(
-            f"draft and target vocabularies differ (target {target_vocab} tokens, draft {draft_vocab}): tetris_hf "
-            "needs a draft that shares the target's tokenizer"
-        )
+        raise ValueError(f"draft and target vocabularies differ (target {target_vocab} tokens, draft {draft_vocab}): "
+                         "tetris_hf needs a draft that shares the target's tokenizer")
 
 
 def check_prompt_shape(input_ids) -> None:
@@ -84,10 +69,8 @@ def check_prompt_mask(attention_mask: torch.Tensor) -> None:
         raise ValueError(f"row(s) {empty} of attention_mask are all padding: every row needs at least one token")
     not_left_padded = (attention_mask[:, 1:] < attention_mask[:, :-1]).any(dim=1).nonzero().flatten().tolist()
     if not_left_padded:
-        raise ValueError(
-            f"attention_mask row(s) {not_left_padded} have padding after a real token (right padding?): "
-            "tetris_hf needs a left-padded batch, e.g. tokenizer.padding_side = 'left'"
-        )
+        raise ValueError(f"attention_mask row(s) {not_left_padded} have padding after a real token (right padding?): "
+                         "tetris_hf needs a left-padded batch, e.g. tokenizer.padding_side = 'left'")
 
 
 def check_generation_config(generation_config, model_kwargs: dict) -> None:
@@ -103,10 +86,9 @@ def check_generation_config(generation_config, model_kwargs: dict) -> None:
     cache = model_kwargs.get("past_key_values")
     implementation = generation_config.cache_implementation
     if isinstance(cache, StaticCache) or implementation not in (None, "dynamic"):
-        raise ValueError(
-            f"unsupported cache (cache_implementation={implementation!r}, past_key_values={type(cache).__name__}): "
-            "tetris_hf rolls rows back independently and needs the default dynamic cache"
-        )
+        raise ValueError(f"unsupported cache (cache_implementation={implementation!r}, past_key_values="
+                         f"{type(cache).__name__}): tetris_hf rolls rows back independently and needs the default "
+                         "dynamic cache")
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError("tetris_hf starts from the prompt: passing a pre-filled `past_key_values` is not supported")
 

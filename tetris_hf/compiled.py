@@ -1,18 +1,6 @@
-"""``tetris_compile=True``: the target's verify forward and the draft's one-token step through ``torch.compile``.
-
-Prompt reads and catch-ups stay eager (each has its own length, and runs once). On CUDA the mode is
-``"reduce-overhead"``: CUDA graphs, which record one graph per distinct input shape. So the step forwards see a few
-shapes only (:mod:`tetris_hf.static_shapes`: a :class:`~tetris_hf.kv.SlotCache` in static mode), and on sdpa models
-they run :func:`~tetris_hf.attention.grouped_sdpa_attention`.
-
-The forwards are compiled with ``dynamic=False`` (:data:`DYNAMIC`): each shape is one graph, specialised. Dynamic
-shapes would compile fewer graphs for as many CUDA graphs, but each compile takes longer and the steps run slower
-(measured in ``docs/gpu.md``). Models that take the 2D mask of real slots
-(ALiBi, attention implementations other than sdpa and eager) keep the shapes as they come, compiled with dynamic
-shapes. The slot caches are allocated once, so their addresses stay put between steps.
-
-Refused where it cannot work: a quantized (bitsandbytes) model, whose kernels ``torch.compile`` does not trace, and a
-model offloaded to the CPU or disk by accelerate, whose hooks move weights inside the forward.
+"""``tetris_compile=True``: the target's verify forward and the draft's one-token step through ``torch.compile``
+(:func:`compiled_forward`; on CUDA as CUDA graphs, on the shapes of :mod:`tetris_hf.static_shapes`), and what it
+refuses (:func:`check_compilable`). Design and measurements: docs/gpu.md, "The compiled path".
 """
 
 from __future__ import annotations
@@ -39,7 +27,7 @@ def check_compilable(model: torch.nn.Module, role: str) -> None:
                          "hooks move weights during the forward. Use tetris_compile=False or place it on one device")
 
 
-DYNAMIC = False  # static shapes: one specialised graph per shape (see the module docstring)
+DYNAMIC = False  # static shapes: one specialised graph per shape (why: docs/gpu.md)
 
 
 def compiled_forward(model: torch.nn.Module) -> Callable:

@@ -1,21 +1,7 @@
-"""Continuous batching with speculation, shaped like transformers' own: :func:`generate_batch` for a list of
-prompts, :func:`init_continuous_batching` for a live stream of requests (a manager that runs
-:class:`~tetris_hf.stream.RequestStream` on a thread).
-
-transformers' ``model.generate_batch`` and ``model.init_continuous_batching`` decode without speculation; these take
-the same requests and give the same :class:`~transformers.generation.continuous_batching.GenerationOutput` results,
-with a draft model or prompt lookup verifying several tokens a step and TETRIS spending the step's budget over the
-live rows::
-
-    import tetris_hf
-
-    results = tetris_hf.generate_batch(model, [ids_a, ids_b, ids_c], assistant_model=draft, max_new_tokens=64,
-                                       max_batch_size=8)
-    results["req_0"].generated_tokens
-
-    with tetris_hf.init_continuous_batching(model, prompt_lookup_num_tokens=8, max_new_tokens=64) as manager:
-        request_id = manager.add_request(ids_a)
-        print(manager.get_result(request_id, timeout=60).generated_tokens)
+"""Continuous batching with speculation, in transformers' call shapes and with its ``GenerationOutput`` results:
+:func:`generate_batch` for a list of prompts, :func:`init_continuous_batching` for a live stream of requests (a manager
+that runs :class:`~tetris_hf.stream.RequestStream` on a thread). Guarantees: docs/design.md, "The request stream's
+guarantees".
 """
 
 from __future__ import annotations
@@ -28,7 +14,6 @@ from collections.abc import Iterator
 
 import torch
 from transformers import GenerationConfig
-
 from transformers.utils import logging
 
 from .stream import RequestStream
@@ -45,8 +30,7 @@ DEFAULT_MAX_BATCH_SIZE = 16
 def generate_batch(model: torch.nn.Module, inputs: list[list[int]], generation_config: GenerationConfig | None = None,
                    *, assistant_model: torch.nn.Module | None = None, max_batch_size: int | None = None,
                    progress_bar: bool = False, **kwargs) -> dict[str, StreamOutput]:
-    """Every prompt of ``inputs`` through a request stream of ``max_batch_size`` rows, on this thread: rows join as
-    others finish.
+    """Every prompt of ``inputs`` through a request stream of ``max_batch_size`` rows, on this thread.
 
     Args:
         model: the target causal LM.
@@ -61,9 +45,7 @@ def generate_batch(model: torch.nn.Module, inputs: list[list[int]], generation_c
 
     Returns:
         ``{request_id: output}`` in input order, ids ``"req_0"``, ``"req_1"`` ...: one output for every input. A
-        request that could not run (a malformed prompt, a token outside the vocabulary) has its ``error`` set and
-        the others are unaffected; a step that fails (an exception in the target's or the draft's forward) fails the
-        requests decoding in it, with the error, and the call goes on with the rest.
+        request that could not run, or was decoding in a step that raised, has its ``error`` set; the others run on.
     """
     if max_batch_size is None:
         max_batch_size = max(1, min(DEFAULT_MAX_BATCH_SIZE, len(inputs)))
@@ -71,7 +53,9 @@ def generate_batch(model: torch.nn.Module, inputs: list[list[int]], generation_c
                            max_batch_size=max_batch_size, **kwargs)
     ids = [stream.add(prompt, request_id=f"req_{index}") for index, prompt in enumerate(inputs)]
     results: dict[str, StreamOutput] = {}
-    bar = _progress(len(ids), progress_bar)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(ids), desc="requests", unit="req", disable=not progress_bar)
     try:
         while stream.has_work or stream.done:
             if stream.has_work:
@@ -83,21 +67,11 @@ def generate_batch(model: torch.nn.Module, inputs: list[list[int]], generation_c
                 output = stream.done.popleft()
                 if output.is_finished():
                     results[output.request_id] = output
-                    if bar is not None:
-                        bar.update(1)
+                    bar.update(1)
     finally:
         stream.close()
-        if bar is not None:
-            bar.close()
+        bar.close()
     return {request_id: results[request_id] for request_id in ids}
-
-
-def _progress(total: int, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="requests", unit="req")
 
 
 def init_continuous_batching(model: torch.nn.Module, generation_config: GenerationConfig | None = None, *,
@@ -113,14 +87,8 @@ def init_continuous_batching(model: torch.nn.Module, generation_config: Generati
 class SpeculativeBatchingManager:
     """Runs a :class:`~tetris_hf.stream.RequestStream` on a background thread; the methods of transformers'
     ``ContinuousBatchingManager``: :meth:`add_request`, :meth:`get_result`, iteration, :meth:`request_id_iter`,
-    :meth:`cancel_request`, :meth:`start`, :meth:`stop`, and ``with``.
-
-    What it promises (docs/design.md, "The request stream's guarantees"): a request is checked in full at
-    :meth:`add_request`, which raises for a bad one, so nothing a request brings can fail another; every request
-    :meth:`add_request` accepted gets exactly one final output; an exception in a step fails the requests decoding in
-    it (each output's ``error``) and the manager goes on with the next ones (:attr:`last_error` keeps it); if the
-    thread ever ends, every request not finished fails at once, :meth:`is_running` is ``False``, and
-    :meth:`add_request` raises.
+    :meth:`cancel_request`, :meth:`start`, :meth:`stop`, and ``with``. Every request :meth:`add_request` accepted gets
+    exactly one final output (docs/design.md, "The request stream's guarantees").
     """
 
     def __init__(self, stream: RequestStream):
@@ -242,9 +210,9 @@ class SpeculativeBatchingManager:
         :meth:`get_result` (or, with ``streaming``, partial outputs first from :meth:`request_id_iter`).
         ``temperature``, ``top_k``, ``top_p``: its own sampling settings, in a sampling stream.
 
-        Raises ``TypeError`` or ``ValueError`` (naming the argument) for a request the stream cannot serve (see
-        :func:`~tetris_hf.stream_requests.check_request`) and for a ``request_id`` already given to a request whose
-        result has not been taken; ``RuntimeError`` once the manager's thread has ended. Nothing is queued then."""
+        Raises ``TypeError`` or ``ValueError`` naming the argument (:func:`~tetris_hf.stream_requests.check_request`,
+        or a ``request_id`` whose result has not been taken), ``RuntimeError`` once the thread has ended; nothing is
+        queued then."""
         with self._door:
             if self._closed:
                 cause = f" ({type(self.last_error).__name__}: {self.last_error})" if self.last_error else ""

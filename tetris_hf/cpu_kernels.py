@@ -1,16 +1,8 @@
 """oneDNN linear layers on CPU: the same weights, multiplied by oneDNN's kernels instead of MKL's ``sgemm``.
 
-A profile of our stream against vLLM's CPU engine on the same model and prompts (docs/benchmarks.md, "Against vLLM's
-CPU engine") puts 70% of a plain step in ``aten::mm``, where vLLM runs oneDNN's matmul (``onednn_mm``). The same
-oneDNN kernel is one call away in every PyTorch CPU build (``torch.ops.mkldnn._linear_pointwise``, what inductor's
-CPU backend calls): on this machine's AVX-512 cores a whole SmolLM2-135M forward runs 1.4x (16 rows, one token each)
-to 1.9x (16 x 5 tokens, or one 128-token prompt) faster with it, one thread, fp32, results within 3e-4 of MKL's
-(a different order of accumulation) and the same argmax on the blocks measured.
-
-:func:`use_onednn_linears` switches a model's ``nn.Linear`` layers to it in place (their class becomes
-:class:`OneDNNLinear`: the same parameters, tied weights still tied, the same ``state_dict``);
-:func:`restore_linears` switches them back. Apply it to the target (and the draft) before timing anything against
-anything, so that every system compared multiplies with the same kernels: it speeds up plain ``generate()`` as much.
+:func:`use_onednn_linears` switches a model's ``nn.Linear`` layers to :class:`OneDNNLinear` in place (the same
+parameters, tied weights still tied, the same ``state_dict``); :func:`restore_linears` switches them back. Apply it to
+every system a benchmark compares. Measurements: docs/benchmarks.md, "oneDNN linear layers on the CPU".
 """
 
 from __future__ import annotations
@@ -22,15 +14,9 @@ from torch import nn
 
 class OneDNNLinear(nn.Linear):
     """An ``nn.Linear`` whose forward is oneDNN's (``torch.ops.mkldnn._linear_pointwise``): ``(..., in) -> (...,
-    out)``, as ``F.linear``.
-
-    An fp32 weight is multiplied in oneDNN's own blocked layout, reordered once (``_reorder_linear_weight``, what
-    inductor's freezing does) and kept beside the weight, which stays the parameter that ``state_dict``, tied
-    embeddings and optimizers see; the copy is made again whenever the weight changes (its storage or its version).
-    A single row, where the reorder gains nothing and MKL's kernel is the faster on narrow layers, goes to
-    ``F.linear``. The copy costs as much memory again as the switched weights. Measured in docs/benchmarks.md ("oneDNN
-    weights reordered once").
-    """
+    out)``, as ``F.linear``. An fp32 weight is multiplied in oneDNN's blocked layout, a copy (as much memory again)
+    reordered once and again whenever the weight changes; the weight stays the parameter. A single row goes to
+    ``F.linear`` (MKL's kernel)."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if input.numel() == input.shape[-1]:  # one row

@@ -1,11 +1,6 @@
-"""An encoder-decoder's per-row cross-attention state inside a :class:`~tetris_hf.kv.SlotCache`.
-
-A decoder that attends to an encoder's outputs (Whisper's, or the target's encoder outputs read by a
-``WhisperForCausalLM`` draft) has two caches per layer: self-attention, which grows by the rows' tokens and is what a
-rejected draft rolls back (the slot cache's layers, with their holes and repacking), and cross-attention, whose keys
-and values the model computes once per row from that row's encoder outputs and never changes. Only the row axis of
-cross-attention moves: when finished rows leave the batch, the same moves as the self-attention rows
-(:meth:`CrossAttention.select`). Nothing is masked or repacked along its ``S`` encoder positions.
+"""An encoder-decoder's per-row cross-attention state inside a :class:`~tetris_hf.kv.SlotCache`: keys and values
+computed once per row and never rolled back; only their row axis moves, with the rows (:meth:`CrossAttention.select`).
+Design: docs/design.md, "Encoder-decoder targets (Whisper)".
 """
 
 from __future__ import annotations
@@ -15,15 +10,10 @@ from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 
 
 class CrossAttention:
-    """The memory a decoder attends to, one row per cache row: the encoder outputs ``memory`` ``(B, S, d)`` until the
-    first forward, in which the model's own cross-attention projections turn them into keys and values
-    ``(B, H, S, D)`` per layer (stored in :attr:`cache` through transformers' ``EncoderDecoderCache``); the encoder
-    outputs are then dropped (a zero-length ``(B, 0, d)`` placeholder tells the decoder layers that cross-attention
-    exists, and the cached keys are read instead, as transformers does once ``is_updated``).
-
-    Args:
-        memory: ``(B, S, d)`` encoder outputs, rows in the cache's row order.
-    """
+    """The memory a decoder attends to, one row per cache row (in its order): the encoder outputs ``memory``
+    ``(B, S, d)`` until the first forward, whose cross-attention turns them into keys and values ``(B, H, S, D)`` per
+    layer (:attr:`cache`); then a ``(B, 0, d)`` placeholder stands for them (transformers reads the cached keys once
+    ``is_updated``)."""
 
     def __init__(self, memory: torch.Tensor):
         self.memory = memory

@@ -1,25 +1,9 @@
 """Encoder-decoder targets (Whisper) in the batched loop.
 
 ``target.generate(input_features, assistant_model=draft, custom_generate="tetris", ...)`` on a
-``WhisperForConditionalGeneration``: Whisper's own ``generate`` prepares the call as it does for plain decoding
-(language and task tokens, suppressed tokens, the decoder prompt), transformers' generic ``generate`` runs the encoder
-once per row, and the loop then decodes with the *decoder* of each model as if it were a decoder-only causal LM
-(:class:`DecoderView`), each row attending to its own encoder outputs:
-
-- the target's decoder reads the target's encoder outputs (``encoder_outputs``, computed by ``generate()``);
-- a full smaller Whisper draft (``WhisperForConditionalGeneration``) reads its own encoder's outputs, computed here
-  once per row before the loop;
-- a decoder-only ``WhisperForCausalLM`` draft (distil-whisper's way) reads the *target's* encoder outputs: a draft step
-  costs its decoder layers only.
-
-What changed in the cache (:mod:`tetris_hf.cross_attention`): each model's :class:`~tetris_hf.kv.SlotCache` keeps, beside
-its self-attention slots (rolled back and repacked as for any decoder), the cross-attention keys and values of each row,
-computed at the model's first forward and moved with the rows when rows retire; they are never rolled back.
-
-A draft may score a subset of the vocabulary (``tetris_draft_vocab``, :class:`DecoderView`'s ``head_ids``): Whisper's
-head is most of a small draft's cost. Refused with a message: timestamps and long-form audio
-(``return_timestamps=True``), no-speech detection, beam search, draft trees, compiled steps, prompt lookup and EAGLE
-heads on an encoder-decoder, and encoder-decoders other than Whisper (BART/T5-style: see :func:`unsupported_reason`).
+``WhisperForConditionalGeneration`` reaches :func:`generate`; the loop decodes with each model's decoder seen as a
+decoder-only causal LM (:class:`DecoderView`), each row attending to its own encoder outputs
+(:mod:`tetris_hf.cross_attention`). Design and what is refused: docs/design.md, "Encoder-decoder targets (Whisper)".
 """
 
 from __future__ import annotations
@@ -67,20 +51,15 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 
 
 class DecoderView(torch.nn.Module):
-    """An encoder-decoder's decoder seen as a decoder-only causal LM by the loop: ``forward(input_ids,
-    attention_mask, position_ids, past_key_values, encoder_hidden_states, logits_to_keep)`` runs the decoder and the
-    output head. :attr:`memory` ``(B, S, d)`` holds the encoder outputs of the call's rows; the
-    :class:`~tetris_hf.kv.SlotCache` that first runs the view turns them into per-row cross-attention keys and values
-    (:class:`~tetris_hf.cross_attention.CrossAttention`) and passes them back at every forward.
-
-    With ``head_ids`` (a draft's ``tetris_draft_vocab``, FR-Spec's reduced head as in
-    :mod:`~tetris_hf.candidate_generators.reduced_vocab`), the head scores those ``N`` tokens only and every other
-    logit is ``-inf``: Whisper's head (51,865 x d) costs a 2-layer decoder more than its layers do.
+    """An encoder-decoder's decoder and output head, seen as a decoder-only causal LM by the loop. The
+    :class:`~tetris_hf.kv.SlotCache` that first runs the view turns :attr:`memory` into per-row cross-attention keys
+    and values (:class:`~tetris_hf.cross_attention.CrossAttention`).
 
     Args:
         model: a ``WhisperForConditionalGeneration`` or a ``WhisperForCausalLM``.
         memory: ``(B, S, d)`` the encoder outputs this decoder attends to, one row per row of the call.
-        head_ids: ``(N,)`` token ids the head scores, or ``None`` (the whole vocabulary).
+        head_ids: ``(N,)`` token ids the head scores (a draft's ``tetris_draft_vocab``; every other logit is
+            ``-inf``), or ``None`` (the whole vocabulary).
     """
 
     def __init__(self, model: torch.nn.Module, memory: torch.Tensor, head_ids: torch.Tensor | None = None):
@@ -89,19 +68,15 @@ class DecoderView(torch.nn.Module):
         self.memory = memory
         self.head_ids = head_ids
         self.head_weight = None
-        self._config = model.config
+        self.config = model.config
         if head_ids is not None:
-            self._config = copy.deepcopy(model.config)  # its own, so cost profiles tell it from the full head
-            self._config.tetris_draft_vocab = {"size": int(head_ids.numel()),
+            self.config = copy.deepcopy(model.config)  # its own, so cost profiles tell it from the full head
+            self.config.tetris_draft_vocab = {"size": int(head_ids.numel()),
                                                "sha1": hashlib.sha1(head_ids.cpu().numpy().tobytes()).hexdigest()[:12]}
             weight = model.get_output_embeddings().weight
             self.head_ids = head_ids.to(weight.device)
             self.head_weight = weight.detach().index_select(0, self.head_ids)  # (N, d)
         self._timing_cache: tuple[object, DynamicCache] | None = None
-
-    @property
-    def config(self):
-        return self._config
 
     @property
     def dtype(self) -> torch.dtype:
@@ -124,13 +99,9 @@ class DecoderView(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask=None, position_ids: torch.Tensor | None = None,
                 past_key_values=None, use_cache: bool = True, encoder_hidden_states: torch.Tensor | None = None,
                 logits_to_keep: int = 0) -> CausalLMOutput:
-        """Logits ``(B, L or logits_to_keep, V)`` of the block ``input_ids`` ``(B, L)``.
-
-        ``past_key_values`` is an ``EncoderDecoderCache`` from the slot cache (with ``encoder_hidden_states``); any
-        other cache (a cost profile timing forwards on a ``DynamicCache`` of its own) gets cross-attention keys and
-        values made from the first row's memory for every row, kept beside that cache, so the timing reads as many
-        encoder positions as the loop's forwards do.
-        """
+        """Logits ``(B, L or logits_to_keep, V)`` of the block ``input_ids`` ``(B, L)``. ``past_key_values``: the
+        slot cache's ``EncoderDecoderCache`` (with ``encoder_hidden_states``), or another cache (a cost profile's
+        timing), given cross-attention over the first row's memory for every row."""
         if not isinstance(past_key_values, EncoderDecoderCache):
             past_key_values, encoder_hidden_states = self._timing_inputs(past_key_values, input_ids.shape[0])
         hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -208,10 +179,8 @@ def check_whisper_settings(generation_config, logits_processor) -> None:
 
 def with_begin_suppression(model: torch.nn.Module, logits_processor, decoder_input_ids: torch.Tensor | None,
                            device: torch.device) -> list:
-    """Whisper's own ``generate`` drops ``begin_suppress_tokens`` whenever an ``assistant_model`` is passed (so that a
-    draft "may return EOS" first); plain decoding suppresses them at the first generated position. Put the processor
-    back (from the model's generation config, at ``begin_index`` = the decoder prompt's length), so that the batched
-    loop gives what plain ``generate()`` gives."""
+    """``logits_processor`` with the ``begin_suppress_tokens`` processor, which Whisper's ``generate`` drops whenever
+    an ``assistant_model`` is passed, put back at ``begin_index`` = the decoder prompt's length as in plain decoding."""
     processors = list(logits_processor or [])
     tokens = getattr(model.generation_config, "begin_suppress_tokens", None)
     if not tokens or decoder_input_ids is None:
@@ -223,10 +192,8 @@ def with_begin_suppression(model: torch.nn.Module, logits_processor, decoder_inp
 
 
 def generate(model: torch.nn.Module, *args, **kwargs):
-    """:func:`tetris_hf.generation.generate` for an encoder-decoder target: Whisper's ``generate`` has prepared the
-    call and reaches this through ``custom_generate="tetris"``; the draft's own encoder (a full Whisper draft) runs
-    here, once per row, then transformers' generic preparation runs the target's encoder and hands the decoder prompt
-    to :func:`encoder_decoder_decoding`.
+    """:func:`tetris_hf.generation.generate` for an encoder-decoder target, reached from Whisper's ``generate``; hands
+    over to :func:`encoder_decoder_decoding` after transformers' generic preparation.
 
     Args:
         model: a ``WhisperForConditionalGeneration``.

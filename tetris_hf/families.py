@@ -1,17 +1,7 @@
-"""Which models the batched loop can serve, decided from the model and its config before anything runs.
-
-The loop needs a decoder-only causal LM whose only per-token state is an attention KV cache: it rolls every row back
-by masking cache slots, and it hands the model each token's real position. That rules out
-
-- encoder-decoder models (the loop feeds one token stream to a decoder-only forward);
-- multimodal models (load their text-only causal LM instead);
-- recurrent and state-space layers (Mamba, RWKV, xLSTM, RecurrentGemma's RG-LRU, gated linear attention, short
-  convolutions, and hybrids that mix them with attention): their state summarises every token read, so a rejected
-  draft cannot be taken back per row. transformers marks such models ``_is_stateful`` and gives their layers the
-  cache layer types ``"linear_attention"``, ``"conv"``, ``"hybrid"`` or ``"hybrid_sliding"``;
-- attention whose cache holds more than keys and values per slot, or whose mask is not "causal, optionally within a
-  window of positions": chunked attention (Llama 4), indexer-based sparse attention (DeepSeek V3.2), compressed
-  attention (DeepSeek V4), and GPT-Neo's local layers (their window is a fixed mask over cache slots).
+"""Which models the batched loop can serve (:func:`unsupported_reason`, :func:`check_supported`), decided before
+anything runs: a decoder-only causal LM whose only per-token state is a KV cache of one token's keys and values a slot,
+masked causally (optionally within a window of positions), since the loop rolls rows back by masking slots and hands
+the model each token's real position. The families refused: README.md, "Supported models".
 """
 
 from __future__ import annotations

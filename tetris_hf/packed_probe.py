@@ -1,11 +1,5 @@
-"""Whether a model reads packed blocks exactly: a probe, once per model.
-
-Packing (:mod:`tetris_hf.packing`) needs a model whose every attention layer goes through transformers'
-``AttentionInterface`` (on ``"sdpa"``, or ``"eager"`` with its family's ``eager_attention_forward``), with prepared
-masks. Most families do; some compute attention inline (Falcon), and the ALiBi families take only the 2D mask. Rather
-than keep a list, :func:`packs_exactly` reads a short block both ways on the model itself, at its first use: packed,
-and padded as before, and packs only where the logits agree. The answer is kept for the model's life. An EAGLE head
-is probed on features made from its tokens (the same in both reads).
+"""Whether a model reads packed blocks exactly (:func:`packs_exactly`): a short block read both ways on the model
+itself, packed and padded, once per model. Design: docs/design.md, "Packed steps".
 """
 
 from __future__ import annotations

@@ -1,27 +1,7 @@
-"""Packed forwards: the model reads only the real tokens of a block, as one sequence, and attention puts each back
-in its row.
-
-A verified block is ``(B, L)``: row ``i`` holds its last token and the drafts selected for it, ``real_lengths[i]``
-tokens, then filler up to the longest row's. Padded, the target computes all ``B x L`` positions; packed, it reads the
-``N = sum(real_lengths)`` real tokens as a ``(1, N)`` sequence, with each token's own position (so RoPE is right), so
-every linear layer and the head compute ``N`` tokens only. The cache writes each token's keys and values in its row,
-at its slot (:class:`~tetris_hf.kv.SlotLayer`), and attention (:func:`packed_attention`) unpacks the queries to their
-rows, attends with the row-layout mask the padded forward would use (a token sees its row's cache and the earlier tokens
-of its own block), and packs the output again. Attention is the small part of a step; the padding it still computes on
-is what the mask hides anyway.
-
-The packing travels as an argument of the forward (``tetris_packing=``), which transformers hands down to every
-attention layer; the layers run :func:`loop_attention_forward`, registered once in transformers'
-``AttentionInterface`` under a name of this module's copy, on models the loop routes there for its call
-(:func:`routed_attention`). Nothing is stored on the model's forwards or on the transformers module.
-
-E.g. real lengths ``[3, 1, 2]`` (``L = 3``): the model reads ``[a0 a1 a2 b0 c0 c1]``; ``rows = [0 0 0 1 2 2]``,
-``columns = [0 1 2 0 0 1]``. A left-padded block (a draft's catch-up or pending tokens,
-:meth:`Packing.of_left_padded`) has each row's real tokens last instead.
-
-Which models: those that take prepared masks (``"sdpa"`` or ``"eager"`` attention, no ALiBi), hybrid and windowed ones
-alike, whose attention layers go through the interface; :func:`~tetris_hf.packed_probe.packs_exactly` checks a model
-once, on a probe, against the padded forward.
+"""Packed forwards: the model reads only the real tokens of a block, as one ``(1, N)`` sequence, each at its own
+position, and attention puts each back in its row (:func:`packed_attention`). The packing (:class:`Packing`) travels as
+the forward argument ``tetris_packing=`` to :func:`loop_attention_forward`, which :func:`routed_attention` registers in
+transformers' ``AttentionInterface`` for the models of a call. Design: docs/design.md, "Packed steps".
 """
 
 from __future__ import annotations
@@ -39,12 +19,8 @@ from .attention import MASK_IMPLEMENTATIONS, grouped_sdpa_attention, routed_impl
 
 class BlockSplit(NamedTuple):
     """A block whose first ``rows`` rows hold at most ``width`` tokens each, ``tokens`` in all (host ints): a request
-    stream's decoding rows, with the prompts of rows joining after them. Attention runs on the two groups of rows
-    apart, each at its own width, and logits are computed for the first rows' tokens and the later rows' last ones
-    only.
-
-    E.g. 16 decoding rows verifying up to 3 tokens each (40 in all), then 2 joining prompts of 200 tokens:
-    ``BlockSplit(16, 3, 40)``; attention takes ``16 x 3`` queries and ``2 x 200``, not ``18 x 200``."""
+    stream's decoding rows, then the prompts of rows joining. Attention runs on the two groups apart, each at its own
+    width; e.g. 16 rows verifying up to 3 tokens (40 in all), then 2 prompts of 200: ``BlockSplit(16, 3, 40)``."""
 
     rows: int
     width: int
@@ -54,11 +30,12 @@ class BlockSplit(NamedTuple):
 class Packing(NamedTuple):
     """Where each of a packed forward's ``N`` tokens sits in the ``(B, L)`` block: ``rows`` and ``columns``, ``(N,)``
     each, in row order; ``ends``: ``(B,)`` the index after each row's last packed token; ``first_row``: rows before
-    it hold no token (known on the host: a request stream's rows already decoding, while joining prompts are read),
-    so attention runs on the rows from it on only; ``split``: the block's rows in two groups (:class:`BlockSplit`),
-    or ``None``; ``new_from``: the rows from it on hold nothing real before the block, whose real tokens come first
-    in every row (rows that just joined, reading their prompts), so a group of them attends causally among its own
-    block only, with no mask (plain sdpa layouts; ``None``: no such rows)."""
+    it hold no token, so attention runs on the rows from it on only; ``split``: the block's rows in two groups
+    (:class:`BlockSplit`), or ``None``; ``new_from``: rows from it on hold nothing real before the block and their
+    real tokens first, so they attend causally among their own block, unmasked (plain sdpa layouts; ``None``: none).
+
+    E.g. real lengths ``[3, 1, 2]``, ``L = 3``: the model reads ``[a0 a1 a2 b0 c0 c1]``, ``rows = [0 0 0 1 2 2]``,
+    ``columns = [0 1 2 0 0 1]``."""
 
     rows: torch.Tensor
     columns: torch.Tensor
@@ -74,9 +51,9 @@ class Packing(NamedTuple):
            first_columns: torch.Tensor | None = None, first_row: int = 0, split: BlockSplit | None = None,
            new_from: int | None = None) -> Packing:
         """The packing of a block whose row ``i`` has ``real_lengths[i]`` ``(B,)`` consecutive real tokens, its first
-        ones (a verified block) or from column ``first_columns[i]`` ``(B,)`` on; ``num_tokens``: their sum, known on
-        the host (no device read here); ``width``: ``L``; ``first_row``: no row before it has a real token;
-        ``split``: its rows in two groups; ``new_from``: see :class:`Packing` (real tokens first only)."""
+        ones or from column ``first_columns[i]`` ``(B,)`` on; ``num_tokens``: their sum, known on the host; ``width``:
+        ``L``; ``first_row``, ``split``, ``new_from``: as in :class:`Packing` (``new_from`` kept without
+        ``first_columns`` only)."""
         ends = real_lengths.cumsum(dim=0)
         tokens = torch.arange(num_tokens, device=real_lengths.device)
         rows = torch.searchsorted(ends, tokens, right=True)
@@ -133,16 +110,10 @@ def loop_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
                            attention_mask, *, base: str, tetris_packing: Packing | None = None,
                            tetris_grouped: bool = False, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The attention a routed model runs (:func:`routed_attention`): its own (``base``: transformers' sdpa, or its
-    family's eager attention) unless the forward's arguments ask otherwise. They reach every attention layer as
-    transformers passes a forward's keyword arguments down:
-
-    - ``tetris_packing``: the forward reads a packed block (:func:`packed_attention`);
-    - ``tetris_grouped``: a static step's forward on sdpa: :func:`~tetris_hf.attention.grouped_sdpa_attention`.
-    """
-    # on the CPU a masked block of several queries reads each key-value head in place (transformers would copy the
-    # keys and values to every query head first, a copy of the whole cache a layer, for the same sums: measured in
-    # docs/benchmarks.md, "Keys read in place"); elsewhere only in static steps, where the fused kernels that
-    # transformers keeps a masked GQA block off do not run anyway
+    family's eager attention) unless the forward's arguments ask otherwise: ``tetris_packing``, a packed block
+    (:func:`packed_attention`); ``tetris_grouped``, a static step on sdpa
+    (:func:`~tetris_hf.attention.grouped_sdpa_attention`, which every sdpa forward on the CPU runs too)."""
+    # (CPU: docs/benchmarks.md, "Keys read in place"; elsewhere static steps only, where no fused kernel is lost)
     grouped = base == "sdpa" and (tetris_grouped or query.device.type == "cpu")
     attention = grouped_sdpa_attention if grouped else row_attention(module, base)
     if tetris_packing is not None:
@@ -162,8 +133,7 @@ def packed_attention(attention, module: torch.nn.Module, query: torch.Tensor, ke
         queries = query.new_zeros(end - first, query.shape[1], width, query.shape[-1])
         queries[rows, :, columns] = query[0, :, first_token:end_token].transpose(0, 1)
         if packing.new_from is not None and first >= packing.new_from:  # (set on plain sdpa layouts only)
-            # rows that just joined: each token sees its own row's block up to itself, which causality alone says
-            # (filler comes after the real tokens, seen by filler only): the block's slots, not the whole cache
+            # rows that just joined: causality over the block's own slots is exact (filler follows the real tokens)
             start = key.shape[-2] - packing.width
             keys, values = key[first:end, :, start : start + width], value[first:end, :, start : start + width]
             output, weights = attention(module, queries, keys, values, None, **{**kwargs, "is_causal": True})
@@ -205,11 +175,8 @@ def _register(base: str) -> str:
 
 @contextlib.contextmanager
 def routed_attention(*models: torch.nn.Module) -> Iterator[None]:
-    """While it is open, ``models`` on ``"sdpa"`` or ``"eager"`` attention run :func:`loop_attention_forward`, which
-    is their own attention but where a forward's arguments ask for a packed or grouped read (their settings are
-    restored after; a model already routed, or on another implementation, stays as it is). The loop opens it once
-    for a call (:class:`~tetris_hf.loop_core.LoopCore`); a cache's forward opens it for its model where nobody
-    did."""
+    """While it is open, ``models`` on ``"sdpa"`` or ``"eager"`` attention run :func:`loop_attention_forward` (their
+    settings restored after; a model already routed, or on another implementation, stays as it is)."""
     changed = []
     for model in models:
         config = model.config.get_text_config(decoder=True)

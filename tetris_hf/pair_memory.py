@@ -21,18 +21,18 @@ class PairMemory:
     """What ``adaptive`` and ``dsd`` learnt about one target/draft pair, kept between ``generate()`` calls.
 
     ``calibrator``: acceptance by draft probability; ``pool``: ``(P, W)`` log q of recently drafted rows, newest
-    first; ``dsd_acceptance``: DSD's running acceptance rate; ``plain_streak`` and ``probe_interval``: the probe
-    schedule (so that a pair known not to pay is probed ever more rarely, call after call); ``guarded``: the guard's
-    last verdict stands (the next call decodes plainly until a probe drafts).
+    first; ``pool_sources``: ``(P,)`` which source drafted each pooled row (hybrid drafting); ``dsd_acceptance``: DSD's
+    running acceptance rate; ``plain_streak`` and ``probe_interval``: the probe schedule; ``guarded``: the
+    realized-rate guard stopped drafting and no probe has drafted since.
     """
 
     calibrator: AcceptanceCalibrator = field(default_factory=AcceptanceCalibrator)
     pool: torch.Tensor | None = None
-    pool_sources: torch.Tensor | None = None  # (P,) hybrid drafting: which source drafted each pooled row
+    pool_sources: torch.Tensor | None = None
     dsd_acceptance: float | None = None
     plain_streak: int = 0
     probe_interval: int = 8
-    guarded: bool = False  # the realized-rate guard stopped drafting and no probe has drafted since
+    guarded: bool = False
 
 
 # draft -> target -> {hybrid: PairMemory}
@@ -47,11 +47,9 @@ _PROMPT_LOOKUP = _PromptLookup()
 
 
 def pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module | None, hybrid: bool = False) -> PairMemory:
-    """The :class:`PairMemory` of these two model objects (in memory, forgotten with the models), for greedy calls: a
-    sampled call starts afresh (its tokens must not depend on earlier calls, see
-    :func:`~tetris_hf.strategies.make_strategy`). ``assistant_model=None``: prompt lookup on this target. ``hybrid``:
-    the draft drafts beside prompt lookup, its confidences calibrated (:mod:`~tetris_hf.candidate_generators.hybrid`):
-    another scale than its raw ``max q``, learnt apart."""
+    """The :class:`PairMemory` of these two model objects, for greedy calls (a sampled call starts afresh: its tokens
+    must not depend on earlier calls). ``assistant_model=None``: prompt lookup on this target. ``hybrid``: the memory
+    of calls whose draft drafts beside prompt lookup (calibrated confidences, learnt apart)."""
     draft_key = _PROMPT_LOOKUP if assistant_model is None else assistant_model
     by_target = _PAIR_MEMORY.setdefault(draft_key, weakref.WeakKeyDictionary())
     return by_target.setdefault(model, {}).setdefault(hybrid, PairMemory())
@@ -81,10 +79,9 @@ def pair_fingerprint(model: torch.nn.Module, assistant_model: torch.nn.Module | 
 
 def save_pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module | None, path: str | os.PathLike,
                      hybrid: bool = False) -> Path:
-    """Save what ``adaptive`` and ``dsd`` learnt about this pair in this process (acceptance by draft probability,
-    recently drafted rows, the probe schedule) to ``path`` (a small ``torch.save`` file of tensors and numbers), so that
-    a later process starts where this one stopped (:func:`load_pair_memory`), not at a cold start. ``hybrid``: the
-    memory of hybrid calls (a draft beside prompt lookup), which is kept apart. Returns the path."""
+    """Save what ``adaptive`` and ``dsd`` learnt about this pair in this process to ``path`` (a small ``torch.save``
+    file), so that a later process starts from it (:func:`load_pair_memory`). ``hybrid``: the memory of hybrid calls
+    (a draft beside prompt lookup). Returns the path."""
     memory = pair_memory(model, assistant_model, hybrid)
     calibrator = memory.calibrator
     state = {
@@ -105,9 +102,8 @@ def save_pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module | 
 def load_pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module | None, path: str | os.PathLike,
                      hybrid: bool = False) -> PairMemory:
     """Start this pair's memory in this process from a file :func:`save_pair_memory` wrote (replacing what this
-    process learnt so far); greedy ``adaptive`` and ``dsd`` calls then plan from it at once. Raises ``ValueError``
-    for a file that is not such a memory, or is another pair's (another target, draft or weights) or the other kind
-    (hybrid or not)."""
+    process learnt so far). Raises ``ValueError`` for a file that is not such a memory, or is another pair's (another
+    target, draft or weights) or the other kind (hybrid or not)."""
     path = Path(path)
     try:
         state = torch.load(path, weights_only=True)

@@ -1,9 +1,6 @@
-"""bitsandbytes 4-bit (nf4) / 8-bit targets: a ``BitsAndBytesConfig`` that is known to work here, or a clear error.
-
-The loop needs nothing special for quantized targets: a bitsandbytes model is a causal LM whose linear layers
-dequantize on the fly, and its dynamic cache holds ordinary tensors. What can go wrong is the backend, so
-:func:`quantization_config` checks it up front (installed, new enough, its library loaded, one tiny quantized matmul
-on the device) and says what to do instead of failing deep inside ``from_pretrained``.
+"""bitsandbytes 4-bit (nf4) / 8-bit targets: :func:`quantization_config` gives a ``BitsAndBytesConfig`` checked to run
+here (bitsandbytes installed, new enough, one tiny quantized matmul on the device), or a clear error up front instead of
+a failure deep inside ``from_pretrained``.
 """
 
 from __future__ import annotations
@@ -22,29 +19,23 @@ class QuantizationUnavailableError(RuntimeError):
     """bitsandbytes is missing, too old, or cannot run on the requested device; the message says which."""
 
 
-def _mode(load_in_4bit: bool, load_in_8bit: bool) -> str:
-    return "4-bit (nf4)" if load_in_4bit else "8-bit (LLM.int8)"
-
-
 def _bitsandbytes(mode: str):
     """Import bitsandbytes or raise :class:`QuantizationUnavailableError` naming the fix."""
     try:
         import bitsandbytes
     except ImportError as error:
-        raise QuantizationUnavailableError(
-            f"{mode} quantization needs bitsandbytes, which is not installed ({error}): {INSTALL_HINT}"
-        ) from error
+        raise QuantizationUnavailableError(f"{mode} quantization needs bitsandbytes, which is not installed ({error}): "
+                                           f"{INSTALL_HINT}") from error
     installed = getattr(bitsandbytes, "__version__", None) or importlib.metadata.version("bitsandbytes")
     if version.parse(installed) < version.parse(MIN_BITSANDBYTES):
-        raise QuantizationUnavailableError(
-            f"{mode} quantization needs bitsandbytes>={MIN_BITSANDBYTES}, found {installed}: {INSTALL_HINT}"
-        )
+        raise QuantizationUnavailableError(f"{mode} quantization needs bitsandbytes>={MIN_BITSANDBYTES}, found "
+                                           f"{installed}: {INSTALL_HINT}")
     return bitsandbytes
 
 
 def check_backend(load_in_4bit: bool, device: str | torch.device) -> None:
     """Run one tiny quantized linear layer on ``device``; raise :class:`QuantizationUnavailableError` if it fails."""
-    mode = _mode(load_in_4bit, not load_in_4bit)
+    mode = "4-bit (nf4)" if load_in_4bit else "8-bit (LLM.int8)"
     bitsandbytes = _bitsandbytes(mode)
     device = torch.device(device)
     try:
@@ -62,20 +53,15 @@ def check_backend(load_in_4bit: bool, device: str | torch.device) -> None:
         if output.shape != (2, 64) or not bool(torch.isfinite(output).all()):
             raise RuntimeError(f"a {mode} test layer returned {tuple(output.shape)} / non-finite values")
     except Exception as error:  # the backend's own errors are many and unrelated; report them as one
-        raise QuantizationUnavailableError(
-            f"bitsandbytes {bitsandbytes.__version__} cannot run {mode} layers on {device.type} "
-            f"({type(error).__name__}: {error}). Load the target without quantization, or use a machine and "
-            f"bitsandbytes build with a backend for {device.type}: {INSTALL_HINT}"
-        ) from error
+        raise QuantizationUnavailableError(f"bitsandbytes {bitsandbytes.__version__} cannot run {mode} layers on "
+                                           f"{device.type} ({type(error).__name__}: {error}). Load the target without "
+                                           "quantization, or use a machine and bitsandbytes build with a backend for "
+                                           f"{device.type}: {INSTALL_HINT}") from error
 
 
-def quantization_config(
-    load_in_4bit: bool = False,
-    load_in_8bit: bool = False,
-    *,
-    compute_dtype: torch.dtype | None = None,
-    device: str | torch.device | None = None,
-) -> BitsAndBytesConfig | None:
+def quantization_config(load_in_4bit: bool = False, load_in_8bit: bool = False, *,
+                        compute_dtype: torch.dtype | None = None,
+                        device: str | torch.device | None = None) -> BitsAndBytesConfig | None:
     """The ``quantization_config`` for ``from_pretrained`` of a 4-bit (nf4) or 8-bit target, checked to run here.
 
     Args:

@@ -1,25 +1,9 @@
 """A request stream: speculative decoding over a live batch that requests join as others finish.
 
-:class:`StreamLoop` holds a :class:`~tetris_hf.loop_core.LoopCore` (the steps, as ``generate()``'s loop holds one) over
-rows that come and go: up to ``max_batch_size`` rows ("lanes"), each serving one request with its own prompt length,
-length limit and end tokens. Between steps, waiting requests take the free lanes (:meth:`StreamLoop.admit`). Where rows
-are decoding and the target reads packed, a prompt of at most ``prefill_chunk`` tokens rides in the next step's target
-forward (the core's step takes it as an argument, :class:`~tetris_hf.step.JoiningPrompts`): the target reads it after
-the decoding rows' blocks (attention runs on the two groups of rows apart, :class:`~tetris_hf.packing.BlockSplit`), its
-logits at the prompt's last token give the row's first token, and the row joins at the end of that step, its drafter
-reading the prompt then. Other prompts (an empty stream's, longer ones, a padded target's) are read at once, but their
-last tokens, in chunks, in forwards of their own; the last token then opens the row's first verified block. The budget
-of each step is spread over whichever rows are live then. With ``tetris_compile=True`` the steps run compiled on the
-static shapes of :mod:`tetris_hf.static_shapes` (the live rows padded to the buckets of ``max_batch_size``), and every
-prompt is read eagerly in forwards of its own.
-
-:class:`RequestStream` is the single-threaded scheduler around it: requests in (checked, a bad one gets its error in
-its own result), first come first served, finished :class:`StreamOutput` s out. The manager and
-``generate_batch`` (:mod:`tetris_hf.continuous`) run it on a thread.
-
-E.g. lanes 0-1 decoding requests ``a`` and ``b``; ``a`` stops; ``c`` takes lane 0: the next step's one target forward
-verifies ``b``'s drafts and reads ``c``'s prompt, whose first token comes out with ``b``'s; the step after verifies
-both rows' drafts.
+:class:`StreamLoop` steps a :class:`~tetris_hf.loop_core.LoopCore` over rows ("lanes") that join between steps
+(:meth:`StreamLoop.admit`) and leave when they stop; :class:`RequestStream` is the single-threaded scheduler around it
+(first come first served: requests in, :class:`StreamOutput` s out), which :mod:`tetris_hf.continuous` runs on a thread.
+Design and guarantees: docs/design.md, sections "The request stream" and "The request stream's guarantees".
 """
 
 from __future__ import annotations
@@ -54,11 +38,9 @@ TOTALS = ("steps", "drafted_tokens", "verified_tokens", "accepted_tokens", "emit
 
 
 class StreamLoop(HoldsCore):
-    """The batched speculative loop over rows that join between steps (:meth:`admit`) and leave when they stop,
-    their tokens handed out as ``(lane, tokens)`` (:meth:`take_finished`). It holds a
-    :class:`~tetris_hf.loop_core.LoopCore` (:attr:`core`), which steps the rows; admission, riding prompts, the
-    finished rows and the folded totals are its own. Rows are lanes ``0 .. max_batch_size - 1`` (``batch.rows``),
-    each row holding its prompt from column 0, unpadded.
+    """The batched speculative loop (:attr:`core`) over rows that join between steps (:meth:`admit`) and leave when
+    they stop, their tokens handed out as ``(lane, tokens)`` (:meth:`take_finished`). Rows are lanes
+    ``0 .. max_batch_size - 1`` (``batch.rows``), each holding its prompt from column 0, unpadded.
 
     Args:
         model, assistant_model, logits_processor, generation_config, options: as for the batched loop (EOS and the
@@ -66,16 +48,14 @@ class StreamLoop(HoldsCore):
         max_batch_size: rows at most.
         max_length: the longest a row may grow (prompt and new tokens).
         prefill_chunk: prompt tokens a joining row reads per forward.
-        ride_prompts: a prompt that fits one chunk rides in a verification forward (:meth:`admit`); ``False``: every
-            prompt is read in forwards of its own.
+        ride_prompts: ``False``: no prompt rides in a verification forward (:meth:`admit`).
     """
 
     def __init__(self, model: torch.nn.Module, assistant_model: torch.nn.Module | None,
                  logits_processor: LogitsProcessorList, generation_config, options: TetrisOptions,
                  max_batch_size: int, max_length: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  ride_prompts: bool = True):
-        # the caches start small and grow by doubling as rows need (a row's capacity can be far above typical use); a
-        # compiled step attends over its cache's whole capacity, so its caches start smaller still
+        # the caches start small and double as rows need; a compiled step attends over the whole capacity: smaller still
         cache_length = min(max_length, COMPILED_CACHE_LENGTH if options.tetris_compile else 2 * DEFAULT_PREFILL_CHUNK)
         self.core = LoopCore(model, assistant_model, logits_processor, StoppingCriteriaList(), generation_config,
                              options, max_length, max_rows=max_batch_size, cache_length=cache_length)
@@ -94,14 +74,9 @@ class StreamLoop(HoldsCore):
     def admit(self, lanes: list[int], prompts: list[list[int]], limits: list[int],
               eos_token_ids: list[tuple[int, ...]]) -> None:
         """New rows join after the active ones: lane ``lanes[i]`` serves ``prompts[i]`` (at least one token), stops
-        at length ``limits[i]`` or at one of ``eos_token_ids[i]``.
-
-        Where rows are decoding and the target reads packed, a prompt of at most ``prefill_chunk`` tokens is read in
-        the next step's target forward, after the decoding rows' blocks (no forward of its own), the target's logits
-        at its last token giving the row's first token, and its row joins at the end of that step (:attr:`joining`).
-        Other prompts are read now, but their last tokens, in chunks, in forwards of their own
-        (:meth:`~tetris_hf.loop_core.LoopCore.add_rows`); each last token opens its row's first verified block at the
-        next step."""
+        at length ``limits[i]`` or at one of ``eos_token_ids[i]``. Where rows are decoding and the target reads packed,
+        a prompt of at most ``prefill_chunk`` tokens rides in the next step's verification forward (:attr:`joining`);
+        other prompts are read now but their last tokens (:meth:`~tetris_hf.loop_core.LoopCore.add_rows`)."""
         rides = self.ride_prompts and self.core.batch.num_rows > 0 and self.core.prompts_can_ride
         riding = [rides and len(prompt) <= self.prefill_chunk for prompt in prompts]
         now = [index for index, ride in enumerate(riding) if not ride]
@@ -124,9 +99,8 @@ class StreamLoop(HoldsCore):
                               torch.tensor(lanes, device=device), lengths, limits, eos_token_ids)
 
     def step(self) -> StepRecord:
-        """One step of the core (:meth:`~tetris_hf.loop_core.LoopCore.step`), the riding prompts read in it and their
-        rows joining after it; the rows that stopped go to :attr:`finished`; then the user's step callback. Every
-        :data:`FOLD_EVERY` steps the records go into the totals."""
+        """One step of the core, the riding prompts read in it; the rows that stopped go to :attr:`finished`; then
+        the user's step callback."""
         joining, self.joining, self._riding = self.joining, None, []
         result = self.core.step(joining)
         if joining is not None:
@@ -141,8 +115,7 @@ class StreamLoop(HoldsCore):
 
     @property
     def stats(self) -> TetrisStats:
-        """The stream's totals so far (:class:`~tetris_hf.outputs.TetrisStats` without its per-step lists, which
-        would grow for as long as the stream runs)."""
+        """The stream's totals so far (:class:`~tetris_hf.outputs.TetrisStats` without its per-step lists)."""
         self.fold_records()
         return dataclasses.replace(self._totals)
 
@@ -215,17 +188,14 @@ class RequestStream:
 
     Args:
         model: the target causal LM.
-        assistant_model: a draft model (same vocabulary), or ``None`` for prompt lookup
-            (``prompt_lookup_num_tokens``).
+        assistant_model: a draft model (same vocabulary), or ``None`` with ``prompt_lookup_num_tokens``.
         generation_config: sampling, ``max_new_tokens`` and ``eos_token_id`` defaults for every request (default
             the model's); ``kwargs`` that a ``GenerationConfig`` knows update it.
         max_batch_size: rows decoding at once.
         max_length: the most tokens a request may hold, prompt and new ones (default the model's
             ``max_position_embeddings``, else 4096).
         prefill_chunk: prompt tokens a joining row reads per forward.
-        ride_prompts: a joining prompt of at most ``prefill_chunk`` tokens is read in the next step's verification
-            forward, after the decoding rows' blocks, its first token coming out with theirs (where rows are decoding
-            and the target reads packed); ``False``: in forwards of its own.
+        ride_prompts: ``False``: no prompt rides in a verification forward (:meth:`StreamLoop.admit`).
         **kwargs: ``custom_generate="tetris"`` options (``tetris_strategy``, ``num_assistant_tokens``,
             ``tetris_extra_tokens``, ``tetris_budget``, ``prompt_lookup_num_tokens`` ...) and generation settings.
     """
@@ -234,10 +204,9 @@ class RequestStream:
                  generation_config: GenerationConfig | None = None, max_batch_size: int = 8,
                  max_length: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, ride_prompts: bool = True,
                  **kwargs):
-        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
-            raise ValueError(f"`max_batch_size` must be a positive integer, got {max_batch_size!r}")
-        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
-            raise ValueError(f"`prefill_chunk` must be a positive integer, got {prefill_chunk!r}")
+        for name, value in (("max_batch_size", max_batch_size), ("prefill_chunk", prefill_chunk)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
         kwargs = dict(kwargs)
         self.options = pop_options(kwargs)
         self.config = stream_config(model, generation_config, kwargs)
@@ -256,9 +225,8 @@ class RequestStream:
         self._ids = itertools.count()
         self._ids_in_flight: set[str] = set()  # the requests waiting or live
         self._cancelled: set[str] = set()
-        # Sampling settings per request: temperature, top-k and top-p leave the stream's processors for one warper
-        # with a value per lane, the stream's values by default (unless other warpers, which come after them in
-        # transformers' order, are set: then every request samples with the stream's).
+        # per-request temperature, top-k and top-p: one warper with a value per lane replaces the stream's (unless
+        # other warpers, which transformers applies after them, are set: then every request samples with the stream's)
         self.row_sampling: RowSamplingWarper | None = None
         self.processor_config = self.config
         other_warpers = (self.config.min_p is not None or (self.config.typical_p or 1.0) < 1.0
@@ -295,9 +263,9 @@ class RequestStream:
     def request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,
                 eos_token_id=None, streaming: bool = False, temperature: float | None = None,
                 top_k: int | None = None, top_p: float | None = None) -> StreamRequest:
-        """A checked request (:func:`~tetris_hf.stream_requests.check_request`), not queued: raises ``TypeError`` or
-        ``ValueError`` naming the bad argument. ``request_id`` ``None``: a new ``"req_N"`` that no request in flight
-        holds. Reads only what the stream fixed at construction: callable from any thread."""
+        """A checked request (:func:`~tetris_hf.stream_requests.check_request`), not queued; raises ``TypeError`` or
+        ``ValueError`` naming the bad argument. ``request_id`` ``None``: a new ``"req_N"`` no request in flight holds.
+        Callable from any thread."""
         if request_id is None:
             request_id = next(candidate for candidate in (f"req_{index}" for index in self._ids)
                               if candidate not in self._ids_in_flight)
@@ -316,10 +284,9 @@ class RequestStream:
     def add(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,
             eos_token_id=None, streaming: bool = False, temperature: float | None = None, top_k: int | None = None,
             top_p: float | None = None) -> str:
-        """Queue a request; returns its id. ``temperature``, ``top_k`` and ``top_p``: its own sampling settings (a
-        sampling stream's; ``None``: the stream's). A request that cannot run (empty, too long, a token outside the
-        vocabulary, an argument of the wrong type, bad settings: whatever :meth:`request` refuses) is not queued:
-        its output, with the error, is ready at once. An id already in flight raises (see :meth:`submit`)."""
+        """Queue a request; returns its id (``temperature``, ``top_k``, ``top_p``: its own sampling settings,
+        ``None``: the stream's). A request :meth:`request` refuses is not queued: its output, with the error, is ready
+        at once. An id already in flight raises (see :meth:`submit`)."""
         try:
             request = self.request(input_ids, request_id, max_new_tokens, eos_token_id, streaming, temperature,
                                    top_k, top_p)
@@ -328,7 +295,8 @@ class RequestStream:
             if request_id in self._ids_in_flight:
                 raise ValueError(f"request_id {request_id!r} is already in flight: give each request its own id") \
                     from error
-            self._fail(StreamRequest(request_id, _printable_prompt(input_ids), 0, ()), str(error))
+            flat = isinstance(input_ids, (list, tuple)) and all(type(token) is int for token in input_ids)
+            self._fail(StreamRequest(request_id, list(input_ids) if flat else [], 0, ()), str(error))
             return request_id
         return self.submit(request)
 
@@ -352,8 +320,7 @@ class RequestStream:
     @torch.no_grad()
     def step(self) -> None:
         """Admit waiting requests into free lanes, run one speculative step, collect the rows that stopped. An
-        exception fails every request in flight with it (the stream stays usable: the next step starts afresh) and
-        is raised."""
+        exception fails every request in flight with it and is raised (the next step starts a fresh loop)."""
         try:
             self._drop_cancelled()
             self._admit()
@@ -459,12 +426,3 @@ class RequestStream:
         outputs = [output for output in self.done if output.is_finished()]
         self.done.clear()
         return outputs
-
-
-def _printable_prompt(input_ids) -> list:
-    """As much of a refused request's prompt as its output can show: its items if it is a flat list or tuple of ints,
-    else nothing."""
-    if isinstance(input_ids, (list, tuple)) and all(type(token) is int for token in input_ids):
-        return list(input_ids)
-    return []
-

@@ -1,10 +1,6 @@
-"""What a request of the stream is, and the checks it passes at the door.
-
-A request is checked in full before anything is queued (:func:`check_request`): its prompt, its length limit, its end
-tokens and its own sampling settings, by type and by range. What passes cannot fail later for what it brought: every
-token id and end token fits the model's vocabulary (so in ``int64``), every length is a positive ``int``. What does not
-pass raises a ``TypeError`` (a value of the wrong kind) or a ``ValueError`` (a value out of range) that names the
-argument, and nothing of it reaches the batch.
+"""What a request of the stream is, and the checks it passes at the door (:func:`check_request`): every argument, by
+type and by range, before anything is queued, so that what passes cannot fail later for what it brought. Refusals raise
+``TypeError`` (a wrong kind) or ``ValueError`` (out of range) naming the argument.
 """
 
 from __future__ import annotations
@@ -52,9 +48,9 @@ class RequestLimits:
     """What a stream can serve, against which :func:`check_request` checks a request.
 
     ``vocab_size``: token ids and end tokens lie in ``0 .. vocab_size - 1``; ``max_length``: prompt and new tokens of
-    one request at most; ``default_max_new_tokens`` and ``default_eos``: the stream's, for a request that gives none
-    (``None`` new tokens: up to ``max_length``); ``sampling_defaults``: the stream's ``(temperature, top_k, top_p)``
-    where a request may set its own, ``None`` where it may not (``why_no_sampling`` says why)."""
+    one request at most; ``default_max_new_tokens`` (``None``: up to ``max_length``) and ``default_eos``: the stream's;
+    ``sampling_defaults``: the stream's ``(temperature, top_k, top_p)``, ``None`` where a request may not set its own
+    (``why_no_sampling`` says why)."""
 
     vocab_size: int
     max_length: int

@@ -1,9 +1,5 @@
-"""Device-correct step timing that adds no device read of its own.
-
-On the CPU a step's phases are timed with ``time.perf_counter`` as they happen. On CUDA, kernels run after the host
-has moved on, so host clocks would put the draft's time in whatever interval the host next waits in; instead the loop
-records CUDA events at the phase boundaries and reads them a step later, once that step's own device read has
-synchronised them (reading an event that has completed does not stall).
+"""Device-correct step timing that adds no device read of its own: host clocks on the CPU; on CUDA, events recorded at
+the phase boundaries and read a step later, once that step's own device read has synchronised them.
 """
 
 from __future__ import annotations
@@ -44,11 +40,8 @@ PHASES = tuple(Mark)
 
 
 class StepClock:
-    """Marks a step's phase boundaries (:class:`Mark`) and turns them into :class:`StepSeconds`.
-
-    Args:
-        device: the target's input device (CUDA events there, the host clock elsewhere).
-    """
+    """Marks a step's phase boundaries (:class:`Mark`) and turns them into :class:`StepSeconds`: CUDA events on a
+    CUDA ``device`` (the target's input device), the host clock elsewhere."""
 
     def __init__(self, device: torch.device):
         self.on_cuda = torch.device(device).type == "cuda"
