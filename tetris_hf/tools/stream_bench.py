@@ -11,6 +11,9 @@ Every request arrives at time 0 (a backlog, as a batch job or a burst of traffic
 - ``stream-STRATEGY``: :func:`tetris_hf.generate_batch`, rows joining as others finish, for each ``--strategies``;
 - ``stream-STRATEGY-apart`` (``--prompts-apart``): the same with every joining prompt read in forwards of its own,
   not in the verification forwards (``ride_prompts=False``).
+- ``stream-STRATEGY-compiled`` (``--compiled``): the same strategy with ``tetris_compile=True``; its first run, which
+  compiles, is run once before the timed repeats and reported apart (seconds and compiled graphs), never counted in
+  tokens/s.
 - ``vllm`` and ``vllm-ngram`` (asked for in ``--systems``): vLLM's CPU engine in a venv of its own
   (``--vllm-python`` or ``$TETRIS_HF_VLLM_PYTHON``; :mod:`tetris_hf.tools.vllm_system`), without speculation and with
   its n-gram lookup at the same k, on the same token ids, end tokens, max rows and threads, prefix caching off. Its
@@ -348,6 +351,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--prompts-apart", action="store_true",
                         help="each stream strategy also with joining prompts read in forwards of their own")
+    parser.add_argument("--compiled", action="store_true",
+                        help="each stream strategy also with tetris_compile=True (stream-<strategy>-compiled); its "
+                             "compiling first run is timed apart")
     parser.add_argument("--output", default="stream-out")
     add_kernel_argument(parser)
 
@@ -371,6 +377,7 @@ class StreamBenchConfig:
     suffix: bool = False  # with ``lookup``: suffix drafts (tetris_suffix_num_tokens) in prompt lookup's place
     sources: tuple[str, ...] = ()  # ("lookup", "suffix"): every stream strategy once per model-free source
     suffix_seed: str | None = None  # a seed file every run's suffix cache starts from (SuffixCache.add_file)
+    compiled: bool = False  # each stream strategy also with tetris_compile=True
 
 
 def _gather(run: StreamRun, indices: list[int]) -> StreamRun:
@@ -486,14 +493,20 @@ def run_stream_bench(target, draft, prompts: list[list[int]], eos: set[int], pad
             # "plain": the stream with speculation off (its drafter never drafts: tetris_budget=0)
             settings = {"tetris_budget": 0} if strategy == "plain" else {"tetris_strategy": strategy}
             sources = config.sources if config.sources and strategy != "plain" else ("",)
-            for ride, source in itertools.product((True, False) if config.prompts_apart else (True,), sources):
-                name = f"stream-{strategy}" + ("" if ride else "-apart") + (f"-{source}" if source else "")
+            variants = itertools.product((True, False) if config.prompts_apart else (True,), sources,
+                                         (False, True) if config.compiled else (False,))
+            for ride, source, compiled in variants:
+                name = (f"stream-{strategy}" + ("" if ride else "-apart") + (f"-{source}" if source else "")
+                        + ("-compiled" if compiled else ""))
                 options = speculative_options(target, draft, config, source == "suffix") if source else drafts
-                plans.append((name, lambda b=batch_size, s=settings, n=name, r=ride, o=options: run_stream(
+                plans.append((name, lambda b=batch_size, s=settings, n=name, r=ride, o=options, c=compiled: run_stream(
                     n, target, mine, config.max_new_tokens, b, eos, pad, tetris_extra_tokens=config.extra_tokens,
-                    ride_prompts=r, **s, **o())))
+                    ride_prompts=r, tetris_compile=c, **s, **o())))
         runs: dict[str, list[StreamRun]] = {name: [] for name, _ in plans}
         try:
+            for name, run in plans:
+                if name.endswith("-compiled"):
+                    report["startup"].setdefault(batch_size, {})[name] = compile_run(name, run, batch_size, log)
             for repeat in range(config.repeats):
                 for name, run in plans:
                     with torch.no_grad():
@@ -518,12 +531,27 @@ def run_stream_bench(target, draft, prompts: list[list[int]], eos: set[int], pad
             summary["equal"] = f"{equal}/{len(median.tokens)}" if equal is not None else "-"
             startup = report["startup"].get(batch_size, {}).get(name)
             if startup is not None:
-                summary["startup_seconds"] = startup  # vLLM's engine start-up: not in its tokens/s
+                summary["startup_seconds"] = startup  # vLLM's engine start-up, a compiled stream's compile run
             summaries.append(summary)
             medians.append(median)
         report["runs"][batch_size] = summaries
         report["medians"][batch_size] = medians
     return report
+
+
+def compile_run(name: str, run, batch_size: int, log=print) -> float:
+    """A compiled system's first run, untimed by the table: it compiles every shape the timed runs meet. Logs its
+    seconds and the graphs dynamo compiled in it; returns the seconds."""
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    started = time.perf_counter()
+    with torch.no_grad():
+        run()
+    seconds = time.perf_counter() - started
+    log(f"  B={batch_size} {name}: compile run {seconds:.1f} s, "
+        f"{counters['stats']['unique_graphs'] - graphs} graphs compiled (not counted in tok/s)")
+    return seconds
 
 
 def reference_name(summaries: list[dict]) -> str:
@@ -602,7 +630,7 @@ def main(args) -> int:
                                tuple(name for name in args.strategies.split(",") if name), lookup, args.hybrid,
                                args.num_assistant_tokens, args.extra_tokens, args.max_ngram, args.repeats,
                                args.prompts_apart, vllm=vllm, suffix=suffix, suffix_seed=args.suffix_seed,
-                               sources=sources if len(sources) > 1 else ())
+                               sources=sources if len(sources) > 1 else (), compiled=args.compiled)
     main_process = state is None or state.is_main_process
     log = (lambda line: print(line, flush=True)) if main_process else (lambda line: None)
     log(f"{len(prompts)} requests ({note}); prompt tokens {min(map(len, prompts))}-{max(map(len, prompts))}, "
