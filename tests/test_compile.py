@@ -60,6 +60,20 @@ def test_compile_is_refused_for_quantized_and_offloaded_models():
         check_compilable(target, "target")
 
 
+def test_compile_is_refused_for_linears_switched_to_onednn_and_allowed_once_restored():
+    """torch.compile fails deep inside dynamo on oneDNN's linear op: the refusal names the switch and the way back."""
+    from tetris_hf.cpu_kernels import onednn_available, restore_linears, use_onednn_linears
+
+    if not onednn_available():
+        pytest.skip("this PyTorch build has no oneDNN")
+    target, _ = target_and_draft(32, seed=0, draft_kind="same")
+    use_onednn_linears(target)
+    with pytest.raises(ValueError, match="oneDNN.*restore_linears"):
+        check_compilable(target, "target")
+    restore_linears(target)
+    check_compilable(target, "target")
+
+
 def test_compile_option_must_be_a_bool():
     with pytest.raises(TypeError, match="tetris_compile"):
         tetris_hf.TetrisOptions(tetris_compile="yes")

@@ -102,11 +102,28 @@ def test_lookup_and_suffix_side_by_side_run_each_strategy_once_per_source(pair):
     assert rows["stream-fixed-suffix"]["tokens_per_row_step"] > rows["stream-fixed-lookup"]["tokens_per_row_step"]
 
 
+def test_compiled_streams_run_beside_eager_ones_their_compiling_run_timed_apart(pair):
+    """``--compiled``: each stream strategy once eager and once with ``tetris_compile=True``; the compiled one's first
+    run (which compiles) is run before the timed repeats and reported as its start-up; every output equal."""
+    target, _ = pair
+    prompts = random_prompts(5, target.config.vocab_size, seed=10, min_length=2, max_length=20)
+    config = stream_bench.StreamBenchConfig(max_new_tokens=6, max_batch_sizes=(3,), systems=("generate-chunks",),
+                                            strategies=("plain",), lookup=True, compiled=True)
+    lines = []
+    report = stream_bench.run_stream_bench(target, None, prompts, {EOS}, PAD, config, log=lines.append)
+    rows = {row["name"]: row for row in report["runs"][3]}
+    assert list(rows) == ["generate-chunks", "stream-plain", "stream-plain-compiled"]
+    assert all(row["equal"] == "5/5" for row in rows.values())
+    assert rows["stream-plain-compiled"]["startup_seconds"] > 0 and "startup_seconds" not in rows["stream-plain"]
+    assert any("stream-plain-compiled: compile run" in line and "graphs compiled" in line for line in lines)
+
+
 @pytest.mark.parametrize("argv, words", [
+    (["--compiled", "--onednn-linears"], "choose one"),
     (["--suffix-seed", "seed.jsonl"], "pass --draft suffix too"),
     (["--draft", "suffix", "--suffix-seed", "no-such-file.jsonl"], "no such file"),
 ])
-def test_a_suffix_seed_is_refused_without_suffix_drafts_or_a_file(argv, words, tmp_path, monkeypatch):
+def test_bad_combinations_are_refused_before_any_model_loads(argv, words, tmp_path, monkeypatch):
     import argparse
 
     from tetris_hf.tools.cli import UsageError

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from .attention import AttentionLayout
+from .cpu_kernels import linear_kernels
 
 _COMPILED: "weakref.WeakKeyDictionary[torch.nn.Module, Callable]" = weakref.WeakKeyDictionary()
 
@@ -25,6 +26,10 @@ def check_compilable(model: torch.nn.Module, role: str) -> None:
     if offloaded and len(placement) > 1:
         raise ValueError(f"tetris_compile=True: the {role} is offloaded to {sorted(offloaded)} by accelerate, whose "
                          "hooks move weights during the forward. Use tetris_compile=False or place it on one device")
+    if linear_kernels(model) != "aten":
+        raise ValueError(f"tetris_compile=True: the {role}'s linear layers run oneDNN's kernels "
+                         "(tetris_hf.cpu_kernels.use_onednn_linears), which torch.compile does not trace. Use "
+                         "tetris_compile=False, or tetris_hf.cpu_kernels.restore_linears first")
 
 
 DYNAMIC = False  # static shapes: one specialised graph per shape (why: docs/gpu.md)

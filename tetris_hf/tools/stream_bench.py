@@ -598,6 +598,9 @@ def main(args) -> int:
     if len(sources) > 1 and len(set(sources)) != len(sources):
         raise UsageError(f"--draft {args.draft}: name each model-free source once")
     check_suffix_seed(args.suffix_seed, "suffix" in sources)
+    if args.compiled and args.onednn_linears:
+        raise UsageError("--compiled with --onednn-linears: torch.compile does not trace oneDNN's linear kernels; "
+                         "choose one")
     if lookup:
         from .bench import load_lookup_target
 
