@@ -1,9 +1,6 @@
-"""The rows a loop decodes: their tokens, lengths and limits, and the three things done to rows between and within
-steps: emit (the target's token after each row's accepted drafts), retire (finished rows leave, later rows take their
-places), add (a request stream's rows join).
-
-A :class:`Batch` is below the step: the step's phases read it and the loop owns it; it calls nothing above it. Its
-rows are the active ones, in the order the caches hold them (``B`` rows, ``(B,)`` per row).
+"""The rows a loop decodes (:class:`Batch`): their tokens, lengths and limits, and what is done to them between and
+within steps: emit (the target's token after each row's accepted drafts), retire (finished rows leave, later rows take
+their places) and add (a request stream's rows join). Design: docs/design.md, "The step".
 """
 
 from __future__ import annotations

@@ -86,8 +86,7 @@ class ChainStep(StepPhases):
 
     def draft(self, num_drafted: int, confidences: bool, lookup_only: bool = False) -> Proposal:
         drafter, batch = self.context.drafter, self.batch
-        # Confidences may cost a softmax per draft token: only for plans and callbacks that read them.
-        # (lookup_only: a hybrid drafter's lookup part alone, the model running no forward)
+        # (confidences may cost a softmax per draft token: only for plans and callbacks that read them)
         return drafter.propose(batch.sequences, batch.lengths, num_drafted, batch.rows,
                                confidences or self.context.wants_confidences, lookup_only=lookup_only)
 
@@ -109,14 +108,12 @@ class ChainStep(StepPhases):
         that join after this step, :attr:`joining`), then acceptance."""
         context, batch = self.context, self.batch
         if proposal.tokens.shape[1] == 0:
-            # Nothing to verify: the target reads each row's last token (no read, no filler, no holes).
+            # nothing to verify: the target reads each row's last token (no read, no filler, no holes)
             read, block_length, width, block, real_lengths = None, 0, 1, batch.last_tokens[:, None], None
         else:
-            # the block length sizes the target's input
-            read = read_step(context, batch, verify_lengths, proposal.cached_lengths)
+            read = read_step(context, batch, verify_lengths, proposal.cached_lengths)  # (sizes the target's input)
             block_length = read.block_length
-            # [last emitted token, drafts 1..l_i] per row, padded to one length with masked drafts (compiled on CUDA:
-            # padded with masked filler to a power of two, so that block shapes repeat)
+            # [last emitted token, drafts 1..l_i] per row, padded with masked filler (compiled on CUDA: to a power of 2)
             width = block_width(block_length + 1, context.compile, batch.lengths.device)
             block = torch.cat([batch.last_tokens[:, None], proposal.tokens[:, :block_length]], dim=1)
             if width > block_length + 1:

@@ -1,12 +1,7 @@
-"""The batched speculative loop of one ``generate()`` call: its rows stepped until every one stops.
-
-Rows advance independently. Each step, every active row drafts ``K`` tokens; a strategy picks how many of them each
-row verifies (TETRIS: the top-``C`` cells of the batch); the target reads every row's block in one forward; each row
-keeps its accepted prefix plus one target token; both KV caches drop what was rejected. Finished rows leave the batch,
-so they cost nothing afterwards. The steps are :class:`~tetris_hf.loop_core.LoopCore`'s (through
-:func:`~tetris_hf.step.run_step` and the phases of :class:`~tetris_hf.chain_step.ChainStep` or, with
-``tetris_tree_width > 1``, :class:`~tetris_hf.tree_step.TreeStep`); this module holds what is ``generate()``'s own: the
-prompt's read as the first step, the finished rows by original index, the streamer, the output.
+"""The batched speculative loop of one ``generate()`` call (:func:`tetris_decoding`): its rows stepped, through a
+:class:`~tetris_hf.loop_core.LoopCore`, until every one stops. What is ``generate()``'s own lives here: the prompt's
+read as the first step, the finished rows by original index, the streamer, the output. Design: docs/design.md, "The
+loop and its core".
 """
 
 from __future__ import annotations
@@ -28,17 +23,10 @@ from .timing import StepSeconds
 
 
 class BatchedSpeculativeLoop(HoldsCore):
-    """State of one batched speculative ``generate()`` call; :meth:`step` runs one step (draft -> select -> verify ->
-    roll back -> emit) of its :class:`~tetris_hf.loop_core.LoopCore` (:attr:`core`) and keeps the rows that stopped.
-
-    The step reads the device once to size the target's block (:func:`~tetris_hf.chain_step.read_step`: the longest
-    verified prefix, read together with the caches' fill levels and the longest row's length), and once more only when
-    a row may have stopped (an EOS or another criterion than the length limit, or a row near that limit), which also
-    tells the draft how wide its next block must be. Everything else it needs on the host is an upper bound it keeps
-    itself: every active row grows by at least one and at most ``block + 1`` tokens a step, and no row accepted more
-    drafts than the longest verified block. Counts stay on the device until :attr:`stats` turns them into a
-    :class:`~tetris_hf.outputs.TetrisStats`. A step callback gets this loop: :attr:`batch`, :attr:`stats`,
-    :attr:`strategy`, :attr:`drafter`, :attr:`target_slots`, :meth:`partial_outputs`.
+    """State of one batched speculative ``generate()`` call; :meth:`step` runs one step of its
+    :class:`~tetris_hf.loop_core.LoopCore` (:attr:`core`) and keeps the rows that stopped (a steady step reads the
+    device at most twice: docs/gpu.md, "Device reads per step"). A step callback gets this loop: :attr:`batch`,
+    :attr:`stats`, :attr:`strategy`, :attr:`drafter`, :attr:`target_slots`, :meth:`partial_outputs`.
 
     Args:
         model: the target causal LM.
@@ -80,12 +68,8 @@ class BatchedSpeculativeLoop(HoldsCore):
         return self.core.batch.num_rows == 0
 
     def step(self) -> StepRecord:
-        """One speculative step for every active row; finished rows leave the batch (their tokens into
-        :attr:`outputs`); then the user's step callback.
-
-        The first step reads the prompt into the target's cache and emits the token after it (no drafts), as
-        ``generate()``'s own first forward does; every later step is the core's (:meth:`~.LoopCore.step`).
-        """
+        """One speculative step for every active row (the first one reads the prompts, as ``generate()``'s own first
+        forward does); finished rows leave the batch, their tokens into :attr:`outputs`; then the step callback."""
         if self.prompt_read:
             result = self.core.step()
         else:

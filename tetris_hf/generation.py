@@ -1,9 +1,6 @@
-"""The ``custom_generate`` entry point: ``model.generate(..., assistant_model=draft, custom_generate="tetris")``.
-
-``generate(model, ...)`` takes exactly what ``GenerationMixin.generate`` takes. It peels off the draft model, the
-streamer and the TETRIS options, then calls ``model.generate`` with the batched loop as a callable
-``custom_generate``, so that transformers' own preparation (generation config, logits processors, stopping criteria,
-padding checks, max length) runs unchanged and the loop receives what plain decoding would.
+"""The ``custom_generate`` entry point: ``model.generate(..., assistant_model=draft, custom_generate="tetris")``
+runs :func:`generate`, which hands transformers' own ``generate()`` the loop as a callable ``custom_generate``.
+Design: docs/design.md, "The entry point".
 """
 
 from __future__ import annotations
@@ -28,19 +25,15 @@ def generate(model, *args, **kwargs):
     Args:
         model: the target causal LM.
         *args, **kwargs: as for ``model.generate``; must include a draft: ``assistant_model`` (a small causal LM
-            with the target's tokenizer, or an EAGLE head) or ``prompt_lookup_num_tokens`` (k tokens copied from each
-            row's own prompt and output, with ``max_matching_ngram_size`` and ``tetris_min_ngram_size``), or both
-            (hybrid drafting: lookup where a row matches, the model elsewhere, see
-            :mod:`tetris_hf.candidate_generators.hybrid`). tetris_hf's own options:
+            with the target's tokenizer, or an EAGLE head), ``prompt_lookup_num_tokens`` (with
+            ``max_matching_ngram_size`` and ``tetris_min_ngram_size``) or ``tetris_suffix_num_tokens`` (with
+            ``tetris_suffix_cache``, finished requests shared between calls), or a model and one of the others
+            (hybrid drafting). tetris_hf's own options (:class:`~tetris_hf.options.TetrisOptions`):
             ``num_assistant_tokens`` (k, default 4), ``tetris_extra_tokens`` (e, default 2), ``tetris_budget`` (C,
             default k x active rows), ``tetris_strategy`` (``"tetris"``, ``"fixed"``, ``"adaptive"`` or ``"dsd"``),
             ``tetris_cost_profile``, ``tetris_step_callback``, ``tetris_max_holes``, ``tetris_draft_vocab``,
-            ``tetris_compile``, ``tetris_tree_width`` (draft trees, see :mod:`tetris_hf.tree_step`), ``tetris_pack``
-            (packed verify steps, see :mod:`tetris_hf.packing`), ``tetris_confidence_threshold`` (a chain stops once
-            every row's draft is less sure than this, as transformers' ``assistant_confidence_threshold``),
-            ``tetris_suffix_num_tokens`` (drafts from the batch's rows and a cache of finished requests, alone or in
-            lookup's place beside an ``assistant_model``, see :mod:`tetris_hf.candidate_generators.suffix`) and
-            ``tetris_suffix_cache`` (that cache, shared between calls) (see :class:`~tetris_hf.options.TetrisOptions`).
+            ``tetris_compile``, ``tetris_tree_width`` (draft trees), ``tetris_pack`` (packed verify steps) and
+            ``tetris_confidence_threshold``.
 
     Returns:
         What ``generate()`` returns: ``(B, T)`` sequences, or with ``return_dict_in_generate=True`` a

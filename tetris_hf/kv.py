@@ -1,30 +1,8 @@
-"""A model's KV cache shared by a batch whose rows advance by different amounts each step.
+"""A model's KV cache for a batch whose rows advance by different amounts each step: :class:`SlotCache`.
 
-Every row writes the same number of slots per forward (blocks are padded to one length) at one shared write
-pointer, into buffers allocated once (``(B, H, capacity, D)`` per layer). Per row and slot the cache knows whether
-the slot holds a real token and that token's position in its row. Rejected drafts and block filler become holes.
-Keys are cached after RoPE and every forward gets each row's true ``position_ids``, so holes and moved slots change
-nothing the model computes, provided its attention mask is built from those positions: the cache hands each forward
-the mask :mod:`tetris_hf.attention` builds from them (a prepared 4D mask, one per layer type on hybrid models, or the
-2D mask of real slots for models that take no prepared mask).
-
-:meth:`SlotCache.compact` repacks each row's real slots when holes pile up (or the buffers fill), which bounds the
-cache at the longest row's live tokens plus ``max_holes``; on a model whose every layer has a window, slots that fell
-out of every window become holes first, so the cache stays bounded however long the generation.
-
-**Draft trees** (``tetris_tree_width > 1``): a forward may be given each token's position and which of the latest
-slots it sees (its ancestors, :meth:`SlotCache.forward`'s ``visibility``), and :meth:`SlotCache.keep_slots` keeps an
-accepted path that is not a prefix of its block. Models on the 2D mask cannot say "ancestors only" and are refused.
-
-**Static shapes** (a cache given a compiled :attr:`SlotCache.step_forward`, ``tetris_compile=True``): CUDA graphs
-record one graph per distinct input shape, so the step forwards see a few shapes only. The capacity is fixed for the
-call (rounded up, :func:`~tetris_hf.static_shapes.static_capacity`) and every step forward attends over all of it
-(masks ``(B, 1, L, capacity)``, unwritten slots and holes masked out; keys and values are written at a slot index
-tensor, not a Python pointer); the batch is padded to a few sizes (:func:`~tetris_hf.static_shapes.batch_bucket` of
-the buffers' rows: the call's batch, or :attr:`SlotCache.max_rows` for a stream) with dummy rows that write into
-buffer rows nobody reads and whose logits are dropped; the block lengths come from the loop (powers of two on CUDA).
-Rows may join (:meth:`SlotCache.add_rows`, a stream's) in buffer rows the padding wrote, which their masks hide. Prompt
-reads and catch-ups stay eager, with the tight shapes of the eager path.
+Buffers allocated once, written at one shared pointer; per slot, whether it holds a real token and that token's
+position, from which every forward's attention mask is built (:mod:`tetris_hf.attention`), so holes (rejected drafts,
+filler) and moved slots change nothing the model computes. Design and invariants: docs/design.md, "The slot cache".
 """
 
 from __future__ import annotations
@@ -74,12 +52,9 @@ def select_features(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, 
 
 class SlotLayer(CacheLayerMixin):
     """One layer's keys and values, ``(B, H, capacity, D)`` allocated at its first write, written at the cache's
-    shared pointer. Returns the written prefix ``[:, :, :pointer + L]`` (a view, no copy); in a static-shape forward
-    (:attr:`SlotCache.write_index` set) writes at that index and returns the whole capacity of the padded batch.
-
-    ``keys`` / ``values`` hold the active rows; a static cache's buffers (``static_keys`` / ``static_values``) keep
-    every row of the call (the active rows are their first rows), allocated once and marked static for CUDA graphs.
-    """
+    shared pointer; :meth:`update` returns the written prefix ``[:, :, :pointer + L]`` (a view), or in a static-shape
+    forward (:attr:`SlotCache.write_index` set) the whole capacity of the padded batch. ``keys`` / ``values`` are the
+    active rows, the first rows of the buffers (a static cache's, ``static_keys`` / ``static_values``, stay put)."""
 
     is_sliding = False
 
@@ -167,12 +142,9 @@ class SlotLayer(CacheLayerMixin):
         self.keys, self.values = self.buffer_keys[:num_rows], self.buffer_values[:num_rows]
 
     def repack(self, order: torch.Tensor, flat_index: dict) -> None:
-        """Slot ``order[i, j]`` of row ``i`` moves to slot ``j`` (``order``: ``(B, width)``), in place.
-
-        Every (row, head, slot) holds ``D`` contiguous numbers, so the move is one ``index_select`` of whole slots
-        from a ``(B * H * capacity, D)`` view (cheaper than a ``gather`` along the slot axis);
-        ``flat_index`` caches those slot numbers by shape and device across layers.
-        """
+        """Slot ``order[i, j]`` of row ``i`` moves to slot ``j`` (``order``: ``(B, width)``), in place: one
+        ``index_select`` of whole slots from a ``(B * H * capacity, D)`` view; ``flat_index`` caches those slot
+        numbers by shape and device across layers."""
         batch, heads, capacity, head_dim = self.keys.shape
         width = order.shape[1]
         key = (batch, heads, capacity, self.keys.device)
@@ -228,8 +200,7 @@ class SlotCache:
         self.max_rows = batch_size  # rows the buffers are allocated for (a stream raises it before the first forward)
         self.capacity = max(int(capacity), 1)
         self.pointer = 0  # slots written per row, holes included (host-side: no device read needed)
-        # every written slot of every row is real: no filler written, nothing rolled back, no row added (host-side)
-        self.dense = True
+        self.dense = True  # every written slot of every row is real (host-side)
         self.new_from = None  # rows from this one on joined since the last forward: nothing real in them yet
         self.static = False  # see step_forward
         self.write_index: torch.Tensor | None = None  # (L,) the slots a static-shape forward writes, during it
@@ -244,9 +215,7 @@ class SlotCache:
         self.layout: AttentionLayout | None = None
         self._step_forward = None
         self.longest_bound = 0  # an upper bound on any row's real slots (tightened by compact(longest))
-        # An encoder-decoder's cross-attention (built at the first forward of a model with a `memory`, see
-        # tetris_hf.cross_attention): its rows move with the cache's, it is never rolled back nor repacked.
-        self.cross: CrossAttention | None = None
+        self.cross: CrossAttention | None = None  # an encoder-decoder's (see _know): moves rows, never rolled back
         self.first_rows = torch.arange(batch_size, device=device)  # each row's index in the first batch (its memory)
 
     def _allocate_masks(self, device: torch.device) -> None:
@@ -256,12 +225,8 @@ class SlotCache:
 
     @property
     def step_forward(self):
-        """A compiled forward for the step forwards (see :mod:`tetris_hf.compiled`), else ``None`` (the model).
-
-        Setting one makes the cache static (:attr:`static`): its capacity is rounded up by
-        :func:`~tetris_hf.static_shapes.static_capacity` and fixed, its buffers hold every row of the call, and step
-        forwards on models that take prepared masks see static shapes (module docstring). Set it before the first
-        forward."""
+        """A compiled forward for the step forwards (:mod:`tetris_hf.compiled`), else ``None`` (the model). Setting
+        one, before the first forward, makes the cache static (:attr:`static`): fixed capacity, static shapes."""
         return self._step_forward
 
     @step_forward.setter
@@ -289,23 +254,19 @@ class SlotCache:
         tokens before it in its row; filler takes a neighbour's, which nothing sees.
 
         Which tokens are real: ``input_mask`` ``(B, L)`` (1 real, 0 filler); ``None`` when all are, or when
-        ``real_lengths`` ``(B,)`` says row ``i``'s first ``real_lengths[i]`` are (a verified block: positions count on
-        and, on plain sdpa layouts, the mask needs no comparison of positions). ``num_real``: their sum, a host int,
-        with ``real_lengths`` or a left-padded ``input_mask``: the block is then read packed where the model can be
-        (:attr:`packs`, :mod:`tetris_hf.packing`; filler's logits are zeros, ``logits_to_keep=1`` keeps each row's
-        last real token's, the head computed there only).
+        ``real_lengths`` ``(B,)`` says row ``i``'s first ``real_lengths[i]`` are (a verified block). ``num_real``:
+        their sum, a host int, with ``real_lengths`` or a left-padded ``input_mask``: the block is then read packed
+        where the model can be (:attr:`packs`; filler's logits are zeros).
 
-        Other arguments: ``logits_to_keep`` the last this-many positions' logits only (0: all); ``step`` a decoding
-        step's forward (through :attr:`step_forward` when set); ``position_ids`` ``(B, L)`` in place of counting on (a
-        tree's nodes: the root's position plus their depth; ``next_positions`` then advances as a bound until
-        :meth:`keep_slots`); ``visibility`` ``(B, L, W)``, ``W >= L``, which of the last ``W`` slots each token sees, in
-        place of causality (a tree's ancestors; layouts with prepared masks); ``discard_logits``: only the cache is
-        wanted (the head computes one position, ``None`` returned); ``first_row``: no row before it has a real token
-        (read packed, attention skips them); ``split``: with ``real_lengths`` and ``num_real``, on a cache that packs,
-        the decoding rows and the joining prompts after them attended apart at their own widths, logits for the first
-        rows' tokens and each later row's last token only, ``(B, split.width, V)``; ``hidden_states``: indices of the
-        model's hidden states to return too (transformers' numbering: ``i`` < layers the input of layer ``i``, layers
-        the final norm's output; an EAGLE head's features), the forward keeping those only.
+        Other arguments: ``logits_to_keep`` the last this-many positions' logits only (0: all; packed, 1 keeps each
+        row's last real token's); ``step`` a decoding step's forward (through :attr:`step_forward` when set);
+        ``position_ids`` ``(B, L)`` in place of counting on (a tree's nodes; ``next_positions`` then advances as a
+        bound until :meth:`keep_slots`); ``visibility`` ``(B, L, W)``, ``W >= L``, which of the last ``W`` slots each
+        token sees, in place of causality (a tree's ancestors); ``discard_logits``: only the cache is wanted;
+        ``first_row``: no row before it has a real token; ``split``: with ``real_lengths`` and ``num_real``, on a cache
+        that packs, the decoding rows and the joining prompts after them attended apart, logits ``(B, split.width,
+        V)`` for the first rows' tokens and each later row's last token; ``hidden_states``: indices of the model's
+        hidden states to return too (transformers' numbering, :func:`select_features`).
 
         Returns:
             ``(B, L or logits_to_keep, V)`` logits, or ``None`` with ``discard_logits``; with ``hidden_states``,
@@ -341,9 +302,8 @@ class SlotCache:
         return logits if hidden_states is None else (logits, features)
 
     def _know(self, model: torch.nn.Module) -> None:
-        """What the cache learns of ``model`` at its first forward: its attention layout and, for an
-        encoder-decoder's decoder (a model with a ``memory``, ``(B0, S, d)`` for the first batch), its
-        cross-attention."""
+        """At the first forward: ``model``'s attention layout and, for an encoder-decoder's decoder (a model with a
+        ``memory``, ``(B0, S, d)`` for the first batch), its cross-attention."""
         if self.layout is None:
             self.layout = AttentionLayout.of(model)
         if self.cross is None and getattr(model, "memory", None) is not None:
@@ -369,20 +329,15 @@ class SlotCache:
     def _mark_slots(self, start: int, end: int, input_mask: torch.Tensor | None, real_lengths: torch.Tensor | None,
                     position_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | int]:
         """Record which of slots ``start..end - 1`` hold real tokens, and their positions (arguments as in
-        :meth:`forward`).
-
-        Returns:
-            ``(B, L)`` the block's positions, and the real tokens it adds per row: ``(B,)``, or ``L`` when all are real.
-        """
+        :meth:`forward`). Returns ``(B, L)`` the block's positions and the real tokens it adds per row, ``(B,)`` or
+        ``L`` when all are real."""
         block = end - start
         if position_ids is None and input_mask is None:  # positions go on from each row's cached tokens
             position_ids = self.next_positions[:, None]
             if block > 1:
                 position_ids = position_ids + self.offsets[:block]
         elif position_ids is None:  # (filler's positions are never seen; given ones: a tree's nodes)
-            # E.g. next_positions [5, 2] and mask [[0 1 1], [1 1 0]]: cumsum - 1 = [[-1 0 1], [0 1 1]], clamped at 0,
-            # so positions [[5 5 6], [2 3 3]]: left filler takes the first real token's position, right filler the
-            # last's.
+            # left filler takes the first real token's position, right filler the last's
             position_ids = self.next_positions[:, None] + (input_mask.cumsum(dim=1) - 1).clamp(min=0)
         if real_lengths is not None:
             self.slot_mask[:, start:end] = self.offsets[:block] < real_lengths[:, None]
@@ -408,16 +363,14 @@ class SlotCache:
             all_real: every token of the block is real.
             visibility: a draft tree's ancestor mask (see :meth:`forward`), or ``None``.
         """
-        layout, real = self.layout, self.slot_mask  # (each kind slices it once: a forward's overhead counts)
+        layout, real = self.layout, self.slot_mask
         if visibility is not None:  # a draft tree: each node sees the slots before the tree and its ancestors
             return position_masks(layout, self.slot_positions[:, :end], real[:, :end], position_ids, dtype, visibility)
         if not layout.prepared:  # causality by slot index is causality by position: the 2D mask of real slots
             return real[:, :end].long()
-        if layout.plain_sdpa and all_real and start == 0:  # a first block, no filler: plain causality, which sdpa
-            return None  # runs itself (given a mask, transformers expands every key-value head and sdpa runs slower)
-        if layout.plain_sdpa and all_real and end - start == 1:  # one real token after every cached one
-            # it sees every slot where all are real (a plain decoding step, as transformers' own runs it: sdpa with no
-            # mask, each key-value head read in place), else the real slots
+        if layout.plain_sdpa and all_real and start == 0:  # a first block, no filler: sdpa's own causality (faster)
+            return None
+        if layout.plain_sdpa and all_real and end - start == 1:  # one real token: no mask where every slot is real
             return None if self.dense else real[:, None, None, :end]
         if layout.plain_sdpa and real_prefix:  # the real cached slots, then causality within the block
             return real_prefix_mask(real[:, None, None, :start], self._causal(end - start))
@@ -426,8 +379,7 @@ class SlotCache:
     def _run(self, forward, input_ids: torch.Tensor, attention_mask, position_ids: torch.Tensor,
              logits_to_keep: int | torch.Tensor, extra: dict):
         """``forward`` (the model's, or a compiled one) on the block, writing into this cache: its outputs.
-        ``extra``: more arguments of the forward (hidden states asked for; the attention's, which transformers hands
-        to every attention layer)."""
+        ``extra``: more arguments of the forward (hidden states asked for; the attention's)."""
         if torch.is_tensor(logits_to_keep) or logits_to_keep:
             extra = {**extra, "logits_to_keep": logits_to_keep}
         past_key_values = self.cache
@@ -452,9 +404,8 @@ class SlotCache:
     def _packing(self, input_mask: torch.Tensor | None, real_lengths: torch.Tensor | None, num_real: int | None,
                  width: int, logits_to_keep: int, first_row: int = 0,
                  split: BlockSplit | None = None) -> Packing | None:
-        """How a forward's block is read packed (arguments as in :meth:`forward`), or ``None``: read padded, as a block
-        without filler is (it is packed already), one whose real tokens nobody counted on the host, one keeping more
-        than its last column's logits, or one on a cache that does not pack."""
+        """How a forward's block is read packed (arguments as in :meth:`forward`), or ``None``: read padded (no filler,
+        real tokens not counted on the host, more than the last column's logits kept, or a cache that does not pack)."""
         if num_real is None or not self.packs or logits_to_keep > 1 or (input_mask is None and real_lengths is None):
             return None
         rows = (input_mask if real_lengths is None else real_lengths).shape[0]
@@ -520,16 +471,10 @@ class SlotCache:
 
     def _static_forward(self, model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, start: int,
                         end: int, logits_to_keep: int, extra: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """:attr:`step_forward` on static shapes: the batch padded to :func:`~tetris_hf.static_shapes.batch_bucket`
-        rows, masks over the whole capacity, keys and values written at ``write_index`` (slots ``start..end - 1``);
-        on sdpa, each key-value head read in place by its query heads
-        (:func:`~tetris_hf.attention.grouped_sdpa_attention`).
-
-        Dummy rows (after the real ones) see every slot of their buffer row (finite: written by real tokens, or
-        zeros), so no query attends to nothing, where some sdpa kernels give NaN; their logits are dropped, and what
-        they write lands in buffer rows no active row reads (rows only move down, into places below the active
-        count). Real rows always see some real token: their own, or one before it.
-        """
+        """:attr:`step_forward` on static shapes: the batch padded with dummy rows to
+        :func:`~tetris_hf.static_shapes.batch_bucket` rows, masks over the whole capacity, keys and values written at
+        ``write_index`` (slots ``start..end - 1``); on sdpa, each key-value head read in place by its query heads.
+        Returns the real rows' logits and features, as :meth:`forward` (docs/design.md, "The slot cache")."""
         rows = input_ids.shape[0]
         extra_rows = batch_bucket(rows, self.cache.layers[0].static_keys.shape[0]) - rows  # (the buffers' rows)
         key_valid, key_positions = self.slot_mask, self.slot_positions
@@ -569,13 +514,9 @@ class SlotCache:
             self.forward(model, input_ids[:, :-1], attention_mask[:, :-1], num_real=read, discard_logits=True)
 
     def keep_prefix(self, start: int, keep: torch.Tensor) -> None:
-        """Roll back a block written at ``start`` whose real tokens come first in every row (one passed as
-        ``real_lengths``, or all real): row ``i`` keeps its first ``keep[i]`` slots, at most its real ones, and the
-        rest (rejected drafts, filler) become holes.
-
-        E.g. a block [[a b c], [d e .]] from slot 5 with keep [1, 2] -> [[a . .], [d e .]]; each row's next position is
-        its block's first position plus what it kept.
-        """
+        """Roll back a block written at ``start`` whose real tokens come first in every row: row ``i`` keeps its first
+        ``keep[i]`` ``(B,)`` slots, at most its real ones, the rest become holes (e.g. ``[[a b c], [d e .]]`` with keep
+        ``[1, 2]`` -> ``[[a . .], [d e .]]``)."""
         if start == self.pointer:
             return
         self.dense = False
@@ -583,18 +524,9 @@ class SlotCache:
         self.next_positions = self.slot_positions[:, start] + keep
 
     def keep_slots(self, start: int, keep: torch.Tensor) -> None:
-        """Roll back a draft tree: of the slots from ``start`` on, row ``i`` keeps those where ``keep[i]`` is True,
-        the others become holes. Slot ``start`` must be real and kept in every row (a tree's root), and the kept
-        slots must hold consecutive positions from it (the root, then the accepted path), so each row's next position
-        is the root's plus what it kept.
-
-        E.g. a tree written from slot 5 as ``[r a b c]`` (positions 7 8 8 9) with keep ``[T, F, T, T]`` leaves
-        ``[r . b c]``: next position 7 + 3 = 10.
-
-        Args:
-            start: slot of the root.
-            keep: ``(B, pointer - start)`` bool.
-        """
+        """Roll back a draft tree written from slot ``start`` (its root, real and kept in every row): row ``i`` keeps
+        the slots where ``keep[i]`` is True, ``keep`` ``(B, pointer - start)`` bool, which must hold consecutive
+        positions from the root (the accepted path); the others become holes."""
         kept = self.slot_mask[:, start : self.pointer]  # a view: changed in place
         kept &= keep
         self.dense = False
@@ -606,12 +538,9 @@ class SlotCache:
         self._make_room(slots)
 
     def fill_rows(self, targets: torch.Tensor, sources: torch.Tensor, num_rows: int) -> torch.Tensor:
-        """Keep the first ``num_rows`` rows, row ``sources[i]`` taking the place of row ``targets[i]``: how finished
-        rows leave the batch (active rows from the end fill their places). Only the moved rows' written slots are
-        copied, in place, into the buffers allocated at the start.
-
-        E.g. 4 rows ``[a b c d]`` of which ``b`` and ``c`` finished: ``targets [1]``, ``sources [3]`` and
-        ``num_rows`` 2 leave ``[a d]``.
+        """Keep the first ``num_rows`` rows, row ``sources[i]`` taking the place of row ``targets[i]`` (finished rows
+        leave; e.g. ``[a b c d]``, ``targets [1]``, ``sources [3]``, ``num_rows`` 2 -> ``[a d]``). Only the moved rows'
+        written slots are copied, in place.
 
         Args:
             targets: ``(M,)`` distinct rows below ``num_rows``.
@@ -659,17 +588,13 @@ class SlotCache:
 
     def compact(self, longest: int | None = None, force: bool = False) -> None:
         """Repack each row's real slots to the right end of ``[0, width)``, in order, and move the pointer to
-        ``width`` (an upper bound on any row's real slots, known without a device read).
-
-        Runs only when the cache holds more than ``max_holes`` slots beyond that bound (or ``force``). On models
-        whose every layer has a window, slots no future query can see become holes first.
-
-        E.g. rows ``[a b . c | . . d e]`` (``.`` a hole) with width 3 become ``[a b c | . d e]``.
+        ``width``, a host bound on any row's real slots, when the cache holds more than ``max_holes`` slots beyond it
+        (e.g. ``[a b . c | . . d e]`` -> ``[a b c | . d e]``). On models whose every layer has a window, slots no
+        future query can see become holes first.
 
         Args:
-            longest: an upper bound on the real slots any row holds now, e.g. the most :meth:`live_lengths` read
-                after the last forward (or read before it, plus that forward's block length). Without it the bound
-                is the one the cache keeps: every block counted in full since a ``longest`` last tightened it.
+            longest: an upper bound on the real slots any row holds now (e.g. the most :meth:`live_lengths` read
+                after the last forward); without it, the cache's own bound (every block counted in full).
             force: repack whatever the holes.
         """
         if longest is not None:
@@ -685,9 +610,7 @@ class SlotCache:
         width = min(self.longest_bound, self.pointer)
         if not force and self.pointer - width <= self.max_holes:
             return
-        # A stable ascending sort puts holes (0) first and real slots (1) last, each group in its original order.
-        # E.g. pointer 4, width 3, masks [[1 1 0 1], [0 0 1 1]] ([a b . c | _ _ d e]): order [[2 0 1 3], [0 1 2 3]],
-        # its last 3 columns [[0 1 3], [1 2 3]] are the slots gathered into 0..2 -> [a b c | _ d e], pointer 3.
+        # a stable ascending sort puts holes (0) first and real slots (1) last, each group in its original order
         sorted_mask, order = torch.sort(self.slot_mask[:, : self.pointer].view(torch.uint8), dim=1, stable=True)
         order = order[:, self.pointer - width :]
         positions = self.slot_positions.gather(1, order)
@@ -710,8 +633,7 @@ class SlotCache:
         capacity = max(2 * self.capacity, self.pointer + block)
         capacity = static_capacity(capacity) if self.static else capacity
         extra = capacity - self.capacity
-        # (a static cache: new shapes for its compiled steps, so new graphs; slots_needed sizes a generate() call's
-        # never to grow, a stream's grows by doubling, in multiples of CAPACITY_STEP)
+        # (a static cache: new shapes, so new graphs; slots_needed sizes a generate() call's never to grow)
         self.slot_mask = torch.nn.functional.pad(self.slot_mask, (0, extra))
         self.slot_positions = torch.nn.functional.pad(self.slot_positions, (0, extra))
         for layer in self._layers():

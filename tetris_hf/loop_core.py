@@ -1,12 +1,6 @@
-"""The loop's core: what every speculative loop owns (the strategy, the drafter, the target's cache, the rows, the
-clock and the step records) and what it does with them, below both of its users.
-
-``generate()``'s loop (:class:`~tetris_hf.decoding.BatchedSpeculativeLoop`) and a request stream's
-(:class:`~tetris_hf.stream.StreamLoop`) each hold a :class:`LoopCore` and drive it through its public methods:
-:meth:`~LoopCore.step` runs one step and returns a :class:`LoopStep` (the step's record, the rows that retired in it,
-the first tokens of rows that joined in it); :meth:`~LoopCore.add_rows` reads new rows' prompts in forwards of their
-own; :meth:`~LoopCore.remove` and :meth:`~LoopCore.retire` take rows out; :meth:`~LoopCore.close` ends the call. The
-core calls nothing above it: the rows that leave come back in the step's result, and their users keep them.
+"""The loop's core, below both loops (``generate()``'s and a request stream's): :class:`LoopCore` owns the strategy,
+the drafter, the target's cache, the rows, the clock and the step records, and calls neither loop back. Design:
+docs/design.md, "The loop and its core".
 """
 
 from __future__ import annotations
@@ -139,9 +133,7 @@ class LoopCore:
         self.target_slots = SlotCache(num_rows, device, options.tetris_max_holes, capacity=cache_capacity(model))
         self.target_slots.max_rows = max(num_rows, max_rows)
         self.target_slots.pack = pack
-        # the models that read packed (the probe passed them: their attention goes through the interface) run the
-        # loop's attention for the call (closed by close); others keep theirs untouched, as some families branch on
-        # the setting's name (a compiled step routes its own forwards)
+        # the models that read packed run the loop's attention for the call (until close); others keep theirs
         routed = [part for part, packs in ((model, pack), (draft_model, self.drafter.pack)) if packs]
         self._routing = contextlib.ExitStack()
         self._routing.enter_context(routed_attention(*routed))
@@ -174,9 +166,8 @@ class LoopCore:
 
     def end_step(self, record: StepRecord, stopped: torch.Tensor, joining_tokens: torch.Tensor | None = None,
                  drafter_read: torch.Tensor | None = None) -> LoopStep:
-        """Keep the step's ``record`` and retire the rows that ``stopped`` ``(B,)`` (counted with a read the step
-        makes anyway, or known on the host); ``drafter_read``, what the drafter asked to read, comes along with that
-        read (:meth:`~tetris_hf.candidate_generators.drafter.Drafter.settle`). A step a user ran itself
+        """Keep the step's ``record`` and retire the rows that ``stopped`` ``(B,)`` (counted in one read with
+        ``drafter_read``, what the drafter asked to read, or known on the host). A step a user ran itself
         (``generate()``'s prompt read) ends here too."""
         self.records.append(record)
         batch, read = self.batch, None

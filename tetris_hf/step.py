@@ -1,18 +1,8 @@
 """One speculative step, top to bottom, and what each of its phases produces.
 
-:func:`run_step` is the whole step: plan -> draft -> select -> verify -> roll back -> emit -> observe. It calls the
-phases of a :class:`StepPhases` (a chain of drafts per row, :class:`~tetris_hf.chain_step.ChainStep`; a draft tree,
-:class:`~tetris_hf.tree_step.TreeStep`; or the simulator's replay of recorded steps) and hands each phase's product to
-the next:
-
-- **draft** -> a :class:`Proposal` (a chain) or a :class:`~tetris_hf.trees.GrownTree`;
-- **select** -> the cells to verify: ``(B,)`` lengths (a prefix per row) or ``(B, N)`` nodes;
-- **verify** (the target's forward and acceptance) -> a :class:`Verdict`, which the drafter also gets;
-- **roll back**: both caches drop what was rejected (nothing produced);
-- **emit** -> an :class:`Emission`: tokens kept per row, rows now finished;
-- **observe**: the strategy learns from an :class:`Observation`.
-
-The step's record (:class:`StepRecord`) is assembled from those products; :class:`Step` carries them all.
+:func:`run_step` is the whole step (plan -> draft -> select -> verify -> roll back -> emit -> observe) over the phases
+of a :class:`StepPhases`; :class:`Proposal`, :class:`Verdict`, :class:`Emission`, :class:`Observation` and
+:class:`StepRecord` are the phases' products, :class:`Step` all of them. Design: docs/design.md, "The step".
 """
 
 from __future__ import annotations
@@ -30,45 +20,32 @@ if TYPE_CHECKING:
 
 
 class Proposal(NamedTuple):
-    """What a drafter proposed for every active row (``B`` rows, ``K`` cells).
+    """What a drafter proposed for every active row (``B`` rows, ``K`` cells)."""
 
-    ``tokens``: ``(B, K)`` drafted tokens; they are also written into the loop's ``sequences`` past each row's end.
-    ``log_probs``: ``(B, K)`` confidences TETRIS ranks cells by (``None`` when not asked for): the log of how likely
-    the drafter thinks the cell is right, a number that must not depend on a random draw at that cell.
-    ``probs``: ``(B, K, V)`` the distributions sampled drafts were drawn from (``None``: the drafts are deterministic,
-    ``q`` is one-hot at the drafted token, or the loop is greedy).
-    ``lengths``: ``(B,)`` cells each row really drafted (``None``: all ``K``); cells past it are filler.
-    ``lookup_rows``: ``(B,)`` bool, rows whose cells prompt lookup drafted (prompt lookup: every row; hybrid
-    drafting: the rows that matched); ``None``: no row (a draft model alone).
-    ``cached_lengths``: ``(B,)`` the tokens the drafter's cache holds per row after drafting, which the loop reads with
-    the step's one read and hands back in the verdict's hints (``None``: it keeps no cache).
-    """
-
-    tokens: torch.Tensor
+    tokens: torch.Tensor  # (B, K) drafted tokens, also written into the loop's sequences past each row's end
+    # (B, K) confidences TETRIS ranks cells by: the log of how likely the drafter thinks the cell is right, never
+    # depending on a random draw at that cell (None: not asked for)
     log_probs: torch.Tensor | None
+    # (B, K, V) the distributions sampled drafts were drawn from (None: deterministic drafts, or a greedy loop)
     probs: torch.Tensor | None
-    lengths: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None  # (B,) cells each row really drafted, filler after (None: all K)
+    # (B,) bool, rows prompt lookup drafted (prompt lookup: every row; hybrid: the rows that matched; None: no row)
     lookup_rows: torch.Tensor | None = None
+    # (B,) tokens the drafter's cache holds per row after drafting, read with the step's one read and handed back in
+    # the verdict's hints (None: it keeps no cache)
     cached_lengths: torch.Tensor | None = None
 
 
 class StepTree(NamedTuple):
-    """A tree step's trees and what the target made of them (rows: the step's active rows).
+    """A tree step's trees and what the target made of them (rows: the step's active rows)."""
 
-    ``tree``: the drafted :class:`~tetris_hf.trees.DraftTree` (``(B, N)`` per node); ``selected``: ``(B, N)`` bool,
-    the verified nodes; ``roots``: ``(B,)`` each row's last token before the step; ``path_nodes``: ``(B, D)`` the
-    accepted path's node indices (``-1`` past it); ``num_accepted``: ``(B,)``; ``next_tokens``: ``(B,)`` the target's
-    token after the path; ``path_slots``: ``(B, D)`` the path's slots in the target's block (the root is slot 0, -1
-    past the path).
-    """
-
-    tree: DraftTree
-    selected: torch.Tensor
-    roots: torch.Tensor
-    path_nodes: torch.Tensor
-    num_accepted: torch.Tensor
-    next_tokens: torch.Tensor
-    path_slots: torch.Tensor | None = None
+    tree: DraftTree  # the drafted tree, (B, N) per node
+    selected: torch.Tensor  # (B, N) bool, the verified nodes
+    roots: torch.Tensor  # (B,) each row's last token before the step
+    path_nodes: torch.Tensor  # (B, D) the accepted path's node indices (-1 past it)
+    num_accepted: torch.Tensor  # (B,)
+    next_tokens: torch.Tensor  # (B,) the target's token after the path
+    path_slots: torch.Tensor | None = None  # (B, D) the path's slots in the target's block (root 0, -1 past the path)
 
 
 class ReadHints(NamedTuple):
@@ -195,9 +172,7 @@ class StepRecord:
     """What one step did, per active row (shapes ``(B_active,)``; ``rows`` are original batch indices).
 
     ``seconds``: the step's measured draft, target and other time (:class:`~tetris_hf.timing.StepClock`; on CUDA
-    the previous step's, read once this step has synchronised it, and zeros at the first drafting step). The draft
-    reading tokens it skipped while the loop decoded plainly is in none of them: it is a one-off catch-up, not a cost
-    of drafting.
+    the previous step's, zeros at the first drafting step), the drafter's catch-up excluded.
     """
 
     rows: torch.Tensor
@@ -245,11 +220,8 @@ class Step(NamedTuple):
 
 class StepPhases:
     """The phases :func:`run_step` calls, in order. ``rows``: ``(B,)`` the active rows' original indices.
-
-    Subclasses implement :meth:`draft`, :meth:`select`, :meth:`verify`, :meth:`emit` and :meth:`observation`;
-    :meth:`catch_up` and :meth:`roll_back` do nothing unless overridden. :attr:`plain` is the phases a step that
-    drafts nothing goes through (itself here; a tree step's are a chain's).
-    """
+    :meth:`catch_up` and :meth:`roll_back` do nothing unless overridden; :attr:`plain` is the phases a step that drafts
+    nothing goes through (itself here; a tree step's are a chain's)."""
 
     rows: torch.Tensor
 

@@ -1,9 +1,5 @@
-"""The contract between the loop and a strategy.
-
-Each step the loop asks once for a :class:`DraftPlan` (``K`` drafts per row, a budget of ``C`` cells), drafts,
-asks which cells to verify (a pure function of the drafts, the plan and what the strategy has learnt), verifies, then
-tells the strategy what happened. :func:`~tetris_hf.step.run_step` is that sequence; the loop and the simulator's
-replay both call it, with their own phases.
+"""The contract between the loop and a strategy (:class:`StepStrategy`, :class:`DraftPlan`): each step, a plan before
+drafting, a selection of the cells to verify, then what happened (:func:`~tetris_hf.step.run_step`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""``generate()``'s stopping criteria, applied to rows that each emitted a different number of tokens this step.
-
-A row stops at the first of its new tokens after which any criterion holds; the tokens after that one are dropped.
-The two criteria ``generate()`` always builds, :class:`MaxLengthCriteria` and :class:`EosTokenCriteria`, are checked
-for the whole batch and every new token in a few tensor operations (no per-row Python, no device sync per row). Any
-other criterion (stop strings, max time, a user's own) is called as ``generate()`` would call it: on each row's
-sequence after each new token, one at a time, up to where the fast check already stopped the row.
+"""``generate()``'s stopping criteria on rows that each emitted a different number of tokens this step
+(:class:`RowStopper`): a row stops at the first new token after which any criterion holds, the tokens after it dropped.
+The length limit and end tokens are checked for the whole batch in a few tensor operations; any other criterion is
+called as ``generate()`` would call it, row by row and token by token.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
-"""How many tokens to draft and which of them to verify, each step.
+"""How many tokens to draft and which of them to verify, each step: the four step strategies
+(:class:`~tetris_hf.step_strategy.StepStrategy`), built by :func:`make_strategy`.
 
-Each is a :class:`~tetris_hf.step_strategy.StepStrategy`: ``plan(num_rows)`` gives the step's
-:class:`~tetris_hf.step_strategy.DraftPlan` (``K`` drafts per row, a budget of ``C`` cells), ``select(token_log_probs,
-max_lengths, plan)`` a verified length per row, and ``observe`` lets a strategy learn from what was accepted and from the
-step's measured :class:`~tetris_hf.step_strategy.StepSeconds`.
-
-Four strategies: ``fixed`` (every row verifies its first ``k``), ``tetris`` (the top ``C = k x B`` cells),
-``adaptive`` (``C`` and ``K`` chosen each step to maximise expected tokens per second from a measured cost model and
-calibrated acceptance, then TETRIS selection) and ``dsd`` (one ``k`` for the whole batch maximising the same goodput
-under a geometric acceptance model: the TETRIS paper's dynamic baseline).
+``fixed`` (every row verifies its first ``k``), ``tetris`` (the batch's top ``C = k x B`` cells), ``adaptive`` (``K``
+and ``C`` maximising expected tokens per second, then TETRIS) and ``dsd`` (one ``k`` for the batch, the TETRIS paper's
+dynamic baseline). Design: docs/design.md, sections "Selection" and "`adaptive`: the guard and the probes".
 """
 
 from __future__ import annotations
@@ -59,11 +54,8 @@ class FixedWindow:
 
 
 class TetrisSelection(FixedWindow):
-    """TETRIS: every row drafts ``k + e``; the ``C`` cells with the highest cumulative draft probability are verified.
-
-    Ranking needs the draft's confidences only where it chooses between rows: one row's top ``C`` cells are its first
-    ``C``, and a budget that covers every cell verifies them all; such steps skip the draft's softmax.
-    """
+    """TETRIS: every row drafts ``k + e``; the ``C`` cells with the highest cumulative draft probability are verified
+    (one row, or a budget covering every cell, needs no ranking: such steps skip the draft's confidences)."""
 
     def __init__(self, options: TetrisOptions):
         super().__init__(options)
@@ -81,46 +73,14 @@ class TetrisSelection(FixedWindow):
         return select_tetris(cumulative_log_probs(token_log_probs), max_lengths, plan.budget)
 
     def select_tree(self, tree: DraftTree, plan: DraftPlan) -> torch.Tensor:
-        """TETRIS over trees: the batch's ``C`` best nodes by path score
-        (:func:`~tetris_hf.trees.select_tree_nodes`)."""
+        """TETRIS over trees: the batch's ``C`` best nodes by path score."""
         return select_tree_nodes(tree.log_scores, tree.valid, tree.parents, plan.budget)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Strategies that choose per step
 
 
 class _CostAware:
     """Shared by ``adaptive`` and ``dsd``: the cost model (resolved at the first step, when the batch size is known),
-    online corrections of it from the loop's measured :class:`StepSeconds`, and probing after long runs of plain
-    decoding.
-
-    Corrections (``learn_costs=True``): each observed step's draft and target seconds are compared with the cost
-    model's predictions and the ratios smoothed into ``draft_scale`` and ``target_scale`` (exponential moving
-    averages); its other seconds are smoothed into ``step_overhead``. A given profile or a replay does not learn.
-
-    The realized-rate guard: the steps drafting plans run are tallied as they are read (tokens emitted against the
-    tokens plain steps would have emitted in the same time: measured seconds where the strategy learns from step times,
-    else the cost model's price of each step as it ran, so that a sampled call stays reproducible), the recent ones
-    weighted most, over plans that follow one another while drafting goes on (a stream's batch changes size every few
-    steps). Once ``guard_steps`` of them have been read and drafting has emitted fewer, by more than a standard error
-    (:meth:`_GuardTally.lost`: two unlucky steps of a copying plan are not proof), the plan is dropped and the strategy
-    decodes plainly until a probe has drafted (:attr:`guarded`), however well the model of acceptance and cost
-    predicted drafting would do: what was realized outranks what was predicted. This bounds what a wrong prior or a
-    lucky probe costs to the few steps before the guard reads them, and each time the guard stops a plan the probe
-    interval doubles (it starts again only once the guard has seen drafting pay beyond a standard error), so a model
-    that keeps predicting wrongly costs fewer and fewer steps.
-
-    Probing: a strategy that decodes plainly learns nothing about acceptance, so while it decodes plainly every
-    ``probe_interval``-th step drafts one token per row and verifies them all. The interval starts at 8 steps, or
-    more where a probe is dear (enough that probes add at most ``probe_overhead`` of the time: at 256 rows on the
-    8B H200 curve a probe costs 1.5 plain steps), doubles after every probe that does not change the decision (up to
-    ``max_probe_interval``) and resets once drafting pays; the schedule lives in the pair's
-    :class:`~tetris_hf.pair_memory.PairMemory`, so it carries over between calls. A pair with nothing learnt yet
-    starts with a probe. Once drafting would not pay even at an optimistic acceptance (``could_pay=False``, see
-    :class:`AdaptiveBudget`), a probe could not change the plan: probes then come only every ``max_probe_interval``
-    steps, to notice requests that have become easier.
-    """
+    its online corrections from the loop's measured :class:`StepSeconds` (``learn_costs``), lazy learning, the
+    realized-rate guard and the probe schedule (docs/design.md, "`adaptive`: the guard and the probes")."""
 
     probe_interval_start = 8
     max_probe_interval = 128
@@ -144,12 +104,11 @@ class _CostAware:
         self._plan_id = 0  # what drafting steps are tallied under (a new one each time drafting restarts)
         self._step_plan_id = -1  # the plan the step being run belongs to (-1: a probe or a plain step)
         self._tally = _GuardTally()
-        self._plain_seconds: dict[int, float] = {}  # rows -> a plain step's measured seconds (smoothed), the guard's price
+        self._plain_seconds: dict[int, float] = {}  # rows -> a plain step's measured seconds (smoothed, the guard's)
 
     @property
     def guarded(self) -> bool:
-        """The guard stopped drafting: plain steps until a probe has drafted. Kept in the pair's memory, so that the
-        next call on the pair starts where this one left off, not drafting on the plan the guard just dropped."""
+        """The guard stopped drafting: plain steps until a probe has drafted (kept in the pair's memory)."""
         return self.memory.guarded
 
     @guarded.setter
@@ -159,9 +118,7 @@ class _CostAware:
     def observe(self, token_log_probs: torch.Tensor | None, verify_lengths: torch.Tensor, num_accepted: torch.Tensor,
                 seconds: StepSeconds | None = None, num_drafted: int | None = None,
                 lookup_rows: torch.Tensor | None = None):
-        """Learn from the steps read since the last observation, and keep this one to learn from once it is read
-        (learning is lazy: a step's counts are read at the next device read the strategy makes anyway, and what it
-        decides before learning from them it decides on exactly what it would have learnt, see :meth:`_read`)."""
+        """Learn from the steps read since the last observation; keep this one until it is read (lazy learning)."""
         self._learn_read()
         if num_drafted is None:
             num_drafted = token_log_probs.shape[1] if token_log_probs is not None else 0
@@ -170,8 +127,7 @@ class _CostAware:
 
     def _read(self, *wanted: torch.Tensor) -> list[torch.Tensor]:
         """Read the pending steps' counts and ``wanted`` from the device in one transfer; returns ``wanted`` on the
-        host. The steps read wait in ``_read_steps`` (host copies) until :meth:`_learn_read` learns from them: reading
-        changes nothing the strategy has learnt."""
+        host. The steps read wait in ``_read_steps`` until :meth:`_learn_read`: reading changes nothing learnt."""
         pending, self._pending = self._pending, []
         tensors = [t for step in pending for t in (step.verify_lengths, step.num_accepted, step.lookup_rows
                                                    if step.lookup_rows is not None else _NOTHING)] + list(wanted)
@@ -194,15 +150,14 @@ class _CostAware:
             self._learn(step.token_log_probs, step.verify_lengths, step.num_accepted, step.sources())
 
     def _new_plan(self) -> None:
-        """Drafting (re)starts, after plain steps, a probe or the guard: the steps it runs are tallied afresh. A new
-        plan that goes on drafting (the batch changed size, or the plan aged) keeps the tally: in a stream the batch
-        changes size every few steps, and a tally begun afresh at each change would never hold the steps to judge."""
+        """Drafting (re)starts, after plain steps, a probe or the guard: the steps it runs are tallied afresh (a new
+        plan that goes on drafting keeps the tally)."""
         self._plan_id += 1
         self._tally = _GuardTally()
 
     def _time_plain_step(self, step: _ObservedStep) -> None:
-        """Smooth a read plain step's measured seconds into the guard's price of a plain step at its rows (a step that
-        also read joining prompts is slower: a sample is taken at most 1.5 times the price so far)."""
+        """Smooth a read plain step's measured seconds into the guard's price of a plain step at its rows (a sample
+        taken at most 1.5 times the price so far)."""
         rows = step.verify_lengths.numel()
         if not self.learn_costs or step.seconds is None or step.num_drafted or rows == 0:
             return
@@ -221,8 +176,7 @@ class _CostAware:
         if seconds <= 0:  # (not learning from time, or not measured yet: the model's price of the step as it ran)
             seconds = cost.step_seconds(rows, 0 if step.lookup_only else step.num_drafted,
                                         _longest(step.verify_lengths), total_verified)
-        # a plain step's price: as measured at these rows where the strategy learns from step times (a cost model whose
-        # shape is off but whose scale was fitted on drafting steps misprices plain ones), else the model's
+        # a plain step's price: as measured at these rows where the strategy learns from step times, else the model's
         plain = self._plain_seconds.get(rows) if self.learn_costs else None
         plain = plain if plain is not None else cost.step_seconds(rows, 0, 0, 0)
         tally = self._tally = self._tally.add(float(step.num_accepted.sum()) + rows,
@@ -231,8 +185,7 @@ class _CostAware:
             self.memory.probe_interval = self.probe_interval_start  # drafting paid: probe soon when it stops paying
 
     def _drafting_lost(self) -> bool:
-        """The guard's verdict on drafting since it restarted: enough steps read, and fewer tokens than plain steps
-        would have emitted, beyond the steps' own spread (see :meth:`_GuardTally.lost`)."""
+        """The guard's verdict on drafting since it restarted (:meth:`_GuardTally.lost`)."""
         return self._tally.lost(self.guard_steps, self.guard_confidence, self.guard_row_spread)
 
     def _flush(self) -> None:
@@ -295,17 +248,15 @@ class _CostAware:
 
 
 class _ObservedStep(NamedTuple):
-    """One step as :meth:`_CostAware.observe` kept it: ``(B, K)`` confidences (``None`` if not computed), ``(B,)``
-    verified and accepted cells (device tensors until read), the measured seconds and ``K``; hybrid drafting:
-    ``(B,)`` the rows lookup drafted (``None`` otherwise) and whether lookup alone drafted."""
+    """One step as :meth:`_CostAware.observe` kept it (the ``(B,)`` tensors on the device until read)."""
 
-    token_log_probs: torch.Tensor | None
-    verify_lengths: torch.Tensor
-    num_accepted: torch.Tensor
+    token_log_probs: torch.Tensor | None  # (B, K) confidences (None: not computed)
+    verify_lengths: torch.Tensor  # (B,)
+    num_accepted: torch.Tensor  # (B,)
     seconds: StepSeconds | None
-    num_drafted: int
-    lookup_rows: torch.Tensor | None = None
-    lookup_only: bool = False
+    num_drafted: int  # K
+    lookup_rows: torch.Tensor | None = None  # (B,) bool, the rows lookup drafted (hybrid drafting, else None)
+    lookup_only: bool = False  # lookup alone drafted
     plan_id: int = -1  # the drafting plan that ran it (-1: a probe or a plain step)
 
     def sources(self) -> torch.Tensor | None:
@@ -318,8 +269,7 @@ class _ObservedStep(NamedTuple):
 
 class _GuardTally(NamedTuple):
     """The guard's count of the drafting steps read since drafting last (re)started: how many, and, each step weighted
-    by ``decay`` per newer step (the recent ones count most), their weight, the tokens they emitted, the tokens plain
-    steps would have emitted in their time, each step's squared gain (its tokens less plain's) and the rows."""
+    by ``decay`` per newer step, their weight, tokens, plain steps' tokens in their time, squared gains and rows."""
 
     steps: int = 0
     weight: float = 0.0
@@ -337,16 +287,12 @@ class _GuardTally(NamedTuple):
 
     def lost(self, min_steps: int, confidence: float, row_spread: float) -> bool:
         """Whether drafting lost: after ``min_steps`` steps, the (weighted) mean gain a step is below 0 by more than
-        ``confidence`` standard errors. A step's variance is the steps' sample variance, but at least
-        ``row_spread ** 2`` a row: accepted runs come in bursts (a copied span, then none), so two steps that happen to
-        agree must not read as certain, while drafting whose every step loses clearly still stops after
-        ``min_steps``."""
+        ``confidence`` standard errors, a step's variance at least ``row_spread ** 2`` a row."""
         bounds = self._gain_bounds(min_steps, confidence, row_spread)
         return bounds is not None and bounds[1] < 0
 
     def won(self, min_steps: int, confidence: float, row_spread: float) -> bool:
-        """Whether drafting paid, as sure as :meth:`lost` must be of the opposite: the mean gain a step above 0 by
-        more than ``confidence`` standard errors (two lucky steps of a plan that loses are not proof that it pays)."""
+        """Whether drafting paid: the mean gain a step above 0 by more than ``confidence`` standard errors."""
         bounds = self._gain_bounds(min_steps, confidence, row_spread)
         return bounds is not None and bounds[0] > 0
 
@@ -381,25 +327,12 @@ def _ratio(measured: float, predicted: float) -> float:
 class AdaptiveBudget(_CostAware):
     """``adaptive``: each step, ``K`` and ``C`` that maximise expected emitted tokens per second, then TETRIS.
 
-    Acceptance of a cell is its draft probability mapped through an online :class:`AcceptanceCalibrator`; a row's
-    survival is the running product along it. Before drafting, :func:`~tetris_hf.goodput.plan_step` picks ``K`` (0:
-    plain decoding) from the calibrated rows of recent steps; after drafting, :func:`~tetris_hf.goodput.best_budget`
-    picks ``C`` from this step's cells and :func:`~tetris_hf.selection.select_tetris` takes the top ``C`` by survival.
-
-    While the plan is plain decoding, a second, optimistic plan (every cell's acceptance at its calibrator's upper
-    confidence bound, ``optimism`` standard deviations above the mean) says whether a probe could change it.
-
-    When sampling, ``C`` is the plan's, fixed before drafting: a ``C`` chosen from this step's draws would verify
-    more of a row's drafts when its later draws looked likely, and bias the output. Greedy output is exact whatever
-    is verified, so there ``C`` is re-chosen from the drafted cells.
-
-    Hybrid drafting (a draft model and prompt lookup, ``hybrid=True``) prices each source: a step with both pays the
-    model's ``K`` forwards, lookup's cells are free. The plan compares the best step with both (the pooled rows as
-    they were drafted; rows that had no match in a lookup-alone step take the model rows' mean) with the best step
-    drafting by lookup alone (no draft cost; rows the model drafted would draft nothing, acceptance 0), and takes the
-    faster (:attr:`~tetris_hf.step_strategy.DraftPlan.lookup_only`); where neither pays and the loop is greedy, lookup
-    drafts alone all the same (its cells are free, and the selection verifies none that does not pay). While lookup
-    drafts alone the model is probed as plain decoding is, its rows kept apart in the pool.
+    A cell's acceptance is its draft probability through an online :class:`AcceptanceCalibrator`, a row's survival the
+    running product along it. :func:`~tetris_hf.goodput.plan_step` picks ``K`` (0: plain decoding) before drafting from
+    the pool of recent rows; greedy, :func:`~tetris_hf.goodput.best_budget` re-chooses ``C`` from the drafted cells
+    (sampling: the plan's ``C``, fixed before drafting, which keeps the output unbiased). Hybrid drafting prices each
+    source and may draft by lookup alone (:attr:`~tetris_hf.step_strategy.DraftPlan.lookup_only`). Design:
+    docs/design.md, "Selection", "Hybrid drafting" and "`adaptive`: the guard and the probes".
 
     Args:
         options: ``K <= num_assistant_tokens + tetris_extra_tokens``; ``tetris_budget`` caps ``C``.
@@ -450,8 +383,7 @@ class AdaptiveBudget(_CostAware):
         self._host_copies = [pair for pair in self._host_copies if any(pair[0] is t for t in needed)] + list(read)
 
     def _calibrator_after_read_steps(self) -> AcceptanceCalibrator:
-        """The calibrator as if the steps just read had been learnt (:meth:`observe` learns them): what a selection
-        predicts with."""
+        """The calibrator as if the steps just read had been learnt: what a selection predicts with."""
         if not self._read_steps:
             return self.calibrator
         calibrator = copy.deepcopy(self.calibrator)
@@ -488,11 +420,9 @@ class AdaptiveBudget(_CostAware):
         self.pool_sources = torch.cat([sources.to(torch.int8), self.pool_sources])[: self.pool_rows]
 
     def pool_acceptance(self, num_rows: int | None = None, optimism: float = 0.0) -> torch.Tensor:
-        """``(P, max_draft)`` calibrated conditional acceptance of the pooled rows, newest first: the newest
-        ``max(32, 4 x num_rows)`` of them when ``num_rows`` is given (recent enough to follow the batch's current
-        requests, enough to average over). Cells a row did not draft get the mean of the rows that drafted that
-        position (else of every pooled cell): a row sure of its first token is not assumed as sure of its sixth.
-        ``optimism``: see :meth:`AcceptanceCalibrator.predict`."""
+        """``(P, max_draft)`` calibrated conditional acceptance of the pooled rows, newest first (the newest
+        ``max(32, 4 x num_rows)`` when ``num_rows`` is given); a cell a row did not draft gets the mean of the rows that
+        drafted that position (else of every pooled cell). ``optimism``: see :meth:`AcceptanceCalibrator.predict`."""
         pool = self.pool if num_rows is None else self.pool[: max(32, 4 * num_rows)]
         drafted = ~torch.isnan(pool)
         acceptance = torch.zeros_like(pool)
@@ -509,9 +439,7 @@ class AdaptiveBudget(_CostAware):
 
     def plan(self, num_rows: int) -> DraftPlan:
         cost = self._open_step(num_rows)
-        # The last plan stands until the batch changes size, a probe has drafted, the guard finds its drafting lost, or
-        # ``replan_every`` steps have passed (the pool and the online cost corrections drift slowly, and planning is
-        # Python work on every step).
+        # the last plan stands until the batch changes size, a probe has drafted, the guard drops it, or it aged
         stale = self._planned is None or self._planned[0] != num_rows or self._plan_age >= self.replan_every
         if stale or self._drafting_lost():
             if self._planned is None or self.pool.shape[0] == 0 or self.sampling:
@@ -573,8 +501,7 @@ class AdaptiveBudget(_CostAware):
 
     def hybrid_acceptance(self, num_rows: int, optimism: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
         """Hybrid drafting: ``(P, max_draft)`` each pooled row's acceptance in a step where both sources draft (a row
-        that had no match in a lookup-alone step takes the mean of the model's rows, where the pool has any), and in
-        one where lookup drafts alone (the model's rows draft nothing: 0). As :meth:`pool_acceptance` otherwise."""
+        unmatched in a lookup-alone step takes the model rows' mean), and where lookup drafts alone (model rows: 0)."""
         acceptance = self.pool_acceptance(num_rows, optimism)
         sources = self.pool_sources[: acceptance.shape[0]]
         alone = torch.where((sources == LOOKUP_ROW)[:, None], acceptance, 0.0)
@@ -603,10 +530,8 @@ class AdaptiveBudget(_CostAware):
         return select_tetris(scores, max_lengths, int(choice.budget[0]))
 
     def select_tree(self, tree: DraftTree, plan: DraftPlan) -> torch.Tensor:
-        """Draft trees. Greedy: as :meth:`select` for chains, ``C`` re-chosen from the drafted nodes
-        (:func:`~tetris_hf.goodput.best_tree_budget`, a node's acceptance its confidence through the calibrator, its
-        survival the product along its path), then the ``C`` best nodes by survival. Sampling: the plan's ``C`` (fixed
-        before drafting) over the best nodes by path score. A probe verifies each row's best node."""
+        """Draft trees: greedy, ``C`` re-chosen from the drafted nodes (:func:`~tetris_hf.goodput.best_tree_budget`),
+        then the ``C`` best by survival; sampling, the plan's ``C`` by path score; a probe, each row's best node."""
         budget = plan.budget if self.max_budget is None else min(plan.budget, self.max_budget)
         if plan.probe or self.sampling:
             return select_tree_nodes(tree.log_scores, tree.valid, tree.parents, budget,
@@ -627,12 +552,8 @@ class AdaptiveBudget(_CostAware):
 
 
 class DynamicWindow(_CostAware):
-    """``dsd``: one ``k`` for every row, the one maximising ``B (1 - a^(k+1)) / (1 - a)`` per predicted second.
-
-    ``a`` is the per-token acceptance rate: the first verified step sets it, then ``a <- 0.85 a + 0.15 observed``
-    with ``observed = accepted / (accepted + rejections)`` (the geometric model's maximum-likelihood rate: each row
-    contributes its accepted drafts and one rejection unless it accepted all it verified).
-    """
+    """``dsd``: one ``k`` for every row, the one maximising ``B (1 - a^(k+1)) / (1 - a)`` per predicted second, the
+    acceptance rate ``a <- 0.85 a + 0.15 observed`` (the first verified step sets it; docs/design.md, "Selection")."""
 
     def __init__(self, options: TetrisOptions, cost, learn_costs: bool = False, memory: PairMemory | None = None):
         super().__init__(options, cost, learn_costs, memory)
@@ -669,14 +590,14 @@ def make_strategy(options: TetrisOptions, model: torch.nn.Module | None = None,
                   assistant_model: torch.nn.Module | None = None, sampling: bool = False,
                   packed: bool = False) -> FixedWindow | AdaptiveBudget | DynamicWindow:
     """The strategy ``options`` name. ``adaptive`` and ``dsd`` need ``options.tetris_cost_profile`` (used as given) or
-    the two models (profiled at the first step, see :func:`~tetris_hf.cost_model.cost_model_for`, then corrected
-    online from the loop's own step times). With the models, what they learn about acceptance carries over to the
-    next call on the same pair (:func:`~tetris_hf.pair_memory.pair_memory`). With a draft and prompt lookup (hybrid
-    drafting) the draft is profiled as it runs: every hybrid step drafts ``K`` model forwards over every row, and
-    lookup's cells ride along at no cost. ``sampling``: the loop samples (see
-    :class:`AdaptiveBudget`). ``packed``: the loop reads verify blocks packed, and the cost model prices them so
-    (:class:`~tetris_hf.cost_model.StepCostModel`). A sampled call neither learns from step times nor carries what
-    earlier calls learnt, so that the same seed gives the same tokens, first call or not."""
+    the two models (profiled at the first step, :func:`~tetris_hf.cost_model.cost_model_for`, then corrected online;
+    what they learn carries over to the next call on the pair, :func:`~tetris_hf.pair_memory.pair_memory`).
+    ``sampling``: the loop samples (the call then neither learns from step times nor carries what earlier calls
+    learnt: the same seed gives the same tokens). ``packed``: the cost model prices verify blocks packed.
+
+    Raises:
+        ValueError: ``adaptive`` or ``dsd`` with neither a cost profile nor the models to profile.
+    """
     if options.tetris_strategy == "tetris":
         return TetrisSelection(options)
     if options.tetris_strategy == "fixed":
@@ -691,9 +612,7 @@ def make_strategy(options: TetrisOptions, model: torch.nn.Module | None = None,
         def cost(num_rows: int, max_tokens: int) -> StepCostModel:
             return cost_model_for(model, assistant_model, num_rows=num_rows, max_tokens=max_tokens, packed=packed)
     hybrid = assistant_model is not None and options.model_free_tokens is not None
-    # A sampled call's tokens depend on its plans (which cells are verified decides which random numbers are drawn),
-    # so it plans only from what the same call with the same seed sees again: the pair's cost profile as measured once
-    # and cached, and what the call itself draws; not from step times, nor from what earlier calls learnt.
+    # (a sampled call's plans decide which random numbers are drawn: it plans on nothing the clock or earlier calls set)
     learn_costs = learn_costs and not sampling
     memory = pair_memory(model, assistant_model, hybrid) if model is not None and not sampling else None
     if options.tetris_strategy == "adaptive":
