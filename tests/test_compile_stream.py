@@ -91,6 +91,29 @@ def test_rows_joining_and_leaving_keep_the_shapes_few(recorder, block_widths):
     assert len(recorder.of(target)) <= len(widths) * 2 and len(recorder.of(draft)) <= 4
 
 
+def test_joining_prompts_are_read_packed_not_padded_over_the_live_rows(recorder):
+    """A compiled stream reads a joining prompt eagerly, in forwards of its own: packed, the target computes the
+    prompt's tokens only, not a block as wide as the prompt for every live row (which made each join cost up to
+    ``max_batch_size`` times its prompt on the CPU); every row exact. (Compiled forwards replaced by the recorder,
+    which calls the forward function past the hook that counts the eager forwards' tokens here.)"""
+    target = tiny_llama(seed=0)
+    settings = requests(target, 24, seed=62)
+    tokens = []
+    hook = target.register_forward_pre_hook(lambda module, args, kwargs: tokens.append(kwargs["input_ids"].numel()),
+                                            with_kwargs=True)
+    stream = RequestStream(target, max_batch_size=8, prefill_chunk=64, eos_token_id=None, tetris_compile=True,
+                           prompt_lookup_num_tokens=2)
+    try:
+        ids = [stream.add(prompt, max_new_tokens=max_new, eos_token_id=eos) for prompt, max_new, eos in settings]
+        outputs = {output.request_id: output.generated_tokens for output in stream.run()}
+    finally:
+        hook.remove()
+    # each prompt is read but its last token (which opens the row's first step), some with rows decoding beside it
+    assert len(tokens) > 1 and sum(tokens) == sum(len(prompt) - 1 for prompt, _, _ in settings), tokens
+    for request_id, (prompt, max_new, eos) in zip(ids, settings):
+        assert outputs[request_id] == alone(target, prompt, max_new, eos)
+
+
 def test_a_row_outgrowing_the_static_capacity_doubles_it_and_stays_exact(recorder):
     """A stream's caches start small (256 slots when static): a row that needs more doubles it (a second KV width, so
     new graphs, once), exactly."""

@@ -286,7 +286,9 @@ class SlotCache:
         if step and self.static and self.layout.prepared and self.cache.layers and visibility is None:
             logits, features = self._static_forward(model, input_ids, position_ids, start, end, logits_to_keep, extra)
         else:
-            packing = self._packing(input_mask, real_lengths, num_real, block, logits_to_keep, first_row, split)
+            # (a static cache's steps keep their shapes; its other reads, a joining prompt's, read packed)
+            packing = None if step and self.static else self._packing(input_mask, real_lengths, num_real, block,
+                                                                      logits_to_keep, first_row, split)
             if split is not None and packing is None and num_real != input_ids.numel():  # (no filler: read whole)
                 raise ValueError("a split block is read packed: real_lengths and num_real, on a cache that packs")
             attention_mask = self._attention_mask(position_ids, start, end, model.dtype, input_mask is None or all_real,
@@ -397,8 +399,9 @@ class SlotCache:
 
     @property
     def packs(self) -> bool:
-        """Blocks with filler are read packed (:mod:`tetris_hf.packing`): asked for (:attr:`pack`, which
-        :func:`~tetris_hf.packed_probe.packs_exactly` decides for a model) and the cache is not static."""
+        """Steps with filler are read packed (:mod:`tetris_hf.packing`): asked for (:attr:`pack`, which
+        :func:`~tetris_hf.packed_probe.packs_exactly` decides for a model) and the cache is not static (a static
+        cache reads only its other blocks, prompts, packed)."""
         return self.pack and not self.static
 
     def _packing(self, input_mask: torch.Tensor | None, real_lengths: torch.Tensor | None, num_real: int | None,
@@ -406,7 +409,7 @@ class SlotCache:
                  split: BlockSplit | None = None) -> Packing | None:
         """How a forward's block is read packed (arguments as in :meth:`forward`), or ``None``: read padded (no filler,
         real tokens not counted on the host, more than the last column's logits kept, or a cache that does not pack)."""
-        if num_real is None or not self.packs or logits_to_keep > 1 or (input_mask is None and real_lengths is None):
+        if num_real is None or not self.pack or logits_to_keep > 1 or (input_mask is None and real_lengths is None):
             return None
         rows = (input_mask if real_lengths is None else real_lengths).shape[0]
         if not 0 < num_real < rows * width:

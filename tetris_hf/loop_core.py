@@ -127,9 +127,11 @@ class LoopCore:
         self.drafter, draft_model = build_drafter(assistant_model, options, self.logits_processor, self.do_sample,
                                                   max_rows, cache_capacity)
 
-        # verify blocks packed: the target computes only the selected tokens (priced so by the cost-aware strategies)
-        pack = options.tetris_pack and not options.tetris_compile and packs_exactly(model)
-        self.strategy = make_strategy(options, model, draft_model, sampling=self.do_sample, packed=pack)
+        # blocks with filler read packed: the target computes only the real tokens; eager verify blocks too (priced so
+        # by the cost-aware strategies), compiled ones keep their static shapes (prompts are still read packed)
+        pack = options.tetris_pack and packs_exactly(model)
+        self.strategy = make_strategy(options, model, draft_model, sampling=self.do_sample,
+                                      packed=pack and not options.tetris_compile)
         self.target_slots = SlotCache(num_rows, device, options.tetris_max_holes, capacity=cache_capacity(model))
         self.target_slots.max_rows = max(num_rows, max_rows)
         self.target_slots.pack = pack
