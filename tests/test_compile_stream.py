@@ -91,25 +91,35 @@ def test_rows_joining_and_leaving_keep_the_shapes_few(recorder, block_widths):
     assert len(recorder.of(target)) <= len(widths) * 2 and len(recorder.of(draft)) <= 4
 
 
-def test_joining_prompts_are_read_packed_not_padded_over_the_live_rows(recorder):
-    """A compiled stream reads a joining prompt eagerly, in forwards of its own: packed, the target computes the
-    prompt's tokens only, not a block as wide as the prompt for every live row (which made each join cost up to
-    ``max_batch_size`` times its prompt on the CPU); every row exact. (Compiled forwards replaced by the recorder,
-    which calls the forward function past the hook that counts the eager forwards' tokens here.)"""
+@pytest.mark.parametrize("drafts", ["lookup", "draft model"])
+def test_joining_prompts_are_read_packed_not_padded_over_the_live_rows(recorder, drafts):
+    """A compiled stream reads a joining prompt eagerly, in forwards of its own: packed, the target (and a draft
+    model) computes the prompt's tokens only, not a block as wide as the prompt for every live row (which made each
+    join cost up to ``max_batch_size`` times its prompt on the CPU); every row exact. (Compiled forwards replaced by
+    the recorder, which calls the forward function past the hooks that count the eager forwards' tokens here.)"""
     target = tiny_llama(seed=0)
     settings = requests(target, 24, seed=62)
-    tokens = []
-    hook = target.register_forward_pre_hook(lambda module, args, kwargs: tokens.append(kwargs["input_ids"].numel()),
-                                            with_kwargs=True)
+    speculative = dict(prompt_lookup_num_tokens=2)
+    counted = {"target": target}
+    if drafts == "draft model":
+        counted["draft"] = noisy_copy(target, 0.3)
+        speculative = dict(assistant_model=counted["draft"], num_assistant_tokens=2)
+    tokens = {name: [] for name in counted}
+    hooks = [model.register_forward_pre_hook(
+        lambda module, args, kwargs, read=tokens[name]: read.append(kwargs["input_ids"].numel()), with_kwargs=True)
+        for name, model in counted.items()]
     stream = RequestStream(target, max_batch_size=8, prefill_chunk=64, eos_token_id=None, tetris_compile=True,
-                           prompt_lookup_num_tokens=2)
+                           **speculative)
     try:
         ids = [stream.add(prompt, max_new_tokens=max_new, eos_token_id=eos) for prompt, max_new, eos in settings]
         outputs = {output.request_id: output.generated_tokens for output in stream.run()}
     finally:
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
     # each prompt is read but its last token (which opens the row's first step), some with rows decoding beside it
-    assert len(tokens) > 1 and sum(tokens) == sum(len(prompt) - 1 for prompt, _, _ in settings), tokens
+    prompt_tokens = sum(len(prompt) - 1 for prompt, _, _ in settings)
+    for name, read in tokens.items():
+        assert len(read) > 1 and sum(read) == prompt_tokens, (name, read)
     for request_id, (prompt, max_new, eos) in zip(ids, settings):
         assert outputs[request_id] == alone(target, prompt, max_new, eos)
 

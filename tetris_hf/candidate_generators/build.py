@@ -52,7 +52,7 @@ def build_drafter(assistant_model: torch.nn.Module | None, options: TetrisOption
     drafter_class = EagleCandidateGenerator if eagle else BatchedDraftCandidateGenerator
     drafter = drafter_class(draft_model, logits_processor, do_sample, max_holes=options.tetris_max_holes,
                             capacity=cache_capacity(draft_model), compile=options.tetris_compile, max_rows=max_rows)
-    drafter.pack = options.tetris_pack and not options.tetris_compile and packs_exactly(draft_model)
+    drafter.pack = options.tetris_pack and packs_exactly(draft_model)  # (reads with filler; compiled steps never pack)
     drafter.stop_below = options.tetris_confidence_threshold
     if lookup is not None:
         return HybridCandidateGenerator(lookup, drafter), draft_model
