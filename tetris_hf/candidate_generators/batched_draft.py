@@ -349,9 +349,10 @@ class BatchedDraftCandidateGenerator(Drafter):
 
     def _queue_after_pending(self, tokens: torch.Tensor, mask: torch.Tensor) -> None:
         """``tokens`` ``(B, W)`` (real where ``mask``) wait after the pending ones, left-packed."""
-        order = left_packed_order(torch.cat([self.pending_mask, mask], dim=1))
+        mask = torch.cat([self.pending_mask, mask], dim=1)
+        order = left_packed_order(mask)
         self.pending_tokens = torch.cat([self.pending_tokens, tokens], dim=1).gather(1, order)
-        self.pending_mask = torch.cat([self.pending_mask, mask], dim=1).gather(1, order)
+        self.pending_mask = mask.gather(1, order)
         self.pending_real, self.pending_count = False, None  # (until the loop's read says, see settle)
 
     def _pending_target_tokens(self, next_tokens: torch.Tensor, ones: torch.Tensor) -> None:
