@@ -303,16 +303,19 @@ def test_the_guard_stops_drafting_once_its_read_steps_emitted_less_than_plain_st
     drafted = drive(strategy, 4, accepted=lambda k: 0)
     assert drafted == [4, 4, 4, 0] and strategy.guarded  # (steps are read a step late: the fourth plan judges)
     # plain, however sure the calibrated model still is of the drafts, until a probe; a probe that drafted lifts the
-    # guard and the model plans again (here drafting again, which the guard stops again); the probes back off
+    # guard and the model plans again, its predictions now weighed by what drafting realized against them: plain
+    # again, or drafting for at most two steps (fewer than the guard's three), as that evidence fades probe by
+    # probe; the probes back off
     drafted = drive(strategy, 300, accepted=lambda k: 0)
     probes = [step for step, k in enumerate(drafted) if k == 1]
     assert len(probes) >= 2 and all(k == 0 for k in drafted[:probes[0]])
     for probe, after in zip(probes, probes[1:] + [len(drafted)]):
-        assert drafted[probe + 1: probe + 5] == [4, 4, 4, 0][: after - probe - 1]  # three steps lost, then plain
-        assert all(k == 0 for k in drafted[probe + 4: after])
+        lost = drafted[probe + 1: after]
+        drafting = next((i for i, k in enumerate(lost) if k != 4), len(lost))
+        assert drafting <= 2 and all(k == 0 for k in lost[drafting:])
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert gaps == sorted(gaps) and gaps[-1] > gaps[0]  # wrong again and again: fewer and fewer steps lost
-    assert sum(k > 1 for k in drafted) == 3 * len(probes)
+    assert sum(k > 1 for k in drafted) < 2 * len(probes)
 
 
 def test_the_guard_reads_measured_time_where_the_model_is_wrong_about_cost():
@@ -398,9 +401,33 @@ def test_the_guard_prices_plain_steps_as_measured_where_it_learns_from_time():
     plain = StepSeconds(draft=0.0, verify=0.010, other=0.0)
     drive(strategy, 3, accepted=lambda k: 0, seconds=plain)
     strategy._flush()  # (steps are read lazily, with the next read the loop makes)
-    assert strategy._plain_seconds[4] == pytest.approx(0.010)
+    assert strategy.memory.plain_seconds[4] == pytest.approx(0.010)
     strategy.guarded = False
     strategy._planned = None
     strategy.cost.target_scale = 3.0  # the model now prices a plain step at about 3x what it took
     drafted = drive(strategy, 12, accepted=lambda k: 1, seconds=StepSeconds(draft=0.004, verify=0.026, other=0.0))
     assert strategy.guarded and drafted[-1] == 0  # 2 tokens a row in 30 ms against 1 in 10 ms: drafting lost
+
+
+def test_plans_that_keep_promising_more_than_drafting_realizes_stop_being_believed():
+    """Drafting that loses 3% a step where the plan predicted far more: by less than a step's spread, so the guard
+    (which stops plans that clearly lose) never fires, and a model still sure enough of its drafts would go on drafting
+    at a loss. What plans realized against what they predicted is kept with the pair: a later plan decodes plainly,
+    and so does the next call on the pair (probes aside)."""
+    strategy = sure_strategy(learn_costs=False)
+    ratio = strategy._open_step(4).step_seconds(4, 4, 4, 16) / strategy.cost.step_seconds(4, 0, 0, 0)
+    assert 5.9 < 4 * ratio < 6.0  # plain steps emit 5.9-6 tokens in a drafting step's time; the rows below 5.75
+    pattern = itertools.cycle([[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0], [1, 0, 0, 0]])
+    drafted = drive(strategy, 64, accepted=lambda k: next(pattern))
+    assert drafted[:strategy.replan_every] == [4] * strategy.replan_every and not strategy.guarded
+    stopped = drafted.index(0)
+    assert stopped <= 2 * strategy.replan_every + 1 and max(drafted[stopped:]) <= 1  # (1: a probe)
+    assert strategy.memory.realized[False].factor(strategy.realized_prior) < 0.5
+    following = AdaptiveBudget(TetrisOptions(tetris_strategy="adaptive", num_assistant_tokens=4, tetris_extra_tokens=0),
+                               strategy.cost, memory=strategy.memory)
+    assert max(drive(following, 16, accepted=lambda k: next(pattern))) <= 1
+    # a pair whose plans realize what they predict keeps drafting (test_the_guard_leaves_a_plan_that_pays_alone), and
+    # its memory says so
+    paying = sure_strategy(learn_costs=False)
+    assert drive(paying, 40, accepted=lambda k: [k, k, k, k]) == [4] * 40
+    assert paying.memory.realized[False].factor(paying.realized_prior) > 1.0

@@ -10,10 +10,36 @@ import os
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from .cost_model import AcceptanceCalibrator
+
+
+class RealizedGain(NamedTuple):
+    """What drafting plans emitted against what they predicted, over the steps the guard counted (each step's weight
+    falling by ``decay`` a newer one): ``tokens`` emitted, and ``predicted`` the tokens their plans expected in the
+    same time (the plain steps' tokens in that time times the plan's predicted speed-up over plain decoding)."""
+
+    tokens: float = 0.0
+    predicted: float = 0.0
+
+    def add(self, tokens: float, predicted: float, decay: float) -> "RealizedGain":
+        return RealizedGain(decay * self.tokens + tokens, decay * self.predicted + predicted)
+
+    def factor(self, prior: float, low: float = 0.25, high: float = 2.0) -> float:
+        """Realized over predicted, pulled towards 1 by ``prior`` tokens on each side (few steps say little), within
+        ``[low, high]``: what a plan's predicted speed-up is worth."""
+        return min(max((self.tokens + prior) / (self.predicted + prior), low), high)
+
+    def faded(self, weight: float) -> "RealizedGain":
+        """The same evidence at ``weight`` (what drafting realized long ago counts for less)."""
+        return RealizedGain(weight * self.tokens, weight * self.predicted)
+
+
+def _no_gain_yet() -> dict[bool, RealizedGain]:
+    return {False: RealizedGain(), True: RealizedGain()}
 
 
 @dataclass
@@ -23,7 +49,9 @@ class PairMemory:
     ``calibrator``: acceptance by draft probability; ``pool``: ``(P, W)`` log q of recently drafted rows, newest
     first; ``pool_sources``: ``(P,)`` which source drafted each pooled row (hybrid drafting); ``dsd_acceptance``: DSD's
     running acceptance rate; ``plain_streak`` and ``probe_interval``: the probe schedule; ``guarded``: the
-    realized-rate guard stopped drafting and no probe has drafted since.
+    realized-rate guard stopped drafting and no probe has drafted since; ``realized``: what drafting plans realized
+    against their predictions, apart for plans drafting with the model (``False``) and by prompt lookup alone
+    (``True``, hybrid drafting); ``plain_seconds``: a plain step's measured seconds by rows (the guard's price).
     """
 
     calibrator: AcceptanceCalibrator = field(default_factory=AcceptanceCalibrator)
@@ -33,6 +61,8 @@ class PairMemory:
     plain_streak: int = 0
     probe_interval: int = 8
     guarded: bool = False
+    realized: dict[bool, RealizedGain] = field(default_factory=_no_gain_yet)
+    plain_seconds: dict[int, float] = field(default_factory=dict)
 
 
 # draft -> target -> {hybrid: PairMemory}
@@ -92,6 +122,8 @@ def save_pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module | 
                        "memory": calibrator.memory},
         "pool": memory.pool, "pool_sources": memory.pool_sources, "dsd_acceptance": memory.dsd_acceptance,
         "plain_streak": memory.plain_streak, "probe_interval": memory.probe_interval, "guarded": memory.guarded,
+        "realized": {key: list(gain) for key, gain in memory.realized.items()},
+        "plain_seconds": dict(memory.plain_seconds),
     }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -124,6 +156,9 @@ def load_pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module | 
     calibrator.accepted, calibrator.rejected = saved["accepted"], saved["rejected"]
     memory = PairMemory(calibrator, state["pool"], state["pool_sources"], state["dsd_acceptance"],
                         state["plain_streak"], state["probe_interval"], bool(state.get("guarded", False)))
+    for key, gain in state.get("realized", {}).items():  # (files saved before these were kept: start afresh)
+        memory.realized[bool(key)] = RealizedGain(*map(float, gain))
+    memory.plain_seconds = {int(rows): float(seconds) for rows, seconds in state.get("plain_seconds", {}).items()}
     draft_key = _PROMPT_LOOKUP if assistant_model is None else assistant_model
     _PAIR_MEMORY.setdefault(draft_key, weakref.WeakKeyDictionary()).setdefault(model, {})[hybrid] = memory
     return memory

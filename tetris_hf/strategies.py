@@ -90,6 +90,9 @@ class _CostAware:
     guard_confidence = 1.0  # standard errors by which a plan's mean gain a step must fall below 0 for the guard
     guard_row_spread = 0.5  # the least spread of a row's tokens a step, as the guard assumes it (steps agree by chance)
     guard_decay = 0.95  # the weight of a drafting step in the guard's tally falls by this much a newer one (~20 steps)
+    realized_decay = 0.98  # the same in what plans realized against their predictions (~50 steps, kept across calls)
+    realized_prior = 4.0  # tokens on each side of that ratio before any step (it starts at 1: plans are believed)
+    realized_probe_fade = 0.7  # that evidence's weight after each probe
 
     def __init__(self, options: TetrisOptions, cost: StepCostModel | Callable[[int, int], StepCostModel],
                  learn_costs: bool = False, memory: PairMemory | None = None):
@@ -103,8 +106,8 @@ class _CostAware:
         self._lookup_only_step = False  # the plan of the step running drafts by prompt lookup alone (hybrid)
         self._plan_id = 0  # what drafting steps are tallied under (a new one each time drafting restarts)
         self._step_plan_id = -1  # the plan the step being run belongs to (-1: a probe or a plain step)
+        self._step_speedup = 0.0  # its plan's predicted speed-up over plain decoding (0: none to learn from)
         self._tally = _GuardTally()
-        self._plain_seconds: dict[int, float] = {}  # rows -> a plain step's measured seconds (smoothed, the guard's)
 
     @property
     def guarded(self) -> bool:
@@ -123,7 +126,8 @@ class _CostAware:
         if num_drafted is None:
             num_drafted = token_log_probs.shape[1] if token_log_probs is not None else 0
         self._pending.append(_ObservedStep(token_log_probs, verify_lengths, num_accepted, seconds, num_drafted,
-                                           lookup_rows, self._lookup_only_step, self._step_plan_id))
+                                           lookup_rows, self._lookup_only_step, self._step_plan_id,
+                                           self._step_speedup))
 
     def _read(self, *wanted: torch.Tensor) -> list[torch.Tensor]:
         """Read the pending steps' counts and ``wanted`` from the device in one transfer; returns ``wanted`` on the
@@ -161,9 +165,10 @@ class _CostAware:
         rows = step.verify_lengths.numel()
         if not self.learn_costs or step.seconds is None or step.num_drafted or rows == 0:
             return
-        seconds, old = sum(step.seconds), self._plain_seconds.get(rows)
+        prices = self.memory.plain_seconds  # (kept with the pair: the next call's guard starts from them)
+        seconds, old = sum(step.seconds), prices.get(rows)
         if seconds > 0:
-            self._plain_seconds[rows] = seconds if old is None else self._smooth(old, min(seconds, 1.5 * old))
+            prices[rows] = seconds if old is None else self._smooth(old, min(seconds, 1.5 * old))
 
     def _count_for_guard(self, step: _ObservedStep) -> None:
         """Add one read step of the current drafting plan to the guard's tally: its tokens, and the tokens plain steps
@@ -177,10 +182,14 @@ class _CostAware:
             seconds = cost.step_seconds(rows, 0 if step.lookup_only else step.num_drafted,
                                         _longest(step.verify_lengths), total_verified)
         # a plain step's price: as measured at these rows where the strategy learns from step times, else the model's
-        plain = self._plain_seconds.get(rows) if self.learn_costs else None
+        plain = self.memory.plain_seconds.get(rows) if self.learn_costs else None
         plain = plain if plain is not None else cost.step_seconds(rows, 0, 0, 0)
-        tally = self._tally = self._tally.add(float(step.num_accepted.sum()) + rows,
-                                              rows * seconds / plain if plain > 0 else 0.0, rows, self.guard_decay)
+        tokens, plain_tokens = float(step.num_accepted.sum()) + rows, rows * seconds / plain if plain > 0 else 0.0
+        tally = self._tally = self._tally.add(tokens, plain_tokens, rows, self.guard_decay)
+        if step.predicted_speedup > 0:  # what the plan predicted of this step, against what it emitted
+            realized = self.memory.realized
+            realized[step.lookup_only] = realized[step.lookup_only].add(tokens, plain_tokens * step.predicted_speedup,
+                                                                      self.realized_decay)
         if tally.won(self.guard_steps, self.guard_confidence, self.guard_row_spread):
             self.memory.probe_interval = self.probe_interval_start  # drafting paid: probe soon when it stops paying
 
@@ -258,6 +267,7 @@ class _ObservedStep(NamedTuple):
     lookup_rows: torch.Tensor | None = None  # (B,) bool, the rows lookup drafted (hybrid drafting, else None)
     lookup_only: bool = False  # lookup alone drafted
     plan_id: int = -1  # the drafting plan that ran it (-1: a probe or a plain step)
+    predicted_speedup: float = 0.0  # that plan's predicted speed-up over plain decoding (0: none)
 
     def sources(self) -> torch.Tensor | None:
         """``(B,)`` (host) which source drafted each row, or ``None`` (no hybrid drafting)."""
@@ -356,7 +366,8 @@ class AdaptiveBudget(_CostAware):
         self.pool_sources = torch.zeros(0, dtype=torch.int8)  # (P,) which source drafted each pooled row (hybrid)
         if self.memory.pool is not None:
             self._add_rows(self.memory.pool, self.memory.pool_sources)
-        self._planned: tuple[int, GoodputPlan, bool, bool] | None = None  # (rows, plan, could_pay, lookup_only)
+        # (rows, plan, could_pay, lookup_only, the plan's predicted speed-up over plain decoding: 0 for none to learn)
+        self._planned: tuple[int, GoodputPlan, bool, bool, float] | None = None
         self._plan_age = 0
         # (device tensor, its host copy) of the confidences a selection read, kept until the step is learnt
         self._host_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -439,15 +450,18 @@ class AdaptiveBudget(_CostAware):
 
     def plan(self, num_rows: int) -> DraftPlan:
         cost = self._open_step(num_rows)
-        # the last plan stands until the batch changes size, a probe has drafted, the guard drops it, or it aged
+        # the last plan stands until the batch changes size, a probe has drafted, the guard drops it, it aged, or
+        # what drafting realized against its predictions says it no longer pays
         stale = self._planned is None or self._planned[0] != num_rows or self._plan_age >= self.replan_every
-        if stale or self._drafting_lost():
+        if stale or self._drafting_lost() or not self._still_believed(cost):
             if self._planned is None or self.pool.shape[0] == 0 or self.sampling:
                 # after a probe, plan on what it showed; a sampled selection reads nothing, so its steps are read here,
                 # once a plan (greedy selections read every drafting step: the last one is learnt at the next read)
                 self._flush()
-            if self._planned is not None and self._drafting_lost():
-                self.guarded = True  # the guard: drafting emitted less than plain steps would have in its time
+            if self._planned is not None and (self._drafting_lost() or not self._still_believed(cost)):
+                # the guard: drafting emitted less than plain steps would have in its time, or less than its plan
+                # needed to beat them, once what such plans realized against their predictions is counted
+                self.guarded = True
                 memory = self.memory  # (and probes back off, as after one that did not change the plan)
                 memory.plain_streak, memory.probe_interval = 0, min(2 * memory.probe_interval, self.max_probe_interval)
             was_drafting = self._planned is not None and self._planned[1].num_draft_tokens > 0 and not self.guarded
@@ -458,46 +472,80 @@ class AdaptiveBudget(_CostAware):
         elif self.pool.shape[0] == 0 and self._pending:
             self._flush()  # the first drafted rows: whether a probe can teach anything depends on them
         self._plan_age += 1
-        _, plan, could_pay, lookup_only = self._planned
+        _, plan, could_pay, lookup_only, speedup = self._planned
         # (probes teach what the model's drafts are worth: a plan drafting by lookup alone counts as plain for them)
         probe = self._after_plan(plan.num_draft_tokens > 0 and not lookup_only, can_learn=self.pool.shape[0] > 0,
                                  num_rows=num_rows, could_pay=could_pay)
         if probe and self.max_draft > 0 and self.max_budget != 0:
             self._lookup_only_step = False
-            self._step_plan_id = -1  # (a probe teaches acceptance: the guard does not count it)
+            # (what drafting realized counts for less at each probe: a pair whose plans were not believed is tried
+            # again now and then, as the probes back off)
+            self.memory.realized = {key: gain.faded(self.realized_probe_fade)
+                                    for key, gain in self.memory.realized.items()}
+            self._step_plan_id, self._step_speedup = -1, 0.0  # (a probe teaches acceptance: the guard does not count it)
             return DraftPlan(1, num_rows, probe=True)
         self._step_plan_id = self._plan_id if plan.num_draft_tokens > 0 else -1
+        self._step_speedup = speedup if plan.num_draft_tokens > 0 else 0.0
         self._lookup_only_step = lookup_only
         return DraftPlan(plan.num_draft_tokens, plan.budget, lookup_only=lookup_only)
 
-    def _choose(self, num_rows: int, cost: StepCostModel) -> tuple[GoodputPlan, bool, bool]:
-        """``(plan, could_pay, lookup_only)``: the best plan on the pool, whether a plan drafting with the model could
-        beat it at an optimistic acceptance (probes are rare otherwise), and (hybrid) whether lookup drafts alone."""
-        def best(acceptance: torch.Tensor, draft_seconds: float | None = None) -> GoodputPlan:
-            return plan_step(acceptance, num_rows, self.max_draft, cost, self.max_budget, draft_seconds)
+    def _choose(self, num_rows: int, cost: StepCostModel) -> tuple[GoodputPlan, bool, bool, float]:
+        """``(plan, could_pay, lookup_only, speedup)``: the best plan on the pool, whether a plan drafting with the
+        model could beat it at an optimistic acceptance (probes are rare otherwise), (hybrid) whether lookup drafts
+        alone, and the plan's predicted speed-up over plain decoding (0: nothing to learn from its steps). A drafting
+        plan must beat plain decoding by its prediction times what such plans realized against theirs
+        (:meth:`_realized_rate`)."""
+        plain = cost.step_seconds(num_rows, 0, 0, 0)
+        plain_plan = GoodputPlan(0, 0, float(num_rows), plain)
+
+        def best(acceptance: torch.Tensor, lookup_only: bool = False) -> GoodputPlan:
+            plan = plan_step(acceptance, num_rows, self.max_draft, cost, self.max_budget, 0.0 if lookup_only else None)
+            return plan if self._realized_rate(plan, lookup_only) > plain_plan.rate else plain_plan
+
+        def speedup(plan: GoodputPlan) -> float:
+            return plan.rate / plain_plan.rate if plan.num_draft_tokens > 0 else 0.0
 
         if self.guarded:  # plain steps, probes as scheduled, until a probe has drafted
-            plain = cost.step_seconds(num_rows, 0, 0, 0)
-            return GoodputPlan(0, 0, float(num_rows), plain), True, False
+            return plain_plan, True, False, 0.0
 
         if not self.hybrid:
             plan = best(self.pool_acceptance(num_rows))
             could_pay = plan.num_draft_tokens > 0 or best(
                 self.pool_acceptance(num_rows, self.optimism)).num_draft_tokens > 0
-            return plan, could_pay, False
+            return plan, could_pay, False, speedup(plan)
         both, alone = self.hybrid_acceptance(num_rows)
-        with_model, lookup_plan = best(both), best(alone, draft_seconds=0.0)
-        lookup_only = lookup_plan.num_draft_tokens > 0 and lookup_plan.rate > with_model.rate
+        with_model, lookup_plan = best(both), best(alone, lookup_only=True)
+        lookup_only = lookup_plan.num_draft_tokens > 0 and \
+            self._realized_rate(lookup_plan, True) > self._realized_rate(with_model, False)
         plan = lookup_plan if lookup_only else with_model
+        predicted = speedup(plan)
         if plan.num_draft_tokens == 0 and not self.sampling:
             # Lookup's drafts are free and a greedy selection chooses C from the drafted cells (none where none pays):
             # where nothing matches, a step by lookup alone costs what a plain one does, and it shows where lookup
-            # matches, which plain steps never would.
+            # matches, which plain steps never would. (No prediction to learn from: it expects plain's rate.)
             plan, lookup_only = plan._replace(num_draft_tokens=self.max_draft, budget=num_rows * self.max_draft), True
         optimistic = best(self.hybrid_acceptance(num_rows, self.optimism)[0])
         could_pay = (plan.num_draft_tokens > 0 and not lookup_only) or (
-            optimistic.num_draft_tokens > 0 and optimistic.rate > plan.rate)
-        return plan, could_pay, lookup_only
+            optimistic.num_draft_tokens > 0 and self._realized_rate(optimistic, False) > plan.rate)
+        return plan, could_pay, lookup_only, predicted
+
+    def _still_believed(self, cost: StepCostModel) -> bool:
+        """Whether the standing plan, if it drafts, still beats plain decoding once its predicted rate is corrected by
+        what drafting realized so far (:meth:`_realized_rate`; a greedy selection reads every drafting step, so the
+        evidence is at most a step old)."""
+        num_rows, plan, _, lookup_only, speedup = self._planned
+        if plan.num_draft_tokens == 0 or speedup == 0:
+            return True
+        return self._realized_rate(plan, lookup_only) > num_rows / cost.step_seconds(num_rows, 0, 0, 0)
+
+    def _realized_rate(self, plan: GoodputPlan, lookup_only: bool) -> float:
+        """A plan's predicted rate, for a drafting one times what drafting plans (by the model, or by lookup alone)
+        emitted against what they predicted (:class:`~tetris_hf.pair_memory.RealizedGain`, kept with the pair): a
+        model that keeps promising more than drafting realizes (a calibration or a price it gets wrong, costs it does
+        not see) stops being believed, and one that promised too little is believed more."""
+        if plan.num_draft_tokens == 0:
+            return plan.rate
+        return plan.rate * self.memory.realized[lookup_only].factor(self.realized_prior)
 
     def hybrid_acceptance(self, num_rows: int, optimism: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
         """Hybrid drafting: ``(P, max_draft)`` each pooled row's acceptance in a step where both sources draft (a row
