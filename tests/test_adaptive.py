@@ -130,17 +130,20 @@ def probe_steps(cost_profile: CostProfile, q: float, num_rows: int = 4, steps: i
 
 
 def test_adaptive_probes_while_a_probe_could_change_the_plan_then_backs_off():
+    """Probes take at most 1% of the time while one could change the plan, 0.25% once none could (the cost model's
+    price of a probe here: no step times are learnt)."""
     cheap_probe = profile(lambda r, t: 10.0 + 0.5 * r * t, 0.1)  # a probe costs 18% of a plain step at 4 rows
     # q = 0.25: drafting pays above 0.175 acceptance, which the calibrator's upper bound (prior 0.25) allows until
-    # four probes have all been rejected: probes first, then every 8th, 16th, 32nd step; then every 128th
-    assert probe_steps(cheap_probe, 0.25) == [0, 8, 24, 56, 184]
+    # four probes have all been rejected: probes first, then after 18 steps (1%), 36, 72; then every 128th
+    assert probe_steps(cheap_probe, 0.25) == [0, 18, 54, 126, 254]
     # q = 0.05: one rejected probe puts even the upper bound below break-even: every 128th step only
     assert probe_steps(cheap_probe, 0.05) == [0, 128, 256]
-    # a probe costing 50% of a plain step waits 11 steps (probes cost at most 5%), then 22, then 128
+    # a probe costing 50% of a plain step waits 51 steps (probes cost at most 1%), then 102; once none could pay,
+    # 201 (at most 0.25%)
     dear_probe = profile(lambda r, t: 10.0 * r * (1 + 0.5 * (t - 1)), 0.1)
-    assert probe_steps(dear_probe, 0.85) == [0, 11, 33, 161, 289]
-    # verifying a second token costs a whole plain step: no acceptance could pay, so probes stay 128 steps apart
-    assert probe_steps(COSTLY_VERIFY, 0.85) == [0, 128, 256]
+    assert probe_steps(dear_probe, 0.85, steps=600) == [0, 51, 153, 354, 555]
+    # verifying a second token costs a whole plain step: no acceptance could pay, so probes are 420 steps apart
+    assert probe_steps(COSTLY_VERIFY, 0.85, steps=1000) == [0, 420, 840]
 
 
 def test_adaptive_selects_top_cells_by_calibrated_survival_not_raw_draft_probability():
@@ -431,3 +434,27 @@ def test_plans_that_keep_promising_more_than_drafting_realizes_stop_being_believ
     paying = sure_strategy(learn_costs=False)
     assert drive(paying, 40, accepted=lambda k: [k, k, k, k]) == [4] * 40
     assert paying.memory.realized[False].factor(paying.realized_prior) > 1.0
+
+
+def test_probes_are_spaced_by_what_they_cost_as_measured_the_drafts_catch_up_included():
+    """Where the strategy learns from step times, a probe is priced as probes took, the draft's catch-up on what
+    plain steps skipped included (which no cost model prices): here 3 plain steps' time."""
+    cost = StepCostModel(profile(lambda r, t: 10.0 + 0.5 * r * t, 0.1))  # priced, a probe costs 1.18 plain steps
+    strategy = AdaptiveBudget(TetrisOptions(tetris_strategy="adaptive"), cost, learn_costs=True)
+    plain_step = StepSeconds(draft=0.0, verify=0.010, other=0.0)
+    probe_step = StepSeconds(draft=0.001, verify=0.011, other=0.0, catch_up=0.018)
+    assert sum(probe_step) == pytest.approx(3 * sum(plain_step))
+    drafted = []
+    for step in range(1100):
+        plan = strategy.plan(4)
+        if plan.num_draft_tokens:
+            drafted.append(step)
+        log_probs = torch.full((4, plan.num_draft_tokens), 0.25).log()
+        lengths = strategy.select(log_probs, torch.full((4,), plan.num_draft_tokens), plan) \
+            if plan.num_draft_tokens else torch.zeros(4, dtype=torch.long)
+        strategy.observe(log_probs, lengths, torch.zeros_like(lengths), probe_step if plan.probe else plain_step)
+    assert strategy.memory.probe_cost == pytest.approx(3.0)
+    # the first probe at once (no plain step measured before it to price it against), the second after the model's
+    # price (18 plain steps), the third after the measured one (200 plain steps: 1%); three rejected probes put even
+    # an optimistic plan below plain decoding, so the fourth waits 800 (0.25%)
+    assert drafted == [0, 19, 220, 1020]

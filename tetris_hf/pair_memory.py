@@ -51,7 +51,8 @@ class PairMemory:
     running acceptance rate; ``plain_streak`` and ``probe_interval``: the probe schedule; ``guarded``: the
     realized-rate guard stopped drafting and no probe has drafted since; ``realized``: what drafting plans realized
     against their predictions, apart for plans drafting with the model (``False``) and by prompt lookup alone
-    (``True``, hybrid drafting); ``plain_seconds``: a plain step's measured seconds by rows (the guard's price).
+    (``True``, hybrid drafting); ``plain_seconds``: a plain step's measured seconds by rows (the guard's price);
+    ``probe_cost``: a probe's measured seconds, the draft's catch-up included, over a plain step's (smoothed).
     """
 
     calibrator: AcceptanceCalibrator = field(default_factory=AcceptanceCalibrator)
@@ -63,6 +64,7 @@ class PairMemory:
     guarded: bool = False
     realized: dict[bool, RealizedGain] = field(default_factory=_no_gain_yet)
     plain_seconds: dict[int, float] = field(default_factory=dict)
+    probe_cost: float | None = None
 
 
 # draft -> target -> {hybrid: PairMemory}
@@ -123,7 +125,7 @@ def save_pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module | 
         "pool": memory.pool, "pool_sources": memory.pool_sources, "dsd_acceptance": memory.dsd_acceptance,
         "plain_streak": memory.plain_streak, "probe_interval": memory.probe_interval, "guarded": memory.guarded,
         "realized": {key: list(gain) for key, gain in memory.realized.items()},
-        "plain_seconds": dict(memory.plain_seconds),
+        "plain_seconds": dict(memory.plain_seconds), "probe_cost": memory.probe_cost,
     }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -159,6 +161,7 @@ def load_pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module | 
     for key, gain in state.get("realized", {}).items():  # (files saved before these were kept: start afresh)
         memory.realized[bool(key)] = RealizedGain(*map(float, gain))
     memory.plain_seconds = {int(rows): float(seconds) for rows, seconds in state.get("plain_seconds", {}).items()}
+    memory.probe_cost = state.get("probe_cost")
     draft_key = _PROMPT_LOOKUP if assistant_model is None else assistant_model
     _PAIR_MEMORY.setdefault(draft_key, weakref.WeakKeyDictionary()).setdefault(model, {})[hybrid] = memory
     return memory

@@ -84,7 +84,8 @@ class _CostAware:
 
     probe_interval_start = 8
     max_probe_interval = 128
-    probe_overhead = 0.05
+    probe_overhead = 0.01  # the share of the time probes may take while one could change the plan
+    idle_probe_overhead = 0.0025  # ... and while none could (they only notice requests that became easier)
     smoothing = 0.3
     guard_steps = 2
     guard_confidence = 1.0  # standard errors by which a plan's mean gain a step must fall below 0 for the guard
@@ -107,6 +108,7 @@ class _CostAware:
         self._plan_id = 0  # what drafting steps are tallied under (a new one each time drafting restarts)
         self._step_plan_id = -1  # the plan the step being run belongs to (-1: a probe or a plain step)
         self._step_speedup = 0.0  # its plan's predicted speed-up over plain decoding (0: none to learn from)
+        self._probe_step = False  # the step being run is a probe
         self._tally = _GuardTally()
 
     @property
@@ -127,7 +129,7 @@ class _CostAware:
             num_drafted = token_log_probs.shape[1] if token_log_probs is not None else 0
         self._pending.append(_ObservedStep(token_log_probs, verify_lengths, num_accepted, seconds, num_drafted,
                                            lookup_rows, self._lookup_only_step, self._step_plan_id,
-                                           self._step_speedup))
+                                           self._step_speedup, self._probe_step))
 
     def _read(self, *wanted: torch.Tensor) -> list[torch.Tensor]:
         """Read the pending steps' counts and ``wanted`` from the device in one transfer; returns ``wanted`` on the
@@ -150,6 +152,7 @@ class _CostAware:
             self._correct_costs(step.verify_lengths.numel(), 0 if step.lookup_only else step.num_drafted,
                                 _longest(step.verify_lengths), int(step.verify_lengths.sum()), step.seconds)
             self._time_plain_step(step)
+            self._time_probe(step)
             self._count_for_guard(step)
             self._learn(step.token_log_probs, step.verify_lengths, step.num_accepted, step.sources())
 
@@ -169,6 +172,15 @@ class _CostAware:
         seconds, old = sum(step.seconds), prices.get(rows)
         if seconds > 0:
             prices[rows] = seconds if old is None else self._smooth(old, min(seconds, 1.5 * old))
+
+    def _time_probe(self, step: _ObservedStep) -> None:
+        """Smooth a read probe's measured seconds (the draft's catch-up on what plain steps skipped included) over a
+        plain step's at its rows into the pair's ``probe_cost``, what the probe schedule budgets by."""
+        plain = self.memory.plain_seconds.get(step.verify_lengths.numel())
+        if not self.learn_costs or not step.probe or step.seconds is None or not plain:
+            return
+        cost, old = sum(step.seconds) / plain, self.memory.probe_cost
+        self.memory.probe_cost = cost if old is None else self._smooth(old, cost)
 
     def _count_for_guard(self, step: _ObservedStep) -> None:
         """Add one read step of the current drafting plan to the guard's tally: its tokens, and the tokens plain steps
@@ -238,7 +250,7 @@ class _CostAware:
             schedule.plain_streak = 0
             return False
         schedule.plain_streak += 1
-        interval = max(schedule.probe_interval, self._probe_gap(num_rows))
+        interval = max(schedule.probe_interval, self._probe_gap(num_rows, could_pay))
         if not could_pay:
             interval = max(interval, self.max_probe_interval)
         if schedule.plain_streak < interval:
@@ -248,12 +260,17 @@ class _CostAware:
             schedule.probe_interval = min(2 * interval, max(self.max_probe_interval, interval))
         return True
 
-    def _probe_gap(self, num_rows: int) -> int:
-        """Plain steps between probes for probes to cost at most ``probe_overhead`` of the time."""
+    def _probe_gap(self, num_rows: int, could_pay: bool = True) -> int:
+        """Plain steps between probes for probes to cost at most ``probe_overhead`` of the time
+        (``idle_probe_overhead`` where no probe ``could_pay``): a probe's extra seconds over a plain step's as measured
+        (``PairMemory.probe_cost``, the draft's catch-up included), else as the cost model prices its forwards."""
+        share = self.probe_overhead if could_pay else self.idle_probe_overhead
+        if self.learn_costs and self.memory.probe_cost is not None:
+            return math.ceil(max(self.memory.probe_cost - 1, 0.0) / share)
         cost = self.cost
         plain = cost.verify_seconds(num_rows, 1) + cost.step_overhead
         extra = cost.draft_seconds(num_rows) + cost.verify_seconds(num_rows, 2) - cost.verify_seconds(num_rows, 1)
-        return math.ceil(extra / plain / self.probe_overhead) if plain > 0 else 1
+        return math.ceil(extra / plain / share) if plain > 0 else 1
 
 
 class _ObservedStep(NamedTuple):
@@ -268,6 +285,7 @@ class _ObservedStep(NamedTuple):
     lookup_only: bool = False  # lookup alone drafted
     plan_id: int = -1  # the drafting plan that ran it (-1: a probe or a plain step)
     predicted_speedup: float = 0.0  # that plan's predicted speed-up over plain decoding (0: none)
+    probe: bool = False  # a probe
 
     def sources(self) -> torch.Tensor | None:
         """``(B,)`` (host) which source drafted each row, or ``None`` (no hybrid drafting)."""
@@ -483,7 +501,9 @@ class AdaptiveBudget(_CostAware):
             self.memory.realized = {key: gain.faded(self.realized_probe_fade)
                                     for key, gain in self.memory.realized.items()}
             self._step_plan_id, self._step_speedup = -1, 0.0  # (a probe teaches acceptance: the guard does not count it)
+            self._probe_step = True
             return DraftPlan(1, num_rows, probe=True)
+        self._probe_step = False
         self._step_plan_id = self._plan_id if plan.num_draft_tokens > 0 else -1
         self._step_speedup = speedup if plan.num_draft_tokens > 0 else 0.0
         self._lookup_only_step = lookup_only
@@ -613,6 +633,7 @@ class DynamicWindow(_CostAware):
             self._flush()  # the strategy's one read
         window = dsd_window(self.acceptance, num_rows, self.max_draft, cost) if self.acceptance is not None else 0
         probe = self._after_plan(window > 0, self.acceptance is not None, num_rows) and self.max_draft > 0
+        self._probe_step = probe
         window = 1 if probe else window
         return DraftPlan(window, window * num_rows, probe, needs_confidences=False)  # one k for all: no ranking
 

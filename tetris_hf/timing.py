@@ -13,11 +13,13 @@ import torch
 
 class StepSeconds(NamedTuple):
     """Time of one loop step, as the loop measured it: the ``K`` draft forwards, the target side (selection,
-    verification forward, acceptance, roll back), and the rest (planning, emitting, stopping)."""
+    verification forward, acceptance, roll back), the rest (planning, emitting, stopping), and the drafter's catch-up
+    on what it skipped while the loop decoded plainly (one-off work before a drafting step; ``sum`` counts it)."""
 
     draft: float
     verify: float
     other: float
+    catch_up: float = 0.0
 
 
 NO_SECONDS = StepSeconds(0.0, 0.0, 0.0)
@@ -79,10 +81,11 @@ class NoClock:
 
 
 def _step_seconds(points: dict, interval) -> StepSeconds:
-    """Draft, verify and other seconds from the marked points; a catch-up counts in none of them."""
+    """Draft, verify, other and catch-up seconds from the marked points (a catch-up counts in none of the others)."""
     draft = interval(points[Mark.DRAFT_START], points[Mark.DRAFT_END])
     verify = interval(points[Mark.DRAFT_END], points[Mark.VERIFY_END])
     total = interval(points[Mark.START], points[Mark.END])
+    catch_up = 0.0
     if Mark.CATCH_UP_START in points:
-        total -= interval(points[Mark.CATCH_UP_START], points[Mark.CATCH_UP_END])
-    return StepSeconds(draft, verify, total - draft - verify)
+        catch_up = interval(points[Mark.CATCH_UP_START], points[Mark.CATCH_UP_END])
+    return StepSeconds(draft, verify, total - draft - verify - catch_up, catch_up)
