@@ -87,7 +87,7 @@ def test_a_drafting_step_runs_every_phase_in_order_and_records_their_products():
         Mark.START, "plan", Mark.CATCH_UP_START, "catch_up", Mark.CATCH_UP_END, Mark.DRAFT_START,
         "chain.draft(3, False)", Mark.DRAFT_END, "chain.select", "chain.verify([3, 3, 3])", "chain.roll_back(10)",
         Mark.VERIFY_END, "chain.emit", Mark.END, "finish_step", "chain.observation",
-        "observe([3, 3, 3], [1, 1, 1], StepSeconds(draft=1.0, verify=2.0, other=3.0), 3)",
+        "observe([3, 3, 3], [1, 1, 1], StepSeconds(draft=1.0, verify=2.0, other=3.0, catch_up=0.0), 3)",
     ]
     assert step.num_drafted == 3 and step.plan.budget == 6
     assert step.selection.tolist() == [3, 3, 3] and step.verdict.num_accepted.tolist() == [1, 1, 1]
