@@ -107,6 +107,46 @@ def test_every_proposal_equals_the_head_run_from_scratch(tmp_path, monkeypatch, 
             torch.testing.assert_close(log_q[row].double(), expected_log_q.double(), atol=1e-4, rtol=1e-4)
 
 
+def test_plain_steps_queue_the_heads_features_without_copying_what_waits(tmp_path, monkeypatch):
+    """Three plain steps, then a drafting one, over and over: what plain steps queue for the head waits apart from the
+    pending block (the block is not copied at every plain step: at 4 rows of 500 tokens it holds 14 MB of features),
+    and every proposal after them still equals the head run from scratch."""
+    from tetris_hf.step_strategy import DraftPlan
+    from tetris_hf.strategies import FixedWindow
+
+    target, head = load_pair(tmp_path, "llama", "eagle3", dtype=torch.float64)
+    proposals = record_proposals(monkeypatch)
+    accept_two_drafts(monkeypatch)
+    calls = iter(range(10_000))
+    monkeypatch.setattr(FixedWindow, "plan", lambda self, num_rows: DraftPlan(3, 3 * num_rows) if next(calls) % 4 == 3
+                        else DraftPlan(0, 0))
+    seen = []  # after each step: whether it drafted, the rows left, the stored block's storage, columns queued apart
+
+    def watch(record, loop) -> None:  # (the stored block itself, not read through the property, which would join)
+        drafter = loop.drafter
+        block = drafter._pending_features
+        seen.append((record.num_drafted, loop.batch.num_rows, None if block is None else block.data_ptr(),
+                     len(drafter._feature_tail)))
+
+    input_ids, mask = left_pad(prompts_for(4, seed=3))
+    target.generate(input_ids, attention_mask=mask, assistant_model=head, custom_generate="tetris", do_sample=False,
+                    max_new_tokens=20, pad_token_id=PAD, eos_token_id=EOS, num_assistant_tokens=3,
+                    tetris_extra_tokens=0, tetris_strategy="fixed", tetris_step_callback=watch)
+    # two plain steps in a row, no row leaving (a row that leaves takes its features along: the block is rebuilt)
+    pairs = [(before, after) for before, after in zip(seen[1:], seen[2:])
+             if before[0] == after[0] == 0 and before[1] == after[1]]
+    assert len(pairs) >= 3 and len(proposals) >= 3
+    for before, after in pairs:  # the same block, one more column queued apart
+        assert after[2] == before[2] and after[3] == before[3] + 1
+    starts = (mask == 0).sum(dim=1)
+    for tokens, log_q, context, lengths, rows in proposals:
+        for row in range(tokens.shape[0]):
+            row_context = context[row, int(starts[rows[row]]) : int(lengths[row])].tolist()
+            expected, expected_log_q = drafts_from_scratch(target, head, row_context, tokens.shape[1])
+            assert tokens[row].tolist() == expected, (row, row_context)
+            torch.testing.assert_close(log_q[row].double(), expected_log_q.double(), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("family,head_format,batch_size", [
     ("llama", "eagle1", 1), ("llama", "eagle3", 3), ("qwen2", "eagle1", 8), ("qwen3", "eagle3", 8),
     ("mistral", "eagle3-full-vocab", 3),
