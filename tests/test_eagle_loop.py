@@ -72,6 +72,18 @@ def record_proposals(monkeypatch, drafter_class=EagleCandidateGenerator) -> list
     return proposals
 
 
+def assert_proposals_equal_the_head_from_scratch(target, head, proposals: list, mask: torch.Tensor) -> None:
+    """Every recorded proposal (:func:`record_proposals`) equals the head run from scratch on its row's context
+    (``mask``: the call's left-padded prompts' mask)."""
+    starts = (mask == 0).sum(dim=1)
+    for tokens, log_q, context, lengths, rows in proposals:
+        for row in range(tokens.shape[0]):
+            row_context = context[row, int(starts[rows[row]]) : int(lengths[row])].tolist()
+            expected, expected_log_q = drafts_from_scratch(target, head, row_context, tokens.shape[1])
+            assert tokens[row].tolist() == expected, (row, row_context)
+            torch.testing.assert_close(log_q[row].double(), expected_log_q.double(), atol=1e-4, rtol=1e-4)
+
+
 def accept_two_drafts(monkeypatch):
     """A verifier that accepts every row's first two verified drafts (whatever the target says), so that accepted
     drafts are re-read with the target's features on every step (random heads are rarely right)."""
@@ -97,14 +109,8 @@ def test_every_proposal_equals_the_head_run_from_scratch(tmp_path, monkeypatch, 
     target.generate(input_ids, attention_mask=mask, assistant_model=head, custom_generate="tetris", do_sample=False,
                     max_new_tokens=14, pad_token_id=PAD, eos_token_id=EOS, num_assistant_tokens=3,
                     tetris_extra_tokens=0, tetris_strategy="fixed", tetris_step_callback=lambda record, loop: None)
-    starts = (mask == 0).sum(dim=1)
     assert len(proposals) >= 4
-    for tokens, log_q, context, lengths, rows in proposals:
-        for row in range(tokens.shape[0]):
-            row_context = context[row, int(starts[rows[row]]) : int(lengths[row])].tolist()
-            expected, expected_log_q = drafts_from_scratch(target, head, row_context, tokens.shape[1])
-            assert tokens[row].tolist() == expected, (row, row_context)
-            torch.testing.assert_close(log_q[row].double(), expected_log_q.double(), atol=1e-4, rtol=1e-4)
+    assert_proposals_equal_the_head_from_scratch(target, head, proposals, mask)
 
 
 def test_plain_steps_queue_the_heads_features_without_copying_what_waits(tmp_path, monkeypatch):
@@ -138,13 +144,7 @@ def test_plain_steps_queue_the_heads_features_without_copying_what_waits(tmp_pat
     assert len(pairs) >= 3 and len(proposals) >= 3
     for before, after in pairs:  # the same block, one more column queued apart
         assert after[2] == before[2] and after[3] == before[3] + 1
-    starts = (mask == 0).sum(dim=1)
-    for tokens, log_q, context, lengths, rows in proposals:
-        for row in range(tokens.shape[0]):
-            row_context = context[row, int(starts[rows[row]]) : int(lengths[row])].tolist()
-            expected, expected_log_q = drafts_from_scratch(target, head, row_context, tokens.shape[1])
-            assert tokens[row].tolist() == expected, (row, row_context)
-            torch.testing.assert_close(log_q[row].double(), expected_log_q.double(), atol=1e-4, rtol=1e-4)
+    assert_proposals_equal_the_head_from_scratch(target, head, proposals, mask)
 
 
 @pytest.mark.parametrize("family,head_format,batch_size", [
