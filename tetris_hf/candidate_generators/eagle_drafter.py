@@ -38,8 +38,8 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
     @property
     def pending_features(self) -> torch.Tensor | None:
         """``(B, P, F)`` the target's features of the pending block. Plain steps queue one column each, kept apart
-        and joined when the block is next read: joining at every step would copy the whole block (a prompt's
-        features: 14 MB at 4 rows of 500 tokens) each plain step, ~6 ms of a 60 ms CPU step, for a head unused."""
+        and joined when the block is next read, so that a plain step does not copy the whole block (docs/
+        benchmarks.md, "The matrix again")."""
         if self._feature_tail:
             self._pending_features = torch.cat([self._pending_features, *self._feature_tail], dim=1)
             self._feature_tail = []
