@@ -169,14 +169,16 @@ def test_user_jsonl_prompt_messages_and_raw(tmp_path):
         {},  # replaced below by a blank line
         {"messages": [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Why?"}], "id": "q2"},
         {"prompt": "def f(x):", "raw": True},
+        {"prompt": "Name it", "answer_start": '{"name": "'},
     ]
     text = "\n".join("" if not obj else json.dumps(obj) for obj in lines) + "\n"
     path.write_text(text)
     prompts = load_prompts(str(path))
-    assert len(prompts) == 3
+    assert len(prompts) == 4
     assert prompts[0].messages == ({"role": "user", "content": "Say hi"},) and prompts[0].category == "greeting"
     assert prompts[1].id == "q2" and len(prompts[1].messages) == 2
     assert prompts[2].text == "def f(x):" and not prompts[2].is_chat
+    assert prompts[0].answer_start == "" and prompts[3].answer_start == '{"name": "'
     assert len(load_jsonl(path, limit=1)) == 1
 
 
@@ -196,7 +198,8 @@ def test_jsonl_bad_line_names_file_and_line(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "line", ['{"text": "wrong field"}', '{"prompt": ""}', '{"messages": []}', '{"messages": [{"role": "user"}]}', "[1]"]
+    "line", ['{"text": "wrong field"}', '{"prompt": ""}', '{"messages": []}', '{"messages": [{"role": "user"}]}', "[1]",
+             '{"prompt": "x", "answer_start": 3}', '{"prompt": "x", "raw": true, "answer_start": "{"}']
 )
 def test_jsonl_missing_field_names_file_and_line(tmp_path, line):
     path = tmp_path / "fields.jsonl"
@@ -249,6 +252,13 @@ def test_render_chats_through_template_and_raw_as_is():
     assert render_prompts(prompts, PlainTokenizer()) == ["hi", "def f():", "plain string"]
 
 
+def test_an_answer_start_follows_the_generation_prompt():
+    prompt = Prompt(id="1", messages=({"role": "user", "content": "name?"},), answer_start='{"name": "')
+    assert render_prompts([prompt], TemplateTokenizer()) == ['<user>name?<assistant>{"name": "']
+    assert render_prompts([prompt], PlainTokenizer()) == ['name?\n{"name": "']
+    assert Prompt(id="2", messages=prompt.messages).answer_start == ""
+
+
 def test_render_mtbench_with_smollm2_chat_template():
     from tetris_hf.tools.models import load_target
 
@@ -272,7 +282,7 @@ def test_to_dataset_keeps_every_record():
 
 
 def test_extraction_asks_for_one_json_object_per_humaneval_signature():
-    from tetris_hf.tools.data import EXTRACTION_INSTRUCTION
+    from tetris_hf.tools.data import EXTRACTION_ANSWER_START, EXTRACTION_INSTRUCTION
 
     prompts = load_prompts("extraction")
     records = [json.loads(line) for line in gzip.open(package_file(*HUMANEVAL_FILE), "rt")]
@@ -284,6 +294,7 @@ def test_extraction_asks_for_one_json_object_per_humaneval_signature():
         content = prompt.messages[0]["content"]
         assert content == f"{EXTRACTION_INSTRUCTION}\n\n```python\n{record['prompt'].strip(chr(10)).rstrip()}\n```"
         assert "canonical_solution" not in content and record["canonical_solution"].strip() not in content
+        assert prompt.answer_start == EXTRACTION_ANSWER_START == '{\n  "name": "'
     assert all(key in EXTRACTION_INSTRUCTION for key in ('"name"', '"arguments"', '"return_type"', '"summary"'))
 
 

@@ -86,20 +86,24 @@ def test_suffix_drafts_from_a_seed_file_serve_every_request_as_generate_does(pai
     assert report["runs"][3][-1]["tokens_per_row_step"] > unseeded["runs"][3][-1]["tokens_per_row_step"]
 
 
-def test_lookup_and_suffix_side_by_side_run_each_strategy_once_per_source(pair):
+@pytest.mark.parametrize("tree_width", [1, 2])
+def test_lookup_and_suffix_side_by_side_run_each_strategy_once_per_source(pair, tree_width):
     """``--draft lookup,suffix``: each speculative stream strategy runs once with prompt lookup and once with suffix
     drafts in the same process (named by source), plain once; every output equals static generate()'s, and the two
-    sources really draft differently (a suffix run drafts from the cache where lookup has no match)."""
+    sources really draft differently (a suffix run drafts from the cache where lookup has no match). With
+    ``--tree-width 2`` the suffix runs draft trees (named ``-suffix-w2``)."""
     target, _ = pair
     prompts = random_prompts(6, target.config.vocab_size, seed=9, min_length=2, max_length=20)
     prompts = prompts + prompts  # the later requests repeat earlier ones: the suffix cache has their outputs
     config = stream_bench.StreamBenchConfig(max_new_tokens=10, max_batch_sizes=(3,), systems=("generate-chunks",),
-                                            strategies=("plain", "fixed"), lookup=True, sources=("lookup", "suffix"))
+                                            strategies=("plain", "fixed"), lookup=True, sources=("lookup", "suffix"),
+                                            tree_width=tree_width)
     report = stream_bench.run_stream_bench(target, None, prompts, {EOS}, PAD, config, log=lambda line: None)
     rows = {row["name"]: row for row in report["runs"][3]}
-    assert list(rows) == ["generate-chunks", "stream-plain", "stream-fixed-lookup", "stream-fixed-suffix"]
+    suffix = "stream-fixed-suffix" + ("-w2" if tree_width == 2 else "")
+    assert list(rows) == ["generate-chunks", "stream-plain", "stream-fixed-lookup", suffix]
     assert all(row["equal"] == "12/12" for row in rows.values())
-    assert rows["stream-fixed-suffix"]["tokens_per_row_step"] > rows["stream-fixed-lookup"]["tokens_per_row_step"]
+    assert rows[suffix]["tokens_per_row_step"] > rows["stream-fixed-lookup"]["tokens_per_row_step"]
 
 
 def test_compiled_streams_run_beside_eager_ones_their_compiling_run_timed_apart(pair):
@@ -122,6 +126,9 @@ def test_compiled_streams_run_beside_eager_ones_their_compiling_run_timed_apart(
     (["--compiled", "--onednn-linears"], "choose one"),
     (["--suffix-seed", "seed.jsonl"], "pass --draft suffix too"),
     (["--draft", "suffix", "--suffix-seed", "no-such-file.jsonl"], "no such file"),
+    (["--draft", "lookup", "--tree-width", "2"], "suffix drafts grow trees"),
+    (["--draft", "suffix", "--tree-width", "0"], "suffix drafts grow trees"),
+    (["--draft", "suffix", "--tree-width", "2", "--compiled"], "compiled steps draft chains only"),
 ])
 def test_bad_combinations_are_refused_before_any_model_loads(argv, words, tmp_path, monkeypatch):
     import argparse

@@ -61,12 +61,15 @@ _SHAREGPT_ROLES = {
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt: a chat (``messages``) or raw text (``text``); exactly one of the two is set."""
+    """One prompt: a chat (``messages``) or raw text (``text``); exactly one of the two is set. A chat's
+    ``answer_start`` is the beginning of the assistant's answer, written after the generation prompt (a prefill: how
+    a small model is held to an output format, e.g. ``'{"name": "'`` for a JSON object)."""
 
     id: str
     messages: tuple[dict[str, str], ...] | None = None
     text: str | None = None
     category: str | None = None
+    answer_start: str = ""
 
     @property
     def is_chat(self) -> bool:
@@ -103,7 +106,8 @@ class PromptSet(Sequence):
         return iter(self.prompts)
 
     def to_dataset(self):
-        """The prompts as a ``datasets.Dataset`` with columns id, category, kind ("chat"|"raw"), text, messages."""
+        """The prompts as a ``datasets.Dataset`` with columns id, category, kind ("chat"|"raw"), text, messages,
+        answer_start."""
         import datasets
 
         features = datasets.Features(
@@ -113,6 +117,7 @@ class PromptSet(Sequence):
                 "kind": datasets.Value("string"),
                 "text": datasets.Value("string"),
                 "messages": datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")}),
+                "answer_start": datasets.Value("string"),
             }
         )
         rows = [
@@ -122,6 +127,7 @@ class PromptSet(Sequence):
                 "kind": "chat" if p.is_chat else "raw",
                 "text": p.text or "",
                 "messages": list(p.messages or ()),
+                "answer_start": p.answer_start,
             }
             for p in self.prompts
         ]
@@ -431,6 +437,9 @@ EXTRACTION_INSTRUCTION = (
     'Read the Python function below and return a JSON object with exactly these keys: "name" (the function\'s name), '
     '"arguments" (a list of objects with "name" and "type"), "return_type" and "summary" (one line saying what it '
     "returns). Return only the JSON object.")
+# the answer's first key, written for the model (a prefill): without it SmolLM2-135M rewrote the function in most
+# answers instead of returning the object, and its answers shared no format (docs/benchmarks.md, "The extraction set")
+EXTRACTION_ANSWER_START = '{\n  "name": "'
 
 
 def extraction_prompt(code: str) -> str:
@@ -441,12 +450,15 @@ def extraction_prompt(code: str) -> str:
 def load_extraction(path: str | os.PathLike | None = None, *, limit: int | None = None) -> PromptSet:
     """164 structured-extraction chats, one per HumanEval task in file order: the task's signature and docstring (its
     ``prompt``, outer blank lines stripped) after one fixed instruction asking for a JSON object with the function's
-    name, arguments, return type and a one-line summary (:data:`EXTRACTION_INSTRUCTION`). Every answer has the same
-    shape, as in extraction over many documents: what one request wrote, the next repeats in part."""
+    name, arguments, return type and a one-line summary (:data:`EXTRACTION_INSTRUCTION`), the answer started with the
+    object's first key (:data:`EXTRACTION_ANSWER_START`, as structured-output users hold a small model to a format).
+    Every answer has the same shape, as in extraction over many documents: what one request wrote, the next repeats
+    in part."""
     _check_limit(limit)
     path = Path(path) if path is not None else package_file(*HUMANEVAL_FILE)
     prompts = [Prompt(id=f"{obj['task_id']}/extraction", category="extraction",
-                      messages=({"role": "user", "content": extraction_prompt(obj["prompt"].strip("\n").rstrip())},))
+                      messages=({"role": "user", "content": extraction_prompt(obj["prompt"].strip("\n").rstrip())},),
+                      answer_start=EXTRACTION_ANSWER_START)
                for obj in _humaneval_records(path, ("task_id", "prompt"))]
     return PromptSet(
         name="extraction", prompts=prompts[:limit], source=str(path),
@@ -510,6 +522,9 @@ def _user_prompt(path: Path, number: int, obj: dict) -> Prompt:
     prompt_id = str(obj.get("id", f"{path.stem}/{number}"))
     category = obj.get("category")
     category = None if category is None else str(category)
+    answer_start = obj.get("answer_start", "")
+    if not isinstance(answer_start, str):
+        raise ValueError(f'{path}, line {number}: "answer_start" must be a string (the start of the answer)')
     if "messages" in obj:
         messages = obj["messages"]
         ok = isinstance(messages, list) and messages and all(
@@ -520,17 +535,20 @@ def _user_prompt(path: Path, number: int, obj: dict) -> Prompt:
             raise ValueError(
                 f'{path}, line {number}: "messages" must be a non-empty list of {{"role": ..., "content": ...}}'
             )
-        return Prompt(
-            id=prompt_id, messages=tuple({"role": m["role"], "content": m["content"]} for m in messages), category=category
-        )
+        return Prompt(id=prompt_id, messages=tuple({"role": m["role"], "content": m["content"]} for m in messages),
+                      category=category, answer_start=answer_start)
     prompt = obj.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         raise ValueError(
             f'{path}, line {number}: needs a "prompt" (non-empty string) or a "messages" (list of role/content) field'
         )
     if obj.get("raw", False):
+        if answer_start:
+            raise ValueError(f'{path}, line {number}: "answer_start" follows a chat\'s generation prompt; a raw '
+                             'prompt holds its own: append it to "prompt"')
         return Prompt(id=prompt_id, text=prompt, category=category)
-    return Prompt(id=prompt_id, messages=({"role": "user", "content": prompt},), category=category)
+    return Prompt(id=prompt_id, messages=({"role": "user", "content": prompt},), category=category,
+                  answer_start=answer_start)
 
 
 def load_jsonl(path: str | os.PathLike, *, limit: int | None = None) -> PromptSet:
@@ -538,7 +556,8 @@ def load_jsonl(path: str | os.PathLike, *, limit: int | None = None) -> PromptSe
 
     - ``"prompt": "..."`` — a user turn, rendered through the chat template (add ``"raw": true`` to feed it as-is),
     - or ``"messages": [{"role": ..., "content": ...}, ...]`` — a chat;
-    - optional ``"id"`` and ``"category"``. Blank lines are skipped.
+    - optional ``"id"``, ``"category"`` and, for a chat, ``"answer_start"`` (the start of the assistant's answer,
+      :attr:`Prompt.answer_start`). Blank lines are skipped.
 
     An empty file, a line that is not a JSON object, or a line without either field raises ValueError naming the
     file and line.
@@ -600,8 +619,9 @@ def load_prompts(name_or_path: str | os.PathLike, *, limit: int | None = None) -
 def render_prompts(prompts: Iterable[Prompt | str], tokenizer) -> list[str]:
     """The text to feed the model for each prompt.
 
-    Chats go through the tokenizer's chat template with ``add_generation_prompt=True``; raw prompts (and plain
-    strings) are returned as-is. A tokenizer without a chat template gets the chat's contents joined by newlines.
+    Chats go through the tokenizer's chat template with ``add_generation_prompt=True``, then their ``answer_start``;
+    raw prompts (and plain strings) are returned as-is. A tokenizer without a chat template gets the chat's contents
+    (and ``answer_start``) joined by newlines.
     The rendered chat already holds the template's special tokens: encode it with ``add_special_tokens=False``.
     """
     has_template = getattr(tokenizer, "chat_template", None) is not None
@@ -612,9 +632,9 @@ def render_prompts(prompts: Iterable[Prompt | str], tokenizer) -> list[str]:
         elif not prompt.is_chat:
             rendered.append(prompt.text)
         elif has_template:
-            rendered.append(
-                tokenizer.apply_chat_template(list(prompt.messages), tokenize=False, add_generation_prompt=True)
-            )
+            rendered.append(tokenizer.apply_chat_template(list(prompt.messages), tokenize=False,
+                                                          add_generation_prompt=True) + prompt.answer_start)
         else:
-            rendered.append("\n".join(m["content"] for m in prompt.messages))
+            contents = [m["content"] for m in prompt.messages] + ([prompt.answer_start] if prompt.answer_start else [])
+            rendered.append("\n".join(contents))
     return rendered

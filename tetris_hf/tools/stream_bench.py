@@ -341,6 +341,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suffix-seed", default=None, metavar="FILE",
                         help="with --draft suffix: seed every run's cache from FILE, earlier outputs as JSON lines, "
                              "one JSON array of token ids a line (tetris_hf.suffix_cache.SuffixCache.add_file)")
+    parser.add_argument("--tree-width", type=int, default=1, metavar="W",
+                        help="with --draft suffix (or lookup,suffix): suffix drafts as trees of W children per node "
+                             "(tetris_tree_width; 1: chains)")
     parser.add_argument("--hybrid", action="store_true",
                         help="the draft model and prompt lookup together: each row drafts by lookup where it matches")
     parser.add_argument("--num-assistant-tokens", type=int, default=4, help="k")
@@ -378,6 +381,7 @@ class StreamBenchConfig:
     sources: tuple[str, ...] = ()  # ("lookup", "suffix"): every stream strategy once per model-free source
     suffix_seed: str | None = None  # a seed file every run's suffix cache starts from (SuffixCache.add_file)
     compiled: bool = False  # each stream strategy also with tetris_compile=True
+    tree_width: int = 1  # suffix drafts as trees of this many children per node (1: chains)
 
 
 def _gather(run: StreamRun, indices: list[int]) -> StreamRun:
@@ -409,7 +413,7 @@ def speculative_options(target, draft, config: StreamBenchConfig, suffix: bool |
 
     vocab_size = target.get_output_embeddings().weight.shape[0]
     seed = config.suffix_seed
-    return lambda: {"tetris_suffix_num_tokens": config.num_assistant_tokens,
+    return lambda: {"tetris_suffix_num_tokens": config.num_assistant_tokens, "tetris_tree_width": config.tree_width,
                     "tetris_suffix_cache": SuffixCache() if seed is None else SuffixCache.from_file(seed, vocab_size)}
 
 
@@ -496,7 +500,8 @@ def run_stream_bench(target, draft, prompts: list[list[int]], eos: set[int], pad
             variants = itertools.product((True, False) if config.prompts_apart else (True,), sources,
                                          (False, True) if config.compiled else (False,))
             for ride, source, compiled in variants:
-                name = (f"stream-{strategy}" + ("" if ride else "-apart") + (f"-{source}" if source else "")
+                trees = f"-w{config.tree_width}" if source == "suffix" and config.tree_width > 1 else ""
+                name = (f"stream-{strategy}" + ("" if ride else "-apart") + (f"-{source}{trees}" if source else "")
                         + ("-compiled" if compiled else ""))
                 options = speculative_options(target, draft, config, source == "suffix") if source else drafts
                 plans.append((name, lambda b=batch_size, s=settings, n=name, r=ride, o=options, c=compiled: run_stream(
@@ -598,6 +603,11 @@ def main(args) -> int:
     if len(sources) > 1 and len(set(sources)) != len(sources):
         raise UsageError(f"--draft {args.draft}: name each model-free source once")
     check_suffix_seed(args.suffix_seed, "suffix" in sources)
+    if args.tree_width < 1 or (args.tree_width > 1 and "suffix" not in sources):
+        raise UsageError(f"--tree-width {args.tree_width}: suffix drafts grow trees (1: chains); pass --draft suffix "
+                         "or lookup,suffix with a width of 1 or more")
+    if args.tree_width > 1 and args.compiled:
+        raise UsageError("--tree-width with --compiled: compiled steps draft chains only; choose one")
     if args.compiled and args.onednn_linears:
         raise UsageError("--compiled with --onednn-linears: torch.compile does not trace oneDNN's linear kernels; "
                          "choose one")
@@ -633,7 +643,8 @@ def main(args) -> int:
                                tuple(name for name in args.strategies.split(",") if name), lookup, args.hybrid,
                                args.num_assistant_tokens, args.extra_tokens, args.max_ngram, args.repeats,
                                args.prompts_apart, vllm=vllm, suffix=suffix, suffix_seed=args.suffix_seed,
-                               sources=sources if len(sources) > 1 else (), compiled=args.compiled)
+                               sources=sources if len(sources) > 1 else (), compiled=args.compiled,
+                               tree_width=args.tree_width)
     main_process = state is None or state.is_main_process
     log = (lambda line: print(line, flush=True)) if main_process else (lambda line: None)
     log(f"{len(prompts)} requests ({note}); prompt tokens {min(map(len, prompts))}-{max(map(len, prompts))}, "
