@@ -44,8 +44,7 @@ def main() -> None:
     steps, strategies = [], []
 
     def record(step, core) -> None:  # (the step callback of --trace)
-        probe = step.num_drafted > 0 and getattr(core.strategy, "_probe_step", False)
-        steps.append(("p" if probe else str(step.num_drafted), int(step.num_accepted.sum()),
+        steps.append(("p" if step.probe else str(step.num_drafted), int(step.num_accepted.sum()),
                       int(step.verify_lengths.sum())))
         strategies[:] = [core.strategy]
 

@@ -220,13 +220,17 @@ def test_what_adaptive_and_dsd_learn_carries_over_to_the_next_call_on_the_same_p
     draft = noisy_copy(target, 0.3, 12)
     input_ids, mask = left_pad(random_prompts(3, 64, seed=12))
     for strategy in ("adaptive", "dsd"):
-        first_steps = []
+        first_steps, records = [], []
         for _ in range(2):
             out = target.generate(input_ids, attention_mask=mask, assistant_model=draft, custom_generate="tetris",
                                   do_sample=False, max_new_tokens=6, pad_token_id=PAD, return_dict_in_generate=True,
-                                  tetris_strategy=strategy, tetris_cost_profile=COSTLY_VERIFY)
+                                  tetris_strategy=strategy, tetris_cost_profile=COSTLY_VERIFY,
+                                  tetris_step_callback=lambda record, loop: records.append(record))
             first_steps.append(out.tetris_stats.num_drafted_per_step[1])  # step 0 reads the prompt
         assert first_steps == [1, 0]  # a cold start probes; the second call already knows the draft does not pay
+        # each step's record says whether it was a probe: here the one step that drafted, and none of the plain ones
+        assert [record.probe for record in records] == [record.num_drafted > 0 for record in records]
+        assert sum(record.probe for record in records) == 1
     fresh = tiny_llama(64, seed=12)  # another target object: nothing learnt yet
     out = fresh.generate(input_ids, attention_mask=mask, assistant_model=draft, custom_generate="tetris",
                          do_sample=False, max_new_tokens=6, pad_token_id=PAD, return_dict_in_generate=True,

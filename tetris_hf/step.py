@@ -187,6 +187,7 @@ class StepRecord:
     tree: StepTree | None = None  # tetris_tree_width > 1: the step's trees, selection and accepted paths
     target_tokens: int = 0  # tokens the target's forward computed (the prompt's read: not counted)
     lookup_rows: torch.Tensor | None = None  # (B_active,) bool: rows prompt lookup drafted for (None: no row)
+    probe: bool = False  # the strategy drafted this step to learn what drafts are worth (``DraftPlan.probe``)
 
     @property
     def drafted_lengths(self) -> torch.Tensor:
@@ -298,5 +299,5 @@ def run_step(strategy: StepStrategy, phases: StepPhases, num_rows: int, max_draf
                      lookup_rows=lookup_rows)
     record = StepRecord(phases.rows, num_drafted, plan.budget, observed.log_probs, verdict.verify_lengths,
                         verdict.num_accepted, emission.emitted, seconds or NO_SECONDS, observed.drafted, verdict.tree,
-                        0 if block is None else block.computed, lookup_rows)
+                        0 if block is None else block.computed, lookup_rows, plan.probe and num_drafted > 0)
     return Step(plan, num_drafted, proposal, selection, verdict, emission, record, block, drafter_read)

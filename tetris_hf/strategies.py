@@ -104,11 +104,8 @@ class _CostAware:
         self.memory = memory if memory is not None else PairMemory(probe_interval=self.probe_interval_start)
         self._pending: list[_ObservedStep] = []  # observed steps not read yet (their counts still on the device)
         self._read_steps: list[_ObservedStep] = []  # observed steps read (host counts), not learnt from yet
-        self._lookup_only_step = False  # the plan of the step running drafts by prompt lookup alone (hybrid)
         self._plan_id = 0  # what drafting steps are tallied under (a new one each time drafting restarts)
-        self._step_plan_id = -1  # the plan the step being run belongs to (-1: a probe or a plain step)
-        self._step_speedup = 0.0  # its plan's predicted speed-up over plain decoding (0: none to learn from)
-        self._probe_step = False  # the step being run is a probe
+        self._running = _RunningStep()  # what the step being run is, until observe keeps it with its counts
         self._tally = _GuardTally()
 
     @property
@@ -128,8 +125,7 @@ class _CostAware:
         if num_drafted is None:
             num_drafted = token_log_probs.shape[1] if token_log_probs is not None else 0
         self._pending.append(_ObservedStep(token_log_probs, verify_lengths, num_accepted, seconds, num_drafted,
-                                           lookup_rows, self._lookup_only_step, self._step_plan_id,
-                                           self._step_speedup, self._probe_step))
+                                           lookup_rows, *self._running))
 
     def _read(self, *wanted: torch.Tensor) -> list[torch.Tensor]:
         """Read the pending steps' counts and ``wanted`` from the device in one transfer; returns ``wanted`` on the
@@ -271,6 +267,15 @@ class _CostAware:
         plain = cost.verify_seconds(num_rows, 1) + cost.step_overhead
         extra = cost.draft_seconds(num_rows) + cost.verify_seconds(num_rows, 2) - cost.verify_seconds(num_rows, 1)
         return math.ceil(extra / plain / share) if plain > 0 else 1
+
+
+class _RunningStep(NamedTuple):
+    """What the step being run is, as the strategy's plan set it (the last four fields of :class:`_ObservedStep`)."""
+
+    lookup_only: bool = False  # its plan drafts by prompt lookup alone (hybrid)
+    plan_id: int = -1  # the drafting plan it belongs to (-1: a probe or a plain step)
+    predicted_speedup: float = 0.0  # that plan's predicted speed-up over plain decoding (0: none to learn from)
+    probe: bool = False  # a probe
 
 
 class _ObservedStep(NamedTuple):
@@ -431,7 +436,7 @@ class AdaptiveBudget(_CostAware):
                 lookup_rows: torch.Tensor | None = None):
         super().observe(token_log_probs, verify_lengths, num_accepted, seconds, num_drafted, lookup_rows)
         if self._planned is not None and (self._planned[1].num_draft_tokens == 0 or self._planned[3]) \
-                and token_log_probs.shape[1] > 0 and not self._lookup_only_step:
+                and token_log_probs.shape[1] > 0 and not self._running.lookup_only:
             self._planned, self.guarded = None, False  # a probe drafted (the model did): plan again on what it showed
 
     def _add_rows(self, rows: torch.Tensor, sources: torch.Tensor | None = None) -> None:
@@ -495,18 +500,14 @@ class AdaptiveBudget(_CostAware):
         probe = self._after_plan(plan.num_draft_tokens > 0 and not lookup_only, can_learn=self.pool.shape[0] > 0,
                                  num_rows=num_rows, could_pay=could_pay)
         if probe and self.max_draft > 0 and self.max_budget != 0:
-            self._lookup_only_step = False
             # (what drafting realized counts for less at each probe: a pair whose plans were not believed is tried
             # again now and then, as the probes back off)
             self.memory.realized = {key: gain.faded(self.realized_probe_fade)
                                     for key, gain in self.memory.realized.items()}
-            self._step_plan_id, self._step_speedup = -1, 0.0  # (a probe teaches acceptance: the guard does not count it)
-            self._probe_step = True
+            self._running = _RunningStep(probe=True)  # (a probe teaches acceptance: the guard does not count it)
             return DraftPlan(1, num_rows, probe=True)
-        self._probe_step = False
-        self._step_plan_id = self._plan_id if plan.num_draft_tokens > 0 else -1
-        self._step_speedup = speedup if plan.num_draft_tokens > 0 else 0.0
-        self._lookup_only_step = lookup_only
+        drafting = plan.num_draft_tokens > 0
+        self._running = _RunningStep(lookup_only, self._plan_id if drafting else -1, speedup if drafting else 0.0)
         return DraftPlan(plan.num_draft_tokens, plan.budget, lookup_only=lookup_only)
 
     def _choose(self, num_rows: int, cost: StepCostModel) -> tuple[GoodputPlan, bool, bool, float]:
@@ -633,7 +634,7 @@ class DynamicWindow(_CostAware):
             self._flush()  # the strategy's one read
         window = dsd_window(self.acceptance, num_rows, self.max_draft, cost) if self.acceptance is not None else 0
         probe = self._after_plan(window > 0, self.acceptance is not None, num_rows) and self.max_draft > 0
-        self._probe_step = probe
+        self._running = _RunningStep(probe=probe)
         window = 1 if probe else window
         return DraftPlan(window, window * num_rows, probe, needs_confidences=False)  # one k for all: no ranking
 

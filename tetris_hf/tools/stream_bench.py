@@ -23,7 +23,8 @@ Every request arrives at time 0 (a backlog, as a batch job or a burst of traffic
 
 The speculative runs draft with a draft model (``--draft``), prompt lookup (``--draft lookup``), both (``--hybrid``)
 or suffix drafts (``--draft suffix``: each run with a fresh cache of its own, seeded from ``--suffix-seed FILE`` when
-given: earlier outputs as JSON lines, one JSON array of token ids a line).
+given: earlier outputs as JSON lines, one JSON array of token ids a line; ``--tree-width W``: as trees of ``W``
+children a node).
 
 Per run: output tokens/s, requests/s, time to first token and per-token latency (p50 / p99 over requests; per-token
 latency is a request's time from its first to its last token over the tokens between), the mean live rows a step,
