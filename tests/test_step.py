@@ -17,13 +17,18 @@ class Journal(list):
 class RecordingPhases(StepPhases):
     """Phases that note each call and pass on products that name their phase."""
 
-    def __init__(self, journal: Journal, name: str = "chain", plain: StepPhases | None = None):
-        self.journal, self.name, self._plain = journal, name, plain
+    def __init__(self, journal: Journal, name: str = "chain", plain: StepPhases | None = None,
+                 reads_prompts: bool = False):
+        self.journal, self.name, self._plain, self._reads_prompts = journal, name, plain, reads_prompts
         self.rows = torch.arange(ROWS)
 
     @property
     def plain(self) -> StepPhases:
         return self if self._plain is None else self._plain
+
+    @property
+    def reads_prompts(self) -> bool:
+        return self._reads_prompts
 
     def catch_up(self) -> None:
         self.journal.append("catch_up")
@@ -74,9 +79,9 @@ class RecordingClock:
     def mark(self, phase: Mark) -> None:
         self.journal.append(phase)
 
-    def finish_step(self) -> StepSeconds:
+    def finish_step(self, read_prompts: bool = False) -> tuple[StepSeconds, bool]:
         self.journal.append("finish_step")
-        return StepSeconds(1.0, 2.0, 3.0)
+        return StepSeconds(1.0, 2.0, 3.0), read_prompts
 
 
 def test_a_drafting_step_runs_every_phase_in_order_and_records_their_products():
@@ -97,6 +102,18 @@ def test_a_drafting_step_runs_every_phase_in_order_and_records_their_products():
     assert record.verify_lengths is step.verdict.verify_lengths
     assert record.seconds == StepSeconds(1.0, 2.0, 3.0)
     assert record.target_tokens == 5  # what the target's forward computed, from the verify phase's block
+
+
+def test_a_step_that_also_read_joining_prompts_is_observed_untimed_its_record_keeping_the_time():
+    """A stream's step whose forward also read joining rows' prompts took their time too: the strategy observes it
+    without seconds (it prices such a step by its cost model instead of learning costs, probe prices or the guard's
+    verdict from it); the step's record keeps what the clock measured."""
+    journal = Journal()
+    strategy = RecordingStrategy(journal, DraftPlan(num_draft_tokens=2, budget=6))
+    step = run_step(strategy, RecordingPhases(journal, reads_prompts=True), ROWS, max_draft=3,
+                    clock=RecordingClock(journal))
+    assert journal[-1] == "observe([2, 2, 2], [1, 1, 1], None, 2)"
+    assert step.record.seconds == StepSeconds(1.0, 2.0, 3.0)
 
 
 def test_a_step_that_drafts_nothing_takes_the_plain_phases_without_a_catch_up():

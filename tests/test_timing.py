@@ -12,10 +12,40 @@ def test_phases_become_step_seconds_the_catch_up_kept_apart(monkeypatch):
     clock = timing.StepClock("cpu")
     for phase in timing.PHASES:
         clock.mark(phase)
-    seconds = clock.finish_step()
-    assert seconds == StepSeconds(draft=1.0, verify=4.0, other=9.0 - 2.0 - 1.0 - 4.0, catch_up=2.0)
+    seconds, read_prompts = clock.finish_step()
+    assert not read_prompts and seconds == StepSeconds(draft=1.0, verify=4.0, other=9.0 - 2.0 - 1.0 - 4.0, catch_up=2.0)
     assert sum(seconds) == 9.0  # the whole step
     assert clock.points == {}
+
+
+class FakeEvent:
+    """A CUDA event on the host clock: ``elapsed_time`` in milliseconds, as CUDA's."""
+
+    ticks = itertools.count()
+
+    def __init__(self, enable_timing: bool):
+        self.at = None
+
+    def record(self) -> None:
+        self.at = float(next(FakeEvent.ticks))
+
+    def elapsed_time(self, other: "FakeEvent") -> float:
+        return 1000.0 * (other.at - self.at)
+
+
+def test_on_cuda_a_step_reads_the_previous_steps_seconds_and_whether_that_step_read_prompts(monkeypatch):
+    """On CUDA a step's events are read at the next step: the seconds a step closes with are its predecessor's, and so
+    is the flag saying the timed forward also read joining prompts (its time then is not a step's)."""
+    monkeypatch.setattr(timing.torch.cuda, "Event", FakeEvent)
+    clock = timing.StepClock("cuda")
+    closed = []
+    for read_prompts in (True, False, False):
+        for phase in ("start", "draft_start", "draft_end", "verify_end", "end"):
+            clock.mark(phase)
+        closed.append(clock.finish_step(read_prompts))
+    assert closed[0] == (None, False)  # nothing measured yet
+    assert closed[1] == (StepSeconds(draft=1.0, verify=1.0, other=2.0, catch_up=0.0), True)  # the first step's
+    assert closed[2][1] is False
 
 
 def test_a_step_without_catch_up(monkeypatch):
@@ -24,4 +54,4 @@ def test_a_step_without_catch_up(monkeypatch):
     clock = timing.StepClock("cpu")
     for phase in ("start", "draft_start", "draft_end", "verify_end", "end"):
         clock.mark(phase)
-    assert clock.finish_step() == StepSeconds(draft=1.0, verify=1.0, other=2.0, catch_up=0.0)
+    assert clock.finish_step() == (StepSeconds(draft=1.0, verify=1.0, other=2.0, catch_up=0.0), False)

@@ -78,6 +78,10 @@ class ChainStep(StepPhases):
         self.context, self.batch, self.joining = context, batch, joining
 
     @property
+    def reads_prompts(self) -> bool:
+        return self.joining is not None
+
+    @property
     def rows(self) -> torch.Tensor:
         return self.batch.rows
 

@@ -49,6 +49,7 @@ class StepClock:
         self.on_cuda = torch.device(device).type == "cuda"
         self.points: dict[Mark, object] = {}
         self._waiting: dict[Mark, object] | None = None  # CUDA: the last step's events, read at the next step
+        self._waiting_read_prompts = False  # CUDA: whether that step's forward also read joining prompts
 
     def mark(self, phase: Mark) -> None:
         if self.on_cuda:
@@ -58,16 +59,18 @@ class StepClock:
         else:
             self.points[phase] = time.perf_counter()
 
-    def finish_step(self) -> StepSeconds | None:
-        """Close the step (after :attr:`Mark.END`): on the CPU its seconds; on CUDA the previous step's (``None`` at
-        the first), whose events the current step's device read has completed."""
+    def finish_step(self, read_prompts: bool = False) -> tuple[StepSeconds | None, bool]:
+        """Close the step (after :attr:`Mark.END`; ``read_prompts``: its forward also read joining prompts). Returns
+        seconds and whether the step they measure read prompts: on the CPU this step's; on CUDA the previous step's
+        (``None`` at the first), whose events the current step's device read has completed."""
         points, self.points = self.points, {}
         if not self.on_cuda:
-            return _step_seconds(points, lambda a, b: b - a)
+            return _step_seconds(points, lambda a, b: b - a), read_prompts
         waiting, self._waiting = self._waiting, points
+        waiting_read_prompts, self._waiting_read_prompts = self._waiting_read_prompts, read_prompts
         if waiting is None:
-            return None
-        return _step_seconds(waiting, lambda a, b: a.elapsed_time(b) / 1000.0)
+            return None, False
+        return _step_seconds(waiting, lambda a, b: a.elapsed_time(b) / 1000.0), waiting_read_prompts
 
 
 class NoClock:
@@ -76,8 +79,8 @@ class NoClock:
     def mark(self, phase: Mark) -> None:
         pass
 
-    def finish_step(self) -> None:
-        return None
+    def finish_step(self, read_prompts: bool = False) -> tuple[None, bool]:
+        return None, False
 
 
 def _step_seconds(points: dict, interval) -> StepSeconds:
