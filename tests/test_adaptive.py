@@ -158,23 +158,6 @@ def test_adaptive_selects_top_cells_by_calibrated_survival_not_raw_draft_probabi
     assert lengths.tolist() == [0, 1, 1]  # the cap allows 2 cells; raw q would have chosen row 0's
 
 
-def test_a_model_free_drafters_probe_drafts_every_cell_and_a_models_probe_one(tmp_path):
-    """Prompt lookup or suffix drafts alone run no draft forward: ``adaptive``'s probe drafts all ``k + e`` cells, so
-    its pool learns how deep cells are accepted (a one-cell probe left them at the first cell's rate; on code edits,
-    where lookup's later cells are accepted 0.87-0.94 of the time against the first's 0.43-0.57, it planned plain
-    steps where ``fixed`` paid). A draft model's probe still drafts one cell."""
-    path = FREE_VERIFY.save(tmp_path / "p.json")
-    free = make_strategy(TetrisOptions(tetris_strategy="adaptive", prompt_lookup_num_tokens=4, tetris_extra_tokens=2,
-                                       tetris_cost_profile=str(path)))
-    assert free.plan(4) == DraftPlan(6, 24, probe=True)
-    suffix = make_strategy(TetrisOptions(tetris_strategy="adaptive", tetris_suffix_num_tokens=4,
-                                         tetris_cost_profile=str(path)))
-    assert suffix.plan(2) == DraftPlan(suffix.max_draft, 2 * suffix.max_draft, probe=True)
-    model = AdaptiveBudget(TetrisOptions(tetris_strategy="adaptive", num_assistant_tokens=4, tetris_extra_tokens=2),
-                           StepCostModel(FREE_VERIFY))
-    assert model.plan(4) == DraftPlan(1, 4, probe=True)
-
-
 def test_make_strategy_needs_a_profile_or_the_models(tmp_path):
     with pytest.raises(ValueError, match="tetris_cost_profile"):
         make_strategy(TetrisOptions(tetris_strategy="adaptive"))

@@ -375,15 +375,12 @@ class AdaptiveBudget(_CostAware):
         pool_rows: recently drafted rows kept to plan with.
         sampling: the loop samples (``C`` is then fixed before drafting).
         hybrid: the drafter is hybrid (model and lookup): plans may draft by lookup alone.
-        model_free: the drafter runs no model (prompt lookup or suffix drafts alone): a probe drafts every cell it can
-            (``K = max_draft``), which costs no draft forward and shows how each cell of a chain is accepted, where a
-            model's probe drafts one.
     """
 
     def __init__(self, options: TetrisOptions, cost, learn_costs: bool = False, memory: PairMemory | None = None,
-                 pool_rows: int = 256, sampling: bool = False, hybrid: bool = False, model_free: bool = False):
+                 pool_rows: int = 256, sampling: bool = False, hybrid: bool = False):
         super().__init__(options, cost, learn_costs, memory)
-        self.sampling, self.hybrid, self.model_free = sampling, hybrid, model_free
+        self.sampling, self.hybrid = sampling, hybrid
         self.max_budget = options.tetris_budget
         self.calibrator = self.memory.calibrator
         self.pool_rows = pool_rows
@@ -508,8 +505,7 @@ class AdaptiveBudget(_CostAware):
             self.memory.realized = {key: gain.faded(self.realized_probe_fade)
                                     for key, gain in self.memory.realized.items()}
             self._running = _RunningStep(probe=True)  # (a probe teaches acceptance: the guard does not count it)
-            depth = self.max_draft if self.model_free else 1
-            return DraftPlan(depth, depth * num_rows, probe=True)
+            return DraftPlan(1, num_rows, probe=True)
         drafting = plan.num_draft_tokens > 0
         self._running = _RunningStep(lookup_only, self._plan_id if drafting else -1, speedup if drafting else 0.0)
         return DraftPlan(plan.num_draft_tokens, plan.budget, lookup_only=lookup_only)
@@ -690,6 +686,5 @@ def make_strategy(options: TetrisOptions, model: torch.nn.Module | None = None,
     learn_costs = learn_costs and not sampling
     memory = pair_memory(model, assistant_model, hybrid) if model is not None and not sampling else None
     if options.tetris_strategy == "adaptive":
-        return AdaptiveBudget(options, cost, learn_costs=learn_costs, memory=memory, sampling=sampling, hybrid=hybrid,
-                              model_free=assistant_model is None and options.model_free_tokens is not None)
+        return AdaptiveBudget(options, cost, learn_costs=learn_costs, memory=memory, sampling=sampling, hybrid=hybrid)
     return DynamicWindow(options, cost, learn_costs=learn_costs, memory=memory)
