@@ -5,6 +5,8 @@ The two strategies alternate, ``--rounds`` times each, so that the second ``adap
 learnt, as a long-lived stream would.
 
     python examples/adaptive_stream_trace.py --prompts humaneval-edit --draft lookup
+
+``--first-steps N`` also prints each run's first ``N`` steps row by row: cells verified and accepted.
 """
 
 from __future__ import annotations
@@ -21,12 +23,12 @@ DRAFTS = {"lookup": "prompt_lookup_num_tokens", "suffix": "tetris_suffix_num_tok
 
 def serve(target, prompts, eos, pad, strategy: str, draft: str, args) -> tuple[list, float, int, object]:
     """Every prompt through one stream; ``(steps, seconds, tokens, the stream's loop core)``, each step
-    ``(K, probe, rows, tokens emitted, seconds)``."""
+    ``(K, probe, rows, tokens emitted, seconds, cells verified a row, cells accepted a row)``."""
     steps, cores = [], []
 
     def on_step(record, loop):
         steps.append((record.num_drafted, record.probe, record.rows.numel(), int(record.emitted.sum()),
-                      sum(record.seconds)))
+                      sum(record.seconds), record.verify_lengths.tolist(), record.num_accepted.tolist()))
         cores[:] = [loop.core]
 
     stream = RequestStream(target, max_batch_size=args.max_batch_size, max_new_tokens=args.max_new_tokens,
@@ -51,6 +53,7 @@ def main() -> None:
     parser.add_argument("--max-batch-size", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--first-steps", type=int, default=0, metavar="N")
     args = parser.parse_args()
     target, tokenizer = load_target()
     prompts, note, eos, pad = stream_prompts(target, tokenizer, args.prompts, args.num_prompts, 512)
@@ -60,6 +63,8 @@ def main() -> None:
             steps, seconds, tokens, core = serve(target, prompts, eos, pad, strategy, args.draft, args)
             print(f"== {strategy}: {tokens / seconds:.1f} tok/s, {len(steps)} steps, {seconds:.1f} s")
             print("".join("p" if probe else str(k) for k, probe, *_ in steps))
+            for number, (k, probe, *_, verified, accepted) in enumerate(steps[:args.first_steps]):
+                print(f"  step {number} ({'probe' if probe else f'K = {k}'}): verified {verified}, accepted {accepted}")
             for label, group in (("drafting", [s for s in steps if s[0] > 0]), ("plain", [s for s in steps if not s[0]])):
                 if group:
                     rows, emitted, busy = (sum(s[i] for s in group) for i in (2, 3, 4))
