@@ -125,7 +125,7 @@ class _CostAware:
         if num_drafted is None:
             num_drafted = token_log_probs.shape[1] if token_log_probs is not None else 0
         self._pending.append(_ObservedStep(token_log_probs, verify_lengths, num_accepted, seconds, num_drafted,
-                                           lookup_rows, *self._running))
+                                           lookup_rows, self._running))
 
     def _read(self, *wanted: torch.Tensor) -> list[torch.Tensor]:
         """Read the pending steps' counts and ``wanted`` from the device in one transfer; returns ``wanted`` on the
@@ -145,7 +145,7 @@ class _CostAware:
         steps, self._read_steps = self._read_steps, []
         for step in steps:
             # (a step that drafted by lookup alone ran no draft forward: nothing to correct the draft's cost by)
-            self._correct_costs(step.verify_lengths.numel(), 0 if step.lookup_only else step.num_drafted,
+            self._correct_costs(step.verify_lengths.numel(), 0 if step.running.lookup_only else step.num_drafted,
                                 _longest(step.verify_lengths), int(step.verify_lengths.sum()), step.seconds)
             self._time_plain_step(step)
             self._time_probe(step)
@@ -173,7 +173,7 @@ class _CostAware:
         """Smooth a read probe's measured seconds (the draft's catch-up on what plain steps skipped included) over a
         plain step's at its rows into the pair's ``probe_cost``, what the probe schedule budgets by."""
         plain = self.memory.plain_seconds.get(step.verify_lengths.numel())
-        if not self.learn_costs or not step.probe or step.seconds is None or not plain:
+        if not self.learn_costs or not step.running.probe or step.seconds is None or not plain:
             return
         cost, old = sum(step.seconds) / plain, self.memory.probe_cost
         self.memory.probe_cost = cost if old is None else self._smooth(old, cost)
@@ -182,22 +182,23 @@ class _CostAware:
         """Add one read step of the current drafting plan to the guard's tally: its tokens, and the tokens plain steps
         would have emitted in its time (one a row per plain step)."""
         rows = step.verify_lengths.numel()
-        if step.plan_id != self._plan_id or step.num_drafted == 0 or rows == 0 or self.cost is None:
+        running = step.running
+        if running.plan_id != self._plan_id or step.num_drafted == 0 or rows == 0 or self.cost is None:
             return
         cost, total_verified = self.cost, int(step.verify_lengths.sum())
         seconds = sum(step.seconds) if self.learn_costs and step.seconds is not None else 0.0
         if seconds <= 0:  # (not learning from time, or not measured yet: the model's price of the step as it ran)
-            seconds = cost.step_seconds(rows, 0 if step.lookup_only else step.num_drafted,
+            seconds = cost.step_seconds(rows, 0 if running.lookup_only else step.num_drafted,
                                         _longest(step.verify_lengths), total_verified)
         # a plain step's price: as measured at these rows where the strategy learns from step times, else the model's
         plain = self.memory.plain_seconds.get(rows) if self.learn_costs else None
         plain = plain if plain is not None else cost.step_seconds(rows, 0, 0, 0)
         tokens, plain_tokens = float(step.num_accepted.sum()) + rows, rows * seconds / plain if plain > 0 else 0.0
         tally = self._tally = self._tally.add(tokens, plain_tokens, rows, self.guard_decay)
-        if step.predicted_speedup > 0:  # what the plan predicted of this step, against what it emitted
+        if running.predicted_speedup > 0:  # what the plan predicted of this step, against what it emitted
             realized = self.memory.realized
-            realized[step.lookup_only] = realized[step.lookup_only].add(tokens, plain_tokens * step.predicted_speedup,
-                                                                      self.realized_decay)
+            realized[running.lookup_only] = realized[running.lookup_only].add(
+                tokens, plain_tokens * running.predicted_speedup, self.realized_decay)
         if tally.won(self.guard_steps, self.guard_confidence, self.guard_row_spread):
             self.memory.probe_interval = self.probe_interval_start  # drafting paid: probe soon when it stops paying
 
@@ -270,7 +271,7 @@ class _CostAware:
 
 
 class _RunningStep(NamedTuple):
-    """What the step being run is, as the strategy's plan set it (the last four fields of :class:`_ObservedStep`)."""
+    """What the step being run is, as the strategy's plan set it (kept with its counts in :class:`_ObservedStep`)."""
 
     lookup_only: bool = False  # its plan drafts by prompt lookup alone (hybrid)
     plan_id: int = -1  # the drafting plan it belongs to (-1: a probe or a plain step)
@@ -287,16 +288,13 @@ class _ObservedStep(NamedTuple):
     seconds: StepSeconds | None
     num_drafted: int  # K
     lookup_rows: torch.Tensor | None = None  # (B,) bool, the rows lookup drafted (hybrid drafting, else None)
-    lookup_only: bool = False  # lookup alone drafted
-    plan_id: int = -1  # the drafting plan that ran it (-1: a probe or a plain step)
-    predicted_speedup: float = 0.0  # that plan's predicted speed-up over plain decoding (0: none)
-    probe: bool = False  # a probe
+    running: _RunningStep = _RunningStep()  # what the plan made of it: lookup alone, its plan, a probe
 
     def sources(self) -> torch.Tensor | None:
         """``(B,)`` (host) which source drafted each row, or ``None`` (no hybrid drafting)."""
         if self.lookup_rows is None:
             return None
-        others = UNDRAFTED_ROW if self.lookup_only else MODEL_ROW
+        others = UNDRAFTED_ROW if self.running.lookup_only else MODEL_ROW
         return torch.where(self.lookup_rows, LOOKUP_ROW, others).to(torch.int8)
 
 
