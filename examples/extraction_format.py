@@ -9,6 +9,7 @@ prompts without that start; for each, how many answers are a JSON object holding
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 import torch
 
@@ -35,14 +36,12 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     args = parser.parse_args()
     target, tokenizer = load_target()
-    prompts = list(load_prompts("extraction", limit=args.num_prompts))
-    shipped = render_prompts(prompts, tokenizer)
-    for label, keep_start in (("without the answer start", False), ("as shipped, answer started", True)):
-        starts = [prompt.answer_start if keep_start else "" for prompt in prompts]
-        texts = [text[:len(text) - len(prompt.answer_start)] + start
-                 for text, prompt, start in zip(shipped, prompts, starts)]
-        written = [start + answer for start, answer in
-                   zip(starts, answers(target, tokenizer, texts, args.max_new_tokens, args.batch_size))]
+    shipped = list(load_prompts("extraction", limit=args.num_prompts))
+    for label, prompts in (("without the answer start", [replace(prompt, answer_start="") for prompt in shipped]),
+                           ("as shipped, answer started", shipped)):
+        texts = render_prompts(prompts, tokenizer)
+        written = [prompt.answer_start + answer for prompt, answer in
+                   zip(prompts, answers(target, tokenizer, texts, args.max_new_tokens, args.batch_size))]
         bodies = [answer.lstrip().removeprefix("```json").lstrip() for answer in written]
         objects = sum(body.startswith("{") and '"name"' in body for body in bodies)
         keys = sum('"arguments"' in answer for answer in written)

@@ -437,8 +437,8 @@ EXTRACTION_INSTRUCTION = (
     'Read the Python function below and return a JSON object with exactly these keys: "name" (the function\'s name), '
     '"arguments" (a list of objects with "name" and "type"), "return_type" and "summary" (one line saying what it '
     "returns). Return only the JSON object.")
-# the answer's first key, written for the model (a prefill): without it SmolLM2-135M rewrote the function in most
-# answers instead of returning the object, and its answers shared no format (docs/benchmarks.md, "The extraction set")
+# the answer's first key, written for the model (a prefill) so that a small model answers with the object and every
+# answer shares its format (docs/benchmarks.md, "The extraction set, answered in its format")
 EXTRACTION_ANSWER_START = '{\n  "name": "'
 
 
