@@ -10,7 +10,9 @@ the ones that finished before them (and from the rows decoding beside them).
     python examples/suffix_vs_lookup.py --prompts humaneval-edit,extraction --num-prompts 16 --max-new-tokens 64
 
 ``--tree-width 1,2,3`` serves the suffix runs once per width (``w > 1``: suffix trees, ``tetris_tree_width=w``) and
-prints each against lookup and against the suffix chains.
+prints each against lookup and against the suffix chains. ``--min-prob 0,0.1,0.2`` serves them once per
+``tetris_suffix_min_prob`` (the calibrated survival below which a suffix draft stops); "verified/row-step" is the
+cells the target verified per row-step, what drafting costs.
 
 ``--time-proposal`` instead times one proposal of each drafter on the host (CPU time on this process's threads, the
 lower quartile of 30 calls) for ``--rows`` rows of ``--row-tokens`` tokens and a full suffix cache (256 requests of
@@ -27,6 +29,7 @@ import torch
 
 from tetris_hf.candidate_generators.prompt_lookup import BatchedPromptLookupCandidateGenerator
 from tetris_hf.candidate_generators.suffix import SuffixCandidateGenerator
+from tetris_hf.options import TetrisOptions
 from tetris_hf.stream import RequestStream
 from tetris_hf.suffix_cache import SuffixCache
 from tetris_hf.tools.cli import prompt_texts
@@ -35,11 +38,11 @@ from tetris_hf.tools.models import load_target
 
 
 def serve(target, prompts: list[list[int]], drafter: str, k: int, strategy: str, max_batch_size: int,
-          max_new_tokens: int, eos: int | None, tree_width: int = 1) -> dict:
+          max_new_tokens: int, eos: int | None, tree_width: int = 1, min_prob: float = 0.0) -> dict:
     """Every prompt through one stream drafting with ``drafter`` (``"lookup"`` or ``"suffix"``, trees of
     ``tree_width`` when above 1); what it measured (for trees no per-cell acceptance: a tree has no cell ``j``)."""
     counts = {"row_steps": 0, "emitted": 0, "accepted_rows": 0, "draft_s": 0.0, "step_s": 0.0, "steps": 0,
-              "drafting_rows": 0, "reached": [0] * k, "accepted": [0] * k}
+              "drafting_rows": 0, "verified": 0, "reached": [0] * k, "accepted": [0] * k}
 
     def count(record, loop):
         counts["row_steps"] += record.rows.numel()
@@ -48,6 +51,7 @@ def serve(target, prompts: list[list[int]], drafter: str, k: int, strategy: str,
         counts["accepted_rows"] += int((record.num_accepted > 0).sum())
         drafted = torch.minimum(record.drafted_lengths, record.verify_lengths)  # (B,) cells drafted and verified
         counts["drafting_rows"] += int((drafted > 0).sum())
+        counts["verified"] += int(record.verify_lengths.sum())
         for cell in range(k if record.tree is None else 0):
             reached = (drafted > cell) & (record.num_accepted >= cell)  # the cells before it were accepted
             counts["reached"][cell] += int(reached.sum())
@@ -56,9 +60,10 @@ def serve(target, prompts: list[list[int]], drafter: str, k: int, strategy: str,
         counts["step_s"] += sum(record.seconds)
         counts["steps"] += 1
 
-    option = {"lookup": "prompt_lookup_num_tokens", "suffix": "tetris_suffix_num_tokens"}[drafter]
+    options = {"prompt_lookup_num_tokens": k} if drafter == "lookup" else {"tetris_suffix_num_tokens": k,
+                                                                           "tetris_suffix_min_prob": min_prob}
     stream = RequestStream(target, max_batch_size=max_batch_size, tetris_strategy=strategy, eos_token_id=eos,
-                           tetris_step_callback=count, tetris_tree_width=tree_width, **{option: k})
+                           tetris_step_callback=count, tetris_tree_width=tree_width, **options)
     ids = [stream.add(prompt, max_new_tokens=max_new_tokens) for prompt in prompts]
     started = time.perf_counter()
     outputs = {output.request_id: output.generated_tokens for output in stream.run()}
@@ -121,6 +126,8 @@ def main() -> None:
     parser.add_argument("--tree-width", default="1",
                         help="comma list: suffix drafts at each tetris_tree_width (1: chains; w > 1: trees of the w "
                              "most voted continuations, the same k nodes verified a row with fixed)")
+    parser.add_argument("--min-prob", default=str(TetrisOptions.tetris_suffix_min_prob),
+                        help="comma list: suffix drafts at each tetris_suffix_min_prob (0: every cell found)")
     parser.add_argument("--json", help="also write the numbers here")
     parser.add_argument("--time-proposal", action="store_true", help="time one proposal on the host instead")
     parser.add_argument("--rows", type=int, default=16)
@@ -133,8 +140,8 @@ def main() -> None:
         return
     results = {}
     print(f"k = {args.k}, {args.strategy}, stream of {args.max_batch_size} rows, {args.max_new_tokens} new tokens")
-    print(f"{'prompts':<16} {'drafter':<10} {'tok/row-step':>12} {'rows accepting':>14} {'draft/step':>10} "
-          f"{'seconds':>8} {'rows drafting':>13}  P(cell j accepted | cells before were), j = 1..{args.k}")
+    print(f"{'prompts':<16} {'drafter':<18} {'tok/row-step':>12} {'rows accepting':>14} {'draft/step':>10} "
+          f"{'seconds':>8} {'rows drafting':>13} {'verified/row-step':>17}  P(cell j accepted | cells before were), j = 1..{args.k}")
     for name in args.prompts.split(","):
         texts, _ = prompt_texts(load_prompts(name), args.num_prompts, tokenizer, 256)
         prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
@@ -142,16 +149,18 @@ def main() -> None:
         runs = {"lookup": serve(target, prompts, "lookup", args.k, args.strategy, args.max_batch_size,
                                 args.max_new_tokens, tokenizer.eos_token_id)}
         for width in widths:
-            runs["suffix" if width == 1 else f"suffix w={width}"] = serve(
-                target, prompts, "suffix", args.k, args.strategy, args.max_batch_size, args.max_new_tokens,
-                tokenizer.eos_token_id, width)
+            for min_prob in [float(value) for value in args.min_prob.split(",")]:
+                label = ("suffix" if width == 1 else f"suffix w={width}") + (
+                    "" if min_prob == TetrisOptions.tetris_suffix_min_prob else f" p>={min_prob:g}")
+                runs[label] = serve(target, prompts, "suffix", args.k, args.strategy, args.max_batch_size,
+                                    args.max_new_tokens, tokenizer.eos_token_id, width, min_prob)
         if any(run["outputs"] != runs["lookup"]["outputs"] for run in runs.values()):
             raise SystemExit(f"{name}: the drafters' greedy outputs differ")
         for drafter, run in runs.items():
             per_row_step = run["emitted"] / run["row_steps"]
-            print(f"{name:<16} {drafter:<10} {per_row_step:>12.3f} {run['accepted_rows'] / run['row_steps']:>14.2f} "
+            print(f"{name:<16} {drafter:<18} {per_row_step:>12.3f} {run['accepted_rows'] / run['row_steps']:>14.2f} "
                   f"{run['draft_s'] / run['step_s']:>10.3f} {run['seconds']:>8.1f} "
-                  f"{run['drafting_rows'] / run['row_steps']:>13.2f}  "
+                  f"{run['drafting_rows'] / run['row_steps']:>13.2f} {run['verified'] / run['row_steps']:>17.2f}  "
                   + " ".join(f"{a / r:.2f}" if r else "-" for a, r in zip(run["accepted"], run["reached"])))
             results[f"{name}/{drafter}"] = {key: value for key, value in run.items() if key != "outputs"}
         rate = {drafter: run["emitted"] / run["row_steps"] for drafter, run in runs.items()}
@@ -161,7 +170,7 @@ def main() -> None:
                 print(f"{name:<16} {drafter} / lookup: {ratio:.3f}x tokens per row-step (outputs identical)")
                 results[f"{name}/{drafter}/ratio"] = ratio
         for drafter in runs:
-            if drafter.startswith("suffix w=") and "suffix" in runs:
+            if drafter.startswith("suffix ") and "suffix" in runs:
                 ratio = rate[drafter] / rate["suffix"]
                 print(f"{name:<16} {drafter} / suffix chains: {ratio:.3f}x tokens per row-step")
                 results[f"{name}/{drafter}/vs_chains"] = ratio

@@ -239,7 +239,7 @@ def test_the_drafted_chain_is_a_continuation_seen_after_the_rows_last_tokens(req
     drafter.prefill(prompts, mask)
     sequences = torch.cat([prompts, torch.zeros(len(rows), 4, dtype=torch.long)], dim=1)
     lengths = torch.full((len(rows),), width)
-    drafts, counts, shares, ngram = drafter.draft(sequences, lengths, num_tokens)
+    drafts, counts, shares, ngram, _ = drafter.draft(sequences, lengths, num_tokens)
     for b, row in enumerate(rows):
         n = int(ngram[b])
         assert n == longest_in(requests + rows, row, 3)

@@ -371,12 +371,12 @@ def test_many_rows_search_themselves_only():
     original = suffix.PEER_BUDGET
     try:
         suffix.PEER_BUDGET = 0
-        drafts, counts, _, _ = batched.draft(rows.clone(), torch.full((64,), 40), 3)
+        drafts, counts, *_ = batched.draft(rows.clone(), torch.full((64,), 40), 3)
     finally:
         suffix.PEER_BUDGET = original
     for index in range(0, 64, 9):
         alone = SuffixCandidateGenerator(max_tokens=3)
         alone.prefill(rows[index : index + 1], torch.ones_like(rows[index : index + 1]))
-        one, count, _, _ = alone.draft(rows[index : index + 1].clone(), torch.tensor([40]), 3)
+        one, count, *_ = alone.draft(rows[index : index + 1].clone(), torch.tensor([40]), 3)
         assert int(counts[index]) == int(count[0])
         assert drafts[index, : int(count[0])].tolist() == one[0, : int(count[0])].tolist()

@@ -88,6 +88,8 @@ class TetrisOptions:
         prompt_lookup_num_tokens: draft by prompt lookup, up to this many tokens per row (it is ``k``).
         tetris_suffix_num_tokens: draft from a suffix cache, up to this many tokens per row (it is ``k``).
         tetris_suffix_cache: a :class:`~tetris_hf.suffix_cache.SuffixCache` shared between calls.
+        tetris_suffix_min_prob: suffix drafts stop where a cell's calibrated survival (the estimated chance that it and
+            every cell before it are accepted) falls below this; 0 drafts every cell found.
         max_matching_ngram_size: the longest n-gram prompt lookup matches (default 3).
         tetris_min_ngram_size: the shortest n-gram prompt lookup matches (default 1).
         tetris_confidence_threshold: a model's chain stops once every row's last draft has ``max q`` below this.
@@ -110,6 +112,7 @@ class TetrisOptions:
     tetris_confidence_threshold: float | None = None
     tetris_suffix_num_tokens: int | None = None
     tetris_suffix_cache: SuffixCache | None = None
+    tetris_suffix_min_prob: float = 0.1
 
     def __post_init__(self):
         self._check_lookup()
@@ -175,10 +178,13 @@ class TetrisOptions:
 
     def _check_suffix(self) -> None:
         suffix = self.tetris_suffix_num_tokens
+        min_prob = self.tetris_suffix_min_prob
+        if isinstance(min_prob, bool) or not isinstance(min_prob, (int, float)) or not 0 <= min_prob < 1:
+            raise ValueError(f"`tetris_suffix_min_prob` must be a number in [0, 1), got {min_prob!r}")
         if suffix is None:
-            if self.tetris_suffix_cache is not None:
-                raise ValueError("`tetris_suffix_cache` is what suffix drafts read: pass `tetris_suffix_num_tokens=` "
-                                 "too")
+            for name in ("tetris_suffix_cache", "tetris_suffix_min_prob"):
+                if getattr(self, name) != getattr(TetrisOptions, name):
+                    raise ValueError(f"`{name}` applies to suffix drafts: pass `tetris_suffix_num_tokens=` too")
             return
         _check_count("tetris_suffix_num_tokens", suffix, 1)
         if self.prompt_lookup_num_tokens is not None:

@@ -62,7 +62,8 @@ def build_drafter(assistant_model: torch.nn.Module | None, options: TetrisOption
 def _model_free(options: TetrisOptions, max_draft: int, alone: bool) -> Drafter | None:
     """The model-free drafter the options ask for (or, ``alone``, with no model: prompt lookup), else ``None``."""
     if options.tetris_suffix_num_tokens is not None:  # the batch's rows and earlier requests draft
-        return SuffixCandidateGenerator(max_tokens=max(max_draft, 1), cache=options.tetris_suffix_cache)
+        return SuffixCandidateGenerator(max_tokens=max(max_draft, 1), cache=options.tetris_suffix_cache,
+                                        min_prob=options.tetris_suffix_min_prob)
     if options.prompt_lookup_num_tokens is not None or alone:  # the rows' own tokens draft
         max_ngram = options.max_matching_ngram_size
         return BatchedPromptLookupCandidateGenerator(

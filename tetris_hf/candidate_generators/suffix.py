@@ -7,6 +7,8 @@ continuation most often seen after the row's recent tokens, in the batch's own r
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..kv import rows_after_fill
@@ -59,11 +61,14 @@ class SuffixCandidateGenerator(Drafter):
         cache: the :class:`~tetris_hf.suffix_cache.SuffixCache` to share (else a new one).
         occurrences: occurrences that vote, from the batch and from the cache each.
         depth: the longest match (the cache's, when given).
+        min_prob: a cell is drafted only while its calibrated survival (the estimated chance that it and every cell
+            before it are accepted) is at least this (a tree's node: its path's); 0 drafts every cell found.
     """
 
     def __init__(self, max_tokens: int = 8, cache: SuffixCache | None = None, occurrences: int = 32,
-                 depth: int = SUFFIX_DEPTH):
+                 depth: int = SUFFIX_DEPTH, min_prob: float = 0.1):
         self.max_tokens = max_tokens
+        self.min_log_prob = math.log(min_prob) if min_prob > 0 else float("-inf")
         self.cache = cache
         self.depth = depth if cache is None else cache.depth
         self.occurrences = occurrences
@@ -108,15 +113,20 @@ class SuffixCandidateGenerator(Drafter):
         return torch.cat([from_batch, from_cache], dim=1), torch.cat([batch_found, cache_found], dim=1), ngram
 
     def draft(self, sequences: torch.Tensor, lengths: torch.Tensor,
-              num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The chain for every row: ``tokens`` ``(B, K)`` (past a row's count: its last token), ``counts`` ``(B,)``,
-        ``shares`` ``(B, K)`` vote shares ``count / (total + 1)`` and ``ngram`` ``(B,)`` the match length."""
+              num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The chain for every row: ``tokens`` ``(B, K)`` (past a row's count: its last token), ``counts`` ``(B,)``
+        (cut where the survival falls below ``min_prob``), ``shares`` ``(B, K)`` vote shares ``count / (total + 1)``,
+        ``ngram`` ``(B,)`` the match length and ``log_probs`` ``(B, K)`` each cell's calibrated log acceptance."""
         candidates, found, ngram = self.find_occurrences(sequences, lengths, num_tokens)
         drafts, counts, chosen, total = frequency_chain(candidates, found)
+        shares = chosen / (total + 1)
+        log_probs = self.acceptance.log_probs(shares, ngram)
+        if self.min_log_prob > float("-inf"):  # (survival only falls along a chain: what is kept is a prefix)
+            counts = torch.minimum(counts, (log_probs.cumsum(dim=1) >= self.min_log_prob).sum(dim=1))
         last = sequences.gather(1, (lengths - 1)[:, None])
         cells = torch.arange(num_tokens, device=sequences.device)[None, :]
         drafts = torch.where(cells < counts[:, None], drafts, last)
-        return drafts, counts, chosen / (total + 1), ngram
+        return drafts, counts, shares, ngram, log_probs
 
     def propose(self, sequences: torch.Tensor, lengths: torch.Tensor, num_tokens: int,
                 rows: torch.Tensor | None = None, confidences: bool = True, *, lookup_only: bool = False,
@@ -136,13 +146,11 @@ class SuffixCandidateGenerator(Drafter):
             self._last, self._depth = None, 0
             return Proposal(empty, empty.float() if confidences else None, None, None)
         self._check_size(num_tokens)
-        drafts, counts, shares, ngram = self.draft(sequences, lengths, num_tokens)
-        sequences.scatter_(1, lengths[:, None] + torch.arange(num_tokens, device=lengths.device), drafts)
+        drafts, counts, shares, ngram, log_probs = self.draft(sequences, lengths, num_tokens)
+        cells = torch.arange(num_tokens, device=lengths.device)
+        sequences.scatter_(1, lengths[:, None] + cells, drafts)
         self._last, self._depth = (ngram, shares, counts), num_tokens
-        log_probs = None
-        if confidences:
-            cells = torch.arange(num_tokens, device=lengths.device)[None, :]
-            log_probs = self.acceptance.log_probs(shares, ngram).masked_fill(cells >= counts[:, None], float("-inf"))
+        log_probs = log_probs.masked_fill(cells[None, :] >= counts[:, None], float("-inf")) if confidences else None
         return Proposal(drafts, log_probs, None, counts, torch.ones_like(counts, dtype=torch.bool))
 
     def propose_tree(self, sequences: torch.Tensor, lengths: torch.Tensor, depth: int, width: int) -> GrownTree:
@@ -153,6 +161,8 @@ class SuffixCandidateGenerator(Drafter):
         candidates, found, ngram = self.find_occurrences(sequences, lengths, depth)
         tree, shares = frequency_tree(candidates, found, width,
                                       lambda share: self.acceptance.log_probs(share, ngram))
+        if self.min_log_prob > float("-inf"):  # (a path's score never rises: what is kept stays ancestor-closed)
+            tree = tree._replace(valid=tree.valid & (tree.log_scores >= self.min_log_prob))
         self._last, self._depth = (ngram, shares, None), depth
         return GrownTree(tree, None, None)
 

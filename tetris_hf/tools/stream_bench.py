@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from ..options import TetrisOptions
 from .cli import (UsageError, add_kernel_argument, apply_kernels, load_pair, load_prompt_set, number_list,
                   prompt_texts, resolve_device)
 from .vllm_system import VLLM_SYSTEMS, VLLMSettings
@@ -345,6 +346,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree-width", type=int, default=1, metavar="W",
                         help="with --draft suffix (or lookup,suffix): suffix drafts as trees of W children per node "
                              "(tetris_tree_width; 1: chains)")
+    parser.add_argument("--suffix-min-prob", type=float, default=None, metavar="P",
+                        help="with --draft suffix (or lookup,suffix): tetris_suffix_min_prob, the calibrated survival "
+                             "below which a suffix draft stops (default: the option's, "
+                             f"{TetrisOptions.tetris_suffix_min_prob:g}; 0: every cell found)")
     parser.add_argument("--hybrid", action="store_true",
                         help="the draft model and prompt lookup together: each row drafts by lookup where it matches")
     parser.add_argument("--num-assistant-tokens", type=int, default=4, help="k")
@@ -383,6 +388,7 @@ class StreamBenchConfig:
     suffix_seed: str | None = None  # a seed file every run's suffix cache starts from (SuffixCache.add_file)
     compiled: bool = False  # each stream strategy also with tetris_compile=True
     tree_width: int = 1  # suffix drafts as trees of this many children per node (1: chains)
+    suffix_min_prob: float | None = None  # tetris_suffix_min_prob for suffix drafts (None: the option's default)
 
 
 def _gather(run: StreamRun, indices: list[int]) -> StreamRun:
@@ -414,8 +420,10 @@ def speculative_options(target, draft, config: StreamBenchConfig, suffix: bool |
 
     vocab_size = target.get_output_embeddings().weight.shape[0]
     seed = config.suffix_seed
+    min_prob = {} if config.suffix_min_prob is None else {"tetris_suffix_min_prob": config.suffix_min_prob}
     return lambda: {"tetris_suffix_num_tokens": config.num_assistant_tokens, "tetris_tree_width": config.tree_width,
-                    "tetris_suffix_cache": SuffixCache() if seed is None else SuffixCache.from_file(seed, vocab_size)}
+                    "tetris_suffix_cache": SuffixCache() if seed is None else SuffixCache.from_file(seed, vocab_size),
+                    **min_prob}
 
 
 def stream_prompts(target, tokenizer, prompts: str, num_prompts: int,
@@ -607,6 +615,9 @@ def main(args) -> int:
     if args.tree_width < 1 or (args.tree_width > 1 and "suffix" not in sources):
         raise UsageError(f"--tree-width {args.tree_width}: suffix drafts grow trees (1: chains); pass --draft suffix "
                          "or lookup,suffix with a width of 1 or more")
+    if args.suffix_min_prob is not None and ("suffix" not in sources or not 0 <= args.suffix_min_prob < 1):
+        raise UsageError(f"--suffix-min-prob {args.suffix_min_prob}: a number in [0, 1) for suffix drafts; pass "
+                         "--draft suffix or lookup,suffix")
     if args.tree_width > 1 and args.compiled:
         raise UsageError("--tree-width with --compiled: compiled steps draft chains only; choose one")
     if args.compiled and args.onednn_linears:
@@ -645,7 +656,7 @@ def main(args) -> int:
                                args.num_assistant_tokens, args.extra_tokens, args.max_ngram, args.repeats,
                                args.prompts_apart, vllm=vllm, suffix=suffix, suffix_seed=args.suffix_seed,
                                sources=sources if len(sources) > 1 else (), compiled=args.compiled,
-                               tree_width=args.tree_width)
+                               tree_width=args.tree_width, suffix_min_prob=args.suffix_min_prob)
     main_process = state is None or state.is_main_process
     log = (lambda line: print(line, flush=True)) if main_process else (lambda line: None)
     log(f"{len(prompts)} requests ({note}); prompt tokens {min(map(len, prompts))}-{max(map(len, prompts))}, "
