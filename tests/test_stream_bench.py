@@ -106,6 +106,15 @@ def test_lookup_and_suffix_side_by_side_run_each_strategy_once_per_source(pair, 
     assert rows[suffix]["tokens_per_row_step"] > rows["stream-fixed-lookup"]["tokens_per_row_step"]
 
 
+@pytest.mark.parametrize("min_prob", [None, 0.0, 0.3])
+def test_suffix_runs_take_the_minimum_survival_given(pair, min_prob):
+    target, _ = pair
+    config = stream_bench.StreamBenchConfig(max_new_tokens=4, max_batch_sizes=(2,), systems=(), strategies=("fixed",),
+                                            lookup=True, suffix=True, suffix_min_prob=min_prob)
+    options = stream_bench.speculative_options(target, None, config)()
+    assert options.get("tetris_suffix_min_prob") == min_prob  # (None: left to the option's default)
+
+
 def test_compiled_streams_run_beside_eager_ones_their_compiling_run_timed_apart(pair):
     """``--compiled``: each stream strategy once eager and once with ``tetris_compile=True``; the compiled one's first
     run (which compiles) is run before the timed repeats and reported as its start-up; every output equal."""
@@ -129,6 +138,8 @@ def test_compiled_streams_run_beside_eager_ones_their_compiling_run_timed_apart(
     (["--draft", "lookup", "--tree-width", "2"], "suffix drafts grow trees"),
     (["--draft", "suffix", "--tree-width", "0"], "suffix drafts grow trees"),
     (["--draft", "suffix", "--tree-width", "2", "--compiled"], "compiled steps draft chains only"),
+    (["--draft", "lookup", "--suffix-min-prob", "0.2"], "for suffix drafts; pass --draft suffix"),
+    (["--draft", "suffix", "--suffix-min-prob", "1.5"], r"a number in \[0, 1\)"),
 ])
 def test_bad_combinations_are_refused_before_any_model_loads(argv, words, tmp_path, monkeypatch):
     import argparse

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from tetris_hf.candidate_generators.suffix import SuffixCandidateGenerator
@@ -228,8 +228,9 @@ def test_batch_matches_equal_a_row_by_row_search(rows, peers):
 @given(requests_strategy, st.lists(row_strategy, min_size=1, max_size=3), st.integers(1, 4))
 def test_the_drafted_chain_is_a_continuation_seen_after_the_rows_last_tokens(requests, rows, num_tokens):
     """Whatever the batch and the cache hold, each row's chain follows an occurrence of its last ``n`` tokens (``n``
-    the longest match in either) in a row of the batch or a cached request, and a row drafts iff one exists."""
-    drafter = SuffixCandidateGenerator(max_tokens=4, cache=cache_of(requests), occurrences=8)
+    the longest match in either) in a row of the batch or a cached request, and a row drafts iff one exists (every
+    cell found drafted: ``min_prob=0``)."""
+    drafter = SuffixCandidateGenerator(max_tokens=4, cache=cache_of(requests), occurrences=8, min_prob=0.0)
     width = max(len(row) for row in rows)
     prompts = torch.zeros(len(rows), width, dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.long)
@@ -248,6 +249,36 @@ def test_the_drafted_chain_is_a_continuation_seen_after_the_rows_last_tokens(req
         assert (len(chain) > 0) == (len(seen) > 0)
         assert any(cont[: len(chain)] == chain for cont in seen) or not chain
         assert (shares[b, : len(chain)] > 0).all() and (shares[b] < 1).all()
+
+
+@SETTINGS
+@given(requests_strategy, st.lists(row_strategy, min_size=1, max_size=3), st.floats(0.01, 0.99),
+       st.lists(st.floats(0.0, 1.0), min_size=30, max_size=30))
+def test_a_minimum_survival_keeps_the_longest_prefix_at_or_above_it(requests, rows, min_prob, rates):
+    """Whatever the occurrences and the calibrated table, a drafter with ``min_prob`` drafts the uncut chain's longest
+    prefix whose survival (the product of its cells' calibrated acceptance) is at least ``min_prob``."""
+    width = max(len(row) for row in rows)
+    prompts = torch.zeros(len(rows), width, dtype=torch.long)
+    for index, row in enumerate(rows):  # right-aligned rows of real tokens (no padding)
+        prompts[index, width - len(row):] = torch.tensor(row)
+    starts = [width - len(row) for row in rows]
+    results = []
+    for floor in (0.0, min_prob):
+        drafter = SuffixCandidateGenerator(max_tokens=4, cache=cache_of(requests), occurrences=8, min_prob=floor)
+        drafter.prefill(prompts, (torch.arange(width)[None, :] >= torch.tensor(starts)[:, None]).long())
+        drafter.acceptance.prior = torch.tensor(rates).view(3, 10)  # (no counts yet: the rates are the prior)
+        sequences = torch.cat([prompts, torch.zeros(len(rows), 4, dtype=torch.long)], dim=1)
+        results.append(drafter.draft(sequences, torch.full((len(rows),), width), 4))
+    (drafts, counts, _, _, log_probs), (cut_drafts, cut_counts, *_) = results
+    for b in range(len(rows)):
+        survival = log_probs[b].double().exp().cumprod(dim=0)
+        assume(not ((survival - min_prob).abs() < 1e-5).any())  # (float rounding decides a cell at the boundary)
+        expected = 0
+        while expected < int(counts[b]) and float(survival[expected]) >= min_prob:
+            expected += 1
+        assert int(cut_counts[b]) == expected
+        assert cut_drafts[b, :expected].tolist() == drafts[b, :expected].tolist()
+        assert cut_drafts[b, expected:].tolist() == [int(prompts[b, -1])] * (4 - expected)  # the row's last token
 
 
 def test_eviction_keeps_the_cap_and_the_newest_requests():

@@ -4,6 +4,7 @@ sampled rows follow the target's law (and a broken rejection, or a broken tree r
 reach the cache; a step reads the device at most twice; bad settings are refused by name before any forward."""
 
 import functools
+import math
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ STRATEGIES = [
     ("tetris", {}),
     ("tetris", {"tetris_budget": 2}),  # a partial budget: TETRIS ranks suffix cells across rows
     ("fixed", {}),
+    ("fixed", {"tetris_suffix_min_prob": 0.0}),  # every cell found drafted, however unlikely
     ("adaptive", {"tetris_cost_profile": sampling.CHEAP_VERIFY}),
     ("dsd", {"tetris_cost_profile": sampling.CHEAP_VERIFY}),
 ]
@@ -97,6 +99,38 @@ def test_a_tree_verdict_calibrates_the_nodes_whose_parent_was_reached():
     assert tried.sum() == 2 and accepted.sum() == 1
     assert [float(tried[cell]) for cell in shares] == [1.0, 1.0, 0.0]
     assert float(accepted[shares[1]]) == 1.0
+
+
+def even_odds_drafter(min_prob: float) -> SuffixCandidateGenerator:
+    """A drafter over one row ``1 2 3 4 5 6 7 1 2`` (after ``1 2`` came ``3 4 5``), every cell's calibrated acceptance
+    0.5: survivals 0.5, 0.25, 0.125."""
+    drafter = SuffixCandidateGenerator(max_tokens=3, min_prob=min_prob)
+    sequences = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 1, 2]])
+    drafter.prefill(sequences, torch.ones_like(sequences))
+    drafter.acceptance.tried.fill_(1e6)
+    drafter.acceptance.accepted.fill_(5e5)
+    return drafter
+
+
+@pytest.mark.parametrize("min_prob,drafted", [(0.0, 3), (0.2, 2), (0.3, 1), (0.6, 0)])
+def test_a_chain_stops_where_its_survival_falls_below_the_minimum(min_prob, drafted):
+    drafter = even_odds_drafter(min_prob)
+    sequences = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 1, 2, 0, 0, 0]])
+    proposal = drafter.propose(sequences, torch.tensor([9]), 3)
+    assert proposal.lengths.tolist() == [drafted]
+    assert proposal.tokens[0].tolist() == [3, 4, 5][:drafted] + [2] * (3 - drafted)  # past the count: the last token
+    assert sequences[0, 9:].tolist() == proposal.tokens[0].tolist()
+    assert proposal.log_probs[0].isfinite().tolist() == [cell < drafted for cell in range(3)]
+
+
+@pytest.mark.parametrize("min_prob,depths", [(0.0, 3), (0.2, 2), (0.3, 1)])
+def test_tree_nodes_below_the_minimum_survival_are_not_candidates(min_prob, depths):
+    drafter = even_odds_drafter(min_prob)
+    sequences = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 1, 2, 0, 0, 0]])
+    tree = drafter.propose(sequences, torch.tensor([9]), 3, tree_width=2).tree
+    valid = tree.valid[0]
+    assert tree.tokens[0][valid].tolist() == [3, 4, 5][:depths]  # (one occurrence: one node a level)
+    assert (tree.log_scores[0][valid] >= math.log(max(min_prob, 1e-9))).all()
 
 
 def test_finished_rows_fill_the_cache_and_a_seeded_cache_drafts(repetitive_target):
@@ -327,6 +361,9 @@ def test_chi_square_catches_children_tried_each_by_its_own_odds(suffix_sampling,
     ({"prompt_lookup_num_tokens": 2, "tetris_tree_width": 2}, "prompt lookup drafts one continuation"),
     ({"tetris_suffix_cache": SuffixCache(max_requests=2)}, "pass `tetris_suffix_num_tokens=` too"),
     ({"tetris_suffix_num_tokens": 2, "tetris_suffix_cache": {}}, "tetris_suffix_cache` must be"),
+    ({"tetris_suffix_min_prob": 0.2}, "tetris_suffix_min_prob` applies to suffix drafts"),
+    ({"tetris_suffix_num_tokens": 2, "tetris_suffix_min_prob": 1.0}, r"tetris_suffix_min_prob` must be a number in \[0, 1\)"),
+    ({"tetris_suffix_num_tokens": 2, "tetris_suffix_min_prob": "0.1"}, "tetris_suffix_min_prob` must be a number"),
 ])
 def test_bad_suffix_settings_are_refused_before_any_forward(options, message, monkeypatch):
     target = tiny_llama(vocab_size=32)
