@@ -42,6 +42,25 @@ def test_every_run_serves_every_request_as_generate_does(pair, lookup, hybrid, t
     assert (tmp_path / "stream.png").stat().st_size > 1000
 
 
+def summary(name: str, tokens_per_second: float, **extra) -> dict:
+    return {"name": name, "tokens_per_second": tokens_per_second, "range": "1.0-2.0", "requests_per_second": 1.0,
+            "ttft_p50": 1.0, "ttft_p99": 2.0, "per_token_p50": 0.1, "per_token_p99": 0.2, "mean_live_rows": 3.0,
+            "equal": "4/4", **extra}
+
+
+def test_the_verdict_weighs_drafting_against_the_stream_without_it_and_long_names_keep_the_columns():
+    summaries = [summary("generate-chunks", 40.0), summary("stream-plain", 70.0, tokens_per_row_step=1.0),
+                 summary("stream-fixed-lookup", 63.0, tokens_per_row_step=1.3, acceptance=0.2),
+                 summary("stream-adaptive-suffix-w2", 56.0, tokens_per_row_step=1.1, acceptance=0.3)]
+    words = stream_bench.verdict(summaries)
+    assert words.startswith("Fastest: stream-plain, 70.0 tok/s = 1.75x the faster plain system (generate-chunks")
+    assert ("Drafting against the same stream without it (stream-plain, 70.0 tok/s): the fastest drafting run, "
+            "stream-fixed-lookup, is 0.90x it.") in words
+    lines = stream_bench.format_table(summaries, "generate-chunks").splitlines()
+    columns = {line.index(" 4/4") for line in lines[2:]}  # the last column, after every name's width
+    assert len(columns) == 1 and lines[0].index("= generate") + len("= generate") == columns.pop() + len(" 4/4")
+
+
 def test_prompts_apart_and_a_bench_without_static_chunks(pair):
     """``--prompts-apart`` runs each strategy again with every joining prompt read in forwards of its own; without
     static chunks the outputs are checked against transformers' generate_batch's."""

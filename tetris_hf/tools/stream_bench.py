@@ -232,7 +232,8 @@ def format_table(summaries: list[dict], reference: str) -> str:
     """One line per run: speed against ``reference``'s, latency, occupancy, and, for the stream, tokens a row-step,
     acceptance and (hybrid) the share of verified drafts lookup drafted."""
     base = next((row["tokens_per_second"] for row in summaries if row["name"] == reference), None)
-    header = (f"{'run':18s} {'tok/s':>7s} {'range':>11s} {'vs ' + reference:>21s} {'req/s':>6s} {'ttft p50':>8s} "
+    width = max([18] + [len(row["name"]) for row in summaries])
+    header = (f"{'run':{width}s} {'tok/s':>7s} {'range':>11s} {'vs ' + reference:>21s} {'req/s':>6s} {'ttft p50':>8s} "
               f"{'p99':>6s} {'ms/tok p50':>10s} {'p99':>6s} {'rows':>5s} {'tok/row-step':>12s} {'accept':>6s} "
               f"{'lookup':>6s} {'= generate':>10s}")
     lines = [header, "-" * len(header)]
@@ -243,7 +244,7 @@ def format_table(summaries: list[dict], reference: str) -> str:
     for row in summaries:
         ratio = f"{row['tokens_per_second'] / base:.2f}x" if base else "-"
         lines.append(
-            f"{row['name']:18s} {row['tokens_per_second']:7.1f} {row['range']:>11s} {ratio:>21s} "
+            f"{row['name']:{width}s} {row['tokens_per_second']:7.1f} {row['range']:>11s} {ratio:>21s} "
             f"{row['requests_per_second']:6.2f} {row['ttft_p50']:7.1f}s {row['ttft_p99']:5.1f}s "
             f"{1000 * row['per_token_p50']:10.1f} {1000 * row['per_token_p99']:6.1f} "
             f"{optional(row['mean_live_rows'], '.1f'):>5s} "
@@ -284,6 +285,13 @@ def verdict(summaries: list[dict]) -> str:
         lines.append(f"  {row['name']}: {relative:.2f}x; " + ", ".join(why))
     lines.append("  (a stream keeps its rows full as requests end; speculation pays where each extra verified token "
                  "costs little and drafts are often accepted)")
+    ours_plain = next((row for row in summaries if row["name"] == "stream-plain"), None)
+    drafting = [row for row in summaries if row["name"].startswith("stream-") and row is not ours_plain]
+    if ours_plain is not None and drafting:  # does drafting pay here, against the same stream without it?
+        best = max(drafting, key=lambda row: row["tokens_per_second"])
+        lines.append(f"Drafting against the same stream without it (stream-plain, {ours_plain['tokens_per_second']:.1f} "
+                     f"tok/s): the fastest drafting run, {best['name']}, is "
+                     f"{best['tokens_per_second'] / ours_plain['tokens_per_second']:.2f}x it.")
     engines = [row for row in summaries if row["name"] in VLLM_SYSTEMS]
     ours = [row for row in summaries if row["name"] not in VLLM_SYSTEMS]
     if engines and ours:  # vLLM's CPU engine is the bar issue 45 sets: our best against its best
