@@ -118,22 +118,22 @@ def test_frequency_chain_takes_the_most_frequent_token_depth_by_depth(candidates
     assert ((shares >= 0) & (shares < 1)).all()
 
 
-def step_log_conditional(shares: torch.Tensor) -> torch.Tensor:
+def step_log_conditional(shares: torch.Tensor, unanimous: torch.Tensor) -> torch.Tensor:
     """A calibration stand-in whose path sums are exact in float32 and float64 (integers), so ties match the
-    reference's."""
-    return -torch.floor((1 - shares) * 8) - 1
+    reference's; a split vote costs one more."""
+    return -torch.floor((1 - shares) * 8) - 1 - (~unanimous).float()
 
 
 def reference_tree(rows: list[list[int]], alive: list[bool], width: int) -> list[tuple]:
     """The frequency tree by hand, level by level: each frontier node's ``width`` most voted next tokens among the
     occurrences agreeing with its path (ties: the earliest occurrence), the ``width`` best candidates by path score
-    kept (ties: parent, then rank). Returns ``(token, parent, depth, score, share)`` per valid node, ``None``
-    elsewhere, in node order."""
+    kept (ties: parent, then rank). Returns ``(token, parent, depth, score, share, unanimous)`` per valid node,
+    ``None`` elsewhere, in node order."""
     owner = {i: 0 for i, keep in enumerate(alive) if keep}
     frontier_scores, nodes = [0.0], []
     for level in range(len(rows[0])):
         owner = {i: f for i, f in owner.items() if rows[i][level] >= 0}
-        candidates = []  # (score, parent, token, share), parent-major then rank
+        candidates = []  # (score, parent, token, share, unanimous), parent-major then rank
         for f, parent_score in enumerate(frontier_scores):
             mine = sorted(i for i in owner if owner[i] == f)
             votes = collections.Counter(rows[i][level] for i in mine)
@@ -143,16 +143,16 @@ def reference_tree(rows: list[list[int]], alive: list[bool], width: int) -> list
             ranked = sorted(first, key=lambda token: (-votes[token], first[token]))[:width]
             for rank in range(width):
                 if rank < len(ranked) and parent_score > float("-inf"):
-                    share = votes[ranked[rank]] / (len(mine) + 1)
-                    score = parent_score - math.floor((1 - share) * 8) - 1
-                    candidates.append((score, f, ranked[rank], share))
+                    share, unanimous = votes[ranked[rank]] / (len(mine) + 1), votes[ranked[rank]] == len(mine)
+                    score = parent_score - math.floor((1 - share) * 8) - 1 - (0 if unanimous else 1)
+                    candidates.append((score, f, ranked[rank], share, unanimous))
                 else:
-                    candidates.append((float("-inf"), f, None, 0.0))
+                    candidates.append((float("-inf"), f, None, 0.0, False))
         kept = sorted(candidates, key=lambda candidate: -candidate[0])[:width]  # (stable: ties keep their order)
         start = -1 if level == 0 else (level - 1) * width
-        nodes += [None if token is None else (token, -1 if start < 0 else start + f, level + 1, score, share)
-                  for score, f, token, share in kept]
-        index = {(f, token): k for k, (_, f, token, _) in enumerate(kept) if token is not None}
+        nodes += [None if token is None else (token, -1 if start < 0 else start + f, level + 1, score, share, agree)
+                  for score, f, token, share, agree in kept]
+        index = {(f, token): k for k, (_, f, token, *_) in enumerate(kept) if token is not None}
         owner = {i: index[(f, rows[i][level])] for i, f in owner.items() if (f, rows[i][level]) in index}
         frontier_scores = [score for score, *_ in kept]
     return nodes
@@ -166,18 +166,20 @@ def test_frequency_tree_equals_a_trie_built_by_hand(candidates, alive, width):
     counts them), siblings distinct, scores falling along paths; with ``width = 1`` it is the frequency chain."""
     alive = alive[: len(candidates)]
     rows = [c[: c.index(-1)] + [-1] * (3 - c.index(-1)) if -1 in c else c for c in candidates]
-    tree, shares = frequency_tree(torch.tensor([rows]), torch.tensor([alive]), width, step_log_conditional)
+    tree, shares, unanimous = frequency_tree(torch.tensor([rows]), torch.tensor([alive]), width,
+                                             step_log_conditional)
     expected = reference_tree(rows, alive, width)
     assert tree.tokens.shape == (1, 3 * width)
     for node, want in enumerate(expected):
         assert bool(tree.valid[0, node]) == (want is not None), node
         if want is None:
-            assert tree.log_scores[0, node] == float("-inf") and shares[0, node] == 0
+            assert tree.log_scores[0, node] == float("-inf") and shares[0, node] == 0 and not unanimous[0, node]
             continue
-        token, parent, depth, score, share = want
+        token, parent, depth, score, share, agree = want
         assert (int(tree.tokens[0, node]), int(tree.parents[0, node]), int(tree.depths[0, node])) == \
             (token, parent, depth), node
         assert float(tree.log_scores[0, node]) == score and abs(float(shares[0, node]) - share) < 1e-6
+        assert bool(unanimous[0, node]) == agree
         if parent >= 0:  # a valid node's parent is valid and scores no lower
             assert tree.valid[0, parent] and tree.log_scores[0, parent] >= tree.log_scores[0, node]
     valid = tree.valid[0].tolist()
@@ -185,16 +187,17 @@ def test_frequency_tree_equals_a_trie_built_by_hand(candidates, alive, width):
                                    if valid[n])
     assert max(siblings.values(), default=1) == 1
     if width == 1:
-        chain, count, _, _ = frequency_chain(torch.tensor([rows]), torch.tensor([alive]))
+        chain, count, chosen, total = frequency_chain(torch.tensor([rows]), torch.tensor([alive]))
         assert tree.valid[0].sum() == count[0]
         assert tree.tokens[0, : int(count[0])].tolist() == chain[0, : int(count[0])].tolist()
+        assert unanimous[0, : int(count[0])].tolist() == (chosen == total)[0, : int(count[0])].tolist()
 
 
 def test_a_frequency_tree_of_no_levels_or_no_occurrence_has_no_valid_node():
-    tree, shares = frequency_tree(torch.zeros(2, 3, 0, dtype=torch.long), torch.ones(2, 3, dtype=torch.bool), 2,
+    tree, shares, _ = frequency_tree(torch.zeros(2, 3, 0, dtype=torch.long), torch.ones(2, 3, dtype=torch.bool), 2,
                                   step_log_conditional)
     assert tree.tokens.shape == shares.shape == (2, 0)
-    tree, shares = frequency_tree(torch.tensor([[[4, 5]]]), torch.tensor([[False]]), 2, step_log_conditional)
+    tree, shares, _ = frequency_tree(torch.tensor([[[4, 5]]]), torch.tensor([[False]]), 2, step_log_conditional)
     assert not tree.valid.any() and (tree.tokens == 0).all() and (shares == 0).all()  # (no -1 token for the target)
 
 
@@ -240,7 +243,7 @@ def test_the_drafted_chain_is_a_continuation_seen_after_the_rows_last_tokens(req
     drafter.prefill(prompts, mask)
     sequences = torch.cat([prompts, torch.zeros(len(rows), 4, dtype=torch.long)], dim=1)
     lengths = torch.full((len(rows),), width)
-    drafts, counts, shares, ngram, _ = drafter.draft(sequences, lengths, num_tokens)
+    drafts, counts, shares, unanimous, ngram, _ = drafter.draft(sequences, lengths, num_tokens)
     for b, row in enumerate(rows):
         n = int(ngram[b])
         assert n == longest_in(requests + rows, row, 3)
@@ -253,7 +256,7 @@ def test_the_drafted_chain_is_a_continuation_seen_after_the_rows_last_tokens(req
 
 @SETTINGS
 @given(requests_strategy, st.lists(row_strategy, min_size=1, max_size=3), st.floats(0.01, 0.99),
-       st.lists(st.floats(0.0, 1.0), min_size=30, max_size=30))
+       st.lists(st.floats(0.0, 1.0), min_size=60, max_size=60))
 def test_a_minimum_survival_keeps_the_longest_prefix_at_or_above_it(requests, rows, min_prob, rates):
     """Whatever the occurrences and the calibrated table, a drafter with ``min_prob`` drafts the uncut chain's longest
     prefix whose survival (the product of its cells' calibrated acceptance) is at least ``min_prob``."""
@@ -266,10 +269,10 @@ def test_a_minimum_survival_keeps_the_longest_prefix_at_or_above_it(requests, ro
     for floor in (0.0, min_prob):
         drafter = SuffixCandidateGenerator(max_tokens=4, cache=cache_of(requests), occurrences=8, min_prob=floor)
         drafter.prefill(prompts, (torch.arange(width)[None, :] >= torch.tensor(starts)[:, None]).long())
-        drafter.acceptance.prior = torch.tensor(rates).view(3, 10)  # (no counts yet: the rates are the prior)
+        drafter.acceptance.prior = torch.tensor(rates).view(3, 2, 10)  # (no counts yet: the rates are the prior)
         sequences = torch.cat([prompts, torch.zeros(len(rows), 4, dtype=torch.long)], dim=1)
         results.append(drafter.draft(sequences, torch.full((len(rows),), width), 4))
-    (drafts, counts, _, _, log_probs), (cut_drafts, cut_counts, *_) = results
+    (drafts, counts, *_, log_probs), (cut_drafts, cut_counts, *_) = results
     for b in range(len(rows)):
         survival = log_probs[b].double().exp().cumprod(dim=0)
         assume(not ((survival - min_prob).abs() < 1e-5).any())  # (float rounding decides a cell at the boundary)

@@ -94,11 +94,26 @@ def test_a_tree_verdict_calibrates_the_nodes_whose_parent_was_reached():
                       StepTree(tree, selected, torch.tensor([4]), path, torch.tensor([1]), torch.tensor([2])),
                       ReadHints(max_accepted=2))
     drafter.accept(verdict)
-    shares = drafter.acceptance.cells(torch.tensor([[2 / 4, 1 / 4, 1 / 3]]), torch.tensor([3]))[0].tolist()
+    shares = drafter.acceptance.cells(torch.tensor([[2 / 4, 1 / 4, 1 / 3]]), torch.tensor([[False, False, False]]),
+                                      torch.tensor([3]))[0].tolist()
     tried, accepted = drafter.acceptance.tried.flatten(), drafter.acceptance.accepted.flatten()
     assert tried.sum() == 2 and accepted.sum() == 1
     assert [float(tried[cell]) for cell in shares] == [1.0, 1.0, 0.0]
     assert float(accepted[shares[1]]) == 1.0
+
+
+def test_unanimous_and_split_votes_of_the_same_share_are_calibrated_apart():
+    """One occurrence (share 1/2, unanimous) and a 2-of-3 split (share 1/2) fall in one share bin; the table keeps
+    them apart, as the first is accepted far more often (a copy of the row's own text, say)."""
+    from tetris_hf.candidate_generators.suffix import SuffixAcceptance
+
+    acceptance = SuffixAcceptance(torch.device("cpu"))
+    shares, unanimous, ngram = torch.full((2, 1), 0.5), torch.tensor([[True], [False]]), torch.tensor([4, 4])
+    for _ in range(50):  # row 0's cell accepted, row 1's rejected
+        acceptance.update(shares, unanimous, ngram, torch.ones(2, dtype=torch.long), torch.ones(2, dtype=torch.long),
+                          torch.tensor([1, 0]))
+    rates = acceptance.log_probs(shares, unanimous, ngram).exp()[:, 0]
+    assert rates[0] > 0.9 and rates[1] < 0.1
 
 
 def even_odds_drafter(min_prob: float) -> SuffixCandidateGenerator:

@@ -281,11 +281,13 @@ def frequency_chain(candidates: torch.Tensor, alive: torch.Tensor) -> tuple[torc
 
 
 def frequency_tree(candidates: torch.Tensor, alive: torch.Tensor, width: int,
-                   log_conditional: Callable[[torch.Tensor], torch.Tensor]) -> tuple[DraftTree, torch.Tensor]:
+                   log_conditional: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+                   ) -> tuple[DraftTree, torch.Tensor, torch.Tensor]:
     """The distinct continuations among each row's occurrences as a draft tree of ``K`` levels and ``width`` nodes a
     level (``N = width * K``): each level the ``width`` most voted next tokens of each of the previous level's nodes,
     the ``width`` best of those by path score kept. A node's share is ``count / (total + 1)``, its score its parent's
-    plus ``log_conditional(share)``; ties go to the earliest occurrence, so ``width = 1`` gives
+    plus ``log_conditional(share, unanimous)`` (``unanimous``: every occurrence at the parent has the node's token);
+    ties go to the earliest occurrence, so ``width = 1`` gives
     :func:`frequency_chain`'s chain.
 
     E.g. continuations ``[a b]``, ``[a b]``, ``[a c]``, ``[d e]``, ``width = 2``: level 1 ``a`` (3 of 4), ``d`` (1 of
@@ -294,11 +296,12 @@ def frequency_tree(candidates: torch.Tensor, alive: torch.Tensor, width: int,
     Args:
         candidates, alive: as for :func:`frequency_chain`.
         width: nodes a level (children per expanded node), ``>= 1``.
-        log_conditional: ``(B, M)`` vote shares -> ``(B, M)`` log conditional acceptance (``<= 0``).
+        log_conditional: ``(B, M)`` vote shares and ``(B, M)`` bool unanimity -> ``(B, M)`` log conditional
+            acceptance (``<= 0``).
 
     Returns:
-        The :class:`~tetris_hf.trees.DraftTree` (an invalid node scores ``-inf``) and ``shares`` ``(B, N)`` each
-        node's vote share (0 where invalid).
+        The :class:`~tetris_hf.trees.DraftTree` (an invalid node scores ``-inf``), ``shares`` ``(B, N)`` each
+        node's vote share (0 where invalid) and ``unanimous`` ``(B, N)`` (False where invalid).
     """
     rows, num, depth = candidates.shape
     device = candidates.device
@@ -307,6 +310,7 @@ def frequency_tree(candidates: torch.Tensor, alive: torch.Tensor, width: int,
     owner = torch.where(alive, 0, -1)  # (B, C) the frontier node each occurrence agrees with (the root: 0), -1: none
     frontier_scores = torch.zeros(rows, 1, device=device)
     tree, shares = empty_tree(rows, device), [torch.zeros(rows, 0, device=device)]
+    unanimous = [torch.zeros(rows, 0, dtype=torch.bool, device=device)]
     for level in range(depth):
         frontier = frontier_scores.shape[1]
         token = candidates[:, :, level]  # (B, C)
@@ -321,9 +325,11 @@ def frequency_tree(candidates: torch.Tensor, alive: torch.Tensor, width: int,
         valid = (top_key >= 0) & (frontier_scores[..., None] > float("-inf"))  # (B, F, w)
         flat = top.flatten(1)  # (B, F w)
         child_tokens = torch.where(valid, token.gather(1, flat).view(rows, frontier, width), 0)  # (0: no node)
-        share = votes.gather(1, flat).view(rows, frontier, width) / (mine.sum(dim=2)[..., None] + 1)
-        share = torch.where(valid, share, 0.0)
-        scores = frontier_scores[..., None] + log_conditional(share.flatten(1)).view(rows, frontier, width)
+        child_votes, parent_votes = votes.gather(1, flat).view(rows, frontier, width), mine.sum(dim=2)[..., None]
+        share = torch.where(valid, child_votes / (parent_votes + 1), 0.0)
+        agree = valid & (child_votes == parent_votes)
+        scores = frontier_scores[..., None] + log_conditional(share.flatten(1), agree.flatten(1)).view(
+            rows, frontier, width)
         scores = scores.masked_fill(~valid, float("-inf"))
         # the best `width` of the F * w candidates, ties in candidate order (parent, then rank)
         order = torch.sort(scores.flatten(1), dim=1, descending=True, stable=True).indices[:, :width]  # (B, w)
@@ -331,8 +337,9 @@ def frequency_tree(candidates: torch.Tensor, alive: torch.Tensor, width: int,
                          scores.flatten(1).gather(1, order), valid.flatten(1).gather(1, order))
         tree = append_nodes(tree, kept, -1 if level == 0 else (level - 1) * width)
         shares.append(share.flatten(1).gather(1, order))
+        unanimous.append(agree.flatten(1).gather(1, order))
         owner, frontier_scores = _follow(kept, owner, token), kept.log_scores
-    return tree, torch.cat(shares, dim=1)
+    return tree, torch.cat(shares, dim=1), torch.cat(unanimous, dim=1)
 
 
 def _best_children(mine: torch.Tensor, key: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,6 +8,7 @@ continuation most often seen after the row's recent tokens, in the batch's own r
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -23,33 +24,45 @@ LENGTH_CLASSES = (1, 2, 4)  # calibration groups by match length: n = 1, 2-3, 4 
 
 class SuffixAcceptance(OnlineRates):
     """A suffix cell's vote share calibrated online: ``P(cell accepted | the cells before it were)`` by the share's
-    bin (``num_bins`` equal ones) and the match length's class (:data:`LENGTH_CLASSES`), an
+    bin (``num_bins`` equal ones), whether the vote was unanimous (every occurrence still agreeing had the cell's
+    token: one occurrence, or all alike) and the match length's class (:data:`LENGTH_CLASSES`), an
     :class:`~.calibration.OnlineRates` table whose prior is each bin's centre."""
 
     def __init__(self, device: torch.device, num_bins: int = 10, prior_strength: float = 4.0, memory: float = 0.99):
         centres = (torch.arange(num_bins, dtype=torch.float32, device=device) + 0.5) / num_bins
-        super().__init__(centres.expand(len(LENGTH_CLASSES), num_bins), prior_strength, memory)
+        super().__init__(centres.expand(len(LENGTH_CLASSES), 2, num_bins), prior_strength, memory)
         self.num_bins = num_bins
         self.bounds = torch.tensor(LENGTH_CLASSES[1:], device=device)
 
-    def cells(self, shares: torch.Tensor, ngram: torch.Tensor) -> torch.Tensor:
-        """``(B, K)`` flat table index of cells with vote ``shares`` ``(B, K)`` in rows that matched ``ngram``
-        ``(B,)`` tokens."""
+    def cells(self, shares: torch.Tensor, unanimous: torch.Tensor, ngram: torch.Tensor) -> torch.Tensor:
+        """``(B, K)`` flat table index of cells with vote ``shares`` and ``unanimous`` (bool) ``(B, K)`` in rows that
+        matched ``ngram`` ``(B,)`` tokens."""
         length_class = torch.bucketize(ngram, self.bounds, right=True)  # (B,)
         bins = (shares * self.num_bins).long().clamp(0, self.num_bins - 1)
-        return length_class[:, None] * self.num_bins + bins
+        return (length_class[:, None] * 2 + unanimous.long()) * self.num_bins + bins
 
-    def log_probs(self, shares: torch.Tensor, ngram: torch.Tensor) -> torch.Tensor:
+    def log_probs(self, shares: torch.Tensor, unanimous: torch.Tensor, ngram: torch.Tensor) -> torch.Tensor:
         """``(B, K)`` log estimated acceptance."""
-        return self.rates().flatten()[self.cells(shares, ngram)].log()
+        return self.rates().flatten()[self.cells(shares, unanimous, ngram)].log()
 
-    def update(self, shares: torch.Tensor, ngram: torch.Tensor, drafted: torch.Tensor, verify_lengths: torch.Tensor,
-               num_accepted: torch.Tensor) -> None:
-        """Count one step: cells with ``shares`` ``(B, K)``, rows that matched ``ngram`` and drafted ``drafted``
-        ``(B,)`` cells, verified ``verify_lengths`` and accepted ``num_accepted`` ``(B,)``."""
+    def update(self, shares: torch.Tensor, unanimous: torch.Tensor, ngram: torch.Tensor, drafted: torch.Tensor,
+               verify_lengths: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """Count one step: cells with ``shares`` and ``unanimous`` ``(B, K)``, rows that matched ``ngram`` and drafted
+        ``drafted`` ``(B,)`` cells, verified ``verify_lengths`` and accepted ``num_accepted`` ``(B,)``."""
         cells = torch.arange(shares.shape[1], device=shares.device)[None, :]
         tried = (cells < verify_lengths[:, None]) & (cells <= num_accepted[:, None]) & (cells < drafted[:, None])
-        self.count(self.cells(shares, ngram), tried, tried & (cells < num_accepted[:, None]))
+        self.count(self.cells(shares, unanimous, ngram), tried, tried & (cells < num_accepted[:, None]))
+
+
+class SuffixChain(NamedTuple):
+    """:meth:`SuffixCandidateGenerator.draft`'s chains, every field ``(B, K)`` but ``counts`` and ``ngram`` ``(B,)``."""
+
+    tokens: torch.Tensor  # past a row's count: its last token
+    counts: torch.Tensor  # cells drafted (cut where the survival falls below min_prob)
+    shares: torch.Tensor  # vote shares count / (total + 1)
+    unanimous: torch.Tensor  # bool: every occurrence still agreeing had the cell's token
+    ngram: torch.Tensor  # the match length
+    log_probs: torch.Tensor  # each cell's calibrated log acceptance
 
 
 class SuffixCandidateGenerator(Drafter):
@@ -76,9 +89,9 @@ class SuffixCandidateGenerator(Drafter):
         self.row_starts: torch.Tensor | None = None  # (B_call,) the same by original row (a call's left padding)
         self.width = 0  # a host bound on the rows' lengths
         self.acceptance: SuffixAcceptance | None = None
-        # the last proposal, until its verdict: (B,) match lengths, (B, K) vote shares (a tree's (B, N)), (B,)
-        # cells drafted (a tree's: None)
-        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+        # the last proposal, until its verdict: (B,) match lengths, (B, K) vote shares and unanimity (a tree's
+        # (B, N)), (B,) cells drafted (a tree's: None)
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
         self._depth = 0  # the last proposal's K (a host number), until its verdict
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, all_real: bool = False) -> None:
@@ -112,21 +125,18 @@ class SuffixCandidateGenerator(Drafter):
         from_batch, batch_found = batch_continuations(tokens, context, ngram, self.occurrences, num_tokens)
         return torch.cat([from_batch, from_cache], dim=1), torch.cat([batch_found, cache_found], dim=1), ngram
 
-    def draft(self, sequences: torch.Tensor, lengths: torch.Tensor,
-              num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The chain for every row: ``tokens`` ``(B, K)`` (past a row's count: its last token), ``counts`` ``(B,)``
-        (cut where the survival falls below ``min_prob``), ``shares`` ``(B, K)`` vote shares ``count / (total + 1)``,
-        ``ngram`` ``(B,)`` the match length and ``log_probs`` ``(B, K)`` each cell's calibrated log acceptance."""
+    def draft(self, sequences: torch.Tensor, lengths: torch.Tensor, num_tokens: int) -> SuffixChain:
+        """The :class:`SuffixChain` of every row."""
         candidates, found, ngram = self.find_occurrences(sequences, lengths, num_tokens)
         drafts, counts, chosen, total = frequency_chain(candidates, found)
-        shares = chosen / (total + 1)
-        log_probs = self.acceptance.log_probs(shares, ngram)
+        shares, unanimous = chosen / (total + 1), (chosen == total) & (chosen > 0)
+        log_probs = self.acceptance.log_probs(shares, unanimous, ngram)
         if self.min_log_prob > float("-inf"):  # (survival only falls along a chain: what is kept is a prefix)
             counts = torch.minimum(counts, (log_probs.cumsum(dim=1) >= self.min_log_prob).sum(dim=1))
         last = sequences.gather(1, (lengths - 1)[:, None])
         cells = torch.arange(num_tokens, device=sequences.device)[None, :]
         drafts = torch.where(cells < counts[:, None], drafts, last)
-        return drafts, counts, shares, ngram, log_probs
+        return SuffixChain(drafts, counts, shares, unanimous, ngram, log_probs)
 
     def propose(self, sequences: torch.Tensor, lengths: torch.Tensor, num_tokens: int,
                 rows: torch.Tensor | None = None, confidences: bool = True, *, lookup_only: bool = False,
@@ -146,11 +156,14 @@ class SuffixCandidateGenerator(Drafter):
             self._last, self._depth = None, 0
             return Proposal(empty, empty.float() if confidences else None, None, None)
         self._check_size(num_tokens)
-        drafts, counts, shares, ngram, log_probs = self.draft(sequences, lengths, num_tokens)
+        chain = self.draft(sequences, lengths, num_tokens)
+        drafts, counts = chain.tokens, chain.counts
         cells = torch.arange(num_tokens, device=lengths.device)
         sequences.scatter_(1, lengths[:, None] + cells, drafts)
-        self._last, self._depth = (ngram, shares, counts), num_tokens
-        log_probs = log_probs.masked_fill(cells[None, :] >= counts[:, None], float("-inf")) if confidences else None
+        self._last, self._depth = (chain.ngram, chain.shares, chain.unanimous, counts), num_tokens
+        log_probs = None
+        if confidences:
+            log_probs = chain.log_probs.masked_fill(cells[None, :] >= counts[:, None], float("-inf"))
         return Proposal(drafts, log_probs, None, counts, torch.ones_like(counts, dtype=torch.bool))
 
     def propose_tree(self, sequences: torch.Tensor, lengths: torch.Tensor, depth: int, width: int) -> GrownTree:
@@ -159,11 +172,11 @@ class SuffixCandidateGenerator(Drafter):
         ``expanded_log_probs`` ``None`` (sampling verifies it by matching). Nothing is written into ``sequences``."""
         self._check_size(depth)
         candidates, found, ngram = self.find_occurrences(sequences, lengths, depth)
-        tree, shares = frequency_tree(candidates, found, width,
-                                      lambda share: self.acceptance.log_probs(share, ngram))
+        tree, shares, unanimous = frequency_tree(
+            candidates, found, width, lambda share, agree: self.acceptance.log_probs(share, agree, ngram))
         if self.min_log_prob > float("-inf"):  # (a path's score never rises: what is kept stays ancestor-closed)
             tree = tree._replace(valid=tree.valid & (tree.log_scores >= self.min_log_prob))
-        self._last, self._depth = (ngram, shares, None), depth
+        self._last, self._depth = (ngram, shares, unanimous, None), depth
         return GrownTree(tree, None, None)
 
     def _check_size(self, num_tokens: int) -> None:
@@ -178,10 +191,10 @@ class SuffixCandidateGenerator(Drafter):
         self._depth = 0
         if self._last is None:
             return
-        ngram, shares, counts = self._last
+        ngram, shares, unanimous, counts = self._last
         self._last = None
         if counts is not None:  # a chain
-            self.acceptance.update(shares, ngram, counts, verdict.verify_lengths, verdict.num_accepted)
+            self.acceptance.update(shares, unanimous, ngram, counts, verdict.verify_lengths, verdict.num_accepted)
             return
         trees = verdict.tree
         num_nodes = shares.shape[1]
@@ -191,7 +204,7 @@ class SuffixCandidateGenerator(Drafter):
         parents = trees.tree.parents
         reached = torch.where(parents >= 0, on_path.gather(1, parents.clamp(min=0)), True)  # (the root always is)
         tried = trees.selected & reached
-        self.acceptance.count(self.acceptance.cells(shares, ngram), tried, tried & on_path)
+        self.acceptance.count(self.acceptance.cells(shares, unanimous, ngram), tried, tried & on_path)
 
     def join(self, rows: JoiningRows | None = None, chunk: PromptChunk | None = None) -> None:
         """Rows join unpadded (their first real column is 0); their prompts are read from the rows themselves."""
