@@ -287,8 +287,7 @@ def frequency_tree(candidates: torch.Tensor, alive: torch.Tensor, width: int,
     level (``N = width * K``): each level the ``width`` most voted next tokens of each of the previous level's nodes,
     the ``width`` best of those by path score kept. A node's share is ``count / (total + 1)``, its score its parent's
     plus ``log_conditional(share, unanimous)`` (``unanimous``: every occurrence at the parent has the node's token);
-    ties go to the earliest occurrence, so ``width = 1`` gives
-    :func:`frequency_chain`'s chain.
+    ties go to the earliest occurrence, so ``width = 1`` gives :func:`frequency_chain`'s chain.
 
     E.g. continuations ``[a b]``, ``[a b]``, ``[a c]``, ``[d e]``, ``width = 2``: level 1 ``a`` (3 of 4), ``d`` (1 of
     4); level 2 the best two of ``a``'s ``b`` (2 of 3), ``c`` (1 of 3) and ``d``'s ``e`` (1 of 1).
