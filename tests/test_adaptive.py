@@ -117,9 +117,11 @@ class RejectedRows:
         return self.log_probs, torch.zeros_like(self.position)
 
 
-def probe_steps(cost_profile: CostProfile, q: float, num_rows: int = 4, steps: int = 300) -> list[int]:
+def probe_steps(cost_profile: CostProfile, q: float, num_rows: int = 4, steps: int = 300,
+                model_free: bool = False) -> list[int]:
     """Steps at which ``adaptive`` drafts when every draft has probability ``q`` and is rejected."""
-    strategy = AdaptiveBudget(TetrisOptions(tetris_strategy="adaptive"), StepCostModel(cost_profile))
+    strategy = AdaptiveBudget(TetrisOptions(tetris_strategy="adaptive"), StepCostModel(cost_profile),
+                              model_free=model_free)
     phases = ReplayStep(RejectedRows(q, num_rows, strategy.max_draft))
     drafted = []
     for step in range(steps):
@@ -144,6 +146,15 @@ def test_adaptive_probes_while_a_probe_could_change_the_plan_then_backs_off():
     assert probe_steps(dear_probe, 0.85, steps=600) == [0, 51, 153, 354, 555]
     # verifying a second token costs a whole plain step: no acceptance could pay, so probes are 420 steps apart
     assert probe_steps(COSTLY_VERIFY, 0.85, steps=1000) == [0, 420, 840]
+
+
+def test_a_model_free_drafters_first_probe_waits_until_rows_have_written_a_little():
+    """Prompt lookup and suffix drafts copy what was written: at the first steps nothing of the answers has been, so
+    their first probe comes after two plain steps (a model's at once); the schedule after it is the same."""
+    cheap_probe = profile(lambda r, t: 10.0 + 0.5 * r * t, 0.1)
+    with_model, model_free = probe_steps(cheap_probe, 0.25), probe_steps(cheap_probe, 0.25, model_free=True)
+    assert with_model[0] == 0 and model_free[0] == AdaptiveBudget.first_probe_after == 2
+    assert [step - 2 for step in model_free] == with_model[: len(model_free)]
 
 
 def test_adaptive_selects_top_cells_by_calibrated_survival_not_raw_draft_probability():

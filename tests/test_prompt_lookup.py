@@ -278,3 +278,16 @@ def test_a_lookup_step_reads_the_device_at_most_twice(repetitive_target, strateg
     steady = reads.per_step[2:-1]
     assert len(steady) >= 5
     assert max(steady) <= 2, reads.per_step
+
+
+@pytest.mark.parametrize("option", ["prompt_lookup_num_tokens", "tetris_suffix_num_tokens"])
+def test_adaptive_with_a_model_free_drafter_probes_first_at_its_third_step(option):
+    """Two plain steps, then the first probe: rows that have just read their prompts have written nothing of their
+    answers for lookup or suffix drafts to copy (a probe there learns that nothing is accepted)."""
+    target = sharpen(tiny_llama(vocab_size=24, num_layers=2, seed=3), 6.0)
+    input_ids, mask = left_pad(repetitive_prompts(3, 24, seed=1))
+    steps = []
+    lookup_generate(target, input_ids, mask, None, tetris_strategy="adaptive", **{option: 3},
+                    tetris_cost_profile=sampling.CHEAP_VERIFY,
+                    tetris_step_callback=lambda record, loop: steps.append((record.num_drafted, record.probe)))
+    assert steps[:4] == [(0, False), (0, False), (0, False), (1, True)]  # (the first record: the prompts' read)

@@ -84,6 +84,10 @@ class _CostAware:
 
     probe_interval_start = 8
     max_probe_interval = 128
+    # plain steps before a model-free drafter's first probe: rows that have just read their prompts have written
+    # nothing of their answers to copy (on code edits and extraction at 16 rows, `fixed`'s first two steps with prompt
+    # lookup accepted nothing in any row), and a probe that learns nothing is accepted puts the next one far off
+    first_probe_after = 2
     probe_overhead = 0.01  # the share of the time probes may take while one could change the plan
     idle_probe_overhead = 0.0025  # ... and while none could (they only notice requests that became easier)
     smoothing = 0.3
@@ -96,8 +100,9 @@ class _CostAware:
     realized_probe_fade = 0.7  # that evidence's weight after each probe
 
     def __init__(self, options: TetrisOptions, cost: StepCostModel | Callable[[int, int], StepCostModel],
-                 learn_costs: bool = False, memory: PairMemory | None = None):
+                 learn_costs: bool = False, memory: PairMemory | None = None, model_free: bool = False):
         self.max_draft = options.num_assistant_tokens + options.tetris_extra_tokens
+        self.model_free = model_free  # the drafter runs no model (prompt lookup or suffix drafts alone)
         self._cost_source = cost
         self.cost: StepCostModel | None = cost if isinstance(cost, StepCostModel) else None
         self.learn_costs = learn_costs
@@ -241,7 +246,11 @@ class _CostAware:
     def _after_plan(self, drafts: bool, can_learn: bool, num_rows: int, could_pay: bool = True) -> bool:
         """Update the probe schedule; returns whether this step is a probe."""
         schedule = self.memory
-        if not can_learn:
+        if not can_learn:  # nothing drafted yet: the first probe (a model-free drafter's once rows wrote a little)
+            schedule.plain_streak += 1
+            if self.model_free and schedule.plain_streak <= self.first_probe_after:
+                return False
+            schedule.plain_streak = 0
             return True
         if drafts:  # (the probe interval starts again once the guard has seen drafting pay, see _count_for_guard)
             schedule.plain_streak = 0
@@ -373,11 +382,13 @@ class AdaptiveBudget(_CostAware):
         pool_rows: recently drafted rows kept to plan with.
         sampling: the loop samples (``C`` is then fixed before drafting).
         hybrid: the drafter is hybrid (model and lookup): plans may draft by lookup alone.
+        model_free: the drafter runs no model (prompt lookup or suffix drafts alone): the first probe waits
+            :attr:`first_probe_after` plain steps.
     """
 
     def __init__(self, options: TetrisOptions, cost, learn_costs: bool = False, memory: PairMemory | None = None,
-                 pool_rows: int = 256, sampling: bool = False, hybrid: bool = False):
-        super().__init__(options, cost, learn_costs, memory)
+                 pool_rows: int = 256, sampling: bool = False, hybrid: bool = False, model_free: bool = False):
+        super().__init__(options, cost, learn_costs, memory, model_free)
         self.sampling, self.hybrid = sampling, hybrid
         self.max_budget = options.tetris_budget
         self.calibrator = self.memory.calibrator
@@ -684,5 +695,6 @@ def make_strategy(options: TetrisOptions, model: torch.nn.Module | None = None,
     learn_costs = learn_costs and not sampling
     memory = pair_memory(model, assistant_model, hybrid) if model is not None and not sampling else None
     if options.tetris_strategy == "adaptive":
-        return AdaptiveBudget(options, cost, learn_costs=learn_costs, memory=memory, sampling=sampling, hybrid=hybrid)
+        return AdaptiveBudget(options, cost, learn_costs=learn_costs, memory=memory, sampling=sampling, hybrid=hybrid,
+                              model_free=assistant_model is None)
     return DynamicWindow(options, cost, learn_costs=learn_costs, memory=memory)
