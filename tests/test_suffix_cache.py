@@ -43,6 +43,17 @@ def cache_of(requests: list[list[int]], depth: int = 3, max_requests: int = 8, w
     return cache
 
 
+def left_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` as a left-padded batch ``(B, T)`` and its mask, the padding 0 (which real tokens use too)."""
+    width = max(len(row) for row in rows)
+    prompts = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for index, row in enumerate(rows):
+        prompts[index, width - len(row):] = torch.tensor(row)
+        mask[index, width - len(row):] = 1
+    return prompts, mask
+
+
 def query(cache: SuffixCache, row: list[int], num: int, num_tokens: int):
     keys = suffix_keys(torch.tensor([row]), torch.tensor([0]), torch.tensor([len(row)]), cache.depth)
     lo, hi = cache.ranges(keys)
@@ -234,12 +245,8 @@ def test_the_drafted_chain_is_a_continuation_seen_after_the_rows_last_tokens(req
     the longest match in either) in a row of the batch or a cached request, and a row drafts iff one exists (every
     cell found drafted: ``min_prob=0``)."""
     drafter = SuffixCandidateGenerator(max_tokens=4, cache=cache_of(requests), occurrences=8, min_prob=0.0)
-    width = max(len(row) for row in rows)
-    prompts = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for index, row in enumerate(rows):  # left-padded, padding 0 (which real tokens use too)
-        prompts[index, width - len(row):] = torch.tensor(row)
-        mask[index, width - len(row):] = 1
+    prompts, mask = left_padded(rows)
+    width = prompts.shape[1]
     drafter.prefill(prompts, mask)
     sequences = torch.cat([prompts, torch.zeros(len(rows), 4, dtype=torch.long)], dim=1)
     lengths = torch.full((len(rows),), width)
@@ -260,15 +267,12 @@ def test_the_drafted_chain_is_a_continuation_seen_after_the_rows_last_tokens(req
 def test_a_minimum_survival_keeps_the_longest_prefix_at_or_above_it(requests, rows, min_prob, rates):
     """Whatever the occurrences and the calibrated table, a drafter with ``min_prob`` drafts the uncut chain's longest
     prefix whose survival (the product of its cells' calibrated acceptance) is at least ``min_prob``."""
-    width = max(len(row) for row in rows)
-    prompts = torch.zeros(len(rows), width, dtype=torch.long)
-    for index, row in enumerate(rows):  # right-aligned rows of real tokens (no padding)
-        prompts[index, width - len(row):] = torch.tensor(row)
-    starts = [width - len(row) for row in rows]
+    prompts, mask = left_padded(rows)
+    width = prompts.shape[1]
     results = []
     for floor in (0.0, min_prob):
         drafter = SuffixCandidateGenerator(max_tokens=4, cache=cache_of(requests), occurrences=8, min_prob=floor)
-        drafter.prefill(prompts, (torch.arange(width)[None, :] >= torch.tensor(starts)[:, None]).long())
+        drafter.prefill(prompts, mask)
         drafter.acceptance.prior = torch.tensor(rates).view(3, 2, 10)  # (no counts yet: the rates are the prior)
         sequences = torch.cat([prompts, torch.zeros(len(rows), 4, dtype=torch.long)], dim=1)
         results.append(drafter.draft(sequences, torch.full((len(rows),), width), 4))
