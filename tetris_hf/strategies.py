@@ -247,8 +247,8 @@ class _CostAware:
         """Update the probe schedule; returns whether this step is a probe."""
         schedule = self.memory
         if not can_learn:  # nothing drafted yet: the first probe (a model-free drafter's once rows wrote a little)
-            schedule.plain_streak += 1
-            if self.model_free and schedule.plain_streak <= self.first_probe_after:
+            if self.model_free and schedule.plain_streak < self.first_probe_after:
+                schedule.plain_streak += 1
                 return False
             schedule.plain_streak = 0
             return True
