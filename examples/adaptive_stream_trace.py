@@ -1,8 +1,8 @@
 """``adaptive`` in a request stream, step by step, beside ``fixed``: each run's throughput, the steps as one string
 (``0`` a plain step, ``K`` a drafting one, ``p`` a probe), tokens a row-step and step time for the drafting and the
 plain steps apart, and what the pair's memory holds at the end (guard, probe interval, realized gain, probe price).
-The two strategies alternate, ``--rounds`` times each, so that the second ``adaptive`` starts from what the first
-learnt, as a long-lived stream would.
+The strategies (``--strategies``; ``plain``: the same stream without a drafter) alternate, ``--rounds`` times each, so
+that the second ``adaptive`` starts from what the first learnt, as a long-lived stream would.
 
     python examples/adaptive_stream_trace.py --prompts humaneval-edit --draft lookup
 
@@ -31,9 +31,11 @@ def serve(target, prompts, eos, pad, strategy: str, draft: str, args) -> tuple[l
                       sum(record.seconds), record.verify_lengths.tolist(), record.num_accepted.tolist()))
         cores[:] = [loop.core]
 
+    drafting = {} if strategy == "plain" else {"tetris_strategy": strategy, "tetris_extra_tokens": 2,
+                                               DRAFTS[draft]: args.k}
     stream = RequestStream(target, max_batch_size=args.max_batch_size, max_new_tokens=args.max_new_tokens,
                            do_sample=False, eos_token_id=sorted(eos), pad_token_id=pad, tetris_step_callback=on_step,
-                           tetris_strategy=strategy, tetris_extra_tokens=2, **{DRAFTS[draft]: args.k})
+                           **drafting)
     start = time.perf_counter()
     for prompt in prompts:
         stream.add(prompt)
@@ -53,13 +55,14 @@ def main() -> None:
     parser.add_argument("--max-batch-size", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--strategies", default="fixed,adaptive", help="in turn each round; plain: no drafter")
     parser.add_argument("--first-steps", type=int, default=0, metavar="N")
     args = parser.parse_args()
     target, tokenizer = load_target()
     prompts, note, eos, pad = stream_prompts(target, tokenizer, args.prompts, args.num_prompts, 512)
     print(f"{len(prompts)} requests ({note}), {args.draft} k = {args.k}, {args.max_batch_size} rows", flush=True)
     for _ in range(args.rounds):
-        for strategy in ("fixed", "adaptive"):
+        for strategy in args.strategies.split(","):
             steps, seconds, tokens, core = serve(target, prompts, eos, pad, strategy, args.draft, args)
             print(f"== {strategy}: {tokens / seconds:.1f} tok/s, {len(steps)} steps, {seconds:.1f} s")
             print("".join("p" if probe else str(k) for k, probe, *_ in steps))

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from tetris_hf.candidate_generators.suffix import SuffixCandidateGenerator
 from tetris_hf.suffix_cache import (SuffixCache, batch_continuations, batch_matches, frequency_chain, frequency_tree,
-                                    longest_match, suffix_keys)
+                                    longest_match, own_match_lengths, suffix_keys)
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 requests_strategy = st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=6)
@@ -129,10 +129,10 @@ def test_frequency_chain_takes_the_most_frequent_token_depth_by_depth(candidates
     assert ((shares >= 0) & (shares < 1)).all()
 
 
-def step_log_conditional(shares: torch.Tensor, unanimous: torch.Tensor) -> torch.Tensor:
+def step_log_conditional(shares: torch.Tensor, unanimous: torch.Tensor, level: int) -> torch.Tensor:
     """A calibration stand-in whose path sums are exact in float32 and float64 (integers), so ties match the
-    reference's; a split vote costs one more."""
-    return -torch.floor((1 - shares) * 8) - 1 - (~unanimous).float()
+    reference's; a split vote costs one more, and so does the first level (0)."""
+    return -torch.floor((1 - shares) * 8) - 1 - (~unanimous).float() - float(level == 0)
 
 
 def reference_tree(rows: list[list[int]], alive: list[bool], width: int) -> list[tuple]:
@@ -155,7 +155,7 @@ def reference_tree(rows: list[list[int]], alive: list[bool], width: int) -> list
             for rank in range(width):
                 if rank < len(ranked) and parent_score > float("-inf"):
                     share, unanimous = votes[ranked[rank]] / (len(mine) + 1), votes[ranked[rank]] == len(mine)
-                    score = parent_score - math.floor((1 - share) * 8) - 1 - (0 if unanimous else 1)
+                    score = parent_score - math.floor((1 - share) * 8) - 1 - (0 if unanimous else 1) - (level == 0)
                     candidates.append((score, f, ranked[rank], share, unanimous))
                 else:
                     candidates.append((float("-inf"), f, None, 0.0, False))
@@ -230,12 +230,17 @@ def test_batch_matches_equal_a_row_by_row_search(rows, peers):
                         expected += 1
                 assert int(context[b, r * 10 + p]) == expected, (b, r, p)
     ngram = context.amax(dim=1)
-    candidates, found = batch_continuations(tokens, context, ngram, 40, 2)
-    for b, row in enumerate(rows):
-        n = int(ngram[b])
-        got = [[t for t in cand if t >= 0] for cand in candidates[b][found[b]].tolist()]
-        expected = occurrences_in(rows if peers else [row], row[-n:], 2) if n else []
-        assert collections.Counter(map(tuple, got)) == collections.Counter(map(tuple, expected))
+    own = own_match_lengths(context, 10)
+    alone = torch.ones(len(rows), dtype=torch.bool)
+    for own_only in (None, alone):
+        candidates, found = batch_continuations(tokens, context, ngram, 40, 2, own_only)
+        for b, row in enumerate(rows):
+            assert int(own[b]) == longest_in([row], row, 3)
+            n = int(ngram[b])
+            got = [[t for t in cand if t >= 0] for cand in candidates[b][found[b]].tolist()]
+            searched = rows if peers and own_only is None else [row]
+            expected = occurrences_in(searched, row[-n:], 2) if n else []
+            assert collections.Counter(map(tuple, got)) == collections.Counter(map(tuple, expected))
 
 
 @SETTINGS
@@ -258,12 +263,14 @@ def test_the_drafted_chain_is_a_continuation_seen_after_the_rows_last_tokens(req
         seen = occurrences_in(requests + rows, row[-n:], num_tokens) if n else []
         assert (len(chain) > 0) == (len(seen) > 0)
         assert any(cont[: len(chain)] == chain for cont in seen) or not chain
+        if n and longest_in([row], row, 3) == n:  # its own text matches as far as any: it alone votes
+            assert any(cont[: len(chain)] == chain for cont in occurrences_in([row], row[-n:], num_tokens))
         assert (shares[b, : len(chain)] > 0).all() and (shares[b] < 1).all()
 
 
 @SETTINGS
 @given(requests_strategy, st.lists(row_strategy, min_size=1, max_size=3), st.floats(0.01, 0.99),
-       st.lists(st.floats(0.0, 1.0), min_size=60, max_size=60))
+       st.lists(st.floats(0.0, 1.0), min_size=80, max_size=80))
 def test_a_minimum_survival_keeps_the_longest_prefix_at_or_above_it(requests, rows, min_prob, rates):
     """Whatever the occurrences and the calibrated table, a drafter with ``min_prob`` drafts the uncut chain's longest
     prefix whose survival (the product of its cells' calibrated acceptance) is at least ``min_prob``."""
@@ -273,7 +280,7 @@ def test_a_minimum_survival_keeps_the_longest_prefix_at_or_above_it(requests, ro
     for floor in (0.0, min_prob):
         drafter = SuffixCandidateGenerator(max_tokens=4, cache=cache_of(requests), occurrences=8, min_prob=floor)
         drafter.prefill(prompts, mask)
-        drafter.acceptance.prior = torch.tensor(rates).view(3, 2, 10)  # (no counts yet: the rates are the prior)
+        drafter.acceptance.prior = torch.tensor(rates).view(4, 2, 10)  # (no counts yet: the rates are the prior)
         sequences = torch.cat([prompts, torch.zeros(len(rows), 4, dtype=torch.long)], dim=1)
         results.append(drafter.draft(sequences, torch.full((len(rows),), width), 4))
     (drafts, counts, *_, log_probs), (cut_drafts, cut_counts, *_) = results

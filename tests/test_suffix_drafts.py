@@ -95,7 +95,7 @@ def test_a_tree_verdict_calibrates_the_nodes_whose_parent_was_reached():
                       ReadHints(max_accepted=2))
     drafter.accept(verdict)
     shares = drafter.acceptance.cells(torch.tensor([[2 / 4, 1 / 4, 1 / 3]]), torch.tensor([[False, False, False]]),
-                                      torch.tensor([3]))[0].tolist()
+                                      torch.tensor([[2, 2, 3]]))[0].tolist()  # (a 2-token match, plus the level)
     tried, accepted = drafter.acceptance.tried.flatten(), drafter.acceptance.accepted.flatten()
     assert tried.sum() == 2 and accepted.sum() == 1
     assert [float(tried[cell]) for cell in shares] == [1.0, 1.0, 0.0]
@@ -114,6 +114,19 @@ def test_unanimous_and_split_votes_of_the_same_share_are_calibrated_apart():
                           torch.tensor([1, 0]))
     rates = acceptance.log_probs(shares, unanimous, ngram).exp()[:, 0]
     assert rates[0] > 0.9 and rates[1] < 0.1
+
+
+def test_a_chain_cell_is_calibrated_by_its_match_plus_the_cells_before_it():
+    """After a one-token match the first cell's context is 1 token, the second's 2 and the fourth's 4: each is counted
+    in its own class (1; 2-3; 4-7), so a deep cell of an accepted path is not ranked as a first cell of its share."""
+    from tetris_hf.candidate_generators.suffix import LENGTH_CLASSES, SuffixAcceptance
+
+    acceptance = SuffixAcceptance(torch.device("cpu"))
+    shares, unanimous = torch.full((1, 4), 0.5), torch.ones(1, 4, dtype=torch.bool)
+    acceptance.update(shares, unanimous, torch.tensor([1]), torch.tensor([4]), torch.tensor([4]), torch.tensor([4]))
+    tried = acceptance.tried[:, 1, 5]  # (classes,) unanimous, share bin 5
+    assert len(LENGTH_CLASSES) == 4 and tried.tolist() == [1.0, 2.0, 1.0, 0.0]
+    assert acceptance.tried.sum() == 4 == acceptance.accepted.sum()
 
 
 def even_odds_drafter(min_prob: float) -> SuffixCandidateGenerator:

@@ -281,12 +281,13 @@ def frequency_chain(candidates: torch.Tensor, alive: torch.Tensor) -> tuple[torc
 
 
 def frequency_tree(candidates: torch.Tensor, alive: torch.Tensor, width: int,
-                   log_conditional: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+                   log_conditional: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
                    ) -> tuple[DraftTree, torch.Tensor, torch.Tensor]:
     """The distinct continuations among each row's occurrences as a draft tree of ``K`` levels and ``width`` nodes a
     level (``N = width * K``): each level the ``width`` most voted next tokens of each of the previous level's nodes,
     the ``width`` best of those by path score kept. A node's share is ``count / (total + 1)``, its score its parent's
-    plus ``log_conditional(share, unanimous)`` (``unanimous``: every occurrence at the parent has the node's token);
+    plus ``log_conditional(share, unanimous, level)`` (``unanimous``: every occurrence at the parent has the node's
+    token; ``level``: 0 for the first);
     ties go to the earliest occurrence, so ``width = 1`` gives :func:`frequency_chain`'s chain.
 
     E.g. continuations ``[a b]``, ``[a b]``, ``[a c]``, ``[d e]``, ``width = 2``: level 1 ``a`` (3 of 4), ``d`` (1 of
@@ -295,8 +296,8 @@ def frequency_tree(candidates: torch.Tensor, alive: torch.Tensor, width: int,
     Args:
         candidates, alive: as for :func:`frequency_chain`.
         width: nodes a level (children per expanded node), ``>= 1``.
-        log_conditional: ``(B, M)`` vote shares and ``(B, M)`` bool unanimity -> ``(B, M)`` log conditional
-            acceptance (``<= 0``).
+        log_conditional: ``(B, M)`` vote shares, ``(B, M)`` bool unanimity and the level (an int) -> ``(B, M)`` log
+            conditional acceptance (``<= 0``).
 
     Returns:
         The :class:`~tetris_hf.trees.DraftTree` (an invalid node scores ``-inf``), ``shares`` ``(B, N)`` each
@@ -327,7 +328,7 @@ def frequency_tree(candidates: torch.Tensor, alive: torch.Tensor, width: int,
         child_votes, parent_votes = votes.gather(1, flat).view(rows, frontier, width), mine.sum(dim=2)[..., None]
         share = torch.where(valid, child_votes / (parent_votes + 1), 0.0)
         agree = valid & (child_votes == parent_votes)
-        scores = frontier_scores[..., None] + log_conditional(share.flatten(1), agree.flatten(1)).view(
+        scores = frontier_scores[..., None] + log_conditional(share.flatten(1), agree.flatten(1), level).view(
             rows, frontier, width)
         scores = scores.masked_fill(~valid, float("-inf"))
         # the best `width` of the F * w candidates, ties in candidate order (parent, then rank)
@@ -402,12 +403,23 @@ def batch_matches(sequences: torch.Tensor, starts: torch.Tensor, lengths: torch.
     return context, tokens
 
 
+def own_match_lengths(context: torch.Tensor, width: int) -> torch.Tensor:
+    """``(B,)`` the longest match of each row's last tokens among its own earlier tokens, from :func:`batch_matches`'
+    ``context`` over rows of ``width`` columns (with or without peers)."""
+    rows, flat = context.shape
+    if flat != width:  # peers: (B, B W), row b's own columns in block b
+        context = context.view(rows, rows, width).diagonal(dim1=0, dim2=1)  # (W, B)
+        return context.amax(dim=0).long()
+    return context.amax(dim=1).long()
+
+
 def batch_continuations(tokens: torch.Tensor, context: torch.Tensor, ngram: torch.Tensor, num: int,
-                        num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+                        num_tokens: int, own_only: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to ``num`` of each row's occurrences in the batch that match at least ``ngram[b]`` tokens (``(B,)``, 0:
     none), the longest matches first, then the row's own, then the latest (``tokens`` ``(B, W)`` and ``context``
-    from :func:`batch_matches`): ``candidates`` ``(B, num, K)``, the ``K`` tokens after each (``-1`` past a row's
-    end), and ``found`` ``(B, num)`` bool."""
+    from :func:`batch_matches`); rows where ``own_only`` ``(B,)`` is set take their own occurrences alone:
+    ``candidates`` ``(B, num, K)``, the ``K`` tokens after each (``-1`` past a row's end), and ``found`` ``(B, num)``
+    bool."""
     rows, width = tokens.shape
     flat = context.shape[1]
     device = tokens.device
@@ -419,7 +431,11 @@ def batch_continuations(tokens: torch.Tensor, context: torch.Tensor, ngram: torc
     else:
         row_base = torch.arange(rows, device=device)[:, None] * width  # each row itself
         key.add_(flat)
-    key = key.masked_fill_((context < ngram[:, None]) | (ngram[:, None] <= 0), -1)
+    drop = (context < ngram[:, None]) | (ngram[:, None] <= 0)
+    if own_only is not None and flat != width:  # (without peers every occurrence is the row's own)
+        peer = torch.arange(flat, device=device)[None, :] // width != torch.arange(rows, device=device)[:, None]
+        drop |= own_only[:, None] & peer
+    key = key.masked_fill_(drop, -1)
     num = min(num, flat)
     key, chosen = key.topk(num, dim=1)  # (B, num)
     chosen = chosen + row_base

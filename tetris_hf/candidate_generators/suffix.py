@@ -14,18 +14,22 @@ import torch
 
 from ..kv import rows_after_fill
 from ..suffix_cache import (PEER_BUDGET, SUFFIX_DEPTH, SuffixCache, batch_continuations, batch_matches,
-                            frequency_chain, frequency_tree, longest_match, suffix_keys)
+                            frequency_chain, frequency_tree, longest_match, own_match_lengths, suffix_keys)
 from ..trees import GrownTree
 from .calibration import OnlineRates
 from .drafter import Drafter, JoiningRows, PromptChunk, Proposal, Retired, RowMoves, Verdict
 
-LENGTH_CLASSES = (1, 2, 4)  # calibration groups by match length: n = 1, 2-3, 4 and more
+# calibration groups by how many tokens a cell's occurrences agree with the row on: the match and the cells before
+# the cell (a chain's third cell after a 2-token match: 4), 1, 2-3, 4-7 and 8 and more
+LENGTH_CLASSES = (1, 2, 4, 8)
 
 
 class SuffixAcceptance(OnlineRates):
     """A suffix cell's vote share calibrated online: ``P(cell accepted | the cells before it were)`` by the share's
     bin (``num_bins`` equal ones), whether the vote was unanimous (every occurrence still agreeing had the cell's
-    token: one occurrence, or all alike) and the match length's class (:data:`LENGTH_CLASSES`), an
+    token: one occurrence, or all alike) and the class (:data:`LENGTH_CLASSES`) of the cell's context, the tokens its
+    occurrences agree with the row on once the cells before it are accepted (the match length plus its level: deeper
+    cells of a path the target follows are accepted more often than first cells of the same share), an
     :class:`~.calibration.OnlineRates` table whose prior is each bin's centre."""
 
     def __init__(self, device: torch.device, num_bins: int = 10, prior_strength: float = 4.0, memory: float = 0.99):
@@ -34,24 +38,30 @@ class SuffixAcceptance(OnlineRates):
         self.num_bins = num_bins
         self.bounds = torch.tensor(LENGTH_CLASSES[1:], device=device)
 
-    def cells(self, shares: torch.Tensor, unanimous: torch.Tensor, ngram: torch.Tensor) -> torch.Tensor:
-        """``(B, K)`` flat table index of cells with vote ``shares`` and ``unanimous`` (bool) ``(B, K)`` in rows that
-        matched ``ngram`` ``(B,)`` tokens."""
-        length_class = torch.bucketize(ngram, self.bounds, right=True)  # (B,)
+    def cells(self, shares: torch.Tensor, unanimous: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        """``(B, K)`` flat table index of cells with vote ``shares``, ``unanimous`` (bool) and ``context`` tokens
+        agreed (the match length plus the cell's level), all ``(B, K)``."""
+        length_class = torch.bucketize(context, self.bounds, right=True)
         bins = (shares * self.num_bins).long().clamp(0, self.num_bins - 1)
-        return (length_class[:, None] * 2 + unanimous.long()) * self.num_bins + bins
+        return (length_class * 2 + unanimous.long()) * self.num_bins + bins
 
-    def log_probs(self, shares: torch.Tensor, unanimous: torch.Tensor, ngram: torch.Tensor) -> torch.Tensor:
+    def log_probs(self, shares: torch.Tensor, unanimous: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         """``(B, K)`` log estimated acceptance."""
-        return self.rates().flatten()[self.cells(shares, unanimous, ngram)].log()
+        return self.rates().flatten()[self.cells(shares, unanimous, context)].log()
 
     def update(self, shares: torch.Tensor, unanimous: torch.Tensor, ngram: torch.Tensor, drafted: torch.Tensor,
                verify_lengths: torch.Tensor, num_accepted: torch.Tensor) -> None:
-        """Count one step: cells with ``shares`` and ``unanimous`` ``(B, K)``, rows that matched ``ngram`` and drafted
-        ``drafted`` ``(B,)`` cells, verified ``verify_lengths`` and accepted ``num_accepted`` ``(B,)``."""
+        """Count one chain step: cells with ``shares`` and ``unanimous`` ``(B, K)``, rows that matched ``ngram`` and
+        drafted ``drafted`` ``(B,)`` cells, verified ``verify_lengths`` and accepted ``num_accepted`` ``(B,)``."""
         cells = torch.arange(shares.shape[1], device=shares.device)[None, :]
         tried = (cells < verify_lengths[:, None]) & (cells <= num_accepted[:, None]) & (cells < drafted[:, None])
-        self.count(self.cells(shares, unanimous, ngram), tried, tried & (cells < num_accepted[:, None]))
+        self.count(self.cells(shares, unanimous, chain_context(ngram, shares.shape[1])), tried,
+                   tried & (cells < num_accepted[:, None]))
+
+
+def chain_context(ngram: torch.Tensor, num_cells: int) -> torch.Tensor:
+    """``(B, K)`` each chain cell's context: the match length ``ngram`` ``(B,)`` plus the cells before it."""
+    return ngram[:, None] + torch.arange(num_cells, device=ngram.device)[None, :]
 
 
 class SuffixChain(NamedTuple):
@@ -114,15 +124,17 @@ class SuffixCandidateGenerator(Drafter):
         rows = sequences.shape[0]
         peers = rows * rows * width * self.depth <= PEER_BUDGET  # (else each row searches itself only)
         context, tokens = batch_matches(sequences[:, :width], self.starts, lengths, self.depth, peers)
-        own_match = context.amax(dim=1).long()  # (B,)
+        batch_match = context.amax(dim=1).long()  # (B,)
         query = suffix_keys(sequences, self.starts, lengths, self.depth)  # (d, B)
         with self.cache.lock:
             lo, hi = self.cache.ranges(query)
             cached_match = longest_match((hi - lo).sum(dim=1))  # (B,)
-            ngram = torch.maximum(own_match, cached_match)
-            from_cache, cache_found = self.cache.continuations(lo, hi, torch.where(cached_match >= ngram, ngram, 0),
-                                                               self.occurrences, num_tokens)
-        from_batch, batch_found = batch_continuations(tokens, context, ngram, self.occurrences, num_tokens)
+            ngram = torch.maximum(batch_match, cached_match)
+            # a row whose own text matches as far as any other does drafts from its own text alone
+            own_only = own_match_lengths(context, tokens.shape[1]) >= ngram
+            from_cache, cache_found = self.cache.continuations(
+                lo, hi, torch.where(~own_only & (cached_match >= ngram), ngram, 0), self.occurrences, num_tokens)
+        from_batch, batch_found = batch_continuations(tokens, context, ngram, self.occurrences, num_tokens, own_only)
         return torch.cat([from_batch, from_cache], dim=1), torch.cat([batch_found, cache_found], dim=1), ngram
 
     def draft(self, sequences: torch.Tensor, lengths: torch.Tensor, num_tokens: int) -> SuffixChain:
@@ -130,7 +142,7 @@ class SuffixCandidateGenerator(Drafter):
         candidates, found, ngram = self.find_occurrences(sequences, lengths, num_tokens)
         drafts, counts, chosen, total = frequency_chain(candidates, found)
         shares, unanimous = chosen / (total + 1), (chosen == total) & (chosen > 0)
-        log_probs = self.acceptance.log_probs(shares, unanimous, ngram)
+        log_probs = self.acceptance.log_probs(shares, unanimous, chain_context(ngram, num_tokens))
         if self.min_log_prob > float("-inf"):  # (survival only falls along a chain: what is kept is a prefix)
             counts = torch.minimum(counts, (log_probs.cumsum(dim=1) >= self.min_log_prob).sum(dim=1))
         last = sequences.gather(1, (lengths - 1)[:, None])
@@ -173,7 +185,8 @@ class SuffixCandidateGenerator(Drafter):
         self._check_size(depth)
         candidates, found, ngram = self.find_occurrences(sequences, lengths, depth)
         tree, shares, unanimous = frequency_tree(
-            candidates, found, width, lambda share, agree: self.acceptance.log_probs(share, agree, ngram))
+            candidates, found, width,
+            lambda share, agree, level: self.acceptance.log_probs(share, agree, ngram[:, None] + level))
         if self.min_log_prob > float("-inf"):  # (a path's score never rises: what is kept stays ancestor-closed)
             tree = tree._replace(valid=tree.valid & (tree.log_scores >= self.min_log_prob))
         self._last, self._depth = (ngram, shares, unanimous, None), depth
@@ -187,8 +200,8 @@ class SuffixCandidateGenerator(Drafter):
         """Calibrate on the verdict: a chain's cells up to the first rejection; a tree's verified nodes whose parent
         the accepted path reached."""
         max_accepted = verdict.hints.max_accepted
-        self.width += (self._depth if max_accepted is None else min(max_accepted, self._depth)) + 1
-        self._depth = 0
+        depth, self._depth = self._depth, 0
+        self.width += (depth if max_accepted is None else min(max_accepted, depth)) + 1
         if self._last is None:
             return
         ngram, shares, unanimous, counts = self._last
@@ -204,7 +217,8 @@ class SuffixCandidateGenerator(Drafter):
         parents = trees.tree.parents
         reached = torch.where(parents >= 0, on_path.gather(1, parents.clamp(min=0)), True)  # (the root always is)
         tried = trees.selected & reached
-        self.acceptance.count(self.acceptance.cells(shares, unanimous, ngram), tried, tried & on_path)
+        level = torch.arange(num_nodes, device=path.device)[None, :] // (num_nodes // depth)  # (1, N): nodes level by level
+        self.acceptance.count(self.acceptance.cells(shares, unanimous, ngram[:, None] + level), tried, tried & on_path)
 
     def join(self, rows: JoiningRows | None = None, chunk: PromptChunk | None = None) -> None:
         """Rows join unpadded (their first real column is 0); their prompts are read from the rows themselves."""
