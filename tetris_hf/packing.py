@@ -145,7 +145,8 @@ def packed_attention(attention, module: torch.nn.Module, query: torch.Tensor, ke
     least :data:`~tetris_hf.attention.ROW_BY_ROW_WIDTH` wide, is read row by row instead
     (:func:`~tetris_hf.attention.prompt_rows_attention`: the same sums, without the padding)."""
     outputs, weights = [], None
-    plain = not any(kwargs.get(name) for name in ("softcap", "position_bias", "s_aux", "sinks", "dropout"))
+    plain = not kwargs.get("dropout") and all(kwargs.get(name) is None
+                                              for name in ("softcap", "position_bias", "s_aux", "sinks"))
     # each group of rows at its own width (rows before first_row have no query: they attend to nothing, left out)
     for first, end, width, first_token, end_token in packing.groups():
         lengths = packing.lengths_of(first, end) if prompt_rows and plain and width >= ROW_BY_ROW_WIDTH else None
