@@ -366,3 +366,27 @@ def test_a_stream_reads_joining_prompts_row_by_row_and_stays_exact(monkeypatch):
     check_exact(target, stream, requests(target, 10, seed=8, max_prompt=70))
     assert any(len(lengths) > 1 for lengths in seen)  # several prompt rows in one block
     assert any(0 in lengths for lengths in seen)  # a later chunk: the rows whose prompts ended, left out
+
+
+@pytest.mark.parametrize("length", [1, 2, 3, 5, 10, 11])
+@pytest.mark.parametrize("mask_rows", ["per-query", "shared"])
+def test_folded_query_heads_give_the_grouped_sums_bitwise(length, mask_rows, monkeypatch):
+    """A masked block's query heads folded onto their key-value head (3 or more queries a head, at most 32 a
+    key-value head) give ``enable_gqa``'s outputs bit for bit; 1, 2 and 11 queries (33 a head) are not folded."""
+    import tetris_hf.attention as attention
+
+    generator = torch.Generator().manual_seed(length)
+    keys = 300 + length
+    query = torch.randn(16, length, 9, 64, generator=generator).transpose(1, 2)  # (as the layer hands it)
+    key, value = (torch.randn(16, 3, keys + 5, 64, generator=generator)[:, :, :keys] for _ in range(2))
+    mask = torch.rand(16, 1, length if mask_rows == "per-query" else 1, keys, generator=generator) < 0.7
+    mask[..., 0] = True
+    module = SimpleNamespace(num_key_value_groups=3)
+    folds = attention.fold_queries(query, 3, mask)
+    assert folds == (3 <= length <= 10)
+    outputs = []
+    for most in (0, attention.FOLDED_QUERIES):  # (0: never folded)
+        monkeypatch.setattr(attention, "FOLDED_QUERIES", most)
+        outputs.append(grouped_sdpa_attention(module, query, key, value, mask, scaling=0.125)[0])
+    assert outputs[0].shape == (16, length, 9, 64)
+    assert torch.equal(outputs[0], outputs[1])

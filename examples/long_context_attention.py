@@ -1,16 +1,21 @@
-"""Joining prompts attended row by row, each at its own length, against the padded block, side by side.
+"""The stream's attention on long contexts, before and after, side by side in one process.
 
-    OMP_NUM_THREADS=1 python examples/prompt_rows.py --prompts sharegpt --num-prompts 16 --repeats 3
+    OMP_NUM_THREADS=1 python examples/long_context_attention.py --prompts sharegpt --num-prompts 16 --repeats 3
 
-A request stream reads the prompts of the rows that join in packed forwards (a prompt chunk of its own, or riding in
-a step's verification forward). The packed tokens' attention used to be unpacked to a block as wide as the longest
-prompt, every row computed to that width, rows without a token in the chunk included; on the CPU it now reads each
-prompt row on its own (:func:`tetris_hf.attention.prompt_rows_attention`), with the same sums. This script runs the
-request stream on the offline target, without speculation and with prompt lookup (``fixed``), each repeat once with
-the padded block ("before") and once row by row ("after"), interleaved in one process, and prints each system's
-median tok/s, the ratio after / before, and whether the two arms' outputs are equal (they should be, token for token).
-``--profile`` also times every attention call of one more run per arm, by kind (docs/benchmarks.md, "Attention over
-long contexts").
+Two changes, each with the same sums bit for bit (docs/benchmarks.md, "Attention over long contexts"):
+
+- **prompt rows one by one**: a request stream reads the prompts of the rows that join in packed forwards (a prompt
+  chunk of its own, or riding in a step's verification forward). Their attention used to be unpacked to a block as
+  wide as the longest prompt, every row computed to that width, rows without a token in the chunk included; on the
+  CPU each prompt row is now attended on its own, at its own length (:func:`tetris_hf.attention.prompt_rows_attention`).
+- **query heads folded**: a masked block of 3 or more queries a row (a verified draft block) runs with each key-value
+  head's query heads as one block of queries (:func:`tetris_hf.attention.fold_queries`), where ``enable_gqa`` ran
+  each query head apart.
+
+This script runs the request stream on the offline target, without speculation and with prompt lookup (``fixed``),
+each repeat once per arm ("before": neither; "rows": prompt rows only; "after": both), interleaved, and prints each
+system's median tok/s, the ratios to "before", and whether every arm's outputs equal "before"'s. ``--profile`` also
+times every sdpa call of one more run per arm, by kind.
 """
 
 from __future__ import annotations
@@ -23,35 +28,55 @@ import time
 
 import torch
 
+import tetris_hf.attention as attention
 import tetris_hf.packing as packing
 from tetris_hf.cpu_kernels import use_onednn_linears
 from tetris_hf.tools.bench import load_lookup_target
 from tetris_hf.tools.stream_bench import run_stream, stream_prompts
 
-ARMS = {"before": sys.maxsize, "after": packing.ROW_BY_ROW_WIDTH}  # the narrowest block read row by row
+# each arm: (the narrowest prompt block read row by row, the most queries a key-value head folded)
+ARMS = {"before": (sys.maxsize, 0), "rows": (packing.ROW_BY_ROW_WIDTH, 0),
+        "after": (packing.ROW_BY_ROW_WIDTH, attention.FOLDED_QUERIES)}
+
+
+def use(arm: str) -> None:
+    packing.ROW_BY_ROW_WIDTH, attention.FOLDED_QUERIES = ARMS[arm]
 
 
 def attention_times(run) -> dict[str, tuple[int, float]]:
-    """``run()`` with every sdpa call timed: ``{kind: (calls, seconds)}``, kinds by what the call computes."""
+    """``run()`` with every sdpa call timed: ``{kind: (calls, seconds)}``. Kinds: a prompt block padded ("prompt,
+    causal": rows that just joined; "prompt, masked": a later chunk), a prompt row read alone ("prompt, row by row"),
+    and the rest ("step": decode and verify blocks, folded or not)."""
     functional = torch.nn.functional
-    sdpa = functional.scaled_dot_product_attention
+    sdpa, rows_alone = functional.scaled_dot_product_attention, packing.prompt_rows_attention
     times: dict = collections.defaultdict(lambda: [0, 0.0])
+    inside = [False]
 
     def timed(query, key, value, attn_mask=None, *args, is_causal=False, **kwargs):
         started = time.perf_counter()
         output = sdpa(query, key, value, attn_mask, *args, is_causal=is_causal, **kwargs)
-        queries = query.shape[-2] * (query.shape[1] // key.shape[1] if query.shape[1] != key.shape[1] else 1)
-        kind = ("prompt, causal" if is_causal else "prompt, masked") if query.shape[-2] > 8 else "step"
-        entry = times[kind if queries > 0 else "step"]
-        entry[0] += 1
-        entry[1] += time.perf_counter() - started
+        if inside[0]:
+            kind = "prompt, row by row"
+        elif query.shape[1] != key.shape[1] and query.shape[-2] >= packing.ROW_BY_ROW_WIDTH:
+            kind = "prompt, causal" if is_causal else "prompt, masked"
+        else:
+            kind = "step"
+        times[kind][0] += 1
+        times[kind][1] += time.perf_counter() - started
         return output
 
-    functional.scaled_dot_product_attention = timed
+    def row_by_row(*args, **kwargs):
+        inside[0] = True
+        try:
+            return rows_alone(*args, **kwargs)
+        finally:
+            inside[0] = False
+
+    functional.scaled_dot_product_attention, packing.prompt_rows_attention = timed, row_by_row
     try:
         run()
     finally:
-        functional.scaled_dot_product_attention = sdpa
+        functional.scaled_dot_product_attention, packing.prompt_rows_attention = sdpa, rows_alone
     return {kind: tuple(entry) for kind, entry in times.items()}
 
 
@@ -88,8 +113,8 @@ def main() -> None:
         for name in chosen:  # warm-up
             run(name, 2)
         for repeat in range(args.repeats):
-            for arm, width in ARMS.items():
-                packing.ROW_BY_ROW_WIDTH = width
+            for arm in ARMS:
+                use(arm)
                 for name in chosen:
                     result = run(name, args.max_new_tokens)
                     speeds[name, arm].append(sum(map(len, result.tokens)) / result.seconds)
@@ -99,19 +124,23 @@ def main() -> None:
         if args.profile:
             print("\nattention calls of one more run per arm (calls, seconds)")
             for name in chosen:
-                for arm, width in ARMS.items():
-                    packing.ROW_BY_ROW_WIDTH = width
+                for arm in ARMS:
+                    use(arm)
                     times = attention_times(lambda: run(name, args.max_new_tokens))
                     print(f"{name} {arm}: " + ", ".join(f"{kind} {calls} {seconds:.2f} s" for kind, (calls, seconds)
                                                         in sorted(times.items())))
     finally:
-        packing.ROW_BY_ROW_WIDTH = ARMS["after"]
-    print(f"\nmedian of {args.repeats} interleaved repeats")
-    print(f"{'system':<18}{'before tok/s':>14}{'after tok/s':>13}{'ratio':>8}{'rows equal':>12}")
+        use("after")
+    print(f"\nmedian of {args.repeats} interleaved repeats (tok/s; ratio to before; rows equal to before's)")
+    print(f"{'system':<16}" + "".join(f"{arm:>22}" for arm in ARMS))
     for name in chosen:
-        before, after = (statistics.median(speeds[name, arm]) for arm in ARMS)
-        same = sum(a == b for a, b in zip(outputs[name, "before"], outputs[name, "after"]))
-        print(f"{name:<18}{before:>14.1f}{after:>13.1f}{after / before:>7.2f}x{same:>8}/{len(prompts)}")
+        before = statistics.median(speeds[name, "before"])
+        cells = []
+        for arm in ARMS:
+            speed = statistics.median(speeds[name, arm])
+            same = sum(a == b for a, b in zip(outputs[name, "before"], outputs[name, arm]))
+            cells.append(f"{speed:.1f} ({speed / before:.2f}x, {same}/{len(prompts)})")
+        print(f"{name:<16}" + "".join(f"{cell:>22}" for cell in cells))
 
 
 if __name__ == "__main__":
