@@ -57,7 +57,7 @@ def attention_times(run) -> dict[str, tuple[int, float]]:
         output = sdpa(query, key, value, attn_mask, *args, is_causal=is_causal, **kwargs)
         if inside[0]:
             kind = "prompt, row by row"
-        elif query.shape[1] != key.shape[1] and query.shape[-2] >= packing.ROW_BY_ROW_WIDTH:
+        elif query.shape[1] != key.shape[1] and query.shape[-2] >= ARMS["after"][0]:  # (a padded prompt block)
             kind = "prompt, causal" if is_causal else "prompt, masked"
         else:
             kind = "step"
