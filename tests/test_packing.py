@@ -1,15 +1,18 @@
 """Packed verify forwards: the target computes only each row's last token and the drafts selected for it, and the
 output stays the target's own."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
 from tetris_hf import loop_core
+from tetris_hf.attention import grouped_sdpa_attention, queries_read, real_prefix_mask
 from tetris_hf.cost_model import CostProfile, StepCostModel
 from tetris_hf.goodput import best_budget
 from tetris_hf.packed_probe import packs_exactly
-from tetris_hf.packing import Packing
+from tetris_hf.packing import Packing, packed_attention
 from test_architectures import FULL_ATTENTION, SLIDING_WINDOW, tiny
 from test_greedy_exactness import NEW_TOKENS, generate_checked, pick_eos, target_alone
 from tiny_models import PAD, left_pad, random_prompts, target_and_draft
@@ -286,3 +289,104 @@ def test_joining_prompts_attend_to_their_own_block_causally_and_read_as_the_mode
     expected = (5, True, True) if own_block else (9 + 5, False, False)
     assert all(call[1:] == expected for call in joining_rows), joining_rows
     assert cache.new_from is None  # the rows hold their prompts now: a later block attends under the mask
+
+
+def padded_and_row_by_row(lengths: list[int], width: int, cached: int, decoding_rows: int, seed: int):
+    """One layer's attention over a packed prompt block, ``lengths`` tokens in each prompt row after
+    ``decoding_rows`` rows with none, SmolLM2's heads (9 query heads on 3 key-value heads): as the padded block and
+    row by row. ``cached``: slots before the block (0: the rows just joined and attend causally, unmasked; else a
+    mask over cached slots and the block)."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = decoding_rows + len(lengths)
+    real_lengths = torch.tensor([0] * decoding_rows + lengths)
+    num_tokens = sum(lengths)
+    packing = Packing.of(real_lengths, num_tokens, width, first_row=decoding_rows,
+                         new_from=decoding_rows if cached == 0 else None, prompt_lengths=tuple(lengths))
+    query = torch.randn(1, 9, num_tokens, 64, generator=generator)
+    key, value = (torch.randn(rows, 3, cached + width + 3, 64, generator=generator)[:, :, : cached + width]
+                  for _ in range(2))  # (views of a longer buffer, as a cache's)
+    mask = None
+    if cached:
+        real = torch.rand(rows, cached, generator=generator) < 0.7
+        mask = real_prefix_mask(real[:, None, None], torch.ones(width, width, dtype=torch.bool).tril())
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True)
+    return [packed_attention(grouped_sdpa_attention, module, query, key, value, mask, packing, prompt_rows=apart,
+                             scaling=0.125)[0][0] for apart in (False, True)]
+
+
+@pytest.mark.parametrize("cached", [0, 40, 300], ids=["joined", "masked-40", "masked-300"])
+@pytest.mark.parametrize("width", [16, 37, 150, 256, 600])
+def test_prompt_rows_read_alone_compute_the_padded_blocks_sums_bitwise(width, cached):
+    """Each prompt row at its own length (rows with no token left out, causal keys cut) gives the padded block's
+    outputs bit for bit on the CPU's sdpa: lengths that end a block of 1 or 2 queries (33, 34), the longest rows, a
+    row of one token, an empty row."""
+    lengths = [1, 2, 0, 33, 34, 17, width - 2, width - 1, width, width // 2 + 1, 65, 97]
+    lengths = [min(length, width) for length in lengths]
+    padded, apart = padded_and_row_by_row(lengths, width, cached, decoding_rows=3, seed=width + cached)
+    assert padded.shape == apart.shape == (sum(lengths), 9, 64)
+    assert torch.equal(padded, apart)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_prompt_rows_read_alone_equal_the_padded_block(seed):
+    generator = torch.Generator().manual_seed(seed)
+    width = int(torch.randint(16, 520, (), generator=generator))
+    lengths = torch.randint(0, width + 1, (int(torch.randint(1, 17, (), generator=generator)),),
+                            generator=generator).tolist()
+    padded, apart = padded_and_row_by_row(lengths, width, [0, 64][seed % 2], decoding_rows=seed % 3, seed=seed)
+    assert torch.equal(padded, apart)
+
+
+def test_a_row_read_alone_ends_no_block_of_queries_the_padded_block_did_not():
+    assert [queries_read(length, 256) for length in (1, 2, 3, 32, 33, 34, 35, 40, 65, 254, 255, 256)] == [
+        3, 3, 3, 32, 35, 35, 35, 40, 67, 256, 256, 256]
+    assert queries_read(20, 21) == 21 and queries_read(1, 16) == 3
+
+
+def test_a_stream_reads_joining_prompts_row_by_row_and_stays_exact(monkeypatch):
+    """Prompts of 2 to 70 tokens joining at the start and mid-stream, read in chunks of 24 and riding in
+    verification forwards: each prompt row is attended alone (at its own length) and every row equals the target
+    alone."""
+    import tetris_hf.packing as packing
+    from test_stream import check_exact, requests
+    from tetris_hf.stream import RequestStream
+    from tiny_models import tiny_llama
+
+    target = tiny_llama(seed=0)
+    seen = []
+    row_by_row = packing.prompt_rows_attention
+
+    def spy(query, key, value, lengths, *args, **kwargs):
+        seen.append(tuple(lengths))
+        return row_by_row(query, key, value, lengths, *args, **kwargs)
+
+    monkeypatch.setattr(packing, "prompt_rows_attention", spy)
+    stream = RequestStream(target, max_batch_size=4, prefill_chunk=24, eos_token_id=None, tetris_strategy="fixed",
+                           prompt_lookup_num_tokens=3)
+    check_exact(target, stream, requests(target, 10, seed=8, max_prompt=70))
+    assert any(len(lengths) > 1 for lengths in seen)  # several prompt rows in one block
+    assert any(0 in lengths for lengths in seen)  # a later chunk: the rows whose prompts ended, left out
+
+
+@pytest.mark.parametrize("length", [1, 2, 3, 5, 10, 11])
+@pytest.mark.parametrize("mask_rows", ["per-query", "shared"])
+def test_folded_query_heads_give_the_grouped_sums_bitwise(length, mask_rows, monkeypatch):
+    """A masked block's query heads folded onto their key-value head (3 or more queries a head, at most 32 a
+    key-value head) give ``enable_gqa``'s outputs bit for bit; 1, 2 and 11 queries (33 a head) are not folded."""
+    import tetris_hf.attention as attention
+
+    generator = torch.Generator().manual_seed(length)
+    keys = 300 + length
+    query = torch.randn(16, length, 9, 64, generator=generator).transpose(1, 2)  # (as the layer hands it)
+    key, value = (torch.randn(16, 3, keys + 5, 64, generator=generator)[:, :, :keys] for _ in range(2))
+    mask = torch.rand(16, 1, length if mask_rows == "per-query" else 1, keys, generator=generator) < 0.7
+    mask[..., 0] = True
+    module = SimpleNamespace(num_key_value_groups=3)
+    folds = attention.fold_queries(query, 3, mask)
+    assert folds == (3 <= length <= 10)
+    outputs = []
+    for most in (0, attention.FOLDED_QUERIES):  # (0: never folded)
+        monkeypatch.setattr(attention, "FOLDED_QUERIES", most)
+        outputs.append(grouped_sdpa_attention(module, query, key, value, mask, scaling=0.125)[0])
+    assert outputs[0].shape == (16, length, 9, 64)
+    assert torch.equal(outputs[0], outputs[1])

@@ -161,6 +161,99 @@ def grouped_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: to
                                       is_causal=is_causal, **kwargs)
     if attention_mask.dim() == 4:
         attention_mask = attention_mask[:, :, :, : key.shape[-2]]
+    batch, heads, length, dim = query.shape
+    if fold_queries(query, heads // key.shape[1], attention_mask):
+        # each key-value head's group of query heads as one block of queries: (B, H_kv, G * L, D), row g * L + l
+        # the query head g's query l, its mask row l; the kernel reads the head once for them all
+        query = query.reshape(batch, key.shape[1], heads // key.shape[1] * length, dim)
+        if attention_mask.shape[2] > 1:
+            attention_mask = attention_mask.repeat(1, 1, heads // key.shape[1], 1)
+        output = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                                  dropout_p=dropout, scale=scaling)
+        return output.reshape(batch, heads, length, dim).transpose(1, 2).contiguous(), None
     output = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
                                                               dropout_p=dropout, scale=scaling, enable_gqa=True)
     return output.transpose(1, 2).contiguous(), None
+
+
+FOLDED_QUERIES = 32  # a masked block is folded onto its key-value heads where this holds each head's queries
+
+
+def fold_queries(query: torch.Tensor, groups: int, attention_mask: torch.Tensor) -> bool:
+    """Whether :func:`grouped_sdpa_attention` folds a block's query heads onto their key-value head (``query``
+    ``(B, H, L, D)``, ``groups`` query heads a key-value head): on the CPU, outside compiled graphs, a 4D bool mask, at
+    least 3 queries a head and at most :data:`FOLDED_QUERIES` a key-value head. The CPU sdpa kernel then reads each
+    key-value head once for its ``groups * L`` queries in one product (where ``enable_gqa`` reads it per query head,
+    ``L`` queries each), with the same sums bit for bit: both are one block of queries of 3 or more (see
+    :func:`queries_read`; 1 and 2 round otherwise). E.g. a verified block of 5 tokens, 9 query heads on 3: 3 blocks of
+    15 queries in place of 9 of 5 (docs/benchmarks.md, "Attention over long contexts")."""
+    length = query.shape[2]
+    return (query.device.type == "cpu" and not torch.compiler.is_compiling() and attention_mask.dim() == 4
+            and attention_mask.dtype == torch.bool and length >= 3
+            and groups * length <= min(FOLDED_QUERIES, QUERY_BLOCK))
+
+
+ROW_BY_ROW_WIDTH = 16  # prompt blocks at least this wide are attended row by row (prompt_rows_attention)
+KEY_MULTIPLE = 16  # a row's causal keys are cut at a multiple of this (the widest CPU vector of fp32, AVX-512)
+QUERY_BLOCK = 32  # the CPU sdpa kernel's blocks of queries are multiples of this
+KEY_BLOCK = 512  # and its blocks of keys this long
+
+
+def queries_read(length: int, width: int) -> int:
+    """How many of a row's ``width`` queries :func:`prompt_rows_attention` computes for its ``length`` real ones: at
+    least ``length``, where the CPU sdpa kernel computes each real one as in the padded block. The kernel splits the
+    queries into blocks (multiples of :data:`QUERY_BLOCK`); a last block of 1 or 2 queries takes another product
+    (a vector one) whose sums round differently, so a row read alone does not end in one unless the padded block did
+    (its last queries: the row reads the whole width then). E.g. width 256: 33 -> 35, 40 -> 40, 255 -> 256."""
+    if length >= width - 2:
+        return width
+    return next(end for end in (length, length + 1, length + 2) if end % QUERY_BLOCK not in (1, 2))
+
+
+def prompt_rows_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: tuple[int, ...],
+                          attention_mask: torch.Tensor | None, width: int, key_start: int = 0,
+                          scaling: float | None = None) -> torch.Tensor:
+    """sdpa over rows that read prompts, one row at a time at its own length, each key-value head read in place
+    (``enable_gqa``): the rows of a block padded to its longest prompt computed every row to that width (and rows with
+    no token in it, all of them), where a row reads only its own tokens here (docs/benchmarks.md, "Attention over long
+    contexts"). The same sums as the padded block, row by row, on the CPU's sdpa kernel (tests/test_packing.py).
+
+    Args:
+        query: ``(1, H, N, D)`` the rows' tokens packed in row order (``lengths[i]`` of row ``i``).
+        key, value: ``(R, H_kv, S, D)`` the rows' slots, the block's written from ``key_start`` on.
+        lengths: ``R`` host ints, each row's tokens (0: the row is left out).
+        attention_mask: ``(R or 1, 1, W or 1, S)`` bool (True = attend) over every slot; ``None``: the rows hold
+            nothing real before the block and their real tokens come first in it, so each attends causally to its
+            own first slots from ``key_start`` on, cut at a multiple of :data:`KEY_MULTIPLE` (at most ``width``, the
+            block's width; all ``width`` past :data:`KEY_BLOCK`): the keys a padded block's causal mask would leave
+            to it, in the same vector lanes.
+        width: ``W``, the block's width.
+        scaling: the layer's softmax scale (``None``: ``D ** -0.5``).
+
+    Returns:
+        ``(N, H, D)`` in the packed order.
+    """
+    outputs, token = [], 0
+    grouped = query.shape[1] != key.shape[1]
+    for row, length in enumerate(lengths):
+        if not length:
+            continue
+        read = queries_read(length, width)
+        queries = query[:, :, token : token + length]  # (1, H, length, D)
+        if read > length:  # (filler after the real queries, as in the padded block: computed, then dropped)
+            queries = torch.nn.functional.pad(queries, (0, 0, 0, read - length))
+        token += length
+        if attention_mask is None:
+            # (a block wider than the kernel's blocks of keys keeps them all: cut, its blocks would split otherwise)
+            keys_end = key_start + (width if width > KEY_BLOCK else min(width, -(-read // KEY_MULTIPLE) * KEY_MULTIPLE))
+            keys, values = key[row : row + 1, :, key_start:keys_end], value[row : row + 1, :, key_start:keys_end]
+            output = torch.nn.functional.scaled_dot_product_attention(queries, keys, values, is_causal=True,
+                                                                      scale=scaling, enable_gqa=grouped)
+        else:
+            mask = attention_mask[row : row + 1] if attention_mask.shape[0] > 1 else attention_mask
+            mask = mask[:, :, :read] if mask.shape[2] > 1 else mask
+            output = torch.nn.functional.scaled_dot_product_attention(queries, key[row : row + 1],
+                                                                      value[row : row + 1], attn_mask=mask,
+                                                                      scale=scaling, enable_gqa=grouped)
+        outputs.append(output[0, :, :length].transpose(0, 1))  # (length, H, D)
+    return torch.cat(outputs)

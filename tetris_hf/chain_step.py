@@ -125,16 +125,18 @@ class ChainStep(StepPhases):
             real_lengths = verify_lengths + 1  # [last token, verified drafts], then filler
         target = context.target_slots
         num_real = None if read is None else read.num_verified + batch.num_rows  # (packed where the target can be)
-        forward_block, split, joining = block, None, self.joining
+        forward_block, split, joining, prompt_lengths = block, None, self.joining, ()
         if joining is not None:  # rows joining after this step: their prompts are read in this forward, after ours
             if real_lengths is None:
                 real_lengths = torch.ones_like(batch.lengths)
             split = BlockSplit(batch.num_rows, width, batch.num_rows if num_real is None else num_real)
             forward_block, real_lengths = joining.after(block, real_lengths, context.pad_value)
             num_real = split.tokens + joining.num_tokens
+            prompt_lengths = joining.prompt_lengths  # (host ints: their attention reads them row by row)
             target.add_rows(joining.count)
         logits, features = target.forward(context.model, forward_block, None, step=True, real_lengths=real_lengths,
-                                          num_real=num_real, split=split, hidden_states=context.feature_layers)
+                                          num_real=num_real, split=split, hidden_states=context.feature_layers,
+                                          prompt_lengths=prompt_lengths)
         joining_tokens = None
         if joining is not None:
             joining_tokens = self.first_tokens(joining, logits[batch.num_rows :, 0])

@@ -248,7 +248,8 @@ class SlotCache:
                 logits_to_keep: int = 0, step: bool = False, real_lengths: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, visibility: torch.Tensor | None = None,
                 num_real: int | None = None, discard_logits: bool = False, first_row: int = 0,
-                split: BlockSplit | None = None, hidden_states: tuple[int, ...] | None = None):
+                split: BlockSplit | None = None, hidden_states: tuple[int, ...] | None = None,
+                prompt_lengths: tuple[int, ...] = ()):
         """Run ``model`` (a causal LM taking ``attention_mask``, ``position_ids``, ``past_key_values``) on a block
         ``input_ids`` ``(B, L)`` appended to every row, and cache it. A real token's position is the number of real
         tokens before it in its row; filler takes a neighbour's, which nothing sees.
@@ -266,7 +267,9 @@ class SlotCache:
         ``first_row``: no row before it has a real token; ``split``: with ``real_lengths`` and ``num_real``, on a cache
         that packs, the decoding rows and the joining prompts after them attended apart, logits ``(B, split.width,
         V)`` for the first rows' tokens and each later row's last token; ``hidden_states``: indices of the model's
-        hidden states to return too (transformers' numbering, :func:`select_features`).
+        hidden states to return too (transformers' numbering, :func:`select_features`); ``prompt_lengths``: with
+        ``real_lengths``, the same for the last ``len(prompt_lengths)`` rows as host ints, where those rows read
+        prompts (a packed read then attends to them row by row: :class:`~tetris_hf.packing.Packing`).
 
         Returns:
             ``(B, L or logits_to_keep, V)`` logits, or ``None`` with ``discard_logits``; with ``hidden_states``,
@@ -288,7 +291,8 @@ class SlotCache:
         else:
             # (a static cache's steps keep their shapes; its other reads, a joining prompt's, read packed)
             packing = None if step and self.static else self._packing(input_mask, real_lengths, num_real, block,
-                                                                      logits_to_keep, first_row, split)
+                                                                      logits_to_keep, first_row, split,
+                                                                      prompt_lengths)
             if split is not None and packing is None and num_real != input_ids.numel():  # (no filler: read whole)
                 raise ValueError("a split block is read packed: real_lengths and num_real, on a cache that packs")
             attention_mask = self._attention_mask(position_ids, start, end, model.dtype, input_mask is None or all_real,
@@ -405,8 +409,8 @@ class SlotCache:
         return self.pack and not self.static
 
     def _packing(self, input_mask: torch.Tensor | None, real_lengths: torch.Tensor | None, num_real: int | None,
-                 width: int, logits_to_keep: int, first_row: int = 0,
-                 split: BlockSplit | None = None) -> Packing | None:
+                 width: int, logits_to_keep: int, first_row: int = 0, split: BlockSplit | None = None,
+                 prompt_lengths: tuple[int, ...] = ()) -> Packing | None:
         """How a forward's block is read packed (arguments as in :meth:`forward`), or ``None``: read padded (no filler,
         real tokens not counted on the host, more than the last column's logits kept, or a cache that does not pack)."""
         if num_real is None or not self.pack or logits_to_keep > 1 or (input_mask is None and real_lengths is None):
@@ -416,7 +420,8 @@ class SlotCache:
             return None
         if real_lengths is not None:  # a verified block (or joining prompts): real tokens first
             new_from = self.new_from if self.layout.plain_sdpa else None
-            return Packing.of(real_lengths, num_real, width, first_row=first_row, split=split, new_from=new_from)
+            return Packing.of(real_lengths, num_real, width, first_row=first_row, split=split, new_from=new_from,
+                              prompt_lengths=prompt_lengths)
         return Packing.of_left_padded(input_mask, num_real)
 
     def _eager_forward(self, forward, input_ids: torch.Tensor, attention_mask, position_ids: torch.Tensor,

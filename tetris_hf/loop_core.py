@@ -257,7 +257,8 @@ class LoopCore:
             num_real = sum(sizes)
             _, features = self.target_slots.forward(self.model, block, None, real_lengths=real_lengths,
                                                     num_real=num_real, discard_logits=True, first_row=old_rows,
-                                                    hidden_states=self.context.feature_layers)
+                                                    hidden_states=self.context.feature_layers,
+                                                    prompt_lengths=tuple(sizes))
             # no row holds more real tokens than the longest row's length (a row's last token is never cached)
             self.target_slots.compact(batch.longest)
             self.drafter.join(chunk=PromptChunk(block, real_lengths, num_real, batch.longest, successors, old_rows,

@@ -14,7 +14,8 @@ from typing import NamedTuple
 
 import torch
 
-from .attention import MASK_IMPLEMENTATIONS, grouped_sdpa_attention, routed_implementation
+from .attention import (MASK_IMPLEMENTATIONS, ROW_BY_ROW_WIDTH, grouped_sdpa_attention, prompt_rows_attention,
+                        routed_implementation)
 
 
 class BlockSplit(NamedTuple):
@@ -32,7 +33,10 @@ class Packing(NamedTuple):
     each, in row order; ``ends``: ``(B,)`` the index after each row's last packed token; ``first_row``: rows before
     it hold no token, so attention runs on the rows from it on only; ``split``: the block's rows in two groups
     (:class:`BlockSplit`), or ``None``; ``new_from``: rows from it on hold nothing real before the block and their
-    real tokens first, so they attend causally among their own block, unmasked (plain sdpa layouts; ``None``: none).
+    real tokens first, so they attend causally among their own block, unmasked (plain sdpa layouts; ``None``: none);
+    ``prompt_lengths``: host ints, the real tokens of each of the block's last ``len(prompt_lengths)`` rows, where
+    those rows read prompts and the caller knows their lengths (attention then reads them row by row, each at its own
+    length: :func:`prompt_rows_attention`).
 
     E.g. real lengths ``[3, 1, 2]``, ``L = 3``: the model reads ``[a0 a1 a2 b0 c0 c1]``, ``rows = [0 0 0 1 2 2]``,
     ``columns = [0 1 2 0 0 1]``."""
@@ -45,21 +49,23 @@ class Packing(NamedTuple):
     first_row: int = 0
     split: BlockSplit | None = None
     new_from: int | None = None
+    prompt_lengths: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, real_lengths: torch.Tensor, num_tokens: int, width: int,
            first_columns: torch.Tensor | None = None, first_row: int = 0, split: BlockSplit | None = None,
-           new_from: int | None = None) -> Packing:
+           new_from: int | None = None, prompt_lengths: tuple[int, ...] = ()) -> Packing:
         """The packing of a block whose row ``i`` has ``real_lengths[i]`` ``(B,)`` consecutive real tokens, its first
         ones or from column ``first_columns[i]`` ``(B,)`` on; ``num_tokens``: their sum, known on the host; ``width``:
-        ``L``; ``first_row``, ``split``, ``new_from``: as in :class:`Packing` (``new_from`` kept without
-        ``first_columns`` only)."""
+        ``L``; ``first_row``, ``split``, ``new_from``, ``prompt_lengths``: as in :class:`Packing` (``new_from`` and
+        ``prompt_lengths`` kept without ``first_columns`` only)."""
         ends = real_lengths.cumsum(dim=0)
         tokens = torch.arange(num_tokens, device=real_lengths.device)
         rows = torch.searchsorted(ends, tokens, right=True)
         starts = ends - real_lengths if first_columns is None else ends - real_lengths - first_columns
-        new_from = new_from if first_columns is None else None
-        return cls(rows, tokens - starts[rows], real_lengths.shape[0], width, ends, first_row, split, new_from)
+        new_from, prompt_lengths = (new_from, tuple(prompt_lengths)) if first_columns is None else (None, ())
+        return cls(rows, tokens - starts[rows], real_lengths.shape[0], width, ends, first_row, split, new_from,
+                   prompt_lengths)
 
     @classmethod
     def of_left_padded(cls, input_mask: torch.Tensor, num_tokens: int) -> Packing:
@@ -99,6 +105,12 @@ class Packing(NamedTuple):
         return [(self.first_row, split.rows, split.width, 0, split.tokens),
                 (split.rows, self.batch_size, self.width, split.tokens, self.num_tokens)]
 
+    def lengths_of(self, first: int, end: int) -> tuple[int, ...] | None:
+        """Rows ``first..end - 1``'s real tokens, host ints, where :attr:`prompt_lengths` covers them (else
+        ``None``)."""
+        known_from = self.batch_size - len(self.prompt_lengths)
+        return self.prompt_lengths[first - known_from : end - known_from] if first >= known_from else None
+
     def first_rows(self) -> Packing:
         """The packing of :attr:`split`'s first rows alone (their tokens come first: logits are computed there)."""
         split = self.split
@@ -117,29 +129,50 @@ def loop_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     grouped = base == "sdpa" and (tetris_grouped or query.device.type == "cpu")
     attention = grouped_sdpa_attention if grouped else row_attention(module, base)
     if tetris_packing is not None:
-        return packed_attention(attention, module, query, key, value, attention_mask, tetris_packing, **kwargs)
+        # (CPU: prompt rows one by one, docs/benchmarks.md, "Attention over long contexts"; elsewhere as before)
+        return packed_attention(attention, module, query, key, value, attention_mask, tetris_packing,
+                                prompt_rows=grouped and query.device.type == "cpu", **kwargs)
     return attention(module, query, key, value, attention_mask, **kwargs)
 
 
 def packed_attention(attention, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask, packing: Packing, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     attention_mask, packing: Packing, prompt_rows: bool = False,
+                     **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``attention`` (the model's own) for a packed forward: ``query`` ``(1, H, N, D)`` is unpacked to its rows
     ``(B, H, L, D)``, attends to ``key``/``value`` ``(B, H_kv, S, D)`` (each row's cache, the block written in it)
-    under the row-layout ``attention_mask`` ``(B, 1, L, S)``, and the output is packed again: ``(1, N, H, D)``."""
+    under the row-layout ``attention_mask`` ``(B, 1, L, S)``, and the output is packed again: ``(1, N, H, D)``.
+    ``prompt_rows``: ``attention`` is sdpa, and a group of rows whose prompt lengths the packing knows on the host, at
+    least :data:`~tetris_hf.attention.ROW_BY_ROW_WIDTH` wide, is read row by row instead
+    (:func:`~tetris_hf.attention.prompt_rows_attention`: the same sums, without the padding)."""
     outputs, weights = [], None
+    plain = not kwargs.get("dropout") and all(kwargs.get(name) is None
+                                              for name in ("softcap", "position_bias", "s_aux", "sinks"))
     # each group of rows at its own width (rows before first_row have no query: they attend to nothing, left out)
     for first, end, width, first_token, end_token in packing.groups():
+        lengths = packing.lengths_of(first, end) if prompt_rows and plain and width >= ROW_BY_ROW_WIDTH else None
+        new = packing.new_from is not None and first >= packing.new_from
+        mask = attention_mask
+        if lengths is not None and (new or isinstance(mask, torch.Tensor) and mask.dtype == torch.bool):
+            queries = query[:, :, first_token:end_token]
+            if new:  # (causal over the block's own slots, as below)
+                output = prompt_rows_attention(queries, key[first:end], value[first:end], lengths, None, width,
+                                               key.shape[-2] - packing.width, kwargs.get("scaling"))
+            else:
+                mask = mask[first:end] if mask.shape[0] > 1 else mask
+                output = prompt_rows_attention(queries, key[first:end], value[first:end], lengths,
+                                               mask[..., : key.shape[-2]], width, scaling=kwargs.get("scaling"))
+            outputs.append(output)
+            continue
         rows, columns = packing.rows[first_token:end_token] - first, packing.columns[first_token:end_token]
         queries = query.new_zeros(end - first, query.shape[1], width, query.shape[-1])
         queries[rows, :, columns] = query[0, :, first_token:end_token].transpose(0, 1)
-        if packing.new_from is not None and first >= packing.new_from:  # (set on plain sdpa layouts only)
+        if new:  # (set on plain sdpa layouts only)
             # rows that just joined: causality over the block's own slots is exact (filler follows the real tokens)
             start = key.shape[-2] - packing.width
             keys, values = key[first:end, :, start : start + width], value[first:end, :, start : start + width]
             output, weights = attention(module, queries, keys, values, None, **{**kwargs, "is_causal": True})
             outputs.append(output[rows, columns])
             continue
-        mask = attention_mask
         if isinstance(mask, torch.Tensor):  # (B or 1, 1, L, S)
             mask = mask[first:end] if mask.shape[0] > 1 else mask
             mask = mask[:, :, :width] if mask.shape[2] > 1 else mask
