@@ -1,7 +1,7 @@
 """``adaptive`` in a request stream, step by step, beside ``fixed``: each run's throughput, the steps as one string
 (``0`` a plain step, ``K`` a drafting one, ``p`` a probe), tokens a row-step and step time for the drafting and the
 plain steps apart, and what the pair's memory holds at the end (guard, probe interval, realized gain, probe price).
-The strategies (``--strategies``; ``plain``: the same stream without a drafter) alternate, ``--rounds`` times each, so
+The strategies (``--strategies``; ``plain``: the same stream with speculation off) alternate, ``--rounds`` times each, so
 that the second ``adaptive`` starts from what the first learnt, as a long-lived stream would.
 
     python examples/adaptive_stream_trace.py --prompts humaneval-edit --draft lookup
@@ -23,19 +23,20 @@ DRAFTS = {"lookup": "prompt_lookup_num_tokens", "suffix": "tetris_suffix_num_tok
 
 def serve(target, prompts, eos, pad, strategy: str, draft: str, args) -> tuple[list, float, int, object]:
     """Every prompt through one stream; ``(steps, seconds, tokens, the stream's loop core)``, each step
-    ``(K, probe, rows, tokens emitted, seconds, cells verified a row, cells accepted a row)``."""
+    ``(K, probe, rows, tokens emitted, seconds, cells verified a row, cells accepted a row, StepSeconds)``."""
     steps, cores = [], []
 
     def on_step(record, loop):
         steps.append((record.num_drafted, record.probe, record.rows.numel(), int(record.emitted.sum()),
-                      sum(record.seconds), record.verify_lengths.tolist(), record.num_accepted.tolist()))
+                      sum(record.seconds), record.verify_lengths.tolist(), record.num_accepted.tolist(),
+                      record.seconds))
         cores[:] = [loop.core]
 
-    drafting = {} if strategy == "plain" else {"tetris_strategy": strategy, "tetris_extra_tokens": 2,
-                                               DRAFTS[draft]: args.k}
+    # ("plain": speculation off, as stream-bench's stream-plain: the drafter never drafts)
+    settings = {"tetris_budget": 0} if strategy == "plain" else {"tetris_strategy": strategy}
     stream = RequestStream(target, max_batch_size=args.max_batch_size, max_new_tokens=args.max_new_tokens,
                            do_sample=False, eos_token_id=sorted(eos), pad_token_id=pad, tetris_step_callback=on_step,
-                           **drafting)
+                           tetris_extra_tokens=2, **{DRAFTS[draft]: args.k}, **settings)
     start = time.perf_counter()
     for prompt in prompts:
         stream.add(prompt)
@@ -55,7 +56,7 @@ def main() -> None:
     parser.add_argument("--max-batch-size", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--strategies", default="fixed,adaptive", help="in turn each round; plain: no drafter")
+    parser.add_argument("--strategies", default="fixed,adaptive", help="in turn each round; plain: speculation off")
     parser.add_argument("--first-steps", type=int, default=0, metavar="N")
     args = parser.parse_args()
     target, tokenizer = load_target()
@@ -66,13 +67,15 @@ def main() -> None:
             steps, seconds, tokens, core = serve(target, prompts, eos, pad, strategy, args.draft, args)
             print(f"== {strategy}: {tokens / seconds:.1f} tok/s, {len(steps)} steps, {seconds:.1f} s")
             print("".join("p" if probe else str(k) for k, probe, *_ in steps))
-            for number, (k, probe, *_, verified, accepted) in enumerate(steps[:args.first_steps]):
+            for number, (k, probe, *_, verified, accepted, _) in enumerate(steps[:args.first_steps]):
                 print(f"  step {number} ({'probe' if probe else f'K = {k}'}): verified {verified}, accepted {accepted}")
             for label, group in (("drafting", [s for s in steps if s[0] > 0]), ("plain", [s for s in steps if not s[0]])):
                 if group:
                     rows, emitted, busy = (sum(s[i] for s in group) for i in (2, 3, 4))
+                    phases = ", ".join(f"{name} {1000 * sum(s[-1][i] for s in group) / len(group):.1f}"
+                                       for i, name in enumerate(group[0][-1]._fields))
                     print(f"  {label}: {len(group)} steps, {emitted / rows:.2f} tokens a row-step, "
-                          f"{1000 * busy / len(group):.1f} ms a step, {rows / len(group):.1f} rows")
+                          f"{1000 * busy / len(group):.1f} ms a step ({phases}), {rows / len(group):.1f} rows")
             memory = getattr(core.strategy, "memory", None)
             if memory is not None:
                 print(f"  memory: guarded {memory.guarded}, probe interval {memory.probe_interval}, realized "

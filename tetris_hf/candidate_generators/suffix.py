@@ -217,7 +217,7 @@ class SuffixCandidateGenerator(Drafter):
         parents = trees.tree.parents
         reached = torch.where(parents >= 0, on_path.gather(1, parents.clamp(min=0)), True)  # (the root always is)
         tried = trees.selected & reached
-        level = torch.arange(num_nodes, device=path.device)[None, :] // (num_nodes // depth)  # (1, N): nodes level by level
+        level = torch.arange(num_nodes, device=path.device)[None, :] // (num_nodes // depth)  # (1, N): level by level
         self.acceptance.count(self.acceptance.cells(shares, unanimous, ngram[:, None] + level), tried, tried & on_path)
 
     def join(self, rows: JoiningRows | None = None, chunk: PromptChunk | None = None) -> None:
