@@ -150,6 +150,35 @@ def test_a_joining_prompt_rides_in_the_verification_forward(models):
         assert outputs[request_id].generated_tokens == expected
 
 
+def test_prompts_riding_in_plain_steps_leave_no_span_behind(models):
+    """A prompt riding in a step that verifies nothing (speculation off, or ``adaptive``'s plain steps) writes a block
+    as wide as itself into every row's slots; the step hands the cache the batch's bound on the rows' lengths, so the
+    holes it leaves are repacked as a drafting step's are, and every later step attends over at most that bound plus
+    the holes allowed (before: each ride widened every later step by the prompt's width, 1.6-1.9x the attention of a
+    plain step on the extraction stream). Outputs stay exact."""
+    target, _ = models
+    stream = RequestStream(target, max_batch_size=4, prefill_chunk=64, eos_token_id=None, prompt_lookup_num_tokens=3,
+                           tetris_budget=0)
+    settings = [([5, 6, 7], 40, None)] + [(list(range(3 + i, 48 + i)), 6, None) for i in range(5)]
+    ids = [stream.add(settings[0][0], max_new_tokens=settings[0][1])]
+    stream.step()
+    slots, spans, forwards = stream.loop.core.target_slots, [], []
+    handle = target.model.embed_tokens.register_forward_hook(lambda module, args, out: forwards.append(1))
+    try:
+        for prompt, max_new, _ in settings[1:]:
+            ids.append(stream.add(prompt, max_new_tokens=max_new))
+            forwards.clear()
+            stream.step()
+            assert len(forwards) == 1  # the prompt rode in the step's one forward
+            spans.append(slots.pointer - stream.loop.batch.longest)
+    finally:
+        handle.remove()
+    outputs = {output.request_id: output for output in stream.run()}
+    assert max(spans) <= slots.max_holes, spans
+    for request_id, (prompt, max_new, eos) in zip(ids, settings):
+        assert outputs[request_id].generated_tokens == alone(target, prompt, max_new, eos)
+
+
 def test_a_bad_request_fails_alone(models):
     target, draft = models
     stream = RequestStream(target, assistant_model=draft, max_batch_size=3, max_length=64, eos_token_id=None)

@@ -147,12 +147,13 @@ class ChainStep(StepPhases):
         num_accepted, next_tokens = accept(block[:, 1 : block_length + 1], verify_lengths, target_scores,
                                            proposal.probs, context.do_sample)
         hints = ReadHints(block_length, None if read is None else read.drafter_longest)
-        # after the block, no row holds more real slots than its longest row held plus the block
-        longest = None if read is None else read.target_longest + block_length + 1
+        # after the block, no row holds more real slots than its longest row held plus the block; a step that verified
+        # nothing read nothing, and each row holds its length (its last token now cached): the batch's bound holds
+        longest = batch.longest if read is None else read.target_longest + block_length + 1
         computed = target.tokens_read
         if joining is not None:  # (a prompt's read is not a step's work)
             computed -= joining.num_tokens
-            longest = None if longest is None else max(longest, joining.width)
+            longest = max(longest, joining.width)
         forward_width = forward_block.shape[1]
         return Verdict(num_accepted, next_tokens, verify_lengths, hints=hints, features=features), \
             TargetBlock(target.length - forward_width, forward_width, longest, computed, joining_tokens, features)
@@ -170,7 +171,7 @@ class ChainStep(StepPhases):
     def roll_back(self, proposal: Proposal, verdict: Verdict, block: TargetBlock) -> torch.Tensor | None:
         """The target keeps ``[last token, accepted drafts]`` of its block; the drafter keeps its accepted drafts."""
         target, joining = self.context.target_slots, self.joining
-        if block.longest is not None:  # drafts were verified (joining rows keep their prompts)
+        if proposal.tokens.shape[1] > 0:  # drafts were verified (joining rows keep their prompts)
             keep = verdict.num_accepted + 1
             target.keep_prefix(block.first_slot, keep if joining is None else torch.cat([keep, joining.lengths]))
         target.compact(block.longest)
