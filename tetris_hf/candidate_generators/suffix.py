@@ -200,8 +200,8 @@ class SuffixCandidateGenerator(Drafter):
         """Calibrate on the verdict: a chain's cells up to the first rejection; a tree's verified nodes whose parent
         the accepted path reached."""
         max_accepted = verdict.hints.max_accepted
-        depth, self._depth = self._depth, 0
-        self.width += (depth if max_accepted is None else min(max_accepted, depth)) + 1
+        self.width += (self._depth if max_accepted is None else min(max_accepted, self._depth)) + 1
+        self._depth = 0
         if self._last is None:
             return
         ngram, shares, unanimous, counts = self._last
@@ -217,8 +217,8 @@ class SuffixCandidateGenerator(Drafter):
         parents = trees.tree.parents
         reached = torch.where(parents >= 0, on_path.gather(1, parents.clamp(min=0)), True)  # (the root always is)
         tried = trees.selected & reached
-        level = torch.arange(num_nodes, device=path.device)[None, :] // (num_nodes // depth)  # (1, N): level by level
-        self.acceptance.count(self.acceptance.cells(shares, unanimous, ngram[:, None] + level), tried, tried & on_path)
+        context = ngram[:, None] + trees.tree.depths - 1  # (B, N) (depths are 1-based)
+        self.acceptance.count(self.acceptance.cells(shares, unanimous, context), tried, tried & on_path)
 
     def join(self, rows: JoiningRows | None = None, chunk: PromptChunk | None = None) -> None:
         """Rows join unpadded (their first real column is 0); their prompts are read from the rows themselves."""
