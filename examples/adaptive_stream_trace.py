@@ -1,8 +1,8 @@
 """``adaptive`` in a request stream, step by step, beside ``fixed``: each run's throughput, the steps as one string
 (``0`` a plain step, ``K`` a drafting one, ``p`` a probe), tokens a row-step and step time for the drafting and the
 plain steps apart, and what the pair's memory holds at the end (guard, probe interval, realized gain, probe price).
-The strategies (``--strategies``; ``plain``: the same stream with speculation off) alternate, ``--rounds`` times each, so
-that the second ``adaptive`` starts from what the first learnt, as a long-lived stream would.
+The strategies (``--strategies``; ``plain``: the same stream with speculation off) alternate, ``--rounds`` times
+each, so that the second ``adaptive`` starts from what the first learnt, as a long-lived stream would.
 
     python examples/adaptive_stream_trace.py --prompts humaneval-edit --draft lookup
 

@@ -28,7 +28,8 @@ def generate(model, *args, **kwargs):
             with the target's tokenizer, or an EAGLE head), ``prompt_lookup_num_tokens`` (with
             ``max_matching_ngram_size`` and ``tetris_min_ngram_size``) or ``tetris_suffix_num_tokens`` (with
             ``tetris_suffix_cache``, finished requests shared between calls, and ``tetris_suffix_min_prob``, where a
-            draft stops), or a model and one of the others (hybrid drafting). tetris_hf's own options (:class:`~tetris_hf.options.TetrisOptions`):
+            draft stops), or a model and one of the others (hybrid drafting). tetris_hf's own options
+            (:class:`~tetris_hf.options.TetrisOptions`):
             ``num_assistant_tokens`` (k, default 4), ``tetris_extra_tokens`` (e, default 2), ``tetris_budget`` (C,
             default k x active rows), ``tetris_strategy`` (``"tetris"``, ``"fixed"``, ``"adaptive"`` or ``"dsd"``),
             ``tetris_cost_profile``, ``tetris_step_callback``, ``tetris_max_holes``, ``tetris_draft_vocab``,
