@@ -43,6 +43,7 @@ import torch
 
 import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
 from tetris_hf.tools import stream_bench
+from tetris_hf.tools.cli import add_kernel_argument, apply_kernels
 from tetris_hf.tools.models import load_target
 
 # New tokens a prompt in the warm-up run: 2, so that a first decode (or verify) step runs in it too. (The first
@@ -234,6 +235,7 @@ def main() -> int:
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of " + ", ".join(SYSTEMS))
     parser.add_argument("--vllm-python", default=None, help="default $TETRIS_HF_VLLM_PYTHON")
     parser.add_argument("--output", default="profile-vs-vllm")
+    add_kernel_argument(parser)
     parser.add_argument("--from-json", default=None,
                         help="print the table of a profile.json written earlier (a run cut short included)")
     args = parser.parse_args()
@@ -250,6 +252,7 @@ def main() -> int:
     log = lambda line: print(line, flush=True)  # noqa: E731
 
     target, tokenizer = load_target(None)
+    log(apply_kernels(args, target))
     prompts, note, eos, pad = stream_bench.stream_prompts(target, tokenizer, args.prompts, args.num_prompts,
                                                           args.max_prompt_tokens)
     log(f"{len(prompts)} prompts ({note}), {min(map(len, prompts))}-{max(map(len, prompts))} tokens, up to "

@@ -151,7 +151,6 @@ def test_compiled_streams_run_beside_eager_ones_their_compiling_run_timed_apart(
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--compiled", "--onednn-linears"], "choose one"),
     (["--suffix-seed", "seed.jsonl"], "pass --draft suffix too"),
     (["--draft", "suffix", "--suffix-seed", "no-such-file.jsonl"], "no such file"),
     (["--draft", "lookup", "--tree-width", "2"], "suffix drafts grow trees"),

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from .attention import AttentionLayout
-from .cpu_kernels import linear_kernels
+from .cpu_kernels import OneDNNLinear
 
 _COMPILED: "weakref.WeakKeyDictionary[torch.nn.Module, Callable]" = weakref.WeakKeyDictionary()
 
@@ -26,10 +26,6 @@ def check_compilable(model: torch.nn.Module, role: str) -> None:
     if offloaded and len(placement) > 1:
         raise ValueError(f"tetris_compile=True: the {role} is offloaded to {sorted(offloaded)} by accelerate, whose "
                          "hooks move weights during the forward. Use tetris_compile=False or place it on one device")
-    if linear_kernels(model) != "aten":
-        raise ValueError(f"tetris_compile=True: the {role}'s linear layers run oneDNN's kernels "
-                         "(tetris_hf.cpu_kernels.use_onednn_linears), which torch.compile does not trace. Use "
-                         "tetris_compile=False, or tetris_hf.cpu_kernels.restore_linears first")
 
 
 DYNAMIC = False  # static shapes: one specialised graph per shape (why: docs/gpu.md)
@@ -43,6 +39,13 @@ def compiled_forward(model: torch.nn.Module) -> Callable:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         on_cuda = next(model.parameters()).is_cuda
         static = AttentionLayout.of(model).prepared  # (else the 2D mask: shapes as they come)
-        _COMPILED[model] = torch.compile(model.forward, dynamic=DYNAMIC if static else True,
-                                         mode="reduce-overhead" if on_cuda else None)
+        compiled = torch.compile(model.forward, dynamic=DYNAMIC if static else True,
+                                 mode="reduce-overhead" if on_cuda else None)
+        switched = [module for module in model.modules() if type(module) is OneDNNLinear]
+        if switched:  # the reordered weights a graph reads, made (or remade, if a weight changed) before each call
+            def compiled(*args, _forward=compiled, **kwargs):
+                for module in switched:
+                    module._kernel_weight()
+                return _forward(*args, **kwargs)
+        _COMPILED[model] = compiled
     return _COMPILED[model]

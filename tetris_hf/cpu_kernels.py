@@ -2,14 +2,34 @@
 
 :func:`use_onednn_linears` switches a model's ``nn.Linear`` layers to :class:`OneDNNLinear` in place (the same
 parameters, tied weights still tied, the same ``state_dict``); :func:`restore_linears` switches them back. Apply it to
-every system a benchmark compares. Measurements: docs/benchmarks.md, "oneDNN linear layers on the CPU".
+every system a benchmark compares. ``torch.compile`` traces a switched model too: inside a compiled graph each product
+is one opaque op (:func:`onednn_linear`), the graph fusing what lies between them. Measurements: docs/benchmarks.md,
+"oneDNN linear layers on the CPU".
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+@torch.library.custom_op("tetris_hf::onednn_linear", mutates_args=())
+def onednn_linear(input: torch.Tensor, weight: torch.Tensor, kernel_weight: torch.Tensor,
+                  bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``(..., in) -> (..., out)``: oneDNN's product on ``kernel_weight`` (``weight`` reordered, or ``weight``), a
+    single row on MKL's; :class:`OneDNNLinear`'s forward as one op that ``torch.compile`` calls without tracing into
+    (its tracer fails on ``mkldnn._linear_pointwise``)."""
+    if input.numel() == input.shape[-1]:  # one row
+        return F.linear(input, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(input, kernel_weight, bias, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _onednn_linear_shape(input, weight, kernel_weight, bias):
+    return input.new_empty(*input.shape[:-1], weight.shape[0])
 
 
 class OneDNNLinear(nn.Linear):
@@ -19,6 +39,9 @@ class OneDNNLinear(nn.Linear):
     ``F.linear`` (MKL's kernel)."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # one opaque op on the copy made before the call (compiled.py)
+            packed = self.__dict__.get("_onednn_packed")
+            return onednn_linear(input, self.weight, self.weight if packed is None else packed[1], self.bias)
         if input.numel() == input.shape[-1]:  # one row
             return F.linear(input, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(input, self._kernel_weight(), self.bias, "none", [], "")

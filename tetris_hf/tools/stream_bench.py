@@ -628,9 +628,6 @@ def main(args) -> int:
                          "--draft suffix or lookup,suffix")
     if args.tree_width > 1 and args.compiled:
         raise UsageError("--tree-width with --compiled: compiled steps draft chains only; choose one")
-    if args.compiled and args.onednn_linears:
-        raise UsageError("--compiled with --onednn-linears: torch.compile does not trace oneDNN's linear kernels; "
-                         "choose one")
     if lookup:
         from .bench import load_lookup_target
 
