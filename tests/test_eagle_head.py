@@ -19,7 +19,7 @@ from transformers import DynamicCache
 
 from eagle_checkpoints import HIDDEN, VOCAB, eagle1_checkpoint, eagle3_checkpoint, tiny_target, write_checkpoint
 from tetris_hf.attention import AttentionLayout
-from tetris_hf.candidate_generators.eagle import EagleDraft
+from tetris_hf.candidate_generators.eagle import HEAD_OUTPUT, EagleDraft
 from tetris_hf.kv import SlotCache
 from tiny_models import left_pad, random_prompts
 
@@ -180,11 +180,11 @@ def draft_slots(head: EagleDraft, cache: SlotCache, block_ids, block_features, s
                 real_lengths=None):
     """The head driven by SlotCache as the loop will: one block read with the target's features, then drafts that
     read the head's own output. Returns ``(B, steps)`` tokens and confidences."""
-    call = head.with_features(target_features=block_features)
-    logits = cache.forward(call, block_ids, input_mask, real_lengths=real_lengths)
+    logits, features = cache.forward(head, block_ids, input_mask, real_lengths=real_lengths,
+                                     row_inputs={"target_features": block_features}, hidden_states=HEAD_OUTPUT)
     last = (real_lengths - 1) if real_lengths is not None else torch.full((len(block_ids),), block_ids.shape[1] - 1)
     rows = torch.arange(len(block_ids))
-    logits, features = logits[rows, last], call.outputs.features[rows, last]
+    logits, features = logits[rows, last], features[rows, last]
     tokens, confidences = [], []
     for step in range(steps):
         token, confidence = pick(logits.double().log_softmax(dim=-1))
@@ -192,9 +192,9 @@ def draft_slots(head: EagleDraft, cache: SlotCache, block_ids, block_features, s
         confidences.append(confidence)
         if step == steps - 1:
             break
-        call = head.with_features(draft_features=features[:, None])
-        logits = cache.forward(call, token[:, None], None, step=True)[:, -1]
-        features = call.outputs.features[:, -1]
+        logits, features = cache.forward(head, token[:, None], None, step=True,
+                                         row_inputs={"draft_features": features[:, None]}, hidden_states=HEAD_OUTPUT)
+        logits, features = logits[:, -1], features[:, -1]
     return torch.stack(tokens, dim=1), torch.stack(confidences, dim=1)
 
 

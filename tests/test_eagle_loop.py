@@ -240,16 +240,39 @@ def test_chi_square_catches_a_verifier_that_skips_the_residual(sampling_pair, mo
     assert chi_square(tokens, second_token_law(target, PROMPT)) < 1e-3
 
 
-def test_an_eagle_head_with_compile_or_a_draft_vocab_is_refused(tmp_path):
+def test_an_eagle_head_with_a_draft_vocab_is_refused(tmp_path):
     target, head = load_pair(tmp_path, "llama", "eagle3")
     input_ids, mask = left_pad([[5, 6, 7]])
-    with pytest.raises(ValueError, match="tetris_compile=True with an EAGLE head"):
-        target.generate(input_ids, attention_mask=mask, assistant_model=head, custom_generate="tetris",
-                        max_new_tokens=3, tetris_compile=True)
     with pytest.raises(ValueError, match="carries its own draft vocabulary"):
         target.generate(input_ids, attention_mask=mask, assistant_model=head, custom_generate="tetris",
                         max_new_tokens=3, tetris_draft_vocab=10)
     assert not any(layer._forward_pre_hooks for layer in target.model.layers)
+
+
+def test_compiled_eagle_steps_draft_what_the_head_drafts_from_scratch(tmp_path, monkeypatch):
+    """The head's steps compile (static shapes): its features arrive as arguments of the call, padded for a batch
+    bucket's dummy rows like its tokens. Every proposal equals the head run from scratch (accepted drafts re-read
+    with the target's features, which the compiled verify forward returns), and the rows equal the target alone."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    target, head = load_pair(tmp_path, "llama", "eagle3")
+    proposals = record_proposals(monkeypatch)
+    accept_two_drafts(monkeypatch)
+    input_ids, mask = left_pad(prompts_for(3, seed=3))
+    target.generate(input_ids, attention_mask=mask, assistant_model=head, custom_generate="tetris", do_sample=False,
+                    max_new_tokens=10, pad_token_id=PAD, eos_token_id=EOS, num_assistant_tokens=3,
+                    tetris_extra_tokens=0, tetris_strategy="fixed", tetris_compile=True,
+                    tetris_step_callback=lambda record, loop: None)  # (a callback: proposals keep their log q)
+    assert len(proposals) >= 3 and counters["stats"]["unique_graphs"] > 0, dict(counters["stats"])
+    assert_proposals_equal_the_head_from_scratch(target, head, proposals, mask)
+    monkeypatch.undo()  # the target's own verdicts, on the graphs compiled above
+    eos = pick_eos(target, prompts_for(3, seed=3))
+    references = target_alone(target, prompts_for(3, seed=3), eos)
+    out = target.generate(input_ids, attention_mask=mask, assistant_model=head, custom_generate="tetris",
+                          do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=PAD,
+                          tetris_compile=True)
+    assert_rows_equal(out, input_ids, mask, references)
 
 
 @pytest.mark.parametrize("do_sample", [False, True])

@@ -249,7 +249,7 @@ class SlotCache:
                 position_ids: torch.Tensor | None = None, visibility: torch.Tensor | None = None,
                 num_real: int | None = None, discard_logits: bool = False, first_row: int = 0,
                 split: BlockSplit | None = None, hidden_states: tuple[int, ...] | None = None,
-                prompt_lengths: tuple[int, ...] = ()):
+                prompt_lengths: tuple[int, ...] = (), row_inputs: dict[str, torch.Tensor] | None = None):
         """Run ``model`` (a causal LM taking ``attention_mask``, ``position_ids``, ``past_key_values``) on a block
         ``input_ids`` ``(B, L)`` appended to every row, and cache it. A real token's position is the number of real
         tokens before it in its row; filler takes a neighbour's, which nothing sees.
@@ -269,7 +269,10 @@ class SlotCache:
         V)`` for the first rows' tokens and each later row's last token; ``hidden_states``: indices of the model's
         hidden states to return too (transformers' numbering, :func:`select_features`); ``prompt_lengths``: with
         ``real_lengths``, the same for the last ``len(prompt_lengths)`` rows as host ints, where those rows read
-        prompts (a packed read then attends to them row by row: :class:`~tetris_hf.packing.Packing`).
+        prompts (a packed read then attends to them row by row: :class:`~tetris_hf.packing.Packing`); ``row_inputs``:
+        more inputs of the model's forward, one ``(B, L, F)`` tensor per keyword argument, a value per block token (an
+        EAGLE head's ``target_features`` or ``draft_features``), read as the block is (packed with it, padded with
+        zeros for a static step's dummy rows).
 
         Returns:
             ``(B, L or logits_to_keep, V)`` logits, or ``None`` with ``discard_logits``; with ``hidden_states``,
@@ -287,7 +290,8 @@ class SlotCache:
         all_real = input_mask is None and real_lengths is None or num_real == input_ids.numel()
         # static shapes: a compiled step on prepared masks, once the first (eager) forward allocated the buffers
         if step and self.static and self.layout.prepared and self.cache.layers and visibility is None:
-            logits, features = self._static_forward(model, input_ids, position_ids, start, end, logits_to_keep, extra)
+            logits, features = self._static_forward(model, input_ids, position_ids, start, end, logits_to_keep, extra,
+                                                    row_inputs or {})
         else:
             # (a static cache's steps keep their shapes; its other reads, a joining prompt's, read packed)
             packing = None if step and self.static else self._packing(input_mask, real_lengths, num_real, block,
@@ -300,7 +304,7 @@ class SlotCache:
             # (compiled, on the shapes as they come, for models that take the 2D mask; never the first forward)
             run = self._step_forward if step and self._step_forward is not None and self.cache.layers else model
             logits, features = self._eager_forward(run, input_ids, attention_mask, position_ids, packing,
-                                                   logits_to_keep, discard_logits, split, extra)
+                                                   logits_to_keep, discard_logits, split, extra, row_inputs or {})
         self.pointer, self.next_positions, self.longest_bound = end, next_positions, self.longest_bound + block
         self.new_from = None  # (every row may now hold real tokens)
         self.dense = self.dense and all_real and visibility is None
@@ -426,16 +430,18 @@ class SlotCache:
 
     def _eager_forward(self, forward, input_ids: torch.Tensor, attention_mask, position_ids: torch.Tensor,
                        packing: Packing | None, logits_to_keep: int, discard_logits: bool, split: BlockSplit | None,
-                       extra: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                       extra: dict, row_inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None,
+                                                                                  torch.Tensor | None]:
         """``forward`` on the shapes as they come: padded, or (``packing``) packed (:meth:`_packed_run`); its logits
         (arranged as :meth:`forward` says) and the features ``extra`` asked for."""
         if packing is not None:
+            packed_inputs = {name: packing.pack(tensor)[None] for name, tensor in row_inputs.items()}
             logits, features = self._packed_run(forward, input_ids, attention_mask, position_ids, packing,
-                                                logits_to_keep, discard_logits, extra)
+                                                logits_to_keep, discard_logits, {**extra, **packed_inputs})
             self.tokens_read = packing.num_tokens
             return logits, features
         outputs = self._run(forward, input_ids, attention_mask, position_ids, 1 if discard_logits else logits_to_keep,
-                            extra)
+                            {**extra, **row_inputs})
         self.tokens_read = input_ids.numel()
         logits = outputs.logits
         if split is not None and not discard_logits:  # every row is as long: later rows' last tokens last
@@ -478,7 +484,8 @@ class SlotCache:
         return _later_rows_last(packing.first_rows().unpack(logits[0, :tokens]), logits[0, tokens:]), features
 
     def _static_forward(self, model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, start: int,
-                        end: int, logits_to_keep: int, extra: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        end: int, logits_to_keep: int, extra: dict,
+                        row_inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:attr:`step_forward` on static shapes: the batch padded with dummy rows to
         :func:`~tetris_hf.static_shapes.batch_bucket` rows, masks over the whole capacity, keys and values written at
         ``write_index`` (slots ``start..end - 1``); on sdpa, each key-value head read in place by its query heads.
@@ -492,7 +499,9 @@ class SlotCache:
             position_ids = torch.nn.functional.pad(position_ids, pad)
             key_valid = torch.nn.functional.pad(key_valid, pad, value=True)
             key_positions = torch.nn.functional.pad(key_positions, pad)
+            row_inputs = {name: torch.nn.functional.pad(tensor, (0, 0, *pad)) for name, tensor in row_inputs.items()}
         input_ids, position_ids = standard_strides(input_ids), standard_strides(position_ids)
+        extra = {**extra, **{name: standard_strides(tensor) for name, tensor in row_inputs.items()}}
         attention_mask = position_masks(self.layout, key_positions, key_valid, position_ids, model.dtype)
         grouped = self.layout.implementation == "sdpa" and takes_attention_arguments(model)
         self.write_index = self.offsets[start:end]
@@ -513,13 +522,16 @@ class SlotCache:
         return self.causal[:block, :block]
 
     def prefill(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                num_real: int | None = None) -> None:
+                num_real: int | None = None, row_inputs: dict[str, torch.Tensor] | None = None) -> None:
         """Cache a left-padded block ``(B, T)`` (a prompt, or tokens a draft skipped) but its last column, which
         opens the next block and is real in every row. ``num_real``: the block's real tokens, known on the host: the
-        columns read are then read packed where the model can be (:attr:`packs`)."""
+        columns read are then read packed where the model can be (:attr:`packs`). ``row_inputs``: as in
+        :meth:`forward`, ``(B, T, F)`` each (their last column is not read either)."""
         if input_ids.shape[1] > 1:
             read = None if num_real is None else num_real - input_ids.shape[0]  # (the last column: one per row)
-            self.forward(model, input_ids[:, :-1], attention_mask[:, :-1], num_real=read, discard_logits=True)
+            inputs = {name: tensor[:, :-1] for name, tensor in (row_inputs or {}).items()}
+            self.forward(model, input_ids[:, :-1], attention_mask[:, :-1], num_real=read, discard_logits=True,
+                         row_inputs=inputs)
 
     def keep_prefix(self, start: int, keep: torch.Tensor) -> None:
         """Roll back a block written at ``start`` whose real tokens come first in every row: row ``i`` keeps its first

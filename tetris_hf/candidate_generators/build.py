@@ -46,9 +46,6 @@ def build_drafter(assistant_model: torch.nn.Module | None, options: TetrisOption
     if options.tetris_tree_width > 1:  # a tree's nodes read ancestor masks
         check_tree_layout(AttentionLayout.of(draft_model), draft_model)
     eagle = is_eagle_head(draft_model)
-    if eagle and options.tetris_compile:
-        raise ValueError("tetris_compile=True with an EAGLE head is not supported yet: its features are bound to each "
-                         "head call (EagleCall), which SlotCache.step_forward does not pass; use tetris_compile=False")
     drafter_class = EagleCandidateGenerator if eagle else BatchedDraftCandidateGenerator
     drafter = drafter_class(draft_model, logits_processor, do_sample, max_holes=options.tetris_max_holes,
                             capacity=cache_capacity(draft_model), compile=options.tetris_compile, max_rows=max_rows)

@@ -40,11 +40,17 @@ TARGET_ONLY_FIELDS = ("model_type", "sliding_window", "use_sliding_window", "max
 class EagleOutput(ModelOutput):
     """What :meth:`EagleDraft.forward` returns: ``logits`` ``(B, K, V)`` over the target's vocabulary (``-inf``
     outside a reduced draft vocabulary), ``features`` ``(B, L, H)`` the head's output at every block position (the next
-    drafted token's ``draft_features``), and the cache it wrote to."""
+    drafted token's ``draft_features``), the cache it wrote to, and ``hidden_states``, numbered as transformers numbers
+    a model's: the layer's input ``h`` and its output (``features``, index :data:`HEAD_OUTPUT`)."""
 
     logits: torch.Tensor | None = None
     features: torch.Tensor | None = None
     past_key_values: Cache | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+
+
+# the head's output among its hidden states, as SlotCache.forward(head, ..., hidden_states=HEAD_OUTPUT) returns it
+HEAD_OUTPUT = (1,)
 
 
 @dataclass
@@ -241,13 +247,6 @@ class EagleDraft(nn.Module):
             return self._borrowed.lm_head
         return self.lm_head if self.target_ids is None else None
 
-    def with_features(self, target_features: torch.Tensor | None = None,
-                      draft_features: torch.Tensor | None = None) -> "EagleCall":
-        """The head with this block's features bound (``(B, L, F)`` target or ``(B, L, H)`` draft), for drivers that
-        pass a model's standard arguments only (:meth:`tetris_hf.kv.SlotCache.forward`); the output lands in
-        ``call.outputs``."""
-        return EagleCall(self, target_features, draft_features)
-
     # -- forward -----------------------------------------------------------------------------------------------------
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -286,7 +285,8 @@ class EagleDraft(nn.Module):
         h1 = h + attended
         out = h1 + self.layer.mlp(self.layer.post_attention_layernorm(h1))  # (B, L, H)
         kept = slice_logits_to_keep(out, logits_to_keep)
-        return EagleOutput(logits=self.logits(kept), features=out, past_key_values=past_key_values)
+        return EagleOutput(logits=self.logits(kept), features=out, past_key_values=past_key_values,
+                           hidden_states=(h, out))
 
     def _inputs(self, input_ids: torch.Tensor, target_features: torch.Tensor | None,
                 draft_features: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -345,32 +345,6 @@ class TokenFeatureCall:
 
     def __getattr__(self, name: str):
         return getattr(self._head, name)
-
-
-class EagleCall:
-    """:meth:`EagleDraft.forward` with its features bound, callable with a model's standard arguments; keeps the last
-    :class:`EagleOutput` in ``outputs``. In a packed forward (``tetris_packing``) the bound ``(B, L, ...)`` features
-    are packed the same way and ``outputs.features`` is unpacked to ``(B, L, H)``, zeros at filler."""
-
-    def __init__(self, head: EagleDraft, target_features: torch.Tensor | None,
-                 draft_features: torch.Tensor | None):
-        self.head = head
-        self.target_features, self.draft_features = target_features, draft_features
-        self.config, self.dtype, self.device = head.config, head.dtype, head.device
-        self.outputs: EagleOutput | None = None
-
-    def __call__(self, **kwargs) -> EagleOutput:
-        packing = kwargs.get("tetris_packing")
-        if packing is None:
-            self.outputs = self.head(**kwargs, target_features=self.target_features,
-                                     draft_features=self.draft_features)
-            return self.outputs
-        target, draft = (None if features is None else packing.pack(features)[None]
-                         for features in (self.target_features, self.draft_features))
-        outputs = self.head(**kwargs, target_features=target, draft_features=draft)
-        outputs.features = packing.unpack(outputs.features[0])
-        self.outputs = outputs
-        return outputs
 
 
 # -- reading and validating checkpoints ------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import torch
 from ..logits import PositionwiseLogitsProcessor
 from .batched_draft import BatchedDraftCandidateGenerator, final_tokens, left_packed_order, real_tokens
 from .drafter import JoiningRows, PromptChunk, Verdict
-from .eagle import EagleDraft, select_features
+from .eagle import HEAD_OUTPUT, EagleDraft, select_features
 
 
 class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
@@ -81,19 +81,18 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
         """Read the pending block but its last column (which opens the next proposal)."""
         if self.pending_tokens.shape[1] <= 2:
             return
-        call = self.head.with_features(target_features=self.pending_features[:, :-1])
-        self.slots.prefill(call, self.pending_tokens, self.pending_mask, self.pending_count)
+        self.slots.prefill(self.head, self.pending_tokens, self.pending_mask, self.pending_count,
+                           row_inputs={"target_features": self.pending_features})
         self.pending_features = self.pending_features[:, -1:]
         self._pending_last_column()
 
     def _draft_forward(self, step: int, tokens: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        if step == 0:  # the pending block, with the target's features
-            call = self.head.with_features(target_features=self.pending_features)
-        else:  # the last draft, with the head's own output before it
-            call = self.head.with_features(draft_features=self._out)
-        logits = self.slots.forward(call, tokens, mask, logits_to_keep=1, step=True,
-                                    num_real=self.pending_count if step == 0 else None)
-        self._out = call.outputs.features[:, -1:]
+        # the pending block with the target's features, or the last draft with the head's own output before it
+        inputs = {"target_features": self.pending_features} if step == 0 else {"draft_features": self._out}
+        logits, out = self.slots.forward(self.head, tokens, mask, logits_to_keep=1, step=True,
+                                         num_real=self.pending_count if step == 0 else None, row_inputs=inputs,
+                                         hidden_states=HEAD_OUTPUT)
+        self._out = out[:, -1:]
         return logits
 
     def propose_tree(self, sequences, lengths, depth, width, rows):  # (propose with tree_width > 1)
@@ -109,9 +108,10 @@ class EagleCandidateGenerator(BatchedDraftCandidateGenerator):
             self._tree_out = self._out  # the root's, from the pending block's forward
         out = self._tree_out
         draft_features = out.gather(1, (parents + 1)[..., None].expand(-1, -1, out.shape[-1]))
-        call = self.head.with_features(draft_features=draft_features)
-        logits = self.slots.forward(call, tokens, None, step=True, position_ids=position_ids, visibility=visibility)
-        self._tree_out = torch.cat([out, call.outputs.features], dim=1)
+        logits, node_out = self.slots.forward(self.head, tokens, None, step=True, position_ids=position_ids,
+                                              visibility=visibility, row_inputs={"draft_features": draft_features},
+                                              hidden_states=HEAD_OUTPUT)
+        self._tree_out = torch.cat([out, node_out], dim=1)
         return logits
 
     def _accept_tree(self, verdict: Verdict) -> None:
