@@ -14,13 +14,14 @@ def pair(seed: int = 0):
     return target, noisy_copy(target, 0.1, seed=seed)
 
 
-def adaptive_steps(target, draft, prompts, profile) -> list[int]:
+def adaptive_steps(target, draft, prompts, profile, **options) -> list[int]:
     """Tokens drafted per step of one greedy ``adaptive`` call; checks the rows equal the target alone."""
     input_ids, mask = left_pad(prompts)
     drafted = []
     out = target.generate(input_ids, attention_mask=mask, assistant_model=draft, custom_generate="tetris",
                           tetris_strategy="adaptive", tetris_cost_profile=profile, max_new_tokens=24,
-                          pad_token_id=PAD, tetris_step_callback=lambda record, loop: drafted.append(record.num_drafted))
+                          pad_token_id=PAD, tetris_step_callback=lambda record, loop: drafted.append(record.num_drafted),
+                          **options)
     plain = target.generate(input_ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=PAD)
     assert torch.equal(out, plain)
     return drafted
@@ -51,6 +52,20 @@ def test_a_saved_memory_starts_new_model_objects_where_the_old_ones_stopped(tmp_
     assert warm[1] > 1  # it plans from what was learnt at once: no cold probe
 
 
+def test_compiled_and_eager_calls_learn_apart():
+    """A compiled step costs what an eager one does not (its verify block padded): what compiled calls learnt (their
+    guard, probe schedule, realized gain) must not decide whether an eager call drafts, nor the other way round."""
+    target, draft = pair()
+    prompts = random_prompts(3, 64, seed=1)
+    adaptive_steps(target, draft, prompts, CHEAP_VERIFY, tetris_compile=True)
+    compiled = pair_memory(target, draft, compiled=True)
+    assert compiled.pool is not None and compiled.realized[False].predicted > 0
+    assert pair_memory(target, draft).pool is None  # the eager calls' memory: nothing learnt yet
+    cold = adaptive_steps(target, draft, prompts, CHEAP_VERIFY)
+    assert cold[1] == 1  # an eager call starts cold: its first drafting step is a probe of one token
+    assert pair_memory(target, draft, compiled=True) is compiled
+
+
 def test_a_memory_is_refused_by_another_pair_or_kind_and_a_bad_file_names_itself(tmp_path):
     target, draft = pair()
     adaptive_steps(target, draft, random_prompts(2, 64, seed=1), CHEAP_VERIFY)
@@ -62,6 +77,8 @@ def test_a_memory_is_refused_by_another_pair_or_kind_and_a_bad_file_names_itself
         tetris_hf.load_pair_memory(target, None, path)  # prompt lookup on the same target
     with pytest.raises(ValueError, match="hybrid=False"):
         tetris_hf.load_pair_memory(target, draft, path, hybrid=True)
+    with pytest.raises(ValueError, match="compiled=False"):
+        tetris_hf.load_pair_memory(target, draft, path, compiled=True)
     junk = tmp_path / "junk.pt"
     junk.write_bytes(b"not a memory")
     with pytest.raises(ValueError, match="junk.pt is not a tetris-hf pair memory"):

@@ -1,6 +1,8 @@
 """What the ``adaptive`` and ``dsd`` strategies learnt about one target/draft pair, kept between ``generate()``
 calls on the same two model objects (in memory, forgotten with the models), and saved to a file and loaded in another
-process on request (:func:`save_pair_memory`, :func:`load_pair_memory`).
+process on request (:func:`save_pair_memory`, :func:`load_pair_memory`). Calls with compiled steps
+(``tetris_compile=True``) learn apart from eager ones: a step's costs, and so whether drafting paid, differ between the
+two (a compiled verify block is padded, an eager one packed).
 """
 
 from __future__ import annotations
@@ -78,13 +80,15 @@ class _PromptLookup:
 _PROMPT_LOOKUP = _PromptLookup()
 
 
-def pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module | None, hybrid: bool = False) -> PairMemory:
+def pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module | None, hybrid: bool = False,
+                compiled: bool = False) -> PairMemory:
     """The :class:`PairMemory` of these two model objects, for greedy calls (a sampled call starts afresh: its tokens
     must not depend on earlier calls). ``assistant_model=None``: prompt lookup on this target. ``hybrid``: the memory
-    of calls whose draft drafts beside prompt lookup (calibrated confidences, learnt apart)."""
+    of calls whose draft drafts beside prompt lookup (calibrated confidences, learnt apart); ``compiled``: of calls
+    with compiled steps (their costs, learnt apart)."""
     draft_key = _PROMPT_LOOKUP if assistant_model is None else assistant_model
     by_target = _PAIR_MEMORY.setdefault(draft_key, weakref.WeakKeyDictionary())
-    return by_target.setdefault(model, {}).setdefault(hybrid, PairMemory())
+    return by_target.setdefault(model, {}).setdefault((hybrid, compiled), PairMemory())
 
 
 MEMORY_FORMAT, MEMORY_VERSION = "tetris-hf-pair-memory", 1
@@ -110,15 +114,15 @@ def pair_fingerprint(model: torch.nn.Module, assistant_model: torch.nn.Module | 
 
 
 def save_pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module | None, path: str | os.PathLike,
-                     hybrid: bool = False) -> Path:
+                     hybrid: bool = False, compiled: bool = False) -> Path:
     """Save what ``adaptive`` and ``dsd`` learnt about this pair in this process to ``path`` (a small ``torch.save``
     file), so that a later process starts from it (:func:`load_pair_memory`). ``hybrid``: the memory of hybrid calls
-    (a draft beside prompt lookup). Returns the path."""
-    memory = pair_memory(model, assistant_model, hybrid)
+    (a draft beside prompt lookup); ``compiled``: of calls with ``tetris_compile=True``. Returns the path."""
+    memory = pair_memory(model, assistant_model, hybrid, compiled)
     calibrator = memory.calibrator
     state = {
         "format": MEMORY_FORMAT, "version": MEMORY_VERSION, "pair": pair_fingerprint(model, assistant_model),
-        "hybrid": hybrid,
+        "hybrid": hybrid, "compiled": compiled,
         "calibrator": {"prior_accepted": calibrator.prior_accepted, "prior_rejected": calibrator.prior_rejected,
                        "accepted": calibrator.accepted, "rejected": calibrator.rejected,
                        "memory": calibrator.memory},
@@ -134,10 +138,10 @@ def save_pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module | 
 
 
 def load_pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module | None, path: str | os.PathLike,
-                     hybrid: bool = False) -> PairMemory:
+                     hybrid: bool = False, compiled: bool = False) -> PairMemory:
     """Start this pair's memory in this process from a file :func:`save_pair_memory` wrote (replacing what this
     process learnt so far). Raises ``ValueError`` for a file that is not such a memory, or is another pair's (another
-    target, draft or weights) or the other kind (hybrid or not)."""
+    target, draft or weights) or of another kind (hybrid or not, compiled steps or not)."""
     path = Path(path)
     try:
         state = torch.load(path, weights_only=True)
@@ -152,6 +156,9 @@ def load_pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module | 
     if state["hybrid"] != hybrid:
         raise ValueError(f"{path} holds the memory of {'hybrid' if state['hybrid'] else 'single-source'} calls: pass "
                          f"hybrid={state['hybrid']}")
+    if state.get("compiled", False) != compiled:  # (files saved before this was kept: eager calls')
+        raise ValueError(f"{path} holds the memory of calls with{'' if state.get('compiled') else 'out'} compiled "
+                         f"steps, whose costs differ: pass compiled={bool(state.get('compiled'))}")
     saved = state["calibrator"]
     calibrator = AcceptanceCalibrator(num_bins=saved["accepted"].numel(), memory=saved["memory"])
     calibrator.prior_accepted, calibrator.prior_rejected = saved["prior_accepted"], saved["prior_rejected"]
@@ -163,5 +170,5 @@ def load_pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module | 
     memory.plain_seconds = {int(rows): float(seconds) for rows, seconds in state.get("plain_seconds", {}).items()}
     memory.probe_cost = state.get("probe_cost")
     draft_key = _PROMPT_LOOKUP if assistant_model is None else assistant_model
-    _PAIR_MEMORY.setdefault(draft_key, weakref.WeakKeyDictionary()).setdefault(model, {})[hybrid] = memory
+    _PAIR_MEMORY.setdefault(draft_key, weakref.WeakKeyDictionary()).setdefault(model, {})[hybrid, compiled] = memory
     return memory
