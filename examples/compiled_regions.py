@@ -5,7 +5,7 @@
 What fusing the elementwise ops between the linear layers gains when the attention, the cache and the loop stay
 eager (the whole-step compiled path, ``tetris_compile=True``, pads its verify blocks instead). Every model linear on
 oneDNN (as the stream bench's ``--onednn-linears``); prints tok/s per system and arm and whether outputs agree.
-Measured: docs/benchmarks.md, "Compiled steps on oneDNN, EAGLE heads compiled, and the side by side again".
+Measured: docs/benchmarks.md, "The side by side with oneDNN compiled".
 """
 
 from __future__ import annotations
