@@ -5,11 +5,14 @@ import torch
 from torch._dynamo.utils import counters
 
 import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
-from tetris_hf.compiled import check_compilable
+from tetris_hf.compiled import check_compilable, compiled_forward
+from tetris_hf.cpu_kernels import onednn_available, use_onednn_linears
 from tetris_hf.static_shapes import block_width, bucket
 from test_greedy_exactness import generate_checked, pick_eos, target_alone
 from test_sampling_distribution import VOCAB, chi_square_p_value, exact_joint, sampled_joint
 from tiny_models import left_pad, random_prompts, sharpen, target_and_draft, tiny_llama
+
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="no oneDNN in this PyTorch build")
 
 
 def test_blocks_are_padded_to_powers_of_two_only_where_cuda_graphs_are_recorded():
@@ -60,13 +63,10 @@ def test_compile_is_refused_for_quantized_and_offloaded_models():
         check_compilable(target, "target")
 
 
+@needs_onednn
 def test_compiled_greedy_rows_equal_target_alone_on_onednn_linears():
     """Linears switched to oneDNN compile as one opaque op each (the tracer cannot see into oneDNN's): the graphs hold
     them, and the tokens are the target's alone on the same kernels; a weight changed between calls is read anew."""
-    from tetris_hf.cpu_kernels import onednn_available, use_onednn_linears
-
-    if not onednn_available():
-        pytest.skip("this PyTorch build has no oneDNN")
     target, draft = target_and_draft(64, seed=11, draft_kind="noisy", noise=0.3)
     use_onednn_linears(target)
     use_onednn_linears(draft)
@@ -81,12 +81,8 @@ def test_compiled_greedy_rows_equal_target_alone_on_onednn_linears():
         dict(counters["graph_break"])
 
 
+@needs_onednn
 def test_a_compiled_forward_reads_a_changed_onednn_weight_anew():
-    from tetris_hf.compiled import compiled_forward
-    from tetris_hf.cpu_kernels import onednn_available, use_onednn_linears
-
-    if not onednn_available():
-        pytest.skip("this PyTorch build has no oneDNN")
     model = tiny_llama(64, num_layers=1, seed=3)
     use_onednn_linears(model)
     input_ids = torch.randint(0, 64, (4, 6), generator=torch.Generator().manual_seed(3))

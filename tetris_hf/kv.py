@@ -287,11 +287,12 @@ class SlotCache:
         position_ids, new_tokens = self._mark_slots(start, end, input_mask, real_lengths, position_ids)
         next_positions = self.next_positions + new_tokens  # (before the forward: right after it, caches are cold)
         extra = {"output_hidden_states": list(hidden_states)} if hidden_states else {}
+        row_inputs = row_inputs or {}
         all_real = input_mask is None and real_lengths is None or num_real == input_ids.numel()
         # static shapes: a compiled step on prepared masks, once the first (eager) forward allocated the buffers
         if step and self.static and self.layout.prepared and self.cache.layers and visibility is None:
             logits, features = self._static_forward(model, input_ids, position_ids, start, end, logits_to_keep, extra,
-                                                    row_inputs or {})
+                                                    row_inputs)
         else:
             # (a static cache's steps keep their shapes; its other reads, a joining prompt's, read packed)
             packing = None if step and self.static else self._packing(input_mask, real_lengths, num_real, block,
@@ -304,7 +305,7 @@ class SlotCache:
             # (compiled, on the shapes as they come, for models that take the 2D mask; never the first forward)
             run = self._step_forward if step and self._step_forward is not None and self.cache.layers else model
             logits, features = self._eager_forward(run, input_ids, attention_mask, position_ids, packing,
-                                                   logits_to_keep, discard_logits, split, extra, row_inputs or {})
+                                                   logits_to_keep, discard_logits, split, extra, row_inputs)
         self.pointer, self.next_positions, self.longest_bound = end, next_positions, self.longest_bound + block
         self.new_from = None  # (every row may now hold real tokens)
         self.dense = self.dense and all_real and visibility is None

@@ -86,9 +86,13 @@ def pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module | None,
     must not depend on earlier calls). ``assistant_model=None``: prompt lookup on this target. ``hybrid``: the memory
     of calls whose draft drafts beside prompt lookup (calibrated confidences, learnt apart); ``compiled``: of calls
     with compiled steps (their costs, learnt apart)."""
+    return _memories(model, assistant_model).setdefault((hybrid, compiled), PairMemory())
+
+
+def _memories(model: torch.nn.Module, assistant_model: torch.nn.Module | None) -> dict:
+    """This pair's memories in this process, by kind: ``{(hybrid, compiled): PairMemory}``."""
     draft_key = _PROMPT_LOOKUP if assistant_model is None else assistant_model
-    by_target = _PAIR_MEMORY.setdefault(draft_key, weakref.WeakKeyDictionary())
-    return by_target.setdefault(model, {}).setdefault((hybrid, compiled), PairMemory())
+    return _PAIR_MEMORY.setdefault(draft_key, weakref.WeakKeyDictionary()).setdefault(model, {})
 
 
 MEMORY_FORMAT, MEMORY_VERSION = "tetris-hf-pair-memory", 1
@@ -169,6 +173,5 @@ def load_pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module | 
         memory.realized[bool(key)] = RealizedGain(*map(float, gain))
     memory.plain_seconds = {int(rows): float(seconds) for rows, seconds in state.get("plain_seconds", {}).items()}
     memory.probe_cost = state.get("probe_cost")
-    draft_key = _PROMPT_LOOKUP if assistant_model is None else assistant_model
-    _PAIR_MEMORY.setdefault(draft_key, weakref.WeakKeyDictionary()).setdefault(model, {})[hybrid, compiled] = memory
+    _memories(model, assistant_model)[hybrid, compiled] = memory
     return memory
