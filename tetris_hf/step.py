@@ -135,7 +135,8 @@ class JoiningPrompts(NamedTuple):
 
 class TargetBlock(NamedTuple):
     """Where the target's verification block went in its cache: the first slot and the width (host ints), a host
-    bound on the real slots any row holds after it, and the tokens the target's forward computed (packed: the real ones; padded: every row to the width).
+    bound on the real slots any row holds after it, and the tokens the target's forward computed (packed: the real
+    ones; padded: every row to the width).
     ``joining_tokens``: ``(M,)`` the first tokens of the rows whose prompts the forward read after the block
     (:class:`JoiningPrompts`; ``None``: none). ``features``: ``(B + M, W, F)`` the hidden states the forward returned
     for the drafter, joining rows' included (``None``: none asked)."""
