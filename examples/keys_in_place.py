@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 python examples/keys_in_place.py --prompts sharegpt --num-prompts 16 --repeats 3
 
-On the CPU the loop's attention (:func:`tetris_hf.packing.loop_attention_forward`) runs a masked block of several
+On the CPU the loop's attention (:func:`tetris_hf.routing.loop_attention_forward`) runs a masked block of several
 queries (a verified draft block, a prompt read beside other rows) through
 :func:`tetris_hf.attention.grouped_sdpa_attention`: sdpa with ``enable_gqa``, each key-value head read by its group
 of query heads where it lies. transformers' own sdpa attention copies the keys and values to every query head first

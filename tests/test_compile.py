@@ -5,6 +5,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
+import tetris_hf.compiled as compiled
 from tetris_hf.compiled import check_compilable, compiled_forward
 from tetris_hf.cpu_kernels import onednn_available, use_onednn_linears
 from tetris_hf.static_shapes import block_width, bucket
@@ -23,9 +24,11 @@ def test_blocks_are_padded_to_powers_of_two_only_where_cuda_graphs_are_recorded(
     assert [block_width(length, False, cuda) for length in (1, 3, 5)] == [1, 3, 5]  # eager
 
 
-def test_compiled_greedy_rows_equal_target_alone():
+def test_compiled_greedy_rows_equal_target_alone(monkeypatch):
     """A graph per shape (static shapes, dynamic=False) serves every step: rows retire, blocks change length, caches
-    fill, and the shapes stay among the batch buckets x block widths."""
+    fill, and the shapes stay among the batch buckets x block widths. (The static path, CUDA's, pinned on the CPU: its
+    eager-shape path is tests/test_compile_eager_shapes.py's.)"""
+    monkeypatch.setattr(compiled, "CPU_ON_EAGER_SHAPES", False)
     target, draft = target_and_draft(64, seed=7, draft_kind="noisy", noise=0.3)
     prompts = random_prompts(4, 64, seed=7)
     eos = pick_eos(target, prompts)

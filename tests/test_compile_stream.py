@@ -30,6 +30,13 @@ STRATEGIES = {"tetris": dict(tetris_strategy="tetris", num_assistant_tokens=2, t
               "plain": dict(tetris_budget=0)}
 
 
+@pytest.fixture(autouse=True)
+def static_shapes_on_the_cpu(monkeypatch):
+    """This module tests the static-shape path (CUDA's, and the CPU's for models that cannot read packed): pinned on
+    the CPU too, where ``tetris_compile=True`` otherwise keeps eager shapes (tests/test_compile_eager_shapes.py)."""
+    monkeypatch.setattr(compiled, "CPU_ON_EAGER_SHAPES", False)
+
+
 @pytest.fixture
 def fresh_dynamo():
     """Each compiled test counts its own graphs (and never meets dynamo's cache limit filled by earlier tests)."""

@@ -223,7 +223,7 @@ def test_a_call_routes_attention_through_the_loop_and_restores_it_storing_nothin
     nothing through it)."""
     import transformers
 
-    from tetris_hf.packing import is_routed
+    from tetris_hf.routing import is_routed
 
     target, draft = target_and_draft(97, seed=3, draft_kind="noisy")
     seen = []

@@ -24,6 +24,13 @@ BATCH, DRAFTED, EXTRA = 16, 3, 2  # TETRIS drafts K = 5 cells per row: target bl
 SHORT, LONG = 48, 160
 
 
+@pytest.fixture(autouse=True)
+def static_shapes_on_the_cpu(monkeypatch):
+    """This module tests the static-shape path (CUDA's, and the CPU's for models that cannot read packed): pinned on
+    the CPU too, where ``tetris_compile=True`` otherwise keeps eager shapes (tests/test_compile_eager_shapes.py)."""
+    monkeypatch.setattr(compiled, "CPU_ON_EAGER_SHAPES", False)
+
+
 def shape_of(value):
     if isinstance(value, dict):  # hybrid models: a mask per layer type
         return tuple(sorted((kind, tuple(mask.shape)) for kind, mask in value.items()))

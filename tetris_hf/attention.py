@@ -17,7 +17,7 @@ ROUTED_PREFIX = "tetris_"  # the loop's own attention function is registered as 
 
 
 def routed_implementation(base: str, owner: str) -> str:
-    """The name :func:`tetris_hf.packing.loop_attention_forward` is registered under for models on ``base`` by the
+    """The name :func:`tetris_hf.routing.loop_attention_forward` is registered under for models on ``base`` by the
     module named ``owner`` (a process may hold several copies of this package: the Hub folder's, a Space's)."""
     return f"{ROUTED_PREFIX}{base}:{owner}"
 

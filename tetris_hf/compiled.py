@@ -1,6 +1,7 @@
 """``tetris_compile=True``: the target's verify forward and the draft's one-token step through ``torch.compile``
-(:func:`compiled_forward`; on CUDA as CUDA graphs, on the shapes of :mod:`tetris_hf.static_shapes`), and what it
-refuses (:func:`check_compilable`). Design and measurements: docs/gpu.md, "The compiled path".
+(:func:`compiled_forward`; on CUDA as CUDA graphs, on the shapes of :mod:`tetris_hf.static_shapes`; on the CPU the
+target's forwards on their eager shapes, :func:`eager_shapes_forward`), and what it refuses
+(:func:`check_compilable`). Design and measurements: docs/gpu.md, "The compiled path".
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from .attention import AttentionLayout
 from .cpu_kernels import OneDNNLinear
 
 _COMPILED: "weakref.WeakKeyDictionary[torch.nn.Module, Callable]" = weakref.WeakKeyDictionary()
+_ON_EAGER_SHAPES: "weakref.WeakKeyDictionary[torch.nn.Module, Callable]" = weakref.WeakKeyDictionary()
 
 
 def check_compilable(model: torch.nn.Module, role: str) -> None:
@@ -29,6 +31,18 @@ def check_compilable(model: torch.nn.Module, role: str) -> None:
 
 
 DYNAMIC = False  # static shapes: one specialised graph per shape (why: docs/gpu.md)
+# on the CPU, a target's compiled forwards keep the eager shapes where they can (compiles_on_eager_shapes)
+CPU_ON_EAGER_SHAPES = True
+
+
+def compiles_on_eager_shapes(model: torch.nn.Module, packs: bool) -> bool:
+    """Whether ``tetris_compile=True`` compiles ``model``'s forwards on the shapes as they come
+    (:func:`eager_shapes_forward`: packed blocks, each layer's cache write and attention one opaque op) rather than on
+    static shapes (:func:`compiled_forward`): on the CPU, where no CUDA graph needs static shapes and padding costs what
+    a real token costs, for a model that reads packed (``packs``) on a plain sdpa layout (docs/gpu.md, "The compiled
+    path")."""
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    return CPU_ON_EAGER_SHAPES and on_cpu and packs and AttentionLayout.of(model).plain_sdpa
 
 
 def compiled_forward(model: torch.nn.Module) -> Callable:
@@ -41,11 +55,38 @@ def compiled_forward(model: torch.nn.Module) -> Callable:
         static = AttentionLayout.of(model).prepared  # (else the 2D mask: shapes as they come)
         compiled = torch.compile(model.forward, dynamic=DYNAMIC if static else True,
                                  mode="reduce-overhead" if on_cuda else None)
-        switched = [module for module in model.modules() if type(module) is OneDNNLinear]
-        if switched:  # the reordered weights a graph reads, made (or remade, if a weight changed) before each call
-            def compiled(*args, _forward=compiled, **kwargs):
-                for module in switched:
-                    module._kernel_weight()
-                return _forward(*args, **kwargs)
-        _COMPILED[model] = compiled
+        _COMPILED[model] = _refreshing_kernels(model, compiled)
     return _COMPILED[model]
+
+
+def eager_shapes_forward(model: torch.nn.Module) -> Callable:
+    """``model.forward`` compiled on dynamic shapes for step forwards whose attention layers run the slot op
+    (:mod:`tetris_hf.slot_attention`: the cache's write and attention opaque, the block packed or plain as eager
+    steps read it), one compilation per model, kept while it lives."""
+    if model not in _ON_EAGER_SHAPES:
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        compiled = torch.compile(model.forward, dynamic=True)
+
+        def forward(*args, **kwargs):
+            # sizes that happen to be equal stay apart (the block and the cache of a first read, say): else a
+            # graph per coincidence
+            with torch.fx.experimental._config.patch(use_duck_shape=False):
+                return compiled(*args, **kwargs)
+
+        _ON_EAGER_SHAPES[model] = _refreshing_kernels(model, forward)
+    return _ON_EAGER_SHAPES[model]
+
+
+def _refreshing_kernels(model: torch.nn.Module, compiled: Callable) -> Callable:
+    """``compiled``, refreshing the reordered weights of ``model``'s oneDNN layers before each call (made, or remade
+    if a weight changed: a graph reads them as they are); ``compiled`` itself for a model without such layers."""
+    switched = [module for module in model.modules() if type(module) is OneDNNLinear]
+    if not switched:
+        return compiled
+
+    def refreshed(*args, **kwargs):
+        for module in switched:
+            module._kernel_weight()
+        return compiled(*args, **kwargs)
+
+    return refreshed

@@ -15,10 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .ops import define
 
-@torch.library.custom_op("tetris_hf::onednn_linear", mutates_args=())
-def onednn_linear(input: torch.Tensor, weight: torch.Tensor, kernel_weight: torch.Tensor,
-                  bias: Optional[torch.Tensor]) -> torch.Tensor:
+
+def _onednn_product(input: torch.Tensor, weight: torch.Tensor, kernel_weight: torch.Tensor,
+                    bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``(..., in) -> (..., out)``: oneDNN's product on ``kernel_weight`` (``weight`` reordered, or ``weight``), a
     single row on MKL's; :class:`OneDNNLinear`'s forward as one op that ``torch.compile`` calls without tracing into
     (its tracer fails on ``mkldnn._linear_pointwise``)."""
@@ -27,9 +28,9 @@ def onednn_linear(input: torch.Tensor, weight: torch.Tensor, kernel_weight: torc
     return torch.ops.mkldnn._linear_pointwise(input, kernel_weight, bias, "none", [], "")
 
 
-@onednn_linear.register_fake
-def _onednn_linear_shape(input, weight, kernel_weight, bias):
-    return input.new_empty(*input.shape[:-1], weight.shape[0])
+onednn_linear = define("onednn_linear(Tensor input, Tensor weight, Tensor kernel_weight, Tensor? bias) -> Tensor",
+                       _onednn_product,
+                       lambda input, weight, kernel_weight, bias: input.new_empty(*input.shape[:-1], weight.shape[0]))
 
 
 class OneDNNLinear(nn.Linear):

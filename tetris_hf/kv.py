@@ -17,7 +17,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .attention import AttentionLayout, check_tree_layout, position_masks, real_prefix_mask
 from .cross_attention import CrossAttention
-from .packing import BlockSplit, Packing, is_routed, routed_attention
+from .packing import BlockSplit, Packing
+from .routing import is_routed, routed_attention
+from .slot_attention import SlotArguments, describe
 from .static_shapes import batch_bucket, standard_strides, static_capacity
 
 
@@ -214,6 +216,7 @@ class SlotCache:
         self.causal: torch.Tensor | None = None  # see _causal
         self.layout: AttentionLayout | None = None
         self._step_forward = None
+        self.eager_shapes_forward = None  # see _compiled_on_eager_shapes
         self.longest_bound = 0  # an upper bound on any row's real slots (tightened by compact(longest))
         self.cross: CrossAttention | None = None  # an encoder-decoder's (see _know): moves rows, never rolled back
         self.first_rows = torch.arange(batch_size, device=device)  # each row's index in the first batch (its memory)
@@ -304,6 +307,14 @@ class SlotCache:
                                                   all_real, visibility)
             # (compiled, on the shapes as they come, for models that take the 2D mask; never the first forward)
             run = self._step_forward if step and self._step_forward is not None and self.cache.layers else model
+            compiled_packing = self._compiled_packing(model, packing, input_mask, real_lengths, num_real, block,
+                                                      logits_to_keep, first_row, split, prompt_lengths)
+            if compiled_packing is not None:  # compiled on eager shapes: read packed, each layer's attention one op
+                run, packing = self.eager_shapes_forward, compiled_packing
+                extra = {**extra, "tetris_slots": self._slot_arguments(start, packing)}
+                if attention_mask is None:  # (a tensor always, one graph: every cached slot real, causal in the block)
+                    attention_mask = real_prefix_mask(self.slot_mask[:, None, None, :start], self._causal(block))
+                attention_mask = attention_mask.contiguous()  # (graphs are specialised on strides too)
             logits, features = self._eager_forward(run, input_ids, attention_mask, position_ids, packing,
                                                    logits_to_keep, discard_logits, split, extra, row_inputs)
         self.pointer, self.next_positions, self.longest_bound = end, next_positions, self.longest_bound + block
@@ -319,6 +330,60 @@ class SlotCache:
             self.layout = AttentionLayout.of(model)
         if self.cross is None and getattr(model, "memory", None) is not None:
             self.cross = CrossAttention(model.memory[self.first_rows.to(model.memory.device)])
+        if self.eager_shapes_forward is not None and not self.cache.layers and self.layout.plain_sdpa \
+                and self.cross is None:  # (its graphs take the buffers as inputs: they exist from the first forward)
+            self._allocate(model)
+
+    def _allocate(self, model: torch.nn.Module) -> None:
+        """Allocate every layer's buffers before the first forward, so that a forward compiled on eager shapes (which
+        takes them as inputs) reads the first block too: their shapes come from a one-token forward into a
+        transformers cache, thrown away."""
+        from transformers import DynamicCache
+
+        probe = DynamicCache(config=model.config)
+        device = self.slot_mask.device
+        with torch.no_grad():
+            model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), past_key_values=probe, use_cache=True)
+        owner, rows = weakref.proxy(self), self.slot_mask.shape[0]
+        for probed in probe.layers:
+            layer = SlotLayer(owner)
+            layer.lazy_initialization(probed.keys, probed.values)
+            layer.keys, layer.values = layer.buffer_keys[:rows], layer.buffer_values[:rows]
+            self.cache.layers.append(layer)
+
+    def _compiled_packing(self, model: torch.nn.Module, packing: Packing | None, input_mask: torch.Tensor | None,
+                          real_lengths: torch.Tensor | None, num_real: int | None, block: int, logits_to_keep: int,
+                          first_row: int, split: BlockSplit | None, prompt_lengths: tuple[int, ...]) -> Packing | None:
+        """The packing of a forward that runs :attr:`eager_shapes_forward` (a forward compiled on dynamic shapes,
+        :func:`~tetris_hf.compiled.eager_shapes_forward`), or ``None``: the forward runs as it would without. It runs
+        so on plain sdpa layouts (one boolean mask for every layer), for a decoder without cross-attention, while
+        ``model`` runs the loop's attention (:func:`~tetris_hf.routing.routed_attention`, which hands the op its
+        arguments), where the block can be read packed: every block is (a block without filler too, its packing
+        trivial), so that one graph serves them all. Arguments as in :meth:`forward`; ``packing``: the block's own."""
+        if not (self.eager_shapes_forward is not None and self.cache.layers and self.layout.plain_sdpa
+                and self.cross is None and not self.static and is_routed(model)):
+            return None
+        if packing is not None:
+            return packing
+        rows = (input_mask if real_lengths is None and input_mask is not None else self.slot_mask).shape[0]
+        if logits_to_keep > 1 or input_mask is not None and num_real != rows * block:  # (filler not counted)
+            return None
+        lengths = torch.full((rows,), block, device=self.slot_mask.device) if real_lengths is None else real_lengths
+        return Packing.of(lengths, rows * block, block, first_row=first_row, split=split, new_from=self.new_from,
+                          prompt_lengths=prompt_lengths)
+
+    def _slot_arguments(self, start: int, packing: Packing) -> SlotArguments:
+        """What a compiled forward's attention op reads besides the layer's own tensors: every layer's buffers (their
+        sizes constants of the graphs: a grown buffer compiles anew, once) and the block's packing
+        (:class:`~tetris_hf.slot_attention.SlotArguments`), the block written from slot ``start``."""
+        keys, values = [], []
+        for layer in self.cache.layers:
+            for buffer, kept in ((layer.buffer_keys, keys), (layer.buffer_values, values)):
+                if not hasattr(buffer, "_dynamo_static_indices"):
+                    torch._dynamo.mark_static(buffer)
+                kept.append(buffer)
+        return SlotArguments(tuple(keys), tuple(values), packing.rows, packing.columns, packing.ends,
+                             describe(start, self.slot_mask.shape[0], packing))
 
     def _check_block(self, model: torch.nn.Module, block: int, visibility: torch.Tensor | None,
                      split: BlockSplit | None, logits_to_keep: int) -> None:
@@ -334,7 +399,7 @@ class SlotCache:
     @staticmethod
     def _routed(model: torch.nn.Module):
         """The loop's attention for ``model`` during a packed or grouped forward, where nobody routed it for longer
-        (:func:`~tetris_hf.packing.routed_attention`: the loop does, for a whole call, the models that read so)."""
+        (:func:`~tetris_hf.routing.routed_attention`: the loop does, for a whole call, the models that read so)."""
         return contextlib.nullcontext() if is_routed(model) else routed_attention(model)
 
     def _mark_slots(self, start: int, end: int, input_mask: torch.Tensor | None, real_lengths: torch.Tensor | None,
@@ -393,12 +458,14 @@ class SlotCache:
         ``extra``: more arguments of the forward (hidden states asked for; the attention's)."""
         if torch.is_tensor(logits_to_keep) or logits_to_keep:
             extra = {**extra, "logits_to_keep": logits_to_keep}
-        past_key_values = self.cache
+        past_key_values, use_cache = self.cache, True
+        if "tetris_slots" in extra:  # (the attention op writes the cache: the model is given none)
+            past_key_values, use_cache = None, False
         if self.cross is not None:  # an encoder-decoder's decoder: its cross-attention beside the slots
             past_key_values, memory = self.cross.inputs(self.cache)
             extra = {**extra, **memory}
         return forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       past_key_values=past_key_values, use_cache=True, **extra)
+                       past_key_values=past_key_values, use_cache=use_cache, **extra)
 
     @staticmethod
     def _features(outputs, extra: dict) -> torch.Tensor | None:
@@ -465,11 +532,17 @@ class SlotCache:
         elif packing.split is not None:  # the first rows' tokens, then each later row's last
             first_tokens = torch.arange(packing.split.tokens, device=packing.rows.device)
             keep = torch.cat([first_tokens, packing.ends[packing.split.rows :] - 1])
+        # (a forward compiled on eager shapes: its attention op writes and unpacks, on a model routed already; the
+        # logits it keeps always a tensor of token indices, so that every read is one graph's)
+        compiled = "tetris_slots" in extra
+        if compiled and not torch.is_tensor(keep):
+            keep = torch.arange(packing.num_tokens, device=packing.rows.device)[-keep:]  # (keep 0: every token)
+        packed = {} if compiled else {"tetris_packing": packing}
         self.packing = packing
         try:
-            with self._routed(forward):
+            with contextlib.nullcontext() if compiled else self._routed(forward):
                 outputs = self._run(forward, packing.pack(input_ids)[None], attention_mask,
-                                    packing.pack(position_ids)[None], keep, {**extra, "tetris_packing": packing})
+                                    packing.pack(position_ids)[None], keep, {**extra, **packed})
         finally:
             self.packing = None
         features = self._features(outputs, extra)

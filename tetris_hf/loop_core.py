@@ -16,13 +16,13 @@ from .attention import AttentionLayout, check_tree_layout
 from .batch import Batch, Retired
 from .candidate_generators import build_drafter
 from .chain_step import ChainStep, StepContext
-from .compiled import check_compilable, compiled_forward
+from .compiled import check_compilable, compiled_forward, compiles_on_eager_shapes, eager_shapes_forward
 from .kv import SlotCache, slots_needed
 from .logits import PositionwiseLogitsProcessor
 from .options import TetrisOptions
 from .packed_probe import packs_exactly
 from .static_shapes import block_width
-from .packing import routed_attention
+from .routing import routed_attention
 from .step import JoiningPrompts, JoiningRows, PromptChunk, StepRecord, run_step
 from .stopping import RowStopper
 from .strategies import make_strategy
@@ -92,7 +92,10 @@ class LoopCore:
             self.batch = Batch.of_prompts(input_ids, self.sequence_capacity, self.pad_value, self.max_length)
         if options.tetris_compile:
             check_compilable(model, "target")
-            self.target_slots.step_forward = compiled_forward(model)
+            if self.on_eager_shapes:  # (the cache stays as eager: it packs; the attention op writes it)
+                self.target_slots.eager_shapes_forward = eager_shapes_forward(model)
+            else:
+                self.target_slots.step_forward = compiled_forward(model)
 
     def _build(self, model: torch.nn.Module, assistant_model: torch.nn.Module | None,
                logits_processor: LogitsProcessorList, stopping_criteria: StoppingCriteriaList, generation_config,
@@ -130,8 +133,10 @@ class LoopCore:
         # blocks with filler read packed: the target computes only the real tokens; eager verify blocks too (priced so
         # by the cost-aware strategies), compiled ones keep their static shapes (prompts are still read packed)
         pack = options.tetris_pack and packs_exactly(model)
+        # compiled on the CPU, the target's forwards keep their eager shapes where they can (compiled.py)
+        self.on_eager_shapes = options.tetris_compile and compiles_on_eager_shapes(model, pack)
         self.strategy = make_strategy(options, model, draft_model, sampling=self.do_sample,
-                                      packed=pack and not options.tetris_compile)
+                                      packed=pack and (not options.tetris_compile or self.on_eager_shapes))
         self.target_slots = SlotCache(num_rows, device, options.tetris_max_holes, capacity=cache_capacity(model))
         self.target_slots.max_rows = max(num_rows, max_rows)
         self.target_slots.pack = pack

@@ -1,21 +1,16 @@
 """Packed forwards: the model reads only the real tokens of a block, as one ``(1, N)`` sequence, each at its own
 position, and attention puts each back in its row (:func:`packed_attention`). The packing (:class:`Packing`) travels as
-the forward argument ``tetris_packing=`` to :func:`loop_attention_forward`, which :func:`routed_attention` registers in
-transformers' ``AttentionInterface`` for the models of a call. Design: docs/design.md, "Packed steps".
+the forward argument ``tetris_packing=`` to :func:`~tetris_hf.routing.loop_attention_forward`. Design: docs/design.md,
+"Packed steps".
 """
 
 from __future__ import annotations
 
-import contextlib
-import sys
-from collections.abc import Iterator
-from functools import cache, partial
 from typing import NamedTuple
 
 import torch
 
-from .attention import (MASK_IMPLEMENTATIONS, ROW_BY_ROW_WIDTH, grouped_sdpa_attention, prompt_rows_attention,
-                        routed_implementation)
+from .attention import ROW_BY_ROW_WIDTH, prompt_rows_attention
 
 
 class BlockSplit(NamedTuple):
@@ -118,23 +113,6 @@ class Packing(NamedTuple):
                        self.ends[: split.rows])
 
 
-def loop_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                           attention_mask, *, base: str, tetris_packing: Packing | None = None,
-                           tetris_grouped: bool = False, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The attention a routed model runs (:func:`routed_attention`): its own (``base``: transformers' sdpa, or its
-    family's eager attention) unless the forward's arguments ask otherwise: ``tetris_packing``, a packed block
-    (:func:`packed_attention`); ``tetris_grouped``, a static step on sdpa
-    (:func:`~tetris_hf.attention.grouped_sdpa_attention`, which every sdpa forward on the CPU runs too)."""
-    # (CPU: docs/benchmarks.md, "Keys read in place"; elsewhere static steps only, where no fused kernel is lost)
-    grouped = base == "sdpa" and (tetris_grouped or query.device.type == "cpu")
-    attention = grouped_sdpa_attention if grouped else row_attention(module, base)
-    if tetris_packing is not None:
-        # (CPU: prompt rows one by one, docs/benchmarks.md, "Attention over long contexts"; elsewhere as before)
-        return packed_attention(attention, module, query, key, value, attention_mask, tetris_packing,
-                                prompt_rows=grouped and query.device.type == "cpu", **kwargs)
-    return attention(module, query, key, value, attention_mask, **kwargs)
-
-
 def packed_attention(attention, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask, packing: Packing, prompt_rows: bool = False,
                      **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -179,52 +157,3 @@ def packed_attention(attention, module: torch.nn.Module, query: torch.Tensor, ke
         output, weights = attention(module, queries, key[first:end], value[first:end], mask, **kwargs)  # (B, L, H, D)
         outputs.append(output[rows, columns])
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs))[None], weights
-
-
-def row_attention(module: torch.nn.Module, implementation: str):
-    """The attention function ``module`` runs on ``implementation``: transformers' sdpa, or its family's eager
-    attention (``eager_attention_forward`` of its modeling module)."""
-    if implementation == "sdpa":
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward
-    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-    if implementation != "eager" or eager is None:
-        raise ValueError(f"{type(module).__name__} on {implementation!r} attention cannot be read packed")
-    return eager
-
-
-@cache
-def _register(base: str) -> str:
-    """Register :func:`loop_attention_forward` for models on ``base`` (and ``base``'s masks), once; its name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
-
-    name = routed_implementation(base, __name__)
-    AttentionInterface.register(name, partial(loop_attention_forward, base=base))
-    AttentionMaskInterface.register(name, sdpa_mask if base == "sdpa" else eager_mask)
-    return name
-
-
-@contextlib.contextmanager
-def routed_attention(*models: torch.nn.Module) -> Iterator[None]:
-    """While it is open, ``models`` on ``"sdpa"`` or ``"eager"`` attention run :func:`loop_attention_forward` (their
-    settings restored after; a model already routed, or on another implementation, stays as it is)."""
-    changed = []
-    for model in models:
-        config = model.config.get_text_config(decoder=True)
-        base = config._attn_implementation
-        if base in MASK_IMPLEMENTATIONS:
-            config._attn_implementation = _register(base)
-            changed.append((config, base))
-    try:
-        yield
-    finally:
-        for config, base in reversed(changed):
-            config._attn_implementation = base
-
-
-def is_routed(model: torch.nn.Module) -> bool:
-    """Whether ``model`` runs this module's :func:`loop_attention_forward` now (:func:`routed_attention`)."""
-    implementation = model.config.get_text_config(decoder=True)._attn_implementation or ""
-    return implementation.endswith(f":{__name__}")

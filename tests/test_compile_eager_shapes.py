@@ -1,0 +1,105 @@
+"""``tetris_compile=True`` on the CPU: the target's forwards compiled on the shapes as they come (dynamic shapes,
+packed blocks, each layer's cache write and attention one opaque op, ``tetris_hf::slot_attention``). Every row equals
+the target alone, in ``generate()`` and in a stream where rows join (their prompts read in the steps' forwards) and
+leave; sampling follows the target's law; a few graphs serve every shape; models it cannot serve take the static path.
+"""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
+from tetris_hf.compiled import compiles_on_eager_shapes
+from tetris_hf.cpu_kernels import onednn_available, use_onednn_linears
+from tetris_hf.stream import RequestStream
+from test_greedy_exactness import generate_checked, pick_eos, target_alone
+from test_sampling_distribution import VOCAB, chi_square_p_value, exact_joint, sampled_joint
+from test_stream import check_exact, requests
+from tiny_models import left_pad, noisy_copy, random_prompts, sharpen, target_and_draft, tiny_llama
+
+LOOKUP = dict(prompt_lookup_num_tokens=3, max_matching_ngram_size=2)
+# graphs a call may compile: dynamic shapes, but sizes 0 and 1 are specialised (one row, one token) and the forward's
+# arguments differ between a plain step, a packed one, a packed read of prompts and a read with logits at every token
+GRAPHS = 8
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def compiled_graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("options", [dict(tetris_strategy="tetris", tetris_extra_tokens=1, **LOOKUP),
+                                     dict(tetris_strategy="fixed", **LOOKUP),
+                                     dict(tetris_budget=0, **LOOKUP),
+                                     dict(tetris_strategy="tetris", num_assistant_tokens=2, draft="model")],
+                         ids=["tetris-lookup", "fixed-lookup", "plain", "tetris-draft-model"])
+def test_compiled_stream_on_eager_shapes_rows_equal_target_alone(options, fresh_dynamo):
+    """12 requests through 4 rows (prompts of 1-40 tokens, read 7 tokens a forward or riding in the steps' forwards,
+    every third stopping at an end token): each equals the target alone; the target's cache packs and is not static;
+    a few graphs serve the whole stream."""
+    target = tiny_llama(seed=0)
+    options = dict(options)
+    if options.pop("draft", None):
+        options["assistant_model"] = noisy_copy(target, 0.3)
+    stream = RequestStream(target, max_batch_size=4, prefill_chunk=7, eos_token_id=None, tetris_compile=True,
+                           **options)
+    slots = stream.loop.core.target_slots
+    assert slots.eager_shapes_forward is not None and not slots.static and slots.packs
+    check_exact(target, stream, requests(target, 12, seed=70))
+    assert 0 < compiled_graphs() <= GRAPHS, dict(counters["stats"])
+
+
+def test_compiled_generate_on_eager_shapes_rows_equal_target_alone(fresh_dynamo):
+    """Left-padded rows of their own lengths, a draft model, TETRIS and fixed chains and plain steps: every row equals
+    the target alone."""
+    target, draft = target_and_draft(64, seed=7, draft_kind="noisy", noise=0.3)
+    prompts = random_prompts(4, 64, seed=7)
+    eos = pick_eos(target, prompts)
+    references = target_alone(target, prompts, eos)
+    input_ids, mask = left_pad(prompts)
+    for options in (dict(tetris_strategy="tetris", tetris_extra_tokens=2, tetris_budget=5),
+                    dict(tetris_strategy="fixed", num_assistant_tokens=2), dict(tetris_budget=0)):
+        stats = generate_checked(target, draft, input_ids, mask, references, eos, tetris_compile=True, **options)
+        assert (stats.verified_tokens > 0) == (options.get("tetris_budget") != 0)
+    assert 0 < compiled_graphs() <= GRAPHS, dict(counters["stats"])
+
+
+def test_compiled_sampling_on_eager_shapes_follows_the_target_distribution(fresh_dynamo):
+    """Chi-square of the first 3 sampled tokens against the exact target law, compiled on eager shapes."""
+    target = sharpen(tiny_llama(VOCAB, num_layers=2, seed=21, hidden_size=16), 12)
+    draft = sharpen(tiny_llama(VOCAB, num_layers=1, seed=22, hidden_size=16), 12)
+    assert compiles_on_eager_shapes(target, packs=True)
+    counts, stats = sampled_joint(target, draft, 1.0, 1.0, "tetris", tetris_compile=True, tetris_budget=6000)
+    assert 0 < stats.accepted_tokens < stats.verified_tokens and compiled_graphs() > 0
+    assert chi_square_p_value(counts, exact_joint(target, 1.0, 1.0)) > 1e-3
+
+
+@pytest.mark.skipif(not onednn_available(), reason="no oneDNN in this PyTorch build")
+def test_compiled_stream_on_eager_shapes_with_onednn_linears(fresh_dynamo):
+    """The linears as oneDNN's opaque op inside the graph, the attention as ours: rows exact, no graph break at
+    either."""
+    target = tiny_llama(seed=0)
+    use_onednn_linears(target)
+    stream = RequestStream(target, max_batch_size=3, prefill_chunk=9, eos_token_id=None, tetris_compile=True,
+                           tetris_strategy="fixed", **LOOKUP)
+    check_exact(target, stream, requests(target, 6, seed=71))
+    assert compiled_graphs() > 0
+    assert not any(name in str(key) for key in counters["graph_break"] for name in ("onednn", "mkldnn", "slot")), \
+        dict(counters["graph_break"])
+
+
+def test_models_that_cannot_read_packed_take_the_static_path():
+    """Without packed reads (``tetris_pack=False``) the compiled step keeps static shapes, as on CUDA."""
+    target = tiny_llama(seed=0)
+    assert compiles_on_eager_shapes(target, packs=True) and not compiles_on_eager_shapes(target, packs=False)
+    stream = RequestStream(target, max_batch_size=2, eos_token_id=None, tetris_compile=True, tetris_pack=False,
+                           **LOOKUP)
+    slots = stream.loop.core.target_slots
+    assert slots.eager_shapes_forward is None and slots.static

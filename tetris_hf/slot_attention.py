@@ -1,0 +1,101 @@
+"""A layer's cache write and attention as one opaque op, ``tetris_hf::slot_attention``, for forwards compiled on the
+shapes as they come (:func:`~tetris_hf.compiled.eager_shapes_forward`): ``torch.compile`` then traces the rest of the
+forward (embeddings, norms, rotary, MLPs, residuals; the linears) into one graph over dynamic shapes, while each layer's
+attention runs the eager kernels of a packed forward over the written slots (every block is read packed then, one
+without filler too, so that one graph serves them all). What the op needs to know on the host (where the block is
+written, how it is packed) travels in a small CPU tensor the op reads itself, so that no host number becomes a constant
+of the graph. Design: docs/design.md, "Compiled steps on eager shapes".
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import NamedTuple
+
+import torch
+
+from .attention import grouped_sdpa_attention
+from .ops import define
+from .packing import BlockSplit, Packing, packed_attention
+
+NONE = -1  # an absent host number in :func:`describe`'s tensor
+
+
+class SlotArguments(NamedTuple):
+    """What a compiled step's attention layers read besides their queries, keys and values: each layer's key and value
+    buffers (``(R, H_kv, capacity, D)``, indexed by ``layer_idx``), the block's packing (``rows``, ``columns`` ``(N,)``,
+    ``ends`` ``(B,)``) and ``host``, :func:`describe`'s CPU tensor."""
+
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+    rows: torch.Tensor
+    columns: torch.Tensor
+    ends: torch.Tensor
+    host: torch.Tensor
+
+
+def describe(start: int, num_rows: int, packing: Packing) -> torch.Tensor:
+    """The host numbers of a block read packed, as a CPU ``int64`` tensor: its first slot ``start``, the cache's active
+    rows ``num_rows`` and the :class:`~tetris_hf.packing.Packing`'s width, first row, split, new rows and prompt lengths
+    (:data:`NONE` where absent)."""
+    split = packing.split or (NONE, NONE, NONE)
+    new_from = NONE if packing.new_from is None else packing.new_from
+    return torch.tensor([start, num_rows, packing.width, packing.first_row, *split, new_from, *packing.prompt_lengths])
+
+
+def _packing_of(host: list[int], rows: torch.Tensor, columns: torch.Tensor, ends: torch.Tensor) -> Packing:
+    """The :class:`~tetris_hf.packing.Packing` :func:`describe` described (``host``: its numbers, read)."""
+    _, num_rows, width, first_row, split_rows, split_width, split_tokens, new_from, *prompt_lengths = host
+    split = None if split_rows == NONE else BlockSplit(split_rows, split_width, split_tokens)
+    return Packing(rows, columns, num_rows, width, ends, first_row, split, None if new_from == NONE else new_from,
+                   tuple(prompt_lengths))
+
+
+def _slot_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                   value_cache: torch.Tensor, attention_mask: torch.Tensor | None, rows: torch.Tensor,
+                   columns: torch.Tensor, ends: torch.Tensor, host: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Write a packed block's ``key``/``value`` into the cache's buffers and attend: what a layer of a packed forward
+    does eagerly (the cache's :class:`~tetris_hf.kv.SlotLayer` write, then
+    :func:`~tetris_hf.routing.loop_attention_forward` on sdpa).
+
+    Args:
+        query: ``(1, H, N, D)`` the block's real tokens.
+        key, value: ``(1, H_kv, N, D)``.
+        key_cache, value_cache: ``(R, H_kv, capacity, D)`` the layer's buffers, ``R`` at least the active rows.
+        attention_mask: ``(B or 1, 1, L, S)`` bool over the written slots and the block (True = attend), or ``None``
+            where every slot is real.
+        rows, columns, ends: the block's packing (see :class:`~tetris_hf.packing.Packing`).
+        host: :func:`describe`'s numbers.
+        scaling: the layer's softmax scale.
+
+    Returns:
+        ``(1, N, H, D)``.
+    """
+    numbers = host.tolist()
+    packing = _packing_of(numbers, rows, columns, ends)
+    start, num_rows = numbers[:2]
+    keys, values = key_cache[:num_rows], value_cache[:num_rows]
+    packing.scatter_heads(keys, key, start)
+    packing.scatter_heads(values, value, start)
+    end = start + packing.width
+    layer = SimpleNamespace(num_key_value_groups=query.shape[1] // key.shape[1], is_causal=True)
+    output, _ = packed_attention(grouped_sdpa_attention, layer, query, keys[:, :, :end], values[:, :, :end],
+                                 attention_mask, packing, prompt_rows=query.device.type == "cpu", scaling=scaling)
+    return output.contiguous()
+
+
+slot_attention = define("slot_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) key_cache, "
+                        "Tensor(b!) value_cache, Tensor? attention_mask, Tensor rows, Tensor columns, Tensor ends, "
+                        "Tensor host, float scaling) -> Tensor", _slot_attention,
+                        lambda query, *_: query.new_empty(query.shape[0], query.shape[2], query.shape[1],
+                                                          query.shape[3]))
+
+
+def layer_slot_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: torch.Tensor | None, slots: SlotArguments,
+                         scaling: float | None = None) -> torch.Tensor:
+    """:func:`slot_attention` for the attention layer ``module`` (its buffers: ``slots.keys[module.layer_idx]``)."""
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    index = module.layer_idx
+    return slot_attention(query, key, value, slots.keys[index], slots.values[index], attention_mask, slots.rows,
+                          slots.columns, slots.ends, slots.host, float(scaling))
