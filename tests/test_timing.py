@@ -55,3 +55,23 @@ def test_a_step_without_catch_up(monkeypatch):
     for phase in ("start", "draft_start", "draft_end", "verify_end", "end"):
         clock.mark(phase)
     assert clock.finish_step() == (StepSeconds(draft=1.0, verify=1.0, other=2.0, catch_up=0.0), False)
+
+
+def test_a_step_that_compiled_a_graph_shares_its_time():
+    """A graph compiled during a step (``tetris_compile=True`` meeting a shape) makes its seconds shared: no strategy
+    learns a step cost from the compiler's time (a compiled ``adaptive`` call stopped drafting so); the next step,
+    which compiles nothing, is a step's alone."""
+    import torch
+
+    add_one = torch.compile(lambda tensor: tensor + 1)
+    clock = timing.StepClock("cpu")
+    shared = []
+    for _ in range(2):
+        for phase in timing.PHASES:
+            clock.mark(phase)
+            if phase is timing.Mark.DRAFT_END:
+                add_one(torch.ones(3))  # (compiles the first time only)
+        seconds, time_shared = clock.finish_step()
+        assert seconds.verify > 0
+        shared.append(time_shared)
+    assert shared == [True, False]

@@ -297,13 +297,13 @@ def run_step(strategy: StepStrategy, phases: StepPhases, num_rows: int, max_draf
     clock.mark(Mark.VERIFY_END)
     emission = phases.emit(verdict)
     clock.mark(Mark.END)
-    seconds, timed_read_prompts = clock.finish_step(phases.reads_prompts)  # on CUDA the previous step's
+    seconds, time_shared = clock.finish_step(phases.reads_prompts)  # on CUDA the previous step's
     observed = phases.observation(proposal, selection, verdict)
     lookup_rows = proposal.lookup_rows if isinstance(proposal, Proposal) else None
-    # (a step that also read joining prompts took their time too: the strategy prices it as a step it has no time
-    # for, by its cost model, and learns no step cost, probe price or guard's verdict from that time)
+    # (a step that also read joining prompts, or compiled, took their time too: the strategy prices it as a step it
+    # has no time for, by its cost model, and learns no step cost, probe price or guard's verdict from that time)
     strategy.observe(observed.log_probs, observed.verified, verdict.num_accepted,
-                     None if timed_read_prompts else seconds, num_drafted, lookup_rows=lookup_rows)
+                     None if time_shared else seconds, num_drafted, lookup_rows=lookup_rows)
     record = StepRecord(phases.rows, num_drafted, plan.budget, observed.log_probs, verdict.verify_lengths,
                         verdict.num_accepted, emission.emitted, seconds or NO_SECONDS, observed.drafted, verdict.tree,
                         0 if block is None else block.computed, lookup_rows, plan.probe and num_drafted > 0)

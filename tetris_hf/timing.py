@@ -49,9 +49,12 @@ class StepClock:
         self.on_cuda = torch.device(device).type == "cuda"
         self.points: dict[Mark, object] = {}
         self._waiting: dict[Mark, object] | None = None  # CUDA: the last step's events, read at the next step
-        self._waiting_read_prompts = False  # CUDA: whether that step's forward also read joining prompts
+        self._waiting_shared = False  # CUDA: whether that step's time also paid for other work (see finish_step)
+        self._graphs = 0  # graphs compiled in the process when this step started
 
     def mark(self, phase: Mark) -> None:
+        if phase is Mark.START:
+            self._graphs = compiled_graphs()
         if self.on_cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -61,16 +64,26 @@ class StepClock:
 
     def finish_step(self, read_prompts: bool = False) -> tuple[StepSeconds | None, bool]:
         """Close the step (after :attr:`Mark.END`; ``read_prompts``: its forward also read joining prompts). Returns
-        seconds and whether the step they measure read prompts: on the CPU this step's; on CUDA the previous step's
-        (``None`` at the first), whose events the current step's device read has completed."""
+        seconds and whether their time also paid for other work, so that no step cost is learnt from them: joining
+        prompts read, or a graph compiled (``tetris_compile=True``, a shape first met: the compiler's time, which no
+        later step pays; an ``adaptive`` call learning from it stopped drafting). On the CPU this step's; on CUDA the
+        previous step's (``None`` at the first), whose events the current step's device read has completed."""
         points, self.points = self.points, {}
+        shared = read_prompts or compiled_graphs() != self._graphs
         if not self.on_cuda:
-            return _step_seconds(points, lambda a, b: b - a), read_prompts
+            return _step_seconds(points, lambda a, b: b - a), shared
         waiting, self._waiting = self._waiting, points
-        waiting_read_prompts, self._waiting_read_prompts = self._waiting_read_prompts, read_prompts
+        waiting_shared, self._waiting_shared = self._waiting_shared, shared
         if waiting is None:
             return None, False
-        return _step_seconds(waiting, lambda a, b: a.elapsed_time(b) / 1000.0), waiting_read_prompts
+        return _step_seconds(waiting, lambda a, b: a.elapsed_time(b) / 1000.0), waiting_shared
+
+
+def compiled_graphs() -> int:
+    """Graphs ``torch.compile`` made so far in this process (dynamo's own count, a dictionary read)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 class NoClock:
