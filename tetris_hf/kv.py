@@ -216,7 +216,7 @@ class SlotCache:
         self.causal: torch.Tensor | None = None  # see _causal
         self.layout: AttentionLayout | None = None
         self._step_forward = None
-        self.eager_shapes_forward = None  # see _compiled_on_eager_shapes
+        self.eager_shapes_forward = None  # see _compiled_packing
         self.longest_bound = 0  # an upper bound on any row's real slots (tightened by compact(longest))
         self.cross: CrossAttention | None = None  # an encoder-decoder's (see _know): moves rows, never rolled back
         self.first_rows = torch.arange(batch_size, device=device)  # each row's index in the first batch (its memory)
@@ -365,7 +365,7 @@ class SlotCache:
             return None
         if packing is not None:
             return packing
-        rows = (input_mask if real_lengths is None and input_mask is not None else self.slot_mask).shape[0]
+        rows = self.slot_mask.shape[0]
         if logits_to_keep > 1 or input_mask is not None and num_real != rows * block:  # (filler not counted)
             return None
         lengths = torch.full((rows,), block, device=self.slot_mask.device) if real_lengths is None else real_lengths
