@@ -5,13 +5,13 @@ leave; sampling follows the target's law; a few graphs serve every shape; models
 """
 
 import pytest
-import torch
 from torch._dynamo.utils import counters
 
 import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
 from tetris_hf.compiled import compiles_on_eager_shapes
 from tetris_hf.cpu_kernels import onednn_available, use_onednn_linears
 from tetris_hf.stream import RequestStream
+from test_compile_stream import fresh_dynamo  # noqa: F401  (a fixture)
 from test_greedy_exactness import generate_checked, pick_eos, target_alone
 from test_sampling_distribution import VOCAB, chi_square_p_value, exact_joint, sampled_joint
 from test_stream import check_exact, requests
@@ -21,14 +21,6 @@ LOOKUP = dict(prompt_lookup_num_tokens=3, max_matching_ngram_size=2)
 # graphs a call may compile: dynamic shapes, but sizes 0 and 1 are specialised (one row, one token) and the forward's
 # arguments differ between a plain step, a packed one, a packed read of prompts and a read with logits at every token
 GRAPHS = 8
-
-
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 def compiled_graphs() -> int:
