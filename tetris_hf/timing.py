@@ -53,7 +53,7 @@ class StepClock:
         self._graphs = 0  # graphs compiled in the process when this step started
 
     def mark(self, phase: Mark) -> None:
-        if phase is Mark.START:
+        if phase == Mark.START:  # (a StrEnum: callers may mark by name)
             self._graphs = compiled_graphs()
         if self.on_cuda:
             event = torch.cuda.Event(enable_timing=True)
