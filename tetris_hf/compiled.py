@@ -60,9 +60,9 @@ def compiled_forward(model: torch.nn.Module) -> Callable:
 
 
 def eager_shapes_forward(model: torch.nn.Module) -> Callable:
-    """``model.forward`` compiled on dynamic shapes for step forwards whose attention layers run the slot op
-    (:mod:`tetris_hf.slot_attention`: the cache's write and attention opaque, the block packed or plain as eager
-    steps read it), one compilation per model, kept while it lives."""
+    """``model.forward`` compiled on dynamic shapes for the forwards of a target's cache whose attention layers run the
+    slot op (:mod:`tetris_hf.slot_attention`: the cache's write and attention opaque, every block read packed), one
+    compilation per model, kept while it lives."""
     if model not in _ON_EAGER_SHAPES:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         compiled = torch.compile(model.forward, dynamic=True)

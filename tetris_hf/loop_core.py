@@ -131,7 +131,8 @@ class LoopCore:
                                                   max_rows, cache_capacity)
 
         # blocks with filler read packed: the target computes only the real tokens; eager verify blocks too (priced so
-        # by the cost-aware strategies), compiled ones keep their static shapes (prompts are still read packed)
+        # by the cost-aware strategies), and compiled ones on eager shapes; static compiled ones keep their shapes
+        # (prompts are still read packed)
         pack = options.tetris_pack and packs_exactly(model)
         # compiled on the CPU, the target's forwards keep their eager shapes where they can (compiled.py)
         self.on_eager_shapes = options.tetris_compile and compiles_on_eager_shapes(model, pack)
