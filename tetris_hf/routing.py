@@ -26,7 +26,7 @@ def loop_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     family's eager attention) unless the forward's arguments ask otherwise: ``tetris_packing``, a packed block
     (:func:`~tetris_hf.packing.packed_attention`); ``tetris_grouped``, a static step on sdpa
     (:func:`~tetris_hf.attention.grouped_sdpa_attention`, which every sdpa forward on the CPU runs too);
-    ``tetris_slots``, a step compiled on its own shapes, whose cache write is this call's too
+    ``tetris_slots``, a forward compiled on its eager shapes, whose cache write is this call's too
     (:func:`~tetris_hf.slot_attention.slot_attention`)."""
     if tetris_slots is not None:
         return layer_slot_attention(module, query, key, value, attention_mask, tetris_slots,
