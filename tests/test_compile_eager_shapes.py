@@ -9,8 +9,9 @@ from torch._dynamo.utils import counters
 
 import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
 from tetris_hf.compiled import compiles_on_eager_shapes
-from tetris_hf.cpu_kernels import onednn_available, use_onednn_linears
+from tetris_hf.cpu_kernels import use_onednn_linears
 from tetris_hf.stream import RequestStream
+from test_compile import needs_onednn
 from test_compile_stream import fresh_dynamo  # noqa: F401  (a fixture)
 from test_greedy_exactness import generate_checked, pick_eos, target_alone
 from test_sampling_distribution import VOCAB, chi_square_p_value, exact_joint, sampled_joint
@@ -72,7 +73,7 @@ def test_compiled_sampling_on_eager_shapes_follows_the_target_distribution(fresh
     assert chi_square_p_value(counts, exact_joint(target, 1.0, 1.0)) > 1e-3
 
 
-@pytest.mark.skipif(not onednn_available(), reason="no oneDNN in this PyTorch build")
+@needs_onednn
 def test_compiled_stream_on_eager_shapes_with_onednn_linears(fresh_dynamo):
     """The linears as oneDNN's opaque op inside the graph, the attention as ours: rows exact, no graph break at
     either."""

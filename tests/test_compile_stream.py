@@ -19,7 +19,8 @@ from tetris_hf.static_shapes import batch_buckets
 from tetris_hf.stream import RequestStream
 from test_host_reads import host_reads
 from test_sampling_distribution import PROMPT, VOCAB, chi_square_p_value, exact_joint
-from test_static_shapes import assert_static, block_widths, recorder  # noqa: F401  (fixtures)
+from test_static_shapes import (assert_static, block_widths, recorder,  # noqa: F401  (fixtures)
+                               static_shapes_on_the_cpu)  # (autouse: the static path, pinned on the CPU)
 from test_stream import alone, check_exact, requests
 from tiny_models import EOS, PAD, noisy_copy, sharpen, tiny_llama
 
@@ -28,13 +29,6 @@ STRATEGIES = {"tetris": dict(tetris_strategy="tetris", num_assistant_tokens=2, t
               "fixed": dict(tetris_strategy="fixed", num_assistant_tokens=2),
               "adaptive": dict(tetris_strategy="adaptive", num_assistant_tokens=2),
               "plain": dict(tetris_budget=0)}
-
-
-@pytest.fixture(autouse=True)
-def static_shapes_on_the_cpu(monkeypatch):
-    """This module tests the static-shape path (CUDA's, and the CPU's for models that cannot read packed): pinned on
-    the CPU too, where ``tetris_compile=True`` otherwise keeps eager shapes (tests/test_compile_eager_shapes.py)."""
-    monkeypatch.setattr(compiled, "CPU_ON_EAGER_SHAPES", False)
 
 
 @pytest.fixture

@@ -330,9 +330,18 @@ class SlotCache:
             self.layout = AttentionLayout.of(model)
         if self.cross is None and getattr(model, "memory", None) is not None:
             self.cross = CrossAttention(model.memory[self.first_rows.to(model.memory.device)])
-        if self.eager_shapes_forward is not None and not self.cache.layers and self.layout.plain_sdpa \
-                and self.cross is None:  # (its graphs take the buffers as inputs: they exist from the first forward)
+        # (graphs compiled on eager shapes take the buffers as inputs: they exist from the first forward)
+        if self._on_eager_shapes and not self.cache.layers:
             self._allocate(model)
+
+    @property
+    def _on_eager_shapes(self) -> bool:
+        """Forwards run :attr:`eager_shapes_forward` (set: a forward compiled on dynamic shapes,
+        :func:`~tetris_hf.compiled.eager_shapes_forward`) where they can be read packed (:meth:`_compiled_packing`):
+        on plain sdpa layouts (one boolean mask for every layer), for a decoder without cross-attention, on a cache
+        that is not static."""
+        return (self.eager_shapes_forward is not None and self.layout.plain_sdpa and self.cross is None
+                and not self.static)
 
     def _allocate(self, model: torch.nn.Module) -> None:
         """Allocate every layer's buffers before the first forward, so that a forward compiled on eager shapes (which
@@ -354,14 +363,12 @@ class SlotCache:
     def _compiled_packing(self, model: torch.nn.Module, packing: Packing | None, input_mask: torch.Tensor | None,
                           real_lengths: torch.Tensor | None, num_real: int | None, block: int, logits_to_keep: int,
                           first_row: int, split: BlockSplit | None, prompt_lengths: tuple[int, ...]) -> Packing | None:
-        """The packing of a forward that runs :attr:`eager_shapes_forward` (a forward compiled on dynamic shapes,
-        :func:`~tetris_hf.compiled.eager_shapes_forward`), or ``None``: the forward runs as it would without. It runs
-        so on plain sdpa layouts (one boolean mask for every layer), for a decoder without cross-attention, while
-        ``model`` runs the loop's attention (:func:`~tetris_hf.routing.routed_attention`, which hands the op its
-        arguments), where the block can be read packed: every block is (a block without filler too, its packing
-        trivial), so that one graph serves them all. Arguments as in :meth:`forward`; ``packing``: the block's own."""
-        if not (self.eager_shapes_forward is not None and self.cache.layers and self.layout.plain_sdpa
-                and self.cross is None and not self.static and is_routed(model)):
+        """The packing of a forward that runs :attr:`eager_shapes_forward`, or ``None``: the forward runs as it would
+        without. It runs so where :attr:`_on_eager_shapes` says, once the buffers exist, while ``model`` runs the
+        loop's attention (:func:`~tetris_hf.routing.routed_attention`, which hands the op its arguments), where the
+        block can be read packed: every block is (a block without filler too, its packing trivial), so that one graph
+        serves them all. Arguments as in :meth:`forward`; ``packing``: the block's own."""
+        if not (self._on_eager_shapes and self.cache.layers and is_routed(model)):
             return None
         if packing is not None:
             return packing
