@@ -6,7 +6,8 @@ each way the stream could run it, in microseconds: a table.
 "cold" cycles through 30 layers' caches (as a step does: a layer's keys are no longer in the CPU's caches when it
 comes round again), "warm" repeats one layer. The lengths are the 16 ShareGPT first turns of the stream bench (33 to
 407 tokens) plus 50 generated: a decode step's keys span the longest row's slots, every row attends over all of them
-(the holes masked). docs/benchmarks.md, "Attention over long contexts (a later stop)".
+(the holes masked), where the loop's kernel (tetris_hf/cpu_attention.py) reads each row's own. docs/benchmarks.md,
+"Attention over long contexts (a later stop)" and "Each row over its own keys (a later stop)".
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from tetris_hf import cpu_attention
 from tetris_hf.attention import prompt_rows_attention
 
 ROWS, HEADS, KV_HEADS, DIM, LAYERS = 16, 9, 3, 64, 30
@@ -76,6 +78,11 @@ def main() -> None:
                                            values[layer][index : index + 1, :, :length])
 
     row("decode, each row over its own tokens only (vLLM's reads)", f"16 x 1 x {min(own)}-{max(own)}", own_spans)
+    if cpu_attention.available():  # the loop's kernel: each row over the slots its mask lets it see
+        heads = query.reshape(ROWS, HEADS, 1, DIM)
+        row("decode, the row-walking kernel (cpu_attention)", f"16 x 1 x {span}",
+            lambda layer: cpu_attention.row_attention(heads, keys[layer][:, :, :span], values[layer][:, :, :span],
+                                                      mask))
     for length in (5, 8):  # a verified block: lookup's k = 4 and one more
         block = torch.randn(ROWS, length, HEADS, DIM).transpose(1, 2)
         block_mask = torch.cat([real[:, None, None, : span - length].expand(ROWS, 1, length, span - length),
@@ -89,6 +96,10 @@ def main() -> None:
             lambda layer: F.scaled_dot_product_attention(block.reshape(ROWS, KV_HEADS, -1, DIM),
                                                          keys[layer][:, :, :span], values[layer][:, :, :span],
                                                          attn_mask=folded_mask))
+        if cpu_attention.available():
+            row("verify block, the row-walking kernel (cpu_attention)", f"16 x {length} x {span}",
+                lambda layer: cpu_attention.row_attention(block, keys[layer][:, :, :span],
+                                                          values[layer][:, :, :span], block_mask))
     # the prompts' first chunk (256 tokens a forward): the padded block against row by row
     chunk = [min(length - 1, 256) for length in PROMPTS]
     width = max(chunk)

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tetris_hf import cpu_attention
+from tetris_hf import attention, cpu_attention
 from tetris_hf.attention import grouped_sdpa_attention
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler to build the CPU kernel")
@@ -39,7 +39,7 @@ def test_row_attention_equals_softmax_attention(batch, key_heads, groups, length
     mask = torch.rand(batch if mask_batch else 1, 1, length if mask_rows else 1, slots + extra_slots,
                       generator=generator) < density
     scale = dim ** -0.5
-    assert cpu_attention.takes(query, key, value, mask)
+    assert cpu_attention.row_attention_applies(query, key, value, mask)
     output = cpu_attention.row_attention(query, key, value, mask, scale)
     expected = reference(query, key, value, mask.expand(batch, 1, length, -1), scale)
     assert output.shape == (batch, length, heads, dim)
@@ -57,16 +57,16 @@ def test_a_key_it_may_not_see_changes_nothing():
     assert torch.equal(cpu_attention.row_attention(query, key, value, mask), before)
 
 
-def test_taken_only_where_it_applies():
+def test_it_applies_only_where_it_can():
     query, key, value = torch.randn(2, 6, 3, 8), torch.randn(2, 2, 10, 8), torch.randn(2, 2, 10, 8)
     mask = torch.ones(2, 1, 3, 10, dtype=torch.bool)
-    assert cpu_attention.takes(query, key, value, mask)
-    assert not cpu_attention.takes(query.half(), key.half(), value.half(), mask)  # fp32 only
-    assert not cpu_attention.takes(query, key, value, mask.float())  # an additive mask
-    assert not cpu_attention.takes(query, key, value, None)
+    assert cpu_attention.row_attention_applies(query, key, value, mask)
+    assert not cpu_attention.row_attention_applies(query.half(), key.half(), value.half(), mask)  # fp32 only
+    assert not cpu_attention.row_attention_applies(query, key, value, mask.float())  # an additive mask
+    assert not cpu_attention.row_attention_applies(query, key, value, None)
     long = torch.randn(2, 6, cpu_attention.MAX_QUERIES, 8)  # 3 query heads a key-value head x 32: sdpa's
-    assert not cpu_attention.takes(long, key, value, torch.ones(2, 1, cpu_attention.MAX_QUERIES, 10, dtype=torch.bool))
-    assert not cpu_attention.takes(query, key, value, torch.ones(3, 1, 3, 10, dtype=torch.bool))  # 3 mask rows for 2
+    assert not cpu_attention.row_attention_applies(long, key, value, torch.ones(2, 1, cpu_attention.MAX_QUERIES, 10, dtype=torch.bool))
+    assert not cpu_attention.row_attention_applies(query, key, value, torch.ones(3, 1, 3, 10, dtype=torch.bool))  # 3 mask rows for 2
 
 
 def test_grouped_sdpa_runs_the_kernel_where_it_applies(monkeypatch):
@@ -78,11 +78,10 @@ def test_grouped_sdpa_runs_the_kernel_where_it_applies(monkeypatch):
     mask = torch.rand(4, 1, 2, 30, generator=torch.Generator().manual_seed(1)) < 0.7
     mask[..., -1] = True
     calls = []
-    kernel = cpu_attention.row_attention
-    monkeypatch.setattr(cpu_attention, "row_attention", lambda *args: calls.append(1) or kernel(*args))
+    monkeypatch.setattr(attention, "row_attention", lambda *args: calls.append(1) or cpu_attention.row_attention(*args))
     output, _ = grouped_sdpa_attention(module, query, key, value, mask, scaling=0.25)
     assert calls == [1]
-    monkeypatch.setattr(cpu_attention, "takes", lambda *args: False)
+    monkeypatch.setattr(attention, "row_attention_applies", lambda *args: False)
     on_sdpa, _ = grouped_sdpa_attention(module, query, key, value, mask, scaling=0.25)
     assert calls == [1]
     torch.testing.assert_close(output, on_sdpa, atol=1e-5, rtol=1e-4)

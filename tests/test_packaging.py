@@ -35,7 +35,6 @@ ROOT = Path(__file__).resolve().parents[1]
 BUILD_INPUTS = ("setup.cfg", "pyproject.toml", "README.md", "MANIFEST.in", "tetris_hf")  # MANIFEST.in: if present
 ASSETS = ROOT / "tetris_hf" / "tools" / "assets"
 METRIC = "tetris_hf/tools/metrics/output_agreement/output_agreement.py"
-KERNEL = "tetris_hf/kernels/row_attention.c"  # (the CPU attention kernel's source, built at first use)
 # Named here as well as found on disk, so that a folder lost from the checkout is noticed too.
 SHIPPED = (
     "tetris_hf/tools/assets/draft-smollm2-135m/draft.safetensors",
@@ -47,7 +46,6 @@ SHIPPED = (
     "tetris_hf/tools/assets/draft-whisper-base/draft.safetensors",
     "tetris_hf/tools/assets/draft-whisper-base/PROVENANCE.md",
     METRIC,
-    KERNEL,
 )
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."]
 

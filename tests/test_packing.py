@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
-from tetris_hf import cpu_attention, loop_core
+from tetris_hf import attention, loop_core
 from tetris_hf.attention import grouped_sdpa_attention, queries_read, real_prefix_mask
 from tetris_hf.cost_model import CostProfile, StepCostModel
 from tetris_hf.goodput import best_budget
@@ -277,7 +277,7 @@ def test_joining_prompts_attend_to_their_own_block_causally_and_read_as_the_mode
         cache.forward(model, history, None)
         cache.add_rows(2)
         monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
-        monkeypatch.setattr(cpu_attention, "takes", lambda *args: False)  # (the decoding rows on sdpa, spied on)
+        monkeypatch.setattr(attention, "row_attention_applies", lambda *args: False)  # (decoding rows on sdpa)
         logits = cache.forward(model, block, None, real_lengths=torch.tensor([1, 1, 5, 3]), num_real=10,
                                split=BlockSplit(2, 1, 2))
         monkeypatch.undo()
@@ -377,7 +377,7 @@ def test_folded_query_heads_give_the_grouped_sums_bitwise(length, mask_rows, mon
     sdpa: where the row-walking kernel is not built, tetris_hf/cpu_attention.py.)"""
     import tetris_hf.attention as attention
 
-    monkeypatch.setattr(attention.cpu_attention, "takes", lambda *args: False)
+    monkeypatch.setattr(attention, "row_attention_applies", lambda *args: False)
 
     generator = torch.Generator().manual_seed(length)
     keys = 300 + length

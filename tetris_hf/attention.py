@@ -10,7 +10,7 @@ from functools import cached_property
 
 import torch
 
-from . import cpu_attention
+from .cpu_attention import row_attention, row_attention_applies
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 MASK_IMPLEMENTATIONS = ("sdpa", "eager")  # attention implementations that take a prepared 4D mask
@@ -156,9 +156,9 @@ def grouped_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: to
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     unusual = any(kwargs.get(name) is not None for name in ("softcap", "position_bias", "s_aux", "sinks"))
-    if not unusual and not dropout and cpu_attention.takes(query, key, value, attention_mask):
+    if not unusual and not dropout and row_attention_applies(query, key, value, attention_mask):
         # (CPU, a few queries a row: each row over its own keys, docs/benchmarks.md, "Each row over its own keys")
-        return cpu_attention.row_attention(query, key, value, attention_mask, scaling), None
+        return row_attention(query, key, value, attention_mask, scaling), None
     # (one query outside a compiled graph: transformers folds the query heads onto the key-value heads, no copy)
     single = query.shape[2] == 1 and not torch.compiler.is_compiling()
     if getattr(module, "num_key_value_groups", 1) == 1 or unusual or attention_mask is None or single:

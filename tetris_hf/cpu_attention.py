@@ -1,5 +1,6 @@
 """Decode and verify attention on the CPU, each row over its own keys: :func:`row_attention`, a small C kernel
-(``kernels/row_attention.c``) compiled at first use with the system's C compiler and called through ``ctypes``.
+(:mod:`tetris_hf.row_attention_source`) compiled at first use with the system's C compiler and called through
+``ctypes``.
 
 A step's attention reads the cache's written prefix, which every row shares: the CPU's sdpa kernel reads all of it for
 every row, masked, so a row holding 80 real tokens beside one holding 450 reads 450 keys (docs/benchmarks.md,
@@ -25,9 +26,10 @@ from pathlib import Path
 
 import torch
 
+from .row_attention_source import SOURCE
+
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels") / "row_attention.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
 MAX_QUERIES = 32  # queries a key-value head (query heads x block length) this kernel takes; longer blocks: sdpa
 ENVIRONMENT = "TETRIS_HF_CPU_KERNELS"  # "0": attention stays on sdpa (read at every call), the kernel never built
@@ -57,7 +59,7 @@ def _library() -> ctypes.CDLL | None:
     if compiler[0] is None:
         logger.warning("tetris_hf: no C compiler found (gcc or $CC); CPU attention stays on sdpa")
         return None
-    source = SOURCE.read_bytes()
+    source = SOURCE.encode()
     parts = [source, " ".join(compiler).encode(), " ".join(FLAGS).encode(), _cpu_flags().encode(),
              platform.machine().encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
@@ -66,8 +68,9 @@ def _library() -> ctypes.CDLL | None:
         try:
             built.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=built.parent) as scratch:  # (then renamed: concurrent builds are safe)
-                target = Path(scratch) / built.name
-                subprocess.run([*compiler, *FLAGS, "-o", str(target), str(SOURCE)], check=True, capture_output=True,
+                target, code = Path(scratch) / built.name, Path(scratch) / "row_attention.c"
+                code.write_bytes(source)
+                subprocess.run([*compiler, *FLAGS, "-o", str(target), str(code)], check=True, capture_output=True,
                                timeout=120)
                 os.replace(target, built)
         except (OSError, subprocess.SubprocessError) as error:
@@ -90,7 +93,7 @@ def available() -> bool:
     return _library() is not None
 
 
-def takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
+def row_attention_applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
     """Whether :func:`row_attention` takes these tensors: fp32 on the CPU, a 4D bool mask, at most
     :data:`MAX_QUERIES` queries a key-value head, the last dimension contiguous, and the kernel built."""
     return (query.device.type == "cpu" and query.dtype == key.dtype == value.dtype == torch.float32

@@ -16,6 +16,7 @@
 
 /* e^x for x <= 0 (a score minus its row's maximum), within 2 ulp, and 0 for x = -inf (a key the query may not see):
  * Cephes' expf on whole vectors (see below). */
+#define FEW_QUERIES 4  /* at most this many queries a key-value head: keys not transposed (see attend_row_head) */
 #define KEYS 16  /* keys scored together: one vector of fp32 lanes (AVX-512), the block's keys transposed first */
 
 typedef float vector __attribute__((vector_size(KEYS * sizeof(float))));  /* (GCC lowers it to the CPU's vectors) */
@@ -25,6 +26,14 @@ static inline vector load(const float *from) { vector v; memcpy(&v, from, sizeof
 static inline void store(float *to, vector v) { memcpy(to, &v, sizeof v); }
 static inline vector pick(lanes where, vector yes, vector no) {  /* yes where true, else no */
     return (vector)((where & (lanes)yes) | (~where & (lanes)no));
+}
+
+static inline float sum_lanes(vector v) {  /* v[0] + ... + v[KEYS - 1], halving */
+    v += __builtin_shuffle(v, (lanes){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v += __builtin_shuffle(v, (lanes){4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3});
+    v += __builtin_shuffle(v, (lanes){2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1});
+    v += __builtin_shuffle(v, (lanes){1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0});
+    return v[0];
 }
 
 static inline vector exp_nonpositive(vector x) {
@@ -64,15 +73,31 @@ static inline __attribute__((always_inline)) void attend_row_head(
         if (seen) slots[n++] = s;
     }
     const int64_t width = (n + KEYS - 1) / KEYS * KEYS;  /* a row of scores: the n keys, then -inf */
+    const int64_t chunks = D / KEYS;  /* whole vectors of a key or value; the last D % KEYS elements one by one */
+    const int few = Q <= FEW_QUERIES && chunks * KEYS == D;
     for (int64_t first = 0; first < n; first += KEYS) {  /* scores, KEYS keys at a time, each key read once */
         const int64_t count = n - first < KEYS ? n - first : KEYS;
+        for (int64_t l = 0; l < L; l++)  /* 0 where position l sees the key, else -inf */
+            for (int64_t t = 0; t < KEYS; t++)
+                biases[l][t] = t < count && row_mask[l * m_l + slots[first + t] * m_s] ? 0.0f : -INFINITY;
+        if (few) {  /* a decode step's few queries: each key's products summed across its lanes, no transposing */
+            vector dots[FEW_QUERIES] = {{0.0f}};
+            for (int64_t t = 0; t < count; t++) {
+                const float *k = key + b * k_b + h * k_h + slots[first + t] * k_s;
+                for (int64_t i = 0; i < Q; i++) {
+                    const float *q = query + b * q_b + (h * G + i / L) * q_h + i % L * q_l;
+                    vector products = load(q) * load(k);
+                    for (int64_t c = 1; c < chunks; c++) products += load(q + c * KEYS) * load(k + c * KEYS);
+                    dots[i][t] = sum_lanes(products);
+                }
+            }
+            for (int64_t i = 0; i < Q; i++) store(scores + i * width + first, dots[i] * scale + biases[i % L]);
+            continue;
+        }
         for (int64_t t = 0; t < KEYS; t++) {
             const float *k = key + b * k_b + h * k_h + slots[first + (t < count ? t : 0)] * k_s;
             for (int64_t d = 0; d < D; d++) transposed[d][t] = k[d];
         }
-        for (int64_t l = 0; l < L; l++)  /* 0 where position l sees the key, else -inf */
-            for (int64_t t = 0; t < KEYS; t++)
-                biases[l][t] = t < count && row_mask[l * m_l + slots[first + t] * m_s] ? 0.0f : -INFINITY;
         for (int64_t i = 0; i < Q; i++) {
             const float *q = query + b * q_b + (h * G + i / L) * q_h + i % L * q_l;
             vector dots[4] = {{0.0f}, {0.0f}, {0.0f}, {0.0f}};  /* (four chains of products, not one) */
@@ -100,7 +125,6 @@ static inline __attribute__((always_inline)) void attend_row_head(
         }
         sums[i] = sum;
     }
-    const int64_t chunks = D / KEYS;  /* whole vectors of a value; the last D % KEYS elements one by one */
     for (int64_t i = 0; i < Q * D; i++) accumulated[i] = 0.0f;
     for (int64_t first = 0; first < n; first += KEYS) {  /* weighted values, KEYS values at a time, each read once */
         const int64_t count = n - first < KEYS ? n - first : KEYS;

@@ -1,0 +1,187 @@
+"""The C source of the CPU's row-walking attention kernel (:mod:`tetris_hf.cpu_attention` builds and calls it).
+
+Kept as a string in a module of its own so that it travels wherever the package's modules do (the wheel, the Hub
+folder's flat copy, the Space) without data files. Compiled with ``gcc -O3 -march=native -fopenmp``; GCC's vector
+extensions (``vector_size``) are lowered to whatever vectors the CPU has.
+
+What it computes, for row ``b`` and key-value head ``h``: the ``G = H / H_kv`` query heads ``h * G .. h * G + G - 1``
+(transformers' grouped-query order) at each of the ``L`` positions are one block of ``G * L`` queries; the keys are
+those some query of the row may see (mask true), each read once for the whole block. Softmax in two passes (scores,
+then the maximum, exponentials and sums), then the weighted values, each read once. A query that sees no key gets
+zeros (sdpa's kernels differ there; such a query is filler whose output nothing reads).
+"""
+
+SOURCE = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+
+#define FEW_QUERIES 4  /* at most this many queries a key-value head: keys not transposed (see attend_row_head) */
+#define KEYS 16  /* keys scored together: one vector of fp32 lanes (AVX-512), the block's keys transposed first */
+
+typedef float vector __attribute__((vector_size(KEYS * sizeof(float))));  /* (GCC lowers it to the CPU's vectors) */
+typedef int32_t lanes __attribute__((vector_size(KEYS * sizeof(float))));  /* comparisons: -1 (true) or 0 a lane */
+
+static inline vector load(const float *from) { vector v; memcpy(&v, from, sizeof v); return v; }
+static inline void store(float *to, vector v) { memcpy(to, &v, sizeof v); }
+static inline vector pick(lanes where, vector yes, vector no) {  /* yes where true, else no */
+    return (vector)((where & (lanes)yes) | (~where & (lanes)no));
+}
+
+static inline float sum_lanes(vector v) {  /* v[0] + ... + v[KEYS - 1], halving */
+    v += __builtin_shuffle(v, (lanes){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v += __builtin_shuffle(v, (lanes){4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3});
+    v += __builtin_shuffle(v, (lanes){2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1});
+    v += __builtin_shuffle(v, (lanes){1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0});
+    return v[0];
+}
+
+/* e^x for x <= 0 (a score minus its row's maximum), within 2 ulp, and 0 for x = -inf (a key the query may not see):
+ * Cephes' expf, lane by lane. */
+static inline vector exp_nonpositive(vector x) {
+    const lanes seen = x > -INFINITY;
+    const vector lowest = (vector){0.0f} - 87.0f;  /* (e^-87 is still a normal float) */
+    x = pick(x < lowest, lowest, x);
+    vector n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f + 0.5f, lanes), vector);
+    n = pick(n > x * 1.44269504088896341f + 0.5f, n - 1.0f, n);  /* floor (the conversion truncated to zero) */
+    const vector r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vector p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const lanes power = (__builtin_convertvector(n, lanes) + 127) << 23;
+    return (vector)((lanes)(p * (vector)power) & seen);
+}
+
+/* One row b, one key-value head h (see row_attention); scratch: room for S slot indices, Q rows of S scores rounded up
+ * to KEYS, D vectors of transposed keys, L vectors of mask biases, Q * D sums and Q sums. Inlined with D a constant
+ * where it is 64 or 128. */
+static inline __attribute__((always_inline)) void attend_row_head(
+        const float *query, int64_t q_b, int64_t q_h, int64_t q_l,
+        const float *key, int64_t k_b, int64_t k_h, int64_t k_s,
+        const float *value, int64_t v_b, int64_t v_h, int64_t v_s,
+        const uint8_t *mask, int64_t m_b, int64_t m_l, int64_t m_s,
+        float *out, int64_t b, int64_t h, int64_t H, int64_t G, int64_t L, int64_t S, const int64_t D, float scale,
+        int64_t *slots, float *scores, vector *transposed, vector *biases, float *accumulated, float *sums) {
+    const int64_t Q = G * L;
+    const uint8_t *row_mask = mask + b * m_b;
+    int64_t n = 0;
+    for (int64_t s = 0; s < S; s++) {  /* the slots some query of the row sees */
+        uint8_t seen = 0;
+        for (int64_t l = 0; l < L; l++) seen |= row_mask[l * m_l + s * m_s];
+        if (seen) slots[n++] = s;
+    }
+    const int64_t width = (n + KEYS - 1) / KEYS * KEYS;  /* a row of scores: the n keys, then -inf */
+    const int64_t chunks = D / KEYS;  /* whole vectors of a key or value; the last D % KEYS elements one by one */
+    const int few = Q <= FEW_QUERIES && chunks * KEYS == D;
+    for (int64_t first = 0; first < n; first += KEYS) {  /* scores, KEYS keys at a time, each key read once */
+        const int64_t count = n - first < KEYS ? n - first : KEYS;
+        for (int64_t l = 0; l < L; l++)  /* 0 where position l sees the key, else -inf */
+            for (int64_t t = 0; t < KEYS; t++)
+                biases[l][t] = t < count && row_mask[l * m_l + slots[first + t] * m_s] ? 0.0f : -INFINITY;
+        if (few) {  /* a decode step's few queries: each key's products summed across its lanes, no transposing */
+            vector dots[FEW_QUERIES] = {{0.0f}};
+            for (int64_t t = 0; t < count; t++) {
+                const float *k = key + b * k_b + h * k_h + slots[first + t] * k_s;
+                for (int64_t i = 0; i < Q; i++) {
+                    const float *q = query + b * q_b + (h * G + i / L) * q_h + i % L * q_l;
+                    vector products = load(q) * load(k);
+                    for (int64_t c = 1; c < chunks; c++) products += load(q + c * KEYS) * load(k + c * KEYS);
+                    dots[i][t] = sum_lanes(products);
+                }
+            }
+            for (int64_t i = 0; i < Q; i++) store(scores + i * width + first, dots[i] * scale + biases[i % L]);
+            continue;
+        }
+        for (int64_t t = 0; t < KEYS; t++) {
+            const float *k = key + b * k_b + h * k_h + slots[first + (t < count ? t : 0)] * k_s;
+            for (int64_t d = 0; d < D; d++) transposed[d][t] = k[d];
+        }
+        for (int64_t i = 0; i < Q; i++) {
+            const float *q = query + b * q_b + (h * G + i / L) * q_h + i % L * q_l;
+            vector dots[4] = {{0.0f}, {0.0f}, {0.0f}, {0.0f}};  /* (four chains of products, not one) */
+            int64_t d = 0;
+            for (; d + 4 <= D; d += 4)
+                for (int64_t u = 0; u < 4; u++) dots[u] += q[d + u] * transposed[d + u];
+            for (; d < D; d++) dots[0] += q[d] * transposed[d];
+            store(scores + i * width + first, (dots[0] + dots[1] + (dots[2] + dots[3])) * scale + biases[i % L]);
+        }
+    }
+    for (int64_t i = 0; i < Q; i++) {  /* exponentials and their sums */
+        float *row = scores + i * width, maximum = -INFINITY, sum = 0.0f;
+#pragma omp simd reduction(max : maximum)
+        for (int64_t j = 0; j < width; j++) maximum = row[j] > maximum ? row[j] : maximum;
+        if (maximum == -INFINITY) {  /* (a query that sees no key) */
+            for (int64_t j = 0; j < width; j++) row[j] = 0.0f;
+        } else {
+            vector total = {0.0f};
+            for (int64_t j = 0; j < width; j += KEYS) {
+                const vector p = exp_nonpositive(load(row + j) - maximum);
+                store(row + j, p);
+                total += p;
+            }
+            for (int64_t t = 0; t < KEYS; t++) sum += total[t];
+        }
+        sums[i] = sum;
+    }
+    for (int64_t i = 0; i < Q * D; i++) accumulated[i] = 0.0f;
+    for (int64_t first = 0; first < n; first += KEYS) {  /* weighted values, KEYS values at a time, each read once */
+        const int64_t count = n - first < KEYS ? n - first : KEYS;
+        const float *values[KEYS];
+        for (int64_t t = 0; t < count; t++) values[t] = value + b * v_b + h * v_h + slots[first + t] * v_s;
+        for (int64_t i = 0; i < Q; i++) {
+            const float *p = scores + i * width + first;
+            float *acc = accumulated + i * D;
+            vector sums_d[chunks > 0 ? chunks : 1];  /* (registers where D is a constant) */
+            for (int64_t c = 0; c < chunks; c++) sums_d[c] = load(acc + c * KEYS);
+            for (int64_t t = 0; t < count; t++) {
+                const float weight = p[t], *v = values[t];
+                for (int64_t c = 0; c < chunks; c++) sums_d[c] += weight * load(v + c * KEYS);
+                for (int64_t d = chunks * KEYS; d < D; d++) acc[d] += weight * v[d];
+            }
+            for (int64_t c = 0; c < chunks; c++) store(acc + c * KEYS, sums_d[c]);
+        }
+    }
+    for (int64_t i = 0; i < Q; i++) {
+        const int64_t g = i / L, l = i % L;
+        float *o = out + ((b * L + l) * H + h * G + g) * D;
+        const float inverse = sums[i] > 0.0f ? 1.0f / sums[i] : 0.0f;
+        for (int64_t d = 0; d < D; d++) o[d] = accumulated[i * D + d] * inverse;
+    }
+}
+
+/* query (B, H, L, D) with strides q_b, q_h, q_l; key and value (B, Hk, S, D) with strides k_* and v_*; mask (B or 1,
+ * 1, L or 1, S) bool with strides m_b, m_l, m_s (0 where broadcast); out (B, L, H, D) contiguous; threads: OpenMP's
+ * (the process's runtime, torch's). */
+void row_attention(const float *query, int64_t q_b, int64_t q_h, int64_t q_l,
+                   const float *key, int64_t k_b, int64_t k_h, int64_t k_s,
+                   const float *value, int64_t v_b, int64_t v_h, int64_t v_s,
+                   const uint8_t *mask, int64_t m_b, int64_t m_l, int64_t m_s,
+                   float *out, int64_t B, int64_t H, int64_t Hk, int64_t L, int64_t S, int64_t D, float scale,
+                   int threads) {
+    const int64_t G = H / Hk, Q = G * L;
+#pragma omp parallel num_threads(threads)
+    {
+        const size_t room = (size_t)((S + KEYS - 1) / KEYS * KEYS + KEYS);
+        int64_t *slots = malloc(sizeof(int64_t) * room);
+        float *scores = malloc(sizeof(float) * (size_t)Q * room);
+        vector *transposed = aligned_alloc(sizeof(vector), sizeof(vector) * (size_t)D);
+        vector *biases = aligned_alloc(sizeof(vector), sizeof(vector) * (size_t)L);
+        float *accumulated = malloc(sizeof(float) * (size_t)(Q * D)), *sums = malloc(sizeof(float) * (size_t)Q);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < B * Hk; task++) {
+            const int64_t b = task / Hk, h = task % Hk;
+#define ATTEND(DIM) attend_row_head(query, q_b, q_h, q_l, key, k_b, k_h, k_s, value, v_b, v_h, v_s, mask, m_b, m_l, \
+                                    m_s, out, b, h, H, G, L, S, DIM, scale, slots, scores, transposed, biases, \
+                                    accumulated, sums)
+            if (D == 64) ATTEND(64);
+            else if (D == 128) ATTEND(128);
+            else ATTEND(D);
+        }
+        free(slots); free(scores); free(transposed); free(biases); free(accumulated); free(sums);
+    }
+}
+"""
