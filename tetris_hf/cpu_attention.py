@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from .ops import define
 from .row_attention_source import SOURCE
 
 logger = logging.getLogger(__name__)
@@ -93,7 +94,8 @@ def available() -> bool:
     return _library() is not None
 
 
-def row_attention_applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
+def row_attention_applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: torch.Tensor | None) -> bool:
     """Whether :func:`row_attention` takes these tensors: fp32 on the CPU, a 4D bool mask, at most
     :data:`MAX_QUERIES` queries a key-value head, the last dimension contiguous, and the kernel built."""
     return (query.device.type == "cpu" and query.dtype == key.dtype == value.dtype == torch.float32
@@ -109,7 +111,8 @@ def row_attention_applies(query: torch.Tensor, key: torch.Tensor, value: torch.T
 
 def row_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor,
                   scaling: float | None = None) -> torch.Tensor:
-    """Softmax attention of each row's queries over the keys its mask lets them see, read row by row.
+    """Softmax attention of each row's queries over the keys its mask lets them see, read row by row (the operator
+    ``tetris_hf::row_attention``: a profile names it among the attention ops).
 
     Args:
         query: ``(B, H, L, D)``.
@@ -121,14 +124,25 @@ def row_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, a
     Returns:
         ``(B, L, H, D)``; zeros for a query that sees no key.
     """
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return _row_attention_op(query, key, value, attention_mask[..., : key.shape[2]], float(scale))
+
+
+def _row_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """:func:`row_attention`'s kernel: the C function on the tensors' memory (``attention_mask`` ``S`` slots wide)."""
     batch, heads, length, dim = query.shape
     key_heads, slots = key.shape[1], key.shape[2]
-    attention_mask = attention_mask[..., :slots]
     mask = attention_mask.view(torch.uint8)
     output = query.new_empty(batch, length, heads, dim)
-    scale = dim ** -0.5 if scaling is None else scaling
     _library().row_attention(
         query.data_ptr(), *query.stride()[:3], key.data_ptr(), *key.stride()[:3], value.data_ptr(), *value.stride()[:3],
         mask.data_ptr(), mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(2) if mask.shape[2] > 1 else 0,
         mask.stride(3), output.data_ptr(), batch, heads, key_heads, length, slots, dim, scale, torch.get_num_threads())
     return output
+
+
+_row_attention_op = define("row_attention(Tensor query, Tensor key, Tensor value, Tensor attention_mask, float scale) "
+                           "-> Tensor", _row_attention,
+                           lambda query, *_: query.new_empty(query.shape[0], query.shape[2], query.shape[1],
+                                                             query.shape[3]))
