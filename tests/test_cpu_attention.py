@@ -85,3 +85,29 @@ def test_grouped_sdpa_runs_the_kernel_where_it_applies(monkeypatch):
     on_sdpa, _ = grouped_sdpa_attention(module, query, key, value, mask, scaling=0.25)
     assert calls == [1]
     torch.testing.assert_close(output, on_sdpa, atol=1e-5, rtol=1e-4)
+
+
+def test_without_a_compiler_attention_stays_on_sdpa_with_a_warning(tmp_path):
+    """A machine whose C compiler fails (here ``CC=false``, an empty kernel cache): one warning naming the fallback,
+    the kernel unavailable, and the loop's attention the same as sdpa's."""
+    import os
+    import subprocess
+    import sys
+
+    script = """
+import torch
+from types import SimpleNamespace
+from tetris_hf import cpu_attention
+from tetris_hf.attention import grouped_sdpa_attention
+query, key, value = torch.randn(2, 6, 1, 8), torch.randn(2, 2, 10, 8), torch.randn(2, 2, 10, 8)
+mask = torch.ones(2, 1, 1, 10, dtype=torch.bool)
+output, _ = grouped_sdpa_attention(SimpleNamespace(num_key_value_groups=3), query, key, value, mask)
+expected = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True)
+print(cpu_attention.available(), torch.allclose(output, expected.transpose(1, 2), atol=1e-6))
+"""
+    environment = {**os.environ, "CC": "false", "TETRIS_HF_CACHE": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=environment, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["False", "True"]
+    assert "building the CPU attention kernel failed" in run.stderr and "stays on sdpa" in run.stderr
+    assert list(tmp_path.rglob("*.so")) == []
