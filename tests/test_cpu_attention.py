@@ -58,15 +58,17 @@ def test_a_key_it_may_not_see_changes_nothing():
 
 
 def test_it_applies_only_where_it_can():
+    applies = cpu_attention.row_attention_applies
     query, key, value = torch.randn(2, 6, 3, 8), torch.randn(2, 2, 10, 8), torch.randn(2, 2, 10, 8)
     mask = torch.ones(2, 1, 3, 10, dtype=torch.bool)
-    assert cpu_attention.row_attention_applies(query, key, value, mask)
-    assert not cpu_attention.row_attention_applies(query.half(), key.half(), value.half(), mask)  # fp32 only
-    assert not cpu_attention.row_attention_applies(query, key, value, mask.float())  # an additive mask
-    assert not cpu_attention.row_attention_applies(query, key, value, None)
+    assert applies(query, key, value, mask)
+    assert not applies(query.half(), key.half(), value.half(), mask)  # fp32 only
+    assert not applies(query, key, value, mask.float())  # an additive mask
+    assert not applies(query, key, value, None)
     long = torch.randn(2, 6, cpu_attention.MAX_QUERIES, 8)  # 3 query heads a key-value head x 32: sdpa's
-    assert not cpu_attention.row_attention_applies(long, key, value, torch.ones(2, 1, cpu_attention.MAX_QUERIES, 10, dtype=torch.bool))
-    assert not cpu_attention.row_attention_applies(query, key, value, torch.ones(3, 1, 3, 10, dtype=torch.bool))  # 3 mask rows for 2
+    assert not applies(long, key, value, torch.ones(2, 1, cpu_attention.MAX_QUERIES, 10, dtype=torch.bool))
+    assert not applies(query, key, value, torch.ones(3, 1, 3, 10, dtype=torch.bool))  # 3 mask rows for 2
+    assert not applies(query.requires_grad_(), key, value, mask)  # no backward
 
 
 def test_grouped_sdpa_runs_the_kernel_where_it_applies(monkeypatch):

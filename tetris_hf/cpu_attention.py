@@ -97,7 +97,8 @@ def available() -> bool:
 def row_attention_applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           attention_mask: torch.Tensor | None) -> bool:
     """Whether :func:`row_attention` takes these tensors: fp32 on the CPU, a 4D bool mask, at most
-    :data:`MAX_QUERIES` queries a key-value head, the last dimension contiguous, and the kernel built."""
+    :data:`MAX_QUERIES` queries a key-value head, the last dimension contiguous, no gradient wanted (the kernel has
+    no backward), and the kernel built."""
     return (query.device.type == "cpu" and query.dtype == key.dtype == value.dtype == torch.float32
             and isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4
             and attention_mask.dtype == torch.bool and attention_mask.shape[1] == 1
@@ -106,6 +107,7 @@ def row_attention_applies(query: torch.Tensor, key: torch.Tensor, value: torch.T
             and query.shape[1] % key.shape[1] == 0
             and query.shape[1] // key.shape[1] * query.shape[2] <= MAX_QUERIES
             and query.stride(-1) == key.stride(-1) == value.stride(-1) == 1
+            and not (torch.is_grad_enabled() and any(tensor.requires_grad for tensor in (query, key, value)))
             and not torch.compiler.is_compiling() and os.environ.get(ENVIRONMENT, "1") != "0" and available())
 
 
