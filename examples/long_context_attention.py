@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import statistics
 import sys
 import time
@@ -30,9 +31,7 @@ import torch
 
 import tetris_hf.attention as attention
 import tetris_hf.packing as packing
-from tetris_hf.cpu_kernels import use_onednn_linears
-from tetris_hf.tools.bench import load_lookup_target
-from tetris_hf.tools.stream_bench import run_stream, stream_prompts
+from tetris_hf.tools import stream_arms
 
 # each arm: (the narrowest prompt block read row by row, the most queries a key-value head folded)
 ARMS = {"before": (sys.maxsize, 0), "rows": (packing.ROW_BY_ROW_WIDTH, 0),
@@ -82,51 +81,19 @@ def attention_times(run) -> dict[str, tuple[int, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", default="humaneval-edit")
-    parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--max-prompt-tokens", type=int, default=2048)
-    parser.add_argument("--max-batch-size", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--systems", default="stream-plain,stream-lookup")
-    parser.add_argument("--onednn-linears", action="store_true", help="the target's linears on oneDNN")
+    stream_arms.add_arguments(parser, prompts="humaneval-edit")
     parser.add_argument("--profile", action="store_true", help="also time every attention call, by kind")
     args = parser.parse_args()
-    target, tokenizer, info = load_lookup_target(None, torch.device("cpu"), None, 3)
-    if args.onednn_linears:
-        use_onednn_linears(target)
-    prompts, note, eos, pad = stream_prompts(target, tokenizer, args.prompts, args.num_prompts, args.max_prompt_tokens)
-    lookup = dict(prompt_lookup_num_tokens=4, max_matching_ngram_size=3)
-    options = {"stream-plain": dict(tetris_budget=0), "stream-lookup": dict(tetris_strategy="fixed")}
-    chosen = [name for name in args.systems.split(",") if name]
-    lengths = sorted(map(len, prompts))
-    print(f"{len(prompts)} requests ({note}), prompts of {lengths[0]}-{lengths[-1]} tokens (median "
-          f"{statistics.median(lengths):.0f}), up to {args.max_new_tokens} new, {args.max_batch_size} rows, "
-          f"{torch.get_num_threads()} thread(s), linears on {'oneDNN' if args.onednn_linears else 'MKL'}\n{info}")
-
-    def run(name: str, new_tokens: int):
-        return run_stream(name, target, prompts, new_tokens, args.max_batch_size, eos, pad, **lookup, **options[name])
-
-    speeds = {(name, arm): [] for name in chosen for arm in ARMS}
-    outputs = {}
+    stream = stream_arms.StreamArms(args)
+    prompts, chosen = stream.prompts, stream.systems
     try:
-        for name in chosen:  # warm-up
-            run(name, 2)
-        for repeat in range(args.repeats):
-            for arm in ARMS:
-                use(arm)
-                for name in chosen:
-                    result = run(name, args.max_new_tokens)
-                    speeds[name, arm].append(sum(map(len, result.tokens)) / result.seconds)
-                    outputs[name, arm] = result.tokens
-            print(f"repeat {repeat + 1}: " + ", ".join(f"{name} {arm} {speeds[name, arm][-1]:.1f}"
-                                                       for name in chosen for arm in ARMS), flush=True)
+        speeds, outputs = stream.interleaved({arm: functools.partial(use, arm) for arm in ARMS})
         if args.profile:
             print("\nattention calls of one more run per arm (calls, seconds)")
             for name in chosen:
                 for arm in ARMS:
                     use(arm)
-                    times = attention_times(lambda: run(name, args.max_new_tokens))
+                    times = attention_times(lambda: stream.run(name, args.max_new_tokens))
                     print(f"{name} {arm}: " + ", ".join(f"{kind} {calls} {seconds:.2f} s" for kind, (calls, seconds)
                                                         in sorted(times.items())))
     finally:
