@@ -375,8 +375,6 @@ def test_folded_query_heads_give_the_grouped_sums_bitwise(length, mask_rows, mon
     """A masked block's query heads folded onto their key-value head (3 or more queries a head, at most 32 a
     key-value head) give ``enable_gqa``'s outputs bit for bit; 1, 2 and 11 queries (33 a head) are not folded. (On
     sdpa: where the row-walking kernel is not built, tetris_hf/cpu_attention.py.)"""
-    import tetris_hf.attention as attention
-
     monkeypatch.setattr(attention, "row_attention_applies", lambda *args: False)
 
     generator = torch.Generator().manual_seed(length)
