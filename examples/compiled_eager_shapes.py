@@ -16,31 +16,21 @@ import time
 import torch
 from torch._dynamo.utils import counters
 
-from tetris_hf.cpu_kernels import use_onednn_linears
-from tetris_hf.tools import stream_bench
-from tetris_hf.tools.models import load_target
-
-LOOKUP = dict(prompt_lookup_num_tokens=4, max_matching_ngram_size=3, tetris_extra_tokens=2, tetris_strategy="fixed")
+from tetris_hf.tools import stream_arms
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", default="humaneval-edit")
-    parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=2)
+    stream_arms.add_arguments(parser, prompts="humaneval-edit")
     parser.add_argument("--profile", action="store_true", help="then one compiled run under torch.profiler")
+    parser.set_defaults(num_prompts=32, max_new_tokens=128, repeats=2, systems="stream-lookup", onednn_linears=True)
     args = parser.parse_args()
-    target, tokenizer = load_target(None)
-    use_onednn_linears(target)
-    prompts, note, eos, pad = stream_bench.stream_prompts(target, tokenizer, args.prompts, args.num_prompts, 2048)
+    stream = stream_arms.StreamArms(args)
 
     def serve(compiled: bool):
         with torch.no_grad():
-            return stream_bench.run_stream("stream", target, prompts, args.max_new_tokens, 16, eos, pad,
-                                           tetris_compile=compiled, **LOOKUP)
+            return stream.run("stream-lookup", args.max_new_tokens, tetris_compile=compiled)
 
-    print(f"{len(prompts)} requests ({note}), {torch.get_num_threads()} thread(s)")
     start = time.perf_counter()
     serve(True)
     print(f"compile run {time.perf_counter() - start:.1f} s, {counters['stats']['unique_graphs']} graphs")

@@ -1,6 +1,6 @@
 """The offline target's request stream under two or more settings ("arms"), side by side in one process: each repeat
 runs every arm once, interleaved, so that a noisy machine slows them alike (examples/long_context_attention.py,
-examples/row_attention_kernel.py). :func:`add_arguments` the scripts' shared flags, :class:`StreamArms` the target and
+examples/row_attention_kernel.py, examples/compiled_eager_shapes.py). :func:`add_arguments` the scripts' shared flags, :class:`StreamArms` the target and
 prompts loaded once and the interleaved runs.
 """
 
@@ -53,10 +53,11 @@ class StreamArms:
               f"{statistics.median(lengths):.0f}), up to {args.max_new_tokens} new, {args.max_batch_size} rows, "
               f"{torch.get_num_threads()} thread(s), linears on {'oneDNN' if args.onednn_linears else 'MKL'}\n{info}")
 
-    def run(self, system: str, new_tokens: int) -> StreamRun:
-        """One run of ``system`` over every prompt, at most ``new_tokens`` each."""
+    def run(self, system: str, new_tokens: int, **options) -> StreamRun:
+        """One run of ``system`` over every prompt, at most ``new_tokens`` each; ``options``: more of the stream's
+        generation options (e.g. ``tetris_compile=True``)."""
         return run_stream(system, self.target, self.prompts, new_tokens, self.args.max_batch_size, self.eos, self.pad,
-                          **LOOKUP, **SYSTEMS[system])
+                          **LOOKUP, **SYSTEMS[system], **options)
 
     def interleaved(self, arms: Mapping[str, Callable[[], None]]) -> tuple[dict, dict]:
         """A warm-up, then ``args.repeats`` repeats, each running every system under every arm (``arms[name]()``
