@@ -31,9 +31,9 @@ from .row_attention_source import SOURCE
 
 logger = logging.getLogger(__name__)
 
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 MAX_QUERIES = 32  # queries a key-value head (query heads x block length) this kernel takes; longer blocks: sdpa
-ENVIRONMENT = "TETRIS_HF_CPU_KERNELS"  # "0": attention stays on sdpa (read at every call), the kernel never built
+ENVIRONMENT = "TETRIS_HF_CPU_KERNELS"  # "0": attention stays on sdpa (read at every call, before any build)
 
 
 def cache_directory() -> Path:
@@ -54,8 +54,6 @@ def _cpu_flags() -> str:
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The built kernel, loaded (built first if no matching build is cached); ``None`` where it cannot be."""
-    if os.environ.get(ENVIRONMENT, "1") == "0":
-        return None
     compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("gcc") or shutil.which("cc")]
     if compiler[0] is None:
         logger.warning("tetris_hf: no C compiler found (gcc or $CC); CPU attention stays on sdpa")
