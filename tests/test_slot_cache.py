@@ -6,6 +6,8 @@ import copy
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import LlamaConfig
 
 from tetris_hf.attention import FULL, SLIDING, AttentionLayout, position_masks
@@ -216,6 +218,70 @@ def test_compact_waits_until_holes_exceed_max_holes():
     assert slots.pointer == 4
     assert torch.equal(slots.slot_mask, before[0]) and torch.equal(slots.slot_positions, before[1])
     assert torch.equal(slots.cache.layers[0].keys, before[2])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_compact_keeps_each_rows_real_tokens_in_order_right_aligned_whatever_the_holes(data):
+    """Random blocks (any filler pattern) and rolled-back tails, then a repack: every row holds the same real tokens
+    in the same order, keys and values, at the right end of the width; only slots that move are copied."""
+    rows = data.draw(st.integers(1, 4))
+    model, slots = RecordingModel(), new_cache(rows, capacity=64, max_holes=0)
+    for _ in range(data.draw(st.integers(1, 5))):
+        width = data.draw(st.integers(1, 5))
+        tokens = data.draw(st.lists(st.lists(st.integers(1, 60), min_size=width, max_size=width), min_size=rows,
+                                    max_size=rows))
+        mask = data.draw(st.lists(st.lists(st.integers(0, 1), min_size=width, max_size=width), min_size=rows,
+                                  max_size=rows))
+        start = slots.pointer
+        feed(slots, model, tokens, mask)
+        if data.draw(st.booleans()):  # a rolled-back tail: holes in the middle of rows
+            drop_slots(slots, start, torch.tensor(data.draw(st.lists(st.integers(0, width), min_size=rows,
+                                                                     max_size=rows))))
+    before = [[token for token in row if token >= 0] for row in cached_tokens(slots).tolist()]
+    places = [torch.nonzero(row).flatten().tolist() for row in slots.slot_mask[:, : slots.pointer]]
+    copied = []
+    select = torch.Tensor.index_select
+
+    def counting(tensor, dim, index):
+        copied.append(index.numel())
+        return select(tensor, dim, index)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.Tensor, "index_select", counting)
+        slots.compact(force=True)
+    width = slots.pointer
+    for row, tokens in enumerate(before):
+        assert slots.slot_mask[row, :width].tolist() == [0] * (width - len(tokens)) + [1] * len(tokens)
+        for layer in range(LAYERS):
+            cached = cached_tokens(slots, layer)[row, width - len(tokens) : width].tolist()
+            assert cached == tokens
+            keys, values = slots.cache.layers[layer].keys, slots.cache.layers[layer].values
+            assert torch.equal(values[row, :, width - len(tokens) : width], -keys[row, :, width - len(tokens) : width])
+    # only real slots that changed place were read (each head's), for each layer's keys and values
+    moved = sum(sum(1 for rank, place in enumerate(row) if place != width - len(row) + rank) for row in places)
+    assert copied == [moved * HEADS] * (2 * LAYERS)
+
+
+def test_a_repack_copies_only_the_slots_that_move():
+    """A stream's repack after a prompt joined: the decoding rows' real slots already end at the width; only the
+    joining row's move (here 2 slots of row 1, on each layer's keys and values, each head)."""
+    model, slots = RecordingModel(), new_cache(2, capacity=16, max_holes=0)
+    feed(slots, model, [[A, B, C], [PAD, PAD, PAD]], [[1, 1, 1], [0, 0, 0]])  # row 1 joins later
+    feed(slots, model, [[D, PAD], [A, B]], [[1, 0], [1, 1]])  # row 0 decodes one token, row 1 reads its prompt
+    assert cached_tokens(slots).tolist() == [[A, B, C, D, -1], [-1, -1, -1, A, B]]
+    copied = []
+    select = torch.Tensor.index_select
+
+    def counting(tensor, dim, index):
+        copied.append(index.numel())
+        return select(tensor, dim, index)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.Tensor, "index_select", counting)
+        slots.compact(4)  # no row holds more than 4 real slots: [a b c d | . . a b]
+    assert cached_tokens(slots).tolist() == [[A, B, C, D], [-1, -1, A, B]]
+    assert copied == [2 * HEADS] * (2 * LAYERS)
 
 
 def test_compact_on_a_windowed_model_drops_slots_out_of_every_window():

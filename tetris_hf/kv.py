@@ -143,20 +143,35 @@ class SlotLayer(CacheLayerMixin):
             self.rebuild(lambda tensor: torch.cat([tensor, tensor.new_zeros(extra, *tensor.shape[1:])]))
         self.keys, self.values = self.buffer_keys[:num_rows], self.buffer_values[:num_rows]
 
-    def repack(self, order: torch.Tensor, flat_index: dict) -> None:
-        """Slot ``order[i, j]`` of row ``i`` moves to slot ``j`` (``order``: ``(B, width)``), in place: one
-        ``index_select`` of whole slots from a ``(B * H * capacity, D)`` view; ``flat_index`` caches those slot
+    def repack(self, order: torch.Tensor, flat_index: dict, moves: tuple[torch.Tensor, ...] | None = None) -> None:
+        """Slot ``order[i, j]`` of row ``i`` moves to slot ``j`` (``order``: ``(B, width)``), in place. ``moves``:
+        ``(rows, targets, sources)`` ``(M,)`` each, the slots that hold a real token after the repack and came from
+        elsewhere, where the caller listed them: only those are copied (a stream's repack after a long prompt joins
+        moves one row's slots, where the whole cache is ``B x width``); else every slot of ``[0, width)``, one
+        ``index_select`` of whole slots from a ``(B * H * capacity, D)`` view. ``flat_index`` caches those slot
         numbers by shape and device across layers."""
         batch, heads, capacity, head_dim = self.keys.shape
         width = order.shape[1]
-        key = (batch, heads, capacity, self.keys.device)
+        key = (batch, heads, capacity, self.keys.device, moves is not None)
         if key not in flat_index:
-            order = order.to(self.keys.device)
-            first_slot = (torch.arange(batch * heads, device=order.device) * capacity).view(batch, heads, 1)
-            flat_index[key] = (first_slot + order[:, None, :]).flatten()  # (B * H * width,)
+            first_slot = torch.arange(heads, device=self.keys.device) * capacity
+            if moves is None:
+                order = order.to(self.keys.device)
+                first_slot = (torch.arange(batch, device=order.device) * heads * capacity).view(batch, 1, 1) + \
+                    first_slot.view(1, heads, 1)
+                flat_index[key] = (first_slot + order[:, None, :]).flatten()  # (B * H * width,)
+            else:  # (M * H,) slots each, target and source
+                rows, targets, sources = (tensor.to(self.keys.device) for tensor in moves)
+                row_slot = (rows * heads * capacity)[:, None] + first_slot
+                flat_index[key] = ((row_slot + targets[:, None]).flatten(), (row_slot + sources[:, None]).flatten())
         for tensor in (self.keys, self.values):
-            moved = tensor.reshape(-1, head_dim).index_select(0, flat_index[key])
-            tensor[:, :, :width] = moved.view(batch, heads, width, head_dim)
+            if moves is None:
+                moved = tensor.reshape(-1, head_dim).index_select(0, flat_index[key])
+                tensor[:, :, :width] = moved.view(batch, heads, width, head_dim)
+            else:  # (the sources read before any target is written: moves that overlap are safe)
+                targets, sources = flat_index[key]
+                flat = tensor.view(-1, head_dim)
+                flat.index_copy_(0, targets, flat.index_select(0, sources))
 
     def fill_rows(self, targets: torch.Tensor, sources: torch.Tensor, num_rows: int, written: int) -> None:
         """Row ``sources[i]`` overwrites row ``targets[i]`` (its first ``written`` slots), then the first ``num_rows``
@@ -719,9 +734,14 @@ class SlotCache:
         self.slot_positions[:, :width] = positions
         self.slot_mask[:, width:] = False
         self.dense = False  # (rows' real slots now end at width, after holes where they hold fewer)
+        moves = None
+        if self.slot_mask.device.type == "cpu":  # only the slots that move (listing them is a host read elsewhere)
+            moving = (order != self.offsets[:width]) & self.slot_mask[:, :width]
+            rows, targets = moving.nonzero(as_tuple=True)
+            moves = (rows, targets, order[rows, targets])
         flat_index: dict = {}
         for layer in self._layers():
-            layer.repack(order, flat_index)
+            layer.repack(order, flat_index, moves if layer.keys.is_contiguous() else None)
         self.pointer = width
 
     def _make_room(self, block: int) -> None:
