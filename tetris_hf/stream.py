@@ -29,7 +29,10 @@ from .outputs import TetrisStats
 from .step import JoiningPrompts, StepRecord
 from .stream_requests import RequestLimits, StreamOutput, StreamRequest, check_request
 
-DEFAULT_PREFILL_CHUNK = 256  # prompt tokens a joining row reads per forward
+# prompt tokens a joining row reads per forward: whole prompts up to 2,048 tokens ride in one step (vLLM's CPU engine
+# reads up to 4,096 prompt tokens a step); docs/benchmarks.md, "Prompts read whole"
+DEFAULT_PREFILL_CHUNK = 2048
+INITIAL_CACHE_LENGTH = 512  # tokens an eager stream's rows hold at first (the cache doubles as rows need)
 COMPILED_CACHE_LENGTH = 128  # tokens a compiled stream's rows hold at first, plus margins (256 static slots)
 FOLD_EVERY = 64  # steps whose records a stream keeps before adding them to its totals
 TOTALS = ("steps", "drafted_tokens", "verified_tokens", "accepted_tokens", "emitted_tokens", "draft_seconds",
@@ -56,7 +59,7 @@ class StreamLoop(HoldsCore):
                  max_batch_size: int, max_length: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  ride_prompts: bool = True):
         # the caches start small and double as rows need; a compiled step attends over the whole capacity: smaller still
-        cache_length = min(max_length, COMPILED_CACHE_LENGTH if options.tetris_compile else 2 * DEFAULT_PREFILL_CHUNK)
+        cache_length = min(max_length, COMPILED_CACHE_LENGTH if options.tetris_compile else INITIAL_CACHE_LENGTH)
         self.core = LoopCore(model, assistant_model, logits_processor, StoppingCriteriaList(), generation_config,
                              options, max_length, max_rows=max_batch_size, cache_length=cache_length)
         self.batch_size = max_batch_size
