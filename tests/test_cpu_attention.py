@@ -46,6 +46,97 @@ def test_row_attention_equals_softmax_attention(batch, key_heads, groups, length
     torch.testing.assert_close(output.double(), expected, atol=2e-5, rtol=1e-4)
 
 
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(0, 6), min_size=1, max_size=6), key_heads=st.integers(1, 3),
+       groups=st.integers(1, 4), slots=st.integers(1, 50), dim=st.sampled_from([8, 17, 64]),
+       first_rows=st.integers(0, 2), offsets=st.booleans(), mask_rows=st.booleans(), seed=st.integers(0, 2**16),
+       density=st.floats(0, 1))
+def test_packed_row_attention_equals_softmax_attention_on_the_unpacked_block(lengths, key_heads, groups, slots, dim,
+                                                                             first_rows, offsets, mask_rows, seed,
+                                                                             density):
+    """A packed block's rows (some empty, after rows the call leaves out), each row's tokens from column 0 or from an
+    offset column on: each token's output is its row's softmax attention at its column's mask row."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(max(lengths), 1)
+    width = min(width + (2 if offsets else 0), cpu_attention.MAX_QUERIES // groups)
+    lengths = [min(length, width) for length in lengths]
+    heads, batch = key_heads * groups, len(lengths)
+    starts = [int(torch.randint(0, width - length + 1, (), generator=generator)) if offsets else 0
+              for length in lengths]
+    before = torch.randint(0, 5, (first_rows,), generator=generator).tolist()  # tokens of rows left out
+    ends = torch.tensor(before + lengths).cumsum(0)
+    first_token = int(sum(before))
+    columns = torch.tensor([0] * first_token + [start + index for start, length in zip(starts, lengths)
+                                               for index in range(length)], dtype=torch.long)
+    tokens = int(ends[-1])
+    query = torch.randn(1, tokens + 2, heads, dim, generator=generator).transpose(1, 2)[:, :, :tokens]
+    key, value = (torch.randn(batch, key_heads, slots + 3, dim, generator=generator)[:, :, :slots] for _ in range(2))
+    mask = torch.rand(batch, 1, width if mask_rows else 1, slots, generator=generator) < density
+    assert cpu_attention.packed_row_attention_applies(query, key, value, mask, width)
+    output = cpu_attention.packed_row_attention(query[:, :, first_token:], key, value, mask, ends[first_rows:],
+                                                columns[first_token:], first_token, width, dim ** -0.5)
+    assert output.shape == (tokens - first_token, heads, dim)
+    # the same tokens unpacked to their rows and columns, through the float64 reference
+    unpacked = torch.zeros(batch, heads, width, dim)
+    token = first_token
+    for row, (start, length) in enumerate(zip(starts, lengths)):
+        unpacked[row, :, start : start + length] = query[0, :, token : token + length]
+        token += length
+    expected = reference(unpacked, key, value, mask.expand(batch, 1, width, -1), dim ** -0.5)  # (B, L, H, D)
+    token = 0
+    for row, (start, length) in enumerate(zip(starts, lengths)):
+        torch.testing.assert_close(output[token : token + length].double(), expected[row, start : start + length],
+                                   atol=2e-5, rtol=1e-4)
+        token += length
+
+
+def test_a_packed_block_is_attended_where_it_lies_with_the_padded_blocks_attention(monkeypatch):
+    """packed_attention on grouped sdpa hands a verify block to the packed kernel (no unpacking), with the attention
+    of the unpacked path."""
+    from tetris_hf import packing as packing_module
+    from tetris_hf.packing import Packing, packed_attention
+
+    module = torch.nn.Module()
+    module.num_key_value_groups = 3
+    generator = torch.Generator().manual_seed(3)
+    packing = Packing.of(torch.tensor([4, 1, 3, 2]), 10, 4)
+    query = torch.randn(1, 10, 9, 16, generator=generator).transpose(1, 2)
+    key, value = torch.randn(4, 3, 40, 16, generator=generator), torch.randn(4, 3, 40, 16, generator=generator)
+    mask = torch.rand(4, 1, 4, 40, generator=generator) < 0.6
+    calls = []
+    kernel = packing_module.packed_row_attention
+    monkeypatch.setattr(packing_module, "packed_row_attention", lambda *args: calls.append(1) or kernel(*args))
+    output, _ = packed_attention(grouped_sdpa_attention, module, query, key, value, mask, packing, scaling=0.25)
+    assert calls == [1] and output.shape == (1, 10, 9, 16)
+    monkeypatch.setattr(packing_module, "packed_row_attention_applies", lambda *args: False)
+    unpacked, _ = packed_attention(grouped_sdpa_attention, module, query, key, value, mask, packing, scaling=0.25)
+    assert calls == [1]
+    torch.testing.assert_close(output, unpacked, atol=1e-5, rtol=1e-4)
+
+
+@settings(max_examples=30, deadline=None)
+@given(lengths=st.lists(st.integers(0, 5), min_size=1, max_size=5), heads=st.integers(1, 3), start=st.integers(0, 6),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_a_packed_write_puts_each_token_where_scatter_heads_does(lengths, heads, start, dtype, seed):
+    """The kernel's cache write (Packing.write on the CPU) leaves the buffers as two scatter_heads calls do: each
+    token's keys and values at its row and slot, every other slot untouched."""
+    from tetris_hf.packing import Packing
+
+    generator = torch.Generator().manual_seed(seed)
+    width = max(max(lengths), 1)
+    packing = Packing.of(torch.tensor(lengths), sum(lengths), width)
+    tokens = sum(lengths)
+    states = [torch.randn(1, tokens, heads, 8, generator=generator).to(dtype).transpose(1, 2) for _ in range(2)]
+    buffers = [torch.randn(len(lengths) + 1, heads, start + width + 2, 8, generator=generator).to(dtype)
+               for _ in range(2)]
+    expected = [buffer.clone() for buffer in buffers]
+    packing.scatter_heads(expected[0][: len(lengths)], states[0], start)
+    packing.scatter_heads(expected[1][: len(lengths)], states[1], start)
+    assert cpu_attention.write_packed_applies(buffers[0], states[0])
+    packing.write(buffers[0][: len(lengths)], buffers[1][: len(lengths)], *states, start)
+    assert torch.equal(buffers[0], expected[0]) and torch.equal(buffers[1], expected[1])
+
+
 def test_a_key_it_may_not_see_changes_nothing():
     """Keys and values under a false mask are never read: NaN there leaves the output as it was."""
     query, key, value = torch.randn(3, 6, 2, 16), torch.randn(3, 2, 40, 16), torch.randn(3, 2, 40, 16)

@@ -167,6 +167,7 @@ def test_a_split_block_reads_like_one_block(family):
     """Decoding rows and a joining prompt in one forward, attended apart at their own widths (a request stream's
     verification with a prompt riding in it): the first rows' logits and every row's cache equal the unsplit packed
     forward's, for full, windowed and sink attention."""
+    import tetris_hf.packing as packing_module
     from tetris_hf.kv import SlotCache
     from tetris_hf.packing import BlockSplit
 
@@ -256,6 +257,7 @@ def test_joining_prompts_attend_to_their_own_block_causally_and_read_as_the_mode
     """Rows that just joined read their prompts (real tokens first, nothing real before them in their rows): on a plain
     sdpa layout they attend causally to their own block's slots, unmasked, not over the whole cache under a mask; a
     windowed model keeps its mask. Either way each prompt's last logits and its cached keys are the model's alone."""
+    import tetris_hf.packing as packing_module
     from tetris_hf.kv import SlotCache
     from tetris_hf.packing import BlockSplit
 
@@ -278,6 +280,7 @@ def test_joining_prompts_attend_to_their_own_block_causally_and_read_as_the_mode
         cache.add_rows(2)
         monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
         monkeypatch.setattr(attention, "row_attention_applies", lambda *args: False)  # (decoding rows on sdpa)
+        monkeypatch.setattr(packing_module, "packed_row_attention_applies", lambda *args: False)
         logits = cache.forward(model, block, None, real_lengths=torch.tensor([1, 1, 5, 3]), num_real=10,
                                split=BlockSplit(2, 1, 2))
         monkeypatch.undo()

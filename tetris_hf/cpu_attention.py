@@ -82,8 +82,11 @@ def _library() -> ctypes.CDLL | None:
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     function.argtypes = [pointer, size, size, size, pointer, size, size, size, pointer, size, size, size,
                          pointer, size, size, size, pointer, size, size, size, size, size, size, ctypes.c_float,
-                         ctypes.c_int]
+                         ctypes.c_int, pointer, pointer, size]
     function.restype = None
+    library.write_packed.argtypes = [pointer, size, size, size, pointer, size, size, size, pointer, size, size,
+                                     pointer, size, size, pointer, pointer, size, size, size, size, size]
+    library.write_packed.restype = None
     return library
 
 
@@ -97,13 +100,28 @@ def row_attention_applies(query: torch.Tensor, key: torch.Tensor, value: torch.T
     """Whether :func:`row_attention` takes these tensors: fp32 on the CPU, a 4D bool mask, at most
     :data:`MAX_QUERIES` queries a key-value head, the last dimension contiguous, no gradient wanted (the kernel has
     no backward), and the kernel built."""
-    return (query.device.type == "cpu" and query.dtype == key.dtype == value.dtype == torch.float32
-            and isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4
-            and attention_mask.dtype == torch.bool and attention_mask.shape[1] == 1
+    return (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4
             and attention_mask.shape[0] in (1, query.shape[0]) and attention_mask.shape[2] in (1, query.shape[2])
+            and _kernel_takes(query, key, value, attention_mask, query.shape[2]))
+
+
+def packed_row_attention_applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                 attention_mask: torch.Tensor | None, width: int) -> bool:
+    """Whether :func:`packed_row_attention` takes a packed block (``query`` ``(1, H, N, D)``, rows of at most
+    ``width`` tokens), as :func:`row_attention_applies` says for the block unpacked."""
+    return (query.shape[0] == 1 and isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4
+            and attention_mask.shape[0] in (1, key.shape[0]) and attention_mask.shape[2] in (1, width)
+            and _kernel_takes(query, key, value, attention_mask, width))
+
+
+def _kernel_takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor,
+                  length: int) -> bool:
+    """The kernel's own conditions, a block's rows ``length`` queries long (see :func:`row_attention_applies`)."""
+    return (query.device.type == "cpu" and query.dtype == key.dtype == value.dtype == torch.float32
+            and attention_mask.dtype == torch.bool and attention_mask.shape[1] == 1
             and attention_mask.shape[3] >= key.shape[2]
             and query.shape[1] % key.shape[1] == 0
-            and query.shape[1] // key.shape[1] * query.shape[2] <= MAX_QUERIES
+            and query.shape[1] // key.shape[1] * length <= MAX_QUERIES
             and query.stride(-1) == key.stride(-1) == value.stride(-1) == 1
             and not (torch.is_grad_enabled() and any(tensor.requires_grad for tensor in (query, key, value)))
             and not torch.compiler.is_compiling() and os.environ.get(ENVIRONMENT, "1") != "0" and available())
@@ -138,7 +156,8 @@ def _row_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     _library().row_attention(
         query.data_ptr(), *query.stride()[:3], key.data_ptr(), *key.stride()[:3], value.data_ptr(), *value.stride()[:3],
         mask.data_ptr(), mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(2) if mask.shape[2] > 1 else 0,
-        mask.stride(3), output.data_ptr(), batch, heads, key_heads, length, slots, dim, scale, torch.get_num_threads())
+        mask.stride(3), output.data_ptr(), batch, heads, key_heads, length, slots, dim, scale, torch.get_num_threads(),
+        None, None, 0)
     return output
 
 
@@ -146,3 +165,75 @@ _row_attention_op = define("row_attention(Tensor query, Tensor key, Tensor value
                            "-> Tensor", _row_attention,
                            lambda query, *_: query.new_empty(query.shape[0], query.shape[2], query.shape[1],
                                                              query.shape[3]))
+
+
+def packed_row_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor,
+                         ends: torch.Tensor, columns: torch.Tensor, first_token: int, width: int,
+                         scaling: float | None = None) -> torch.Tensor:
+    """:func:`row_attention` on a packed block, read where it lies (no rows of padded queries, no packing of the
+    output): the operator ``tetris_hf::packed_row_attention``.
+
+    Args:
+        query: ``(1, H, N, D)`` the rows' tokens, one row after another.
+        key, value: ``(B, H_kv, S, D)``.
+        attention_mask: ``(B or 1, 1, width or 1, S)`` bool, True = attend, in the block's padded layout (row ``b``'s
+            token at column ``c`` reads mask row ``c``).
+        ends: ``(B,)`` int64, the index after each row's last token, counted from ``first_token`` (a
+            :class:`~tetris_hf.packing.Packing`'s ``ends`` for rows after the first); a row's tokens stand at
+            consecutive columns.
+        columns: ``(N,)`` int64, each token's column.
+        width: the longest row's tokens at most.
+        scaling: the softmax scale (``None``: ``D ** -0.5``).
+
+    Returns:
+        ``(N, H, D)``; zeros for a query that sees no key.
+    """
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return _packed_row_attention_op(query, key, value, attention_mask[..., : key.shape[2]], ends, columns,
+                                    int(first_token), int(width), float(scale))
+
+
+def _packed_row_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor,
+                          ends: torch.Tensor, columns: torch.Tensor, first_token: int, width: int,
+                          scale: float) -> torch.Tensor:
+    """:func:`packed_row_attention`'s kernel: the C function on the tensors' memory."""
+    _, heads, tokens, dim = query.shape
+    batch, key_heads, slots = key.shape[:3]
+    mask = attention_mask.view(torch.uint8)
+    ends, columns = ends.contiguous(), columns.contiguous()
+    output = query.new_empty(tokens, heads, dim)
+    _library().row_attention(
+        query.data_ptr(), 0, query.stride(1), query.stride(2), key.data_ptr(), *key.stride()[:3], value.data_ptr(),
+        *value.stride()[:3], mask.data_ptr(), mask.stride(0) if mask.shape[0] > 1 else 0,
+        mask.stride(2) if mask.shape[2] > 1 else 0, mask.stride(3), output.data_ptr(), batch, heads, key_heads, width,
+        slots, dim, scale, torch.get_num_threads(), ends.data_ptr(), columns.data_ptr(), first_token)
+    return output
+
+
+_packed_row_attention_op = define(
+    "packed_row_attention(Tensor query, Tensor key, Tensor value, Tensor attention_mask, Tensor ends, Tensor columns, "
+    "int first_token, int width, float scale) -> Tensor", _packed_row_attention,
+    lambda query, *_: query.new_empty(query.shape[2], query.shape[1], query.shape[3]))
+
+
+def write_packed_applies(buffer: torch.Tensor, states: torch.Tensor) -> bool:
+    """Whether :func:`write_packed` writes ``states`` ``(1, H, N, D)`` into ``buffer`` ``(R, H, capacity, D)``: both
+    on the CPU, of one dtype, their last dimension contiguous, no gradient wanted, outside a compiled graph, the
+    kernel built."""
+    return (buffer.device.type == states.device.type == "cpu" and buffer.dtype == states.dtype
+            and buffer.stride(-1) == states.stride(-1) == 1 and states.shape[0] == 1
+            and not (torch.is_grad_enabled() and states.requires_grad)
+            and not torch.compiler.is_compiling() and os.environ.get(ENVIRONMENT, "1") != "0" and available())
+
+
+def write_packed(keys: torch.Tensor, values: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
+                 rows: torch.Tensor, columns: torch.Tensor, start: int) -> None:
+    """Write a packed block's keys and values into a cache's buffers, in place: token ``t`` of ``key_states`` and
+    ``value_states`` ``(1, H, N, D)`` to row ``rows[t]``, slot ``start + columns[t]`` of ``keys`` and ``values``
+    ``(R, H, capacity, D)`` (``rows``, ``columns``: ``(N,)`` int64 on the CPU). What
+    :meth:`~tetris_hf.packing.Packing.scatter_heads` does twice, in one call without index tensors."""
+    rows, columns = rows.contiguous(), columns.contiguous()
+    _library().write_packed(keys.data_ptr(), *keys.stride()[:3], values.data_ptr(), *values.stride()[:3],
+                            key_states.data_ptr(), *key_states.stride()[1:3], value_states.data_ptr(),
+                            *value_states.stride()[1:3], rows.data_ptr(), columns.data_ptr(), int(start),
+                            key_states.shape[2], key_states.shape[1], key_states.shape[3], key_states.element_size())

@@ -97,8 +97,7 @@ class SlotLayer(CacheLayerMixin):
         owner = self.owner
         if owner.packing is not None:  # a packed forward: (1, H, N, D), each token into its row at its slot
             packing, start = owner.packing, owner.pointer
-            packing.scatter_heads(self.keys, key_states, start)
-            packing.scatter_heads(self.values, value_states, start)
+            packing.write(self.keys, self.values, key_states, value_states, start)
             end = start + packing.width
             return self.keys[:, :, :end], self.values[:, :, :end]
         if owner.write_index is not None:  # a static-shape step: the padded batch, every slot

@@ -10,7 +10,8 @@ from typing import NamedTuple
 
 import torch
 
-from .attention import ROW_BY_ROW_WIDTH, prompt_rows_attention
+from .attention import ROW_BY_ROW_WIDTH, grouped_sdpa_attention, prompt_rows_attention
+from .cpu_attention import packed_row_attention, packed_row_attention_applies, write_packed, write_packed_applies
 
 
 class BlockSplit(NamedTuple):
@@ -85,6 +86,18 @@ class Packing(NamedTuple):
         at its row and at column ``first_column`` plus its own (a cache's slots; 0 for a block of its own)."""
         buffer[self.rows, :, first_column + self.columns] = packed[0].transpose(0, 1)
 
+    def write(self, keys: torch.Tensor, values: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
+              first_column: int = 0) -> None:
+        """:meth:`scatter_heads` of a layer's ``key_states`` and ``value_states`` into its ``keys`` and ``values``
+        buffers; on the CPU one call of the kernel beside the attention's
+        (:func:`~tetris_hf.cpu_attention.write_packed`, no index tensors)."""
+        if write_packed_applies(keys, key_states) and write_packed_applies(values, value_states) and \
+                self.rows.device.type == "cpu" and self.rows.dtype == self.columns.dtype == torch.long:
+            write_packed(keys, values, key_states, value_states, self.rows, self.columns, first_column)
+            return
+        self.scatter_heads(keys, key_states, first_column)
+        self.scatter_heads(values, value_states, first_column)
+
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
         """``(N, ...)`` -> ``(B, L, ...)``, zeros at filler."""
         rows = packed.new_zeros((self.batch_size, self.width, *packed.shape[1:]))
@@ -121,7 +134,9 @@ def packed_attention(attention, module: torch.nn.Module, query: torch.Tensor, ke
     under the row-layout ``attention_mask`` ``(B, 1, L, S)``, and the output is packed again: ``(1, N, H, D)``.
     ``prompt_rows``: ``attention`` is sdpa, and a group of rows whose prompt lengths the packing knows on the host, at
     least :data:`~tetris_hf.attention.ROW_BY_ROW_WIDTH` wide, is read row by row instead
-    (:func:`~tetris_hf.attention.prompt_rows_attention`: the same sums, without the padding)."""
+    (:func:`~tetris_hf.attention.prompt_rows_attention`: the same sums, without the padding). On grouped sdpa where
+    the CPU kernel takes the block (:func:`~tetris_hf.cpu_attention.packed_row_attention_applies`: a decode or
+    verify block), it reads the packed queries and writes the packed output itself, nothing unpacked."""
     outputs, weights = [], None
     plain = not kwargs.get("dropout") and all(kwargs.get(name) is None
                                               for name in ("softcap", "position_bias", "s_aux", "sinks"))
@@ -141,6 +156,16 @@ def packed_attention(attention, module: torch.nn.Module, query: torch.Tensor, ke
                                                mask[..., : key.shape[-2]], width, scaling=kwargs.get("scaling"))
             outputs.append(output)
             continue
+        if isinstance(mask, torch.Tensor):  # (B or 1, 1, L, S)
+            mask = mask[first:end] if mask.shape[0] > 1 else mask
+            mask = mask[:, :, :width] if mask.shape[2] > 1 else mask
+        keys, values = key[first:end], value[first:end]
+        if not new and plain and attention is grouped_sdpa_attention and packed_row_attention_applies(
+                query, keys, values, mask, width):  # (the CPU kernel reads the block where it lies: nothing unpacked)
+            outputs.append(packed_row_attention(query[:, :, first_token:end_token], keys, values, mask,
+                                                packing.ends[first:end], packing.columns[first_token:end_token],
+                                                first_token, width, kwargs.get("scaling")))
+            continue
         rows, columns = packing.rows[first_token:end_token] - first, packing.columns[first_token:end_token]
         queries = query.new_zeros(end - first, query.shape[1], width, query.shape[-1])
         queries[rows, :, columns] = query[0, :, first_token:end_token].transpose(0, 1)
@@ -151,9 +176,6 @@ def packed_attention(attention, module: torch.nn.Module, query: torch.Tensor, ke
             output, weights = attention(module, queries, keys, values, None, **{**kwargs, "is_causal": True})
             outputs.append(output[rows, columns])
             continue
-        if isinstance(mask, torch.Tensor):  # (B or 1, 1, L, S)
-            mask = mask[first:end] if mask.shape[0] > 1 else mask
-            mask = mask[:, :, :width] if mask.shape[2] > 1 else mask
-        output, weights = attention(module, queries, key[first:end], value[first:end], mask, **kwargs)  # (B, L, H, D)
+        output, weights = attention(module, queries, keys, values, mask, **kwargs)  # (B, L, H, D)
         outputs.append(output[rows, columns])
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs))[None], weights

@@ -1,4 +1,5 @@
-"""The C source of the CPU's row-walking attention kernel (:mod:`tetris_hf.cpu_attention` builds and calls it).
+"""The C source of the CPU's row-walking attention kernel and of the packed cache write beside it
+(:mod:`tetris_hf.cpu_attention` builds and calls them).
 
 Kept as a string in a module of its own so that it travels wherever the package's modules do (the wheel, the Hub
 folder's flat copy, the Space) without data files. Compiled with ``gcc -O3 -march=native -fopenmp``; GCC's vector
@@ -56,18 +57,21 @@ static inline vector exp_nonpositive(vector x) {
     return (vector)((lanes)(p * (vector)power) & seen);
 }
 
-/* One row b, one key-value head h (see row_attention); scratch: room for S slot indices, Q rows of S scores rounded up
- * to KEYS, D vectors of transposed keys, L vectors of mask biases, Q * D sums and Q sums. Inlined with D a constant
- * where it is 64 or 128. */
+/* One row b, one key-value head h (see row_attention): its L queries from query position query_first on, their
+ * outputs from row out_first of out (B * L, H, D) on, mask already at the row's first query's; scratch: room for S
+ * slot indices, Q rows of S scores rounded up to KEYS, D vectors of transposed keys, L vectors of mask biases, Q * D
+ * sums and Q sums. Inlined with D a constant where it is 64 or 128. */
 static inline __attribute__((always_inline)) void attend_row_head(
         const float *query, int64_t q_b, int64_t q_h, int64_t q_l,
         const float *key, int64_t k_b, int64_t k_h, int64_t k_s,
         const float *value, int64_t v_b, int64_t v_h, int64_t v_s,
         const uint8_t *mask, int64_t m_b, int64_t m_l, int64_t m_s,
-        float *out, int64_t b, int64_t h, int64_t H, int64_t G, int64_t L, int64_t S, const int64_t D, float scale,
-        int64_t *slots, float *scores, vector *transposed, vector *biases, float *accumulated, float *sums) {
+        float *out, int64_t b, int64_t query_first, int64_t out_first, int64_t h, int64_t H, int64_t G, int64_t L,
+        int64_t S, const int64_t D, float scale, int64_t *slots, float *scores, vector *transposed, vector *biases,
+        float *accumulated, float *sums) {
     const int64_t Q = G * L;
     const uint8_t *row_mask = mask + b * m_b;
+    query += query_first * q_l;  /* (a packed block's row starts at its first token) */
     int64_t n = 0;
     for (int64_t s = 0; s < S; s++) {  /* the slots some query of the row sees */
         uint8_t seen = 0;
@@ -147,7 +151,7 @@ static inline __attribute__((always_inline)) void attend_row_head(
     }
     for (int64_t i = 0; i < Q; i++) {
         const int64_t g = i / L, l = i % L;
-        float *o = out + ((b * L + l) * H + h * G + g) * D;
+        float *o = out + ((out_first + l) * H + h * G + g) * D;
         const float inverse = sums[i] > 0.0f ? 1.0f / sums[i] : 0.0f;
         for (int64_t d = 0; d < D; d++) o[d] = accumulated[i * D + d] * inverse;
     }
@@ -155,13 +159,16 @@ static inline __attribute__((always_inline)) void attend_row_head(
 
 /* query (B, H, L, D) with strides q_b, q_h, q_l; key and value (B, Hk, S, D) with strides k_* and v_*; mask (B or 1,
  * 1, L or 1, S) bool with strides m_b, m_l, m_s (0 where broadcast); out (B, L, H, D) contiguous; threads: OpenMP's
- * (the process's runtime, torch's). */
+ * (the process's runtime, torch's).
+ * Packed (ends not NULL): query (1, H, N, D) holds the rows' tokens one row after another, q_b 0 and q_l the stride
+ * between tokens; row b's are tokens ends[b - 1] - first_token .. ends[b] - first_token - 1 (ends[-1]: first_token),
+ * at most L of them, its first at mask row columns[its first token] (the rest follow it); out (N, H, D). */
 void row_attention(const float *query, int64_t q_b, int64_t q_h, int64_t q_l,
                    const float *key, int64_t k_b, int64_t k_h, int64_t k_s,
                    const float *value, int64_t v_b, int64_t v_h, int64_t v_s,
                    const uint8_t *mask, int64_t m_b, int64_t m_l, int64_t m_s,
                    float *out, int64_t B, int64_t H, int64_t Hk, int64_t L, int64_t S, int64_t D, float scale,
-                   int threads) {
+                   int threads, const int64_t *ends, const int64_t *columns, int64_t first_token) {
     const int64_t G = H / Hk, Q = G * L;
 #pragma omp parallel num_threads(threads)
     {
@@ -174,14 +181,41 @@ void row_attention(const float *query, int64_t q_b, int64_t q_h, int64_t q_l,
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < B * Hk; task++) {
             const int64_t b = task / Hk, h = task % Hk;
-#define ATTEND(DIM) attend_row_head(query, q_b, q_h, q_l, key, k_b, k_h, k_s, value, v_b, v_h, v_s, mask, m_b, m_l, \
-                                    m_s, out, b, h, H, G, L, S, DIM, scale, slots, scores, transposed, biases, \
-                                    accumulated, sums)
+            int64_t first = 0, out_first = b * L, length = L;
+            const uint8_t *row_mask = mask;
+            if (ends) {  /* a packed block: the row's tokens, their first mask row */
+                first = (b ? ends[b - 1] : first_token) - first_token;
+                out_first = first;
+                length = ends[b] - first_token - first;
+                if (length <= 0) continue;
+                row_mask += columns[first] * m_l;
+            }
+#define ATTEND(DIM) attend_row_head(query, q_b, q_h, q_l, key, k_b, k_h, k_s, value, v_b, v_h, v_s, row_mask, m_b, \
+                                    m_l, m_s, out, b, first, out_first, h, H, G, length, S, DIM, scale, slots, scores, \
+                                    transposed, biases, accumulated, sums)
             if (D == 64) ATTEND(64);
             else if (D == 128) ATTEND(128);
             else ATTEND(D);
         }
         free(slots); free(scores); free(transposed); free(biases); free(accumulated); free(sums);
+    }
+}
+
+/* A packed block's keys and values into their rows' slots: token t (of N) of key_states and value_states
+ * (1, H, N, D), strides ks_h, ks_n and vs_h, vs_n, goes to row rows[t], slot start + columns[t] of keys and values
+ * (R, H, capacity, D), strides kb_r, kb_h, kb_s and vb_*; elements of size bytes, last dimensions contiguous. */
+void write_packed(char *keys, int64_t kb_r, int64_t kb_h, int64_t kb_s, char *values, int64_t vb_r, int64_t vb_h,
+                  int64_t vb_s, const char *key_states, int64_t ks_h, int64_t ks_n, const char *value_states,
+                  int64_t vs_h, int64_t vs_n, const int64_t *rows, const int64_t *columns, int64_t start, int64_t N,
+                  int64_t H, int64_t D, int64_t size) {
+    for (int64_t t = 0; t < N; t++) {
+        const int64_t r = rows[t], s = start + columns[t];
+        for (int64_t h = 0; h < H; h++) {
+            memcpy(keys + (r * kb_r + h * kb_h + s * kb_s) * size, key_states + (h * ks_h + t * ks_n) * size,
+                   (size_t)(D * size));
+            memcpy(values + (r * vb_r + h * vb_h + s * vb_s) * size, value_states + (h * vs_h + t * vs_n) * size,
+                   (size_t)(D * size));
+        }
     }
 }
 """

@@ -75,8 +75,7 @@ def _slot_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     packing = _packing_of(numbers, rows, columns, ends)
     start, num_rows = numbers[:2]
     keys, values = key_cache[:num_rows], value_cache[:num_rows]
-    packing.scatter_heads(keys, key, start)
-    packing.scatter_heads(values, value, start)
+    packing.write(keys, values, key, value, start)
     end = start + packing.width
     layer = SimpleNamespace(num_key_value_groups=query.shape[1] // key.shape[1], is_causal=True)
     output, _ = packed_attention(grouped_sdpa_attention, layer, query, keys[:, :, :end], values[:, :, :end],
