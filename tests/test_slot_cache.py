@@ -220,6 +220,21 @@ def test_compact_waits_until_holes_exceed_max_holes():
     assert torch.equal(slots.cache.layers[0].keys, before[2])
 
 
+def compact_counting_reads(slots, *args, **kwargs) -> list[int]:
+    """``slots.compact(*args, **kwargs)``; the number of slots each ``index_select`` it ran read (one per tensor)."""
+    copied = []
+    select = torch.Tensor.index_select
+
+    def counting(tensor, dim, index):
+        copied.append(index.numel())
+        return select(tensor, dim, index)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.Tensor, "index_select", counting)
+        slots.compact(*args, **kwargs)
+    return copied
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.data())
 def test_compact_keeps_each_rows_real_tokens_in_order_right_aligned_whatever_the_holes(data):
@@ -240,16 +255,7 @@ def test_compact_keeps_each_rows_real_tokens_in_order_right_aligned_whatever_the
                                                                      max_size=rows))))
     before = [[token for token in row if token >= 0] for row in cached_tokens(slots).tolist()]
     places = [torch.nonzero(row).flatten().tolist() for row in slots.slot_mask[:, : slots.pointer]]
-    copied = []
-    select = torch.Tensor.index_select
-
-    def counting(tensor, dim, index):
-        copied.append(index.numel())
-        return select(tensor, dim, index)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch.Tensor, "index_select", counting)
-        slots.compact(force=True)
+    copied = compact_counting_reads(slots, force=True)
     width = slots.pointer
     for row, tokens in enumerate(before):
         assert slots.slot_mask[row, :width].tolist() == [0] * (width - len(tokens)) + [1] * len(tokens)
@@ -270,16 +276,7 @@ def test_a_repack_copies_only_the_slots_that_move():
     feed(slots, model, [[A, B, C], [PAD, PAD, PAD]], [[1, 1, 1], [0, 0, 0]])  # row 1 joins later
     feed(slots, model, [[D, PAD], [A, B]], [[1, 0], [1, 1]])  # row 0 decodes one token, row 1 reads its prompt
     assert cached_tokens(slots).tolist() == [[A, B, C, D, -1], [-1, -1, -1, A, B]]
-    copied = []
-    select = torch.Tensor.index_select
-
-    def counting(tensor, dim, index):
-        copied.append(index.numel())
-        return select(tensor, dim, index)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch.Tensor, "index_select", counting)
-        slots.compact(4)  # no row holds more than 4 real slots: [a b c d | . . a b]
+    copied = compact_counting_reads(slots, 4)  # no row holds more than 4 real slots: [a b c d | . . a b]
     assert cached_tokens(slots).tolist() == [[A, B, C, D], [-1, -1, A, B]]
     assert copied == [2 * HEADS] * (2 * LAYERS)
 
