@@ -1,7 +1,7 @@
 """The request stream with speculation off against transformers' `generate_batch` on long prompts: ShareGPT first
 turns of up to 2,048 tokens, 16 rows, greedy, on the offline default target. The stream runs twice: reading prompts
-longer than `prefill_chunk` in chunks of 256 (the default until the row kernel and sparse repacks), and whole (2,048,
-the default now: every prompt rides in a verification forward). Prints each run's tokens a second and, per repeat, its ratio to `generate_batch`'s (interleaved repeats).
+longer than `prefill_chunk` in chunks of 256, and whole (2,048, the default: every prompt rides in a verification
+forward). Prints each run's tokens a second and, per repeat, its ratio to `generate_batch`'s (interleaved repeats).
 
     OMP_NUM_THREADS=1 python examples/long_prompt_stream.py --num-prompts 32 --max-new-tokens 32 --repeats 2
 """

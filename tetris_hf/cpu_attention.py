@@ -124,7 +124,21 @@ def _kernel_takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, a
             and query.shape[1] // key.shape[1] * length <= MAX_QUERIES
             and query.stride(-1) == key.stride(-1) == value.stride(-1) == 1
             and not (torch.is_grad_enabled() and any(tensor.requires_grad for tensor in (query, key, value)))
-            and not torch.compiler.is_compiling() and os.environ.get(ENVIRONMENT, "1") != "0" and available())
+            and _kernels_on())
+
+
+def _kernels_on() -> bool:
+    """Outside a compiled graph, not switched off (:data:`ENVIRONMENT`, read at every call, before any build), and the
+    kernels built."""
+    return not torch.compiler.is_compiling() and os.environ.get(ENVIRONMENT, "1") != "0" and available()
+
+
+def _mask_arguments(attention_mask: torch.Tensor) -> tuple[int, int, int, int]:
+    """A bool mask ``(B or 1, 1, L or 1, S)`` as the C function reads it: its memory, then its strides along ``B``,
+    ``L`` and ``S`` (0 where broadcast)."""
+    mask = attention_mask.view(torch.uint8)
+    return (mask.data_ptr(), mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(2) if mask.shape[2] > 1 else 0,
+            mask.stride(3))
 
 
 def row_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor,
@@ -151,13 +165,11 @@ def _row_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     """:func:`row_attention`'s kernel: the C function on the tensors' memory (``attention_mask`` ``S`` slots wide)."""
     batch, heads, length, dim = query.shape
     key_heads, slots = key.shape[1], key.shape[2]
-    mask = attention_mask.view(torch.uint8)
     output = query.new_empty(batch, length, heads, dim)
     _library().row_attention(
         query.data_ptr(), *query.stride()[:3], key.data_ptr(), *key.stride()[:3], value.data_ptr(), *value.stride()[:3],
-        mask.data_ptr(), mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(2) if mask.shape[2] > 1 else 0,
-        mask.stride(3), output.data_ptr(), batch, heads, key_heads, length, slots, dim, scale, torch.get_num_threads(),
-        None, None, 0)
+        *_mask_arguments(attention_mask), output.data_ptr(), batch, heads, key_heads, length, slots, dim, scale,
+        torch.get_num_threads(), None, None, 0)
     return output
 
 
@@ -199,13 +211,11 @@ def _packed_row_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
     """:func:`packed_row_attention`'s kernel: the C function on the tensors' memory."""
     _, heads, tokens, dim = query.shape
     batch, key_heads, slots = key.shape[:3]
-    mask = attention_mask.view(torch.uint8)
     ends, columns = ends.contiguous(), columns.contiguous()
     output = query.new_empty(tokens, heads, dim)
     _library().row_attention(
         query.data_ptr(), 0, query.stride(1), query.stride(2), key.data_ptr(), *key.stride()[:3], value.data_ptr(),
-        *value.stride()[:3], mask.data_ptr(), mask.stride(0) if mask.shape[0] > 1 else 0,
-        mask.stride(2) if mask.shape[2] > 1 else 0, mask.stride(3), output.data_ptr(), batch, heads, key_heads, width,
+        *value.stride()[:3], *_mask_arguments(attention_mask), output.data_ptr(), batch, heads, key_heads, width,
         slots, dim, scale, torch.get_num_threads(), ends.data_ptr(), columns.data_ptr(), first_token)
     return output
 
@@ -222,8 +232,7 @@ def write_packed_applies(buffer: torch.Tensor, states: torch.Tensor) -> bool:
     kernel built."""
     return (buffer.device.type == states.device.type == "cpu" and buffer.dtype == states.dtype
             and buffer.stride(-1) == states.stride(-1) == 1 and states.shape[0] == 1
-            and not (torch.is_grad_enabled() and states.requires_grad)
-            and not torch.compiler.is_compiling() and os.environ.get(ENVIRONMENT, "1") != "0" and available())
+            and not (torch.is_grad_enabled() and states.requires_grad) and _kernels_on())
 
 
 def write_packed(keys: torch.Tensor, values: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,

@@ -29,8 +29,8 @@ from .outputs import TetrisStats
 from .step import JoiningPrompts, StepRecord
 from .stream_requests import RequestLimits, StreamOutput, StreamRequest, check_request
 
-# prompt tokens a joining row reads per forward: whole prompts up to 2,048 tokens ride in one step (vLLM's CPU engine
-# reads up to 4,096 prompt tokens a step); docs/benchmarks.md, "Repacks that copy what moves, prompts read whole"
+# prompt tokens a joining row reads per forward: a prompt up to this long rides whole in one step (docs/benchmarks.md,
+# "Repacks that copy what moves, prompts read whole")
 DEFAULT_PREFILL_CHUNK = 2048
 INITIAL_CACHE_LENGTH = 512  # tokens an eager stream's rows hold at first (the cache doubles as rows need)
 COMPILED_CACHE_LENGTH = 128  # tokens a compiled stream's rows hold at first, plus margins (256 static slots)

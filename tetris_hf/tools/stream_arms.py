@@ -1,7 +1,7 @@
 """The offline target's request stream under two or more settings ("arms"), side by side in one process: each repeat
 runs every arm once, interleaved, so that a noisy machine slows them alike (examples/long_context_attention.py,
-examples/row_attention_kernel.py, examples/compiled_eager_shapes.py). :func:`add_arguments` the scripts' shared flags, :class:`StreamArms` the target and
-prompts loaded once and the interleaved runs.
+examples/row_attention_kernel.py, examples/compiled_eager_shapes.py). :func:`add_arguments` the scripts' shared
+flags, :class:`StreamArms` the target and prompts loaded once and the interleaved runs.
 """
 
 from __future__ import annotations
