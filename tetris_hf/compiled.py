@@ -68,9 +68,9 @@ def eager_shapes_forward(model: torch.nn.Module) -> Callable:
         compiled = torch.compile(model.forward, dynamic=True)
 
         def forward(*args, **kwargs):
-            # sizes that happen to be equal stay apart (the block and the cache of a first read, say): else a
-            # graph per coincidence
-            with torch.fx.experimental._config.patch(use_duck_shape=False):
+            # sizes that happen to be equal stay apart (the block and the cache of a first read, say), and a size of
+            # 1 is not a graph's constant (one row left, one token kept): else a graph per coincidence
+            with torch.fx.experimental._config.patch(use_duck_shape=False, backed_size_oblivious=True):
                 return compiled(*args, **kwargs)
 
         _ON_EAGER_SHAPES[model] = _refreshing_kernels(model, forward)

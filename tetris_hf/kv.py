@@ -328,7 +328,7 @@ class SlotCache:
                 extra = {**extra, "tetris_slots": self._slot_arguments(start, packing)}
                 if attention_mask is None:  # (a tensor always, one graph: every cached slot real, causal in the block)
                     attention_mask = real_prefix_mask(self.slot_mask[:, None, None, :start], self._causal(block))
-                attention_mask = attention_mask.contiguous()  # (graphs are specialised on strides too)
+                attention_mask = standard_strides(attention_mask)  # (graphs are specialised on strides too)
             logits, features = self._eager_forward(run, input_ids, attention_mask, position_ids, packing,
                                                    logits_to_keep, discard_logits, split, extra, row_inputs)
         self.pointer, self.next_positions, self.longest_bound = end, next_positions, self.longest_bound + block
@@ -394,14 +394,17 @@ class SlotCache:
                           prompt_lengths=prompt_lengths)
 
     def _slot_arguments(self, start: int, packing: Packing) -> SlotArguments:
-        """What a compiled forward's attention op reads besides the layer's own tensors: every layer's buffers (their
-        sizes constants of the graphs: a grown buffer compiles anew, once) and the block's packing
-        (:class:`~tetris_hf.slot_attention.SlotArguments`), the block written from slot ``start``."""
+        """What a compiled forward's attention op reads besides the layer's own tensors: every layer's buffers and the
+        block's packing (:class:`~tetris_hf.slot_attention.SlotArguments`), the block written from slot ``start``.
+        The buffers' rows, heads and head size are constants of the graphs; their capacity (dimension 2) is not, so
+        that a grown cache runs the graphs it has (a capacity the graphs fixed compiled every graph anew at each
+        doubling, at points that differ run to run: docs/benchmarks.md)."""
         keys, values = [], []
         for layer in self.cache.layers:
             for buffer, kept in ((layer.buffer_keys, keys), (layer.buffer_values, values)):
                 if not hasattr(buffer, "_dynamo_static_indices"):
-                    torch._dynamo.mark_static(buffer)
+                    for dimension in (0, 1, 3):
+                        torch._dynamo.mark_static(buffer, dimension)
                 kept.append(buffer)
         return SlotArguments(tuple(keys), tuple(values), packing.rows, packing.columns, packing.ends,
                              describe(start, self.slot_mask.shape[0], packing))
@@ -557,7 +560,8 @@ class SlotCache:
         # logits it keeps always a tensor of token indices, so that every read is one graph's)
         compiled = "tetris_slots" in extra
         if compiled and not torch.is_tensor(keep):
-            keep = torch.arange(packing.num_tokens, device=packing.rows.device)[-keep:]  # (keep 0: every token)
+            # (keep 0: every token; a fresh tensor, not a slice: its storage offset would be a graph's constant)
+            keep = torch.arange(packing.num_tokens - keep if keep else 0, packing.num_tokens, device=packing.rows.device)
         packed = {} if compiled else {"tetris_packing": packing}
         self.packing = packing
         try:
