@@ -11,6 +11,7 @@ import os
 from transformers.generation.utils import GenerationMixin
 
 from .checks import check_pair, check_prompt_shape
+from .compile_choice import resolve_compile
 from .decoding import tetris_decoding
 from .encoder_decoder import generate as generate_encoder_decoder
 from .encoder_decoder import is_encoder_decoder
@@ -33,7 +34,8 @@ def generate(model, *args, **kwargs):
             ``num_assistant_tokens`` (k, default 4), ``tetris_extra_tokens`` (e, default 2), ``tetris_budget`` (C,
             default k x active rows), ``tetris_strategy`` (``"tetris"``, ``"fixed"``, ``"adaptive"`` or ``"dsd"``),
             ``tetris_cost_profile``, ``tetris_step_callback``, ``tetris_max_holes``, ``tetris_draft_vocab``,
-            ``tetris_compile``, ``tetris_tree_width`` (draft trees), ``tetris_pack`` (packed verify steps) and
+            ``tetris_compile`` (default ``None``: as measured, :mod:`~tetris_hf.compile_choice`),
+            ``tetris_tree_width`` (draft trees), ``tetris_pack`` (packed verify steps) and
             ``tetris_confidence_threshold``.
 
     Returns:
@@ -47,6 +49,7 @@ def generate(model, *args, **kwargs):
     kwargs.pop("custom_generate", None)
     options = pop_options(kwargs)
     check_pair(model, assistant_model, prompt_lookup=options.model_free_tokens is not None)
+    options = resolve_compile(options, model, assistant_model)
     prompt = args[0] if args else kwargs.get("inputs")
     if prompt is None:  # generate(input_ids=...) reaches a custom_generate folder as inputs=None, input_ids=...
         prompt = kwargs.get("input_ids")

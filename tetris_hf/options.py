@@ -82,7 +82,9 @@ class TetrisOptions:
         tetris_cost_profile: for ``adaptive`` and ``dsd``, what :func:`~tetris_hf.cost_model.load_profile` takes;
             ``None``: measured at first use and cached.
         tetris_draft_vocab: the tokens a draft model's head scores: an int ``N`` (the most frequent) or a 1-D tensor.
-        tetris_compile: run the target's verify forward and the draft's step through ``torch.compile``.
+        tetris_compile: run the target's verify forward and the draft's step through ``torch.compile``; ``None``
+            (the default): the target's forwards compiled where a measurement on this machine, made once and cached,
+            says they are faster (:mod:`tetris_hf.compile_choice`), eager elsewhere.
         tetris_tree_width: ``w``, children per expanded draft node; ``w > 1`` drafts a tree per row.
         tetris_pack: read each verify block packed where the target can be (:mod:`tetris_hf.packing`).
         prompt_lookup_num_tokens: draft by prompt lookup, up to this many tokens per row (it is ``k``).
@@ -103,7 +105,7 @@ class TetrisOptions:
     tetris_step_callback: Callable | None = None
     tetris_cost_profile: str | os.PathLike | Mapping | CostProfile | None = None
     tetris_draft_vocab: int | torch.Tensor | None = None
-    tetris_compile: bool = False
+    tetris_compile: bool | None = None
     tetris_tree_width: int = 1
     tetris_pack: bool = True
     prompt_lookup_num_tokens: int | None = None
@@ -118,9 +120,10 @@ class TetrisOptions:
         self._check_lookup()
         self._check_suffix()
         check_draft_vocab_spec(self.tetris_draft_vocab)
-        for name in ("tetris_compile", "tetris_pack"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"`{name}` must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.tetris_pack, bool):
+            raise TypeError(f"`tetris_pack` must be True or False, got {self.tetris_pack!r}")
+        if self.tetris_compile is not None and not isinstance(self.tetris_compile, bool):
+            raise TypeError(f"`tetris_compile` must be True, False or None (measured), got {self.tetris_compile!r}")
         _check_count("num_assistant_tokens", self.num_assistant_tokens, 1)
         _check_count("tetris_extra_tokens", self.tetris_extra_tokens, 0)
         if self.tetris_budget is not None:
@@ -165,7 +168,7 @@ class TetrisOptions:
             raise ValueError("`tetris_tree_width` > 1 grows trees with a draft model or from suffix drafts "
                              "(`tetris_suffix_num_tokens`): prompt lookup drafts one continuation per row; use "
                              "tetris_tree_width=1")
-        if self.tetris_compile:
+        if self.tetris_compile is True:
             raise ValueError("`tetris_tree_width` > 1 with tetris_compile=True is not supported yet (tree forwards "
                              "take shapes and masks the compiled step does not); use tetris_compile=False")
 
