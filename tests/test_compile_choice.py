@@ -143,3 +143,23 @@ def test_the_option_takes_true_false_or_none():
     for value in ("yes", 1, 0.0):
         with pytest.raises(TypeError, match="tetris_compile"):
             TetrisOptions(tetris_compile=value)
+
+
+def test_stream_bench_runs_a_default_stream_that_compiles_once_untimed(measured_here, monkeypatch, fresh_dynamo):
+    """``tetris-hf stream-bench`` leaves the stream's ``tetris_compile`` at its default: a stream that then compiles
+    gets the untimed first run a compiled system gets (its seconds reported apart), one that stays eager none; outputs
+    equal plain decoding's."""
+    from tetris_hf.tools import stream_bench
+
+    target = tiny_llama(seed=0)
+    prompts = random_prompts(5, target.config.vocab_size, seed=9)
+    for pays in (True, False):
+        forced(monkeypatch, pays)
+        clear_memory_cache()
+        for file in choice_cache_dir().glob("*.json"):
+            file.unlink()
+        config = stream_bench.StreamBenchConfig(max_new_tokens=8, max_batch_sizes=(3,), systems=("generate-chunks",),
+                                                strategies=("fixed",), lookup=True)
+        report = stream_bench.run_stream_bench(target, None, prompts, {63}, 0, config, log=lambda line: None)
+        assert ("stream-fixed" in report["startup"].get(3, {})) == pays
+        assert all(row["equal"] == "5/5" for row in report["runs"][3])

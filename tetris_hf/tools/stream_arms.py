@@ -55,7 +55,9 @@ class StreamArms:
 
     def run(self, system: str, new_tokens: int, **options) -> StreamRun:
         """One run of ``system`` over every prompt, at most ``new_tokens`` each; ``options``: more of the stream's
-        generation options (e.g. ``tetris_compile=True``)."""
+        generation options (e.g. ``tetris_compile=True``; eager unless given, so that arms compare what they
+        change)."""
+        options = {"tetris_compile": False, **options}
         return run_stream(system, self.target, self.prompts, new_tokens, self.args.max_batch_size, self.eos, self.pad,
                           **LOOKUP, **SYSTEMS[system], **options)
 

@@ -8,7 +8,9 @@ Every request arrives at time 0 (a backlog, as a batch job or a burst of traffic
 - ``generate-chunks``: static ``generate()`` on chunks of ``--max-batch-size`` requests, one after the other (each
   chunk waits for its longest row);
 - ``tetris-chunks``: static TETRIS ``generate(custom_generate="tetris")`` on the same chunks;
-- ``stream-STRATEGY``: :func:`tetris_hf.generate_batch`, rows joining as others finish, for each ``--strategies``;
+- ``stream-STRATEGY``: :func:`tetris_hf.generate_batch`, rows joining as others finish, for each ``--strategies``,
+  ``tetris_compile`` at its default (``None``: compiled where measured to pay, :mod:`tetris_hf.compile_choice`; a
+  stream that compiles gets the untimed first run of ``--compiled``'s) or, with ``--compiled``, ``False``;
 - ``stream-STRATEGY-apart`` (``--prompts-apart``): the same with every joining prompt read in forwards of its own,
   not in the verification forwards (``ride_prompts=False``).
 - ``stream-STRATEGY-compiled`` (``--compiled``): the same strategy with ``tetris_compile=True``; its first run, which
@@ -473,7 +475,7 @@ def run_stream_bench(target, draft, prompts: list[list[int]], eos: set[int], pad
         systems = [name for name in systems if name not in VLLM_SYSTEMS]
     threads = torch.get_num_threads()
     for batch_size in config.max_batch_sizes:
-        plans = []
+        plans, compiling = [], set()  # (compiling: default streams that compile, see stream_compiles)
         engines = {}  # vLLM system -> its engine, started at its first run (start-up timed apart)
 
         def vllm_run(name: str, b: int) -> StreamRun:
@@ -515,7 +517,7 @@ def run_stream_bench(target, draft, prompts: list[list[int]], eos: set[int], pad
             settings = {"tetris_budget": 0} if strategy == "plain" else {"tetris_strategy": strategy}
             sources = config.sources if config.sources and strategy != "plain" else ("",)
             variants = itertools.product((True, False) if config.prompts_apart else (True,), sources,
-                                         (False, True) if config.compiled else (False,))
+                                         (False, True) if config.compiled else (None,))
             for ride, source, compiled in variants:
                 trees = f"-w{config.tree_width}" if source == "suffix" and config.tree_width > 1 else ""
                 name = (f"stream-{strategy}" + ("" if ride else "-apart") + (f"-{source}{trees}" if source else "")
@@ -524,10 +526,14 @@ def run_stream_bench(target, draft, prompts: list[list[int]], eos: set[int], pad
                 plans.append((name, lambda b=batch_size, s=settings, n=name, r=ride, o=options, c=compiled: run_stream(
                     n, target, mine, config.max_new_tokens, b, eos, pad, tetris_extra_tokens=config.extra_tokens,
                     ride_prompts=r, tetris_compile=c, **s, **o())))
+                if compiled is None and stream_compiles(target, batch_size, ride_prompts=ride,
+                                                        **settings, **options()):
+                    compiling.add(name)
+                    log(f"  B={batch_size} {name}: tetris_compile=None compiles on this machine")
         runs: dict[str, list[StreamRun]] = {name: [] for name, _ in plans}
         try:
             for name, run in plans:
-                if name.endswith("-compiled"):
+                if name.endswith("-compiled") or name in compiling:
                     report["startup"].setdefault(batch_size, {})[name] = compile_run(name, run, batch_size, log)
             for repeat in range(config.repeats):
                 for name, run in plans:
@@ -559,6 +565,16 @@ def run_stream_bench(target, draft, prompts: list[list[int]], eos: set[int], pad
         report["runs"][batch_size] = summaries
         report["medians"][batch_size] = medians
     return report
+
+
+def stream_compiles(target, batch_size: int, **options) -> bool:
+    """Whether a request stream with ``options`` compiles its target's forwards (``tetris_compile=None`` resolved,
+    which measures once if no choice is cached)."""
+    from ..stream import RequestStream
+
+    stream = RequestStream(target, max_batch_size=batch_size, **options)
+    stream.close()
+    return bool(stream.options.tetris_compile)
 
 
 def compile_run(name: str, run, batch_size: int, log=print) -> float:
