@@ -92,15 +92,14 @@ def test_generate_follows_the_choice_and_stays_exact(measured_here, monkeypatch,
     assert counters["stats"]["unique_graphs"] > 0
 
 
-@pytest.mark.parametrize("case", ["draft model", "tree", "unpacked", "variable"])
+@pytest.mark.parametrize("case", ["draft model", "unpacked", "variable"])
 def test_calls_that_cannot_compile_on_eager_shapes_stay_eager_without_measuring(measured_here, monkeypatch, case):
-    """A draft model, draft trees, unpacked blocks, or ``$TETRIS_HF_COMPILE=0``: eager, the reason said, nothing
-    measured, nothing written."""
+    """A draft model, unpacked blocks, or ``$TETRIS_HF_COMPILE=0``: eager, the reason said, nothing measured, nothing
+    written."""
     target = tiny_llama(seed=0)
     asked = forced(monkeypatch, True)
     draft = noisy_copy(target, 0.3) if case == "draft model" else None
-    options = {"tree": dict(tetris_suffix_num_tokens=3, tetris_tree_width=2),
-               "unpacked": dict(tetris_pack=False)}.get(case, {})
+    options = {"unpacked": dict(tetris_pack=False)}.get(case, {})
     if case == "variable":
         monkeypatch.setenv(ENVIRONMENT, "0")
     choice = compile_choice(target, draft, pop_options(dict(options)))

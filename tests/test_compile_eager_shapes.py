@@ -8,6 +8,7 @@ import pytest
 from torch._dynamo.utils import counters
 
 import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
+import tetris_hf.compiled as compiled_module
 from tetris_hf.compiled import compiles_on_eager_shapes
 from tetris_hf.cpu_kernels import use_onednn_linears
 from tetris_hf.stream import RequestStream
@@ -62,6 +63,32 @@ def test_compiled_stream_on_eager_shapes_compiles_once_however_plans_and_the_cac
         check_exact(target, stream, settings)
         assert slots.capacity >= 4 * first_capacity  # (grown twice or more)
         assert compiled_graphs() == 1, (call, dict(counters["stats"]))
+
+
+@pytest.mark.parametrize("drafts", ["suffix trees", "draft model trees"])
+def test_draft_trees_compile_on_eager_shapes_and_stay_exact(fresh_dynamo, drafts):
+    """Trees of width 2 (suffix drafts alone, or a draft model's, whose growth stays eager): every row equals the
+    target alone, the target's tree forwards (ancestor masks, positions by depth) run its one graph."""
+    target, draft = target_and_draft(64, seed=2, draft_kind="noisy", noise=0.4)
+    prompts = [prompt + prompt[: len(prompt) // 2] for prompt in random_prompts(6, 64, seed=2)]  # (suffixes to copy)
+    eos = pick_eos(target, prompts)
+    references = target_alone(target, prompts, eos)
+    input_ids, mask = left_pad(prompts)
+    options = (dict(tetris_suffix_num_tokens=4, tetris_suffix_min_prob=0.0) if drafts == "suffix trees" else
+               dict(num_assistant_tokens=3))
+    stats = generate_checked(target, draft if drafts == "draft model trees" else None, input_ids, mask, references,
+                             eos, tetris_compile=True, tetris_tree_width=2, **options)
+    assert stats.accepted_tokens > 0
+    assert compiled_graphs() == 1, dict(counters["stats"])
+
+
+def test_trees_on_a_target_that_would_compile_on_static_shapes_are_refused(monkeypatch):
+    monkeypatch.setattr(compiled_module, "CPU_ON_EAGER_SHAPES", False)
+    target, draft = target_and_draft(64, seed=2, draft_kind="noisy", noise=0.4)
+    input_ids, mask = left_pad(random_prompts(2, 64, seed=2))
+    with pytest.raises(ValueError, match="tetris_tree_width.*tetris_compile"):
+        target.generate(input_ids, attention_mask=mask, assistant_model=draft, custom_generate="tetris",
+                        max_new_tokens=4, pad_token_id=0, tetris_tree_width=2, tetris_compile=True)
 
 
 def test_compiled_generate_on_eager_shapes_rows_equal_target_alone(fresh_dynamo):

@@ -314,7 +314,6 @@ def test_alibi_families_are_refused_naming_the_option():
 @pytest.mark.parametrize("options,words", [
     (dict(tetris_tree_width=0), "tetris_tree_width"),
     (dict(tetris_tree_width=1.5), "tetris_tree_width"),
-    (dict(tetris_tree_width=2, tetris_compile=True), "tetris_compile"),
     (dict(tetris_tree_width=2, prompt_lookup_num_tokens=3, num_assistant_tokens=3), "prompt lookup"),
 ])
 def test_bad_tree_options_are_refused(options, words):

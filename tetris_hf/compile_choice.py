@@ -93,8 +93,8 @@ def _ruled_out(model: torch.nn.Module, assistant_model: torch.nn.Module | None,
         return f"${ENVIRONMENT}=0"
     if assistant_model is not None:
         return "a draft model's or head's compiled steps are not measured: tetris_compile=True compiles both"
-    if options.tetris_tree_width > 1 or not options.tetris_pack:
-        return "draft trees and unpacked blocks compile on static shapes only (tetris_compile=True)"
+    if not options.tetris_pack:
+        return "unpacked blocks compile on static shapes only (tetris_compile=True)"
     try:
         check_compilable(model, "target")
     except ValueError as error:

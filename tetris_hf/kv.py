@@ -328,7 +328,7 @@ class SlotCache:
                 extra = {**extra, "tetris_slots": self._slot_arguments(start, packing)}
                 if attention_mask is None:  # (a tensor always, one graph: every cached slot real, causal in the block)
                     attention_mask = real_prefix_mask(self.slot_mask[:, None, None, :start], self._causal(block))
-                attention_mask = standard_strides(attention_mask)  # (graphs are specialised on strides too)
+                attention_mask = standard_strides(attention_mask)  # (graphs are specialised on strides and views too)
             logits, features = self._eager_forward(run, input_ids, attention_mask, position_ids, packing,
                                                    logits_to_keep, discard_logits, split, extra, row_inputs)
         self.pointer, self.next_positions, self.longest_bound = end, next_positions, self.longest_bound + block

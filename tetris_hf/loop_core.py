@@ -136,6 +136,10 @@ class LoopCore:
         pack = options.tetris_pack and packs_exactly(model)
         # compiled on the CPU, the target's forwards keep their eager shapes where they can (compiled.py)
         self.on_eager_shapes = options.tetris_compile and compiles_on_eager_shapes(model, pack)
+        if self.tree_width > 1 and options.tetris_compile and not self.on_eager_shapes:
+            raise ValueError("`tetris_tree_width` > 1 with tetris_compile=True compiles a target on its eager shapes "
+                             "only (on the CPU, reading packed, on plain sdpa): this one would take the static path, "
+                             "whose forwards do not take a tree's masks; use tetris_compile=False")
         self.strategy = make_strategy(options, model, draft_model, sampling=self.do_sample,
                                       packed=pack and (not options.tetris_compile or self.on_eager_shapes))
         self.target_slots = SlotCache(num_rows, device, options.tetris_max_holes, capacity=cache_capacity(model))

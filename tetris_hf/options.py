@@ -168,9 +168,6 @@ class TetrisOptions:
             raise ValueError("`tetris_tree_width` > 1 grows trees with a draft model or from suffix drafts "
                              "(`tetris_suffix_num_tokens`): prompt lookup drafts one continuation per row; use "
                              "tetris_tree_width=1")
-        if self.tetris_compile is True:
-            raise ValueError("`tetris_tree_width` > 1 with tetris_compile=True is not supported yet (tree forwards "
-                             "take shapes and masks the compiled step does not); use tetris_compile=False")
 
     @property
     def model_free_tokens(self) -> int | None:

@@ -50,12 +50,13 @@ def static_capacity(slots: int) -> int:
 
 
 def standard_strides(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``, copied if its strides are not those of a new tensor of its shape: graphs are specialised on
-    strides too (e.g. a ``(B, 1)`` column of a wider block has strides ``(T, 1)``, not ``(1, 1)``)."""
+    """``tensor``, copied if it is a view or its strides are not those of a new tensor of its shape: graphs are
+    specialised on strides (e.g. a ``(B, 1)`` column of a wider block has strides ``(T, 1)``, not ``(1, 1)``) and on
+    whether an input is a view of another (its base's strides are guarded too)."""
     strides, step = [], 1
     for size in reversed(tensor.shape):
         strides.append(step)
         step *= size
-    if tensor.stride() == tuple(reversed(strides)):
+    if tensor.stride() == tuple(reversed(strides)) and tensor._base is None:
         return tensor
     return tensor.clone(memory_format=torch.contiguous_format)

@@ -47,8 +47,11 @@ def build_drafter(assistant_model: torch.nn.Module | None, options: TetrisOption
         check_tree_layout(AttentionLayout.of(draft_model), draft_model)
     eagle = is_eagle_head(draft_model)
     drafter_class = EagleCandidateGenerator if eagle else BatchedDraftCandidateGenerator
+    # (a draft model compiles its one-token step on static shapes, which a tree's growth, reading ancestor masks, does
+    # not take: a tree's drafter runs eager)
+    compile = bool(options.tetris_compile) and options.tetris_tree_width == 1
     drafter = drafter_class(draft_model, logits_processor, do_sample, max_holes=options.tetris_max_holes,
-                            capacity=cache_capacity(draft_model), compile=options.tetris_compile, max_rows=max_rows)
+                            capacity=cache_capacity(draft_model), compile=compile, max_rows=max_rows)
     drafter.pack = options.tetris_pack and packs_exactly(draft_model)  # (reads with filler; compiled steps never pack)
     drafter.stop_below = options.tetris_confidence_threshold
     if lookup is not None:
