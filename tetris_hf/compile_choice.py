@@ -106,6 +106,7 @@ def _ruled_out(model: torch.nn.Module, assistant_model: torch.nn.Module | None,
 
 
 def _measure_and_choose(model: torch.nn.Module) -> CompileChoice:
+    """Measure (:func:`measure_compiled_steps`, saying so before and after: it compiles) and choose."""
     logger.warning("tetris_compile=None: timing %s's steps compiled against eager on this machine, once (cached under "
                    "%s); the compile takes a while (about a minute for a 135M model on 2 CPU cores). "
                    "tetris_compile=True or False skips it.", type(model).__name__, choice_cache_dir())
@@ -182,7 +183,8 @@ def _read(path: Path) -> CompileChoice | None:
 
 
 def _write(path: Path, choice: CompileChoice) -> None:
-    if not choice.measured:  # (a failed compile is not cached: a compiler installed later is tried again)
+    """Cache a measured ``choice`` at ``path`` (one not measured, a failed compile, is kept in memory only)."""
+    if not choice.measured:  # (so that a compiler installed later is tried again)
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
