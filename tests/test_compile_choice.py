@@ -51,7 +51,7 @@ def test_the_choice_is_measured_once_then_read_from_memory_and_disk(measured_her
     measured = first.measured
     assert measured["graphs"] == 1 and measured["eager_seconds"] > 0 and measured["compiled_seconds"] > 0
     assert first.compile == (first.compiled_over_eager <= compile_choice_module.PAYS_BELOW)
-    assert f"{first.compiled_over_eager:.3f}x" in first.why
+    assert f"{first.compiled_over_eager:.4f}x" in first.why
     files = list(choice_cache_dir().glob("*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text())["compile"] == first.compile
 
