@@ -162,3 +162,15 @@ def test_stream_bench_runs_a_default_stream_that_compiles_once_untimed(measured_
         report = stream_bench.run_stream_bench(target, None, prompts, {63}, 0, config, log=lambda line: None)
         assert ("stream-fixed" in report["startup"].get(3, {})) == pays
         assert all(row["equal"] == "5/5" for row in report["runs"][3])
+
+
+def test_the_measurements_graph_serves_the_calls_steps(measured_here, fresh_dynamo):
+    """The measurement's compile is the call's own: its graph (8 rows of buffers) serves a stream of 3 rows, which
+    compiles nothing more (the buffers' rows are not a constant of the graph)."""
+    from torch._dynamo.utils import counters
+
+    target = tiny_llama(seed=0)
+    assert compile_choice_module.measure_compiled_steps(target)["graphs"] == 1
+    stream = RequestStream(target, max_batch_size=3, prefill_chunk=8, eos_token_id=None, tetris_compile=True, **LOOKUP)
+    check_exact(target, stream, requests(target, 6, seed=75))
+    assert counters["stats"]["unique_graphs"] == 1

@@ -396,14 +396,15 @@ class SlotCache:
     def _slot_arguments(self, start: int, packing: Packing) -> SlotArguments:
         """What a compiled forward's attention op reads besides the layer's own tensors: every layer's buffers and the
         block's packing (:class:`~tetris_hf.slot_attention.SlotArguments`), the block written from slot ``start``.
-        The buffers' rows, heads and head size are constants of the graphs; their capacity (dimension 2) is not, so
-        that a grown cache runs the graphs it has (a capacity the graphs fixed compiled every graph anew at each
-        doubling, at points that differ run to run: docs/benchmarks.md)."""
+        The buffers' heads and head size are constants of the graphs; their rows and capacity are not, so that a grown
+        cache runs the graphs it has (a capacity the graphs fixed compiled every graph anew at each doubling, at
+        points that differ run to run: docs/benchmarks.md), and so does a cache of another row count (the first-use
+        measurement's: tetris_hf/compile_choice.py)."""
         keys, values = [], []
         for layer in self.cache.layers:
             for buffer, kept in ((layer.buffer_keys, keys), (layer.buffer_values, values)):
                 if not hasattr(buffer, "_dynamo_static_indices"):
-                    for dimension in (0, 1, 3):
+                    for dimension in (1, 3):
                         torch._dynamo.mark_static(buffer, dimension)
                 kept.append(buffer)
         return SlotArguments(tuple(keys), tuple(values), packing.rows, packing.columns, packing.ends,
