@@ -85,6 +85,7 @@ def test_generate_follows_the_choice_and_stays_exact(measured_here, monkeypatch,
 
     target = tiny_llama(seed=4)
     forced(monkeypatch, True)
+    monkeypatch.setattr(compile_choice_module, "MIN_TOKENS", 1)  # (the call is small)
     prompts = random_prompts(3, target.config.vocab_size, seed=4)
     eos = pick_eos(target, prompts)
     input_ids, mask = left_pad(prompts)
@@ -174,3 +175,17 @@ def test_the_measurements_graph_serves_the_calls_steps(measured_here, fresh_dyna
     stream = RequestStream(target, max_batch_size=3, prefill_chunk=8, eos_token_id=None, tetris_compile=True, **LOOKUP)
     check_exact(target, stream, requests(target, 6, seed=75))
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_a_generate_call_too_small_to_pay_for_a_compile_stays_eager_without_measuring(measured_here, monkeypatch):
+    """Rows x max_new_tokens below ``MIN_TOKENS``: eager, nothing measured; at or above it the choice is asked."""
+    target = tiny_llama(seed=4)
+    asked = forced(monkeypatch, True)
+    prompts = random_prompts(2, target.config.vocab_size, seed=4)
+    input_ids, mask = left_pad(prompts)
+    monkeypatch.setattr(compile_choice_module, "MIN_TOKENS", 2 * 6 + 1)
+    for new, compiles in ((6, False), (7, True)):
+        out = target.generate(input_ids, attention_mask=mask, custom_generate="tetris", max_new_tokens=new,
+                              pad_token_id=0, return_dict_in_generate=True, **LOOKUP)
+        assert out.sequences.shape[1] <= input_ids.shape[1] + new
+        assert len(asked) == int(compiles)

@@ -31,8 +31,10 @@ ENVIRONMENT = "TETRIS_HF_COMPILE"  # "0": tetris_compile=None means eager in thi
 PAYS_BELOW = 0.95  # compiled steps are chosen when they take at most this share of eager steps' time
 ROWS, CONTEXT, WIDTHS, STEPS = 8, 128, (1, 4), 6  # the measured steps: rows, tokens cached, tokens a row, timed each
 VERSION = 1  # of the measurement: a cached choice of another version is measured again
+MIN_TOKENS = 4096  # a call known to generate fewer new tokens than this stays eager (see resolve_compile)
 
 _CHOICES: dict[str, "CompileChoice"] = {}
+_ANNOUNCED: set[str] = set()  # the choices that said, in this process, that they compile
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class CompileChoice:
     Attributes:
         compile: compile them.
         why: a sentence saying why (what was measured, or what rules compiling out).
+        key: what the choice was measured for (the model, device, dtype, threads, torch, kernels), or empty.
         compiled_over_eager: compiled steps' time over eager steps' (``None``: not measured).
         compile_seconds: the first compiled forwards' time, the compiler's (``None``: not measured).
         measured: the measurement's numbers as :func:`measure_compiled_steps` returns them (empty: not measured).
@@ -49,6 +52,7 @@ class CompileChoice:
 
     compile: bool
     why: str
+    key: str = ""
     compiled_over_eager: float | None = None
     compile_seconds: float | None = None
     measured: dict = dataclasses.field(default_factory=dict)
@@ -59,13 +63,22 @@ def choice_cache_dir() -> Path:
     return cache_dir() / "compile-choices"
 
 
-def resolve_compile(options: TetrisOptions, model: torch.nn.Module,
-                    assistant_model: torch.nn.Module | None) -> TetrisOptions:
+def resolve_compile(options: TetrisOptions, model: torch.nn.Module, assistant_model: torch.nn.Module | None,
+                    new_tokens: int | None = None) -> TetrisOptions:
     """``options`` with ``tetris_compile`` ``True`` or ``False``: as given, or for ``None`` as :func:`compile_choice`
-    says."""
+    says, for a call that generates ``new_tokens`` in all (rows x ``max_new_tokens``; ``None``: unknown, a request
+    stream's). A call known to generate fewer than :data:`MIN_TOKENS` stays eager without measuring: each process
+    pays the compile again (about 40 s for a 135M model on 2 CPU cores with inductor's cache warm, docs/gpu.md)."""
     if options.tetris_compile is not None:
         return options
-    return dataclasses.replace(options, tetris_compile=compile_choice(model, assistant_model, options).compile)
+    if new_tokens is not None and new_tokens < MIN_TOKENS:
+        return dataclasses.replace(options, tetris_compile=False)
+    choice = compile_choice(model, assistant_model, options)
+    if choice.compile and choice.key not in _ANNOUNCED:
+        _ANNOUNCED.add(choice.key)
+        logger.warning("tetris_compile=None: compiling %s's forwards (%s); the first steps wait for the compiler. "
+                       "tetris_compile=False skips it.", type(model).__name__, choice.why)
+    return dataclasses.replace(options, tetris_compile=choice.compile)
 
 
 def compile_choice(model: torch.nn.Module, assistant_model: torch.nn.Module | None,
@@ -80,7 +93,7 @@ def compile_choice(model: torch.nn.Module, assistant_model: torch.nn.Module | No
     key = "compile-" + profile_key(model, None)
     choice = _CHOICES.get(key) or _read(choice_cache_dir() / f"{key}.json")
     if choice is None:
-        choice = _measure_and_choose(model)
+        choice = dataclasses.replace(_measure_and_choose(model), key=key)
         _write(choice_cache_dir() / f"{key}.json", choice)
     _CHOICES[key] = choice
     return choice
@@ -120,7 +133,8 @@ def _measure_and_choose(model: torch.nn.Module) -> CompileChoice:
     why = (f"compiled steps took {ratio:.4f}x eager's ({'at most' if pays else 'above'} {PAYS_BELOW}) on {ROWS} rows "
            f"of 1 and 4 tokens over {CONTEXT} cached; the compile {measured['compile_seconds']:.0f} s")
     logger.warning("tetris_compile=None: %s: %s", why, "compiling" if pays else "staying eager")
-    return CompileChoice(pays, why, ratio, measured["compile_seconds"], measured)
+    return CompileChoice(pays, why, compiled_over_eager=ratio, compile_seconds=measured["compile_seconds"],
+                         measured=measured)
 
 
 @torch.no_grad()
@@ -196,3 +210,4 @@ def _write(path: Path, choice: CompileChoice) -> None:
 def clear_memory_cache() -> None:
     """Forget the choices made in this process (the disk cache stays)."""
     _CHOICES.clear()
+    _ANNOUNCED.clear()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import os
 
+import torch
 from transformers.generation.utils import GenerationMixin
 
 from .checks import check_pair, check_prompt_shape
@@ -49,11 +50,15 @@ def generate(model, *args, **kwargs):
     kwargs.pop("custom_generate", None)
     options = pop_options(kwargs)
     check_pair(model, assistant_model, prompt_lookup=options.model_free_tokens is not None)
-    options = resolve_compile(options, model, assistant_model)
     prompt = args[0] if args else kwargs.get("inputs")
     if prompt is None:  # generate(input_ids=...) reaches a custom_generate folder as inputs=None, input_ids=...
         prompt = kwargs.get("input_ids")
     check_prompt_shape(prompt)  # before transformers' preparation indexes it
+    config = kwargs.get("generation_config") or model.generation_config
+    max_new_tokens = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+    known = isinstance(max_new_tokens, int) and isinstance(prompt, torch.Tensor)
+    new_tokens = prompt.shape[0] * max_new_tokens if known else None  # (what the call may generate, for the choice)
+    options = resolve_compile(options, model, assistant_model, new_tokens)
     decoding = functools.partial(tetris_decoding, assistant_model=assistant_model, options=options, streamer=streamer)
     return GenerationMixin.generate(model, *args, custom_generate=decoding, **kwargs)
 
