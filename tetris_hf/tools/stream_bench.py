@@ -47,7 +47,8 @@ from pathlib import Path
 
 import torch
 
-from ..options import TetrisOptions
+from ..compile_choice import resolve_compile
+from ..options import TetrisOptions, pop_options
 from .cli import (UsageError, add_kernel_argument, apply_kernels, load_pair, load_prompt_set, number_list,
                   prompt_texts, resolve_device)
 from .vllm_system import VLLM_SYSTEMS, VLLMSettings
@@ -526,8 +527,7 @@ def run_stream_bench(target, draft, prompts: list[list[int]], eos: set[int], pad
                 plans.append((name, lambda b=batch_size, s=settings, n=name, r=ride, o=options, c=compiled: run_stream(
                     n, target, mine, config.max_new_tokens, b, eos, pad, tetris_extra_tokens=config.extra_tokens,
                     ride_prompts=r, tetris_compile=c, **s, **o())))
-                if compiled is None and stream_compiles(target, batch_size, ride_prompts=ride,
-                                                        **settings, **options()):
+                if compiled is None and stream_compiles(target, **settings, **options()):
                     compiling.add(name)
                     log(f"  B={batch_size} {name}: tetris_compile=None compiles on this machine")
         runs: dict[str, list[StreamRun]] = {name: [] for name, _ in plans}
@@ -567,14 +567,12 @@ def run_stream_bench(target, draft, prompts: list[list[int]], eos: set[int], pad
     return report
 
 
-def stream_compiles(target, batch_size: int, **options) -> bool:
-    """Whether a request stream with ``options`` compiles its target's forwards (``tetris_compile=None`` resolved,
-    which measures once if no choice is cached)."""
-    from ..stream import RequestStream
-
-    stream = RequestStream(target, max_batch_size=batch_size, **options)
-    stream.close()
-    return bool(stream.options.tetris_compile)
+def stream_compiles(target, **options) -> bool:
+    """Whether a request stream with ``options`` (its keyword arguments) compiles its target's forwards: their
+    ``tetris_compile=None`` resolved as the stream resolves it (which measures once if no choice is cached)."""
+    options = dict(options)
+    assistant_model = options.pop("assistant_model", None)
+    return bool(resolve_compile(pop_options(options), target, assistant_model).tetris_compile)
 
 
 def compile_run(name: str, run, batch_size: int, log=print) -> float:
