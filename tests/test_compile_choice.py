@@ -1,13 +1,15 @@
-"""``tetris_compile=None`` (the default): measured once per model and machine, cached in memory and on disk, and
-followed by ``generate()`` and the request stream, whose rows stay exact either way; ruled out without measuring
-where a call cannot compile on eager shapes; a failing compile stays eager and says why."""
+"""``tetris_compile=None`` (the default): a call starts eager and compiles once its eager steps have taken long enough
+for the compile to pay back, where the choice (measured once per model and machine, when a call first gets that far,
+cached in memory and on disk) says compiled steps are faster; rows stay exact either way; calls that cannot compile on
+eager shapes stay eager without measuring; a failing compile stays eager and says why."""
 
 import json
 
 import pytest
 
 import tetris_hf.compile_choice as compile_choice_module
-from tetris_hf.compile_choice import ENVIRONMENT, VERSION, choice_cache_dir, clear_memory_cache, compile_choice
+from tetris_hf.compile_choice import (ENVIRONMENT, VERSION, CompileChoice, CompileLater, choice_cache_dir,
+                                      clear_memory_cache, compile_choice, compile_later, payback_seconds)
 from tetris_hf.options import TetrisOptions, pop_options
 from tetris_hf.stream import RequestStream
 from test_compile_stream import fresh_dynamo  # noqa: F401  (a fixture)
@@ -35,7 +37,7 @@ def forced(monkeypatch, compile: bool) -> list:
 
     def measure(model):
         asked.append(model)
-        return {"eager_seconds": 1.0, "compiled_seconds": 0.5 if compile else 1.0, "compile_seconds": 0.0,
+        return {"eager_seconds": 1.0, "compiled_seconds": 0.5 if compile else 1.0, "compile_seconds": 60.0,
                 "graphs": 0, "version": VERSION}
 
     monkeypatch.setattr(compile_choice_module, "measure_compiled_steps", measure)
@@ -66,31 +68,83 @@ def test_the_choice_is_measured_once_then_read_from_memory_and_disk(measured_her
     assert compile_choice(target, None, TetrisOptions()).compile != first.compile and len(asked) == 1
 
 
-@pytest.mark.parametrize("pays", [True, False])
-def test_the_stream_follows_the_choice_and_stays_exact(measured_here, monkeypatch, fresh_dynamo, pays):
-    """A stream left at the default compiles its target's forwards when the choice says they pay, else runs eager;
-    every row equals the target alone either way."""
+def compiled_now(stream) -> bool:
+    """Whether ``stream``'s target forwards run compiled now."""
+    return stream.loop.core.target_slots.eager_shapes_forward is not None
+
+
+@pytest.mark.parametrize("payback", [0.0, float("inf")])
+def test_a_default_stream_starts_eager_and_compiles_once_its_eager_steps_paid(measured_here, monkeypatch,
+                                                                                  fresh_dynamo, payback):
+    """A stream left at the default, with a cached choice to compile: it starts eager (nothing compiled, nothing
+    measured); with the payback reached at its first step it compiles there, one graph serving every later step and
+    prompt; with a payback never reached it stays eager (no graph); every row equals the target alone either way."""
+    from torch._dynamo.utils import counters
+
     target = tiny_llama(seed=0)
-    forced(monkeypatch, pays)
+    asked = forced(monkeypatch, True)
+    compile_choice(target, None, TetrisOptions())  # (cached: what an earlier process measured)
+    monkeypatch.setattr(compile_choice_module, "payback_seconds", lambda choice: payback)
     stream = RequestStream(target, max_batch_size=3, prefill_chunk=8, eos_token_id=None, **LOOKUP)
-    assert stream.options.tetris_compile is pays
-    assert (stream.loop.core.target_slots.eager_shapes_forward is not None) == pays
+    assert stream.options.tetris_compile is None and stream.loop.core.compile_later is not None
+    assert not compiled_now(stream) and counters["stats"]["unique_graphs"] == 0
     check_exact(target, stream, requests(target, 8, seed=73))
+    assert compiled_now(stream) == (payback == 0.0) and len(asked) == 1
+    assert counters["stats"]["unique_graphs"] == (1 if payback == 0.0 else 0)
 
 
-def test_generate_follows_the_choice_and_stays_exact(measured_here, monkeypatch, fresh_dynamo):
-    """``generate()`` left at the default, prompt lookup, the choice to compile: rows equal the target alone, and the
-    target's forwards ran compiled (graphs were made)."""
+def test_a_call_with_no_choice_measures_when_due_and_the_measurements_graph_serves_it(measured_here, monkeypatch,
+                                                                                        fresh_dynamo):
+    """No choice cached: the stream starts eager without measuring; when its eager steps reach
+    ``UNMEASURED_PAYBACK_SECONDS`` it measures (for real: a tiny model, compiled and timed), writes the choice, and
+    follows it: compiled, the measurement's one graph serving the call's later steps; rows exact."""
+    from torch._dynamo.utils import counters
+
+    target = tiny_llama(seed=0)
+    stream = RequestStream(target, max_batch_size=3, prefill_chunk=8, eos_token_id=None, **LOOKUP)
+    later = stream.loop.core.compile_later
+    assert later.choice is None and later.payback_seconds == compile_choice_module.UNMEASURED_PAYBACK_SECONDS
+    later.payback_seconds = 0.0  # (due at the first step)
+    check_exact(target, stream, requests(target, 8, seed=76))
+    (file,) = choice_cache_dir().glob("*.json")
+    choice = json.loads(file.read_text())
+    assert compiled_now(stream) == choice["compile"] and stream.loop.core.compile_later is None
+    assert counters["stats"]["unique_graphs"] == 1  # (the measurement's, whichever way it chose)
+
+
+def test_generate_at_the_default_compiles_once_paid_and_stays_exact(measured_here, monkeypatch, fresh_dynamo):
+    """``generate()`` left at the default, prompt lookup, a cached choice to compile and a payback its prompt read
+    reaches: its steps run compiled (one graph); rows equal the target alone."""
     from torch._dynamo.utils import counters
 
     target = tiny_llama(seed=4)
     forced(monkeypatch, True)
-    monkeypatch.setattr(compile_choice_module, "MIN_TOKENS", 1)  # (the call is small)
+    compile_choice(target, None, TetrisOptions())
+    monkeypatch.setattr(compile_choice_module, "payback_seconds", lambda choice: 0.0)
     prompts = random_prompts(3, target.config.vocab_size, seed=4)
     eos = pick_eos(target, prompts)
     input_ids, mask = left_pad(prompts)
     generate_checked(target, None, input_ids, mask, target_alone(target, prompts, eos), eos, **LOOKUP)
-    assert counters["stats"]["unique_graphs"] > 0
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_the_payback_is_the_compile_over_the_saving_and_counting_reaches_it():
+    """A choice whose compiled steps take 0.92x eager's and whose compile took 56 s pays back after 700 s of eager
+    steps: a call that ends sooner never compiled; one that ends right at the compile took 1.08x eager's time."""
+    choice = CompileChoice(True, "measured", compiled_over_eager=0.92, compile_seconds=56.0)
+    assert payback_seconds(choice) == pytest.approx(700.0)
+    later = CompileLater(tiny_llama(seed=0), payback_seconds(choice), choice)
+    assert not later.count(699.0) and later.count(2.0)
+    assert (later.payback_seconds + choice.compile_seconds) / later.payback_seconds == pytest.approx(1.08)
+
+
+def test_a_model_measured_not_to_pay_runs_eager_for_good_without_measuring_again(measured_here, monkeypatch):
+    target = tiny_llama(seed=0)
+    asked = forced(monkeypatch, False)
+    assert not compile_choice(target, None, TetrisOptions()).compile and len(asked) == 1
+    assert compile_later(target, None, TetrisOptions()) is None and len(asked) == 1
+    for given in (True, False):  # (and a call that sets tetris_compile is never deferred)
+        assert compile_later(target, None, TetrisOptions(tetris_compile=given)) is None
 
 
 @pytest.mark.parametrize("case", ["draft model", "unpacked", "variable"])
@@ -105,25 +159,28 @@ def test_calls_that_cannot_compile_on_eager_shapes_stay_eager_without_measuring(
         monkeypatch.setenv(ENVIRONMENT, "0")
     choice = compile_choice(target, draft, pop_options(dict(options)))
     assert not choice.compile and choice.why and not asked
+    assert compile_later(target, draft, pop_options(dict(options))) is None
     assert not choice_cache_dir().exists()
 
 
 def test_a_failing_compile_stays_eager_says_why_and_is_tried_again_next_process(measured_here, monkeypatch, caplog):
-    """A compiler that fails (say, none installed): the choice is eager with the error in its reason and a warning;
-    it is remembered in this process only, so that a compiler installed later is tried; the stream runs exact."""
+    """A compiler that fails (say, none installed) when the call measures: the call goes on eager, the error in a
+    warning and in the choice's reason, remembered in this process only (so that a compiler installed later is
+    tried); rows exact."""
     target = tiny_llama(seed=0)
 
     def broken(model):
         raise RuntimeError("no C++ compiler found")
 
     monkeypatch.setattr(compile_choice_module, "measure_compiled_steps", broken)
+    monkeypatch.setattr(compile_choice_module, "UNMEASURED_PAYBACK_SECONDS", 0.0)
+    stream = RequestStream(target, max_batch_size=2, eos_token_id=None, **LOOKUP)
     with caplog.at_level("WARNING", logger="tetris_hf.compile_choice"):
-        stream = RequestStream(target, max_batch_size=2, eos_token_id=None, **LOOKUP)
-    assert stream.options.tetris_compile is False
+        check_exact(target, stream, requests(target, 4, seed=74))
+    assert not compiled_now(stream) and stream.loop.core.compile_later is None
     assert "no C++ compiler found" in caplog.text
     assert "no C++ compiler found" in compile_choice(target, None, TetrisOptions()).why
     assert not choice_cache_dir().exists()
-    check_exact(target, stream, requests(target, 4, seed=74))
 
 
 def test_an_unreadable_cached_choice_is_measured_again(measured_here, monkeypatch):
@@ -145,24 +202,25 @@ def test_the_option_takes_true_false_or_none():
             TetrisOptions(tetris_compile=value)
 
 
-def test_stream_bench_runs_a_default_stream_that_compiles_once_untimed(measured_here, monkeypatch, fresh_dynamo):
-    """``tetris-hf stream-bench`` leaves the stream's ``tetris_compile`` at its default: a stream that then compiles
-    gets the untimed first run a compiled system gets (its seconds reported apart), one that stays eager none; outputs
+def test_stream_bench_runs_a_default_stream_as_it_comes_without_an_untimed_compile_run(measured_here, monkeypatch,
+                                                                                          fresh_dynamo):
+    """``tetris-hf stream-bench`` leaves the stream's ``tetris_compile`` at its default: with a cached choice to
+    compile, a short run stays eager (no graph, no untimed run: the stream compiles only once its steps paid); outputs
     equal plain decoding's."""
+    from torch._dynamo.utils import counters
+
     from tetris_hf.tools import stream_bench
 
     target = tiny_llama(seed=0)
     prompts = random_prompts(5, target.config.vocab_size, seed=9)
-    for pays in (True, False):
-        forced(monkeypatch, pays)
-        clear_memory_cache()
-        for file in choice_cache_dir().glob("*.json"):
-            file.unlink()
-        config = stream_bench.StreamBenchConfig(max_new_tokens=8, max_batch_sizes=(3,), systems=("generate-chunks",),
-                                                strategies=("fixed",), lookup=True)
-        report = stream_bench.run_stream_bench(target, None, prompts, {63}, 0, config, log=lambda line: None)
-        assert ("stream-fixed" in report["startup"].get(3, {})) == pays
-        assert all(row["equal"] == "5/5" for row in report["runs"][3])
+    forced(monkeypatch, True)
+    compile_choice(target, None, TetrisOptions())
+    config = stream_bench.StreamBenchConfig(max_new_tokens=8, max_batch_sizes=(3,), systems=("generate-chunks",),
+                                            strategies=("fixed",), lookup=True)
+    report = stream_bench.run_stream_bench(target, None, prompts, {63}, 0, config, log=lambda line: None)
+    assert "stream-fixed" not in report["startup"].get(3, {})
+    assert all(row["equal"] == "5/5" for row in report["runs"][3])
+    assert counters["stats"]["unique_graphs"] == 0
 
 
 def test_the_measurements_graph_serves_the_calls_steps(measured_here, fresh_dynamo):
@@ -176,16 +234,3 @@ def test_the_measurements_graph_serves_the_calls_steps(measured_here, fresh_dyna
     check_exact(target, stream, requests(target, 6, seed=75))
     assert counters["stats"]["unique_graphs"] == 1
 
-
-def test_a_generate_call_too_small_to_pay_for_a_compile_stays_eager_without_measuring(measured_here, monkeypatch):
-    """Rows x max_new_tokens below ``MIN_TOKENS``: eager, nothing measured; at or above it the choice is asked."""
-    target = tiny_llama(seed=4)
-    asked = forced(monkeypatch, True)
-    prompts = random_prompts(2, target.config.vocab_size, seed=4)
-    input_ids, mask = left_pad(prompts)
-    monkeypatch.setattr(compile_choice_module, "MIN_TOKENS", 2 * 6 + 1)
-    for new, compiles in ((6, False), (7, True)):
-        out = target.generate(input_ids, attention_mask=mask, custom_generate="tetris", max_new_tokens=new,
-                              pad_token_id=0, return_dict_in_generate=True, **LOOKUP)
-        assert out.sequences.shape[1] <= input_ids.shape[1] + new
-        assert len(asked) == int(compiles)

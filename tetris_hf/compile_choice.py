@@ -1,8 +1,9 @@
-"""``tetris_compile=None``, the default: the target's forwards compiled where a measurement on this machine says compiled
-steps are faster (:func:`resolve_compile`). The measurement (:func:`measure_compiled_steps`) times the same decoding
-steps eager and compiled, interleaved, on the model itself; it runs once per model, dtype, device, threads, torch
-version and linear kernels, at first use, and is cached in memory and under :func:`choice_cache_dir`. Design and
-measurements: docs/gpu.md, "The compiled path".
+"""``tetris_compile=None``, the default: a call starts eager and compiles its target's forwards once its eager steps
+have taken long enough for compiled steps to pay the compile back, where a measurement on this machine says compiled
+steps are faster (:func:`compile_later`, :class:`CompileLater`). The measurement (:func:`measure_compiled_steps`)
+times the same decoding steps eager and compiled, interleaved, on the model itself; it runs once per model, dtype,
+device, threads, torch version and linear kernels, when a call first gets that far, and is cached in memory and under
+:func:`choice_cache_dir`. Design and measurements: docs/gpu.md, "The compiled path".
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ ENVIRONMENT = "TETRIS_HF_COMPILE"  # "0": tetris_compile=None means eager in thi
 PAYS_BELOW = 0.95  # compiled steps are chosen when they take at most this share of eager steps' time
 ROWS, CONTEXT, WIDTHS, STEPS = 8, 128, (1, 4), 6  # the measured steps: rows, tokens cached, tokens a row, timed each
 VERSION = 1  # of the measurement: a cached choice of another version is measured again
-MIN_TOKENS = 4096  # a call known to generate fewer new tokens than this stays eager (see resolve_compile)
+# eager steps' seconds after which a call that may compile, with no choice measured for its model, measures (and
+# compiles where it pays): about what a 135M model's compile (about 60 s on 2 CPU cores) over its saving (about 8%) is
+UNMEASURED_PAYBACK_SECONDS = 600.0
 
 _CHOICES: dict[str, "CompileChoice"] = {}
-_ANNOUNCED: set[str] = set()  # the choices that said, in this process, that they compile
 
 
 @dataclass(frozen=True)
@@ -63,22 +65,70 @@ def choice_cache_dir() -> Path:
     return cache_dir() / "compile-choices"
 
 
-def resolve_compile(options: TetrisOptions, model: torch.nn.Module, assistant_model: torch.nn.Module | None,
-                    new_tokens: int | None = None) -> TetrisOptions:
-    """``options`` with ``tetris_compile`` ``True`` or ``False``: as given, or for ``None`` as :func:`compile_choice`
-    says, for a call that generates ``new_tokens`` in all (rows x ``max_new_tokens``; ``None``: unknown, a request
-    stream's). A call known to generate fewer than :data:`MIN_TOKENS` stays eager without measuring: each process
-    pays the compile again (about 40 s for a 135M model on 2 CPU cores with inductor's cache warm, docs/gpu.md)."""
-    if options.tetris_compile is not None:
-        return options
-    if new_tokens is not None and new_tokens < MIN_TOKENS:
-        return dataclasses.replace(options, tetris_compile=False)
-    choice = compile_choice(model, assistant_model, options)
-    if choice.compile and choice.key not in _ANNOUNCED:
-        _ANNOUNCED.add(choice.key)
-        logger.warning("tetris_compile=None: compiling %s's forwards (%s); the first steps wait for the compiler. "
-                       "tetris_compile=False skips it.", type(model).__name__, choice.why)
-    return dataclasses.replace(options, tetris_compile=choice.compile)
+@dataclass
+class CompileLater:
+    """``tetris_compile=None`` in a call whose target may compile: the call runs eager and compiles once its eager
+    steps have taken :attr:`payback_seconds`, the time after which compiled steps would have saved what the compile
+    costs (a ski rental: a call that ends sooner never compiles and is eager's own; one that ends right after the
+    compile took at most ``1 + saving`` times eager's time, about 1.08x on a 2-core CPU; a longer one gains the
+    saving on every later step). With no choice measured yet for the model, the call measures when due
+    (:func:`measure_compiled_steps`, whose compile then serves the call) after :data:`UNMEASURED_PAYBACK_SECONDS`.
+
+    Attributes:
+        model: the target.
+        payback_seconds: eager steps' seconds after which the call compiles (or measures).
+        choice: the cached choice (one that compiles), or ``None``: measure when due.
+        eager_seconds: eager steps' seconds so far (:meth:`count`).
+    """
+
+    model: torch.nn.Module
+    payback_seconds: float
+    choice: CompileChoice | None = None
+    eager_seconds: float = 0.0
+
+    def count(self, seconds: float) -> bool:
+        """Add an eager step's (or prompt read's) ``seconds``; whether the call should compile now."""
+        self.eager_seconds += seconds
+        return self.eager_seconds >= self.payback_seconds
+
+    def decide(self) -> bool:
+        """Due: whether to compile now, measuring first where no choice was cached (said in a warning either way)."""
+        choice = self.choice or compile_choice(self.model, None, TetrisOptions())
+        if choice.compile:
+            logger.warning("tetris_compile=None: %.0f s of eager steps, compiling %s's forwards now (%s); "
+                           "tetris_compile=False never compiles, True compiles at once.", self.eager_seconds,
+                           type(self.model).__name__, choice.why)
+        return choice.compile
+
+
+def compile_later(model: torch.nn.Module, assistant_model: torch.nn.Module | None,
+                  options: TetrisOptions) -> CompileLater | None:
+    """For ``tetris_compile=None``: a :class:`CompileLater` where the call may compile its target's forwards later;
+    ``None`` where it runs eager throughout: a call ruled out (:func:`_ruled_out`), a model whose cached choice is not
+    to compile, or ``tetris_compile`` given (``True`` or ``False``). Measures nothing."""
+    if options.tetris_compile is not None or _ruled_out(model, assistant_model, options) is not None:
+        return None
+    choice = cached_choice(model)
+    if choice is None:
+        return CompileLater(model, UNMEASURED_PAYBACK_SECONDS)
+    if not choice.compile:
+        return None
+    return CompileLater(model, payback_seconds(choice), choice)
+
+
+def payback_seconds(choice: CompileChoice) -> float:
+    """Eager steps' seconds after which compiled steps would have saved ``choice``'s compile: its compile seconds over
+    the share of a step's time compiling saves."""
+    return choice.compile_seconds / max(1.0 - choice.compiled_over_eager, 1e-3)
+
+
+def cached_choice(model: torch.nn.Module) -> CompileChoice | None:
+    """The choice measured for ``model`` on this machine (in memory, else on disk), or ``None``."""
+    key = "compile-" + profile_key(model, None)
+    choice = _CHOICES.get(key) or _read(choice_cache_dir() / f"{key}.json")
+    if choice is not None:
+        _CHOICES[key] = choice
+    return choice
 
 
 def compile_choice(model: torch.nn.Module, assistant_model: torch.nn.Module | None,
@@ -90,12 +140,11 @@ def compile_choice(model: torch.nn.Module, assistant_model: torch.nn.Module | No
     reason = _ruled_out(model, assistant_model, options)
     if reason is not None:
         return CompileChoice(False, reason)
-    key = "compile-" + profile_key(model, None)
-    choice = _CHOICES.get(key) or _read(choice_cache_dir() / f"{key}.json")
+    choice = cached_choice(model)
     if choice is None:
-        choice = dataclasses.replace(_measure_and_choose(model), key=key)
+        key = "compile-" + profile_key(model, None)
+        choice = _CHOICES[key] = dataclasses.replace(_measure_and_choose(model), key=key)
         _write(choice_cache_dir() / f"{key}.json", choice)
-    _CHOICES[key] = choice
     return choice
 
 
@@ -210,4 +259,3 @@ def _write(path: Path, choice: CompileChoice) -> None:
 def clear_memory_cache() -> None:
     """Forget the choices made in this process (the disk cache stays)."""
     _CHOICES.clear()
-    _ANNOUNCED.clear()

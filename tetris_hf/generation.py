@@ -8,11 +8,9 @@ from __future__ import annotations
 import functools
 import os
 
-import torch
 from transformers.generation.utils import GenerationMixin
 
 from .checks import check_pair, check_prompt_shape
-from .compile_choice import resolve_compile
 from .decoding import tetris_decoding
 from .encoder_decoder import generate as generate_encoder_decoder
 from .encoder_decoder import is_encoder_decoder
@@ -35,7 +33,7 @@ def generate(model, *args, **kwargs):
             ``num_assistant_tokens`` (k, default 4), ``tetris_extra_tokens`` (e, default 2), ``tetris_budget`` (C,
             default k x active rows), ``tetris_strategy`` (``"tetris"``, ``"fixed"``, ``"adaptive"`` or ``"dsd"``),
             ``tetris_cost_profile``, ``tetris_step_callback``, ``tetris_max_holes``, ``tetris_draft_vocab``,
-            ``tetris_compile`` (default ``None``: as measured, :mod:`~tetris_hf.compile_choice`),
+            ``tetris_compile`` (default ``None``: compiled once it pays, :mod:`~tetris_hf.compile_choice`),
             ``tetris_tree_width`` (draft trees), ``tetris_pack`` (packed verify steps) and
             ``tetris_confidence_threshold``.
 
@@ -54,11 +52,6 @@ def generate(model, *args, **kwargs):
     if prompt is None:  # generate(input_ids=...) reaches a custom_generate folder as inputs=None, input_ids=...
         prompt = kwargs.get("input_ids")
     check_prompt_shape(prompt)  # before transformers' preparation indexes it
-    config = kwargs.get("generation_config") or model.generation_config
-    max_new_tokens = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
-    known = isinstance(max_new_tokens, int) and isinstance(prompt, torch.Tensor)
-    new_tokens = prompt.shape[0] * max_new_tokens if known else None  # (what the call may generate, for the choice)
-    options = resolve_compile(options, model, assistant_model, new_tokens)
     decoding = functools.partial(tetris_decoding, assistant_model=assistant_model, options=options, streamer=streamer)
     return GenerationMixin.generate(model, *args, custom_generate=decoding, **kwargs)
 

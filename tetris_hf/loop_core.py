@@ -6,6 +6,7 @@ docs/design.md, "The loop and its core".
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import NamedTuple
 
 import torch
@@ -16,6 +17,7 @@ from .attention import AttentionLayout, check_tree_layout
 from .batch import Batch, Retired
 from .candidate_generators import build_drafter
 from .chain_step import ChainStep, StepContext
+from .compile_choice import compile_later
 from .compiled import check_compilable, compiled_forward, compiles_on_eager_shapes, eager_shapes_forward
 from .kv import SlotCache, slots_needed
 from .logits import PositionwiseLogitsProcessor
@@ -150,8 +152,10 @@ class LoopCore:
         self._routing = contextlib.ExitStack()
         self._routing.enter_context(routed_attention(*routed))
         self.context = StepContext(model, self.target_slots, self.drafter, self.logits_processor, self.stopper,
-                                   self.do_sample, options.tetris_compile, self.pad_value,
+                                   self.do_sample, bool(options.tetris_compile), self.pad_value,
                                    options.tetris_step_callback is not None)
+        # tetris_compile=None: eager until the eager steps' time would have paid for the compile (compile_choice.py)
+        self.compile_later = compile_later(model, assistant_model, options)
 
     # -- stepping ----------------------------------------------------------------------------------------------------
 
@@ -182,6 +186,8 @@ class LoopCore:
         ``drafter_read``, what the drafter asked to read, or known on the host). A step a user ran itself
         (``generate()``'s prompt read) ends here too."""
         self.records.append(record)
+        if self.compile_later is not None:
+            self._count_eager(sum(record.seconds))
         batch, read = self.batch, None
         if batch.shortest >= self.max_length:
             num_stopped = batch.num_rows  # every row is at the length limit
@@ -195,6 +201,16 @@ class LoopCore:
             return LoopStep(record, self.retire(stopped, num_stopped, read), joining_tokens)
         self.drafter.settle(read)
         return LoopStep(record, None, joining_tokens)
+
+    def _count_eager(self, seconds: float) -> None:
+        """``tetris_compile=None``: count an eager step's (or prompt read's) ``seconds``; once they have paid for the
+        compile (:class:`~tetris_hf.compile_choice.CompileLater`), the target's forwards from the next one on run
+        compiled on their eager shapes (where the choice, measured now if it was not, says so), else eager for good."""
+        if self.compile_later.count(seconds):
+            later, self.compile_later = self.compile_later, None
+            if later.decide():
+                self.on_eager_shapes = True
+                self.target_slots.eager_shapes_forward = eager_shapes_forward(self.model)
 
     def take_records(self) -> list[StepRecord]:
         """The step records kept since the last call, which the core then forgets (a stream folds them)."""
@@ -253,6 +269,7 @@ class LoopCore:
         forward; the other rows' blocks are empty (packed, they cost nothing; padded, they compute filler)."""
         device, batch = self.batch.lengths.device, self.batch
         to_read = [len(prompt) - 1 for prompt in prompts]
+        started = time.perf_counter()  # (the host clock: only a CPU target compiles later)
         for start in range(0, max(to_read), chunk):
             sizes = [min(max(length - start, 0), chunk) for length in to_read]
             width = max(sizes)
@@ -273,6 +290,8 @@ class LoopCore:
             self.target_slots.compact(batch.longest)
             self.drafter.join(chunk=PromptChunk(block, real_lengths, num_real, batch.longest, successors, old_rows,
                                                 features))
+        if self.compile_later is not None:
+            self._count_eager(time.perf_counter() - started)
 
     def _join(self, joining: JoiningPrompts, first_tokens: torch.Tensor,
               features: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -83,8 +83,9 @@ class TetrisOptions:
             ``None``: measured at first use and cached.
         tetris_draft_vocab: the tokens a draft model's head scores: an int ``N`` (the most frequent) or a 1-D tensor.
         tetris_compile: run the target's verify forward and the draft's step through ``torch.compile``; ``None``
-            (the default): the target's forwards compiled where a measurement on this machine, made once and cached,
-            says they are faster (:mod:`tetris_hf.compile_choice`), eager elsewhere.
+            (the default): eager, the target's forwards compiled once the call's eager steps have taken long enough
+            for the compile to pay back, where a measurement on this machine (made once, cached) says compiled steps
+            are faster (:mod:`tetris_hf.compile_choice`).
         tetris_tree_width: ``w``, children per expanded draft node; ``w > 1`` drafts a tree per row.
         tetris_pack: read each verify block packed where the target can be (:mod:`tetris_hf.packing`).
         prompt_lookup_num_tokens: draft by prompt lookup, up to this many tokens per row (it is ``k``).

@@ -693,7 +693,7 @@ def make_strategy(options: TetrisOptions, model: torch.nn.Module | None = None,
     hybrid = assistant_model is not None and options.model_free_tokens is not None
     # (a sampled call's plans decide which random numbers are drawn: it plans on nothing the clock or earlier calls set)
     learn_costs = learn_costs and not sampling
-    memory = (pair_memory(model, assistant_model, hybrid, compiled=options.tetris_compile)
+    memory = (pair_memory(model, assistant_model, hybrid, compiled=bool(options.tetris_compile))
               if model is not None and not sampling else None)
     if options.tetris_strategy == "adaptive":
         return AdaptiveBudget(options, cost, learn_costs=learn_costs, memory=memory, sampling=sampling, hybrid=hybrid,

@@ -22,7 +22,6 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from .batch import Retired
 from .checks import check_pair
-from .compile_choice import resolve_compile
 from .logits.row_sampling import RowSamplingWarper
 from .loop_core import HoldsCore, LoopCore
 from .options import TetrisOptions, pop_options
@@ -217,7 +216,6 @@ class RequestStream:
         if kwargs:
             raise TypeError(f"unknown arguments for a request stream: {sorted(kwargs)}")
         check_pair(model, assistant_model, prompt_lookup=self.options.model_free_tokens is not None)
-        self.options = resolve_compile(self.options, model, assistant_model)
         text_config = model.config.get_text_config(decoder=True)
         if max_length is None:
             max_length = getattr(text_config, "max_position_embeddings", None) or 4096

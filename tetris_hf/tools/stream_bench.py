@@ -9,8 +9,8 @@ Every request arrives at time 0 (a backlog, as a batch job or a burst of traffic
   chunk waits for its longest row);
 - ``tetris-chunks``: static TETRIS ``generate(custom_generate="tetris")`` on the same chunks;
 - ``stream-STRATEGY``: :func:`tetris_hf.generate_batch`, rows joining as others finish, for each ``--strategies``,
-  ``tetris_compile`` at its default (``None``: compiled where measured to pay, :mod:`tetris_hf.compile_choice`; a
-  stream that compiles gets the untimed first run of ``--compiled``'s) or, with ``--compiled``, ``False``;
+  ``tetris_compile`` at its default (``None``: eager until its steps would have paid for a compile,
+  :mod:`tetris_hf.compile_choice`) or, with ``--compiled``, ``False``;
 - ``stream-STRATEGY-apart`` (``--prompts-apart``): the same with every joining prompt read in forwards of its own,
   not in the verification forwards (``ride_prompts=False``).
 - ``stream-STRATEGY-compiled`` (``--compiled``): the same strategy with ``tetris_compile=True``; its first run, which
@@ -47,8 +47,7 @@ from pathlib import Path
 
 import torch
 
-from ..compile_choice import resolve_compile
-from ..options import TetrisOptions, pop_options
+from ..options import TetrisOptions
 from .cli import (UsageError, add_kernel_argument, apply_kernels, load_pair, load_prompt_set, number_list,
                   prompt_texts, resolve_device)
 from .vllm_system import VLLM_SYSTEMS, VLLMSettings
@@ -476,7 +475,7 @@ def run_stream_bench(target, draft, prompts: list[list[int]], eos: set[int], pad
         systems = [name for name in systems if name not in VLLM_SYSTEMS]
     threads = torch.get_num_threads()
     for batch_size in config.max_batch_sizes:
-        plans, compiling = [], set()  # (compiling: default streams that compile, see stream_compiles)
+        plans = []
         engines = {}  # vLLM system -> its engine, started at its first run (start-up timed apart)
 
         def vllm_run(name: str, b: int) -> StreamRun:
@@ -527,13 +526,10 @@ def run_stream_bench(target, draft, prompts: list[list[int]], eos: set[int], pad
                 plans.append((name, lambda b=batch_size, s=settings, n=name, r=ride, o=options, c=compiled: run_stream(
                     n, target, mine, config.max_new_tokens, b, eos, pad, tetris_extra_tokens=config.extra_tokens,
                     ride_prompts=r, tetris_compile=c, **s, **o())))
-                if compiled is None and stream_compiles(target, **settings, **options()):
-                    compiling.add(name)
-                    log(f"  B={batch_size} {name}: tetris_compile=None compiles on this machine")
         runs: dict[str, list[StreamRun]] = {name: [] for name, _ in plans}
         try:
             for name, run in plans:
-                if name.endswith("-compiled") or name in compiling:
+                if name.endswith("-compiled"):
                     report["startup"].setdefault(batch_size, {})[name] = compile_run(name, run, batch_size, log)
             for repeat in range(config.repeats):
                 for name, run in plans:
@@ -565,14 +561,6 @@ def run_stream_bench(target, draft, prompts: list[list[int]], eos: set[int], pad
         report["runs"][batch_size] = summaries
         report["medians"][batch_size] = medians
     return report
-
-
-def stream_compiles(target, **options) -> bool:
-    """Whether a request stream with ``options`` (its keyword arguments) compiles its target's forwards: their
-    ``tetris_compile=None`` resolved as the stream resolves it (which measures once if no choice is cached)."""
-    options = dict(options)
-    assistant_model = options.pop("assistant_model", None)
-    return bool(resolve_compile(pop_options(options), target, assistant_model).tetris_compile)
 
 
 def compile_run(name: str, run, batch_size: int, log=print) -> float:
