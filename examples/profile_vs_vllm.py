@@ -19,9 +19,9 @@ Systems (``--systems``):
 - ``vllm``, ``vllm-ngram``: vLLM's CPU engine without speculation and with n-gram lookup (k = ``--k``), prefix caching
   off, engine start-up reported apart;
 - ``stream-plain``, ``stream-lookup``: our request stream, eager, without speculation and with prompt lookup (TETRIS,
-  k, e = 2);
+  k, e = 2); ``stream-plain-compiled``, ``stream-lookup-compiled``: the same with ``tetris_compile=True``;
 - ``static-lookup``, ``static-lookup-compiled``: static ``generate(custom_generate="tetris")`` with prompt lookup on
-  chunks of ``--max-batch-size``, eager and with ``tetris_compile=True`` (the stream refuses it today);
+  chunks of ``--max-batch-size``, eager and with ``tetris_compile=True``;
 - ``generate``: transformers' static ``generate()`` on the same chunks, eager.
 
 The table gives, per kind, ms per step and its share of the profiled run; "Python & host" is the run's wall time not
@@ -50,7 +50,8 @@ from tetris_hf.tools.models import load_target
 # recorded runs warmed up with 1: vLLM n-gram's timed run then went at 25.4 tok/s and its profiled run right after
 # at 76.2, one thread, 16 code edits: one-off costs of its first speculative steps.)
 WARM_UP_TOKENS = 2
-SYSTEMS = ("vllm", "vllm-ngram", "stream-plain", "stream-lookup", "static-lookup", "static-lookup-compiled",
+SYSTEMS = ("vllm", "vllm-ngram", "stream-plain", "stream-lookup", "stream-plain-compiled", "stream-lookup-compiled",
+           "static-lookup", "static-lookup-compiled",
            "generate")
 
 # Kinds of op, in the table's order. An op's kind is the first whose test matches its name (lower case).
@@ -118,12 +119,13 @@ def profiled(function):
 def our_runner(system: str, target, prompts, max_new_tokens: int, batch_size: int, eos: set[int], pad: int, k: int):
     """A function ``(max_new_tokens) -> StreamRun`` for one of our systems."""
     lookup = {"prompt_lookup_num_tokens": k, "max_matching_ngram_size": 3, "tetris_extra_tokens": 2}
-    if system == "stream-plain":
+    compiled = {"tetris_compile": system.endswith("-compiled")}
+    if system.startswith("stream-plain"):
         return lambda new: stream_bench.run_stream(system, target, prompts, new, batch_size, eos, pad, tetris_budget=0,
-                                                   **lookup)  # (a drafter that never drafts: tetris_budget=0)
-    if system == "stream-lookup":
+                                                   **lookup, **compiled)  # (a drafter that never drafts: budget 0)
+    if system.startswith("stream-lookup"):
         return lambda new: stream_bench.run_stream(system, target, prompts, new, batch_size, eos, pad,
-                                                   tetris_strategy="tetris", **lookup)
+                                                   tetris_strategy="tetris", **lookup, **compiled)
     if system in ("static-lookup", "static-lookup-compiled"):
         return lambda new: stream_bench.run_chunks(system, target, prompts, new, batch_size, eos, pad,
                                                    custom_generate="tetris",
