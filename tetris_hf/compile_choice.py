@@ -70,8 +70,8 @@ class CompileLater:
     """``tetris_compile=None`` in a call whose target may compile: the call runs eager and compiles once its eager
     steps have taken :attr:`payback_seconds`, the time after which compiled steps would have saved what the compile
     costs (a ski rental: a call that ends sooner never compiles and is eager's own; one that ends right after the
-    compile took at most ``1 + saving`` times eager's time, about 1.08x on a 2-core CPU; a longer one gains the
-    saving on every later step). With no choice measured yet for the model, the call measures when due
+    compile took at most ``1 + saving`` times eager's time, 1.06x with the 2-core CPU's 0.9365x; a longer one gains
+    the saving on every later step). With no choice measured yet for the model, the call measures when due
     (:func:`measure_compiled_steps`, whose compile then serves the call) after :data:`UNMEASURED_PAYBACK_SECONDS`.
 
     Attributes:
