@@ -93,6 +93,30 @@ def test_a_default_stream_starts_eager_and_compiles_once_its_eager_steps_paid(me
     assert counters["stats"]["unique_graphs"] == (1 if payback == 0.0 else 0)
 
 
+@pytest.mark.parametrize("due_at", [3, 7])
+def test_a_stream_that_switches_mid_way_keeps_its_rows_and_cache_exact(measured_here, monkeypatch, fresh_dynamo,
+                                                                       due_at):
+    """The switch made with rows in flight and the cache already written eagerly (here at the 3rd or 7th counted step
+    or prompt read, by count rather than by clock): later steps run the compiled graph over what eager steps wrote;
+    one graph, every row equals the target alone."""
+    from torch._dynamo.utils import counters
+
+    target = tiny_llama(seed=0)
+    forced(monkeypatch, True)
+    compile_choice(target, None, TetrisOptions())
+    counted = []
+
+    def count(self, seconds):
+        counted.append(seconds)
+        return len(counted) >= due_at
+
+    monkeypatch.setattr(CompileLater, "count", count)
+    stream = RequestStream(target, max_batch_size=3, prefill_chunk=8, eos_token_id=None, **LOOKUP)
+    check_exact(target, stream, requests(target, 10, seed=77))
+    assert len(counted) == due_at and compiled_now(stream)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 def test_a_call_with_no_choice_measures_when_due_and_the_measurements_graph_serves_it(measured_here, monkeypatch,
                                                                                         fresh_dynamo):
     """No choice cached: the stream starts eager without measuring; when its eager steps reach
