@@ -46,7 +46,6 @@ class CompileChoice:
     Attributes:
         compile: compile them.
         why: a sentence saying why (what was measured, or what rules compiling out).
-        key: what the choice was measured for (the model, device, dtype, threads, torch, kernels), or empty.
         compiled_over_eager: compiled steps' time over eager steps' (``None``: not measured).
         compile_seconds: the first compiled forwards' time, the compiler's (``None``: not measured).
         measured: the measurement's numbers as :func:`measure_compiled_steps` returns them (empty: not measured).
@@ -54,7 +53,6 @@ class CompileChoice:
 
     compile: bool
     why: str
-    key: str = ""
     compiled_over_eager: float | None = None
     compile_seconds: float | None = None
     measured: dict = dataclasses.field(default_factory=dict)
@@ -124,11 +122,17 @@ def payback_seconds(choice: CompileChoice) -> float:
 
 def cached_choice(model: torch.nn.Module) -> CompileChoice | None:
     """The choice measured for ``model`` on this machine (in memory, else on disk), or ``None``."""
-    key = "compile-" + profile_key(model, None)
+    key = _choice_key(model)
     choice = _CHOICES.get(key) or _read(choice_cache_dir() / f"{key}.json")
     if choice is not None:
         _CHOICES[key] = choice
     return choice
+
+
+def _choice_key(model: torch.nn.Module) -> str:
+    """What a choice is cached under: what it was measured for, as a cost profile is (the model, device, dtype,
+    threads, torch, linear kernels)."""
+    return "compile-" + profile_key(model, None)
 
 
 def compile_choice(model: torch.nn.Module, assistant_model: torch.nn.Module | None,
@@ -142,8 +146,8 @@ def compile_choice(model: torch.nn.Module, assistant_model: torch.nn.Module | No
         return CompileChoice(False, reason)
     choice = cached_choice(model)
     if choice is None:
-        key = "compile-" + profile_key(model, None)
-        choice = _CHOICES[key] = dataclasses.replace(_measure_and_choose(model), key=key)
+        key = _choice_key(model)
+        choice = _CHOICES[key] = _measure_and_choose(model)
         _write(choice_cache_dir() / f"{key}.json", choice)
     return choice
 
