@@ -25,7 +25,7 @@ def reference(query, key, value, mask, scale):
 
 @settings(max_examples=60, deadline=None)
 @given(batch=st.integers(1, 5), key_heads=st.integers(1, 3), groups=st.integers(1, 4), length=st.integers(1, 8),
-       slots=st.integers(1, 70), dim=st.sampled_from([1, 8, 17, 64]), extra_slots=st.integers(0, 9),
+       slots=st.integers(1, 70), dim=st.sampled_from([1, 8, 17, 32, 64, 128]), extra_slots=st.integers(0, 9),
        mask_batch=st.booleans(), mask_rows=st.booleans(), seed=st.integers(0, 2**16), density=st.floats(0, 1))
 def test_row_attention_equals_softmax_attention(batch, key_heads, groups, length, slots, dim, extra_slots, mask_batch,
                                                 mask_rows, seed, density):
@@ -48,7 +48,7 @@ def test_row_attention_equals_softmax_attention(batch, key_heads, groups, length
 
 @settings(max_examples=60, deadline=None)
 @given(lengths=st.lists(st.integers(0, 6), min_size=1, max_size=6), key_heads=st.integers(1, 3),
-       groups=st.integers(1, 4), slots=st.integers(1, 50), dim=st.sampled_from([8, 17, 64]),
+       groups=st.integers(1, 4), slots=st.integers(1, 50), dim=st.sampled_from([8, 17, 32, 64, 128]),
        first_rows=st.integers(0, 2), offsets=st.booleans(), mask_rows=st.booleans(), seed=st.integers(0, 2**16),
        density=st.floats(0, 1))
 def test_packed_row_attention_equals_softmax_attention_on_the_unpacked_block(lengths, key_heads, groups, slots, dim,
