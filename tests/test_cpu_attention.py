@@ -204,3 +204,19 @@ print(cpu_attention.available(), torch.allclose(output, expected.transpose(1, 2)
     assert run.stdout.split() == ["False", "True"]
     assert "building the CPU attention kernel failed" in run.stderr and "stays on sdpa" in run.stderr
     assert list(tmp_path.rglob("*.so")) == []
+
+
+def test_the_kernel_alone_example_checks_and_times_this_trees_kernel_beside_another_commits():
+    """examples/attention_kernel_alone.py on small shapes: each kernel's output checked against float64 attention
+    (the script raises otherwise), this tree's and HEAD's kernels and the cold sum timed for each shape."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, str(root / "examples" / "attention_kernel_alone.py"), "--contexts", "40,70",
+                          "--queries", "1,6", "--rows", "3", "--layers", "2", "--repeats", "1", "--against", "HEAD"],
+                         capture_output=True, text=True, cwd=root, timeout=300)
+    assert run.returncode == 0, run.stderr
+    lines = [line for line in run.stdout.splitlines() if "keys:" in line]
+    assert len(lines) == 4 and all("this tree" in line and "HEAD" in line and "cold sum" in line for line in lines)

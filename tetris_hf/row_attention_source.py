@@ -45,6 +45,26 @@ static inline float sum_lanes(vector v) {  /* v[0] + ... + v[KEYS - 1], halving 
     return v[0];
 }
 
+/* tile[d][t] = tile[t][d]: a KEYS x KEYS tile transposed in place, by swapping ever smaller blocks (8, 4, 2, 1) */
+static inline void transpose(vector *tile) {
+#define SWAP(W, LOW, HIGH)                                                                                         \
+    for (int i = 0; i < KEYS; i++)                                                                                 \
+        if (!(i & W)) {                                                                                            \
+            const vector a = tile[i], b = tile[i + W];                                                             \
+            tile[i] = __builtin_shuffle(a, b, LOW);                                                                \
+            tile[i + W] = __builtin_shuffle(a, b, HIGH);                                                           \
+        }
+    SWAP(8, ((lanes){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}),
+         ((lanes){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}))
+    SWAP(4, ((lanes){0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}),
+         ((lanes){4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}))
+    SWAP(2, ((lanes){0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}),
+         ((lanes){2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}))
+    SWAP(1, ((lanes){0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}),
+         ((lanes){1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}))
+#undef SWAP
+}
+
 /* e^x for x <= 0 (a score minus its row's maximum), within 2 ulp, and 0 for x = -inf (a key the query may not see):
  * Cephes' expf, lane by lane. */
 static inline vector exp_nonpositive(vector x) {
@@ -108,10 +128,21 @@ static inline __attribute__((always_inline)) void attend_row_head(
             for (int64_t i = 0; i < Q; i++) store(scores + i * width + first, dots[i] * scale + biases[i % L]);
             continue;
         }
+        const float *block[KEYS];  /* the block's keys, the first repeated past the n-th (scores dropped) */
         for (int64_t t = 0; t < KEYS; t++) {
-            const float *k = key + b * k_b + h * k_h + slots[first + (t < count ? t : 0)] * k_s;
+            block[t] = key + b * k_b + h * k_h + slots[first + (t < count ? t : 0)] * k_s;
             if (first + t + AHEAD < n) prefetch(key + b * k_b + h * k_h + slots[first + t + AHEAD] * k_s, D);
-            for (int64_t d = 0; d < D; d++) transposed[d][t] = k[d];
+        }
+        if (chunks * KEYS == D) {  /* KEYS x KEYS tiles transposed in vectors */
+            for (int64_t c = 0; c < chunks; c++) {
+                vector tile[KEYS];
+                for (int64_t t = 0; t < KEYS; t++) tile[t] = load(block[t] + c * KEYS);
+                transpose(tile);
+                for (int64_t d = 0; d < KEYS; d++) transposed[c * KEYS + d] = tile[d];
+            }
+        } else {
+            for (int64_t t = 0; t < KEYS; t++)
+                for (int64_t d = 0; d < D; d++) transposed[d][t] = block[t][d];
         }
         for (int64_t i = 0; i < Q; i++) {
             const float *q = query + b * q_b + (h * G + i / L) * q_h + i % L * q_l;
