@@ -17,7 +17,6 @@ tree's. Every kernel's output is checked against softmax attention in float64. M
 from __future__ import annotations
 
 import argparse
-import ctypes
 import subprocess
 import tempfile
 import time
@@ -29,17 +28,14 @@ from tetris_hf import cpu_attention
 from tetris_hf.row_attention_source import SOURCE
 
 
-def build(source: str, folder: Path, name: str):
-    """``source`` compiled as :mod:`tetris_hf.cpu_attention` builds it: its ``row_attention`` function."""
-    code, library = folder / f"{name}.c", folder / f"{name}.so"
-    code.write_text(source)
-    subprocess.run(["gcc", *cpu_attention.FLAGS, "-o", str(library), str(code)], check=True)
-    function = ctypes.CDLL(str(library)).row_attention
-    pointer, size = ctypes.c_void_p, ctypes.c_int64
-    function.argtypes = [pointer, size, size, size, pointer, size, size, size, pointer, size, size, size,
-                         pointer, size, size, size, pointer, size, size, size, size, size, size, ctypes.c_float,
-                         ctypes.c_int, pointer, pointer, size]
-    return function
+def built(source: str, folder: Path, name: str):
+    """``source`` built and loaded as :mod:`tetris_hf.cpu_attention` builds its own: its ``row_attention``."""
+    command = cpu_attention.compiler()
+    if command is None:
+        raise SystemExit("no C compiler found (gcc or $CC): no kernel to time")
+    library = folder / f"{name}.so"
+    cpu_attention.build(source, library, command)
+    return cpu_attention.load(library).row_attention
 
 
 def layers_of(args, context: int, queries: int):
@@ -84,13 +80,13 @@ def main() -> None:
     args = parser.parse_args()
     threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory() as scratch:
-        kernels = {"this tree": build(SOURCE, Path(scratch), "this")}
+        kernels = {"this tree": built(SOURCE, Path(scratch), "this")}
         if args.against:
             text = subprocess.run(["git", "show", f"{args.against}:tetris_hf/row_attention_source.py"], check=True,
                                   capture_output=True, text=True).stdout
             namespace: dict = {}
             exec(compile(text, "row_attention_source.py", "exec"), namespace)
-            kernels[args.against] = build(namespace["SOURCE"], Path(scratch), "against")
+            kernels[args.against] = built(namespace["SOURCE"], Path(scratch), "against")
         print(f"{args.rows} rows, {args.key_heads} key-value heads x {args.groups} query heads, dim {args.dim}, "
               f"{args.layers} layers, {threads} threads; ms a layer (GB/s of keys and values read)")
         for queries in map(int, args.queries.split(",")):

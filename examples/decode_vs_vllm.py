@@ -17,6 +17,7 @@ against vLLM's at equal contexts".
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
@@ -29,19 +30,18 @@ from tetris_hf.tools.models import load_target
 SYSTEMS = ("vllm", "stream-plain", "stream-plain-compiled")
 
 
-def vllm_runner(args, prompts):
-    """``(runs, close)``: a function ``(new_tokens) -> seconds`` on a started engine, and its stop."""
+def vllm_runner(args, prompts, stack: contextlib.ExitStack):
+    """A function ``(new_tokens) -> seconds`` on a started engine (stopped when ``stack`` closes)."""
     from tetris_hf.tools.vllm_system import VLLMEngine, find_vllm, model_folder
 
     python, version = find_vllm(args.vllm_python)
-    engine = VLLMEngine(python, model_folder(None), max_num_seqs=args.rows,
-                        max_model_len=args.context + args.new_tokens + 8, threads=torch.get_num_threads(),
-                        speculative=None, log_path=f"/tmp/decode-vs-vllm-{version}.log")
-    engine.__enter__()
+    engine = stack.enter_context(VLLMEngine(python, model_folder(None), max_num_seqs=args.rows,
+                                            max_model_len=args.context + args.new_tokens + 8,
+                                            threads=torch.get_num_threads(), speculative=None,
+                                            log_path=f"/tmp/decode-vs-vllm-{version}.log"))
     engine.start()
     print(f"vLLM {version}: engine started in {engine.startup_seconds:.1f} s (not counted)", flush=True)
-    return (lambda new: float(engine.generate(prompts, new, [])["seconds"])), (lambda: engine.__exit__(None, None,
-                                                                                                     None))
+    return lambda new: float(engine.generate(prompts, new, [])["seconds"])
 
 
 def stream_runner(name: str, target, prompts):
@@ -70,31 +70,26 @@ def main() -> None:
     for name in args.systems.split(","):
         if name not in SYSTEMS:
             raise SystemExit(f"unknown system {name!r}; one of {', '.join(SYSTEMS)}")
-        close = None
-        if name == "vllm":
-            from tetris_hf.tools.vllm_system import VLLMUnavailable
+        with contextlib.ExitStack() as stack, torch.no_grad():
+            if name == "vllm":
+                from tetris_hf.tools.vllm_system import VLLMUnavailable
 
-            try:
-                run, close = vllm_runner(args, prompts)
-            except VLLMUnavailable as error:
-                print(f"{error}; going on with the other systems", flush=True)
-                continue
-        else:
-            run = stream_runner(name, target, prompts)
-        try:
-            with torch.no_grad():
-                run(2)  # warm-up: first-call costs
-                if name.endswith("-compiled"):
-                    started = time.perf_counter()
-                    run(args.new_tokens + 1)
-                    print(f"{name}: compile run {time.perf_counter() - started:.1f} s (not counted)", flush=True)
-                for _ in range(args.repeats):
-                    whole, prompts_only = run(args.new_tokens + 1), run(1)
-                    print(f"{name}: {1000 * (whole - prompts_only) / args.new_tokens:.1f} ms a decode step; prompts "
-                          f"read in {prompts_only:.2f} s", flush=True)
-        finally:
-            if close is not None:
-                close()
+                try:
+                    run = vllm_runner(args, prompts, stack)
+                except VLLMUnavailable as error:
+                    print(f"{error}; going on with the other systems", flush=True)
+                    continue
+            else:
+                run = stream_runner(name, target, prompts)
+            run(2)  # warm-up: first-call costs
+            if name.endswith("-compiled"):
+                started = time.perf_counter()
+                run(args.new_tokens + 1)
+                print(f"{name}: compile run {time.perf_counter() - started:.1f} s (not counted)", flush=True)
+            for _ in range(args.repeats):
+                whole, prompts_only = run(args.new_tokens + 1), run(1)
+                print(f"{name}: {1000 * (whole - prompts_only) / args.new_tokens:.1f} ms a decode step; prompts read "
+                      f"in {prompts_only:.2f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -51,43 +51,60 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
+def compiler() -> list[str] | None:
+    """The C compiler's command: ``$CC`` (split as a shell would), else ``gcc`` or ``cc`` on the path; ``None``
+    where none is found."""
+    command = shlex.split(os.environ.get("CC", "")) or [shutil.which("gcc") or shutil.which("cc")]
+    return None if command[0] is None else command
+
+
+def build(source: str, library: Path, command: list[str]) -> None:
+    """Compile the kernel's C ``source`` with ``command`` (:func:`compiler`) and :data:`FLAGS` into the shared library
+    ``library``, written whole or not at all (built beside it, then renamed: concurrent builds are safe). Raises
+    ``OSError`` or ``subprocess.SubprocessError`` (its ``stderr`` the compiler's) where the build fails."""
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
+        target, code = Path(scratch) / library.name, Path(scratch) / "row_attention.c"
+        code.write_bytes(source.encode())
+        subprocess.run([*command, *FLAGS, "-o", str(target), str(code)], check=True, capture_output=True, timeout=120)
+        os.replace(target, library)
+
+
+def load(library: Path) -> ctypes.CDLL:
+    """A built kernel (:func:`build`), its functions ``row_attention`` and ``write_packed`` typed as the C source
+    declares them."""
+    loaded = ctypes.CDLL(str(library))
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    loaded.row_attention.argtypes = [pointer, size, size, size, pointer, size, size, size, pointer, size, size, size,
+                                     pointer, size, size, size, pointer, size, size, size, size, size, size,
+                                     ctypes.c_float, ctypes.c_int, pointer, pointer, size]
+    loaded.row_attention.restype = None
+    loaded.write_packed.argtypes = [pointer, size, size, size, pointer, size, size, size, pointer, size, size,
+                                    pointer, size, size, pointer, pointer, size, size, size, size, size]
+    loaded.write_packed.restype = None
+    return loaded
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The built kernel, loaded (built first if no matching build is cached); ``None`` where it cannot be."""
-    compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("gcc") or shutil.which("cc")]
-    if compiler[0] is None:
+    command = compiler()
+    if command is None:
         logger.warning("tetris_hf: no C compiler found (gcc or $CC); CPU attention stays on sdpa")
         return None
-    source = SOURCE.encode()
-    parts = [source, " ".join(compiler).encode(), " ".join(FLAGS).encode(), _cpu_flags().encode(),
+    parts = [SOURCE.encode(), " ".join(command).encode(), " ".join(FLAGS).encode(), _cpu_flags().encode(),
              platform.machine().encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     built = cache_directory() / f"row_attention-{key}.so"
     if not built.exists():
         try:
-            built.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=built.parent) as scratch:  # (then renamed: concurrent builds are safe)
-                target, code = Path(scratch) / built.name, Path(scratch) / "row_attention.c"
-                code.write_bytes(source)
-                subprocess.run([*compiler, *FLAGS, "-o", str(target), str(code)], check=True, capture_output=True,
-                               timeout=120)
-                os.replace(target, built)
+            build(SOURCE, built, command)
         except (OSError, subprocess.SubprocessError) as error:
             detail = getattr(error, "stderr", b"") or b""
             logger.warning("tetris_hf: building the CPU attention kernel failed (%s%s); attention stays on sdpa",
                            error, f": {detail.decode(errors='replace')[:500]}" if detail else "")
             return None
-    library = ctypes.CDLL(str(built))
-    function = library.row_attention
-    pointer, size = ctypes.c_void_p, ctypes.c_int64
-    function.argtypes = [pointer, size, size, size, pointer, size, size, size, pointer, size, size, size,
-                         pointer, size, size, size, pointer, size, size, size, size, size, size, ctypes.c_float,
-                         ctypes.c_int, pointer, pointer, size]
-    function.restype = None
-    library.write_packed.argtypes = [pointer, size, size, size, pointer, size, size, size, pointer, size, size,
-                                     pointer, size, size, pointer, pointer, size, size, size, size, size]
-    library.write_packed.restype = None
-    return library
+    return load(built)
 
 
 def available() -> bool:

@@ -98,6 +98,7 @@ static inline __attribute__((always_inline)) void attend_row_head(
         float *accumulated, float *sums) {
     const int64_t Q = G * L;
     const uint8_t *row_mask = mask + b * m_b;
+    const float *row_keys = key + b * k_b + h * k_h, *row_values = value + b * v_b + h * v_h;  /* b, h at slot 0 */
     query += query_first * q_l;  /* (a packed block's row starts at its first token) */
     int64_t n = 0;
     for (int64_t s = 0; s < S; s++) {  /* the slots some query of the row sees */
@@ -116,8 +117,8 @@ static inline __attribute__((always_inline)) void attend_row_head(
         if (few) {  /* a decode step's few queries: each key's products summed across its lanes, no transposing */
             vector dots[FEW_QUERIES] = {{0.0f}};
             for (int64_t t = 0; t < count; t++) {
-                const float *k = key + b * k_b + h * k_h + slots[first + t] * k_s;
-                if (first + t + AHEAD < n) prefetch(key + b * k_b + h * k_h + slots[first + t + AHEAD] * k_s, D);
+                const float *k = row_keys + slots[first + t] * k_s;
+                if (first + t + AHEAD < n) prefetch(row_keys + slots[first + t + AHEAD] * k_s, D);
                 for (int64_t i = 0; i < Q; i++) {
                     const float *q = query + b * q_b + (h * G + i / L) * q_h + i % L * q_l;
                     vector products = load(q) * load(k);
@@ -130,8 +131,8 @@ static inline __attribute__((always_inline)) void attend_row_head(
         }
         const float *block[KEYS];  /* the block's keys, the first repeated past the n-th (scores dropped) */
         for (int64_t t = 0; t < KEYS; t++) {
-            block[t] = key + b * k_b + h * k_h + slots[first + (t < count ? t : 0)] * k_s;
-            if (first + t + AHEAD < n) prefetch(key + b * k_b + h * k_h + slots[first + t + AHEAD] * k_s, D);
+            block[t] = row_keys + slots[first + (t < count ? t : 0)] * k_s;
+            if (first + t + AHEAD < n) prefetch(row_keys + slots[first + t + AHEAD] * k_s, D);
         }
         if (chunks * KEYS == D) {  /* KEYS x KEYS tiles transposed in vectors */
             for (int64_t c = 0; c < chunks; c++) {
@@ -176,8 +177,8 @@ static inline __attribute__((always_inline)) void attend_row_head(
         for (int64_t i = 0; i < Q; i++)
             for (int64_t c = 0; c < chunks; c++) sums_d[i][c] = (vector){0.0f};
         for (int64_t j = 0; j < n; j++) {
-            const float *v = value + b * v_b + h * v_h + slots[j] * v_s;
-            if (j + AHEAD < n) prefetch(value + b * v_b + h * v_h + slots[j + AHEAD] * v_s, D);
+            const float *v = row_values + slots[j] * v_s;
+            if (j + AHEAD < n) prefetch(row_values + slots[j + AHEAD] * v_s, D);
             for (int64_t i = 0; i < Q; i++) {
                 const float weight = scores[i * width + j];
                 for (int64_t c = 0; c < chunks; c++) sums_d[i][c] += weight * load(v + c * KEYS);
@@ -191,8 +192,8 @@ static inline __attribute__((always_inline)) void attend_row_head(
             const int64_t count = n - first < KEYS ? n - first : KEYS;
             const float *values[KEYS];
             for (int64_t t = 0; t < count; t++) {
-                values[t] = value + b * v_b + h * v_h + slots[first + t] * v_s;
-                if (first + t + AHEAD < n) prefetch(value + b * v_b + h * v_h + slots[first + t + AHEAD] * v_s, D);
+                values[t] = row_values + slots[first + t] * v_s;
+                if (first + t + AHEAD < n) prefetch(row_values + slots[first + t + AHEAD] * v_s, D);
             }
             for (int64_t i = 0; i < Q; i++) {
                 const float *p = scores + i * width + first;
