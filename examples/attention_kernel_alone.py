@@ -24,17 +24,17 @@ from pathlib import Path
 
 import torch
 
-from tetris_hf import cpu_attention
+from tetris_hf import cpu_attention, kernel_build
 from tetris_hf.row_attention_source import SOURCE
 
 
 def built(source: str, folder: Path, name: str):
     """``source`` built and loaded as :mod:`tetris_hf.cpu_attention` builds its own: its ``row_attention``."""
-    command = cpu_attention.compiler()
+    command = kernel_build.compiler()
     if command is None:
         raise SystemExit("no C compiler found (gcc or $CC): no kernel to time")
     library = folder / f"{name}.so"
-    cpu_attention.build(source, library, command)
+    kernel_build.build(source, library, command)
     return cpu_attention.load(library).row_attention
 
 

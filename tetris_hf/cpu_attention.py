@@ -14,64 +14,20 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
 import os
-import platform
-import shlex
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from .kernel_build import ENVIRONMENT, built  # (ENVIRONMENT "0": attention stays on sdpa, read at every call)
 from .ops import define
 from .row_attention_source import SOURCE
 
-logger = logging.getLogger(__name__)
-
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 MAX_QUERIES = 32  # queries a key-value head (query heads x block length) this kernel takes; longer blocks: sdpa
-ENVIRONMENT = "TETRIS_HF_CPU_KERNELS"  # "0": attention stays on sdpa (read at every call, before any build)
-
-
-def cache_directory() -> Path:
-    """Where built kernels are kept: ``$TETRIS_HF_CACHE`` or ``~/.cache/tetris_hf``, under ``kernels/``."""
-    root = os.environ.get("TETRIS_HF_CACHE") or Path.home() / ".cache" / "tetris_hf"
-    return Path(root) / "kernels"
-
-
-def _cpu_flags() -> str:
-    """The CPU's feature flags (``-march=native`` builds for them: a build on one CPU is not reused on another)."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next((line for line in info if line.startswith("flags")), "")
-    except OSError:
-        return platform.processor()
-
-
-def compiler() -> list[str] | None:
-    """The C compiler's command: ``$CC`` (split as a shell would), else ``gcc`` or ``cc`` on the path; ``None``
-    where none is found."""
-    command = shlex.split(os.environ.get("CC", "")) or [shutil.which("gcc") or shutil.which("cc")]
-    return None if command[0] is None else command
-
-
-def build(source: str, library: Path, command: list[str]) -> None:
-    """Compile the kernel's C ``source`` with ``command`` (:func:`compiler`) and :data:`FLAGS` into the shared library
-    ``library``, written whole or not at all (built beside it, then renamed: concurrent builds are safe). Raises
-    ``OSError`` or ``subprocess.SubprocessError`` (its ``stderr`` the compiler's) where the build fails."""
-    library.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
-        target, code = Path(scratch) / library.name, Path(scratch) / "row_attention.c"
-        code.write_bytes(source.encode())
-        subprocess.run([*command, *FLAGS, "-o", str(target), str(code)], check=True, capture_output=True, timeout=120)
-        os.replace(target, library)
 
 
 def load(library: Path) -> ctypes.CDLL:
-    """A built kernel (:func:`build`), its functions ``row_attention`` and ``write_packed`` typed as the C source
+    """A built kernel (:func:`tetris_hf.kernel_build.built`), its functions ``row_attention`` and ``write_packed`` typed as the C source
     declares them."""
     loaded = ctypes.CDLL(str(library))
     pointer, size = ctypes.c_void_p, ctypes.c_int64
@@ -87,24 +43,9 @@ def load(library: Path) -> ctypes.CDLL:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    """The built kernel, loaded (built first if no matching build is cached); ``None`` where it cannot be."""
-    command = compiler()
-    if command is None:
-        logger.warning("tetris_hf: no C compiler found (gcc or $CC); CPU attention stays on sdpa")
-        return None
-    parts = [SOURCE.encode(), " ".join(command).encode(), " ".join(FLAGS).encode(), _cpu_flags().encode(),
-             platform.machine().encode()]
-    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    built = cache_directory() / f"row_attention-{key}.so"
-    if not built.exists():
-        try:
-            build(SOURCE, built, command)
-        except (OSError, subprocess.SubprocessError) as error:
-            detail = getattr(error, "stderr", b"") or b""
-            logger.warning("tetris_hf: building the CPU attention kernel failed (%s%s); attention stays on sdpa",
-                           error, f": {detail.decode(errors='replace')[:500]}" if detail else "")
-            return None
-    return load(built)
+    """The built kernel, loaded (built first if no matching build is kept); ``None`` where it cannot be."""
+    library = built("row_attention", SOURCE, "CPU attention stays on sdpa")
+    return None if library is None else load(library)
 
 
 def available() -> bool:
