@@ -86,3 +86,17 @@ with torch.no_grad():
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["onednn-packed", "2", "True"]
     assert list(tmp_path.rglob("*.so")) == []
+
+
+def test_the_kernel_alone_example_checks_and_times_each_kernel():
+    """examples/panel_linear_alone.py on small shapes: each kernel's output checked against float64 (the script
+    exits otherwise), each timed for each shape and row count."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "panel_linear_alone.py"
+    run = subprocess.run([sys.executable, str(script), "--rows", "3,20", "--shapes", "40x24,17x8", "--layers", "2",
+                          "--repeats", "1"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    lines = [line for line in run.stdout.splitlines() if "rows:" in line]
+    assert len(lines) == 4
+    assert all(all(name in line for name in ("panels", "oneDNN reordered", "oneDNN on the weight")) for line in lines)

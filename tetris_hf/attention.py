@@ -186,33 +186,38 @@ FOLDED_QUERIES = 32  # a masked block is folded onto its key-value heads where t
 
 def fold_queries(query: torch.Tensor, groups: int, attention_mask: torch.Tensor) -> bool:
     """Whether :func:`grouped_sdpa_attention` folds a block's query heads onto their key-value head (``query``
-    ``(B, H, L, D)``, ``groups`` query heads a key-value head): on the CPU, outside compiled graphs, a 4D bool mask, at
-    least 3 queries a head and at most :data:`FOLDED_QUERIES` a key-value head. The CPU sdpa kernel then reads each
-    key-value head once for its ``groups * L`` queries in one product (where ``enable_gqa`` reads it per query head,
-    ``L`` queries each), with the same sums bit for bit: both are one block of queries of 3 or more (see
-    :func:`queries_read`; 1 and 2 round otherwise). E.g. a verified block of 5 tokens, 9 query heads on 3: 3 blocks of
-    15 queries in place of 9 of 5 (docs/benchmarks.md, "Attention over long contexts")."""
+    ``(B, H, L, D)``, ``groups`` query heads a key-value head): on the CPU, outside compiled graphs, a 4D bool mask,
+    more than :data:`SMALL_BLOCK` queries a head and at most :data:`FOLDED_QUERIES` a key-value head. The CPU sdpa kernel
+    then reads each key-value head once for its ``groups * L`` queries in one product (where ``enable_gqa`` reads it
+    per query head, ``L`` queries each), with the same sums bit for bit: both are one block of more than
+    :data:`SMALL_BLOCK` queries (see :func:`queries_read`; smaller blocks round otherwise). E.g. a verified block of
+    5 tokens, 9 query heads on 3: 3 blocks of 15 queries in place of 9 of 5 (docs/benchmarks.md, "Attention over long
+    contexts")."""
     length = query.shape[2]
     return (query.device.type == "cpu" and not torch.compiler.is_compiling() and attention_mask.dim() == 4
-            and attention_mask.dtype == torch.bool and length >= 3
+            and attention_mask.dtype == torch.bool and length > SMALL_BLOCK
             and groups * length <= min(FOLDED_QUERIES, QUERY_BLOCK))
 
 
 ROW_BY_ROW_WIDTH = 16  # prompt blocks at least this wide are attended row by row (prompt_rows_attention)
 KEY_MULTIPLE = 16  # a row's causal keys are cut at a multiple of this (the widest CPU vector of fp32, AVX-512)
 QUERY_BLOCK = 32  # the CPU sdpa kernel's blocks of queries are multiples of this
+# and a last block of at most this many queries takes another product whose sums round differently (1 and 2 on the
+# Intel CPUs measured, 1 to 3 on an AMD EPYC with AVX-512: tests/test_packing.py finds it out on the machine it runs on)
+SMALL_BLOCK = 3
 KEY_BLOCK = 512  # and its blocks of keys this long
 
 
 def queries_read(length: int, width: int) -> int:
     """How many of a row's ``width`` queries :func:`prompt_rows_attention` computes for its ``length`` real ones: at
     least ``length``, where the CPU sdpa kernel computes each real one as in the padded block. The kernel splits the
-    queries into blocks (multiples of :data:`QUERY_BLOCK`); a last block of 1 or 2 queries takes another product
-    (a vector one) whose sums round differently, so a row read alone does not end in one unless the padded block did
-    (its last queries: the row reads the whole width then). E.g. width 256: 33 -> 35, 40 -> 40, 255 -> 256."""
-    if length >= width - 2:
+    queries into blocks (multiples of :data:`QUERY_BLOCK`); a last block of at most :data:`SMALL_BLOCK` queries takes
+    another product (a vector one) whose sums round differently, so a row read alone does not end in one unless the
+    padded block did (its last queries: the row reads the whole width then). E.g. width 256: 33 -> 36, 40 -> 40,
+    255 -> 256."""
+    if length >= width - SMALL_BLOCK:
         return width
-    return next(end for end in (length, length + 1, length + 2) if end % QUERY_BLOCK not in (1, 2))
+    return next(end for end in range(length, length + SMALL_BLOCK + 1) if not 1 <= end % QUERY_BLOCK <= SMALL_BLOCK)
 
 
 def prompt_rows_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: tuple[int, ...],
@@ -221,7 +226,8 @@ def prompt_rows_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
     """sdpa over rows that read prompts, one row at a time at its own length, each key-value head read in place
     (``enable_gqa``): the rows of a block padded to its longest prompt computed every row to that width (and rows with
     no token in it, all of them), where a row reads only its own tokens here (docs/benchmarks.md, "Attention over long
-    contexts"). The same sums as the padded block, row by row, on the CPU's sdpa kernel (tests/test_packing.py).
+    contexts"). The same sums as the padded block, row by row, on the CPU's sdpa kernel (bit for bit on the Intel
+    CPUs measured, within rounding on an AMD EPYC: tests/test_packing.py).
 
     Args:
         query: ``(1, H, N, D)`` the rows' tokens packed in row order (``lengths[i]`` of row ``i``).
