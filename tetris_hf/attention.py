@@ -188,8 +188,8 @@ def fold_queries(query: torch.Tensor, groups: int, attention_mask: torch.Tensor)
     """Whether :func:`grouped_sdpa_attention` folds a block's query heads onto their key-value head (``query``
     ``(B, H, L, D)``, ``groups`` query heads a key-value head): on the CPU, outside compiled graphs, a 4D bool mask,
     more than :data:`SMALL_BLOCK` queries a head and at most :data:`FOLDED_QUERIES` a key-value head. The CPU sdpa
-    kernel then reads each key-value head once for its ``groups * L`` queries in one product (where ``enable_gqa`` reads it
-    per query head, ``L`` queries each), with the same sums bit for bit: both are one block of more than
+    kernel then reads each key-value head once for its ``groups * L`` queries in one product (where ``enable_gqa``
+    reads it per query head, ``L`` queries each), with the same sums bit for bit: both are one block of more than
     :data:`SMALL_BLOCK` queries (see :func:`queries_read`; smaller blocks round otherwise). E.g. a verified block of
     5 tokens, 9 query heads on 3: 3 blocks of 15 queries in place of 9 of 5 (docs/benchmarks.md, "Attention over long
     contexts")."""
