@@ -1,14 +1,16 @@
-"""The same systems with MKL's and with oneDNN's linear kernels, side by side in one process.
+"""The same systems with MKL's, oneDNN's and our panel linear kernels, side by side in one process.
 
     python examples/onednn_linears.py --prompts humaneval-edit --num-prompts 16 --max-new-tokens 64 --repeats 3
     python examples/onednn_linears.py --kernels mkl,onednn-unpacked,onednn     # oneDNN on the weight as it is, too
+    python examples/onednn_linears.py --kernels onednn,panels --threads 2      # what the panel kernel gains
 
 Runs static ``generate()`` in chunks and the request stream (prompt lookup, ``adaptive`` and plain, by default) on
 the offline target, each repeat once with the target's ``nn.Linear`` layers as they are (MKL's ``sgemm``) and once
-switched to oneDNN (:func:`tetris_hf.cpu_kernels.use_onednn_linears`), interleaved, and prints tokens per second,
-each system's ratio oneDNN / MKL, and whether the two kernels' outputs agree (greedy; fp32 results differ in the last
-bits, so a near-tie may flip a token: the count says how often). ``onednn-unpacked`` multiplies with oneDNN on the
-weight as it is, not on :class:`~tetris_hf.cpu_kernels.OneDNNLinear`'s reordered copy: what the reorder gains.
+for each other kernel of ``--kernels``, interleaved, and prints tokens per second, each system's ratio to the first
+kernel, and whether the kernels' outputs agree (greedy; fp32 results differ in the last bits, so a near-tie may flip a
+token: the count says how often). ``onednn`` multiplies with oneDNN on a reordered copy of the weight (a single row
+with MKL), ``onednn-unpacked`` with oneDNN on the weight as it is (what the reorder gains), ``panels`` as
+:func:`tetris_hf.cpu_kernels.use_onednn_linears` switches them: our panel kernel up to 256 rows, oneDNN past them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import statistics
 
 import torch
+import torch.nn.functional as F
 
 from tetris_hf.cpu_kernels import OneDNNLinear, restore_linears, use_onednn_linears
 from tetris_hf.tools.bench import load_lookup_target
@@ -30,21 +33,38 @@ class UnpackedOneDNNLinear(OneDNNLinear):
         return torch.ops.mkldnn._linear_pointwise(input, self.weight, self.bias, "none", [], "")
 
 
+class ReorderedOneDNNLinear(OneDNNLinear):
+    """oneDNN's kernel on its reordered copy of the weight (made once), a single row on MKL's: the switched layer
+    before the panel kernel."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if input.numel() == input.shape[-1]:
+            return F.linear(input, self.weight, self.bias)
+        if "_reordered" not in self.__dict__:
+            with torch.no_grad():
+                self._reordered = torch.ops.mkldnn._reorder_linear_weight(self.weight, 16)
+        return torch.ops.mkldnn._linear_pointwise(input, self._reordered, self.bias, "none", [], "")
+
+
+KERNELS = {"mkl": None, "onednn-unpacked": UnpackedOneDNNLinear, "onednn": ReorderedOneDNNLinear,
+           "panels": OneDNNLinear}
+
+
 def switch(model: torch.nn.Module, kernel: str) -> int:
     """Switch ``model``'s linear layers to ``kernel`` (``"mkl"``: as they are); returns how many were switched."""
-    if kernel == "mkl":
+    if KERNELS[kernel] is None:
         return 0
     switched = use_onednn_linears(model)
-    if kernel == "onednn-unpacked":
-        for module in model.modules():
-            if type(module) is OneDNNLinear:
-                module.__class__ = UnpackedOneDNNLinear
+    for module in model.modules():
+        if type(module) is OneDNNLinear:
+            module.__class__ = KERNELS[kernel]
     return switched
 
 
 def unswitch(model: torch.nn.Module) -> None:
     for module in model.modules():
-        if type(module) is UnpackedOneDNNLinear:
+        if type(module) in (UnpackedOneDNNLinear, ReorderedOneDNNLinear):
+            module.__dict__.pop("_reordered", None)
             module.__class__ = OneDNNLinear
     restore_linears(model)
 
@@ -58,7 +78,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--systems", default="static,stream-plain,stream-lookup,stream-adaptive")
-    parser.add_argument("--kernels", default="mkl,onednn", help="comma list of mkl, onednn-unpacked, onednn")
+    parser.add_argument("--kernels", default="mkl,onednn,panels", help="comma list of " + ", ".join(KERNELS))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, tokenizer, info = load_lookup_target(None, torch.device("cpu"), None, 3)
@@ -77,6 +97,8 @@ def main() -> None:
     print(f"{len(prompts)} requests ({note}), up to {args.max_new_tokens} new, {args.max_batch_size} rows, "
           f"{args.threads} thread(s)\n{info}")
     kernels = [kernel for kernel in args.kernels.split(",") if kernel]
+    if unknown := set(kernels) - set(KERNELS):
+        parser.error(f"unknown kernels {sorted(unknown)}; choose among {', '.join(KERNELS)}")
     speeds = {(name, kernel): [] for name in chosen for kernel in kernels}
     outputs = {}
     switched = 0

@@ -82,21 +82,24 @@ def load_pair(target: str | None, draft: str | None, device, quantization_config
 def add_kernel_argument(parser: argparse.ArgumentParser) -> None:
     """``--onednn-linears``: every model of the run on oneDNN's linear kernels (:mod:`tetris_hf.cpu_kernels`)."""
     parser.add_argument("--onednn-linears", action="store_true",
-                        help="switch the target's and the draft's linear layers to oneDNN's kernels (CPU; every "
-                             "system of the run uses them): see tetris_hf.cpu_kernels")
+                        help="switch the target's and the draft's linear layers to faster CPU kernels (ours for "
+                             "few rows, oneDNN's for many; every system of the run uses them): see "
+                             "tetris_hf.cpu_kernels")
 
 
 def apply_kernels(args, *models) -> str:
-    """The models on oneDNN's linear kernels where ``args.onednn_linears`` asks; a line saying which kernels run."""
+    """The models on the faster CPU linear kernels (:mod:`tetris_hf.cpu_kernels`) where ``args.onednn_linears`` asks; a
+    line saying which kernels run."""
     if not getattr(args, "onednn_linears", False):
         return "linear layers: PyTorch's own (MKL on CPU)"
-    from tetris_hf.cpu_kernels import use_onednn_linears
+    from tetris_hf.cpu_kernels import PANEL_ROWS, panels_available, use_onednn_linears
 
     try:
         switched = sum(use_onednn_linears(model) for model in models if model is not None)
     except ValueError as error:
         raise UsageError(f"--onednn-linears: {error}") from None
-    return f"linear layers: oneDNN ({switched} switched, every system)"
+    kernels = f"our panel kernel up to {PANEL_ROWS} rows, oneDNN past them" if panels_available() else "oneDNN"
+    return f"linear layers: {kernels} ({switched} switched, every system)"
 
 
 def load_prompt_set(name: str):
