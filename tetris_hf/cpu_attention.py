@@ -27,8 +27,8 @@ MAX_QUERIES = 32  # queries a key-value head (query heads x block length) this k
 
 
 def load(library: Path) -> ctypes.CDLL:
-    """A built kernel (:func:`tetris_hf.kernel_build.built`), its functions ``row_attention`` and ``write_packed`` typed as the C source
-    declares them."""
+    """A built kernel (:func:`tetris_hf.kernel_build.built`), its functions ``row_attention`` and ``write_packed``
+    typed as the C source declares them."""
     loaded = ctypes.CDLL(str(library))
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     loaded.row_attention.argtypes = [pointer, size, size, size, pointer, size, size, size, pointer, size, size, size,

@@ -54,7 +54,7 @@ def panel_weight(weight: torch.Tensor) -> torch.Tensor:
     ``weight[16 p .. 16 p + 15, k]`` (zeros past ``N``)."""
     outputs, inputs = weight.shape
     count = -(-outputs // LANES)
-    padded = F.pad(weight, (0, 0, 0, count * LANES - outputs))
+    padded = weight if outputs == count * LANES else F.pad(weight, (0, 0, 0, count * LANES - outputs))
     return padded.reshape(count, LANES, inputs).transpose(1, 2).contiguous()
 
 
