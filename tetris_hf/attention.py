@@ -202,10 +202,10 @@ def fold_queries(query: torch.Tensor, groups: int, attention_mask: torch.Tensor)
 ROW_BY_ROW_WIDTH = 16  # prompt blocks at least this wide are attended row by row (prompt_rows_attention)
 KEY_MULTIPLE = 16  # a row's causal keys are cut at a multiple of this (the widest CPU vector of fp32, AVX-512)
 QUERY_BLOCK = 32  # the CPU sdpa kernel's blocks of queries are multiples of this
-# and a last block of at most this many queries takes another product whose sums round differently (1 and 2 on the
-# Intel CPUs measured, 1 to 3 on an AMD EPYC with AVX-512: tests/test_packing.py finds it out on the machine it runs on)
-SMALL_BLOCK = 3
 KEY_BLOCK = 512  # and its blocks of keys this long
+# and a last block of at most this many queries takes another product whose sums round differently (the count
+# depends on the CPU: tests/test_packing.py checks it on the machine it runs on; docs/benchmarks.md has the measures)
+SMALL_BLOCK = 3
 
 
 def queries_read(length: int, width: int) -> int:

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 
 import torch
 
-from .kernel_build import ENVIRONMENT, built  # (ENVIRONMENT "0": attention stays on sdpa, read at every call)
+from .kernel_build import built, switched_on
 from .ops import define
 from .row_attention_source import SOURCE
 
@@ -86,9 +85,9 @@ def _kernel_takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, a
 
 
 def _kernels_on() -> bool:
-    """Outside a compiled graph, not switched off (:data:`ENVIRONMENT`, read at every call, before any build), and the
-    kernels built."""
-    return not torch.compiler.is_compiling() and os.environ.get(ENVIRONMENT, "1") != "0" and available()
+    """Outside a compiled graph, not switched off (``TETRIS_HF_CPU_KERNELS=0``, read at every call, before any build),
+    and the kernels built."""
+    return not torch.compiler.is_compiling() and switched_on() and available()
 
 
 def _mask_arguments(attention_mask: torch.Tensor) -> tuple[int, int, int, int]:

@@ -6,24 +6,23 @@ parameters, tied weights still tied, the same ``state_dict``); :func:`restore_li
 every system a benchmark compares. An fp32 layer keeps a copy of its weight in panels (:func:`panel_weight`) and
 multiplies up to :data:`PANEL_ROWS` rows with :func:`panel_linear` (the C kernel of
 :mod:`tetris_hf.panel_linear_source`, built at first use), more with oneDNN on the weight itself; where no kernel can
-be built (no C compiler, or ``TETRIS_HF_CPU_KERNELS=0`` when the copy is made), and for bf16, the copy is oneDNN's
-reordered weight. ``torch.compile`` traces a switched model too: inside a compiled graph each product is one opaque op
-(:func:`onednn_linear`), the graph fusing what lies between them. Measurements: docs/benchmarks.md, "oneDNN linear
-layers on the CPU" and "A linear kernel for few rows".
+be built (no C compiler), or ``TETRIS_HF_CPU_KERNELS=0`` (read at each call: a copy is remade when it changes), and for
+bf16, the copy is oneDNN's reordered weight. ``torch.compile`` traces a switched model too: inside a compiled graph
+each product is one opaque op (:func:`onednn_linear`), the graph fusing what lies between them. Measurements:
+docs/benchmarks.md, "oneDNN linear layers on the CPU" and "A linear kernel for few rows".
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernel_build import ENVIRONMENT, built  # (ENVIRONMENT "0": no panels, read when a copy is made)
+from .kernel_build import built, switched_on
 from .ops import define
 from .panel_linear_source import SOURCE
 
@@ -46,7 +45,7 @@ def _library() -> Optional[ctypes.CDLL]:
 
 def panels_available() -> bool:
     """Whether :func:`panel_linear` runs here: not switched off (``TETRIS_HF_CPU_KERNELS=0``) and the kernel built."""
-    return os.environ.get(ENVIRONMENT, "1") != "0" and _library() is not None
+    return switched_on() and _library() is not None
 
 
 def panel_weight(weight: torch.Tensor) -> torch.Tensor:

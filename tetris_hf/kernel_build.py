@@ -20,7 +20,12 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
-ENVIRONMENT = "TETRIS_HF_CPU_KERNELS"  # "0": no C kernel runs (each caller reads it; see its module)
+ENVIRONMENT = "TETRIS_HF_CPU_KERNELS"  # "0": no C kernel runs (see switched_on)
+
+
+def switched_on() -> bool:
+    """Whether the C kernels may run: :data:`ENVIRONMENT` is not ``"0"`` (each caller says when it reads it)."""
+    return os.environ.get(ENVIRONMENT, "1") != "0"
 
 
 def cache_directory() -> Path:
