@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 
 from ..options import TetrisOptions
+from .allocator import allocator_note, loaded_allocator
 from .cli import (UsageError, add_kernel_argument, apply_kernels, load_pair, load_prompt_set, number_list,
                   prompt_texts, resolve_device)
 from .vllm_system import VLLM_SYSTEMS, VLLMSettings
@@ -496,7 +497,7 @@ def run_stream_bench(target, draft, prompts: list[list[int]], eos: set[int], pad
                 report["startup"].setdefault(b, {})[name] = engine.startup_seconds + warm_up
                 log(f"  B={b} {name}: engine started in {engine.startup_seconds:.1f} s, warm-up {warm_up:.1f} s "
                     f"(vLLM {engine.ready.get('vllm_version', '?')}, {threads} threads bound to "
-                    f"{engine.ready.get('omp_bind')}; not counted in tok/s)")
+                    f"{engine.ready.get('omp_bind')}, {engine.ready.get('allocator', '?')}; not counted in tok/s)")
             return run_vllm(name, engines[name], mine, config.max_new_tokens, eos)
 
         for name in systems:
@@ -668,14 +669,14 @@ def main(args) -> int:
     log = (lambda line: print(line, flush=True)) if main_process else (lambda line: None)
     log(f"{len(prompts)} requests ({note}); prompt tokens {min(map(len, prompts))}-{max(map(len, prompts))}, "
         f"up to {args.max_new_tokens} new; {device}"
-        f"{f', {state.num_processes} processes' if state is not None else ''}\n{info}\n{kernels}")
+        f"{f', {state.num_processes} processes' if state is not None else ''}\n{info}\n{kernels}\n{allocator_note()}")
     report = run_stream_bench(target, draft, prompts, eos, pad, config, state, log)
     if not main_process:
         return 0
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     saved = {"prompts": args.prompts, "note": note, "num_requests": len(prompts), "command": vars(args) | {
-        "_main": None}, "runs": {str(size): rows for size, rows in report["runs"].items()},
+        "_main": None}, "allocator": loaded_allocator(), "runs": {str(size): rows for size, rows in report["runs"].items()},
              "timelines": {str(size): [{"name": run.name, "occupancy": run.occupancy, "finished": run.finished,
                                         "tokens": [len(tokens) for tokens in run.tokens]} for run in runs]
                            for size, runs in report["medians"].items()}}

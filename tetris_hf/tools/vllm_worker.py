@@ -32,6 +32,17 @@ import time
 import traceback
 
 
+def _allocator() -> str:
+    """The allocator this worker runs under, as tetris_hf.tools.allocator.loaded_allocator names it (this file runs in
+    vLLM's venv, without tetris_hf): an inherited ``LD_PRELOAD`` decides."""
+    try:
+        with open("/proc/self/maps") as maps:
+            text = maps.read()
+    except OSError:
+        return "unknown"
+    return next((name for name in ("tcmalloc", "jemalloc") if f"lib{name}" in text), "glibc malloc")
+
+
 def _speculation_counters(llm) -> dict | None:
     """vLLM's own speculative-decoding counters (cumulative): drafts, draft tokens, accepted tokens, accepted per
     position. ``None`` where the engine keeps no such metric."""
@@ -131,7 +142,7 @@ def main() -> int:
                   disable_log_stats=False, seed=int(config.get("seed", 0)))
         send({"event": "ready", "startup_seconds": time.perf_counter() - start, "vllm_version": vllm.__version__,
               "torch_threads": __import__("torch").get_num_threads(),
-              "omp_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND")})
+              "omp_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), "allocator": _allocator()})
         for line in sys.stdin:
             request = json.loads(line)
             if request.get("op") == "exit":
