@@ -16,7 +16,8 @@ from pathlib import Path
 
 # (Debian and Ubuntu: apt install libtcmalloc-minimal4)
 TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
-LIBRARY_FOLDERS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
+LIBRARY_FOLDERS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
+                   "/usr/local/lib")
 
 
 def loaded_allocator(maps: str | Path = "/proc/self/maps") -> str:

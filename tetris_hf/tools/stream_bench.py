@@ -676,7 +676,8 @@ def main(args) -> int:
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     saved = {"prompts": args.prompts, "note": note, "num_requests": len(prompts), "command": vars(args) | {
-        "_main": None}, "allocator": loaded_allocator(), "runs": {str(size): rows for size, rows in report["runs"].items()},
+        "_main": None}, "allocator": loaded_allocator(),
+             "runs": {str(size): rows for size, rows in report["runs"].items()},
              "timelines": {str(size): [{"name": run.name, "occupancy": run.occupancy, "finished": run.finished,
                                         "tokens": [len(tokens) for tokens in run.tokens]} for run in runs]
                            for size, runs in report["medians"].items()}}
