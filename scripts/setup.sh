@@ -8,8 +8,10 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1 || \
     ! ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver \
-      fonts-dejavu-core libtcmalloc-minimal4 >/dev/null
+    if ! (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver \
+        fonts-dejavu-core libtcmalloc-minimal4 >/dev/null); then
+      echo "note: apt could not install chromium/chromedriver/tcmalloc; the tests that need them are skipped" >&2
+    fi
   else
     echo "note: chromium/chromedriver/tcmalloc not installed (needs root + apt); the browser test will be skipped" >&2
   fi
