@@ -24,7 +24,7 @@ import torch
 import tetris_hf  # noqa: F401
 from tetris_hf import use_onednn_linears
 from tetris_hf.tools import stream_bench
-from tetris_hf.tools.allocator import allocator_note
+from tetris_hf.tools.allocator import allocator_note, loaded_allocator
 from tetris_hf.tools.models import load_target
 
 SYSTEMS = ("vllm", "stream-plain", "stream-plain-compiled")
@@ -49,7 +49,8 @@ def main() -> None:
     prompts, note, eos, pad = stream_bench.stream_prompts(target, tokenizer, args.prompts, args.num_prompts,
                                                           args.max_prompt_tokens)
     print(f"{len(prompts)} prompts ({args.prompts}), {sum(map(len, prompts))} tokens, {min(map(len, prompts))}-"
-          f"{max(map(len, prompts))} each; {torch.get_num_threads()} threads\n{allocator_note()}", flush=True)
+          f"{max(map(len, prompts))} each; {torch.get_num_threads()} threads\n{allocator_note(loaded_allocator())}",
+          flush=True)
     with contextlib.ExitStack() as stack:
         for name in systems:
             if name == "vllm":

@@ -36,7 +36,7 @@ def test_find_tcmalloc_looks_in_the_folders_given(tmp_path):
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="no /proc (not Linux)")
 def test_this_process_and_a_preloaded_one():
     code = "from tetris_hf.tools.allocator import loaded_allocator, allocator_note; print(loaded_allocator()); " \
-           "print(allocator_note())"
+           "print(allocator_note(loaded_allocator()))"
     env = {key: value for key, value in os.environ.items() if key != "LD_PRELOAD"}
     plain = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert plain.stdout.splitlines()[0] == "glibc malloc"
@@ -53,4 +53,4 @@ def test_this_process_and_a_preloaded_one():
                             f"{code!r}])"], env={**env, "LD_PRELOAD": str(path)}, capture_output=True, text=True,
                            check=True)
     assert child.stdout.splitlines()[0] == "tcmalloc"
-    assert allocator_note().startswith("memory allocator:")
+    assert allocator_note(loaded_allocator()).startswith("memory allocator:")

@@ -5,7 +5,8 @@ prompt's MLP activations: 6,239 tokens x 1,536 x 4 bytes = 38 MB) from fresh pag
 every such forward pays the page faults again (on this project's CPUs about 1 GB/s: a 6,240-row product 1.3-1.4x its
 time under tcmalloc). tcmalloc keeps freed memory for the next block. vLLM recommends it for its CPU engine; a process
 gets it from ``LD_PRELOAD`` only (set before the process starts), and a vLLM worker started by
-:mod:`tetris_hf.tools.vllm_system` inherits this process's, so both sides of a benchmark run under the same allocator.
+:mod:`tetris_hf.tools.vllm_system` inherits this process's, so both sides of a benchmark run under the same allocator
+(the worker, which runs without tetris_hf, imports this file as its sibling: it needs the standard library only).
 Measurements: docs/benchmarks.md, "Page faults: the allocator under both engines".
 """
 
@@ -43,10 +44,9 @@ def find_tcmalloc(folders: tuple[str, ...] = LIBRARY_FOLDERS) -> Path | None:
     return None
 
 
-def allocator_note() -> str:
-    """A line for a benchmark's log: the allocator both engines run under and, under glibc's, how to preload
-    tcmalloc (or install it)."""
-    loaded = loaded_allocator()
+def allocator_note(loaded: str) -> str:
+    """A line for a benchmark's log: ``loaded`` (:func:`loaded_allocator`), the allocator both engines run under, and,
+    under glibc's, how to preload tcmalloc (or install it)."""
     if loaded != "glibc malloc":
         preload = os.environ.get("LD_PRELOAD", "")
         return f"memory allocator: {loaded} (LD_PRELOAD={preload or '?'}; a vLLM worker inherits it)"

@@ -667,16 +667,18 @@ def main(args) -> int:
                                tree_width=args.tree_width, suffix_min_prob=args.suffix_min_prob)
     main_process = state is None or state.is_main_process
     log = (lambda line: print(line, flush=True)) if main_process else (lambda line: None)
+    allocator = loaded_allocator()
     log(f"{len(prompts)} requests ({note}); prompt tokens {min(map(len, prompts))}-{max(map(len, prompts))}, "
         f"up to {args.max_new_tokens} new; {device}"
-        f"{f', {state.num_processes} processes' if state is not None else ''}\n{info}\n{kernels}\n{allocator_note()}")
+        f"{f', {state.num_processes} processes' if state is not None else ''}\n{info}\n{kernels}\n"
+        f"{allocator_note(allocator)}")
     report = run_stream_bench(target, draft, prompts, eos, pad, config, state, log)
     if not main_process:
         return 0
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     saved = {"prompts": args.prompts, "note": note, "num_requests": len(prompts), "command": vars(args) | {
-        "_main": None}, "allocator": loaded_allocator(),
+        "_main": None}, "allocator": allocator,
              "runs": {str(size): rows for size, rows in report["runs"].items()},
              "timelines": {str(size): [{"name": run.name, "occupancy": run.occupancy, "finished": run.finished,
                                         "tokens": [len(tokens) for tokens in run.tokens]} for run in runs]

@@ -1,7 +1,8 @@
 """The vLLM side of ``tetris-hf stream-bench --systems vllm``: run by the vLLM venv's python, never imported by tetris-hf.
 
 vLLM ships its own transformers, so it lives in a venv of its own (``scripts/setup_vllm.sh``) and this file is its
-only code: it imports the standard library and vLLM, nothing of tetris_hf. The host
+only code: it imports the standard library, vLLM and its sibling ``allocator.py`` (standard library only, found as the
+script's folder leads ``sys.path``), nothing of tetris_hf's package. The host
 (:mod:`tetris_hf.tools.vllm_system`) starts ``VLLM_PYTHON vllm_worker.py`` and speaks JSON lines with it:
 
     host -> worker (stdin, one line)   {"model": DIR, "dtype": "float32", "max_num_seqs": 16, "max_model_len": 4096,
@@ -31,16 +32,7 @@ import sys
 import time
 import traceback
 
-
-def _allocator() -> str:
-    """The allocator this worker runs under, as tetris_hf.tools.allocator.loaded_allocator names it (this file runs in
-    vLLM's venv, without tetris_hf): an inherited ``LD_PRELOAD`` decides."""
-    try:
-        with open("/proc/self/maps") as maps:
-            text = maps.read()
-    except OSError:
-        return "unknown"
-    return next((name for name in ("tcmalloc", "jemalloc") if f"lib{name}" in text), "glibc malloc")
+from allocator import loaded_allocator  # (tetris_hf/tools/allocator.py, beside this file: standard library only)
 
 
 def _speculation_counters(llm) -> dict | None:
@@ -142,7 +134,7 @@ def main() -> int:
                   disable_log_stats=False, seed=int(config.get("seed", 0)))
         send({"event": "ready", "startup_seconds": time.perf_counter() - start, "vllm_version": vllm.__version__,
               "torch_threads": __import__("torch").get_num_threads(),
-              "omp_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), "allocator": _allocator()})
+              "omp_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), "allocator": loaded_allocator()})
         for line in sys.stdin:
             request = json.loads(line)
             if request.get("op") == "exit":
