@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from .attention import AttentionLayout
-from .cpu_kernels import OneDNNLinear
+from .cpu_kernels import refresh_kernel_weights
 
 _COMPILED: "weakref.WeakKeyDictionary[torch.nn.Module, Callable]" = weakref.WeakKeyDictionary()
 _ON_EAGER_SHAPES: "weakref.WeakKeyDictionary[torch.nn.Module, Callable]" = weakref.WeakKeyDictionary()
@@ -78,15 +78,15 @@ def eager_shapes_forward(model: torch.nn.Module) -> Callable:
 
 
 def _refreshing_kernels(model: torch.nn.Module, compiled: Callable) -> Callable:
-    """``compiled``, refreshing the reordered weights of ``model``'s oneDNN layers before each call (made, or remade
-    if a weight changed: a graph reads them as they are); ``compiled`` itself for a model without such layers."""
-    switched = [module for module in model.modules() if type(module) is OneDNNLinear]
-    if not switched:
+    """``compiled``, refreshing the copies of the weights ``model``'s oneDNN layers multiply from before each call
+    (made, or remade if a weight changed: a graph reads them as they are); ``compiled`` itself for a model without
+    such layers."""
+    refresh = refresh_kernel_weights(model)
+    if refresh is None:
         return compiled
 
     def refreshed(*args, **kwargs):
-        for module in switched:
-            module._kernel_weight()
+        refresh()
         return compiled(*args, **kwargs)
 
     return refreshed

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -40,6 +42,9 @@ def _library() -> Optional[ctypes.CDLL]:
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     loaded.panel_linear.argtypes = [pointer, size, size, pointer, size, size, pointer, pointer, size, ctypes.c_int]
     loaded.panel_linear.restype = None
+    loaded.panel_linear_parts.argtypes = [pointer, size, size, pointer, size, size, pointer, ctypes.c_int, pointer,
+                                          pointer, pointer, ctypes.c_int]
+    loaded.panel_linear_parts.restype = None
     return loaded
 
 
@@ -73,6 +78,28 @@ def panel_linear(input: torch.Tensor, panels: torch.Tensor, bias: Optional[torch
     return output.view(*input.shape[:-1], out_features)
 
 
+def panel_linear_parts(input: torch.Tensor, panels: torch.Tensor, bias: Optional[torch.Tensor],
+                       sizes: tuple[int, ...]) -> list[torch.Tensor]:
+    """:func:`panel_linear` of one weight that stacks several (``panels = panel_weight(torch.cat(weights))``), each
+    part's outputs in a tensor of its own: ``input`` ``(..., K)`` fp32 -> ``[(..., sizes[0]), (..., sizes[1]), ...]``,
+    every size but the last a multiple of 16 (a panel holds one part's outputs). Each output the same sum as
+    :func:`panel_linear`'s of that part's weight alone."""
+    rows = input.reshape(-1, input.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    outputs = [rows.new_empty(rows.shape[0], size) for size in sizes]
+    if rows.shape[0]:
+        bias = None if bias is None else bias.contiguous()
+        count = len(sizes)
+        first = (ctypes.c_int64 * (count + 1))(*itertools.accumulate(sizes, initial=0))
+        places = (ctypes.c_void_p * count)(*(output.data_ptr() for output in outputs))
+        strides = (ctypes.c_int64 * count)(*sizes)
+        _library().panel_linear_parts(rows.data_ptr(), rows.shape[0], rows.stride(0), panels.data_ptr(), sum(sizes),
+                                      rows.shape[1], None if bias is None else bias.data_ptr(), count, first, places,
+                                      strides, torch.get_num_threads())
+    return [output.view(*input.shape[:-1], size) for output, size in zip(outputs, sizes)]
+
+
 def _onednn_product(input: torch.Tensor, weight: torch.Tensor, kernel_weight: torch.Tensor,
                     bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``(..., in) -> (..., out)``: on panels (``kernel_weight`` 3D, :func:`panel_weight`) the panel kernel up to
@@ -93,6 +120,145 @@ onednn_linear = define("onednn_linear(Tensor input, Tensor weight, Tensor kernel
                        lambda input, weight, kernel_weight, bias: input.new_empty(*input.shape[:-1], weight.shape[0]))
 
 
+def _sibling_products(input: torch.Tensor, weights: list[torch.Tensor], panels: torch.Tensor,
+                      bias: Optional[torch.Tensor]) -> list[torch.Tensor]:
+    """The products of layers that read one input, ``(..., K)`` -> ``[(..., N_0), (..., N_1), ...]``: up to
+    :data:`PANEL_ROWS` rows one call of the panel kernel on ``panels`` (:func:`panel_weight` of the stacked
+    ``weights``; ``bias`` the stacked biases or ``None``), past them each layer on oneDNN (as
+    :func:`_onednn_product`). :class:`SiblingLinears`' product as one op that ``torch.compile`` calls as it is."""
+    sizes = [weight.shape[0] for weight in weights]
+    if input.numel() <= PANEL_ROWS * input.shape[-1]:
+        return panel_linear_parts(input, panels, bias, tuple(sizes))
+    biases = [None] * len(weights) if bias is None else bias.split(sizes)
+    return [torch.ops.mkldnn._linear_pointwise(input, weight, part, "none", [], "")
+            for weight, part in zip(weights, biases)]
+
+
+sibling_linears = define("sibling_linears(Tensor input, Tensor[] weights, Tensor panels, Tensor? bias) -> Tensor[]",
+                         _sibling_products,
+                         lambda input, weights, panels, bias: [input.new_empty(*input.shape[:-1], weight.shape[0])
+                                                               for weight in weights])
+
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # a module's linear layers that read one input
+
+
+class SiblingLinears:
+    """A module's :class:`OneDNNLinear` layers that read one input (an attention's query, key and value projections,
+    an MLP's gate and up), multiplied in one call: the panel kernel over their stacked weights (a copy in place of
+    each layer's own), each layer's outputs in a tensor of its own, every output the same sum as the layer's own
+    product (:func:`panel_linear_parts`). The model's code still calls each layer: the first to be called multiplies
+    for all of them and keeps the others' outputs, with the input, until each takes its own (:meth:`output`); they
+    hold memory only between those calls. Layers seen reading different inputs (a cross-attention's keys read the
+    encoder's states: a layer called on another input than the one its output waits for, or two rounds in a row
+    whose outputs a layer never took) multiply alone from then on (:attr:`apart`). Saves a decode step's fixed
+    costs: 90 fewer products in SmolLM2-135M (docs/benchmarks.md, "Sibling projections in one call").
+
+    Args:
+        layers: the layers, in the order their outputs are stacked; the same input size, fp32 weights on the CPU,
+            all with a bias or none, every one's outputs but the last a multiple of 16.
+    """
+
+    def __init__(self, layers: list[OneDNNLinear]):
+        self.layers = tuple(layers)
+        self.everyone = (1 << len(layers)) - 1  # a bit per layer
+        self.waiting: tuple | None = None  # (input, its version, outputs, bits of the layers yet to take theirs)
+        self.apart = False
+        self.unclaimed = 0  # rounds in a row ended with some layer's output not taken
+        self.packed: tuple | None = None  # (weights' key, stacked panels, stacked bias): kernel_weights()
+
+    def kernel_weights(self) -> bool:
+        """Make the stacked copy the call reads (again if a weight changed, dropped where the panel kernel does not
+        run); whether the layers multiply together."""
+        layers = self.layers
+        if self.apart or not panels_available() or any(layer.weight.requires_grad for layer in layers) and \
+                torch.is_grad_enabled():
+            self.packed = None
+            return False
+        key = tuple((layer.weight.data_ptr(), layer.weight._version) +
+                    (() if layer.bias is None else (layer.bias.data_ptr(), layer.bias._version)) for layer in layers)
+        if self.packed is None or self.packed[0] != key:
+            with torch.no_grad():
+                bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
+                self.packed = (key, panel_weight(torch.cat([layer.weight for layer in layers])), bias)
+        return True
+
+    def output(self, index: int, input: torch.Tensor) -> torch.Tensor | None:
+        """Layer ``index``'s product of ``input`` ``(..., K)``, from the group's call (made now if no output waits for
+        it); ``None`` where it multiplies alone (the layers apart, or a compiled forward traced without the copy)."""
+        if self.apart or input.dtype != torch.float32 or input.device.type != "cpu":
+            return None
+        compiling = torch.compiler.is_compiling()
+        version = 0 if compiling else input._version  # (a traced graph's tensors are not written in place)
+        bit = 1 << index
+        waiting = self.waiting
+        if waiting is not None and waiting[0] is input and waiting[1] == version and waiting[3] & bit:
+            outputs, left = waiting[2], waiting[3] & ~bit
+        else:
+            if waiting is not None:  # a round some layer did not take its output of
+                self.unclaimed += 1
+                if waiting[3] & bit or self.unclaimed > 1:  # (this layer's output waits for another input)
+                    self.waiting, self.apart, self.packed = None, True, None
+                    return None
+                self.waiting = None
+            if not (self.packed is not None if compiling else self.kernel_weights()):
+                return None
+            _, panels, bias = self.packed
+            outputs = tuple(sibling_linears(input, [layer.weight for layer in self.layers], panels, bias))
+            left = self.everyone & ~bit
+        if left:
+            self.waiting = (input, version, outputs, left)
+        else:
+            self.waiting = None
+            if self.unclaimed:
+                self.unclaimed = 0
+        return outputs[index]
+
+
+def group_siblings(model: nn.Module) -> int:
+    """Make each module's :data:`SIBLINGS` (its :class:`OneDNNLinear` layers reading one input) a
+    :class:`SiblingLinears`; returns how many groups. Layers that cannot share a call stay apart (other input sizes,
+    dtypes or devices, a bias on some only, a shared weight, outputs not in whole panels)."""
+    groups = 0
+    for module in model.modules():
+        for names in SIBLINGS:
+            layers = [getattr(module, name, None) for name in names]
+            if not all(type(layer) is OneDNNLinear and "_siblings" not in layer.__dict__ for layer in layers):
+                continue
+            first = layers[0]
+            if any(layer.in_features != first.in_features or layer.weight.dtype != torch.float32 or
+                   layer.weight.device.type != "cpu" or (layer.bias is None) != (first.bias is None)
+                   for layer in layers) or any(layer.out_features % LANES for layer in layers[:-1]) or \
+                    len({layer.weight.data_ptr() for layer in layers}) < len(layers):
+                continue
+            group = SiblingLinears(layers)
+            for index, layer in enumerate(layers):
+                layer.__dict__["_siblings"] = (group, index)
+                layer.__dict__.pop("_onednn_packed", None)
+            groups += 1
+    return groups
+
+
+def refresh_kernel_weights(model: nn.Module) -> Callable[[], None] | None:
+    """A function that makes (or remakes, where a weight changed) the copies ``model``'s switched layers multiply
+    from, as a compiled forward reads them (it cannot make them itself); ``None`` for a model without such layers."""
+    switched = [module for module in model.modules() if type(module) is OneDNNLinear]
+    if not switched:
+        return None
+    groups = list({id(group): group for group, _ in (module.__dict__["_siblings"] for module in switched
+                                                     if "_siblings" in module.__dict__)}.values())
+    alone = [module for module in switched if "_siblings" not in module.__dict__]
+
+    def refresh() -> None:
+        for group in groups:
+            if not group.kernel_weights():  # (apart, or no panel kernel: each layer its own copy)
+                for layer in group.layers:
+                    layer._kernel_weight()
+        for module in alone:
+            module._kernel_weight()
+
+    return refresh
+
+
 class OneDNNLinear(nn.Linear):
     """An ``nn.Linear`` multiplied by faster CPU kernels: ``(..., in) -> (..., out)``, as ``F.linear``. An fp32
     weight is multiplied from a copy (as much memory again) made once and again whenever the weight changes: in
@@ -101,6 +267,11 @@ class OneDNNLinear(nn.Linear):
     parameter."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        siblings = self.__dict__.get("_siblings")
+        if siblings is not None:  # (one call for this layer and those reading the same input: SiblingLinears)
+            output = siblings[0].output(siblings[1], input)
+            if output is not None:
+                return output
         if torch.compiler.is_compiling():  # one opaque op on the copy made before the call (compiled.py)
             packed = self.__dict__.get("_onednn_packed")
             return onednn_linear(input, self.weight, self.weight if packed is None else packed[1], self.bias)
@@ -129,9 +300,11 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def use_onednn_linears(model: nn.Module) -> int:
+def use_onednn_linears(model: nn.Module, siblings: bool = True) -> int:
     """Switch every plain ``nn.Linear`` of ``model`` (fp32 or bf16 weights, on the CPU) to :class:`OneDNNLinear`, in
     place; returns how many were switched. Layers of other classes (quantized, LoRA, ...) stay as they are.
+    ``siblings``: a module's layers that read one input (:data:`SIBLINGS`) multiply in one call
+    (:class:`SiblingLinears`; ``False``: each alone).
 
     Raises:
         ValueError: the model has no layer on the CPU to switch, or this build has no oneDNN.
@@ -148,6 +321,8 @@ def use_onednn_linears(model: nn.Module) -> int:
     if switched == 0:
         raise ValueError(f"{type(model).__name__} has no nn.Linear layer with fp32 or bf16 weights on the CPU to "
                          f"switch to oneDNN")
+    if siblings:
+        group_siblings(model)
     return switched
 
 
@@ -165,6 +340,7 @@ def restore_linears(model: nn.Module) -> int:
     for module in model.modules():
         if type(module) is OneDNNLinear:
             module.__dict__.pop("_onednn_packed", None)
+            module.__dict__.pop("_siblings", None)
             module.__class__ = nn.Linear
             restored += 1
     return restored

@@ -52,9 +52,11 @@ static inline __attribute__((always_inline)) void one_panel(const int rows, cons
     for (int m = 0; m < rows; m++) store(y + m * ldy, sum[m], bias, lanes);
 }
 
-/* rows x 32 outputs: two panels, the second K * 16 floats after the first, its outputs lanes wide */
+/* rows x 32 outputs: two panels, the second K * 16 floats after the first, its outputs lanes wide at y2 (rows ldy2
+   apart: the next part's, where the two panels' outputs belong to two parts) */
 static inline __attribute__((always_inline)) void two_panels(const int rows, const float *x, int64_t ldx,
-        const float *panel, int64_t K, float *y, int64_t ldy, const float *bias, int lanes) {
+        const float *panel, int64_t K, float *y, int64_t ldy, const float *bias, float *y2, int64_t ldy2,
+        const float *bias2, int lanes) {
     vector first[PAIR_ROWS], second[PAIR_ROWS];
     const float *next = panel + LANES * K;
     for (int m = 0; m < rows; m++) first[m] = second[m] = (vector){0};
@@ -72,7 +74,7 @@ static inline __attribute__((always_inline)) void two_panels(const int rows, con
     }
     for (int m = 0; m < rows; m++) {
         store(y + m * ldy, first[m], bias, LANES);
-        store(y + m * ldy + LANES, second[m], bias ? bias + LANES : 0, lanes);
+        store(y2 + m * ldy2, second[m], bias2, lanes);
     }
 }
 
@@ -85,41 +87,64 @@ static void one_panel_tile(int rows, const float *x, int64_t ldx, const float *p
         ONE(15) ONE(16)
     }
 }
-#define TWO(n) case n: two_panels(n, x, ldx, panel, K, y, ldy, bias, lanes); break;
+#define TWO(n) case n: two_panels(n, x, ldx, panel, K, y, ldy, bias, y2, ldy2, bias2, lanes); break;
 static void two_panel_tile(int rows, const float *x, int64_t ldx, const float *panel, int64_t K, float *y,
-                           int64_t ldy, const float *bias, int lanes) {
+                           int64_t ldy, const float *bias, float *y2, int64_t ldy2, const float *bias2, int lanes) {
     switch (rows) { TWO(1) TWO(2) TWO(3) TWO(4) TWO(5) TWO(6) TWO(7) TWO(8) TWO(9) TWO(10) TWO(11) TWO(12) }
 }
 
 static inline int64_t smaller(int64_t a, int64_t b) { return a < b ? a : b; }
 
-/* y (M, N), rows ldy apart = x (M, K), rows ldx apart, @ W.T (+ bias (N,)); W as ceil(N / 16) panels (K, 16) */
-void panel_linear(const float *x, int64_t M, int64_t ldx, const float *panels, int64_t N, int64_t K,
-                  const float *bias, float *y, int64_t ldy, int threads) {
+/* where panel p's outputs go: part i holds outputs first[i] .. first[i + 1] - 1 (each first[i] a multiple of 16), in
+   ys[i], rows ldys[i] apart; the panel's first output there, its row stride, its bias and its width */
+typedef struct { float *y; int64_t ldy; const float *bias; int lanes; } place;
+
+static inline place place_of(int64_t p, int parts, const int64_t *first, float *const *ys, const int64_t *ldys,
+                             const float *bias, int64_t N) {
+    int i = 0;
+    while (i + 1 < parts && first[i + 1] <= p * LANES) i++;
+    place at = {ys[i] + (p * LANES - first[i]), ldys[i], bias ? bias + p * LANES : 0,
+                (int)smaller(LANES, N - p * LANES)};
+    return at;
+}
+
+/* ys[i] (M, first[i + 1] - first[i]), rows ldys[i] apart, for each part i < parts: x (M, K), rows ldx apart, @ W.T
+   (+ bias (N,)); W (N, K) as ceil(N / 16) panels (K, 16), the parts' outputs one after another (first: parts + 1
+   ints, first[0] = 0, first[parts] = N) */
+void panel_linear_parts(const float *x, int64_t M, int64_t ldx, const float *panels, int64_t N, int64_t K,
+                        const float *bias, int parts, const int64_t *first, float *const *ys, const int64_t *ldys,
+                        int threads) {
     const int64_t count = (N + LANES - 1) / LANES;
     if (M <= ROWS) {  /* every weight read once for all rows */
         #pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t p = 0; p < count; p++)
-            one_panel_tile((int)M, x, ldx, panels + p * LANES * K, K, y + p * LANES, ldy,
-                           bias ? bias + p * LANES : 0, (int)smaller(LANES, N - p * LANES));
+        for (int64_t p = 0; p < count; p++) {
+            place at = place_of(p, parts, first, ys, ldys, bias, N);
+            one_panel_tile((int)M, x, ldx, panels + p * LANES * K, K, at.y, at.ldy, at.bias, at.lanes);
+        }
         return;
     }
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t pair = 0; pair < (count + 1) / 2; pair++) {
         const int64_t p = 2 * pair;
         const float *panel = panels + p * LANES * K;
-        const float *offset_bias = bias ? bias + p * LANES : 0;
+        place at = place_of(p, parts, first, ys, ldys, bias, N);
         if (p + 1 < count) {
-            const int lanes = (int)smaller(LANES, N - (p + 1) * LANES);
+            place next = place_of(p + 1, parts, first, ys, ldys, bias, N);
             for (int64_t m = 0; m < M; m += PAIR_ROWS)
-                two_panel_tile((int)smaller(PAIR_ROWS, M - m), x + m * ldx, ldx, panel, K, y + m * ldy + p * LANES,
-                               ldy, offset_bias, lanes);
+                two_panel_tile((int)smaller(PAIR_ROWS, M - m), x + m * ldx, ldx, panel, K, at.y + m * at.ldy, at.ldy,
+                               at.bias, next.y + m * next.ldy, next.ldy, next.bias, next.lanes);
         } else {  /* an odd count's last panel */
-            const int lanes = (int)smaller(LANES, N - p * LANES);
             for (int64_t m = 0; m < M; m += ROWS)
-                one_panel_tile((int)smaller(ROWS, M - m), x + m * ldx, ldx, panel, K, y + m * ldy + p * LANES, ldy,
-                               offset_bias, lanes);
+                one_panel_tile((int)smaller(ROWS, M - m), x + m * ldx, ldx, panel, K, at.y + m * at.ldy, at.ldy,
+                               at.bias, at.lanes);
         }
     }
+}
+
+/* y (M, N), rows ldy apart = x (M, K), rows ldx apart, @ W.T (+ bias (N,)); W as ceil(N / 16) panels (K, 16) */
+void panel_linear(const float *x, int64_t M, int64_t ldx, const float *panels, int64_t N, int64_t K,
+                  const float *bias, float *y, int64_t ldy, int threads) {
+    const int64_t first[2] = {0, N};
+    panel_linear_parts(x, M, ldx, panels, N, K, bias, 1, first, &y, &ldy, threads);
 }
 """
