@@ -8,8 +8,10 @@ multiplies up to :data:`PANEL_ROWS` rows with :func:`panel_linear` (the C kernel
 :mod:`tetris_hf.panel_linear_source`, built at first use), more with oneDNN on the weight itself; where no kernel can
 be built (no C compiler), or ``TETRIS_HF_CPU_KERNELS=0`` (read at each call: a copy is remade when it changes), and for
 bf16, the copy is oneDNN's reordered weight. ``torch.compile`` traces a switched model too: inside a compiled graph
-each product is one opaque op (:func:`onednn_linear`), the graph fusing what lies between them. Measurements:
-docs/benchmarks.md, "oneDNN linear layers on the CPU" and "A linear kernel for few rows".
+each product is one opaque op (:func:`onednn_linear`), the graph fusing what lies between them. A module's layers that
+read one input (its q/k/v, its gate/up) multiply in one call (:class:`SiblingLinears`). Measurements:
+docs/benchmarks.md, "oneDNN linear layers on the CPU", "A linear kernel for few rows" and "Sibling projections in
+one call".
 """
 
 from __future__ import annotations
