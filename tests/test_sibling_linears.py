@@ -42,7 +42,7 @@ def groups_of(model):
                                                    if "_siblings" in module.__dict__)}.values())
 
 
-@pytest.mark.parametrize("tokens", [1, 7, PANEL_ROWS + 3])
+@pytest.mark.parametrize("tokens", [1, 7, 40, PANEL_ROWS + 3])  # (2 rows each: stacked, each alone on panels, on oneDNN)
 def test_a_model_with_siblings_computes_what_it_does_without(tokens):
     grouped = tiny_llama(97, num_layers=2, seed=1)
     alone = copy.deepcopy(grouped)

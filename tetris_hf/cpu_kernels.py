@@ -31,6 +31,7 @@ from .ops import define
 from .panel_linear_source import SOURCE
 
 PANEL_ROWS = 256  # rows (tokens) a product multiplies on the panels at most; more: oneDNN (docs/benchmarks.md)
+STACKED_ROWS = 16  # rows SiblingLinears multiply in one call at most; more: each layer alone (docs/benchmarks.md)
 LANES = 16  # outputs a panel holds (the C source's LANES)
 
 
@@ -125,13 +126,18 @@ onednn_linear = define("onednn_linear(Tensor input, Tensor weight, Tensor kernel
 def _sibling_products(input: torch.Tensor, weights: list[torch.Tensor], panels: torch.Tensor,
                       bias: Optional[torch.Tensor]) -> list[torch.Tensor]:
     """The products of layers that read one input, ``(..., K)`` -> ``[(..., N_0), (..., N_1), ...]``: up to
-    :data:`PANEL_ROWS` rows one call of the panel kernel on ``panels`` (:func:`panel_weight` of the stacked
-    ``weights``; ``bias`` the stacked biases or ``None``), past them each layer on oneDNN (as
-    :func:`_onednn_product`). :class:`SiblingLinears`' product as one op that ``torch.compile`` calls as it is."""
+    :data:`STACKED_ROWS` rows one call of the panel kernel on ``panels`` (:func:`panel_weight` of the stacked
+    ``weights``; ``bias`` the stacked biases or ``None``); more, each layer's own product as :func:`_onednn_product`
+    makes it (its panels a slice of the stacked ones up to :data:`PANEL_ROWS` rows, oneDNN past them).
+    :class:`SiblingLinears`' product as one op that ``torch.compile`` calls as it is."""
     sizes = [weight.shape[0] for weight in weights]
-    if input.numel() <= PANEL_ROWS * input.shape[-1]:
+    rows = input.numel() // max(input.shape[-1], 1)
+    if rows <= STACKED_ROWS:
         return panel_linear_parts(input, panels, bias, tuple(sizes))
     biases = [None] * len(weights) if bias is None else bias.split(sizes)
+    if rows <= PANEL_ROWS:
+        firsts = list(itertools.accumulate((size // LANES for size in sizes), initial=0))
+        return [panel_linear(input, panels[first:], part, size) for first, part, size in zip(firsts, biases, sizes)]
     return [torch.ops.mkldnn._linear_pointwise(input, weight, part, "none", [], "")
             for weight, part in zip(weights, biases)]
 
