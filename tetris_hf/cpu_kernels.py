@@ -11,7 +11,7 @@ bf16, the copy is oneDNN's reordered weight. ``torch.compile`` traces a switched
 each product is one opaque op (:func:`onednn_linear`), the graph fusing what lies between them. A module's layers that
 read one input (its q/k/v, its gate/up) multiply in one call (:class:`SiblingLinears`). Measurements:
 docs/benchmarks.md, "oneDNN linear layers on the CPU", "A linear kernel for few rows" and "Sibling projections in
-one call".
+one call, and what did not pay".
 """
 
 from __future__ import annotations
@@ -152,14 +152,15 @@ SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # a modul
 
 class SiblingLinears:
     """A module's :class:`OneDNNLinear` layers that read one input (an attention's query, key and value projections,
-    an MLP's gate and up), multiplied in one call: the panel kernel over their stacked weights (a copy in place of
-    each layer's own), each layer's outputs in a tensor of its own, every output the same sum as the layer's own
-    product (:func:`panel_linear_parts`). The model's code still calls each layer: the first to be called multiplies
-    for all of them and keeps the others' outputs, with the input, until each takes its own (:meth:`output`); they
+    an MLP's gate and up), multiplied in one call (:func:`sibling_linears`): up to :data:`STACKED_ROWS` rows the panel
+    kernel over their stacked weights (a copy in place of each layer's own), each layer's outputs in a tensor of its
+    own, every output the same sum as the layer's own product. The model's code still calls each layer: the first to
+    be called multiplies for all of them and keeps the others' outputs, with the input, until each takes its own (:meth:`output`); they
     hold memory only between those calls. Layers seen reading different inputs (a cross-attention's keys read the
     encoder's states: a layer called on another input than the one its output waits for, or two rounds in a row
-    whose outputs a layer never took) multiply alone from then on (:attr:`apart`). Saves a decode step's fixed
-    costs: 90 fewer products in SmolLM2-135M (docs/benchmarks.md, "Sibling projections in one call").
+    whose outputs a layer never took) multiply alone from then on (:attr:`apart`). A decode step makes 90 fewer
+    products in SmolLM2-135M; past :data:`STACKED_ROWS` rows each layer multiplies alone inside the op (stacked there,
+    whole runs lost 3%). Measurements: docs/benchmarks.md, "Sibling projections in one call, and what did not pay".
 
     Args:
         layers: the layers, in the order their outputs are stacked; the same input size, fp32 weights on the CPU,
