@@ -11,7 +11,9 @@ asked for ``AHEAD`` floats before it is read. A tile keeps each of its rows' 16 
 ``K``: one panel and up to 16 rows (a decode step: every weight read once, each multiplied by all rows at once), or
 two panels and up to 12 rows (more rows: each broadcast input feeds two products). Either way each output is the same
 sum in the same order, ``k = 0 .. K - 1``, one fused multiply-add each: a row's outputs do not depend on how many rows
-share the call. Threads split the panels (``#pragma omp``), each thread's panels contiguous.
+share the call. Threads split the panels (``#pragma omp``), each thread's panels contiguous. ``panel_linear_parts``
+multiplies stacked weights (a module's q/k/v, say) and writes each part's outputs into a tensor of its own, its
+panels whole (every part but the last a multiple of 16 outputs); ``panel_linear`` is its one-part case.
 
 Why: at 16 rows a step's products are bound by reading the weights (SmolLM2-135M: 538 MB a step), and oneDNN's
 kernel read them at 11-19 GB/s where this one reads 18-22 (docs/benchmarks.md, "A linear kernel for few rows").
