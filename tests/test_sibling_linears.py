@@ -13,7 +13,7 @@ from torch._inductor.utils import run_and_get_code
 
 from tetris_hf.cpu_kernels import (PANEL_ROWS, OneDNNLinear, SiblingLinears, onednn_available, panel_linear,
                                    panel_linear_parts, panel_weight, panels_available, refresh_kernel_weights,
-                                   restore_linears, use_onednn_linears)
+                                   restore_linears, sibling_groups, use_onednn_linears)
 from tiny_models import tiny_llama
 
 pytestmark = pytest.mark.skipif(not (onednn_available() and panels_available()),
@@ -37,26 +37,22 @@ def test_parts_equal_each_weight_alone(rows, panels, last, bias, seed):
         assert torch.equal(output, panel_linear(x, panel_weight(weight), part if bias else None, weight.shape[0]))
 
 
-def groups_of(model):
-    return list({id(group): group for group, _ in (module.__dict__["_siblings"] for module in model.modules()
-                                                   if "_siblings" in module.__dict__)}.values())
-
-
-@pytest.mark.parametrize("tokens", [1, 7, 40, PANEL_ROWS + 3])  # (2 rows each: stacked, each alone on panels, on oneDNN)
+# (2 rows a call: stacked, each layer alone on panels, on oneDNN)
+@pytest.mark.parametrize("tokens", [1, 7, 40, PANEL_ROWS + 3])
 def test_a_model_with_siblings_computes_what_it_does_without(tokens):
     grouped = tiny_llama(97, num_layers=2, seed=1)
     alone = copy.deepcopy(grouped)
     use_onednn_linears(grouped)
     use_onednn_linears(alone, siblings=False)
-    groups = groups_of(grouped)
-    assert len(groups) == 4 and not groups_of(alone)  # q/k/v and gate/up in each of 2 layers
+    groups = sibling_groups(grouped)
+    assert len(groups) == 4 and not sibling_groups(alone)  # q/k/v and gate/up in each of 2 layers
     assert sorted(len(group.layers) for group in groups) == [2, 2, 3, 3]
     ids = torch.randint(3, 97, (2, tokens), generator=torch.Generator().manual_seed(tokens))
     with torch.no_grad():
         assert torch.equal(grouped(ids).logits, alone(ids).logits)
     assert all(group.waiting is None and not group.apart for group in groups)  # nothing held after a forward
     assert all("_onednn_packed" not in layer.__dict__ for group in groups for layer in group.layers)  # one copy
-    assert restore_linears(grouped) == 15 and not groups_of(grouped)
+    assert restore_linears(grouped) == 15 and not sibling_groups(grouped)
 
 
 class CrossAttention(torch.nn.Module):
@@ -75,12 +71,19 @@ def linear(layer, x):
     return torch.nn.functional.linear(x, layer.weight, layer.bias)
 
 
+def switched_attention(seed):
+    """A one-layer tiny Llama's attention, its q/k/v grouped."""
+    model = tiny_llama(97, num_layers=1, seed=seed)
+    use_onednn_linears(model)
+    return model.model.layers[0].self_attn
+
+
 @pytest.mark.parametrize("keys_too", [True, False])  # (False: keys cached, the query's siblings never called)
 def test_layers_reading_other_inputs_go_back_to_their_own_products(keys_too):
     torch.manual_seed(0)
     module = CrossAttention()
     use_onednn_linears(module)
-    (group,) = groups_of(module)
+    (group,) = sibling_groups(module)
     with torch.no_grad():
         for step in range(3):
             states, encoded = torch.randn(2, 3, 32), torch.randn(2, 5, 32)
@@ -92,9 +95,7 @@ def test_layers_reading_other_inputs_go_back_to_their_own_products(keys_too):
 
 
 def test_a_round_cut_short_once_leaves_the_layers_together():
-    model = tiny_llama(97, num_layers=1, seed=2)
-    use_onednn_linears(model)
-    attention = model.model.layers[0].self_attn
+    attention = switched_attention(2)
     group = attention.q_proj.__dict__["_siblings"][0]
     x = torch.randn(1, 4, 32)
     with torch.no_grad():
@@ -108,9 +109,7 @@ def test_a_round_cut_short_once_leaves_the_layers_together():
 
 
 def test_an_input_written_in_place_between_siblings_is_multiplied_again():
-    model = tiny_llama(97, num_layers=1, seed=2)
-    use_onednn_linears(model)
-    attention = model.model.layers[0].self_attn
+    attention = switched_attention(2)
     x = torch.randn(1, 4, 32)
     with torch.no_grad():
         attention.q_proj(x)
@@ -119,9 +118,7 @@ def test_an_input_written_in_place_between_siblings_is_multiplied_again():
 
 
 def test_a_changed_weight_is_read_anew():
-    model = tiny_llama(97, num_layers=1, seed=3)
-    use_onednn_linears(model)
-    attention = model.model.layers[0].self_attn
+    attention = switched_attention(3)
     x = torch.randn(1, 2, 32)
     with torch.no_grad():
         attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
@@ -149,17 +146,17 @@ def test_a_compiled_forward_makes_one_call_per_group():
     calls = [line for source in code for line in source.splitlines() if "tetris_hf.sibling_linears.default(" in line]
     assert len(calls) == 4
     assert not counters["graph_break"]
-    assert all(group.waiting is None for group in groups_of(grouped))
+    assert all(group.waiting is None for group in sibling_groups(grouped))
 
 
 def test_layers_that_cannot_share_a_call_stay_apart():
     module = CrossAttention()
     module.v_proj = torch.nn.Linear(24, 16)  # another input size
     use_onednn_linears(module)
-    assert not groups_of(module)
+    assert not sibling_groups(module)
     assert all(type(layer) is OneDNNLinear for layer in (module.q_proj, module.k_proj, module.v_proj))
     ragged = CrossAttention()
     ragged.q_proj = torch.nn.Linear(32, 20)  # not in whole panels (only the last layer may be)
     use_onednn_linears(ragged)
-    assert not groups_of(ragged)
+    assert not sibling_groups(ragged)
     assert SiblingLinears([ragged.k_proj, ragged.v_proj]).everyone == 3

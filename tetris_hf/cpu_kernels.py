@@ -127,19 +127,15 @@ def _sibling_products(input: torch.Tensor, weights: list[torch.Tensor], panels: 
                       bias: Optional[torch.Tensor]) -> list[torch.Tensor]:
     """The products of layers that read one input, ``(..., K)`` -> ``[(..., N_0), (..., N_1), ...]``: up to
     :data:`STACKED_ROWS` rows one call of the panel kernel on ``panels`` (:func:`panel_weight` of the stacked
-    ``weights``; ``bias`` the stacked biases or ``None``); more, each layer's own product as :func:`_onednn_product`
-    makes it (its panels a slice of the stacked ones up to :data:`PANEL_ROWS` rows, oneDNN past them).
-    :class:`SiblingLinears`' product as one op that ``torch.compile`` calls as it is."""
+    ``weights``; ``bias`` the stacked biases or ``None``); more, each layer's own :func:`_onednn_product` (its panels
+    a slice of the stacked ones). :class:`SiblingLinears`' product as one op that ``torch.compile`` calls as it is."""
     sizes = [weight.shape[0] for weight in weights]
-    rows = input.numel() // max(input.shape[-1], 1)
-    if rows <= STACKED_ROWS:
+    if input.numel() <= STACKED_ROWS * input.shape[-1]:
         return panel_linear_parts(input, panels, bias, tuple(sizes))
     biases = [None] * len(weights) if bias is None else bias.split(sizes)
-    if rows <= PANEL_ROWS:
-        firsts = list(itertools.accumulate((size // LANES for size in sizes), initial=0))
-        return [panel_linear(input, panels[first:], part, size) for first, part, size in zip(firsts, biases, sizes)]
-    return [torch.ops.mkldnn._linear_pointwise(input, weight, part, "none", [], "")
-            for weight, part in zip(weights, biases)]
+    firsts = itertools.accumulate((size // LANES for size in sizes), initial=0)
+    return [_onednn_product(input, weight, panels[first:], part)
+            for weight, first, part in zip(weights, firsts, biases)]
 
 
 sibling_linears = define("sibling_linears(Tensor input, Tensor[] weights, Tensor panels, Tensor? bias) -> Tensor[]",
@@ -155,12 +151,13 @@ class SiblingLinears:
     an MLP's gate and up), multiplied in one call (:func:`sibling_linears`): up to :data:`STACKED_ROWS` rows the panel
     kernel over their stacked weights (a copy in place of each layer's own), each layer's outputs in a tensor of its
     own, every output the same sum as the layer's own product. The model's code still calls each layer: the first to
-    be called multiplies for all of them and keeps the others' outputs, with the input, until each takes its own (:meth:`output`); they
-    hold memory only between those calls. Layers seen reading different inputs (a cross-attention's keys read the
-    encoder's states: a layer called on another input than the one its output waits for, or two rounds in a row
-    whose outputs a layer never took) multiply alone from then on (:attr:`apart`). A decode step makes 90 fewer
-    products in SmolLM2-135M; past :data:`STACKED_ROWS` rows each layer multiplies alone inside the op (stacked there,
-    whole runs lost 3%). Measurements: docs/benchmarks.md, "Sibling projections in one call, and what did not pay".
+    be called multiplies for all of them and keeps the others' outputs, with the input, until each takes its own
+    (:meth:`output`); they hold memory only between those calls. Layers seen reading different inputs (a
+    cross-attention's keys read the encoder's states: a layer called on another input than the one its output waits
+    for, or two rounds in a row whose outputs a layer never took) multiply alone from then on (:attr:`apart`). A
+    decode step makes 90 fewer products in SmolLM2-135M; past :data:`STACKED_ROWS` rows each layer multiplies alone
+    inside the op (stacked there, whole runs lost 3%). Measurements: docs/benchmarks.md, "Sibling projections in one
+    call, and what did not pay".
 
     Args:
         layers: the layers, in the order their outputs are stacked; the same input size, fp32 weights on the CPU,
@@ -179,8 +176,8 @@ class SiblingLinears:
         """Make the stacked copy the call reads (again if a weight changed, dropped where the panel kernel does not
         run); whether the layers multiply together."""
         layers = self.layers
-        if self.apart or not panels_available() or any(layer.weight.requires_grad for layer in layers) and \
-                torch.is_grad_enabled():
+        if self.apart or not panels_available() or (any(layer.weight.requires_grad for layer in layers) and
+                                                      torch.is_grad_enabled()):
             self.packed = None
             return False
         key = tuple((layer.weight.data_ptr(), layer.weight._version) +
@@ -247,14 +244,19 @@ def group_siblings(model: nn.Module) -> int:
     return groups
 
 
+def sibling_groups(model: nn.Module) -> list[SiblingLinears]:
+    """``model``'s :class:`SiblingLinears`, each once."""
+    return list({id(siblings[0]): siblings[0] for siblings in (module.__dict__.get("_siblings")
+                                                               for module in model.modules()) if siblings}.values())
+
+
 def refresh_kernel_weights(model: nn.Module) -> Callable[[], None] | None:
     """A function that makes (or remakes, where a weight changed) the copies ``model``'s switched layers multiply
     from, as a compiled forward reads them (it cannot make them itself); ``None`` for a model without such layers."""
     switched = [module for module in model.modules() if type(module) is OneDNNLinear]
     if not switched:
         return None
-    groups = list({id(group): group for group, _ in (module.__dict__["_siblings"] for module in switched
-                                                     if "_siblings" in module.__dict__)}.values())
+    groups = sibling_groups(model)
     alone = [module for module in switched if "_siblings" not in module.__dict__]
 
     def refresh() -> None:
