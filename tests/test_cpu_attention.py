@@ -220,3 +220,75 @@ def test_the_kernel_alone_example_checks_and_times_this_trees_kernel_beside_anot
     assert run.returncode == 0, run.stderr
     lines = [line for line in run.stdout.splitlines() if "keys:" in line]
     assert len(lines) == 4 and all("this tree" in line and "HEAD" in line and "cold sum" in line for line in lines)
+
+
+def causal_mask(lengths, slots):
+    """``(R, 1, W, S)`` bool: row ``r``'s ``j``-th token sees slots ``0..j`` (a row's own prompt, nothing before)."""
+    width = max(max(lengths), 1)
+    return torch.ones(width, slots, dtype=torch.bool).tril()[None, None].expand(len(lengths), 1, width, slots)
+
+
+@settings(max_examples=50, deadline=None)
+@given(lengths=st.lists(st.integers(0, 90), min_size=1, max_size=5).filter(any), key_heads=st.integers(1, 3),
+       groups=st.sampled_from([1, 2, 3, 5, 13]), dim=st.sampled_from([64, 128]), extra_slots=st.integers(0, 40),
+       seed=st.integers(0, 2**16))
+def test_prompt_attention_equals_causal_softmax_attention(lengths, key_heads, groups, dim, extra_slots, seed):
+    """Rows of prompts packed one after another (some empty), each over its own first keys of a wider cache (read in
+    place): each token's output is its row's causal softmax attention, whatever the heads' grouping (13 query heads
+    a key-value head: more than a tile's 12) and the rows' lengths (tiles cut across positions)."""
+    generator = torch.Generator().manual_seed(seed)
+    heads, slots = key_heads * groups, max(lengths) + extra_slots
+    buffer = torch.randn(2, len(lengths) + 1, key_heads, slots + 3, dim, generator=generator)
+    key, value = buffer[0, : len(lengths), :, :slots], buffer[1, 1:, :, :slots]
+    query = torch.randn(1, sum(lengths), heads, dim, generator=generator).transpose(1, 2)
+    assert cpu_attention.prompt_attention_applies(query, key, value)
+    output = cpu_attention.prompt_attention(query, key, value, lengths, 0.1)
+    assert output.shape == (sum(lengths), heads, dim)
+    width, token = max(lengths), 0
+    rows = query.new_zeros(len(lengths), heads, width, dim)
+    for row, length in enumerate(lengths):
+        rows[row, :, :length] = query[0, :, token : token + length]
+        token += length
+    expected = reference(rows, key, value, causal_mask(lengths, slots), 0.1)  # (R, W, H, D)
+    expected = torch.cat([expected[row, :length] for row, length in enumerate(lengths)])
+    torch.testing.assert_close(output.double(), expected, atol=2e-5, rtol=1e-4)
+
+
+def test_a_prompt_rows_attention_depends_on_its_row_alone():
+    """A row's outputs are the same bit for bit read alone or beside others, longer or shorter, before or after it
+    (a tile never mixes rows): what keeps a request's tokens independent of the batch it joined."""
+    generator = torch.Generator().manual_seed(3)
+    lengths = (37, 150, 5)
+    key, value = (torch.randn(3, 3, 160, 64, generator=generator) for _ in range(2))
+    query = torch.randn(1, 9, sum(lengths), 64, generator=generator)
+    together = cpu_attention.prompt_attention(query, key, value, lengths)
+    token = 0
+    for row, length in enumerate(lengths):
+        alone = cpu_attention.prompt_attention(query[:, :, token : token + length].contiguous(), key[row : row + 1],
+                                               value[row : row + 1], (length,))
+        assert torch.equal(alone, together[token : token + length])
+        token += length
+
+
+def test_prompt_rows_attention_takes_the_kernel_where_it_applies(monkeypatch):
+    """Causal prompt rows go to the kernel (fp32, heads of 64 or 128 dimensions); masked rows, heads of 80
+    dimensions, and ``TETRIS_HF_CPU_KERNELS=0`` stay on sdpa row by row; each within rounding of the other."""
+    calls = []
+    kernel = cpu_attention.prompt_attention
+    monkeypatch.setattr(attention, "prompt_attention", lambda *args: calls.append(1) or kernel(*args))
+    generator = torch.Generator().manual_seed(4)
+    lengths = (20, 0, 33)
+    for dim, expected_calls in ((64, 1), (80, 1)):
+        key, value = (torch.randn(3, 2, 40, dim, generator=generator) for _ in range(2))
+        query = torch.randn(1, 6, sum(lengths), dim, generator=generator)
+        output = attention.prompt_rows_attention(query, key, value, lengths, None, 33)
+        assert len(calls) == expected_calls
+        monkeypatch.setenv("TETRIS_HF_CPU_KERNELS", "0")
+        on_sdpa = attention.prompt_rows_attention(query, key, value, lengths, None, 33)
+        monkeypatch.delenv("TETRIS_HF_CPU_KERNELS")
+        assert len(calls) == expected_calls
+        torch.testing.assert_close(output, on_sdpa, atol=2e-6, rtol=1e-5)
+        if dim == 64:  # (the same rows under a mask: sdpa)
+            masked = attention.prompt_rows_attention(query, key, value, lengths, causal_mask(lengths, 40), 33)
+            assert len(calls) == 1
+            torch.testing.assert_close(output, masked, atol=2e-6, rtol=1e-5)

@@ -26,8 +26,8 @@ MAX_QUERIES = 32  # queries a key-value head (query heads x block length) this k
 
 
 def load(library: Path) -> ctypes.CDLL:
-    """A built kernel (:func:`tetris_hf.kernel_build.built`), its functions ``row_attention`` and ``write_packed``
-    typed as the C source declares them."""
+    """A built kernel (:func:`tetris_hf.kernel_build.built`), its functions ``row_attention``, ``write_packed`` and
+    ``prompt_attention`` typed as the C source declares them."""
     loaded = ctypes.CDLL(str(library))
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     loaded.row_attention.argtypes = [pointer, size, size, size, pointer, size, size, size, pointer, size, size, size,
@@ -37,6 +37,11 @@ def load(library: Path) -> ctypes.CDLL:
     loaded.write_packed.argtypes = [pointer, size, size, size, pointer, size, size, size, pointer, size, size,
                                     pointer, size, size, pointer, pointer, size, size, size, size, size]
     loaded.write_packed.restype = None
+    if hasattr(loaded, "prompt_attention"):  # (an earlier commit's build has none: examples/attention_kernel_alone.py)
+        loaded.prompt_attention.argtypes = [pointer, size, size, pointer, size, size, size, pointer, size, size, size,
+                                            pointer, size, size, size, pointer, size, size, size, ctypes.c_float,
+                                            ctypes.c_int]
+        loaded.prompt_attention.restype = None
     return loaded
 
 
@@ -203,3 +208,57 @@ def write_packed(keys: torch.Tensor, values: torch.Tensor, key_states: torch.Ten
                             key_states.data_ptr(), *key_states.stride()[1:3], value_states.data_ptr(),
                             *value_states.stride()[1:3], rows.data_ptr(), columns.data_ptr(), int(start),
                             key_states.shape[2], key_states.shape[1], key_states.shape[3], key_states.element_size())
+
+
+PROMPT_DIM = 64  # prompt_attention takes heads of a multiple of this many dimensions (its tiles' width)
+
+
+def prompt_attention_applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether :func:`prompt_attention` takes these tensors: fp32 on the CPU, heads of a multiple of
+    :data:`PROMPT_DIM` dimensions, ``H`` a multiple of ``H_kv``, the last dimension contiguous, no gradient wanted,
+    outside a compiled graph, the kernel built."""
+    return (query.device.type == "cpu" and query.dtype == key.dtype == value.dtype == torch.float32
+            and query.shape[0] == 1 and query.shape[-1] % PROMPT_DIM == 0 and query.shape[1] % key.shape[1] == 0
+            and query.stride(-1) == key.stride(-1) == value.stride(-1) == 1
+            and not (torch.is_grad_enabled() and any(tensor.requires_grad for tensor in (query, key, value)))
+            and _kernels_on())
+
+
+def prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: tuple[int, ...],
+                     scaling: float | None = None) -> torch.Tensor:
+    """Causal softmax attention of rows that read prompts, each over its own keys (the operator
+    ``tetris_hf::prompt_attention``): tiles of queries against transposed keys, as a GEMM multiplies, where torch's
+    flash kernel took 2-2.6x the time on prompts of 147-512 tokens (docs/benchmarks.md, "Prompts' attention in
+    tiles"). Each row's outputs depend on its own tokens alone (not on the rows beside it); within fp32 rounding of
+    sdpa's, not bit for bit.
+
+    Args:
+        query: ``(1, H, N, D)`` the rows' tokens packed in row order (``lengths[i]`` of row ``i``).
+        key, value: ``(R, H_kv, S, D)`` each row's keys from slot 0 (the row's ``j``-th token sees slots ``0..j``),
+            ``H`` a multiple of ``H_kv``: query head ``i`` reads key-value head ``i // (H // H_kv)``.
+        lengths: ``R`` host ints, each row's tokens (0: the row is left out), at most ``S``.
+        scaling: the softmax scale (``None``: ``D ** -0.5``).
+
+    Returns:
+        ``(N, H, D)`` in the packed order.
+    """
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return _prompt_attention_op(query, key, value, [int(length) for length in lengths], float(scale))
+
+
+def _prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: list[int],
+                      scale: float) -> torch.Tensor:
+    """:func:`prompt_attention`'s kernel: the C function on the tensors' memory."""
+    _, heads, tokens, dim = query.shape
+    output = query.new_empty(tokens, heads, dim)
+    counts = torch.tensor(lengths, dtype=torch.int64)
+    _library().prompt_attention(query.data_ptr(), query.stride(2), query.stride(1), key.data_ptr(), *key.stride()[:3],
+                                value.data_ptr(), *value.stride()[:3], output.data_ptr(), heads * dim, dim,
+                                len(lengths), counts.data_ptr(), heads, key.shape[1], dim, scale,
+                                torch.get_num_threads())
+    return output
+
+
+_prompt_attention_op = define(
+    "prompt_attention(Tensor query, Tensor key, Tensor value, int[] lengths, float scale) -> Tensor",
+    _prompt_attention, lambda query, *_: query.new_empty(query.shape[2], query.shape[1], query.shape[3]))

@@ -278,4 +278,160 @@ void write_packed(char *keys, int64_t kb_r, int64_t kb_h, int64_t kb_s, char *va
         }
     }
 }
+
+/* -- Prompts' causal attention (prompt_attention): each row's queries over its own keys, tiled as a GEMM is ---------- */
+
+#define PROMPT_ROWS 12  /* queries (position x head) a tile of scores holds: 12 x 2 vectors of sums in registers */
+#define VALUE_ROWS 6  /* queries a tile of weighted values holds: 6 x VALUE_VECTORS vectors of sums in registers */
+#define VALUE_VECTORS 4  /* the vectors of a value row (64 floats) such a tile sums; D is a multiple of them */
+
+static __thread float *panels_room, *tile_room;  /* each thread's buffers, grown as needed (ctypes calls may overlap) */
+static __thread int64_t panels_floats, tile_floats;
+
+static float *room(float **buffer, int64_t *floats, int64_t wanted) {
+    if (wanted > *floats) {
+        free(*buffer);
+        *buffer = aligned_alloc(64, sizeof(float) * (size_t)((wanted + KEYS - 1) / KEYS * KEYS));
+        *floats = wanted;
+    }
+    return *buffer;
+}
+
+/* scores[r][32 p + i] for the PROMPT_ROWS queries of queries (PROMPT_ROWS x D, scaled) and the keys of panel pairs
+ * p < pairs (panels: (2 pairs, D, KEYS), a panel's keys transposed) */
+static void score_tile(const float *queries, const float *panels, int64_t D, int64_t pairs, float *scores,
+                       int64_t stride) {
+    for (int64_t p = 0; p < pairs; p++) {
+        const float *first = panels + 2 * p * D * KEYS, *second = first + D * KEYS;
+        vector sums[PROMPT_ROWS][2];
+        for (int r = 0; r < PROMPT_ROWS; r++) sums[r][0] = sums[r][1] = (vector){0.0f};
+        for (int64_t d = 0; d < D; d++) {
+            const vector a = load(first + d * KEYS), b = load(second + d * KEYS);
+#pragma GCC unroll 12
+            for (int r = 0; r < PROMPT_ROWS; r++) {
+                const float q = queries[r * D + d];
+                sums[r][0] += q * a;
+                sums[r][1] += q * b;
+            }
+        }
+        for (int r = 0; r < PROMPT_ROWS; r++) {
+            store(scores + r * stride + 32 * p, sums[r][0]);
+            store(scores + r * stride + 32 * p + KEYS, sums[r][1]);
+        }
+    }
+}
+
+/* sums[r] = weights[r] (keys of them) times the values' columns c0 .. c0 + VALUE_VECTORS * KEYS - 1, r < VALUE_ROWS */
+static void value_tile(const float *weights, int64_t stride, const float *value, int64_t v_s, int64_t keys,
+                       int64_t c0, vector sums[VALUE_ROWS][VALUE_VECTORS]) {
+    for (int r = 0; r < VALUE_ROWS; r++)
+        for (int c = 0; c < VALUE_VECTORS; c++) sums[r][c] = (vector){0.0f};
+    for (int64_t j = 0; j < keys; j++) {
+        vector x[VALUE_VECTORS];
+        for (int c = 0; c < VALUE_VECTORS; c++) x[c] = load(value + j * v_s + c0 + c * KEYS);
+#pragma GCC unroll 6
+        for (int r = 0; r < VALUE_ROWS; r++) {
+            const float w = weights[r * stride + j];
+            for (int c = 0; c < VALUE_VECTORS; c++) sums[r][c] += w * x[c];
+        }
+    }
+}
+
+/* Causal attention of R rows' prompts, each over its own keys: row r's lengths[r] queries (consecutive tokens of
+ * query, after the rows before it) see its first 1, 2, ... keys (key + r * k_r, slots of stride k_s). query[t][h]
+ * at t * q_t + h * q_h, key[r][h][s] at r * k_r + h * k_h + s * k_s (value likewise), out[t][h] at t * o_t + h * o_h;
+ * query head i reads key-value head i / (H / Hk); D a multiple of VALUE_VECTORS * KEYS. A tile is PROMPT_ROWS
+ * consecutive (position, head) pairs of one key-value head, scored against every key its last position sees, then
+ * masked, softmaxed (two passes) and multiplied by the values. Each output depends on its row alone. */
+void prompt_attention(const float *query, int64_t q_t, int64_t q_h, const float *key, int64_t k_r, int64_t k_h,
+                      int64_t k_s, const float *value, int64_t v_r, int64_t v_h, int64_t v_s, float *out,
+                      int64_t o_t, int64_t o_h, int64_t R, const int64_t *lengths, int64_t H, int64_t Hk, int64_t D,
+                      float scale, int threads) {
+    const int64_t G = H / Hk;
+    int64_t longest = 0, panel_total = 0, tasks = 0;
+    int64_t *firsts = malloc(sizeof(int64_t) * (size_t)(3 * R + 1));  /* each row's first token, panels, first task */
+    int64_t *panel_firsts = firsts + R, *task_firsts = firsts + 2 * R;
+    for (int64_t r = 0, token = 0; r < R; r++) {
+        firsts[r] = token;
+        panel_firsts[r] = panel_total;
+        task_firsts[r] = tasks;
+        token += lengths[r];
+        longest = lengths[r] > longest ? lengths[r] : longest;
+        panel_total += Hk * ((lengths[r] + 31) / 32 * 2);
+        tasks += Hk * ((lengths[r] * G + PROMPT_ROWS - 1) / PROMPT_ROWS);
+    }
+    task_firsts[R] = tasks;
+    float *panels = room(&panels_room, &panels_floats, panel_total * D * KEYS);
+    const int64_t stride = (longest + 31) / 32 * 32;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(dynamic, 16)
+        for (int64_t job = 0; job < panel_total; job++) {  /* each row's keys, KEYS at a time, transposed */
+            int64_t r = 0;
+            while (r + 1 < R && panel_firsts[r + 1] <= job) r++;
+            const int64_t count = (lengths[r] + 31) / 32 * 2, h = (job - panel_firsts[r]) / count;
+            const int64_t panel = (job - panel_firsts[r]) % count;
+            float *to = panels + job * D * KEYS;
+            for (int64_t i = 0; i < KEYS; i++) {
+                const int64_t s = panel * KEYS + i;
+                const float *from = key + r * k_r + h * k_h + s * k_s;
+                for (int64_t d = 0; d < D; d++) to[d * KEYS + i] = s < lengths[r] ? from[d] : 0.0f;
+            }
+        }
+        float *tile = room(&tile_room, &tile_floats, PROMPT_ROWS * (stride + D));
+        float *scores = tile, *queries = tile + PROMPT_ROWS * stride;
+        float totals[PROMPT_ROWS];
+        int64_t positions[PROMPT_ROWS], heads[PROMPT_ROWS];
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; task++) {
+            int64_t r = 0;
+            while (task_firsts[r + 1] <= task) r++;
+            const int64_t row_tiles = (task_firsts[r + 1] - task_firsts[r]) / Hk, local = task - task_firsts[r];
+            const int64_t h = local % Hk, first_pair = (row_tiles - 1 - local / Hk) * PROMPT_ROWS;  /* longest first */
+            const int64_t pairs_in_row = lengths[r] * G;
+            int rows = 0;
+            for (int64_t pair = first_pair; pair < pairs_in_row && rows < PROMPT_ROWS; pair++, rows++) {
+                positions[rows] = pair / G;
+                heads[rows] = h * G + pair % G;
+            }
+            for (int i = 0; i < PROMPT_ROWS; i++) {
+                const float *from = query + (firsts[r] + positions[i < rows ? i : 0]) * q_t + heads[i < rows ? i : 0] * q_h;
+                for (int64_t d = 0; d < D; d++) queries[i * D + d] = i < rows ? from[d] * scale : 0.0f;
+            }
+            const int64_t keys = positions[rows - 1] + 1, pairs = (keys + 31) / 32;
+            score_tile(queries, panels + (panel_firsts[r] + h * ((lengths[r] + 31) / 32 * 2)) * D * KEYS, D, pairs,
+                       scores, stride);
+            for (int i = 0; i < rows; i++) {  /* the keys past a query's own masked, then its softmax's two passes */
+                float *row = scores + i * stride;
+                for (int64_t j = positions[i] + 1; j < pairs * 32; j++) row[j] = -INFINITY;
+                vector most = (vector){0.0f} - INFINITY;
+                for (int64_t j = 0; j < pairs * 32; j += KEYS) {
+                    const vector x = load(row + j);
+                    most = pick(x > most, x, most);
+                }
+                float maximum = most[0];
+                for (int lane = 1; lane < KEYS; lane++) maximum = most[lane] > maximum ? most[lane] : maximum;
+                vector sum = (vector){0.0f};
+                for (int64_t j = 0; j < pairs * 32; j += KEYS) {
+                    const vector p = exp_nonpositive(load(row + j) - maximum);
+                    store(row + j, p);
+                    sum += p;
+                }
+                totals[i] = sum_lanes(sum);
+            }
+            for (int i = rows; i < PROMPT_ROWS; i++) memset(scores + i * stride, 0, sizeof(float) * (size_t)keys);
+            for (int first = 0; first < rows; first += VALUE_ROWS)
+                for (int64_t c0 = 0; c0 < D; c0 += VALUE_VECTORS * KEYS) {
+                    vector sums[VALUE_ROWS][VALUE_VECTORS];
+                    value_tile(scores + first * stride, stride, value + r * v_r + h * v_h, v_s, keys, c0, sums);
+                    for (int i = first; i < rows && i < first + VALUE_ROWS; i++) {
+                        float *to = out + (firsts[r] + positions[i]) * o_t + heads[i] * o_h + c0;
+                        const float inverse = 1.0f / totals[i];
+                        for (int c = 0; c < VALUE_VECTORS; c++) store(to + c * KEYS, sums[i - first][c] * inverse);
+                    }
+                }
+        }
+    }
+    free(firsts);
+}
 """
