@@ -57,7 +57,8 @@ SYSTEMS = ("vllm", "vllm-ngram", "stream-plain", "stream-lookup", "stream-plain-
 # Kinds of op, in the table's order. An op's kind is the first whose test matches its name (lower case).
 KINDS = (
     ("matmul / linear", ("onednn_mm", "mkl", "gemm", "aten::addmm", "aten::mm", "aten::bmm", "aten::matmul",
-                         "aten::linear", "aten::baddbmm", "aten::_weight_int8", "aten::_addmm")),
+                         "aten::linear", "aten::baddbmm", "aten::_weight_int8", "aten::_addmm",
+                         "tetris_hf::onednn_linear", "tetris_hf::sibling_linears")),
     ("attention + KV cache", ("attention", "attn", "scaled_dot_product", "sdpa", "flash", "kv_cache",
                               "reshape_and_cache", "slot_mapping", "scheduler_metadata")),
     ("fused kernels (inductor)", ("## call compiledfxgraph", "cpp_fused", "torch-compiled region",
