@@ -292,3 +292,19 @@ def test_prompt_rows_attention_takes_the_kernel_where_it_applies(monkeypatch):
             masked = attention.prompt_rows_attention(query, key, value, lengths, causal_mask(lengths, 40), 33)
             assert len(calls) == 1
             torch.testing.assert_close(output, masked, atol=2e-6, rtol=1e-5)
+
+
+def test_the_prompt_attention_example_checks_and_times_both_paths():
+    """examples/prompt_attention_alone.py on small shapes: both paths checked against float64 attention (the script
+    raises otherwise) and timed for each case."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, str(root / "examples" / "prompt_attention_alone.py"), "--lengths", "20,45",
+                          "--rows", "2", "--layers", "2", "--repeats", "1", "--heads", "4", "--key-heads", "2"],
+                         capture_output=True, text=True, cwd=root, timeout=300)
+    assert run.returncode == 0, run.stderr
+    lines = [line for line in run.stdout.splitlines() if "tokens)" in line]
+    assert len(lines) == 2 and all("sdpa row by row" in line and "kernel /" in line for line in lines)

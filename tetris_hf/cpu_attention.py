@@ -40,7 +40,7 @@ def load(library: Path) -> ctypes.CDLL:
     if hasattr(loaded, "prompt_attention"):  # (an earlier commit's build has none: examples/attention_kernel_alone.py)
         loaded.prompt_attention.argtypes = [pointer, size, size, pointer, size, size, size, pointer, size, size, size,
                                             pointer, size, size, size, pointer, size, size, size, ctypes.c_float,
-                                            ctypes.c_int]
+                                            pointer, ctypes.c_int]
         loaded.prompt_attention.restype = None
     return loaded
 
@@ -250,11 +250,14 @@ def _prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       scale: float) -> torch.Tensor:
     """:func:`prompt_attention`'s kernel: the C function on the tensors' memory."""
     _, heads, tokens, dim = query.shape
+    key_heads = key.shape[1]
     output = query.new_empty(tokens, heads, dim)
     counts = torch.tensor(lengths, dtype=torch.int64)
+    # (room for each row's keys transposed: panels of 16 keys, an even count of them a key-value head)
+    panels = query.new_empty(sum(key_heads * -(-length // 32) * 2 for length in lengths) * dim * 16)
     _library().prompt_attention(query.data_ptr(), query.stride(2), query.stride(1), key.data_ptr(), *key.stride()[:3],
                                 value.data_ptr(), *value.stride()[:3], output.data_ptr(), heads * dim, dim,
-                                len(lengths), counts.data_ptr(), heads, key.shape[1], dim, scale,
+                                len(lengths), counts.data_ptr(), heads, key_heads, dim, scale, panels.data_ptr(),
                                 torch.get_num_threads())
     return output
 

@@ -1,5 +1,5 @@
-"""The C source of the CPU's row-walking attention kernel and of the packed cache write beside it
-(:mod:`tetris_hf.cpu_attention` builds and calls them).
+"""The C source of the CPU's row-walking attention kernel, of the packed cache write beside it and of the prompts'
+tiled causal attention (:mod:`tetris_hf.cpu_attention` builds and calls them).
 
 Kept as a string in a module of its own so that it travels wherever the package's modules do (the wheel, the Hub
 folder's flat copy, the Space) without data files. Compiled with ``gcc -O3 -march=native -fopenmp``; GCC's vector
@@ -12,6 +12,11 @@ then the maximum, exponentials and sums), then the weighted values, each read on
 the key (value) ``AHEAD`` slots on while it reads one (a decode step's keys and values come from DRAM: the
 kernel then reads them at the machine's bandwidth, about 24 GB/s on two cores here, where it read 17 without). A query
 that sees no key gets zeros (sdpa's kernels differ there; such a query is filler whose output nothing reads).
+
+``prompt_attention`` reads prompts (many queries a row, causal over the row's own keys) as a GEMM multiplies: the keys
+transposed into panels of 16 once, then tiles of 12 queries (positions x query heads of one key-value head) scored
+against 32 keys at a time with every sum in a register, the softmax in two passes over the tile's scores, and the
+weighted values 6 queries x 64 columns at a time.
 """
 
 SOURCE = r"""
@@ -285,16 +290,16 @@ void write_packed(char *keys, int64_t kb_r, int64_t kb_h, int64_t kb_s, char *va
 #define VALUE_ROWS 6  /* queries a tile of weighted values holds: 6 x VALUE_VECTORS vectors of sums in registers */
 #define VALUE_VECTORS 4  /* the vectors of a value row (64 floats) such a tile sums; D is a multiple of them */
 
-static __thread float *panels_room, *tile_room;  /* each thread's buffers, grown as needed (ctypes calls may overlap) */
-static __thread int64_t panels_floats, tile_floats;
+static __thread float *tile_room;  /* each thread's tile of scores and queries, grown as needed (calls may overlap) */
+static __thread int64_t tile_floats;
 
-static float *room(float **buffer, int64_t *floats, int64_t wanted) {
-    if (wanted > *floats) {
-        free(*buffer);
-        *buffer = aligned_alloc(64, sizeof(float) * (size_t)((wanted + KEYS - 1) / KEYS * KEYS));
-        *floats = wanted;
+static float *room(int64_t wanted) {
+    if (wanted > tile_floats) {
+        free(tile_room);
+        tile_room = aligned_alloc(64, sizeof(float) * (size_t)((wanted + KEYS - 1) / KEYS * KEYS));
+        tile_floats = wanted;
     }
-    return *buffer;
+    return tile_room;
 }
 
 /* scores[r][32 p + i] for the PROMPT_ROWS queries of queries (PROMPT_ROWS x D, scaled) and the keys of panel pairs
@@ -340,13 +345,14 @@ static void value_tile(const float *weights, int64_t stride, const float *value,
 /* Causal attention of R rows' prompts, each over its own keys: row r's lengths[r] queries (consecutive tokens of
  * query, after the rows before it) see its first 1, 2, ... keys (key + r * k_r, slots of stride k_s). query[t][h]
  * at t * q_t + h * q_h, key[r][h][s] at r * k_r + h * k_h + s * k_s (value likewise), out[t][h] at t * o_t + h * o_h;
- * query head i reads key-value head i / (H / Hk); D a multiple of VALUE_VECTORS * KEYS. A tile is PROMPT_ROWS
+ * query head i reads key-value head i / (H / Hk); D a multiple of VALUE_VECTORS * KEYS. panels: room for the keys
+ * transposed, Hk * ((lengths[r] + 31) / 32 * 2) panels of D * KEYS floats a row. A tile is PROMPT_ROWS
  * consecutive (position, head) pairs of one key-value head, scored against every key its last position sees, then
  * masked, softmaxed (two passes) and multiplied by the values. Each output depends on its row alone. */
 void prompt_attention(const float *query, int64_t q_t, int64_t q_h, const float *key, int64_t k_r, int64_t k_h,
                       int64_t k_s, const float *value, int64_t v_r, int64_t v_h, int64_t v_s, float *out,
                       int64_t o_t, int64_t o_h, int64_t R, const int64_t *lengths, int64_t H, int64_t Hk, int64_t D,
-                      float scale, int threads) {
+                      float scale, float *panels, int threads) {
     const int64_t G = H / Hk;
     int64_t longest = 0, panel_total = 0, tasks = 0;
     int64_t *firsts = malloc(sizeof(int64_t) * (size_t)(3 * R + 1));  /* each row's first token, panels, first task */
@@ -361,7 +367,6 @@ void prompt_attention(const float *query, int64_t q_t, int64_t q_h, const float 
         tasks += Hk * ((lengths[r] * G + PROMPT_ROWS - 1) / PROMPT_ROWS);
     }
     task_firsts[R] = tasks;
-    float *panels = room(&panels_room, &panels_floats, panel_total * D * KEYS);
     const int64_t stride = (longest + 31) / 32 * 32;
 #pragma omp parallel num_threads(threads)
     {
@@ -378,7 +383,7 @@ void prompt_attention(const float *query, int64_t q_t, int64_t q_h, const float 
                 for (int64_t d = 0; d < D; d++) to[d * KEYS + i] = s < lengths[r] ? from[d] : 0.0f;
             }
         }
-        float *tile = room(&tile_room, &tile_floats, PROMPT_ROWS * (stride + D));
+        float *tile = room(PROMPT_ROWS * (stride + D));
         float *scores = tile, *queries = tile + PROMPT_ROWS * stride;
         float totals[PROMPT_ROWS];
         int64_t positions[PROMPT_ROWS], heads[PROMPT_ROWS];
