@@ -206,19 +206,24 @@ print(cpu_attention.available(), torch.allclose(output, expected.transpose(1, 2)
     assert list(tmp_path.rglob("*.so")) == []
 
 
-def test_the_kernel_alone_example_checks_and_times_this_trees_kernel_beside_another_commits():
-    """examples/attention_kernel_alone.py on small shapes: each kernel's output checked against float64 attention
-    (the script raises otherwise), this tree's and HEAD's kernels and the cold sum timed for each shape."""
+def example_lines(example: str, *arguments: str, marker: str) -> list[str]:
+    """The lines holding ``marker`` that ``examples/<example>`` prints with ``arguments`` (it must exit cleanly)."""
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    run = subprocess.run([sys.executable, str(root / "examples" / "attention_kernel_alone.py"), "--contexts", "40,70",
-                          "--queries", "1,6", "--rows", "3", "--layers", "2", "--repeats", "1", "--against", "HEAD"],
-                         capture_output=True, text=True, cwd=root, timeout=300)
+    run = subprocess.run([sys.executable, str(root / "examples" / example), *arguments], capture_output=True,
+                         text=True, cwd=root, timeout=300)
     assert run.returncode == 0, run.stderr
-    lines = [line for line in run.stdout.splitlines() if "keys:" in line]
+    return [line for line in run.stdout.splitlines() if marker in line]
+
+
+def test_the_kernel_alone_example_checks_and_times_this_trees_kernel_beside_another_commits():
+    """examples/attention_kernel_alone.py on small shapes: each kernel's output checked against float64 attention
+    (the script raises otherwise), this tree's and HEAD's kernels and the cold sum timed for each shape."""
+    lines = example_lines("attention_kernel_alone.py", "--contexts", "40,70", "--queries", "1,6", "--rows", "3",
+                          "--layers", "2", "--repeats", "1", "--against", "HEAD", marker="keys:")
     assert len(lines) == 4 and all("this tree" in line and "HEAD" in line and "cold sum" in line for line in lines)
 
 
@@ -297,14 +302,6 @@ def test_prompt_rows_attention_takes_the_kernel_where_it_applies(monkeypatch):
 def test_the_prompt_attention_example_checks_and_times_both_paths():
     """examples/prompt_attention_alone.py on small shapes: both paths checked against float64 attention (the script
     raises otherwise) and timed for each case."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    run = subprocess.run([sys.executable, str(root / "examples" / "prompt_attention_alone.py"), "--lengths", "20,45",
-                          "--rows", "2", "--layers", "2", "--repeats", "1", "--heads", "4", "--key-heads", "2"],
-                         capture_output=True, text=True, cwd=root, timeout=300)
-    assert run.returncode == 0, run.stderr
-    lines = [line for line in run.stdout.splitlines() if "tokens)" in line]
+    lines = example_lines("prompt_attention_alone.py", "--lengths", "20,45", "--rows", "2", "--layers", "2",
+                          "--repeats", "1", "--heads", "4", "--key-heads", "2", marker="tokens)")
     assert len(lines) == 2 and all("sdpa row by row" in line and "kernel /" in line for line in lines)
