@@ -275,6 +275,16 @@ def test_a_prompt_rows_attention_depends_on_its_row_alone():
         token += length
 
 
+@pytest.mark.parametrize("lengths, slots, tokens", [((5, 4, 1), 9, 10), ((10, 4), 9, 14), ((5, 4), 9, 8),
+                                                    ((5, -1), 9, 4)])
+def test_prompt_attention_refuses_lengths_that_do_not_fit(lengths, slots, tokens):
+    """More rows than the keys hold, a row longer than its slots, lengths that do not sum to the queries: a clear
+    error, never a read past the tensors."""
+    key = torch.randn(2, 3, slots, 64)
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_attention.prompt_attention(torch.randn(1, 9, tokens, 64), key, key, lengths)
+
+
 def test_prompt_rows_attention_takes_the_kernel_where_it_applies(monkeypatch):
     """Causal prompt rows go to the kernel (fp32, heads of 64 or 128 dimensions); masked rows, heads of 80
     dimensions, and ``TETRIS_HF_CPU_KERNELS=0`` stay on sdpa row by row; each within rounding of the other."""

@@ -241,7 +241,15 @@ def prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
     Returns:
         ``(N, H, D)`` in the packed order.
+
+    Raises:
+        ValueError: ``lengths`` do not fit the tensors (more rows than ``key`` holds, a row longer than its slots, a
+            sum other than ``N``): the kernel would read past them.
     """
+    if (len(lengths) > key.shape[0] or sum(lengths) != query.shape[2] or min(lengths, default=0) < 0
+            or max(lengths, default=0) > min(key.shape[2], value.shape[2]) or value.shape[:2] != key.shape[:2]):
+        raise ValueError(f"prompt_attention: lengths {tuple(lengths)} do not fit queries {tuple(query.shape)} and "
+                         f"keys {tuple(key.shape)} / values {tuple(value.shape)}")
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     return _prompt_attention_op(query, key, value, [int(length) for length in lengths], float(scale))
 
