@@ -122,7 +122,11 @@ def payback_seconds(choice: CompileChoice) -> float:
 
 def cached_choice(model: torch.nn.Module) -> CompileChoice | None:
     """The choice measured for ``model`` on this machine (in memory, else on disk), or ``None``."""
-    key = _choice_key(model)
+    return _cached(_choice_key(model))
+
+
+def _cached(key: str) -> CompileChoice | None:
+    """The choice cached under ``key`` (in memory, else on disk), or ``None``."""
     choice = _CHOICES.get(key) or _read(choice_cache_dir() / f"{key}.json")
     if choice is not None:
         _CHOICES[key] = choice
@@ -144,9 +148,9 @@ def compile_choice(model: torch.nn.Module, assistant_model: torch.nn.Module | No
     reason = _ruled_out(model, assistant_model, options)
     if reason is not None:
         return CompileChoice(False, reason)
-    choice = cached_choice(model)
+    key = _choice_key(model)
+    choice = _cached(key)
     if choice is None:
-        key = _choice_key(model)
         choice = _CHOICES[key] = _measure_and_choose(model)
         _write(choice_cache_dir() / f"{key}.json", choice)
     return choice

@@ -228,8 +228,8 @@ def prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      scaling: float | None = None) -> torch.Tensor:
     """Causal softmax attention of rows that read prompts, each over its own keys (the operator
     ``tetris_hf::prompt_attention``): tiles of queries against transposed keys, as a GEMM multiplies, where torch's
-    flash kernel took 2-2.6x the time on prompts of 147-512 tokens (docs/benchmarks.md, "Prompts' attention in
-    tiles"). Each row's outputs depend on its own tokens alone (not on the rows beside it); within fp32 rounding of
+    flash kernel, row by row, took 1.4-2.9x the time (one prompt of 147-1,300 tokens; 16 of 144-282)
+    (docs/benchmarks.md, "Prompts' attention in tiles"). Each row's outputs depend on its own tokens alone (not on the rows beside it); within fp32 rounding of
     sdpa's, not bit for bit.
 
     Args:
