@@ -315,3 +315,26 @@ def test_the_prompt_attention_example_checks_and_times_both_paths():
     lines = example_lines("prompt_attention_alone.py", "--lengths", "20,45", "--rows", "2", "--layers", "2",
                           "--repeats", "1", "--heads", "4", "--key-heads", "2", marker="tokens)")
     assert len(lines) == 2 and all("sdpa row by row" in line and "kernel /" in line for line in lines)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_stream_on_heads_of_64_reads_prompts_on_the_kernel_and_equals_the_target_alone(compiled, monkeypatch):
+    """A stream of a model whose heads have 64 dimensions (the kernel's width; the other tiny models' heads are
+    narrower) reads its prompts on prompt_attention, first reads and prompts riding in later steps, compiled steps too
+    (the slot op calls it), and every request's greedy tokens equal the target's alone."""
+    import tetris_hf.attention as attention_module
+    from test_stream import check_exact, requests
+    from tetris_hf.stream import RequestStream
+    from tiny_models import tiny_llama
+
+    calls = []
+    kernel = cpu_attention.prompt_attention
+    monkeypatch.setattr(attention_module, "prompt_attention",
+                        lambda query, key, value, lengths, *args: calls.append(tuple(lengths)) or
+                        kernel(query, key, value, lengths, *args))
+    target = tiny_llama(seed=5, hidden_size=256)  # (4 heads of 64)
+    stream = RequestStream(target, max_batch_size=3, eos_token_id=None, tetris_strategy="fixed",
+                           prompt_lookup_num_tokens=3, tetris_compile=compiled)
+    check_exact(target, stream, requests(target, 8, seed=11, max_prompt=60))
+    assert any(len(lengths) > 1 for lengths in calls)  # a first read of several prompts
+    assert len(calls) > target.config.num_hidden_layers  # and later reads, of prompts that joined
