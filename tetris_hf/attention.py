@@ -229,7 +229,7 @@ def prompt_rows_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
     contexts"). The same sums as the padded block, row by row, on the CPU's sdpa kernel (bit for bit on the Intel
     CPUs measured, within rounding on an AMD EPYC: tests/test_packing.py). Causal rows (``attention_mask=None``)
     go to :func:`~tetris_hf.cpu_attention.prompt_attention` where it applies (fp32 on the CPU, the kernel built):
-    1.4-2.9x faster, within fp32 rounding of sdpa's sums.
+    1.4-3.0x faster, within fp32 rounding of sdpa's sums.
 
     Args:
         query: ``(1, H, N, D)`` the rows' tokens packed in row order (``lengths[i]`` of row ``i``).

@@ -79,11 +79,18 @@ def packed_row_attention_applies(query: torch.Tensor, key: torch.Tensor, value: 
 def _kernel_takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor,
                   length: int) -> bool:
     """The kernel's own conditions, a block's rows ``length`` queries long (see :func:`row_attention_applies`)."""
-    return (query.device.type == "cpu" and query.dtype == key.dtype == value.dtype == torch.float32
-            and attention_mask.dtype == torch.bool and attention_mask.shape[1] == 1
+    return (attention_mask.dtype == torch.bool and attention_mask.shape[1] == 1
             and attention_mask.shape[3] >= key.shape[2]
-            and query.shape[1] % key.shape[1] == 0
             and query.shape[1] // key.shape[1] * length <= MAX_QUERIES
+            and _tensors_taken(query, key, value))
+
+
+def _tensors_taken(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """What every attention function here asks of its tensors: fp32 on the CPU, ``H`` a multiple of ``H_kv``, the last
+    dimension contiguous, no gradient wanted (the kernels have no backward), and the kernels on
+    (:func:`_kernels_on`)."""
+    return (query.device.type == "cpu" and query.dtype == key.dtype == value.dtype == torch.float32
+            and query.shape[1] % key.shape[1] == 0
             and query.stride(-1) == key.stride(-1) == value.stride(-1) == 1
             and not (torch.is_grad_enabled() and any(tensor.requires_grad for tensor in (query, key, value)))
             and _kernels_on())
@@ -217,20 +224,16 @@ def prompt_attention_applies(query: torch.Tensor, key: torch.Tensor, value: torc
     """Whether :func:`prompt_attention` takes these tensors: fp32 on the CPU, heads of a multiple of
     :data:`PROMPT_DIM` dimensions, ``H`` a multiple of ``H_kv``, the last dimension contiguous, no gradient wanted,
     outside a compiled graph, the kernel built."""
-    return (query.device.type == "cpu" and query.dtype == key.dtype == value.dtype == torch.float32
-            and query.shape[0] == 1 and query.shape[-1] % PROMPT_DIM == 0 and query.shape[1] % key.shape[1] == 0
-            and query.stride(-1) == key.stride(-1) == value.stride(-1) == 1
-            and not (torch.is_grad_enabled() and any(tensor.requires_grad for tensor in (query, key, value)))
-            and _kernels_on())
+    return query.shape[0] == 1 and query.shape[-1] % PROMPT_DIM == 0 and _tensors_taken(query, key, value)
 
 
 def prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: tuple[int, ...],
                      scaling: float | None = None) -> torch.Tensor:
     """Causal softmax attention of rows that read prompts, each over its own keys (the operator
     ``tetris_hf::prompt_attention``): tiles of queries against transposed keys, as a GEMM multiplies, where torch's
-    flash kernel, row by row, took 1.4-2.9x the time (one prompt of 147-1,300 tokens; 16 of 144-282)
-    (docs/benchmarks.md, "Prompts' attention in tiles"). Each row's outputs depend on its own tokens alone (not on the rows beside it); within fp32 rounding of
-    sdpa's, not bit for bit.
+    flash kernel, row by row, took 1.4-3.0x the time (one prompt of 147-1,300 tokens; 16 of 144-282)
+    (docs/benchmarks.md, "Prompts' attention in tiles"). Each row's outputs depend on its own tokens alone (not on the
+    rows beside it); within fp32 rounding of sdpa's, not bit for bit.
 
     Args:
         query: ``(1, H, N, D)`` the rows' tokens packed in row order (``lengths[i]`` of row ``i``).

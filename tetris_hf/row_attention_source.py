@@ -284,7 +284,7 @@ void write_packed(char *keys, int64_t kb_r, int64_t kb_h, int64_t kb_s, char *va
     }
 }
 
-/* -- Prompts' causal attention (prompt_attention): each row's queries over its own keys, tiled as a GEMM is ---------- */
+/* -- Prompts' causal attention (prompt_attention): each row's queries over its own keys, tiled as a GEMM is -- */
 
 #define PROMPT_ROWS 12  /* queries (position x head) a tile of scores holds: 12 x 2 vectors of sums in registers */
 #define VALUE_ROWS 6  /* queries a tile of weighted values holds: 6 x VALUE_VECTORS vectors of sums in registers */
@@ -301,6 +301,8 @@ static float *room(int64_t wanted) {
     }
     return tile_room;
 }
+
+static inline int64_t panels_of(int64_t length) { return (length + 31) / 32 * 2; }  /* a head's keys: pairs of panels */
 
 /* scores[r][32 p + i] for the PROMPT_ROWS queries of queries (PROMPT_ROWS x D, scaled) and the keys of panel pairs
  * p < pairs (panels: (2 pairs, D, KEYS), a panel's keys transposed) */
@@ -346,7 +348,7 @@ static void value_tile(const float *weights, int64_t stride, const float *value,
  * query, after the rows before it) see its first 1, 2, ... keys (key + r * k_r, slots of stride k_s). query[t][h]
  * at t * q_t + h * q_h, key[r][h][s] at r * k_r + h * k_h + s * k_s (value likewise), out[t][h] at t * o_t + h * o_h;
  * query head i reads key-value head i / (H / Hk); D a multiple of VALUE_VECTORS * KEYS. panels: room for the keys
- * transposed, Hk * ((lengths[r] + 31) / 32 * 2) panels of D * KEYS floats a row. A tile is PROMPT_ROWS
+ * transposed, Hk * panels_of(lengths[r]) panels of D * KEYS floats a row. A tile is PROMPT_ROWS
  * consecutive (position, head) pairs of one key-value head, scored against every key its last position sees, then
  * masked, softmaxed (two passes) and multiplied by the values. Each output depends on its row alone. */
 void prompt_attention(const float *query, int64_t q_t, int64_t q_h, const float *key, int64_t k_r, int64_t k_h,
@@ -363,7 +365,7 @@ void prompt_attention(const float *query, int64_t q_t, int64_t q_h, const float 
         task_firsts[r] = tasks;
         token += lengths[r];
         longest = lengths[r] > longest ? lengths[r] : longest;
-        panel_total += Hk * ((lengths[r] + 31) / 32 * 2);
+        panel_total += Hk * panels_of(lengths[r]);
         tasks += Hk * ((lengths[r] * G + PROMPT_ROWS - 1) / PROMPT_ROWS);
     }
     task_firsts[R] = tasks;
@@ -374,7 +376,7 @@ void prompt_attention(const float *query, int64_t q_t, int64_t q_h, const float 
         for (int64_t job = 0; job < panel_total; job++) {  /* each row's keys, KEYS at a time, transposed */
             int64_t r = 0;
             while (r + 1 < R && panel_firsts[r + 1] <= job) r++;
-            const int64_t count = (lengths[r] + 31) / 32 * 2, h = (job - panel_firsts[r]) / count;
+            const int64_t count = panels_of(lengths[r]), h = (job - panel_firsts[r]) / count;
             const int64_t panel = (job - panel_firsts[r]) % count;
             float *to = panels + job * D * KEYS;
             for (int64_t i = 0; i < KEYS; i++) {
@@ -400,12 +402,13 @@ void prompt_attention(const float *query, int64_t q_t, int64_t q_h, const float 
                 heads[rows] = h * G + pair % G;
             }
             for (int i = 0; i < PROMPT_ROWS; i++) {
-                const float *from = query + (firsts[r] + positions[i < rows ? i : 0]) * q_t + heads[i < rows ? i : 0] * q_h;
+                const int pair = i < rows ? i : 0;  /* (a tile's unused queries: zeros) */
+                const float *from = query + (firsts[r] + positions[pair]) * q_t + heads[pair] * q_h;
                 for (int64_t d = 0; d < D; d++) queries[i * D + d] = i < rows ? from[d] * scale : 0.0f;
             }
             const int64_t keys = positions[rows - 1] + 1, pairs = (keys + 31) / 32;
-            score_tile(queries, panels + (panel_firsts[r] + h * ((lengths[r] + 31) / 32 * 2)) * D * KEYS, D, pairs,
-                       scores, stride);
+            score_tile(queries, panels + (panel_firsts[r] + h * panels_of(lengths[r])) * D * KEYS, D, pairs, scores,
+                       stride);
             for (int i = 0; i < rows; i++) {  /* the keys past a query's own masked, then its softmax's two passes */
                 float *row = scores + i * stride;
                 for (int64_t j = positions[i] + 1; j < pairs * 32; j++) row[j] = -INFINITY;
