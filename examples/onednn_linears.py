@@ -10,7 +10,7 @@ for each other kernel of ``--kernels``, interleaved, and prints tokens per secon
 kernel, and whether the kernels' outputs agree (greedy; fp32 results differ in the last bits, so a near-tie may flip a
 token: the count says how often). ``onednn`` multiplies with oneDNN on a reordered copy of the weight (a single row
 with MKL), ``onednn-unpacked`` with oneDNN on the weight as it is (what the reorder gains), ``panels`` as
-:func:`tetris_hf.cpu_kernels.use_onednn_linears` switches them: our panel kernel up to 256 rows, oneDNN past them.
+:func:`tetris_hf.cpu_kernels.use_onednn_linears` switches them: our panel kernel at every row count (fp32).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
-from tetris_hf.cpu_kernels import (PANEL_ROWS, OneDNNLinear, SiblingLinears, onednn_available, panel_linear,
+from tetris_hf.cpu_kernels import (OneDNNLinear, SiblingLinears, onednn_available, panel_linear,
                                    panel_linear_parts, panel_weight, panels_available, refresh_kernel_weights,
                                    restore_linears, sibling_groups, use_onednn_linears)
 from tiny_models import tiny_llama
@@ -21,24 +21,23 @@ pytestmark = pytest.mark.skipif(not (onednn_available() and panels_available()),
 
 
 @settings(max_examples=40, deadline=None)
-@given(rows=st.integers(0, 40), panels=st.lists(st.integers(1, 4), min_size=1, max_size=4),
-       last=st.integers(1, 16), bias=st.booleans(), seed=st.integers(0, 2**16))
-def test_parts_equal_each_weight_alone(rows, panels, last, bias, seed):
+@given(rows=st.integers(0, 40) | st.integers(230, 260), sizes=st.lists(st.integers(1, 100), min_size=1, max_size=4),
+       bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_parts_equal_each_weight_alone(rows, sizes, bias, seed):
+    """Any part sizes (each part's last block ragged or whole), any row count."""
     generator = torch.Generator().manual_seed(seed)
-    sizes = [16 * count for count in panels[:-1]] + [16 * (panels[-1] - 1) + last]  # (only the last part ragged)
     weights = [torch.randn(size, 24, generator=generator) for size in sizes]
     biases = [torch.randn(size, generator=generator) for size in sizes]
     x = torch.randn(rows, 24, generator=generator)
-    outputs = panel_linear_parts(x, panel_weight(torch.cat(weights)), torch.cat(biases) if bias else None,
-                                 tuple(sizes))
+    outputs = panel_linear_parts(x, panel_weight(*weights), torch.cat(biases) if bias else None, tuple(sizes))
     assert [output.shape for output in outputs] == [(rows, size) for size in sizes]
     for output, weight, part in zip(outputs, weights, biases):
         assert output.is_contiguous()
         assert torch.equal(output, panel_linear(x, panel_weight(weight), part if bias else None, weight.shape[0]))
 
 
-# (2 rows a call: stacked, each layer alone on panels, on oneDNN)
-@pytest.mark.parametrize("tokens", [1, 7, 40, PANEL_ROWS + 3])
+# (2 rows a call: stacked up to 16 rows, each layer alone past them)
+@pytest.mark.parametrize("tokens", [1, 7, 40, 259])
 def test_a_model_with_siblings_computes_what_it_does_without(tokens):
     grouped = tiny_llama(97, num_layers=2, seed=1)
     alone = copy.deepcopy(grouped)
@@ -156,7 +155,11 @@ def test_layers_that_cannot_share_a_call_stay_apart():
     assert not sibling_groups(module)
     assert all(type(layer) is OneDNNLinear for layer in (module.q_proj, module.k_proj, module.v_proj))
     ragged = CrossAttention()
-    ragged.q_proj = torch.nn.Linear(32, 20)  # not in whole panels (only the last layer may be)
+    ragged.q_proj = torch.nn.Linear(32, 20)  # (outputs not in whole blocks: each layer's blocks its own)
     use_onednn_linears(ragged)
-    assert not sibling_groups(ragged)
+    assert len(sibling_groups(ragged)) == 1
+    shared = CrossAttention()
+    shared.k_proj = shared.q_proj  # one layer twice
+    use_onednn_linears(shared)
+    assert not sibling_groups(shared)
     assert SiblingLinears([ragged.k_proj, ragged.v_proj]).everyone == 3

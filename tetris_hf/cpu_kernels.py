@@ -1,17 +1,17 @@
-"""Faster linear layers on the CPU: the same weights, multiplied by our panel kernel (a few rows) or oneDNN's (many)
-instead of MKL's ``sgemm``.
+"""Faster linear layers on the CPU: the same weights, multiplied by our panel kernel (fp32) or oneDNN's instead of
+MKL's ``sgemm``.
 
 :func:`use_onednn_linears` switches a model's ``nn.Linear`` layers to :class:`OneDNNLinear` in place (the same
 parameters, tied weights still tied, the same ``state_dict``); :func:`restore_linears` switches them back. Apply it to
 every system a benchmark compares. An fp32 layer keeps a copy of its weight in panels (:func:`panel_weight`) and
-multiplies up to :data:`PANEL_ROWS` rows with :func:`panel_linear` (the C kernel of
-:mod:`tetris_hf.panel_linear_source`, built at first use), more with oneDNN on the weight itself; where no kernel can
-be built (no C compiler), or ``TETRIS_HF_CPU_KERNELS=0`` (read at each call: a copy is remade when it changes), and for
-bf16, the copy is oneDNN's reordered weight. ``torch.compile`` traces a switched model too: inside a compiled graph
+multiplies any number of rows with :func:`panel_linear` (the C kernel of :mod:`tetris_hf.panel_linear_source`, built
+at first use): a row's outputs are the same whether it is read in a prompt of 3,000 tokens or in a decode step of one.
+Where no kernel can be built (no C compiler), or ``TETRIS_HF_CPU_KERNELS=0`` (read at each call: a copy is remade when
+it changes), and for bf16, the copy is oneDNN's reordered weight. ``torch.compile`` traces a switched model too: inside a compiled graph
 each product is one opaque op (:func:`onednn_linear`), the graph fusing what lies between them. A module's layers that
 read one input (its q/k/v, its gate/up) multiply in one call (:class:`SiblingLinears`). Measurements:
-docs/benchmarks.md, "oneDNN linear layers on the CPU", "A linear kernel for few rows" and "Sibling projections in
-one call, and what did not pay".
+docs/benchmarks.md, "oneDNN linear layers on the CPU", "A linear kernel for few rows", "Sibling projections in
+one call, and what did not pay" and "One linear kernel for every row count".
 """
 
 from __future__ import annotations
@@ -30,9 +30,8 @@ from .kernel_build import built, switched_on
 from .ops import define
 from .panel_linear_source import SOURCE
 
-PANEL_ROWS = 256  # rows (tokens) a product multiplies on the panels at most; more: oneDNN (docs/benchmarks.md)
 STACKED_ROWS = 16  # rows SiblingLinears multiply in one call at most; more: each layer alone (docs/benchmarks.md)
-LANES = 16  # outputs a panel holds (the C source's LANES)
+WIDTH = 32  # outputs a block of panels holds (the C source's WIDTH)
 
 
 @functools.cache
@@ -45,8 +44,8 @@ def _library() -> Optional[ctypes.CDLL]:
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     loaded.panel_linear.argtypes = [pointer, size, size, pointer, size, size, pointer, pointer, size, ctypes.c_int]
     loaded.panel_linear.restype = None
-    loaded.panel_linear_parts.argtypes = [pointer, size, size, pointer, size, size, pointer, ctypes.c_int, pointer,
-                                          pointer, pointer, ctypes.c_int]
+    loaded.panel_linear_parts.argtypes = [pointer, size, size, pointer, size, pointer, ctypes.c_int, pointer, pointer,
+                                          pointer, ctypes.c_int]
     loaded.panel_linear_parts.restype = None
     return loaded
 
@@ -56,13 +55,16 @@ def panels_available() -> bool:
     return switched_on() and _library() is not None
 
 
-def panel_weight(weight: torch.Tensor) -> torch.Tensor:
-    """An fp32 weight ``(N, K)`` in the panel kernel's layout: ``(ceil(N / 16), K, 16)``, panel ``p`` row ``k`` holding
-    ``weight[16 p .. 16 p + 15, k]`` (zeros past ``N``)."""
-    outputs, inputs = weight.shape
-    count = -(-outputs // LANES)
-    padded = weight if outputs == count * LANES else F.pad(weight, (0, 0, 0, count * LANES - outputs))
-    return padded.reshape(count, LANES, inputs).transpose(1, 2).contiguous()
+def panel_weight(*weights: torch.Tensor) -> torch.Tensor:
+    """fp32 weights ``(N_i, K)`` in the panel kernel's layout, one after another: each ``(ceil(N_i / 32), K, 32)``,
+    block ``p`` row ``k`` holding ``weight[32 p .. 32 p + 31, k]`` (zeros past ``N_i``)."""
+    blocks = []
+    for weight in weights:
+        outputs, inputs = weight.shape
+        count = -(-outputs // WIDTH)
+        padded = weight if outputs == count * WIDTH else F.pad(weight, (0, 0, 0, count * WIDTH - outputs))
+        blocks.append(padded.reshape(count, WIDTH, inputs).transpose(1, 2))
+    return torch.cat(blocks).contiguous() if len(blocks) > 1 else blocks[0].contiguous()
 
 
 def panel_linear(input: torch.Tensor, panels: torch.Tensor, bias: Optional[torch.Tensor],
@@ -83,10 +85,9 @@ def panel_linear(input: torch.Tensor, panels: torch.Tensor, bias: Optional[torch
 
 def panel_linear_parts(input: torch.Tensor, panels: torch.Tensor, bias: Optional[torch.Tensor],
                        sizes: tuple[int, ...]) -> list[torch.Tensor]:
-    """:func:`panel_linear` of one weight that stacks several (``panels = panel_weight(torch.cat(weights))``), each
-    part's outputs in a tensor of its own: ``input`` ``(..., K)`` fp32 -> ``[(..., sizes[0]), (..., sizes[1]), ...]``,
-    every size but the last a multiple of 16 (a panel holds one part's outputs). Each output the same sum as
-    :func:`panel_linear`'s of that part's weight alone."""
+    """:func:`panel_linear` of several weights at once (``panels = panel_weight(*weights)``, ``weights[i]`` ``sizes[i]``
+    outputs), each part's outputs in a tensor of its own: ``input`` ``(..., K)`` fp32 -> ``[(..., sizes[0]), (...,
+    sizes[1]), ...]``. Each output the same sum as :func:`panel_linear`'s of that part's weight alone."""
     rows = input.reshape(-1, input.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -97,20 +98,20 @@ def panel_linear_parts(input: torch.Tensor, panels: torch.Tensor, bias: Optional
         first = (ctypes.c_int64 * (count + 1))(*itertools.accumulate(sizes, initial=0))
         places = (ctypes.c_void_p * count)(*(output.data_ptr() for output in outputs))
         strides = (ctypes.c_int64 * count)(*sizes)
-        _library().panel_linear_parts(rows.data_ptr(), rows.shape[0], rows.stride(0), panels.data_ptr(), sum(sizes),
-                                      rows.shape[1], None if bias is None else bias.data_ptr(), count, first, places,
-                                      strides, torch.get_num_threads())
+        _library().panel_linear_parts(rows.data_ptr(), rows.shape[0], rows.stride(0), panels.data_ptr(), rows.shape[1],
+                                      None if bias is None else bias.data_ptr(), count, first, places, strides,
+                                      torch.get_num_threads())
     return [output.view(*input.shape[:-1], size) for output, size in zip(outputs, sizes)]
 
 
 def _onednn_product(input: torch.Tensor, weight: torch.Tensor, kernel_weight: torch.Tensor,
                     bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``(..., in) -> (..., out)``: on panels (``kernel_weight`` 3D, :func:`panel_weight`) the panel kernel up to
-    :data:`PANEL_ROWS` rows, oneDNN's product on ``weight`` past them; else oneDNN's product on ``kernel_weight``
+    """``(..., in) -> (..., out)``: on panels (``kernel_weight`` 3D, :func:`panel_weight`) the panel kernel, every row
+    count (an input of another dtype: oneDNN's product on ``weight``); else oneDNN's product on ``kernel_weight``
     (``weight`` reordered, or ``weight``), a single row on MKL's. :class:`OneDNNLinear`'s forward as one op that
     ``torch.compile`` calls without tracing into (its tracer fails on ``mkldnn._linear_pointwise``)."""
     if kernel_weight.dim() == 3:
-        if input.numel() <= PANEL_ROWS * input.shape[-1] and input.dtype == torch.float32:
+        if input.dtype == torch.float32:
             return panel_linear(input, kernel_weight, bias, weight.shape[0])
         return torch.ops.mkldnn._linear_pointwise(input, weight, bias, "none", [], "")
     if input.numel() == input.shape[-1]:  # one row
@@ -133,7 +134,7 @@ def _sibling_products(input: torch.Tensor, weights: list[torch.Tensor], panels: 
     if input.numel() <= STACKED_ROWS * input.shape[-1]:
         return panel_linear_parts(input, panels, bias, tuple(sizes))
     biases = [None] * len(weights) if bias is None else bias.split(sizes)
-    firsts = itertools.accumulate((size // LANES for size in sizes), initial=0)
+    firsts = itertools.accumulate((-(-size // WIDTH) for size in sizes), initial=0)
     return [_onednn_product(input, weight, panels[first:], part)
             for weight, first, part in zip(weights, firsts, biases)]
 
@@ -161,7 +162,7 @@ class SiblingLinears:
 
     Args:
         layers: the layers, in the order their outputs are stacked; the same input size, fp32 weights on the CPU,
-            all with a bias or none, every one's outputs but the last a multiple of 16.
+            all with a bias or none.
     """
 
     def __init__(self, layers: list[OneDNNLinear]):
@@ -185,7 +186,7 @@ class SiblingLinears:
         if self.packed is None or self.packed[0] != key:
             with torch.no_grad():
                 bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
-                self.packed = (key, panel_weight(torch.cat([layer.weight for layer in layers])), bias)
+                self.packed = (key, panel_weight(*(layer.weight for layer in layers)), bias)
         return True
 
     def output(self, index: int, input: torch.Tensor) -> torch.Tensor | None:
@@ -223,7 +224,7 @@ class SiblingLinears:
 def group_siblings(model: nn.Module) -> int:
     """Make each module's :data:`SIBLINGS` (its :class:`OneDNNLinear` layers reading one input) a
     :class:`SiblingLinears`; returns how many groups. Layers that cannot share a call stay apart (other input sizes,
-    dtypes or devices, a bias on some only, a shared weight, outputs not in whole panels)."""
+    dtypes or devices, a bias on some only, a shared weight)."""
     groups = 0
     for module in model.modules():
         for names in SIBLINGS:
@@ -233,8 +234,7 @@ def group_siblings(model: nn.Module) -> int:
             first = layers[0]
             if any(layer.in_features != first.in_features or layer.weight.dtype != torch.float32 or
                    layer.weight.device.type != "cpu" or (layer.bias is None) != (first.bias is None)
-                   for layer in layers) or any(layer.out_features % LANES for layer in layers[:-1]) or \
-                    len({layer.weight.data_ptr() for layer in layers}) < len(layers):
+                   for layer in layers) or len({layer.weight.data_ptr() for layer in layers}) < len(layers):
                 continue
             group = SiblingLinears(layers)
             for index, layer in enumerate(layers):
@@ -273,8 +273,7 @@ def refresh_kernel_weights(model: nn.Module) -> Callable[[], None] | None:
 class OneDNNLinear(nn.Linear):
     """An ``nn.Linear`` multiplied by faster CPU kernels: ``(..., in) -> (..., out)``, as ``F.linear``. An fp32
     weight is multiplied from a copy (as much memory again) made once and again whenever the weight changes: in
-    panels for our kernel (up to :data:`PANEL_ROWS` rows; more rows: oneDNN on the weight), or, where that kernel
-    cannot run, in oneDNN's blocked layout (a single row then on ``F.linear``, MKL's kernel). The weight stays the
+    panels for our kernel (every row count), or, where that kernel cannot run, in oneDNN's blocked layout (a single row then on ``F.linear``, MKL's kernel). The weight stays the
     parameter."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:

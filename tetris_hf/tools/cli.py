@@ -92,13 +92,13 @@ def apply_kernels(args, *models) -> str:
     line saying which kernels run."""
     if not getattr(args, "onednn_linears", False):
         return "linear layers: PyTorch's own (MKL on CPU)"
-    from tetris_hf.cpu_kernels import PANEL_ROWS, panels_available, use_onednn_linears
+    from tetris_hf.cpu_kernels import panels_available, use_onednn_linears
 
     try:
         switched = sum(use_onednn_linears(model) for model in models if model is not None)
     except ValueError as error:
         raise UsageError(f"--onednn-linears: {error}") from None
-    kernels = f"our panel kernel up to {PANEL_ROWS} rows, oneDNN past them" if panels_available() else "oneDNN"
+    kernels = "our panel kernel (fp32), oneDNN (bf16)" if panels_available() else "oneDNN"
     return f"linear layers: {kernels} ({switched} switched, every system)"
 
 
