@@ -83,8 +83,7 @@ def add_kernel_argument(parser: argparse.ArgumentParser) -> None:
     """``--onednn-linears``: every model of the run on oneDNN's linear kernels (:mod:`tetris_hf.cpu_kernels`)."""
     parser.add_argument("--onednn-linears", action="store_true",
                         help="switch the target's and the draft's linear layers to faster CPU kernels (ours for "
-                             "few rows, oneDNN's for many; every system of the run uses them): see "
-                             "tetris_hf.cpu_kernels")
+                             "fp32, oneDNN's for bf16; every system of the run uses them): see tetris_hf.cpu_kernels")
 
 
 def apply_kernels(args, *models) -> str:
