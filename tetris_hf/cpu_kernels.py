@@ -4,14 +4,14 @@ MKL's ``sgemm``.
 :func:`use_onednn_linears` switches a model's ``nn.Linear`` layers to :class:`OneDNNLinear` in place (the same
 parameters, tied weights still tied, the same ``state_dict``); :func:`restore_linears` switches them back. Apply it to
 every system a benchmark compares. An fp32 layer keeps a copy of its weight in panels (:func:`panel_weight`) and
-multiplies any number of rows with :func:`panel_linear` (the C kernel of :mod:`tetris_hf.panel_linear_source`, built
-at first use): a row's outputs are the same whether it is read in a prompt of 3,000 tokens or in a decode step of one.
+multiplies any number of rows with :func:`panel_linear` (the C kernel of :mod:`tetris_hf.panel_linear_source`, built at
+first use): a row's outputs are the same whether it is read in a prompt of 3,000 tokens or in a decode step of one.
 Where no kernel can be built (no C compiler), or ``TETRIS_HF_CPU_KERNELS=0`` (read at each call: a copy is remade when
-it changes), and for bf16, the copy is oneDNN's reordered weight. ``torch.compile`` traces a switched model too: inside a compiled graph
-each product is one opaque op (:func:`onednn_linear`), the graph fusing what lies between them. A module's layers that
-read one input (its q/k/v, its gate/up) multiply in one call (:class:`SiblingLinears`). Measurements:
-docs/benchmarks.md, "oneDNN linear layers on the CPU", "A linear kernel for few rows", "Sibling projections in
-one call, and what did not pay" and "One linear kernel for every row count".
+it changes), and for bf16, the copy is oneDNN's reordered weight. ``torch.compile`` traces a switched model too: inside
+a compiled graph each product is one opaque op (:func:`onednn_linear`), the graph fusing what lies between them. A
+module's layers that read one input (its q/k/v, its gate/up) multiply in one call (:class:`SiblingLinears`).
+Measurements: docs/benchmarks.md, "oneDNN linear layers on the CPU", "A linear kernel for few rows", "Sibling
+projections in one call, and what did not pay" and "One linear kernel for every row count".
 """
 
 from __future__ import annotations
@@ -272,9 +272,9 @@ def refresh_kernel_weights(model: nn.Module) -> Callable[[], None] | None:
 
 class OneDNNLinear(nn.Linear):
     """An ``nn.Linear`` multiplied by faster CPU kernels: ``(..., in) -> (..., out)``, as ``F.linear``. An fp32
-    weight is multiplied from a copy (as much memory again) made once and again whenever the weight changes: in
-    panels for our kernel (every row count), or, where that kernel cannot run, in oneDNN's blocked layout (a single row then on ``F.linear``, MKL's kernel). The weight stays the
-    parameter."""
+    weight is multiplied from a copy (as much memory again) made once and again whenever the weight changes: in panels
+    for our kernel (every row count), or, where that kernel cannot run, in oneDNN's blocked layout (a single row then
+    on ``F.linear``, MKL's kernel). The weight stays the parameter."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         siblings = self.__dict__.get("_siblings")

@@ -9,11 +9,11 @@ The layout: ``W`` ``(N, K)`` as ``ceil(N / 32)`` blocks of ``(K, 32)`` (block ``
 31, k]``; the last block's missing outputs zero), so that a block is one stream of cache lines read front to back. A
 tile of up to 12 rows keeps its sums (up to 12 x 32) in vector registers for the whole of ``K`` (each input element,
 broadcast, feeds two products); the rows are cut into tiles of equal heights (16 rows: two of 8), and a block's tiles
-run one after another, the block read from memory by the first and from the cache by the rest. Each output is the same sum in the same order, ``k = 0 .. K - 1``, one fused multiply-add
-each: a row's outputs do not depend on how many rows share the call. Threads split the blocks, each thread's blocks
-contiguous, and meet every 240 rows (so that those rows' inputs stay cached). ``panel_linear_parts`` multiplies
-stacked weights (a module's q/k/v, say), each part in blocks of its own, and writes each part's outputs into a tensor
-of its own; ``panel_linear`` is its one-part case.
+run one after another, the block read from memory by the first and from the cache by the rest. Each output is the same
+sum in the same order, ``k = 0 .. K - 1``, one fused multiply-add each: a row's outputs do not depend on how many rows
+share the call. Threads split the blocks, each thread's blocks contiguous, and meet every 240 rows (so that those rows'
+inputs stay cached). ``panel_linear_parts`` multiplies stacked weights (a module's q/k/v, say), each part in blocks of
+its own, and writes each part's outputs into a tensor of its own; ``panel_linear`` is its one-part case.
 
 Why: oneDNN's kernel read a decode step's weights at 11-19 GB/s where an earlier form of this one (16 outputs a
 panel) read 18-22 (docs/benchmarks.md, "A linear kernel for few rows"); in blocks of 32 one stream feeds both of a
