@@ -71,7 +71,10 @@ typedef struct { float *y; int64_t ldy; const float *bias; int lanes; } place;
 static inline place place_of(int64_t p, int parts, const int64_t *first, float *const *ys, const int64_t *ldys,
                              const float *bias) {
     int i = 0;
-    while (i + 1 < parts && p >= blocks_of(first[i + 1] - first[i])) p -= blocks_of(first[i + 1] - first[i++]);
+    while (i + 1 < parts && p >= blocks_of(first[i + 1] - first[i])) {
+        p -= blocks_of(first[i + 1] - first[i]);
+        i++;
+    }
     const int64_t offset = p * WIDTH, left = first[i + 1] - first[i] - offset;
     place at = {ys[i] + offset, ldys[i], bias ? bias + first[i] + offset : 0, (int)smaller(WIDTH, left)};
     return at;
