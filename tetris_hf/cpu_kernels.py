@@ -64,7 +64,7 @@ def panel_weight(*weights: torch.Tensor) -> torch.Tensor:
         count = -(-outputs // WIDTH)
         padded = weight if outputs == count * WIDTH else F.pad(weight, (0, 0, 0, count * WIDTH - outputs))
         blocks.append(padded.reshape(count, WIDTH, inputs).transpose(1, 2))
-    return torch.cat(blocks).contiguous() if len(blocks) > 1 else blocks[0].contiguous()
+    return torch.cat(blocks)  # (a new, contiguous tensor, one weight or several)
 
 
 def panel_linear(input: torch.Tensor, panels: torch.Tensor, bias: Optional[torch.Tensor],

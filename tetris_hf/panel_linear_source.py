@@ -15,10 +15,10 @@ share the call. Threads split the blocks, each thread's blocks contiguous, and m
 inputs stay cached). ``panel_linear_parts`` multiplies stacked weights (a module's q/k/v, say), each part in blocks of
 its own, and writes each part's outputs into a tensor of its own; ``panel_linear`` is its one-part case.
 
-Why: oneDNN's kernel read a decode step's weights at 11-19 GB/s where an earlier form of this one (16 outputs a
-panel) read 18-22 (docs/benchmarks.md, "A linear kernel for few rows"); in blocks of 32 one stream feeds both of a
-tile's vectors, and the same kernel runs 80 to 3,264 rows as fast as oneDNN's on the weight itself or faster
-(docs/benchmarks.md, "One linear kernel for every row count").
+Why: a decode step's products are bound by reading the weights, which oneDNN's kernel read slower than this one
+does; in blocks of 32 one stream feeds both of a tile's vectors, so the same kernel serves prompts as well, with no
+third copy of the weights, and a row's outputs do not depend on the row count (measurements: docs/benchmarks.md, "A
+linear kernel for few rows" and "One linear kernel for every row count").
 """
 
 SOURCE = r"""
@@ -80,7 +80,7 @@ static inline place place_of(int64_t p, int parts, const int64_t *first, float *
     return at;
 }
 
-/* a tile's rows of the place's outputs = sums (rows, 32) (+ bias) */
+/* rows of the place's outputs = sums (rows, 32) (+ bias) */
 static inline void put(int rows, const float *sums, place at) {
     for (int m = 0; m < rows; m++) {
         float *y = at.y + m * at.ldy;
