@@ -140,9 +140,9 @@ def test_rolled_back_holes_are_repacked_once_they_exceed_max_holes():
     drafter, _ = drafter_after_proposal(3, max_holes=0)
     # with a bound the loop knows for after this roll back: row 1 keeps 4 real slots
     drafter.accept(verdict([0, 1, 2, 0], cached_longest=4))
-    # [_ 3 4 . . | 5 6 7 8 . | _ _ 8 9 10 | 9 10 11 . .] -> width 4, each row's real slots right-aligned
+    # [_ 3 4 . . | 5 6 7 8 . | _ _ 8 9 10 | 9 10 11 . .] -> width 4, what lies past it in each row's first hole
     assert drafter.slots.pointer == 4
-    assert cached_tokens(drafter.slots).tolist() == [[-1, -1, 3, 4], [5, 6, 7, 8], [-1, 8, 9, 10], [-1, 9, 10, 11]]
+    assert cached_tokens(drafter.slots).tolist() == [[-1, 3, 4, -1], [5, 6, 7, 8], [10, -1, 8, 9], [9, 10, 11, -1]]
     assert drafter.slots.next_positions.tolist() == [2, 4, 3, 3]
     assert drafter.pending_tokens.tolist() == [[7, 20], [10, 21], [11, 22], [14, 23]]
 

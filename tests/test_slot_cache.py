@@ -184,31 +184,35 @@ def rows_with_a_hole(**kwargs):
     return model, slots
 
 
-def test_compact_moves_real_slots_to_the_right_end_of_the_width_in_order_with_their_keys_and_values():
+def test_compact_moves_real_slots_past_the_width_into_the_first_holes_with_their_keys_and_values():
     model, slots = rows_with_a_hole(capacity=16, max_holes=0)
     slots.compact(3)  # the loop read that no row holds more than 3 real slots
-    # [a b . c | _ _ d e] -> [a b c | . d e]
+    # [a b . c | _ _ d e] -> [a b c | e . d]: what lies past the width fills the first holes; the rest stays put
     assert slots.pointer == 3
-    assert slots.slot_mask[:, :5].tolist() == [[1, 1, 1, 0, 0], [0, 1, 1, 0, 0]]
-    assert slots.slot_positions[:, :3].tolist() == [[0, 1, 2], [0, 0, 1]]
+    assert slots.slot_mask[:, :5].tolist() == [[1, 1, 1, 0, 0], [1, 0, 1, 0, 0]]
+    assert slots.slot_positions[0, :3].tolist() == [0, 1, 2]
+    assert slots.slot_positions[1, [0, 2]].tolist() == [1, 0]
     assert slots.next_positions.tolist() == [3, 2]
     for layer in range(LAYERS):
-        assert cached_tokens(slots, layer).tolist() == [[A, B, C], [-1, D, E]]
+        assert cached_tokens(slots, layer).tolist() == [[A, B, C], [E, -1, D]]
         keys, values = slots.cache.layers[layer].keys, slots.cache.layers[layer].values
-        assert torch.equal(values[:, :, :3], -keys[:, :, :3])
-    # The next block is written right after the repacked slots.
+        real = slots.slot_mask[:, :3]
+        assert torch.equal(values[:, :, :3][real[:, None].expand(-1, HEADS, -1)],
+                           -keys[:, :, :3][real[:, None].expand(-1, HEADS, -1)])
+    # The next block is written right after the width.
     feed(slots, model, [[D], [A]], [[1], [1]])
     assert slots.pointer == 4 and slots.slot_positions[:, 3].tolist() == [3, 2]
-    assert cached_tokens(slots).tolist() == [[A, B, C, D], [-1, D, E, A]]
+    assert cached_tokens(slots).tolist() == [[A, B, C, D], [E, -1, D, A]]
 
 
-def test_compact_without_a_tighter_bound_keeps_the_width_and_closes_holes_from_the_left():
+def test_compact_without_a_tighter_bound_keeps_the_width_and_moves_nothing():
     _, slots = rows_with_a_hole(capacity=16, max_holes=0)
-    slots.compact(force=True)  # width = the pointer (4): [a b . c] -> [. a b c]
+    before = cached_tokens(slots).tolist()
+    copied = compact_counting_reads(slots, force=True)  # width = the pointer (4): nothing lies past it
     assert slots.pointer == 4
-    assert slots.slot_mask[:, :4].tolist() == [[0, 1, 1, 1], [0, 0, 1, 1]]
-    assert cached_tokens(slots).tolist() == [[-1, A, B, C], [-1, -1, D, E]]
-    assert slots.slot_positions[:, 1:4].tolist() == [[0, 1, 2], [0, 0, 1]]
+    assert slots.slot_mask[:, :4].tolist() == [[1, 1, 0, 1], [0, 0, 1, 1]]
+    assert cached_tokens(slots).tolist() == before
+    assert copied == [0] * (2 * LAYERS)
 
 
 def test_compact_waits_until_holes_exceed_max_holes():
@@ -237,9 +241,10 @@ def compact_counting_reads(slots, *args, **kwargs) -> list[int]:
 
 @settings(max_examples=40, deadline=None)
 @given(st.data())
-def test_compact_keeps_each_rows_real_tokens_in_order_right_aligned_whatever_the_holes(data):
-    """Random blocks (any filler pattern) and rolled-back tails, then a repack: every row holds the same real tokens
-    in the same order, keys and values, at the right end of the width; only slots that move are copied."""
+def test_compact_keeps_each_rows_real_tokens_and_moves_only_those_past_the_width(data):
+    """Random blocks (any filler pattern) and rolled-back tails, then a repack to a random bound: every row holds the
+    same real tokens at the same positions, keys and values with them, all before the width; a real slot before the
+    width stays where it was; those past it fill the row's first holes, in order; only they are copied."""
     rows = data.draw(st.integers(1, 4))
     model, slots = RecordingModel(), new_cache(rows, capacity=64, max_holes=0)
     for _ in range(data.draw(st.integers(1, 5))):
@@ -253,32 +258,47 @@ def test_compact_keeps_each_rows_real_tokens_in_order_right_aligned_whatever_the
         if data.draw(st.booleans()):  # a rolled-back tail: holes in the middle of rows
             drop_slots(slots, start, torch.tensor(data.draw(st.lists(st.integers(0, width), min_size=rows,
                                                                      max_size=rows))))
-    before = [[token for token in row if token >= 0] for row in cached_tokens(slots).tolist()]
-    places = [torch.nonzero(row).flatten().tolist() for row in slots.slot_mask[:, : slots.pointer]]
-    copied = compact_counting_reads(slots, force=True)
+    pointer = slots.pointer
+    held = [[(int(p), t) for p, t, real in zip(slots.slot_positions[row, :pointer], cached_tokens(slots)[row].tolist(),
+                                             slots.slot_mask[row, :pointer]) if real] for row in range(rows)]
+    places = [torch.nonzero(row).flatten().tolist() for row in slots.slot_mask[:, :pointer]]
+    most = max(len(row) for row in places)
+    bound = data.draw(st.integers(most, pointer))
+    tokens_before = cached_tokens(slots).clone()
+    copied = compact_counting_reads(slots, bound, force=True)
     width = slots.pointer
-    for row, tokens in enumerate(before):
-        assert slots.slot_mask[row, :width].tolist() == [0] * (width - len(tokens)) + [1] * len(tokens)
+    assert width == bound
+    tokens_after = cached_tokens(slots)
+    for row in range(rows):
+        real = slots.slot_mask[row, :width]
+        after = sorted((int(p), t) for p, t, r in zip(slots.slot_positions[row, :width], tokens_after[row].tolist(),
+                                                      real) if r)
+        assert after == sorted(held[row])
+        stay = [place for place in places[row] if place < width]
+        assert tokens_after[row, stay].tolist() == tokens_before[row, stay].tolist()
+        moved = [place for place in places[row] if place >= width]
+        holes = [slot for slot in range(width) if slot not in stay][: len(moved)]
+        assert tokens_after[row, holes].tolist() == tokens_before[row, moved].tolist()
+        assert not slots.slot_mask[row, width:].any()
         for layer in range(LAYERS):
-            cached = cached_tokens(slots, layer)[row, width - len(tokens) : width].tolist()
-            assert cached == tokens
             keys, values = slots.cache.layers[layer].keys, slots.cache.layers[layer].values
-            assert torch.equal(values[row, :, width - len(tokens) : width], -keys[row, :, width - len(tokens) : width])
-    # only real slots that changed place were read (each head's), for each layer's keys and values
-    moved = sum(sum(1 for rank, place in enumerate(row) if place != width - len(row) + rank) for row in places)
+            assert torch.equal(values[row, :, :width][:, real], -keys[row, :, :width][:, real])
+    # only real slots past the width were read (each head's), for each layer's keys and values
+    moved = sum(sum(1 for place in row if place >= width) for row in places)
     assert copied == [moved * HEADS] * (2 * LAYERS)
 
 
 def test_a_repack_copies_only_the_slots_that_move():
-    """A stream's repack after a prompt joined: the decoding rows' real slots already end at the width; only the
-    joining row's move (here 2 slots of row 1, on each layer's keys and values, each head)."""
+    """A stream's repack after a prompt joined: the decoding rows' real slots lie before the width; only the joining
+    row's slots past it move (here 1 slot of row 1, on each layer's keys and values, each head)."""
     model, slots = RecordingModel(), new_cache(2, capacity=16, max_holes=0)
     feed(slots, model, [[A, B, C], [PAD, PAD, PAD]], [[1, 1, 1], [0, 0, 0]])  # row 1 joins later
     feed(slots, model, [[D, PAD], [A, B]], [[1, 0], [1, 1]])  # row 0 decodes one token, row 1 reads its prompt
     assert cached_tokens(slots).tolist() == [[A, B, C, D, -1], [-1, -1, -1, A, B]]
-    copied = compact_counting_reads(slots, 4)  # no row holds more than 4 real slots: [a b c d | . . a b]
-    assert cached_tokens(slots).tolist() == [[A, B, C, D], [-1, -1, A, B]]
-    assert copied == [2 * HEADS] * (2 * LAYERS)
+    copied = compact_counting_reads(slots, 4)  # no row holds more than 4 real slots: [a b c d | b . . a]
+    assert cached_tokens(slots).tolist() == [[A, B, C, D], [B, -1, -1, A]]
+    assert slots.slot_positions[1, [0, 3]].tolist() == [1, 0]
+    assert copied == [1 * HEADS] * (2 * LAYERS)
 
 
 def test_compact_on_a_windowed_model_drops_slots_out_of_every_window():
@@ -286,12 +306,12 @@ def test_compact_on_a_windowed_model_drops_slots_out_of_every_window():
     model, slots = RecordingModel(), new_cache(2, layout=layout, capacity=16, max_holes=0)
     feed(slots, model, [[A, B, C, D], [PAD, PAD, A, B]], [[1, 1, 1, 1], [0, 0, 1, 1]])
     # The next queries sit at positions 4 and 2; with a window of 3 they see positions 2 and 0 onwards:
-    # [a b c d | _ _ a b] -> [. . c d | _ _ a b], then repacked to the window's width: [. c d | . a b].
+    # [a b c d | _ _ a b] -> [. . c d | _ _ a b], then repacked to the window's width: [d . c | b . a].
     slots.compact()
     assert slots.pointer == 3
-    assert slots.slot_mask[:, :4].tolist() == [[0, 1, 1, 0], [0, 1, 1, 0]]
-    assert slots.slot_positions[:, 1:3].tolist() == [[2, 3], [0, 1]]
-    assert cached_tokens(slots).tolist() == [[-1, C, D], [-1, A, B]]
+    assert slots.slot_mask[:, :4].tolist() == [[1, 0, 1, 0], [1, 0, 1, 0]]
+    assert slots.slot_positions[:, [0, 2]].tolist() == [[3, 2], [1, 0]]
+    assert cached_tokens(slots).tolist() == [[D, -1, C], [B, -1, A]]
     assert slots.next_positions.tolist() == [4, 2]
 
 
@@ -402,7 +422,8 @@ def test_repacking_changes_nothing_a_real_model_computes():
         drop_slots(slots, 4, torch.tensor([1, 0]))  # [_ _ a b c .] and [a b c d . .]
         with_holes = copy.deepcopy(slots).forward(model, torch.tensor([[15], [16]]), torch.ones(2, 1, dtype=torch.long))
         slots.compact(4)
-        assert slots.pointer == 4 and slots.slot_mask[:, :4].tolist() == [[0, 1, 1, 1], [1, 1, 1, 1]]
+        # c (position 2) fills row 0's first hole: its slots no longer in position order, the same computation
+        assert slots.pointer == 4 and slots.slot_mask[:, :4].tolist() == [[1, 0, 1, 1], [1, 1, 1, 1]]
         repacked = slots.forward(model, torch.tensor([[15], [16]]), torch.ones(2, 1, dtype=torch.long))
         fresh = [model(torch.tensor([text])).logits[0, -1] for text in ([5, 6, 11, 15], [7, 8, 9, 10, 16])]
     torch.testing.assert_close(repacked, with_holes, atol=1e-5, rtol=0)

@@ -707,10 +707,13 @@ class SlotCache:
         return self.next_positions
 
     def compact(self, longest: int | None = None, force: bool = False) -> None:
-        """Repack each row's real slots to the right end of ``[0, width)``, in order, and move the pointer to
-        ``width``, a host bound on any row's real slots, when the cache holds more than ``max_holes`` slots beyond it
-        (e.g. ``[a b . c | . . d e]`` -> ``[a b c | . d e]``). On models whose every layer has a window, slots no
-        future query can see become holes first.
+        """Move each row's real slots at or past ``width``, a host bound on any row's real slots, into its first holes
+        before it, in order, and move the pointer to ``width``, when the cache holds more than ``max_holes`` slots
+        beyond it (e.g. width 3: ``[a b . c | . . d e]`` -> ``[a b c | d e .]``; ``[. a b c d]`` -> ``[d a b c]``).
+        Slots before the width stay where they are, so a repack copies only what lies past it (after a prompt joins a
+        stream, the joining row's prompt; after rolled-back drafts, each row's few last tokens); a row's slots need
+        not be in position order (masks and attention go by each slot's position). On models whose every layer has a
+        window, slots no future query can see become holes first.
 
         Args:
             longest: an upper bound on the real slots any row holds now (e.g. the most :meth:`live_lengths` read
@@ -730,14 +733,11 @@ class SlotCache:
         width = min(self.longest_bound, self.pointer)
         if not force and self.pointer - width <= self.max_holes:
             return
-        # a stable ascending sort puts holes (0) first and real slots (1) last, each group in its original order
-        sorted_mask, order = torch.sort(self.slot_mask[:, : self.pointer].view(torch.uint8), dim=1, stable=True)
-        order = order[:, self.pointer - width :]
-        positions = self.slot_positions.gather(1, order)
-        self.slot_mask[:, :width] = sorted_mask[:, self.pointer - width :]
-        self.slot_positions[:, :width] = positions
+        order, filled = self._hole_filling(width)
+        self.slot_positions[:, :width] = self.slot_positions.gather(1, order)
+        self.slot_mask[:, :width] |= filled
         self.slot_mask[:, width:] = False
-        self.dense = False  # (rows' real slots now end at width, after holes where they hold fewer)
+        self.dense = False  # (holes may remain anywhere before the width)
         moves = None
         if self.slot_mask.device.type == "cpu":  # only the slots that move (listing them is a host read elsewhere)
             moving = (order != self.offsets[:width]) & self.slot_mask[:, :width]
@@ -747,6 +747,21 @@ class SlotCache:
         for layer in self._layers():
             layer.repack(order, flat_index, moves if layer.keys.is_contiguous() else None)
         self.pointer = width
+
+    def _hole_filling(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where each slot of ``[0, width)`` comes from in a repack to ``width`` (:meth:`compact`): ``order`` ``(B,
+        width)``, the slot itself, or for a row's ``i``-th hole the row's ``i``-th real slot at or past the width
+        (its holes outnumber those: no row holds more than ``width`` real slots); ``filled`` ``(B, width)`` the holes
+        that take one. No host read."""
+        beyond = self.slot_mask[:, width : self.pointer]  # (B, P - W) real slots that must move
+        holes = ~self.slot_mask[:, :width]
+        # source_of[b, i]: row b's i-th (1-based) real slot past the width (column 0 collects the other slots)
+        source_of = torch.zeros(beyond.shape[0], beyond.shape[1] + 1, dtype=torch.long, device=beyond.device)
+        source_of.scatter_(1, beyond.cumsum(dim=1) * beyond, self.offsets[width : self.pointer].expand_as(beyond))
+        hole_rank = holes.cumsum(dim=1)
+        filled = holes & (hole_rank <= beyond.sum(dim=1, keepdim=True))
+        sources = source_of.gather(1, hole_rank.clamp(max=beyond.shape[1]))
+        return torch.where(filled, sources, self.offsets[:width]), filled
 
     def _make_room(self, block: int) -> None:
         """Repack, then grow the buffers, until ``block`` more slots fit."""
