@@ -709,11 +709,11 @@ class SlotCache:
     def compact(self, longest: int | None = None, force: bool = False) -> None:
         """Move each row's real slots at or past ``width``, a host bound on any row's real slots, into its first holes
         before it, in order, and move the pointer to ``width``, when the cache holds more than ``max_holes`` slots
-        beyond it (e.g. width 3: ``[a b . c | . . d e]`` -> ``[a b c | d e .]``; ``[. a b c d]`` -> ``[d a b c]``).
-        Slots before the width stay where they are, so a repack copies only what lies past it (after a prompt joins a
-        stream, the joining row's prompt; after rolled-back drafts, each row's few last tokens); a row's slots need
-        not be in position order (masks and attention go by each slot's position). On models whose every layer has a
-        window, slots no future query can see become holes first.
+        beyond it (e.g. rows ``[a b . c | . . d e]`` at width 3 -> ``[a b c | e . d]``; ``[. a b c d]`` at 4 ->
+        ``[d a b c]``). Slots before the width stay where they are, so a repack copies only what lies past it (after a
+        prompt joins a stream, the joining row's prompt; after rolled-back drafts, each row's few last tokens); a row's
+        slots need not be in position order (masks and attention go by each slot's position). On models whose every
+        layer has a window, slots no future query can see become holes first.
 
         Args:
             longest: an upper bound on the real slots any row holds now (e.g. the most :meth:`live_lengths` read
