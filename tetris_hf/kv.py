@@ -740,8 +740,7 @@ class SlotCache:
         self.dense = False  # (holes may remain anywhere before the width)
         moves = None
         if self.slot_mask.device.type == "cpu":  # only the slots that move (listing them is a host read elsewhere)
-            moving = (order != self.offsets[:width]) & self.slot_mask[:, :width]
-            rows, targets = moving.nonzero(as_tuple=True)
+            rows, targets = filled.nonzero(as_tuple=True)  # (the filled holes: every other slot stays put)
             moves = (rows, targets, order[rows, targets])
         flat_index: dict = {}
         for layer in self._layers():
