@@ -167,8 +167,9 @@ def test_sampled_calls_with_a_partial_budget_run_packed():
 @pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss"])
 def test_a_split_block_reads_like_one_block(family):
     """Decoding rows and a joining prompt in one forward, attended apart at their own widths (a request stream's
-    verification with a prompt riding in it): the first rows' logits and every row's cache equal the unsplit packed
-    forward's, for full, windowed and sink attention."""
+    verification with a prompt riding in it): the first rows' logits and every row's cached keys and values, position
+    by position, equal the unsplit packed forward's, for full, windowed and sink attention; the prompt lies in its row's
+    first slots (on plain sdpa layouts: the others' block widens them by its own width only)."""
     import tetris_hf.packing as packing_module
     from tetris_hf.kv import SlotCache
     from tetris_hf.packing import BlockSplit
@@ -193,10 +194,18 @@ def test_a_split_block_reads_like_one_block(family):
     torch.testing.assert_close(split_logits[:2][real], whole_logits[:2, :2][real])
     torch.testing.assert_close(split_logits[2, 0], whole_logits[2, 4])
     assert not split_logits[2, 1].any()
-    for split_layer, whole_layer in zip(caches[0]._layers(), caches[1]._layers()):
-        written = caches[0].slot_mask[:, None, :, None].expand_as(split_layer.keys)
-        torch.testing.assert_close(split_layer.keys[written], whole_layer.keys[written])
-        torch.testing.assert_close(split_layer.values[written], whole_layer.values[written])
+    split_cache, whole_cache = caches
+    assert split_cache.layout.plain_sdpa == (family == "llama")
+    if split_cache.layout.plain_sdpa:
+        assert split_cache.slot_mask[2].nonzero().flatten().tolist() == [0, 1, 2, 3, 4]
+        assert split_cache.pointer == 6 + 2 < whole_cache.pointer == 6 + 5
+    for row in range(3):  # each row's real slots in position order
+        slots = [split_cache.slot_mask[row].nonzero().flatten(), whole_cache.slot_mask[row].nonzero().flatten()]
+        slots = [index[cache.slot_positions[row, index].argsort()] for index, cache in zip(slots, caches)]
+        assert split_cache.slot_positions[row, slots[0]].tolist() == whole_cache.slot_positions[row, slots[1]].tolist()
+        for split_layer, whole_layer in zip(split_cache._layers(), whole_cache._layers()):
+            torch.testing.assert_close(split_layer.keys[row, :, slots[0]], whole_layer.keys[row, :, slots[1]])
+            torch.testing.assert_close(split_layer.values[row, :, slots[0]], whole_layer.values[row, :, slots[1]])
 
 
 def test_a_split_block_without_filler_is_read_whole():
@@ -289,9 +298,11 @@ def test_joining_prompts_attend_to_their_own_block_causally_and_read_as_the_mode
         alone = [model(torch.tensor([prompt])).logits[0, -1] for prompt in joining]
     for row, expected in zip((2, 3), alone):
         torch.testing.assert_close(logits[row, 0], expected, atol=1e-5, rtol=0)
-    # per layer: the decoding rows' group (1 query each, over the whole cache, masked), then the joining rows'
+    # per layer: the decoding rows' group (1 query each, over the whole cache, masked: on plain sdpa the prompts lie
+    # in their own rows' first slots, so the decoding rows' block widens the cache by its one column only), then the
+    # joining rows'
     decoding, joining_rows = calls[0::2], calls[1::2]
-    assert len(joining_rows) == 2 and all(call[1:3] == (9 + 5, False) for call in decoding)
+    assert len(joining_rows) == 2 and all(call[1:3] == (9 + (1 if own_block else 5), False) for call in decoding)
     expected = (5, True, True) if own_block else (9 + 5, False, False)
     assert all(call[1:] == expected for call in joining_rows), joining_rows
     assert cache.new_from is None  # the rows hold their prompts now: a later block attends under the mask

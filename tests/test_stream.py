@@ -150,6 +150,33 @@ def test_a_joining_prompt_rides_in_the_verification_forward(models):
         assert outputs[request_id].generated_tokens == expected
 
 
+@pytest.mark.parametrize("prompt_length", [12, 50])
+def test_a_riding_prompt_is_written_into_its_own_rows_first_slots(models, prompt_length):
+    """A prompt riding in a verification forward goes to its new row's first slots (holes in it), not to the slots
+    after the decoding rows' (where every other row took as many holes, and the cache grew): the decoding rows' block
+    widens them by its own width only, a prompt longer than the cache widens it to the prompt. The new row holds its
+    prompt at positions 0 .. L - 1, in slots 0 .. L - 1; both rows finish exactly."""
+    target, draft = models
+    stream = RequestStream(target, assistant_model=draft, max_batch_size=2, prefill_chunk=64, eos_token_id=None,
+                           num_assistant_tokens=3, tetris_strategy="fixed")
+    first = stream.add(list(range(5, 35)), max_new_tokens=30)
+    stream.step()
+    slots = stream.loop.core.target_slots
+    before = slots.pointer
+    prompt = list(range(3, 3 + prompt_length))
+    second = stream.add(prompt, max_new_tokens=12)
+    stream.step()
+    record = stream.loop.core.records[-1]
+    width = record.target_tokens  # (one row: its block, the last token and the verified drafts)
+    assert slots.block_start <= before and slots.pointer == max(slots.block_start + width, prompt_length)
+    new_row = stream.loop.batch.num_rows - 1
+    assert slots.slot_mask[new_row, :prompt_length].all() and not slots.slot_mask[new_row, prompt_length:].any()
+    assert slots.slot_positions[new_row, :prompt_length].tolist() == list(range(prompt_length))
+    outputs = {output.request_id: output for output in stream.run()}
+    assert outputs[first].generated_tokens == alone(target, list(range(5, 35)), 30)
+    assert outputs[second].generated_tokens == alone(target, prompt, 12)
+
+
 def test_prompts_riding_in_plain_steps_leave_no_span_behind(models):
     """A prompt riding in a step that verifies nothing (speculation off, or ``adaptive``'s plain steps) writes a block
     as wide as itself into every row's slots; the step hands the cache the batch's bound on the rows' lengths, so the

@@ -156,7 +156,7 @@ class ChainStep(StepPhases):
             longest = max(longest, joining.width)
         forward_width = forward_block.shape[1]
         return Verdict(num_accepted, next_tokens, verify_lengths, hints=hints, features=features), \
-            TargetBlock(target.length - forward_width, forward_width, longest, computed, joining_tokens, features)
+            TargetBlock(target.block_start, forward_width, longest, computed, joining_tokens, features)
 
     def first_tokens(self, joining: JoiningPrompts, logits: torch.Tensor) -> torch.Tensor:
         """``(M,)`` the joining rows' first tokens, from the target's ``(M, V)`` logits at their prompts' last tokens:
@@ -170,10 +170,9 @@ class ChainStep(StepPhases):
 
     def roll_back(self, proposal: Proposal, verdict: Verdict, block: TargetBlock) -> torch.Tensor | None:
         """The target keeps ``[last token, accepted drafts]`` of its block; the drafter keeps its accepted drafts."""
-        target, joining = self.context.target_slots, self.joining
-        if proposal.tokens.shape[1] > 0:  # drafts were verified (joining rows keep their prompts)
-            keep = verdict.num_accepted + 1
-            target.keep_prefix(block.first_slot, keep if joining is None else torch.cat([keep, joining.lengths]))
+        target = self.context.target_slots
+        if proposal.tokens.shape[1] > 0:  # drafts were verified (the joining rows after them keep their prompts)
+            target.keep_prefix(block.first_slot, verdict.num_accepted + 1)
         target.compact(block.longest)
         return self.context.drafter.accept(verdict)
 

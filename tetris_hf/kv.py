@@ -98,7 +98,7 @@ class SlotLayer(CacheLayerMixin):
         if owner.packing is not None:  # a packed forward: (1, H, N, D), each token into its row at its slot
             packing, start = owner.packing, owner.pointer
             packing.write(self.keys, self.values, key_states, value_states, start)
-            end = start + packing.width
+            end = packing.slots_end(start)
             return self.keys[:, :, :end], self.values[:, :, :end]
         if owner.write_index is not None:  # a static-shape step: the padded batch, every slot
             rows = key_states.shape[0]
@@ -216,6 +216,7 @@ class SlotCache:
         self.max_rows = batch_size  # rows the buffers are allocated for (a stream raises it before the first forward)
         self.capacity = max(int(capacity), 1)
         self.pointer = 0  # slots written per row, holes included (host-side: no device read needed)
+        self.block_start = 0  # the slot the last forward's block was written from (its first rows')
         self.dense = True  # every written slot of every row is real (host-side)
         self.new_from = None  # rows from this one on joined since the last forward: nothing real in them yet
         self.static = False  # see step_forward
@@ -299,9 +300,16 @@ class SlotCache:
         self._know(model)
         block = input_ids.shape[1]
         self._check_block(model, block, visibility, split, logits_to_keep)
-        self._make_room(block)
-        start, end = self.pointer, self.pointer + block
-        position_ids, new_tokens = self._mark_slots(start, end, input_mask, real_lengths, position_ids)
+        later_slot = self._later_slot(split, input_mask, real_lengths, num_real, visibility)
+        if later_slot is None:
+            self._make_room(block)
+            start, end = self.pointer, self.pointer + block
+        else:  # (the later rows' own first slots: the block widens the others by the first rows' width only)
+            self._make_room(split.width, reach=later_slot + block)
+            start = self.pointer
+            end = max(start + split.width, later_slot + block)
+        later = None if later_slot is None else (split.rows, later_slot, split.width)
+        position_ids, new_tokens = self._mark_slots(start, block, end, input_mask, real_lengths, position_ids, later)
         next_positions = self.next_positions + new_tokens  # (before the forward: right after it, caches are cold)
         extra = {"output_hidden_states": list(hidden_states)} if hidden_states else {}
         row_inputs = row_inputs or {}
@@ -314,7 +322,7 @@ class SlotCache:
             # (a static cache's steps keep their shapes; its other reads, a joining prompt's, read packed)
             packing = None if step and self.static else self._packing(input_mask, real_lengths, num_real, block,
                                                                       logits_to_keep, first_row, split,
-                                                                      prompt_lengths)
+                                                                      prompt_lengths, later_slot)
             if split is not None and packing is None and num_real != input_ids.numel():  # (no filler: read whole)
                 raise ValueError("a split block is read packed: real_lengths and num_real, on a cache that packs")
             attention_mask = self._attention_mask(position_ids, start, end, model.dtype, input_mask is None or all_real,
@@ -327,15 +335,29 @@ class SlotCache:
                 run, packing = self.eager_shapes_forward, compiled_packing
                 extra = {**extra, "tetris_slots": self._slot_arguments(start, packing)}
                 if attention_mask is None:  # (a tensor always, one graph: every cached slot real, causal in the block)
-                    attention_mask = real_prefix_mask(self.slot_mask[:, None, None, :start], self._causal(block))
+                    attention_mask = real_prefix_mask(self.slot_mask[:, None, None, :start], self._causal(end - start))
                 attention_mask = standard_strides(attention_mask)  # (graphs are specialised on strides and views too)
             logits, features = self._eager_forward(run, input_ids, attention_mask, position_ids, packing,
                                                    logits_to_keep, discard_logits, split, extra, row_inputs)
         self.pointer, self.next_positions, self.longest_bound = end, next_positions, self.longest_bound + block
+        self.block_start = start
         self.new_from = None  # (every row may now hold real tokens)
         self.dense = self.dense and all_real and visibility is None
         logits = None if discard_logits else logits
         return logits if hidden_states is None else (logits, features)
+
+    def _later_slot(self, split: BlockSplit | None, input_mask: torch.Tensor | None,
+                    real_lengths: torch.Tensor | None, num_real: int | None,
+                    visibility: torch.Tensor | None) -> int | None:
+        """Where a split block's later rows are written (:attr:`~tetris_hf.packing.Packing.later_slot`): from slot 0,
+        their own holes, when they are the rows that joined since the last forward (nothing real in them) and the block
+        is read packed on a plain sdpa layout (their attention then reads their own slots, causally); else ``None``,
+        with the first rows at the pointer (a joining prompt of ``L`` tokens then widened every row by ``L`` slots,
+        repacked away later, and grew the cache: docs/design.md, "The slot cache")."""
+        if (split is None or self.new_from != split.rows or not self.packs or not self.layout.plain_sdpa
+                or real_lengths is None or input_mask is not None or num_real is None or visibility is not None):
+            return None
+        return 0
 
     def _know(self, model: torch.nn.Module) -> None:
         """At the first forward: ``model``'s attention layout and, for an encoder-decoder's decoder (a model with a
@@ -427,12 +449,14 @@ class SlotCache:
         (:func:`~tetris_hf.routing.routed_attention`: the loop does, for a whole call, the models that read so)."""
         return contextlib.nullcontext() if is_routed(model) else routed_attention(model)
 
-    def _mark_slots(self, start: int, end: int, input_mask: torch.Tensor | None, real_lengths: torch.Tensor | None,
-                    position_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | int]:
-        """Record which of slots ``start..end - 1`` hold real tokens, and their positions (arguments as in
-        :meth:`forward`). Returns ``(B, L)`` the block's positions and the real tokens it adds per row, ``(B,)`` or
+    def _mark_slots(self, start: int, block: int, end: int, input_mask: torch.Tensor | None,
+                    real_lengths: torch.Tensor | None, position_ids: torch.Tensor | None,
+                    later: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | int]:
+        """Record which of slots ``start..end - 1`` hold real tokens, and their positions, for a block of ``block``
+        columns (other arguments as in :meth:`forward`); ``later``: ``(rows, slot, width)``, rows from ``rows`` on
+        written from ``slot`` (their first ``block`` slots), the rows before them, ``width`` columns at most, from
+        ``start`` to ``end``. Returns ``(B, L)`` the block's positions and the real tokens it adds per row, ``(B,)`` or
         ``L`` when all are real."""
-        block = end - start
         if position_ids is None and input_mask is None:  # positions go on from each row's cached tokens
             position_ids = self.next_positions[:, None]
             if block > 1:
@@ -440,6 +464,13 @@ class SlotCache:
         elif position_ids is None:  # (filler's positions are never seen; given ones: a tree's nodes)
             # left filler takes the first real token's position, right filler the last's
             position_ids = self.next_positions[:, None] + (input_mask.cumsum(dim=1) - 1).clamp(min=0)
+        if later is not None:  # (real_lengths given: see _later_slot)
+            rows, slot, width = later
+            self.slot_mask[:rows, start:end] = self.offsets[: end - start] < real_lengths[:rows, None]
+            self.slot_positions[:rows, start : start + width] = position_ids[:rows, :width]
+            self.slot_mask[rows:, slot : slot + block] = self.offsets[:block] < real_lengths[rows:, None]
+            self.slot_positions[rows:, slot : slot + block] = position_ids[rows:]
+            return position_ids, real_lengths
         if real_lengths is not None:
             self.slot_mask[:, start:end] = self.offsets[:block] < real_lengths[:, None]
             new_tokens = real_lengths
@@ -507,18 +538,20 @@ class SlotCache:
 
     def _packing(self, input_mask: torch.Tensor | None, real_lengths: torch.Tensor | None, num_real: int | None,
                  width: int, logits_to_keep: int, first_row: int = 0, split: BlockSplit | None = None,
-                 prompt_lengths: tuple[int, ...] = ()) -> Packing | None:
-        """How a forward's block is read packed (arguments as in :meth:`forward`), or ``None``: read padded (no filler,
-        real tokens not counted on the host, more than the last column's logits kept, or a cache that does not pack)."""
+                 prompt_lengths: tuple[int, ...] = (), later_slot: int | None = None) -> Packing | None:
+        """How a forward's block is read packed (arguments as in :meth:`forward`; ``later_slot``:
+        :meth:`_later_slot`'s), or ``None``: read padded (no filler, real tokens not counted on the host, more than
+        the last column's logits kept, or a cache that does not pack). A block whose later rows are written apart is
+        always read packed."""
         if num_real is None or not self.pack or logits_to_keep > 1 or (input_mask is None and real_lengths is None):
             return None
         rows = (input_mask if real_lengths is None else real_lengths).shape[0]
-        if not 0 < num_real < rows * width:
+        if not 0 < num_real < rows * width and later_slot is None:
             return None
         if real_lengths is not None:  # a verified block (or joining prompts): real tokens first
             new_from = self.new_from if self.layout.plain_sdpa else None
             return Packing.of(real_lengths, num_real, width, first_row=first_row, split=split, new_from=new_from,
-                              prompt_lengths=prompt_lengths)
+                              prompt_lengths=prompt_lengths, later_slot=later_slot)
         return Packing.of_left_padded(input_mask, num_real)
 
     def _eager_forward(self, forward, input_ids: torch.Tensor, attention_mask, position_ids: torch.Tensor,
@@ -635,13 +668,17 @@ class SlotCache:
 
     def keep_prefix(self, start: int, keep: torch.Tensor) -> None:
         """Roll back a block written at ``start`` whose real tokens come first in every row: row ``i`` keeps its first
-        ``keep[i]`` ``(B,)`` slots, at most its real ones, the rest become holes (e.g. ``[[a b c], [d e .]]`` with keep
-        ``[1, 2]`` -> ``[[a . .], [d e .]]``)."""
+        ``keep[i]`` ``(R,)`` slots, at most its real ones, the rest become holes (e.g. ``[[a b c], [d e .]]`` with keep
+        ``[1, 2]`` -> ``[[a . .], [d e .]]``); rows from ``R`` on keep what they hold (rows whose prompts the block
+        read, written apart: :meth:`_later_slot`)."""
         if start == self.pointer:
             return
         self.dense = False
-        self.slot_mask[:, start : self.pointer] = self.offsets[: self.pointer - start] < keep[:, None]
-        self.next_positions = self.slot_positions[:, start] + keep
+        rows = keep.shape[0]
+        self.slot_mask[:rows, start : self.pointer] = self.offsets[: self.pointer - start] < keep[:, None]
+        kept = self.slot_positions[:rows, start] + keep
+        self.next_positions = kept if rows == self.next_positions.shape[0] else torch.cat([kept,
+                                                                                           self.next_positions[rows:]])
 
     def keep_slots(self, start: int, keep: torch.Tensor) -> None:
         """Roll back a draft tree written from slot ``start`` (its root, real and kept in every row): row ``i`` keeps
@@ -762,14 +799,15 @@ class SlotCache:
         sources = source_of.gather(1, hole_rank.clamp(max=beyond.shape[1]))
         return torch.where(filled, sources, self.offsets[:width]), filled
 
-    def _make_room(self, block: int) -> None:
-        """Repack, then grow the buffers, until ``block`` more slots fit."""
-        if self.pointer + block <= self.capacity:
+    def _make_room(self, block: int, reach: int = 0) -> None:
+        """Repack, then grow the buffers, until ``block`` more slots fit past the pointer, and ``reach`` slots from
+        the first."""
+        if self.pointer + block <= self.capacity and reach <= self.capacity:
             return
         self.compact(force=True)
-        if self.pointer + block <= self.capacity:
+        if self.pointer + block <= self.capacity and reach <= self.capacity:
             return
-        capacity = max(2 * self.capacity, self.pointer + block)
+        capacity = max(2 * self.capacity, self.pointer + block, reach)
         capacity = static_capacity(capacity) if self.static else capacity
         extra = capacity - self.capacity
         # (a static cache: new shapes, so new graphs; slots_needed sizes a generate() call's never to grow)

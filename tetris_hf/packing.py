@@ -32,7 +32,9 @@ class Packing(NamedTuple):
     real tokens first, so they attend causally among their own block, unmasked (plain sdpa layouts; ``None``: none);
     ``prompt_lengths``: host ints, the real tokens of each of the block's last ``len(prompt_lengths)`` rows, where
     those rows read prompts and the caller knows their lengths (attention then reads them row by row, each at its own
-    length: :func:`prompt_rows_attention`).
+    length: :func:`prompt_rows_attention`); ``later_slot``: with a split whose later rows are all new, the slot their
+    tokens are written from, their own first slots (``0``: holes in them, so the block widens no other row), instead
+    of the block's first slot with the other rows' (``None``).
 
     E.g. real lengths ``[3, 1, 2]``, ``L = 3``: the model reads ``[a0 a1 a2 b0 c0 c1]``, ``rows = [0 0 0 1 2 2]``,
     ``columns = [0 1 2 0 0 1]``."""
@@ -46,22 +48,27 @@ class Packing(NamedTuple):
     split: BlockSplit | None = None
     new_from: int | None = None
     prompt_lengths: tuple[int, ...] = ()
+    later_slot: int | None = None
 
     @classmethod
     def of(cls, real_lengths: torch.Tensor, num_tokens: int, width: int,
            first_columns: torch.Tensor | None = None, first_row: int = 0, split: BlockSplit | None = None,
-           new_from: int | None = None, prompt_lengths: tuple[int, ...] = ()) -> Packing:
+           new_from: int | None = None, prompt_lengths: tuple[int, ...] = (),
+           later_slot: int | None = None) -> Packing:
         """The packing of a block whose row ``i`` has ``real_lengths[i]`` ``(B,)`` consecutive real tokens, its first
         ones or from column ``first_columns[i]`` ``(B,)`` on; ``num_tokens``: their sum, known on the host; ``width``:
-        ``L``; ``first_row``, ``split``, ``new_from``, ``prompt_lengths``: as in :class:`Packing` (``new_from`` and
-        ``prompt_lengths`` kept without ``first_columns`` only)."""
+        ``L``; ``first_row``, ``split``, ``new_from``, ``prompt_lengths``, ``later_slot``: as in :class:`Packing`
+        (``new_from``, ``prompt_lengths`` and ``later_slot`` kept without ``first_columns`` only)."""
         ends = real_lengths.cumsum(dim=0)
         tokens = torch.arange(num_tokens, device=real_lengths.device)
         rows = torch.searchsorted(ends, tokens, right=True)
         starts = ends - real_lengths if first_columns is None else ends - real_lengths - first_columns
-        new_from, prompt_lengths = (new_from, tuple(prompt_lengths)) if first_columns is None else (None, ())
+        if first_columns is not None:
+            new_from, prompt_lengths, later_slot = None, (), None
+        if later_slot is not None and (split is None or new_from != split.rows):
+            raise ValueError("later_slot places a split's later rows, which must be its new ones")
         return cls(rows, tokens - starts[rows], real_lengths.shape[0], width, ends, first_row, split, new_from,
-                   prompt_lengths)
+                   tuple(prompt_lengths), later_slot)
 
     @classmethod
     def of_left_padded(cls, input_mask: torch.Tensor, num_tokens: int) -> Packing:
@@ -86,11 +93,33 @@ class Packing(NamedTuple):
         at its row and at column ``first_column`` plus its own (a cache's slots; 0 for a block of its own)."""
         buffer[self.rows, :, first_column + self.columns] = packed[0].transpose(0, 1)
 
+    def slots_end(self, first_slot: int) -> int:
+        """The slot after the last one a block written from ``first_slot`` reaches (the later rows' own, where
+        :attr:`later_slot` places them)."""
+        if self.later_slot is None:
+            return first_slot + self.width
+        return max(first_slot + self.split.width, self.later_slot + self.width)
+
+    def new_rows_slot(self, first_slot: int) -> int:
+        """The slot the new rows' (:attr:`new_from`) tokens are written from, in a block written from
+        ``first_slot``."""
+        return first_slot if self.later_slot is None else self.later_slot
+
     def write(self, keys: torch.Tensor, values: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
               first_column: int = 0) -> None:
         """:meth:`scatter_heads` of a layer's ``key_states`` and ``value_states`` into its ``keys`` and ``values``
-        buffers; on the CPU one call of the kernel beside the attention's
-        (:func:`~tetris_hf.cpu_attention.write_packed`, no index tensors)."""
+        buffers, from slot ``first_column`` (a split's later rows from :attr:`later_slot`, where set); on the CPU one
+        call of the kernel beside the attention's (:func:`~tetris_hf.cpu_attention.write_packed`, no index tensors)."""
+        if self.later_slot is not None:  # (two writes: the first rows' tokens, then the later rows' at their slot)
+            tokens = self.split.tokens
+            for part, first, end, column in ((self.first_rows(), 0, tokens, first_column),
+                                             (self.later_rows(), tokens, self.num_tokens, self.later_slot)):
+                part._write(keys, values, key_states[:, :, first:end], value_states[:, :, first:end], column)
+            return
+        self._write(keys, values, key_states, value_states, first_column)
+
+    def _write(self, keys: torch.Tensor, values: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
+               first_column: int) -> None:
         if write_packed_applies(keys, key_states) and write_packed_applies(values, value_states) and \
                 self.rows.device.type == "cpu" and self.rows.dtype == self.columns.dtype == torch.long:
             write_packed(keys, values, key_states, value_states, self.rows, self.columns, first_column)
@@ -125,6 +154,12 @@ class Packing(NamedTuple):
         return Packing(self.rows[: split.tokens], self.columns[: split.tokens], split.rows, split.width,
                        self.ends[: split.rows])
 
+    def later_rows(self) -> Packing:
+        """The packing of :attr:`split`'s later rows' tokens, their rows still numbered in the whole block (what a
+        cache write needs: the rows index the cache's)."""
+        tokens = self.split.tokens
+        return Packing(self.rows[tokens:], self.columns[tokens:], self.batch_size, self.width, self.ends)
+
 
 def packed_attention(attention, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask, packing: Packing, prompt_rows: bool = False,
@@ -149,7 +184,8 @@ def packed_attention(attention, module: torch.nn.Module, query: torch.Tensor, ke
             queries = query[:, :, first_token:end_token]
             if new:  # (causal over the block's own slots, as below)
                 output = prompt_rows_attention(queries, key[first:end], value[first:end], lengths, None, width,
-                                               key.shape[-2] - packing.width, kwargs.get("scaling"))
+                                               packing.new_rows_slot(key.shape[-2] - packing.width),
+                                               kwargs.get("scaling"))
             else:
                 mask = mask[first:end] if mask.shape[0] > 1 else mask
                 output = prompt_rows_attention(queries, key[first:end], value[first:end], lengths,
@@ -171,7 +207,7 @@ def packed_attention(attention, module: torch.nn.Module, query: torch.Tensor, ke
         queries[rows, :, columns] = query[0, :, first_token:end_token].transpose(0, 1)
         if new:  # (set on plain sdpa layouts only)
             # rows that just joined: causality over the block's own slots is exact (filler follows the real tokens)
-            start = key.shape[-2] - packing.width
+            start = packing.new_rows_slot(key.shape[-2] - packing.width)
             keys, values = key[first:end, :, start : start + width], value[first:end, :, start : start + width]
             output, weights = attention(module, queries, keys, values, None, **{**kwargs, "is_causal": True})
             outputs.append(output[rows, columns])

@@ -36,19 +36,20 @@ class SlotArguments(NamedTuple):
 
 def describe(start: int, num_rows: int, packing: Packing) -> torch.Tensor:
     """The host numbers of a block read packed, as a CPU ``int64`` tensor: its first slot ``start``, the cache's active
-    rows ``num_rows`` and the :class:`~tetris_hf.packing.Packing`'s width, first row, split, new rows and prompt lengths
-    (:data:`NONE` where absent)."""
+    rows ``num_rows`` and the :class:`~tetris_hf.packing.Packing`'s width, first row, split, new rows, later rows' slot
+    and prompt lengths (:data:`NONE` where absent)."""
     split = packing.split or (NONE, NONE, NONE)
-    new_from = NONE if packing.new_from is None else packing.new_from
-    return torch.tensor([start, num_rows, packing.width, packing.first_row, *split, new_from, *packing.prompt_lengths])
+    new_from, later_slot = (NONE if number is None else number for number in (packing.new_from, packing.later_slot))
+    return torch.tensor([start, num_rows, packing.width, packing.first_row, *split, new_from, later_slot,
+                         *packing.prompt_lengths])
 
 
 def _packing_of(host: list[int], rows: torch.Tensor, columns: torch.Tensor, ends: torch.Tensor) -> Packing:
     """The :class:`~tetris_hf.packing.Packing` :func:`describe` described (``host``: its numbers, read)."""
-    _, num_rows, width, first_row, split_rows, split_width, split_tokens, new_from, *prompt_lengths = host
+    _, num_rows, width, first_row, split_rows, split_width, split_tokens, new_from, later_slot, *prompt_lengths = host
     split = None if split_rows == NONE else BlockSplit(split_rows, split_width, split_tokens)
     return Packing(rows, columns, num_rows, width, ends, first_row, split, None if new_from == NONE else new_from,
-                   tuple(prompt_lengths))
+                   tuple(prompt_lengths), None if later_slot == NONE else later_slot)
 
 
 def _slot_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -76,7 +77,7 @@ def _slot_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     start, num_rows = numbers[:2]
     keys, values = key_cache[:num_rows], value_cache[:num_rows]
     packing.write(keys, values, key, value, start)
-    end = start + packing.width
+    end = packing.slots_end(start)
     layer = SimpleNamespace(num_key_value_groups=query.shape[1] // key.shape[1], is_causal=True)
     output, _ = packed_attention(grouped_sdpa_attention, layer, query, keys[:, :, :end], values[:, :, :end],
                                  attention_mask, packing, prompt_rows=query.device.type == "cpu", scaling=scaling)
