@@ -54,9 +54,11 @@ def select_features(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, 
 
 class SlotLayer(CacheLayerMixin):
     """One layer's keys and values, ``(B, H, capacity, D)`` allocated at its first write, written at the cache's
-    shared pointer; :meth:`update` returns the written prefix ``[:, :, :pointer + L]`` (a view), or in a static-shape
-    forward (:attr:`SlotCache.write_index` set) the whole capacity of the padded batch. ``keys`` / ``values`` are the
-    active rows, the first rows of the buffers (a static cache's, ``static_keys`` / ``static_values``, stay put)."""
+    shared pointer (a split block's new rows from their own first slots:
+    :attr:`~tetris_hf.packing.Packing.later_slot`); :meth:`update` returns the written prefix ``[:, :, :pointer + L]``
+    (a view), or in a static-shape forward (:attr:`SlotCache.write_index` set) the whole capacity of the padded batch.
+    ``keys`` / ``values`` are the active rows, the first rows of the buffers (a static cache's, ``static_keys`` /
+    ``static_values``, stay put)."""
 
     is_sliding = False
 
@@ -284,13 +286,14 @@ class SlotCache:
         token sees, in place of causality (a tree's ancestors); ``discard_logits``: only the cache is wanted;
         ``first_row``: no row before it has a real token; ``split``: with ``real_lengths`` and ``num_real``, on a cache
         that packs, the decoding rows and the joining prompts after them attended apart, logits ``(B, split.width,
-        V)`` for the first rows' tokens and each later row's last token; ``hidden_states``: indices of the model's
-        hidden states to return too (transformers' numbering, :func:`select_features`); ``prompt_lengths``: with
-        ``real_lengths``, the same for the last ``len(prompt_lengths)`` rows as host ints, where those rows read
-        prompts (a packed read then attends to them row by row: :class:`~tetris_hf.packing.Packing`); ``row_inputs``:
-        more inputs of the model's forward, one ``(B, L, F)`` tensor per keyword argument, a value per block token (an
-        EAGLE head's ``target_features`` or ``draft_features``), read as the block is (packed with it, padded with
-        zeros for a static step's dummy rows).
+        V)`` for the first rows' tokens and each later row's last token (later rows that joined since the last forward,
+        on a plain sdpa layout, written from their own first slots: :meth:`_later_slot`); ``hidden_states``: indices
+        of the model's hidden states to return too (transformers' numbering, :func:`select_features`);
+        ``prompt_lengths``: with ``real_lengths``, the same for the last ``len(prompt_lengths)`` rows as host ints,
+        where those rows read prompts (a packed read then attends to them row by row:
+        :class:`~tetris_hf.packing.Packing`); ``row_inputs``: more inputs of the model's forward, one ``(B, L, F)``
+        tensor per keyword argument, a value per block token (an EAGLE head's ``target_features`` or
+        ``draft_features``), read as the block is (packed with it, padded with zeros for a static step's dummy rows).
 
         Returns:
             ``(B, L or logits_to_keep, V)`` logits, or ``None`` with ``discard_logits``; with ``hidden_states``,
