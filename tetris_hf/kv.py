@@ -303,7 +303,7 @@ class SlotCache:
         self._know(model)
         block = input_ids.shape[1]
         self._check_block(model, block, visibility, split, logits_to_keep)
-        later_slot = self._later_slot(split, input_mask, real_lengths, num_real, visibility)
+        later_slot, later = self._later_slot(split, input_mask, real_lengths, num_real, visibility), None
         if later_slot is None:
             self._make_room(block)
             start, end = self.pointer, self.pointer + block
@@ -311,7 +311,7 @@ class SlotCache:
             self._make_room(split.width, reach=later_slot + block)
             start = self.pointer
             end = max(start + split.width, later_slot + block)
-        later = None if later_slot is None else (split.rows, later_slot, split.width)
+            later = (split.rows, later_slot, split.width)
         position_ids, new_tokens = self._mark_slots(start, block, end, input_mask, real_lengths, position_ids, later)
         next_positions = self.next_positions + new_tokens  # (before the forward: right after it, caches are cold)
         extra = {"output_hidden_states": list(hidden_states)} if hidden_states else {}
@@ -750,10 +750,11 @@ class SlotCache:
         """Move each row's real slots at or past ``width``, a host bound on any row's real slots, into its first holes
         before it, in order, and move the pointer to ``width``, when the cache holds more than ``max_holes`` slots
         beyond it (e.g. rows ``[a b . c | . . d e]`` at width 3 -> ``[a b c | e . d]``; ``[. a b c d]`` at 4 ->
-        ``[d a b c]``). Slots before the width stay where they are, so a repack copies only what lies past it (after a
-        prompt joins a stream, the joining row's prompt; after rolled-back drafts, each row's few last tokens); a row's
-        slots need not be in position order (masks and attention go by each slot's position). On models whose every
-        layer has a window, slots no future query can see become holes first.
+        ``[d a b c]``). Slots before the width stay where they are, so a repack copies only what lies past it (after
+        rolled-back drafts, each row's few last tokens; after a prompt read in forwards of its own joins a stream, that
+        prompt: one riding in a step's forward lies in its row's first slots already); a row's slots need not be in
+        position order (masks and attention go by each slot's position). On models whose every layer has a window,
+        slots no future query can see become holes first.
 
         Args:
             longest: an upper bound on the real slots any row holds now (e.g. the most :meth:`live_lengths` read
