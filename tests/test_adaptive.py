@@ -157,6 +157,63 @@ def test_a_model_free_drafters_first_probe_waits_until_rows_have_written_a_littl
     assert [step - 2 for step in model_free] == with_model[: len(model_free)]
 
 
+class FreshRowsThenCopies:
+    """Rows (for :class:`~tetris_hf.tools.simulate.ReplayStep`) as prompt lookup finds them in a call: at its first
+    ``fresh`` steps nothing of the answers is written and every draft is rejected; after, every draft is accepted."""
+
+    def __init__(self, num_rows: int, max_draft: int, fresh: int = 2):
+        self.position = torch.zeros(num_rows, dtype=torch.long)
+        self.log_probs = torch.full((num_rows, max_draft), math.log(0.9))
+        self.fresh, self.steps = fresh, 0
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.steps += 1
+        accepted = 0 if self.steps <= self.fresh else self.log_probs.shape[1]
+        return self.log_probs, torch.full_like(self.position, accepted)
+
+
+def test_a_model_free_drafters_every_call_opens_with_plain_steps_so_the_guard_never_judges_fresh_rows():
+    """A stream's second call starts from the first call's memory, whose plan drafts. Rows that have just read their
+    prompts accept nothing by lookup: drafting at once, the guard saw two steps that lost and stopped drafting for the
+    call (code edits ran plain at 147 tok/s where drafting made 181: docs/benchmarks.md). Each call of a model-free
+    drafter now opens with plain steps; a drafter with a model drafts at once."""
+    cost = StepCostModel(profile(lambda r, t: 10.0 + 0.5 * r * t, 0.1))
+    options = TetrisOptions(tetris_strategy="adaptive")
+
+    def call(memory, model_free: bool = True, steps: int = 24) -> tuple[str, AdaptiveBudget]:
+        strategy = AdaptiveBudget(options, cost, memory=memory, model_free=model_free)
+        phases = ReplayStep(FreshRowsThenCopies(8, strategy.max_draft))
+        drafted = ""
+        for _ in range(steps):
+            phases.next_step()
+            drafted += "d" if run_step(strategy, phases, 8, strategy.max_draft).num_drafted else "."
+        return drafted, strategy
+
+    first, strategy = call(None)
+    assert first.startswith("..d") and first.endswith("d" * 10) and not strategy.guarded
+    memory = strategy.memory  # the pair's memory, as the next call on the pair finds it
+    second, strategy = call(memory)
+    assert second == ".." + "d" * 22 and not strategy.guarded
+    assert call(None, model_free=False)[0][0] == "d"  # a drafter with a model probes at once
+
+
+def test_the_guards_verdict_holds_down_to_half_the_rows_it_came_at():
+    """A verified token costs less in a smaller batch (the weights are read once a step for all rows): the guard that
+    stopped drafting at 16 rows keeps 9 rows plain, and at 8 drafting is planned afresh; a verdict of unknown rows
+    (a memory saved before they were kept) holds at any rows."""
+    def plan_after_guard(guarded_rows: int, num_rows: int) -> DraftPlan:
+        strategy = AdaptiveBudget(TetrisOptions(tetris_strategy="adaptive"), StepCostModel(FREE_VERIFY))
+        strategy.remember(torch.full((32, strategy.max_draft), math.log(0.9)))  # drafts that would pay
+        strategy.guarded, strategy.memory.guarded_rows = True, guarded_rows
+        return strategy.plan(num_rows)
+
+    assert plan_after_guard(16, 16).num_draft_tokens == 0
+    assert plan_after_guard(16, 9).num_draft_tokens == 0
+    lifted = plan_after_guard(16, 8)
+    assert lifted.num_draft_tokens > 0 and not lifted.probe
+    assert plan_after_guard(0, 1).num_draft_tokens == 0
+
+
 def test_adaptive_selects_top_cells_by_calibrated_survival_not_raw_draft_probability():
     options = TetrisOptions(tetris_strategy="adaptive", num_assistant_tokens=2, tetris_extra_tokens=1, tetris_budget=2)
     strategy = AdaptiveBudget(options, StepCostModel(profile(lambda r, t: 10.0 + 0.01 * t, 0.1)))

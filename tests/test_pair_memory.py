@@ -46,6 +46,7 @@ def test_a_saved_memory_starts_new_model_objects_where_the_old_ones_stopped(tmp_
     assert torch.allclose(loaded.pool, learnt.pool, equal_nan=True, rtol=0, atol=0)
     assert torch.equal(loaded.calibrator.accepted, learnt.calibrator.accepted)
     assert (loaded.plain_streak, loaded.probe_interval) == (learnt.plain_streak, learnt.probe_interval)
+    assert (loaded.guarded, loaded.guarded_rows) == (learnt.guarded, learnt.guarded_rows)
     assert learnt.realized[False].predicted > 0  # (its drafting steps against their plans' predictions)
     assert (loaded.realized, loaded.plain_seconds) == (learnt.realized, learnt.plain_seconds)
     warm = adaptive_steps(again_target, again_draft, prompts, CHEAP_VERIFY)

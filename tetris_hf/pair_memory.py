@@ -51,7 +51,8 @@ class PairMemory:
     ``calibrator``: acceptance by draft probability; ``pool``: ``(P, W)`` log q of recently drafted rows, newest
     first; ``pool_sources``: ``(P,)`` which source drafted each pooled row (hybrid drafting); ``dsd_acceptance``: DSD's
     running acceptance rate; ``plain_streak`` and ``probe_interval``: the probe schedule; ``guarded``: the
-    realized-rate guard stopped drafting and no probe has drafted since; ``realized``: what drafting plans realized
+    realized-rate guard stopped drafting and no probe has drafted since, ``guarded_rows`` the batch's rows then (the verdict
+    holds for batches of at least half as many); ``realized``: what drafting plans realized
     against their predictions, apart for plans drafting with the model (``False``) and by prompt lookup alone
     (``True``, hybrid drafting); ``plain_seconds``: a plain step's measured seconds by rows (the guard's price);
     ``probe_cost``: a probe's measured seconds, the draft's catch-up included, over a plain step's (smoothed).
@@ -64,6 +65,7 @@ class PairMemory:
     plain_streak: int = 0
     probe_interval: int = 8
     guarded: bool = False
+    guarded_rows: int = 0  # the batch's rows when the guard stopped drafting (0: not known, as in older files)
     realized: dict[bool, RealizedGain] = field(default_factory=_no_gain_yet)
     plain_seconds: dict[int, float] = field(default_factory=dict)
     probe_cost: float | None = None
@@ -132,6 +134,7 @@ def save_pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module | 
                        "memory": calibrator.memory},
         "pool": memory.pool, "pool_sources": memory.pool_sources, "dsd_acceptance": memory.dsd_acceptance,
         "plain_streak": memory.plain_streak, "probe_interval": memory.probe_interval, "guarded": memory.guarded,
+        "guarded_rows": memory.guarded_rows,
         "realized": {key: list(gain) for key, gain in memory.realized.items()},
         "plain_seconds": dict(memory.plain_seconds), "probe_cost": memory.probe_cost,
     }
@@ -173,5 +176,6 @@ def load_pair_memory(model: torch.nn.Module, assistant_model: torch.nn.Module | 
         memory.realized[bool(key)] = RealizedGain(*map(float, gain))
     memory.plain_seconds = {int(rows): float(seconds) for rows, seconds in state.get("plain_seconds", {}).items()}
     memory.probe_cost = state.get("probe_cost")
+    memory.guarded_rows = int(state.get("guarded_rows", 0))
     _memories(model, assistant_model)[hybrid, compiled] = memory
     return memory

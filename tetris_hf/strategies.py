@@ -84,9 +84,10 @@ class _CostAware:
 
     probe_interval_start = 8
     max_probe_interval = 128
-    # plain steps before a model-free drafter's first probe: rows that have just read their prompts have written
+    # a model-free drafter's first steps of each call are plain: rows that have just read their prompts have written
     # nothing of their answers to copy (on code edits and extraction at 16 rows, `fixed`'s first two steps with prompt
-    # lookup accepted nothing in any row), and a probe that learns nothing is accepted puts the next one far off
+    # lookup accepted nothing in any row); a probe there learns nothing is accepted and puts the next one far off, and
+    # a plan carried from the last call, drafting there, lost those steps and the guard stopped drafting for the call
     first_probe_after = 2
     probe_overhead = 0.01  # the share of the time probes may take while one could change the plan
     idle_probe_overhead = 0.0025  # ... and while none could (they only notice requests that became easier)
@@ -112,6 +113,7 @@ class _CostAware:
         self._plan_id = 0  # what drafting steps are tallied under (a new one each time drafting restarts)
         self._running = _RunningStep()  # what the step being run is, until observe keeps it with its counts
         self._tally = _GuardTally()
+        self._steps_planned = 0  # steps this call has planned
 
     @property
     def guarded(self) -> bool:
@@ -243,13 +245,17 @@ class _CostAware:
     def _smooth(self, old: float, sample: float) -> float:
         return (1 - self.smoothing) * old + self.smoothing * sample
 
+    def _opening_step(self) -> bool:
+        """Count a planned step; whether it is one of the call's first :attr:`first_probe_after`, which a model-free
+        drafter takes plainly whatever the pair's memory would plan (the guard then judges drafting on rows that had
+        something to copy)."""
+        self._steps_planned += 1
+        return self.model_free and self._steps_planned <= self.first_probe_after
+
     def _after_plan(self, drafts: bool, can_learn: bool, num_rows: int, could_pay: bool = True) -> bool:
         """Update the probe schedule; returns whether this step is a probe."""
         schedule = self.memory
-        if not can_learn:  # nothing drafted yet: the first probe (a model-free drafter's once rows wrote a little)
-            if self.model_free and schedule.plain_streak < self.first_probe_after:
-                schedule.plain_streak += 1
-                return False
+        if not can_learn:  # nothing drafted yet: the first probe (a model-free drafter's after the opening steps)
             schedule.plain_streak = 0
             return True
         if drafts:  # (the probe interval starts again once the guard has seen drafting pay, see _count_for_guard)
@@ -382,7 +388,7 @@ class AdaptiveBudget(_CostAware):
         pool_rows: recently drafted rows kept to plan with.
         sampling: the loop samples (``C`` is then fixed before drafting).
         hybrid: the drafter is hybrid (model and lookup): plans may draft by lookup alone.
-        model_free: the drafter runs no model (prompt lookup or suffix drafts alone): the first probe waits
+        model_free: the drafter runs no model (prompt lookup or suffix drafts alone): every call opens with
             :attr:`first_probe_after` plain steps.
     """
 
@@ -482,6 +488,14 @@ class AdaptiveBudget(_CostAware):
 
     def plan(self, num_rows: int) -> DraftPlan:
         cost = self._open_step(num_rows)
+        if self._opening_step():
+            self._running = _RunningStep()
+            return DraftPlan(0, 0)
+        if self.guarded and 2 * num_rows <= self.memory.guarded_rows:
+            # the guard's verdict came at twice these rows or more; a verified token costs less in a smaller batch
+            # (the weights are read once a step for every row), so drafting is judged afresh: a stream's tail, its
+            # rows leaving, is where drafts pay most (docs/benchmarks.md)
+            self.guarded, self._planned = False, None
         # the last plan stands until the batch changes size, a probe has drafted, the guard drops it, it aged, or
         # what drafting realized against its predictions says it no longer pays
         stale = self._planned is None or self._planned[0] != num_rows or self._plan_age >= self.replan_every
@@ -493,7 +507,7 @@ class AdaptiveBudget(_CostAware):
             if self._planned is not None and (self._drafting_lost() or not self._still_believed(cost)):
                 # the guard: drafting emitted less than plain steps would have in its time, or less than its plan
                 # needed to beat them, once what such plans realized against their predictions is counted
-                self.guarded = True
+                self.guarded, self.memory.guarded_rows = True, num_rows
                 memory = self.memory  # (and probes back off, as after one that did not change the plan)
                 memory.plain_streak, memory.probe_interval = 0, min(2 * memory.probe_interval, self.max_probe_interval)
             was_drafting = self._planned is not None and self._planned[1].num_draft_tokens > 0 and not self.guarded
