@@ -51,9 +51,9 @@ class PairMemory:
     ``calibrator``: acceptance by draft probability; ``pool``: ``(P, W)`` log q of recently drafted rows, newest
     first; ``pool_sources``: ``(P,)`` which source drafted each pooled row (hybrid drafting); ``dsd_acceptance``: DSD's
     running acceptance rate; ``plain_streak`` and ``probe_interval``: the probe schedule; ``guarded``: the
-    realized-rate guard stopped drafting and no probe has drafted since, ``guarded_rows`` the batch's rows then (the verdict
-    holds for batches of at least half as many); ``realized``: what drafting plans realized
-    against their predictions, apart for plans drafting with the model (``False``) and by prompt lookup alone
+    realized-rate guard stopped drafting and no probe has drafted since, ``guarded_rows`` the batch's rows then (the
+    verdict holds for batches of at least half as many); ``realized``: what drafting plans realized against their
+    predictions, apart for plans drafting with the model (``False``) and by prompt lookup alone
     (``True``, hybrid drafting); ``plain_seconds``: a plain step's measured seconds by rows (the guard's price);
     ``probe_cost``: a probe's measured seconds, the draft's catch-up included, over a plain step's (smoothed).
     """
