@@ -5,6 +5,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
 from tetris_hf import cost_model
@@ -212,6 +214,43 @@ def test_the_guards_verdict_holds_down_to_half_the_rows_it_came_at():
     lifted = plan_after_guard(16, 8)
     assert lifted.num_draft_tokens > 0 and not lifted.probe
     assert plan_after_guard(0, 1).num_draft_tokens == 0
+
+
+class ScriptedRows:
+    """Rows (for :class:`~tetris_hf.tools.simulate.ReplayStep`) that accept ``accepted`` drafts each at this step."""
+
+    def __init__(self, num_rows: int, max_draft: int, accepted: int):
+        self.position = torch.zeros(num_rows, dtype=torch.long)
+        self.log_probs = torch.full((num_rows, max_draft), math.log(0.8))
+        self.accepted = accepted
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.log_probs, torch.full_like(self.position, self.accepted)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(calls=st.lists(st.lists(st.tuples(st.integers(1, 16), st.sampled_from((0, 0, 1, 6))), min_size=1, max_size=40),
+                      min_size=1, max_size=3),
+       slope=st.sampled_from((0.1, 1.0, 3.0, 10.0)))
+def test_adaptive_across_calls_of_any_batch_sizes_and_acceptance(calls, slope):
+    """Calls of a model-free `adaptive` on one memory, each step at any rows accepting none, some or all of its drafts
+    (the guard stops drafting in many), verification cheap to dear: every plan is valid, each call's first two steps
+    are plain, and no step runs guarded at half the rows the guard's verdict came at or fewer."""
+    cost = StepCostModel(profile(lambda r, t: 10.0 + slope * r * t, 0.1))
+    memory = None
+    for steps in calls:
+        strategy = AdaptiveBudget(TetrisOptions(tetris_strategy="adaptive"), cost, memory=memory, model_free=True)
+        memory = strategy.memory
+        for index, (num_rows, accepted) in enumerate(steps):
+            guarded_at = memory.guarded_rows if memory.guarded else None
+            phases = ReplayStep(ScriptedRows(num_rows, strategy.max_draft, accepted))
+            phases.next_step()
+            step = run_step(strategy, phases, num_rows, strategy.max_draft)
+            assert 0 <= step.num_drafted <= strategy.max_draft and step.plan.budget >= 0
+            if index < AdaptiveBudget.first_probe_after:
+                assert step.num_drafted == 0 and not step.plan.probe
+            if guarded_at is not None and 2 * num_rows <= guarded_at:
+                assert not memory.guarded or memory.guarded_rows == num_rows  # lifted (or a fresh verdict here)
 
 
 def test_adaptive_selects_top_cells_by_calibrated_survival_not_raw_draft_probability():
