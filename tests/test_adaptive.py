@@ -107,16 +107,18 @@ def test_cost_model_follows_the_loops_measured_step_times(learn_costs):
     assert scales == expected
 
 
-class RejectedRows:
-    """Recorded rows (for :class:`~tetris_hf.tools.simulate.ReplayStep`) whose every draft has probability ``q`` and
-    was rejected."""
+class ScriptedRows:
+    """Recorded rows (for :class:`~tetris_hf.tools.simulate.ReplayStep`) whose every draft has probability ``q``; at
+    the ``n``-th step (from 1) each row accepted ``accepted(n)`` drafts."""
 
-    def __init__(self, q: float, num_rows: int, max_draft: int):
+    def __init__(self, num_rows: int, max_draft: int, q: float, accepted=lambda step: 0):
         self.position = torch.zeros(num_rows, dtype=torch.long)
         self.log_probs = torch.full((num_rows, max_draft), math.log(q))
+        self.accepted, self.steps = accepted, 0
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.log_probs, torch.zeros_like(self.position)
+        self.steps += 1
+        return self.log_probs, torch.full_like(self.position, self.accepted(self.steps))
 
 
 def probe_steps(cost_profile: CostProfile, q: float, num_rows: int = 4, steps: int = 300,
@@ -124,7 +126,7 @@ def probe_steps(cost_profile: CostProfile, q: float, num_rows: int = 4, steps: i
     """Steps at which ``adaptive`` drafts when every draft has probability ``q`` and is rejected."""
     strategy = AdaptiveBudget(TetrisOptions(tetris_strategy="adaptive"), StepCostModel(cost_profile),
                               model_free=model_free)
-    phases = ReplayStep(RejectedRows(q, num_rows, strategy.max_draft))
+    phases = ReplayStep(ScriptedRows(num_rows, strategy.max_draft, q))  # every draft rejected
     drafted = []
     for step in range(steps):
         phases.next_step()
@@ -159,21 +161,6 @@ def test_a_model_free_drafters_first_probe_waits_until_rows_have_written_a_littl
     assert [step - 2 for step in model_free] == with_model[: len(model_free)]
 
 
-class FreshRowsThenCopies:
-    """Rows (for :class:`~tetris_hf.tools.simulate.ReplayStep`) as prompt lookup finds them in a call: at its first
-    ``fresh`` steps nothing of the answers is written and every draft is rejected; after, every draft is accepted."""
-
-    def __init__(self, num_rows: int, max_draft: int, fresh: int = 2):
-        self.position = torch.zeros(num_rows, dtype=torch.long)
-        self.log_probs = torch.full((num_rows, max_draft), math.log(0.9))
-        self.fresh, self.steps = fresh, 0
-
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        self.steps += 1
-        accepted = 0 if self.steps <= self.fresh else self.log_probs.shape[1]
-        return self.log_probs, torch.full_like(self.position, accepted)
-
-
 def test_a_model_free_drafters_every_call_opens_with_plain_steps_so_the_guard_never_judges_fresh_rows():
     """A stream's second call starts from the first call's memory, whose plan drafts. Rows that have just read their
     prompts accept nothing by lookup: drafting at once, the guard saw two steps that lost and stopped drafting for the
@@ -184,7 +171,10 @@ def test_a_model_free_drafters_every_call_opens_with_plain_steps_so_the_guard_ne
 
     def call(memory, model_free: bool = True, steps: int = 24) -> tuple[str, AdaptiveBudget]:
         strategy = AdaptiveBudget(options, cost, memory=memory, model_free=model_free)
-        phases = ReplayStep(FreshRowsThenCopies(8, strategy.max_draft))
+        # rows as prompt lookup finds them in a call: nothing of the answers written at the first two steps, every
+        # draft rejected; after, every draft accepted
+        max_draft = strategy.max_draft
+        phases = ReplayStep(ScriptedRows(8, max_draft, 0.9, lambda step: 0 if step <= 2 else max_draft))
         drafted = ""
         for _ in range(steps):
             phases.next_step()
@@ -216,18 +206,6 @@ def test_the_guards_verdict_holds_down_to_half_the_rows_it_came_at():
     assert plan_after_guard(0, 1).num_draft_tokens == 0
 
 
-class ScriptedRows:
-    """Rows (for :class:`~tetris_hf.tools.simulate.ReplayStep`) that accept ``accepted`` drafts each at this step."""
-
-    def __init__(self, num_rows: int, max_draft: int, accepted: int):
-        self.position = torch.zeros(num_rows, dtype=torch.long)
-        self.log_probs = torch.full((num_rows, max_draft), math.log(0.8))
-        self.accepted = accepted
-
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.log_probs, torch.full_like(self.position, self.accepted)
-
-
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(calls=st.lists(st.lists(st.tuples(st.integers(1, 16), st.sampled_from((0, 0, 1, 6))), min_size=1, max_size=40),
                       min_size=1, max_size=3),
@@ -235,7 +213,8 @@ class ScriptedRows:
 def test_adaptive_across_calls_of_any_batch_sizes_and_acceptance(calls, slope):
     """Calls of a model-free `adaptive` on one memory, each step at any rows accepting none, some or all of its drafts
     (the guard stops drafting in many), verification cheap to dear: every plan is valid, each call's first two steps
-    are plain, and no step runs guarded at half the rows the guard's verdict came at or fewer."""
+    are plain (whatever the memory holds), and no later step runs guarded at half the rows the guard's verdict came at
+    or fewer."""
     cost = StepCostModel(profile(lambda r, t: 10.0 + slope * r * t, 0.1))
     memory = None
     for steps in calls:
@@ -243,13 +222,13 @@ def test_adaptive_across_calls_of_any_batch_sizes_and_acceptance(calls, slope):
         memory = strategy.memory
         for index, (num_rows, accepted) in enumerate(steps):
             guarded_at = memory.guarded_rows if memory.guarded else None
-            phases = ReplayStep(ScriptedRows(num_rows, strategy.max_draft, accepted))
+            phases = ReplayStep(ScriptedRows(num_rows, strategy.max_draft, 0.8, lambda step, n=accepted: n))
             phases.next_step()
             step = run_step(strategy, phases, num_rows, strategy.max_draft)
             assert 0 <= step.num_drafted <= strategy.max_draft and step.plan.budget >= 0
             if index < AdaptiveBudget.first_probe_after:
                 assert step.num_drafted == 0 and not step.plan.probe
-            if guarded_at is not None and 2 * num_rows <= guarded_at:
+            elif guarded_at is not None and 2 * num_rows <= guarded_at:
                 assert not memory.guarded or memory.guarded_rows == num_rows  # lifted (or a fresh verdict here)
 
 
