@@ -376,7 +376,8 @@ class AdaptiveBudget(_CostAware):
     A cell's acceptance is its draft probability through an online :class:`AcceptanceCalibrator`, a row's survival the
     running product along it. :func:`~tetris_hf.goodput.plan_step` picks ``K`` (0: plain decoding) before drafting from
     the pool of recent rows; greedy, :func:`~tetris_hf.goodput.best_budget` re-chooses ``C`` from the drafted cells
-    (sampling: the plan's ``C``, fixed before drafting, which keeps the output unbiased). Hybrid drafting prices each
+    (sampling: the plan's ``C``, fixed before drafting, which keeps the output unbiased). A model-free drafter's cells
+    cost nothing: greedy, a plan that drafts drafts all ``max_draft`` of them and the selection chooses. Hybrid drafting prices each
     source and may draft by lookup alone (:attr:`~tetris_hf.step_strategy.DraftPlan.lookup_only`). Design:
     docs/design.md, "Selection", "Hybrid drafting" and "`adaptive`: the guard and the probes".
 
@@ -499,12 +500,12 @@ class AdaptiveBudget(_CostAware):
         # the last plan stands until the batch changes size, a probe has drafted, the guard drops it, it aged, or
         # what drafting realized against its predictions says it no longer pays
         stale = self._planned is None or self._planned[0] != num_rows or self._plan_age >= self.replan_every
-        if stale or self._drafting_lost() or not self._still_believed(cost):
+        if stale or self._drafting_lost() or not self._still_believed():
             if self._planned is None or self.pool.shape[0] == 0 or self.sampling:
                 # after a probe, plan on what it showed; a sampled selection reads nothing, so its steps are read here,
                 # once a plan (greedy selections read every drafting step: the last one is learnt at the next read)
                 self._flush()
-            if self._planned is not None and (self._drafting_lost() or not self._still_believed(cost)):
+            if self._planned is not None and (self._drafting_lost() or not self._still_believed()):
                 # the guard: drafting emitted less than plain steps would have in its time, or less than its plan
                 # needed to beat them, once what such plans realized against their predictions is counted
                 self.guarded, self.memory.guarded_rows = True, num_rows
@@ -531,6 +532,12 @@ class AdaptiveBudget(_CostAware):
             return DraftPlan(1, num_rows, probe=True)
         drafting = plan.num_draft_tokens > 0
         self._running = _RunningStep(lookup_only, self._plan_id if drafting else -1, speedup if drafting else 0.0)
+        if drafting and self.model_free and not self.sampling:
+            # a model-free drafter's cells cost nothing to draft, and a greedy selection re-chooses C from them row by
+            # row (a row that matched nothing verifies nothing): the plan decides whether to draft, the selection how
+            # much. (The plan's K, fitted to the pool's mean row, was 1 at 16 rows on code edits, where a row that
+            # matched accepted 12 of 13 cells: docs/benchmarks.md, "`adaptive` across calls and in a stream's tail")
+            return DraftPlan(self.max_draft, num_rows * self.max_draft)
         return DraftPlan(plan.num_draft_tokens, plan.budget, lookup_only=lookup_only)
 
     def _choose(self, num_rows: int, cost: StepCostModel) -> tuple[GoodputPlan, bool, bool, float]:
@@ -573,14 +580,16 @@ class AdaptiveBudget(_CostAware):
             optimistic.num_draft_tokens > 0 and self._realized_rate(optimistic, False) > plan.rate)
         return plan, could_pay, lookup_only, predicted
 
-    def _still_believed(self, cost: StepCostModel) -> bool:
+    def _still_believed(self) -> bool:
         """Whether the standing plan, if it drafts, still beats plain decoding once its predicted rate is corrected by
         what drafting realized so far (:meth:`_realized_rate`; a greedy selection reads every drafting step, so the
         evidence is at most a step old)."""
-        num_rows, plan, _, lookup_only, speedup = self._planned
+        _, plan, _, lookup_only, speedup = self._planned
         if plan.num_draft_tokens == 0 or speedup == 0:
             return True
-        return self._realized_rate(plan, lookup_only) > num_rows / cost.step_seconds(num_rows, 0, 0, 0)
+        # (its speed-up over plain decoding as both were priced when it was made: the plan's rate then against a plain
+        # step priced by the scales learnt since stopped plans gaining 6-10% at 16 rows a few steps after they began)
+        return speedup * self.memory.realized[lookup_only].factor(self.realized_prior) > 1
 
     def _realized_rate(self, plan: GoodputPlan, lookup_only: bool) -> float:
         """A plan's predicted rate, for a drafting one times what drafting plans (by the model, or by lookup alone)
