@@ -377,9 +377,9 @@ class AdaptiveBudget(_CostAware):
     running product along it. :func:`~tetris_hf.goodput.plan_step` picks ``K`` (0: plain decoding) before drafting from
     the pool of recent rows; greedy, :func:`~tetris_hf.goodput.best_budget` re-chooses ``C`` from the drafted cells
     (sampling: the plan's ``C``, fixed before drafting, which keeps the output unbiased). A model-free drafter's cells
-    cost nothing: greedy, a plan that drafts drafts all ``max_draft`` of them and the selection chooses. Hybrid drafting prices each
-    source and may draft by lookup alone (:attr:`~tetris_hf.step_strategy.DraftPlan.lookup_only`). Design:
-    docs/design.md, "Selection", "Hybrid drafting" and "`adaptive`: the guard and the probes".
+    cost nothing: greedy, a plan that drafts drafts all ``max_draft`` of them and the selection chooses. Hybrid
+    drafting prices each source and may draft by lookup alone (:attr:`~tetris_hf.step_strategy.DraftPlan.lookup_only`).
+    Design: docs/design.md, "Selection", "Hybrid drafting" and "`adaptive`: the guard and the probes".
 
     Args:
         options: ``K <= num_assistant_tokens + tetris_extra_tokens``; ``tetris_budget`` caps ``C``.
@@ -536,7 +536,7 @@ class AdaptiveBudget(_CostAware):
             # a model-free drafter's cells cost nothing to draft, and a greedy selection re-chooses C from them row by
             # row (a row that matched nothing verifies nothing): the plan decides whether to draft, the selection how
             # much. (The plan's K, fitted to the pool's mean row, was 1 at 16 rows on code edits, where a row that
-            # matched accepted 12 of 13 cells: docs/benchmarks.md, "`adaptive` across calls and in a stream's tail")
+            # matched accepted 12 of 13 cells: docs/benchmarks.md, "`adaptive` at 16 rows")
             return DraftPlan(self.max_draft, num_rows * self.max_draft)
         return DraftPlan(plan.num_draft_tokens, plan.budget, lookup_only=lookup_only)
 
@@ -581,14 +581,14 @@ class AdaptiveBudget(_CostAware):
         return plan, could_pay, lookup_only, predicted
 
     def _still_believed(self) -> bool:
-        """Whether the standing plan, if it drafts, still beats plain decoding once its predicted rate is corrected by
-        what drafting realized so far (:meth:`_realized_rate`; a greedy selection reads every drafting step, so the
-        evidence is at most a step old)."""
+        """Whether the standing plan, if it drafts, still beats plain decoding once its predicted speed-up is corrected
+        by what drafting realized so far (as in :meth:`_realized_rate`; a greedy selection reads every drafting step, so
+        the evidence is at most a step old). The speed-up is the plan's rate over plain's, both as the cost model priced
+        them when the plan was made: its rate then against a plain step priced by the scales learnt since (they move
+        every step) stopped plans gaining 6-10% at 16 rows a few steps after they began."""
         _, plan, _, lookup_only, speedup = self._planned
         if plan.num_draft_tokens == 0 or speedup == 0:
             return True
-        # (its speed-up over plain decoding as both were priced when it was made: the plan's rate then against a plain
-        # step priced by the scales learnt since stopped plans gaining 6-10% at 16 rows a few steps after they began)
         return speedup * self.memory.realized[lookup_only].factor(self.realized_prior) > 1
 
     def _realized_rate(self, plan: GoodputPlan, lookup_only: bool) -> float:
