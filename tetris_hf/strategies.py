@@ -84,11 +84,6 @@ class _CostAware:
 
     probe_interval_start = 8
     max_probe_interval = 128
-    # a model-free drafter's first steps of each call are plain: rows that have just read their prompts have written
-    # nothing of their answers to copy (on code edits and extraction at 16 rows, `fixed`'s first two steps with prompt
-    # lookup accepted nothing in any row); a probe there learns nothing is accepted and puts the next one far off, and
-    # a plan carried from the last call, drafting there, lost those steps and the guard stopped drafting for the call
-    first_probe_after = 2
     probe_overhead = 0.01  # the share of the time probes may take while one could change the plan
     idle_probe_overhead = 0.0025  # ... and while none could (they only notice requests that became easier)
     smoothing = 0.3
@@ -101,9 +96,8 @@ class _CostAware:
     realized_probe_fade = 0.7  # that evidence's weight after each probe
 
     def __init__(self, options: TetrisOptions, cost: StepCostModel | Callable[[int, int], StepCostModel],
-                 learn_costs: bool = False, memory: PairMemory | None = None, model_free: bool = False):
+                 learn_costs: bool = False, memory: PairMemory | None = None):
         self.max_draft = options.num_assistant_tokens + options.tetris_extra_tokens
-        self.model_free = model_free  # the drafter runs no model (prompt lookup or suffix drafts alone)
         self._cost_source = cost
         self.cost: StepCostModel | None = cost if isinstance(cost, StepCostModel) else None
         self.learn_costs = learn_costs
@@ -113,7 +107,6 @@ class _CostAware:
         self._plan_id = 0  # what drafting steps are tallied under (a new one each time drafting restarts)
         self._running = _RunningStep()  # what the step being run is, until observe keeps it with its counts
         self._tally = _GuardTally()
-        self._steps_planned = 0  # steps this call has planned
 
     @property
     def guarded(self) -> bool:
@@ -244,13 +237,6 @@ class _CostAware:
 
     def _smooth(self, old: float, sample: float) -> float:
         return (1 - self.smoothing) * old + self.smoothing * sample
-
-    def _opening_step(self) -> bool:
-        """Count a planned step; whether it is one of the call's first :attr:`first_probe_after`, which a model-free
-        drafter takes plainly whatever the pair's memory would plan (the guard then judges drafting on rows that had
-        something to copy)."""
-        self._steps_planned += 1
-        return self.model_free and self._steps_planned <= self.first_probe_after
 
     def _after_plan(self, drafts: bool, can_learn: bool, num_rows: int, could_pay: bool = True) -> bool:
         """Update the probe schedule; returns whether this step is a probe."""
@@ -395,8 +381,10 @@ class AdaptiveBudget(_CostAware):
 
     def __init__(self, options: TetrisOptions, cost, learn_costs: bool = False, memory: PairMemory | None = None,
                  pool_rows: int = 256, sampling: bool = False, hybrid: bool = False, model_free: bool = False):
-        super().__init__(options, cost, learn_costs, memory, model_free)
+        super().__init__(options, cost, learn_costs, memory)
         self.sampling, self.hybrid = sampling, hybrid
+        self.model_free = model_free  # the drafter runs no model (prompt lookup or suffix drafts alone)
+        self._steps_planned = 0  # steps this call has planned
         self.max_budget = options.tetris_budget
         self.calibrator = self.memory.calibrator
         self.pool_rows = pool_rows
@@ -486,6 +474,17 @@ class AdaptiveBudget(_CostAware):
 
     replan_every = 16
     optimism = 2.0
+    # a model-free drafter's first steps of each call are plain: rows that have just read their prompts have written
+    # nothing of their answers to copy; a probe there learns nothing is accepted and puts the next one far off, and a
+    # plan carried from the last call, drafting there, loses those steps and the guard stops drafting for the call
+    first_probe_after = 2
+
+    def _opening_step(self) -> bool:
+        """Count a planned step; whether it is one of the call's first :attr:`first_probe_after`, which a model-free
+        drafter takes plainly whatever the pair's memory would plan (the guard then judges drafting on rows that had
+        something to copy)."""
+        self._steps_planned += 1
+        return self.model_free and self._steps_planned <= self.first_probe_after
 
     def plan(self, num_rows: int) -> DraftPlan:
         cost = self._open_step(num_rows)
@@ -532,12 +531,6 @@ class AdaptiveBudget(_CostAware):
             return DraftPlan(1, num_rows, probe=True)
         drafting = plan.num_draft_tokens > 0
         self._running = _RunningStep(lookup_only, self._plan_id if drafting else -1, speedup if drafting else 0.0)
-        if drafting and self.model_free and not self.sampling:
-            # a model-free drafter's cells cost nothing to draft, and a greedy selection re-chooses C from them row by
-            # row (a row that matched nothing verifies nothing): the plan decides whether to draft, the selection how
-            # much. (The plan's K, fitted to the pool's mean row, was 1 at 16 rows on code edits, where a row that
-            # matched accepted 12 of 13 cells: docs/benchmarks.md, "`adaptive` at 16 rows")
-            return DraftPlan(self.max_draft, num_rows * self.max_draft)
         return DraftPlan(plan.num_draft_tokens, plan.budget, lookup_only=lookup_only)
 
     def _choose(self, num_rows: int, cost: StepCostModel) -> tuple[GoodputPlan, bool, bool, float]:
@@ -559,11 +552,20 @@ class AdaptiveBudget(_CostAware):
         if self.guarded:  # plain steps, probes as scheduled, until a probe has drafted
             return plain_plan, True, False, 0.0
 
+        def every_cell(plan: GoodputPlan) -> GoodputPlan:
+            return plan._replace(num_draft_tokens=self.max_draft, budget=num_rows * self.max_draft)
+
         if not self.hybrid:
             plan = best(self.pool_acceptance(num_rows))
             could_pay = plan.num_draft_tokens > 0 or best(
                 self.pool_acceptance(num_rows, self.optimism)).num_draft_tokens > 0
-            return plan, could_pay, False, speedup(plan)
+            predicted = speedup(plan)
+            if plan.num_draft_tokens > 0 and self.model_free and not self.sampling:
+                # a model-free drafter's cells cost nothing to draft, and a greedy selection re-chooses C from them row
+                # by row (a row that matched nothing verifies nothing): the plan decides whether to draft, the
+                # selection how much (its K, fitted to the pool's mean row, cut rows that matched: docs/design.md)
+                plan = every_cell(plan)
+            return plan, could_pay, False, predicted
         both, alone = self.hybrid_acceptance(num_rows)
         with_model, lookup_plan = best(both), best(alone, lookup_only=True)
         lookup_only = lookup_plan.num_draft_tokens > 0 and \
@@ -574,7 +576,7 @@ class AdaptiveBudget(_CostAware):
             # Lookup's drafts are free and a greedy selection chooses C from the drafted cells (none where none pays):
             # where nothing matches, a step by lookup alone costs what a plain one does, and it shows where lookup
             # matches, which plain steps never would. (No prediction to learn from: it expects plain's rate.)
-            plan, lookup_only = plan._replace(num_draft_tokens=self.max_draft, budget=num_rows * self.max_draft), True
+            plan, lookup_only = every_cell(plan), True
         optimistic = best(self.hybrid_acceptance(num_rows, self.optimism)[0])
         could_pay = (plan.num_draft_tokens > 0 and not lookup_only) or (
             optimistic.num_draft_tokens > 0 and self._realized_rate(optimistic, False) > plan.rate)
@@ -582,14 +584,14 @@ class AdaptiveBudget(_CostAware):
 
     def _still_believed(self) -> bool:
         """Whether the standing plan, if it drafts, still beats plain decoding once its predicted speed-up is corrected
-        by what drafting realized so far (as in :meth:`_realized_rate`; a greedy selection reads every drafting step, so
-        the evidence is at most a step old). The speed-up is the plan's rate over plain's, both as the cost model priced
-        them when the plan was made: its rate then against a plain step priced by the scales learnt since (they move
-        every step) stopped plans gaining 6-10% at 16 rows a few steps after they began."""
+        by what drafting realized so far (:meth:`_realized_factor`; a greedy selection reads every drafting step, so the
+        evidence is at most a step old). The speed-up is the plan's rate over plain's, both as the cost model priced
+        them when the plan was made: the scales it learns move every step, so a plain step priced now is not the one the
+        plan was measured against (docs/design.md)."""
         _, plan, _, lookup_only, speedup = self._planned
         if plan.num_draft_tokens == 0 or speedup == 0:
             return True
-        return speedup * self.memory.realized[lookup_only].factor(self.realized_prior) > 1
+        return speedup * self._realized_factor(lookup_only) > 1
 
     def _realized_rate(self, plan: GoodputPlan, lookup_only: bool) -> float:
         """A plan's predicted rate, for a drafting one times what drafting plans (by the model, or by lookup alone)
@@ -598,7 +600,12 @@ class AdaptiveBudget(_CostAware):
         not see) stops being believed, and one that promised too little is believed more."""
         if plan.num_draft_tokens == 0:
             return plan.rate
-        return plan.rate * self.memory.realized[lookup_only].factor(self.realized_prior)
+        return plan.rate * self._realized_factor(lookup_only)
+
+    def _realized_factor(self, lookup_only: bool) -> float:
+        """What drafting plans (by the model, or by lookup alone) emitted against what they predicted, pulled towards 1
+        by :attr:`realized_prior` tokens (:meth:`~tetris_hf.pair_memory.RealizedGain.factor`)."""
+        return self.memory.realized[lookup_only].factor(self.realized_prior)
 
     def hybrid_acceptance(self, num_rows: int, optimism: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
         """Hybrid drafting: ``(P, max_draft)`` each pooled row's acceptance in a step where both sources draft (a row
