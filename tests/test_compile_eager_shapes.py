@@ -4,12 +4,16 @@ the target alone, in ``generate()`` and in a stream where rows join (their promp
 leave; sampling follows the target's law; a few graphs serve every shape; models it cannot serve take the static path.
 """
 
+import re
+
 import pytest
+import torch
 from torch._dynamo.utils import counters
+from torch._inductor.utils import run_and_get_code
 
 import tetris_hf  # noqa: F401  (registers custom_generate="tetris")
 import tetris_hf.compiled as compiled_module
-from tetris_hf.compiled import compiles_on_eager_shapes
+from tetris_hf.compiled import compiles_on_eager_shapes, eager_shapes_forward
 from tetris_hf.cpu_kernels import use_onednn_linears
 from tetris_hf.stream import RequestStream
 from test_compile import needs_onednn
@@ -138,3 +142,26 @@ def test_models_that_cannot_read_packed_take_the_static_path():
                            **LOOKUP)
     slots = stream.loop.core.target_slots
     assert slots.eager_shapes_forward is None and slots.static
+
+
+def _kernels_computing(code: str, function: str) -> int:
+    """How many of inductor's C++ kernels in ``code`` call ``function`` (``"cos("``, say)."""
+    return sum(function in kernel for kernel in re.split(r"cpp_fused_\w+ = async_compile", code))
+
+
+def test_rotary_tables_are_computed_once_per_forward_not_in_every_layer(fresh_dynamo):
+    """A compiled forward on the CPU computes the rotary embedding's cos and sin in one kernel, its result a buffer
+    every layer reads (:class:`~tetris_hf.compiled.TrigOnce`); compiled without the pass (the negative control),
+    inductor recomputes them inside the layers' kernels. Logits within a rounding of eager's either way."""
+    model = tiny_llama(seed=0, num_layers=4)
+    input_ids = torch.randint(3, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        eager = model(input_ids=input_ids).logits
+        once, codes = run_and_get_code(eager_shapes_forward(model), input_ids=input_ids)
+        torch._dynamo.reset()
+        inlined, inlined_codes = run_and_get_code(torch.compile(model.forward, dynamic=True), input_ids=input_ids)
+    code, inlined_code = "\n".join(codes), "\n".join(inlined_codes)
+    assert _kernels_computing(code, "cos(") == _kernels_computing(code, "sin(") == 1
+    assert _kernels_computing(inlined_code, "cos(") > 1 and _kernels_computing(inlined_code, "sin(") > 1
+    torch.testing.assert_close(once.logits, eager, rtol=0, atol=1e-5)
+    torch.testing.assert_close(inlined.logits, eager, rtol=0, atol=1e-5)

@@ -10,12 +10,44 @@ import weakref
 from collections.abc import Callable
 
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from .attention import AttentionLayout
 from .cpu_kernels import refresh_kernel_weights
+from .ops import define
 
 _COMPILED: "weakref.WeakKeyDictionary[torch.nn.Module, Callable]" = weakref.WeakKeyDictionary()
 _ON_EAGER_SHAPES: "weakref.WeakKeyDictionary[torch.nn.Module, Callable]" = weakref.WeakKeyDictionary()
+
+
+computed_once = define("computed_once(Tensor x) -> Tensor", lambda x: x.clone(), torch.empty_like)
+
+
+class TrigOnce(CustomGraphPass):
+    """An inductor pass (after autograd's) that makes each ``cos`` and ``sin`` a buffer of its own, computed once per
+    forward: ``y = computed_once(cos(x))``, an op inductor does not see into, its result read by every consumer.
+    Inductor's CPU backend inlines a pointwise producer into each consumer unless its code holds an op it counts as
+    heavy (``exp``, ``log``, ``tanh``, not ``cos`` or ``sin``): a rotary embedding's table, computed once by the model,
+    was recomputed in every layer's kernel for every query and key element (a 3,260-token prompt read of SmolLM2-135M:
+    0.27 of 4.1 s; docs/benchmarks.md, "Rotary tables computed once"). Only where they are computed moves: the values
+    stay within a rounding of eager's, as a compiled kernel's already were."""
+
+    TRIG = (torch.ops.aten.cos.default, torch.ops.aten.sin.default)
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for node in list(graph.nodes):
+            if node.op != "call_function" or node.target not in self.TRIG or not node.users:
+                continue
+            with graph.inserting_after(node):
+                once = graph.call_function(computed_once, (node,))
+            once.meta.update(node.meta)
+            node.replace_all_uses_with(once, delete_user_cb=lambda user: user is not once)
+
+    def uuid(self) -> bytes:
+        return get_hash_for_files((__file__,))
+
+
+CPU_OPTIONS = {"post_grad_custom_post_pass": TrigOnce()}  # inductor's options for a compiled forward on the CPU
 
 
 def check_compilable(model: torch.nn.Module, role: str) -> None:
@@ -54,7 +86,7 @@ def compiled_forward(model: torch.nn.Module) -> Callable:
         on_cuda = next(model.parameters()).is_cuda
         static = AttentionLayout.of(model).prepared  # (else the 2D mask: shapes as they come)
         compiled = torch.compile(model.forward, dynamic=DYNAMIC if static else True,
-                                 mode="reduce-overhead" if on_cuda else None)
+                                 **({"mode": "reduce-overhead"} if on_cuda else {"options": CPU_OPTIONS}))
         _COMPILED[model] = _refreshing_kernels(model, compiled)
     return _COMPILED[model]
 
@@ -65,7 +97,7 @@ def eager_shapes_forward(model: torch.nn.Module) -> Callable:
     compilation per model, kept while it lives."""
     if model not in _ON_EAGER_SHAPES:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        compiled = torch.compile(model.forward, dynamic=True)
+        compiled = torch.compile(model.forward, dynamic=True, options=CPU_OPTIONS)
 
         def forward(*args, **kwargs):
             # sizes that happen to be equal stay apart (the block and the cache of a first read, say), and a size of
