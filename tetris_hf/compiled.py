@@ -28,9 +28,9 @@ class TrigOnce(CustomGraphPass):
     forward: ``y = computed_once(cos(x))``, an op inductor does not see into, its result read by every consumer.
     Inductor's CPU backend inlines a pointwise producer into each consumer unless its code holds an op it counts as
     heavy (``exp``, ``log``, ``tanh``, not ``cos`` or ``sin``): a rotary embedding's table, computed once by the model,
-    was recomputed in every layer's kernel for every query and key element (a 3,260-token prompt read of SmolLM2-135M:
-    0.27 of 4.1 s; docs/benchmarks.md, "Rotary tables computed once"). Only where they are computed moves: the values
-    stay within a rounding of eager's, as a compiled kernel's already were."""
+    was recomputed in every layer's kernel for every query and key element (measured: docs/benchmarks.md, "Rotary
+    tables computed once"). Only where they are computed moves: the values stay within a rounding of eager's, as a
+    compiled kernel's already were."""
 
     TRIG = (torch.ops.aten.cos.default, torch.ops.aten.sin.default)
 
