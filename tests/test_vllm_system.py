@@ -16,7 +16,7 @@ import pytest
 
 import tetris_hf.tools.stream_bench as stream_bench
 from tetris_hf.tools.vllm_system import (ENV_PYTHON, VLLMEngine, VLLMSettings, VLLMUnavailable, find_vllm,
-                                         speculative_config, thread_binding, worker_environment)
+                                         is_vllm_system, speculative_config, thread_binding, worker_environment)
 from tiny_models import EOS, PAD, random_prompts, tiny_llama
 
 # A fake worker: reads the engine config, says ready, and answers each generate with the first two prompt tokens, the
@@ -75,8 +75,13 @@ def test_settings_for_vllm_follow_the_bench():
     assert speculative_config("vllm", 4, 3) is None
     assert speculative_config("vllm-ngram", 5, 2) == {"method": "ngram", "num_speculative_tokens": 5,
                                                       "prompt_lookup_max": 2, "prompt_lookup_min": 1}
-    with pytest.raises(ValueError, match="unknown vLLM system"):
-        speculative_config("vllm-eagle", 4, 3)
+    assert speculative_config("vllm-ngram-k8", 5, 2)["num_speculative_tokens"] == 8  # its own k, not the bench's
+    assert [is_vllm_system(name) for name in ("vllm", "vllm-ngram", "vllm-ngram-k12", "vllm-ngram-k0",
+                                              "vllm-ngram-k", "vllm-ngram-k8x", "generate-chunks")] == \
+        [True, True, True, False, False, False, False]
+    for name in ("vllm-eagle", "vllm-ngram-k0", "vllm-ngram-k"):
+        with pytest.raises(ValueError, match="unknown vLLM system"):
+            speculative_config(name, 4, 3)
     env = worker_environment(sys.executable, threads=2)
     assert env["OMP_NUM_THREADS"] == "2" and env["VLLM_CPU_OMP_THREADS_BIND"] == thread_binding(2)
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and "PYTHONPATH" not in env

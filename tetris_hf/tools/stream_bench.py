@@ -51,7 +51,7 @@ from ..options import TetrisOptions
 from .allocator import allocator_note, loaded_allocator
 from .cli import (UsageError, add_kernel_argument, apply_kernels, load_pair, load_prompt_set, number_list,
                   prompt_texts, resolve_device)
-from .vllm_system import VLLM_SYSTEMS, VLLMSettings
+from .vllm_system import VLLM_SYSTEMS, VLLMSettings, is_vllm_system
 
 SYSTEMS = ("hf-generate-batch", "generate-chunks", "tetris-chunks")
 OPTIONAL_SYSTEMS = VLLM_SYSTEMS  # asked for by name in --systems, never run by default
@@ -295,8 +295,8 @@ def verdict(summaries: list[dict]) -> str:
         lines.append(f"Drafting against the same stream without it (stream-plain, {ours_plain['tokens_per_second']:.1f} "
                      f"tok/s): the fastest drafting run, {best['name']}, is "
                      f"{best['tokens_per_second'] / ours_plain['tokens_per_second']:.2f}x it.")
-    engines = [row for row in summaries if row["name"] in VLLM_SYSTEMS]
-    ours = [row for row in summaries if row["name"] not in VLLM_SYSTEMS]
+    engines = [row for row in summaries if is_vllm_system(row["name"])]
+    ours = [row for row in summaries if not is_vllm_system(row["name"])]
     if engines and ours:  # vLLM's CPU engine is the bar issue 45 sets: our best against its best
         best_engine = max(engines, key=lambda row: row["tokens_per_second"])
         best_ours = max(ours, key=lambda row: row["tokens_per_second"])
@@ -344,8 +344,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stream strategies (comma list; 'plain': the stream with speculation off), run after "
                              + ", ".join(SYSTEMS))
     parser.add_argument("--systems", default=",".join(SYSTEMS),
-                        help=f"baselines to run (comma list): {', '.join(SYSTEMS + OPTIONAL_SYSTEMS)}; vllm and "
-                        "vllm-ngram run vLLM's CPU engine from --vllm-python")
+                        help=f"baselines to run (comma list): {', '.join(SYSTEMS + OPTIONAL_SYSTEMS)}, vllm-ngram-k<N>; "
+                        "vllm and vllm-ngram (at --num-assistant-tokens, or at k = N) run vLLM's CPU engine from "
+                        "--vllm-python")
     parser.add_argument("--vllm-python", default=None,
                         help="the python of a venv with vLLM (scripts/setup_vllm.sh); default $TETRIS_HF_VLLM_PYTHON")
     parser.add_argument("--draft", default=None, help="a draft model (default: the shipped one), 'lookup' (prompt "
@@ -468,12 +469,12 @@ def run_stream_bench(target, draft, prompts: list[list[int]], eos: set[int], pad
     drafts = speculative_options(target, draft, config)
     report = {"runs": {}, "medians": {}, "startup": {}}
     systems = list(config.systems)
-    wanted = [name for name in systems if name in VLLM_SYSTEMS]
+    wanted = [name for name in systems if is_vllm_system(name)]
     if wanted and (config.vllm is None or state is not None):
         why = ("no vLLM python (see --vllm-python)" if config.vllm is None
                else "vLLM runs in one process, not under accelerate launch")
         log(f"  {', '.join(wanted)} not run: {why}")
-        systems = [name for name in systems if name not in VLLM_SYSTEMS]
+        systems = [name for name in systems if not is_vllm_system(name)]
     threads = torch.get_num_threads()
     for batch_size in config.max_batch_sizes:
         plans = []
@@ -501,7 +502,7 @@ def run_stream_bench(target, draft, prompts: list[list[int]], eos: set[int], pad
             return run_vllm(name, engines[name], mine, config.max_new_tokens, eos)
 
         for name in systems:
-            if name in VLLM_SYSTEMS:
+            if is_vllm_system(name):
                 plans.append((name, lambda b=batch_size, n=name: vllm_run(n, b)))
             elif name == "hf-generate-batch":
                 plans.append((name, lambda b=batch_size: run_hf_generate_batch(target, mine, config.max_new_tokens,
@@ -643,11 +644,12 @@ def main(args) -> int:
     kernels = apply_kernels(args, target, draft)
     prompts, note, eos, pad = stream_prompts(target, tokenizer, args.prompts, args.num_prompts, args.max_prompt_tokens)
     systems = tuple(name for name in args.systems.split(",") if name)
-    unknown = set(systems) - set(SYSTEMS + OPTIONAL_SYSTEMS)
+    unknown = {name for name in systems if name not in SYSTEMS and not is_vllm_system(name)}
     if unknown:
-        raise UsageError(f"unknown --systems {sorted(unknown)}: choose from {', '.join(SYSTEMS + OPTIONAL_SYSTEMS)}")
+        raise UsageError(f"unknown --systems {sorted(unknown)}: choose from {', '.join(SYSTEMS + OPTIONAL_SYSTEMS)} "
+                         "or vllm-ngram-k<N>")
     vllm = None
-    if set(systems) & set(VLLM_SYSTEMS):
+    if any(map(is_vllm_system, systems)):
         from .vllm_system import VLLMUnavailable, find_vllm, model_folder
 
         try:

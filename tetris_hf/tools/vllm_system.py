@@ -8,7 +8,8 @@ caching off, and as many threads as this process has (``OMP_NUM_THREADS`` and ``
 
 - ``vllm``: no speculation;
 - ``vllm-ngram``: vLLM's n-gram speculation (its prompt lookup), ``num_speculative_tokens`` = the bench's k,
-  n-grams of 1 to ``--max-ngram`` tokens.
+  n-grams of 1 to ``--max-ngram`` tokens; ``vllm-ngram-k<N>`` (``vllm-ngram-k8``): the same at k = N, so that one
+  window can time vLLM at several k beside ours (its best k is the bar, not the one ours drafts with).
 
 An engine starts once per system and batch size (it compiles the model with inductor: a minute or more on a CPU);
 that start-up is reported apart and never counted in a run's tokens/s. Without a vLLM python (none given, or one
@@ -19,13 +20,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import dataclasses
 import subprocess
 import time
 from pathlib import Path
 
-VLLM_SYSTEMS = ("vllm", "vllm-ngram")
+VLLM_SYSTEMS = ("vllm", "vllm-ngram")  # and vllm-ngram-k<N> (is_vllm_system)
 ENV_PYTHON = "TETRIS_HF_VLLM_PYTHON"
 WORKER = Path(__file__).with_name("vllm_worker.py")
 
@@ -101,15 +103,27 @@ def worker_environment(python: str, threads: int | None = None) -> dict:
     return env
 
 
+def _ngram_tokens(system: str) -> int | None:
+    """N of a ``vllm-ngram-k<N>`` system (N >= 1), else None."""
+    match = re.fullmatch(r"vllm-ngram-k([1-9][0-9]*)", system)
+    return int(match.group(1)) if match else None
+
+
+def is_vllm_system(system: str) -> bool:
+    """Whether ``system`` (a ``--systems`` name) runs vLLM's engine: ``vllm``, ``vllm-ngram`` or ``vllm-ngram-k<N>``."""
+    return system in VLLM_SYSTEMS or _ngram_tokens(system) is not None
+
+
 def speculative_config(system: str, num_speculative_tokens: int, max_ngram: int) -> dict | None:
     """vLLM's ``speculative_config`` for a system: ``None`` (``vllm``), or n-gram lookup at the bench's k with
-    n-grams of 1 to ``max_ngram`` tokens (``vllm-ngram``, what ``--draft lookup`` is on our side)."""
+    n-grams of 1 to ``max_ngram`` tokens (``vllm-ngram``, what ``--draft lookup`` is on our side; ``vllm-ngram-k<N>``
+    at k = N)."""
     if system == "vllm":
         return None
-    if system == "vllm-ngram":
-        return {"method": "ngram", "num_speculative_tokens": num_speculative_tokens,
+    if system == "vllm-ngram" or _ngram_tokens(system) is not None:
+        return {"method": "ngram", "num_speculative_tokens": _ngram_tokens(system) or num_speculative_tokens,
                 "prompt_lookup_max": max_ngram, "prompt_lookup_min": 1}
-    raise ValueError(f"unknown vLLM system {system!r}: choose from {', '.join(VLLM_SYSTEMS)}")
+    raise ValueError(f"unknown vLLM system {system!r}: choose from {', '.join(VLLM_SYSTEMS)} or vllm-ngram-k<N>")
 
 
 class VLLMEngine:
