@@ -17,7 +17,7 @@ from tetris_hf.packed_probe import packs_exactly
 from tetris_hf.packing import Packing, packed_attention
 from test_architectures import FULL_ATTENTION, SLIDING_WINDOW, tiny
 from test_greedy_exactness import NEW_TOKENS, generate_checked, pick_eos, target_alone
-from tiny_models import PAD, left_pad, random_prompts, target_and_draft
+from tiny_models import PAD, left_pad, random_prompts, target_and_draft, tiny_llama
 
 
 def test_a_packing_lists_each_real_token_by_row_and_column():
@@ -250,6 +250,33 @@ def test_a_call_routes_attention_through_the_loop_and_restores_it_storing_nothin
     assert not [name for name in vars(transformers) if "tetris" in name.lower()]
     generated = [row[input_ids.shape[1]:].tolist() for row in out]
     assert generated == target_alone(target, prompts, None)
+
+
+def test_two_open_streams_on_one_target_stay_routed_until_the_last_closes():
+    """Two streams over one target, open at once: closing the first leaves the second on the loop's attention (its
+    packed and compiled forwards need it; before, the first's close restored sdpa under the second), and closing the
+    second restores the target's own. A model on an implementation the loop does not route stays as it is."""
+    from tetris_hf.routing import is_routed, routed_attention
+    from tetris_hf.stream import RequestStream
+
+    target = tiny_llama(seed=0)
+    first, second = (RequestStream(target, max_batch_size=2, eos_token_id=None, prompt_lookup_num_tokens=2)
+                     for _ in range(2))
+    assert is_routed(target)
+    first.close()
+    assert is_routed(target)
+    prompts = random_prompts(3, target.config.vocab_size, seed=8)
+    for prompt in prompts:
+        second.add(prompt, max_new_tokens=NEW_TOKENS)
+    outputs = {output.request_id: list(output.generated_tokens) for output in second.run()}
+    assert [outputs[key] for key in sorted(outputs)] == target_alone(target, prompts, None)
+    assert is_routed(target)
+    second.close()
+    assert not is_routed(target) and target.config._attn_implementation == "sdpa"
+    target.config._attn_implementation = "flex_attention"  # (not routed: left as it is, before and after)
+    with routed_attention(target), routed_attention(target):
+        assert target.config._attn_implementation == "flex_attention"
+    assert target.config._attn_implementation == "flex_attention"
 
 
 def test_no_module_of_the_package_puts_a_hook_on_a_model():

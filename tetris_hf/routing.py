@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from collections.abc import Iterator
 from functools import cache, partial
 
@@ -66,22 +67,43 @@ def _register(base: str) -> str:
     return name
 
 
+class _OpenRouting:
+    """A config routed by one or more open :func:`routed_attention` contexts: its own implementation (``base``),
+    restored when the last of them closes."""
+
+    def __init__(self, config, base: str):
+        self.config, self.base, self.count = config, base, 0
+
+
+_OPEN: dict[int, _OpenRouting] = {}  # id(config) -> its open routing (the config is kept: no id reused while open)
+_OPEN_LOCK = threading.Lock()  # (a stream's contexts may close on its worker thread)
+
+
 @contextlib.contextmanager
 def routed_attention(*models: torch.nn.Module) -> Iterator[None]:
     """While it is open, ``models`` on ``"sdpa"`` or ``"eager"`` attention run :func:`loop_attention_forward` (their
-    settings restored after; a model already routed, or on another implementation, stays as it is)."""
-    changed = []
-    for model in models:
-        config = model.config.get_text_config(decoder=True)
-        base = config._attn_implementation
-        if base in MASK_IMPLEMENTATIONS:
-            config._attn_implementation = _register(base)
-            changed.append((config, base))
+    settings restored after; a model on another implementation stays as it is). Contexts may overlap on one model
+    (two streams over one target): its setting is restored when the last of them closes."""
+    entered = []
+    with _OPEN_LOCK:
+        for model in models:
+            config = model.config.get_text_config(decoder=True)
+            routing = _OPEN.get(id(config))
+            if routing is None and config._attn_implementation in MASK_IMPLEMENTATIONS:
+                routing = _OPEN[id(config)] = _OpenRouting(config, config._attn_implementation)
+                config._attn_implementation = _register(routing.base)
+            if routing is not None:
+                routing.count += 1
+                entered.append(routing)
     try:
         yield
     finally:
-        for config, base in reversed(changed):
-            config._attn_implementation = base
+        with _OPEN_LOCK:
+            for routing in reversed(entered):
+                routing.count -= 1
+                if routing.count == 0:
+                    routing.config._attn_implementation = routing.base
+                    del _OPEN[id(routing.config)]
 
 
 def is_routed(model: torch.nn.Module) -> bool:
