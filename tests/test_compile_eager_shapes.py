@@ -165,3 +165,55 @@ def test_rotary_tables_are_computed_once_per_forward_not_in_every_layer(fresh_dy
     assert _kernels_computing(inlined_code, "cos(") > 1 and _kernels_computing(inlined_code, "sin(") > 1
     torch.testing.assert_close(once.logits, eager, rtol=0, atol=1e-5)
     torch.testing.assert_close(inlined.logits, eager, rtol=0, atol=1e-5)
+
+
+def test_a_forward_works_out_its_attention_once_not_in_every_layer(fresh_dynamo, monkeypatch):
+    """A compiled forward's slot attention works out the block's packing and its kernels' calls at its first layer
+    and every later layer reuses them (:func:`tetris_hf.slot_attention._plan`): one plan a forward, the kernels' calls
+    run in every layer of the forwards they serve, rows exact. Negative control: with no plan kept, every layer works
+    its own out."""
+    import tetris_hf.slot_attention as slot_module
+
+    num_layers = 4
+    target = tiny_llama(seed=0, num_layers=num_layers)
+    seen = {"forwards": [], "plans": 0, "layer_calls": 0}
+    plan, kernel_groups, layer_calls = slot_module._plan, slot_module.kernel_groups, slot_module.LayerCalls.__call__
+
+    def counting_plan(*args):
+        host = args[9]
+        if not any(host is other for other in seen["forwards"]):
+            seen["forwards"].append(host)  # (kept: no id reused)
+        return plan(*args)
+
+    def counting_groups(*args):
+        seen["plans"] += 1
+        return kernel_groups(*args)
+
+    def counting_calls(self, *args):
+        seen["layer_calls"] += 1
+        return layer_calls(self, *args)
+
+    monkeypatch.setattr(slot_module, "_plan", counting_plan)
+    monkeypatch.setattr(slot_module, "kernel_groups", counting_groups)
+    monkeypatch.setattr(slot_module.LayerCalls, "__call__", counting_calls)
+    for keep_plans in (True, False):
+        if not keep_plans:
+            monkeypatch.setattr(slot_module, "_PLANS", _NoPlansKept())
+        seen.update(forwards=[], plans=0, layer_calls=0)
+        stream = RequestStream(target, max_batch_size=3, prefill_chunk=16, eos_token_id=None, tetris_compile=True,
+                               tetris_strategy="fixed", **LOOKUP)
+        check_exact(target, stream, requests(target, 6, seed=73))
+        stream.close()
+        forwards = len(seen["forwards"])
+        assert forwards > 10 and seen["layer_calls"] > 0 and seen["layer_calls"] % num_layers == 0
+        assert seen["plans"] == (forwards if keep_plans else forwards * num_layers), (seen["plans"], forwards)
+
+
+class _NoPlansKept(dict):
+    """A plan store that keeps nothing (the negative control above)."""
+
+    def get(self, key, default=None):
+        return default
+
+    def __setitem__(self, key, value):
+        pass

@@ -217,6 +217,60 @@ def write_packed(keys: torch.Tensor, values: torch.Tensor, key_states: torch.Ten
                             key_states.shape[2], key_states.shape[1], key_states.shape[3], key_states.element_size())
 
 
+class LayerCalls:
+    """One forward's cache write and row attention, alike in every layer, as the C calls a layer makes: their
+    arguments worked out once (at the forward's first layer), so that a layer passes only its tensors' memory.
+
+    Args (the first layer's, every later one shaped and strided alike):
+        query: ``(1, H, N, D)``; key_states, value_states: ``(1, H_kv, N, D)``; key_cache, value_cache:
+            ``(R, H_kv, capacity, D)``, all fp32 on the CPU, where :func:`write_packed_applies` and the row kernel
+            (:func:`packed_row_attention_applies`) hold.
+        rows, columns: ``(N,)`` int64, each token's row and column (written to slot ``start + column``).
+        start: the block's first slot; slots: the slots attention reads (``S``).
+        groups: the row groups the kernel reads, each with ``first`` (row), ``width``, ``first_token``, ``mask``
+            (bool, ``(B_g or 1, 1, width or 1, S)``), ``ends`` and ``columns`` as :func:`packed_row_attention` takes
+            them (:class:`~tetris_hf.packing.KernelGroup`).
+        scale: the softmax scale.
+    """
+
+    def __init__(self, query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
+                 key_cache: torch.Tensor, value_cache: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor,
+                 start: int, slots: int, groups, scale: float):
+        self.keep = [rows.contiguous(), columns.contiguous()]  # (tensors whose memory the calls read: kept alive)
+        _, heads, tokens, dim = query.shape
+        self.output_shape = (tokens, heads, dim)
+        size = query.element_size()
+        self.write = (*key_cache.stride()[:3], *value_cache.stride()[:3], *key_states.stride()[1:3],
+                      *value_states.stride()[1:3], self.keep[0].data_ptr(), self.keep[1].data_ptr(), int(start),
+                      tokens, key_states.shape[1], dim, size)
+        threads = torch.get_num_threads()
+        self.groups = []
+        for group in groups:
+            ends, group_columns = group.ends.contiguous(), group.columns.contiguous()
+            self.keep += [group.mask, ends, group_columns]
+            self.groups.append((
+                group.first_token * query.stride(2) * size, query.stride(1), query.stride(2),
+                group.first * key_cache.stride(0) * size, key_cache.stride()[:3],
+                group.first * value_cache.stride(0) * size, value_cache.stride()[:3], _mask_arguments(group.mask),
+                group.first_token * heads * dim * size,
+                (group.ends.shape[0], heads, key_cache.shape[1], group.width, slots, dim, scale, threads,
+                 ends.data_ptr(), group_columns.data_ptr(), group.first_token)))
+
+    def __call__(self, query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
+                 key_cache: torch.Tensor, value_cache: torch.Tensor) -> torch.Tensor:
+        """Write this layer's ``key_states``/``value_states`` into its caches and attend: ``(1, N, H, D)``."""
+        library = _library()
+        keys, values, write = key_cache.data_ptr(), value_cache.data_ptr(), self.write
+        library.write_packed(keys, *write[:3], values, *write[3:6], key_states.data_ptr(), *write[6:8],
+                             value_states.data_ptr(), *write[8:])
+        output = query.new_empty(self.output_shape)
+        queries, out = query.data_ptr(), output.data_ptr()
+        for (query_at, q_h, q_l, key_at, key_strides, value_at, value_strides, mask, out_at, rest) in self.groups:
+            library.row_attention(queries + query_at, 0, q_h, q_l, keys + key_at, *key_strides, values + value_at,
+                                  *value_strides, *mask, out + out_at, *rest)
+        return output[None]
+
+
 PROMPT_DIM = 64  # prompt_attention takes heads of a multiple of this many dimensions (its tiles' width)
 
 

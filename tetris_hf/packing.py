@@ -161,6 +161,69 @@ class Packing(NamedTuple):
         return Packing(self.rows[tokens:], self.columns[tokens:], self.batch_size, self.width, self.ends)
 
 
+class KernelGroup(NamedTuple):
+    """A group of a packed block's rows (:meth:`Packing.groups`) that the CPU row kernel reads where it lies: rows
+    ``first..end - 1``, tokens ``first_token..end_token - 1``, at most ``width`` a row, under ``mask`` ``(B_g or 1, 1,
+    width or 1, S)`` (the block's mask cut to the group's rows, columns and the keys' slots) with the packing's
+    ``ends`` and ``columns`` cut to it. Host ints and views, the same for every layer of a forward."""
+
+    first: int
+    end: int
+    width: int
+    first_token: int
+    end_token: int
+    mask: torch.Tensor
+    ends: torch.Tensor
+    columns: torch.Tensor
+
+
+def _kernel_group(attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                  packing: Packing, group: tuple[int, int, int, int, int], prompt_rows: bool,
+                  plain: bool) -> KernelGroup | None:
+    """The :class:`KernelGroup` of one of :meth:`Packing.groups` where the CPU row kernel takes it (a decode or verify
+    group on grouped sdpa: :func:`~tetris_hf.cpu_attention.packed_row_attention_applies`), else ``None`` (prompts
+    read row by row, rows that just joined, or another attention)."""
+    first, end, width, first_token, end_token = group
+    new = packing.new_from is not None and first >= packing.new_from
+    if new or not plain or attention is not grouped_sdpa_attention or not isinstance(attention_mask, torch.Tensor):
+        return None
+    if prompt_rows and width >= ROW_BY_ROW_WIDTH and packing.lengths_of(first, end) is not None \
+            and attention_mask.dtype == torch.bool:
+        return None  # (prompts whose lengths the packing knows: row by row)
+    mask = attention_mask[first:end] if attention_mask.shape[0] > 1 else attention_mask  # (B or 1, 1, L, S)
+    mask = mask[:, :, :width] if mask.shape[2] > 1 else mask
+    if not packed_row_attention_applies(query, key[first:end], value[first:end], mask, width):
+        return None
+    return KernelGroup(first, end, width, first_token, end_token, mask[..., : key.shape[-2]], packing.ends[first:end],
+                       packing.columns[first_token:end_token])
+
+
+def _plain(kwargs: dict) -> bool:
+    """No attention feature but the scale among ``kwargs`` (what the kernels and row-by-row reads compute)."""
+    return not kwargs.get("dropout") and all(kwargs.get(name) is None
+                                             for name in ("softcap", "position_bias", "s_aux", "sinks"))
+
+
+def kernel_groups(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                  packing: Packing) -> tuple[KernelGroup, ...] | None:
+    """Every group of a packed block on grouped sdpa as the CPU row kernel reads it, or ``None`` where some group
+    takes another route; arguments as :func:`packed_attention`'s (``prompt_rows`` on). What
+    :func:`attend_kernel_groups` then computes for any layer whose tensors are shaped as these."""
+    groups = [_kernel_group(grouped_sdpa_attention, query, key, value, attention_mask, packing, group, True, True)
+              for group in packing.groups()]
+    return None if any(group is None for group in groups) else tuple(groups)
+
+
+def attend_kernel_groups(groups: tuple[KernelGroup, ...], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         scaling: float | None) -> torch.Tensor:
+    """:func:`packed_attention`'s output where every group is a :class:`KernelGroup`: ``query`` ``(1, H, N, D)``,
+    ``key``/``value`` ``(B, H_kv, S, D)`` -> ``(1, N, H, D)``."""
+    outputs = [packed_row_attention(query[:, :, group.first_token:group.end_token], key[group.first:group.end],
+                                    value[group.first:group.end], group.mask, group.ends, group.columns,
+                                    group.first_token, group.width, scaling) for group in groups]
+    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs))[None]
+
+
 def packed_attention(attention, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask, packing: Packing, prompt_rows: bool = False,
                      **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -173,10 +236,14 @@ def packed_attention(attention, module: torch.nn.Module, query: torch.Tensor, ke
     the CPU kernel takes the block (:func:`~tetris_hf.cpu_attention.packed_row_attention_applies`: a decode or
     verify block), it reads the packed queries and writes the packed output itself, nothing unpacked."""
     outputs, weights = [], None
-    plain = not kwargs.get("dropout") and all(kwargs.get(name) is None
-                                              for name in ("softcap", "position_bias", "s_aux", "sinks"))
+    plain = _plain(kwargs)
     # each group of rows at its own width (rows before first_row have no query: they attend to nothing, left out)
     for first, end, width, first_token, end_token in packing.groups():
+        group = _kernel_group(attention, query, key, value, attention_mask, packing,
+                              (first, end, width, first_token, end_token), prompt_rows, plain)
+        if group is not None:  # (the CPU kernel reads the block where it lies: nothing unpacked)
+            outputs.append(attend_kernel_groups((group,), query, key, value, kwargs.get("scaling"))[0])
+            continue
         lengths = packing.lengths_of(first, end) if prompt_rows and plain and width >= ROW_BY_ROW_WIDTH else None
         new = packing.new_from is not None and first >= packing.new_from
         mask = attention_mask
@@ -196,12 +263,6 @@ def packed_attention(attention, module: torch.nn.Module, query: torch.Tensor, ke
             mask = mask[first:end] if mask.shape[0] > 1 else mask
             mask = mask[:, :, :width] if mask.shape[2] > 1 else mask
         keys, values = key[first:end], value[first:end]
-        if not new and plain and attention is grouped_sdpa_attention and packed_row_attention_applies(
-                query, keys, values, mask, width):  # (the CPU kernel reads the block where it lies: nothing unpacked)
-            outputs.append(packed_row_attention(query[:, :, first_token:end_token], keys, values, mask,
-                                                packing.ends[first:end], packing.columns[first_token:end_token],
-                                                first_token, width, kwargs.get("scaling")))
-            continue
         rows, columns = packing.rows[first_token:end_token] - first, packing.columns[first_token:end_token]
         queries = query.new_zeros(end - first, query.shape[1], width, query.shape[-1])
         queries[rows, :, columns] = query[0, :, first_token:end_token].transpose(0, 1)

@@ -13,10 +13,12 @@ from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .attention import grouped_sdpa_attention
+from .cpu_attention import LayerCalls, write_packed_applies
 from .ops import define
-from .packing import BlockSplit, Packing, packed_attention
+from .packing import BlockSplit, Packing, kernel_groups, packed_attention
 
 NONE = -1  # an absent host number in :func:`describe`'s tensor
 
@@ -52,12 +54,62 @@ def _packing_of(host: list[int], rows: torch.Tensor, columns: torch.Tensor, ends
                    tuple(prompt_lengths), None if later_slot == NONE else later_slot)
 
 
+class _ForwardPlan(NamedTuple):
+    """What every attention layer of one forward shares, worked out at its first layer: the block's packing, where it
+    is written (``start``, ``end``: slots), the cache's active rows, and, where the CPU kernels take the whole block
+    (a decode or verify block), the calls each layer makes (:class:`~tetris_hf.cpu_attention.LayerCalls`).
+    ``rows`` and ``mask`` are the forward's own tensors; ``shapes`` the layer's tensors' shapes and strides (and the
+    scale) the calls were worked out on."""
+
+    rows: torch.Tensor
+    mask: torch.Tensor | None
+    shapes: tuple
+    packing: Packing
+    start: int
+    num_rows: int
+    end: int
+    calls: LayerCalls | None
+
+
+# each live forward's plan, under its host tensor (describe's, made once a forward): gone with the forward
+_PLANS: "WeakIdKeyDictionary[torch.Tensor, _ForwardPlan]" = WeakIdKeyDictionary()
+
+
+def _shapes(scaling: float, *tensors: torch.Tensor) -> tuple:
+    return scaling, *((tensor.shape, tensor.stride(), tensor.dtype) for tensor in tensors)
+
+
+def _plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+          value_cache: torch.Tensor, attention_mask: torch.Tensor | None, rows: torch.Tensor, columns: torch.Tensor,
+          ends: torch.Tensor, host: torch.Tensor, scaling: float) -> _ForwardPlan:
+    """The forward's :class:`_ForwardPlan`: the one kept under ``host`` where ``rows`` and ``attention_mask`` are its
+    tensors and the layer's are shaped as its first layer's were, else worked out anew (and kept under ``host``)."""
+    shapes = _shapes(scaling, query, key, value, key_cache, value_cache)
+    plan = _PLANS.get(host)
+    if plan is not None and plan.rows is rows and plan.mask is attention_mask and plan.shapes == shapes:
+        return plan
+    numbers = host.tolist()
+    packing = _packing_of(numbers, rows, columns, ends)
+    start, num_rows = numbers[:2]
+    end = packing.slots_end(start)
+    keys, values = key_cache[:num_rows, :, :end], value_cache[:num_rows, :, :end]
+    groups = kernel_groups(query, keys, values, attention_mask, packing)
+    direct = (groups is not None and packing.later_slot is None and write_packed_applies(keys, key)
+              and write_packed_applies(values, value) and rows.dtype == columns.dtype == torch.long)
+    calls = LayerCalls(query, key, value, key_cache, value_cache, rows, columns, start, end, groups,
+                       scaling) if direct else None
+    plan = _ForwardPlan(rows, attention_mask, shapes, packing, start, num_rows, end, calls)
+    _PLANS[host] = plan
+    return plan
+
+
 def _slot_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                    value_cache: torch.Tensor, attention_mask: torch.Tensor | None, rows: torch.Tensor,
                    columns: torch.Tensor, ends: torch.Tensor, host: torch.Tensor, scaling: float) -> torch.Tensor:
     """Write a packed block's ``key``/``value`` into the cache's buffers and attend: what a layer of a packed forward
     does eagerly (the cache's :class:`~tetris_hf.kv.SlotLayer` write, then
-    :func:`~tetris_hf.routing.loop_attention_forward` on sdpa).
+    :func:`~tetris_hf.routing.loop_attention_forward` on sdpa). The host numbers and, where the CPU kernels take the
+    block, their calls' arguments are worked out once a forward (:func:`_plan`), not once a layer.
 
     Args:
         query: ``(1, H, N, D)`` the block's real tokens.
@@ -72,15 +124,15 @@ def _slot_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     Returns:
         ``(1, N, H, D)``.
     """
-    numbers = host.tolist()
-    packing = _packing_of(numbers, rows, columns, ends)
-    start, num_rows = numbers[:2]
-    keys, values = key_cache[:num_rows], value_cache[:num_rows]
-    packing.write(keys, values, key, value, start)
-    end = packing.slots_end(start)
+    plan = _plan(query, key, value, key_cache, value_cache, attention_mask, rows, columns, ends, host, scaling)
+    if plan.calls is not None:
+        return plan.calls(query, key, value, key_cache, value_cache)
+    keys, values = key_cache[: plan.num_rows], value_cache[: plan.num_rows]
+    plan.packing.write(keys, values, key, value, plan.start)
+    keys, values = keys[:, :, : plan.end], values[:, :, : plan.end]
     layer = SimpleNamespace(num_key_value_groups=query.shape[1] // key.shape[1], is_causal=True)
-    output, _ = packed_attention(grouped_sdpa_attention, layer, query, keys[:, :, :end], values[:, :, :end],
-                                 attention_mask, packing, prompt_rows=query.device.type == "cpu", scaling=scaling)
+    output, _ = packed_attention(grouped_sdpa_attention, layer, query, keys, values, attention_mask, plan.packing,
+                                 prompt_rows=query.device.type == "cpu", scaling=scaling)
     return output.contiguous()
 
 
