@@ -99,6 +99,24 @@ def test_a_compiled_forward_reads_a_changed_onednn_weight_anew():
     torch.testing.assert_close(after, -2.0 * before)
 
 
+def test_a_compiled_forward_reads_weights_set_anew_and_grouped_weights_changed_in_place():
+    """The forward's check of the kernels' copies (cpu_kernels.refresh_kernel_weights) sees a weight replaced by a
+    new parameter and a grouped (q/k/v) weight changed in place, as the model's own eager forward reads them."""
+    model = tiny_llama(64, num_layers=1, seed=3)
+    use_onednn_linears(model)
+    input_ids = torch.randint(0, 64, (4, 6), generator=torch.Generator().manual_seed(3))
+    forward = compiled_forward(model)
+    with torch.no_grad():
+        model(input_ids=input_ids)
+        before = forward(input_ids=input_ids).logits
+        model.lm_head.weight = torch.nn.Parameter(-2.0 * model.lm_head.weight)  # a new tensor
+        torch.testing.assert_close(forward(input_ids=input_ids).logits, -2.0 * before)
+        model.model.layers[0].self_attn.k_proj.weight.mul_(0.5)  # a grouped layer's, in place
+        changed = forward(input_ids=input_ids).logits
+        assert not torch.allclose(changed, -2.0 * before)
+        torch.testing.assert_close(changed, model(input_ids=input_ids).logits)
+
+
 def test_compile_option_must_be_a_bool():
     with pytest.raises(TypeError, match="tetris_compile"):
         tetris_hf.TetrisOptions(tetris_compile="yes")

@@ -258,14 +258,29 @@ def refresh_kernel_weights(model: nn.Module) -> Callable[[], None] | None:
         return None
     groups = sibling_groups(model)
     alone = [module for module in switched if "_siblings" not in module.__dict__]
+    made_for = [None]  # what the copies were last made (or found current) for: weights_state()
+    holders = [module._parameters for module in switched]  # (a weight set anew lands in its module's dict)
+
+    def weights_state() -> tuple:
+        """Every switched layer's weight and bias (memory and version), the groups apart, whether the panel kernel
+        runs and a gradient is wanted: the copies stay current while it does not change (a forward's check, a
+        fraction of going through every layer's)."""
+        parameters = [(held["weight"], held["bias"]) for held in holders]  # (the modules' own dicts: fast)
+        return (panels_available(), torch.is_grad_enabled(), [group.apart for group in groups],
+                [(weight.data_ptr(), weight._version, None if bias is None else (bias.data_ptr(), bias._version))
+                 for weight, bias in parameters])
 
     def refresh() -> None:
+        state = weights_state()
+        if state == made_for[0]:
+            return
         for group in groups:
             if not group.kernel_weights():  # (apart, or no panel kernel: each layer its own copy)
                 for layer in group.layers:
                     layer._kernel_weight()
         for module in alone:
             module._kernel_weight()
+        made_for[0] = state
 
     return refresh
 
