@@ -198,30 +198,14 @@ def _kernel_group(attention, query: torch.Tensor, key: torch.Tensor, value: torc
                        packing.columns[first_token:end_token])
 
 
-def _plain(kwargs: dict) -> bool:
-    """No attention feature but the scale among ``kwargs`` (what the kernels and row-by-row reads compute)."""
-    return not kwargs.get("dropout") and all(kwargs.get(name) is None
-                                             for name in ("softcap", "position_bias", "s_aux", "sinks"))
-
-
 def kernel_groups(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                   packing: Packing) -> tuple[KernelGroup, ...] | None:
     """Every group of a packed block on grouped sdpa as the CPU row kernel reads it, or ``None`` where some group
     takes another route; arguments as :func:`packed_attention`'s (``prompt_rows`` on). What
-    :func:`attend_kernel_groups` then computes for any layer whose tensors are shaped as these."""
+    :class:`~tetris_hf.cpu_attention.LayerCalls` then computes for any layer whose tensors are shaped as these."""
     groups = [_kernel_group(grouped_sdpa_attention, query, key, value, attention_mask, packing, group, True, True)
               for group in packing.groups()]
     return None if any(group is None for group in groups) else tuple(groups)
-
-
-def attend_kernel_groups(groups: tuple[KernelGroup, ...], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         scaling: float | None) -> torch.Tensor:
-    """:func:`packed_attention`'s output where every group is a :class:`KernelGroup`: ``query`` ``(1, H, N, D)``,
-    ``key``/``value`` ``(B, H_kv, S, D)`` -> ``(1, N, H, D)``."""
-    outputs = [packed_row_attention(query[:, :, group.first_token:group.end_token], key[group.first:group.end],
-                                    value[group.first:group.end], group.mask, group.ends, group.columns,
-                                    group.first_token, group.width, scaling) for group in groups]
-    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs))[None]
 
 
 def packed_attention(attention, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -236,13 +220,16 @@ def packed_attention(attention, module: torch.nn.Module, query: torch.Tensor, ke
     the CPU kernel takes the block (:func:`~tetris_hf.cpu_attention.packed_row_attention_applies`: a decode or
     verify block), it reads the packed queries and writes the packed output itself, nothing unpacked."""
     outputs, weights = [], None
-    plain = _plain(kwargs)
+    plain = not kwargs.get("dropout") and all(kwargs.get(name) is None
+                                              for name in ("softcap", "position_bias", "s_aux", "sinks"))
     # each group of rows at its own width (rows before first_row have no query: they attend to nothing, left out)
     for first, end, width, first_token, end_token in packing.groups():
         group = _kernel_group(attention, query, key, value, attention_mask, packing,
                               (first, end, width, first_token, end_token), prompt_rows, plain)
         if group is not None:  # (the CPU kernel reads the block where it lies: nothing unpacked)
-            outputs.append(attend_kernel_groups((group,), query, key, value, kwargs.get("scaling"))[0])
+            outputs.append(packed_row_attention(query[:, :, first_token:end_token], key[first:end], value[first:end],
+                                                group.mask, group.ends, group.columns, first_token, width,
+                                                kwargs.get("scaling")))
             continue
         lengths = packing.lengths_of(first, end) if prompt_rows and plain and width >= ROW_BY_ROW_WIDTH else None
         new = packing.new_from is not None and first >= packing.new_from
